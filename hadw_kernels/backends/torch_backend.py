@@ -1,0 +1,146 @@
+"""The "torch" backend: runs anywhere PyTorch does.
+
+The surrogate is the reference itself. The log-probs are computed tile by tile over
+tokens and vocabulary with an online log-sum-exp, so that no [N, V] tensor exists:
+peak memory grows with N*H + V*H plus one tile, which gives a CPU user the memory win
+of the fused kernels.
+
+Backward recomputes each logits tile rather than forming the gradients during forward:
+the log-probs feed an arbitrary surrogate (gspo needs every token's log-prob of a
+sequence before any token's gradient is known), and the recompute costs one GEMM per
+tile, the same as the extra pass a gradients-in-forward scheme needs for that case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..surrogate import surrogate_loss
+
+__all__ = ["surrogate_loss", "token_logprobs"]
+
+TOKEN_TILE = 1024
+VOCAB_TILE = 4096
+
+
+class _TiledLinearLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, with_entropy):
+        num_tokens = hidden.shape[0]
+        vocab = weight.shape[0]
+        valid = labels != ignore_index
+        safe_labels = torch.where(valid, labels, torch.zeros_like(labels)).long()
+        accumulate = torch.promote_types(hidden.dtype, torch.float32)
+        hidden_acc = hidden.to(accumulate)
+        running_max = torch.full((num_tokens,), float("-inf"), device=hidden.device, dtype=accumulate)
+        sum_exp = torch.zeros_like(running_max)
+        sum_exp_logit = torch.zeros_like(running_max) if with_entropy else None
+        label_logit = torch.zeros_like(running_max)
+        for v0 in range(0, vocab, VOCAB_TILE):
+            v1 = min(v0 + VOCAB_TILE, vocab)
+            weight_tile = weight[v0:v1].to(accumulate)
+            bias_tile = None if bias is None else bias[v0:v1].to(accumulate)
+            for n0 in range(0, num_tokens, TOKEN_TILE):
+                n1 = min(n0 + TOKEN_TILE, num_tokens)
+                logits = _logits_tile(hidden_acc[n0:n1], weight_tile, bias_tile, temperature)
+                new_max = torch.maximum(running_max[n0:n1], logits.amax(dim=1))
+                rescale = torch.exp(running_max[n0:n1] - new_max)
+                shifted = torch.exp(logits - new_max[:, None])
+                sum_exp[n0:n1] = sum_exp[n0:n1] * rescale + shifted.sum(dim=1)
+                if with_entropy:
+                    sum_exp_logit[n0:n1] = sum_exp_logit[n0:n1] * rescale + (shifted * logits).sum(dim=1)
+                running_max[n0:n1] = new_max
+                rows = safe_labels[n0:n1]
+                in_tile = (rows >= v0) & (rows < v1)
+                picked = logits.gather(1, (rows - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1)
+                label_logit[n0:n1] = torch.where(in_tile, picked, label_logit[n0:n1])
+        lse = running_max + torch.log(sum_exp)
+        logp = torch.where(valid, label_logit - lse, torch.zeros_like(lse))
+        mean_logit = None
+        entropy = None
+        if with_entropy:
+            mean_logit = sum_exp_logit / sum_exp
+            entropy = torch.where(valid, lse - mean_logit, torch.zeros_like(lse))
+        ctx.save_for_backward(hidden, weight, bias, safe_labels, valid, lse, mean_logit)
+        ctx.temperature = temperature
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, labels, valid, lse, mean_logit = ctx.saved_tensors
+        temperature = ctx.temperature
+        num_tokens, vocab = hidden.shape[0], weight.shape[0]
+        accumulate = lse.dtype
+        zeros = torch.zeros_like(lse)
+        grad_logp = zeros if grad_logp is None else torch.where(valid, grad_logp.to(accumulate), zeros)
+        if grad_entropy is not None and mean_logit is not None:
+            grad_entropy = torch.where(valid, grad_entropy.to(accumulate), zeros)
+        else:
+            grad_entropy = None
+        hidden_acc = hidden.to(accumulate)
+        grad_hidden = torch.zeros_like(hidden_acc) if ctx.needs_input_grad[0] else None
+        grad_weight = (
+            torch.zeros(weight.shape, device=weight.device, dtype=accumulate) if ctx.needs_input_grad[1] else None
+        )
+        grad_bias = (
+            torch.zeros(vocab, device=weight.device, dtype=accumulate)
+            if bias is not None and ctx.needs_input_grad[2]
+            else None
+        )
+        for v0 in range(0, vocab, VOCAB_TILE):
+            v1 = min(v0 + VOCAB_TILE, vocab)
+            weight_tile = weight[v0:v1].to(accumulate)
+            bias_tile = None if bias is None else bias[v0:v1].to(accumulate)
+            for n0 in range(0, num_tokens, TOKEN_TILE):
+                n1 = min(n0 + TOKEN_TILE, num_tokens)
+                logits = _logits_tile(hidden_acc[n0:n1], weight_tile, bias_tile, temperature)
+                probs = torch.exp(logits - lse[n0:n1, None])
+                # d logp / d z = onehot - p ; d entropy / d z = -p (z - E_p[z])
+                grad_logits = probs * -grad_logp[n0:n1, None]
+                if grad_entropy is not None:
+                    grad_logits -= grad_entropy[n0:n1, None] * probs * (logits - mean_logit[n0:n1, None])
+                rows = labels[n0:n1]
+                in_tile = (rows >= v0) & (rows < v1)
+                onehot_grad = torch.where(in_tile, grad_logp[n0:n1], torch.zeros_like(grad_logp[n0:n1]))
+                grad_logits.scatter_add_(1, (rows - v0).clamp(0, v1 - v0 - 1)[:, None], onehot_grad[:, None])
+                grad_logits /= temperature
+                if grad_hidden is not None:
+                    grad_hidden[n0:n1].addmm_(grad_logits, weight_tile)
+                if grad_weight is not None:
+                    grad_weight[v0:v1].addmm_(grad_logits.T, hidden_acc[n0:n1])
+                if grad_bias is not None:
+                    grad_bias[v0:v1] += grad_logits.sum(dim=0)
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _logits_tile(hidden_tile, weight_tile, bias_tile, temperature):
+    logits = hidden_tile @ weight_tile.T
+    if bias_tile is not None:
+        logits += bias_tile
+    if temperature != 1.0:
+        logits /= temperature
+    return logits
+
+
+def token_logprobs(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    lm_head_bias: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [N] (fp32, or fp64 for fp64 inputs) (and entropy [N]) without materialising the logits."""
+    return _TiledLinearLogprob.apply(
+        hidden_states, lm_head_weight, lm_head_bias, labels, float(temperature), ignore_index, with_entropy
+    )

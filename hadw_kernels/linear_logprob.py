@@ -1,0 +1,41 @@
+"""Log-probs (and entropy) of labels from hidden states and the LM head (SPEC section 6).
+
+``token_logprobs_reference`` materialises the [N, V] logits, as eager trainers do: it
+is the reference the chunked and fused paths are tested against, never a fast path.
+The logits are formed in the inputs' dtype (as a bf16 model's LM head would) and the
+log-softmax runs in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def token_logprobs_reference(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    lm_head_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logp(label) [N] and, optionally, the entropy [N] of softmax(h W^T / temperature).
+
+    Positions whose label is ``ignore_index`` get 0 for both, and no gradient.
+    """
+    logits = F.linear(hidden_states, lm_head_weight, lm_head_bias).float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    logp = log_probs.gather(-1, safe_labels[:, None]).squeeze(-1)
+    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    entropy = None
+    if with_entropy:
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
+    return logp, entropy
