@@ -28,7 +28,8 @@ def token_logprobs_reference(
 
     Positions whose label is ``ignore_index`` get 0 for both, and no gradient.
     """
-    logits = F.linear(hidden_states, lm_head_weight, lm_head_bias).float() / temperature
+    logits = F.linear(hidden_states, lm_head_weight, lm_head_bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, torch.zeros_like(labels)).long()

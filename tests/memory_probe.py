@@ -1,0 +1,49 @@
+"""Peak memory of one loss forward+backward, in a fresh process.
+
+    python memory_probe.py {eager|fused} N H V   ->   {"peak_bytes": ...} on stdout
+
+The peak is the process's maximum resident set (ru_maxrss) minus its resident set
+after the inputs exist, so imports and inputs do not count.
+"""
+
+import json
+import resource
+import sys
+
+import torch
+
+from hadw_kernels import fused_linear_hadw_grpo_loss
+from hadw_kernels.config import LossConfig
+from hadw_kernels.linear_logprob import token_logprobs_reference
+from hadw_kernels.surrogate import surrogate_loss
+
+
+def _resident_bytes():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def main():
+    path, tokens, hidden, vocab = sys.argv[1], *map(int, sys.argv[2:5])
+    torch.set_num_threads(2)
+    group, width = 8, 256
+    batch = tokens // width
+    h = torch.randn(batch, width, hidden, requires_grad=True)
+    w = (torch.randn(vocab, hidden) / hidden**0.5).requires_grad_()
+    labels = torch.randint(0, vocab, (batch, width))
+    old = torch.full((batch, width), -10.0)
+    rewards = torch.randint(0, 2, (batch,)).float()
+    mask = torch.ones(batch, width, dtype=torch.bool)
+    baseline = _resident_bytes()
+    if path == "eager":
+        logp, _ = token_logprobs_reference(h.view(-1, hidden), w, labels.view(-1))
+        loss, _ = surrogate_loss(logp.view(batch, width), old, rewards, mask, LossConfig.build("grpo", group), anchor=0.5)
+    else:
+        loss = fused_linear_hadw_grpo_loss(h, w, labels, old, rewards, mask, group_size=group, anchor=0.5, backend="torch")
+    loss.backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"path": path, "peak_bytes": peak - baseline}))
+
+
+if __name__ == "__main__":
+    main()
