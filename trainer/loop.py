@@ -1,0 +1,326 @@
+"""The training loop: rollout, reward, anchor, PPO update, weight sync, log, checkpoint.
+
+One iteration handles one rollout batch: each rank samples its share of the prompts
+(G responses each), scores them, and the difficulty anchor folds in the batch's
+accuracy once (all-reduced, so every rank holds the same belief). The old log-probs are
+taken from the policy before any update; then ``ppo_epochs`` passes over the batch in
+mini-batches (one optimizer step each), each mini-batch in micro-batches whose losses
+add up to the mini-batch loss. The updated weights go into the rollout engine before the
+next batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hadw_kernels import DifficultyAnchor
+from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config, resolve_engine, save_config
+from .metrics_log import MetricsLog, read_metrics
+from .policy import Policy, SequenceBatch
+from .problem import Problem
+from .rewards import build_reward
+from .synthetic_task import VOCABULARY, sample_problems
+
+AUTHORS_CODE_LAMBDA = 1.5
+MAX_ERROR_MESSAGES = 20
+
+
+def build_anchor(algo) -> tuple[DifficultyAnchor, float]:
+    """The anchor and lambda_scale of the configured preset."""
+    if algo.anchor_preset == "authors_code":
+        return DifficultyAnchor.authors_code(), algo.lambda_scale or AUTHORS_CODE_LAMBDA
+    options = {
+        name: value
+        for name, value in (("eta", algo.anchor_eta), ("window", algo.anchor_window), ("eta_min", algo.anchor_eta_min))
+        if value is not None
+    }
+    return DifficultyAnchor("soft", belief="prior", **options), algo.lambda_scale or DEFAULT_LAMBDA_SCALE
+
+
+def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values)
+    return values
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class Trainer:
+    def __init__(self, config: Config, rank: int, world_size: int, resume: bool) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.run_dir = config.run_dir
+        self.group_size = config.rollout.group_size
+        self.prompts_per_rank = config.train.prompts_per_step // world_size
+        self.engine_name = resolve_engine(config.rollout.engine)
+        if rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            resolved = copy.deepcopy(config)
+            resolved.rollout.engine = self.engine_name
+            save_config(resolved, self.run_dir / "config.yaml")
+        _barrier()
+
+        self.tokenizer, model, model_dir = self._build_model()
+        self._build_prompt_source()
+        self.policy = Policy(model, config, world_size)
+        self.anchor, self.lambda_scale = build_anchor(config.algorithm)
+        self.reward = build_reward(config.data, config.reward)
+        self.error_messages = 0
+
+        self.start_step = 0
+        checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
+        if checkpoint is not None:
+            self.start_step = load_checkpoint(checkpoint, self.policy.engine, self.anchor)
+        self.rollout = self._build_rollout(model_dir)
+        # The engine starts from the files on disk; after a resume they are stale.
+        if self.rollout.needs_weight_sync and self.start_step > 0:
+            self.rollout.sync_weights(self.policy.weights_for_rollout())
+        self.log = MetricsLog(
+            self.run_dir / "metrics.jsonl",
+            total_steps=config.train.steps,
+            first_step=self.start_step,
+            enabled=rank == 0,
+            progress=config.run.progress,
+        )
+        if checkpoint is not None:
+            self.log.message(f"resumed from {checkpoint} at step {self.start_step}")
+
+    # -- construction -----------------------------------------------------------------
+
+    def _build_model(self):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model_config = self.config.model
+        dtype = getattr(torch, model_config.dtype)
+        if model_config.path:
+            tokenizer = AutoTokenizer.from_pretrained(model_config.path)
+            model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype)
+            return tokenizer, model, Path(model_config.path)
+        from .tiny_model import build_tiny_model, build_tokenizer, save_initial_model
+
+        tokenizer = build_tokenizer(VOCABULARY)
+        model = build_tiny_model(model_config, tokenizer, self.config.train.seed).to(dtype)
+        model_dir = self.run_dir / "initial_model"
+        if self.rank == 0 and not (model_dir / "config.json").exists():
+            save_initial_model(model, tokenizer, model_dir, self.run_dir / "tokenizer")
+        _barrier()
+        return tokenizer, model, model_dir
+
+    def _build_prompt_source(self) -> None:
+        data = self.config.data
+        if data.task == "synthetic":
+            self.levels = list(data.levels)
+            self.math_data = None
+        else:
+            from .math_data import MathDataset
+
+            self.math_data = MathDataset(data, self.config.train.seed)
+            self.levels = sorted({item.level for item in self.math_data.items})
+
+    def _build_rollout(self, model_dir: Path):
+        from .rollout import HFRollout, VLLMRollout
+
+        rollout = self.config.rollout
+        if self.engine_name == "hf":
+            synced = self.config.train.zero_stage == 3 and self.world_size > 1
+            return HFRollout(self.policy.module, rollout, pad_token_id=self.tokenizer.pad_token_id,
+                             eos_token_id=self.tokenizer.eos_token_id, synced_gpus=synced)
+        positions = self.policy.module.config.max_position_embeddings
+        return VLLMRollout(
+            model_dir, rollout,
+            dtype=self.config.model.dtype,
+            max_model_len=min(positions, self.config.data.max_prompt_tokens + rollout.max_new_tokens),
+            eos_token_id=self.tokenizer.eos_token_id,
+            world_size=self.world_size,
+            seed=self.config.train.seed,
+        )
+
+    # -- one rollout batch -------------------------------------------------------------
+
+    def _problems(self, step: int) -> list[Problem]:
+        if self.math_data is not None:
+            return self.math_data.problems(step, self.prompts_per_rank, self.rank, self.world_size)
+        rng = np.random.default_rng([self.config.train.seed, step, self.rank])
+        return sample_problems(self.levels, self.prompts_per_rank, rng)
+
+    def _encode(self, prompt: str) -> list[int]:
+        data = self.config.data
+        if data.apply_chat_template:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = self.tokenizer(prompt).input_ids
+        # Keep the end: the template's instruction comes after the question.
+        return ids[-data.max_prompt_tokens:]
+
+    def train_step(self, step: int) -> dict:
+        config = self.config
+        started = time.perf_counter()
+        problems = self._problems(step)
+        prompt_ids = [self._encode(problem.prompt) for problem in problems]
+        seeds = [int(s) for s in np.random.SeedSequence([config.train.seed, step, self.rank]).generate_state(len(problems))]
+        responses = self.rollout.generate(prompt_ids, seeds)
+        rolled_out = time.perf_counter()
+
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        per_response = [problem for problem in problems for _ in range(self.group_size)]
+        scored = self.reward(texts, per_response)
+        self._report_errors(step, scored.errors)
+        rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+        rewarded = time.perf_counter()
+
+        belief = self.anchor.update(rewards)  # once per rollout batch, all-reduced
+        tallies = self._global_tallies(per_response, rewards, responses, len(scored.errors))
+        figures = self._update(step, prompt_ids, responses, rewards.to(self.policy.device), belief, tallies)
+        trained = time.perf_counter()
+
+        if self.rollout.needs_weight_sync:
+            self.rollout.sync_weights(self.policy.weights_for_rollout())
+        synced = time.perf_counter()
+
+        row = {"step": step + 1, "reward/mean": self.anchor.observation}
+        for index, level in enumerate(self.levels):
+            count = tallies["level_counts"][index]
+            row[f"acc/{level}"] = tallies["level_sums"][index] / count if count else None
+        anchor_figures = self.anchor.figures()
+        row.update({
+            "anchor/y": anchor_figures["anchor/y"],
+            "anchor/belief": belief,
+            "anchor/prior": anchor_figures["anchor/prior"],
+            "anchor/posterior": anchor_figures["anchor/posterior"],
+            "anchor/eta": anchor_figures["anchor/eta"],
+            "anchor/sigma": anchor_figures["anchor/sigma"],
+        })
+        row.update(figures)
+        row.update({
+            "response_length": tallies["tokens"] / (len(per_response) * self.world_size),
+            "reward/errors": tallies["errors"],
+            "tokens_per_s": tallies["tokens"] / (synced - started),
+            "time/rollout": rolled_out - started,
+            "time/reward": rewarded - rolled_out,
+            "time/train": trained - rewarded,
+            "time/sync": synced - trained,
+            "time/step": synced - started,
+        })
+        return row
+
+    def _global_tallies(self, problems, rewards, responses, errors) -> dict:
+        """Per-level reward sums and counts, generated tokens and reward errors over all ranks."""
+        levels = len(self.levels)
+        values = torch.zeros(2 * levels + 2, dtype=torch.float64)
+        for problem, reward in zip(problems, rewards.tolist()):
+            index = self.levels.index(problem.level)
+            values[index] += reward
+            values[levels + index] += 1
+        values[-2] = sum(len(r) for r in responses)
+        values[-1] = errors
+        values = _all_reduce_sum(values).tolist()
+        return {"level_sums": values[:levels], "level_counts": values[levels:2 * levels],
+                "tokens": values[-2], "errors": int(values[-1])}
+
+    def _update(self, step, prompt_ids, responses, rewards, belief, tallies) -> dict:
+        train, algo = self.config.train, self.config.algorithm
+        group = self.group_size
+        pad = self.tokenizer.pad_token_id
+        mini_prompts = train.mini_batch_prompts // self.world_size
+        mini_batches = self.prompts_per_rank // mini_prompts
+        micro = train.micro_batch_prompts
+
+        def batch_of(prompt_indices):
+            rows = [p * group + g for p in prompt_indices for g in range(group)]
+            return (SequenceBatch.build([prompt_ids[p] for p in prompt_indices for _ in range(group)],
+                                        [responses[r] for r in rows], pad, self.policy.device), rows)
+
+        # Behaviour log-probs: the policy before this batch's first update.
+        old_logprobs = {}
+        for start in range(0, self.prompts_per_rank, micro):
+            indices = tuple(range(start, start + micro))
+            batch, _ = batch_of(indices)
+            old_logprobs[indices] = self.policy.token_logprobs(batch)
+
+        if algo.loss_type == "dapo":
+            # Every token of the rollout batch weighs the same in every optimizer step:
+            # the batch's tokens over all ranks, shared out over the mini-batches, and
+            # divided by the ranks because DeepSpeed averages the ranks' gradients.
+            normalizer = tallies["tokens"] / (mini_batches * self.world_size)
+        else:
+            normalizer = float(mini_prompts * group)  # responses per rank per mini-batch
+
+        anchor = belief if algo.hadw else None
+        sums: dict[str, float] = {}
+        calls = 0
+        grad_norms = []
+        for epoch in range(train.ppo_epochs):
+            order = np.random.default_rng([train.seed, step, epoch, 7]).permutation(self.prompts_per_rank // micro)
+            for mini in range(mini_batches):
+                chunk = order[mini * (mini_prompts // micro):(mini + 1) * (mini_prompts // micro)]
+                for micro_index in chunk:
+                    indices = tuple(range(micro_index * micro, (micro_index + 1) * micro))
+                    batch, rows = batch_of(indices)
+                    figures = self.policy.accumulate(
+                        batch, old_logprobs[indices], rewards[rows],
+                        anchor=anchor, lambda_scale=self.lambda_scale, loss_normalizer=normalizer,
+                    )
+                    for name, value in figures.items():
+                        sums[name] = sums.get(name, 0.0) + value
+                    calls += 1
+                norm = self.policy.grad_norm()
+                if norm is not None:
+                    grad_norms.append(norm)
+        averaged = {name: value / calls for name, value in sums.items()}
+        averaged["clip_frac"] = averaged["clip_frac_low"] + averaged["clip_frac_high"]
+        averaged["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else None
+        averaged["lr"] = self.policy.learning_rate()
+        return averaged
+
+    def _report_errors(self, step: int, errors: list[str]) -> None:
+        if not errors:
+            return
+        with (self.run_dir / f"reward_errors-rank{self.rank}.log").open("a") as handle:
+            handle.writelines(f"step {step + 1}: {error}\n" for error in errors)
+        if self.error_messages < MAX_ERROR_MESSAGES:
+            self.error_messages += 1
+            self.log.message(f"step {step + 1}: {len(errors)} reward error(s), scored 0; first: {errors[0]}")
+
+    # -- the run ---------------------------------------------------------------------
+
+    def run(self) -> list[dict]:
+        config = self.config
+        try:
+            for step in range(self.start_step, config.train.steps):
+                row = self.train_step(step)
+                self.log.write(row)
+                done = step + 1
+                if done % config.run.checkpoint_every == 0 or done == config.train.steps:
+                    save_checkpoint(self.run_dir / "checkpoints", done, self.policy.engine, self.anchor,
+                                    config.run.keep_checkpoints)
+        finally:
+            self.log.close()
+            self.reward.close()
+        rows = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
+        if self.rank == 0 and config.run.plot and rows:
+            from .plotting import plot_run
+
+            plot_run(rows, self.run_dir / "curves.png", f"{config.run.name}: {self._title()}")
+        return rows
+
+    def _title(self) -> str:
+        algo = self.config.algorithm
+        hadw = f"+HA-DW ({algo.anchor_preset})" if algo.hadw else ""
+        return f"{algo.loss_type}{hadw}, G={self.group_size}, engine={self.engine_name}"

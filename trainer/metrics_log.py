@@ -1,0 +1,73 @@
+"""Per-step figures: appended to ``metrics.jsonl`` and shown live on a tqdm bar.
+
+Only rank 0 writes and shows. On resume the file is cut back to the checkpoint's step,
+so steps that ran after the last checkpoint of an interrupted run are not listed twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+class MetricsLog:
+    def __init__(self, path: Path, *, total_steps: int, first_step: int, enabled: bool, progress: bool) -> None:
+        self.path = path
+        self.enabled = enabled
+        self.bar = None
+        if not enabled:
+            return
+        kept = [row for row in read_metrics(path) if row["step"] <= first_step]
+        temporary = path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(temporary, path)
+        self.handle = path.open("a")
+        if progress:
+            self.bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.handle.write(json.dumps(row) + "\n")
+        self.handle.flush()
+        if self.bar is not None:
+            self.bar.set_postfix_str(summary(row), refresh=False)
+            self.bar.update(1)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            (tqdm.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.handle.close()
+            if self.bar is not None:
+                self.bar.close()
+
+
+def _fmt(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def summary(row: dict) -> str:
+    """The bar's postfix: the figures that tell at a glance whether training works."""
+    levels = " ".join(
+        f"{key.split('/', 1)[1]}={_fmt(value)}" for key, value in row.items() if key.startswith("acc/")
+    )
+    timing = "/".join(_fmt(row[f"time/{part}"], 1) for part in ("rollout", "reward", "train", "sync"))
+    return (
+        f"R={_fmt(row['reward/mean'])} [{levels}] C={_fmt(row['anchor/belief'])} "
+        f"eta={_fmt(row['anchor/eta'])} Phi={_fmt(row.get('phi_mean'))} "
+        f"clip={_fmt(row.get('clip_frac'), 3)} H={_fmt(row.get('entropy_mean'))} "
+        f"tok/s={row['tokens_per_s']:.0f} t(roll/rew/train/sync)={timing}s"
+    )

@@ -1,0 +1,188 @@
+"""The policy under training: a causal LM in a DeepSpeed engine, and the three things
+the trainer asks of it: old log-probs, one PPO update on a mini-batch, and its weights
+for the rollout engine.
+
+The loss reads the base model's last hidden states and the LM head's weight and never
+calls the LM head's forward: ``fused_linear_hadw_grpo_loss`` forms the log-probs tile by
+tile, so no [tokens, vocab] logits tensor exists. Under ZeRO-3 the head's weight is
+gathered with ``GatheredParameters`` for the loss and its backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from hadw_kernels import fused_linear_hadw_grpo_loss
+from hadw_kernels.backends import resolve_backend
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class SequenceBatch:
+    """Prompts (left-padded) followed by responses (right-padded), as tensors.
+
+    Hidden state ``prompt_width - 1 + j`` predicts response token ``j``.
+    """
+
+    input_ids: torch.Tensor  # [b, prompt_width + response_width]
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor  # [b, response_width], IGNORE_INDEX on padding
+    response_mask: torch.Tensor  # [b, response_width] bool
+    prompt_width: int
+
+    @classmethod
+    def build(cls, prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
+              device: torch.device) -> "SequenceBatch":
+        prompt_width = max(len(p) for p in prompts)
+        response_width = max(1, max(len(r) for r in responses))
+        rows = len(prompts)
+        input_ids = torch.full((rows, prompt_width + response_width), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        labels = torch.full((rows, response_width), IGNORE_INDEX, dtype=torch.long)
+        for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+            input_ids[row, prompt_width - len(prompt):prompt_width] = torch.tensor(prompt)
+            attention_mask[row, prompt_width - len(prompt):prompt_width + len(response)] = 1
+            if response:
+                input_ids[row, prompt_width:prompt_width + len(response)] = torch.tensor(response)
+                labels[row, :len(response)] = torch.tensor(response)
+        # Positions count real tokens only, as in the rollout engine (no padding there).
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        return cls(input_ids.to(device), attention_mask.to(device), position_ids.to(device),
+                   labels.to(device), (labels != IGNORE_INDEX).to(device), prompt_width)
+
+
+class Policy:
+    def __init__(self, model: torch.nn.Module, config, world_size: int) -> None:
+        import deepspeed
+
+        train, rollout = config.train, config.rollout
+        self.config = config
+        self.zero_stage = train.zero_stage
+        if config.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        micro_batches = train.mini_batch_prompts // world_size // train.micro_batch_prompts
+        # A torch optimizer, not one named in the DeepSpeed config: DeepSpeed would
+        # otherwise build its fused Adam extension (~80 s and 2 GB on a CPU).
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay
+        )
+        warmup = train.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        ds_config = {
+            "train_micro_batch_size_per_gpu": train.micro_batch_prompts * rollout.group_size,
+            "gradient_accumulation_steps": micro_batches,
+            "gradient_clipping": train.gradient_clip,
+            "zero_optimization": {"stage": train.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": config.model.dtype == "bfloat16"},
+            "steps_per_print": 2**31 - 1,
+        }
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        self.device = self.engine.device
+        self.backend = resolve_backend(config.algorithm.loss_backend, torch.device(self.device))
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @contextlib.contextmanager
+    def _gathered(self, parameters: list[torch.nn.Parameter]):
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(parameters):
+                yield
+        else:
+            yield
+
+    def _lm_head_weight(self) -> torch.nn.Parameter:
+        return self.module.get_output_embeddings().weight
+
+    def hidden_states(self, batch: SequenceBatch) -> torch.Tensor:
+        """[b, response_width, H]: the last hidden states that predict the responses."""
+        outputs = self.module.get_decoder()(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        )
+        width = batch.labels.shape[1]
+        return outputs.last_hidden_state[:, batch.prompt_width - 1: batch.prompt_width - 1 + width]
+
+    @torch.no_grad()
+    def token_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
+        """log pi(response token) [b, response_width], 0 on padding, without logits."""
+        hidden = self.hidden_states(batch)
+        rows, width, size = hidden.shape
+        with self._gathered([self._lm_head_weight()]):
+            logprobs, _ = self.backend.token_logprobs(
+                hidden.reshape(rows * width, size),
+                self._lm_head_weight(),
+                batch.labels.reshape(-1),
+                lm_head_bias=None,
+                temperature=self.config.rollout.temperature,
+                ignore_index=IGNORE_INDEX,
+                with_entropy=False,
+            )
+        return logprobs.view(rows, width).float()
+
+    def accumulate(self, batch: SequenceBatch, old_logprobs: torch.Tensor, rewards: torch.Tensor, *,
+                   anchor: float | None, lambda_scale: float, loss_normalizer: float) -> dict[str, float]:
+        """Forward and backward of one micro-batch, then DeepSpeed's step (which updates
+        the weights at the end of a mini-batch's micro-batches)."""
+        algo = self.config.algorithm
+        hidden = self.hidden_states(batch)
+        with self._gathered([self._lm_head_weight()]):
+            loss, metrics = fused_linear_hadw_grpo_loss(
+                hidden,
+                self._lm_head_weight(),
+                batch.labels,
+                old_logprobs,
+                rewards,
+                batch.response_mask,
+                group_size=self.config.rollout.group_size,
+                loss_type=algo.loss_type,
+                anchor=anchor,
+                lambda_scale=lambda_scale,
+                epsilon_low=algo.epsilon_low,
+                epsilon_high=algo.epsilon_high,
+                temperature=self.config.rollout.temperature,
+                entropy_coef=algo.entropy_coef,
+                loss_normalizer=loss_normalizer,
+                max_response_length=self.config.rollout.max_new_tokens,
+                return_metrics=True,
+                backend=algo.loss_backend,
+            )
+            # The normaliser already spreads the mini-batch over its micro-batches.
+            self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.step()
+        figures = {name: float(value.detach()) for name, value in metrics.items()}
+        figures["loss"] = float(loss.detach())
+        return figures
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def learning_rate(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def weights_for_rollout(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) in the checkpoint's naming, for the engine's reload_weights."""
+        for name, parameter in self.module.named_parameters():
+            if self.zero_stage == 3:
+                # A copy: the gathered tensor is released when the context closes.
+                with self._gathered([parameter]):
+                    yield name, parameter.detach().clone()
+            else:
+                yield name, parameter.detach()

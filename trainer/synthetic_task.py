@@ -1,0 +1,58 @@
+"""A verifiable task a tiny random model can learn on a CPU in minutes.
+
+Every prompt asks for one digit; the levels differ in how much the model must learn to
+find it:
+
+    copy  "copy 7 ?"           -> 7        read one token at a fixed position
+    next  "next 7 ?"           -> 8        a 10-entry successor table (mod 10)
+    add   "add 3 5 ?"          -> 8        a 100-entry sum table (mod 10)
+    count "count 1 0 1 1 0 ?"  -> 3        aggregate over five positions
+
+A response is right when its first number is the answer. A random policy over the small
+vocabulary scores about 9%: groups of 8 are then neither all wrong nor all right often
+enough to learn from (tests/test_trainer_rewards.py checks it stays in 5%-40%).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from .problem import Problem
+
+DIGITS = [str(d) for d in range(10)]
+LEVELS = {"copy": 1, "next": 2, "add": 3, "count": 4}  # name -> difficulty rank
+COUNT_LENGTH = 5
+SPECIAL_TOKENS = ["[PAD]", "[BOS]", "[EOS]"]
+VOCABULARY = SPECIAL_TOKENS + DIGITS + list(LEVELS) + ["?"]
+
+_FIRST_NUMBER = re.compile(r"\d+")
+
+
+def make_problem(level: str, rng: np.random.Generator) -> Problem:
+    if level == "copy":
+        a = int(rng.integers(10))
+        return Problem(f"copy {a} ?", str(a), level)
+    if level == "next":
+        a = int(rng.integers(10))
+        return Problem(f"next {a} ?", str((a + 1) % 10), level)
+    if level == "add":
+        a, b = (int(x) for x in rng.integers(10, size=2))
+        return Problem(f"add {a} {b} ?", str((a + b) % 10), level)
+    if level == "count":
+        bits = rng.integers(2, size=COUNT_LENGTH)
+        return Problem("count " + " ".join(map(str, bits)) + " ?", str(int(bits.sum())), level)
+    raise ValueError(f"unknown synthetic level {level!r}; expected one of {list(LEVELS)}")
+
+
+def sample_problems(levels: list[str], count: int, rng: np.random.Generator) -> list[Problem]:
+    """``count`` problems, each of a level drawn uniformly from ``levels``."""
+    chosen = rng.integers(len(levels), size=count)
+    return [make_problem(levels[i], rng) for i in chosen]
+
+
+def score_synthetic(response: str, answer: str) -> float:
+    """1.0 when the first number in the response equals the answer, else 0.0."""
+    match = _FIRST_NUMBER.search(response)
+    return float(match is not None and match.group() == answer)
