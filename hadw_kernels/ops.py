@@ -106,12 +106,17 @@ def _surrogate_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1], output[2])
 
 
+def _scaled(stored_grad: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad_loss * stored_grad written straight into ``dtype``: one kernel, no fp32 temp."""
+    return torch.mul(stored_grad, grad_loss, out=torch.empty_like(stored_grad, dtype=dtype))
+
+
 def _surrogate_backward(ctx, grad_loss, *_unused):
     grad_logprobs, grad_entropy = ctx.saved_tensors
     grads = [None] * 18
-    grads[0] = (grad_loss * grad_logprobs).to(ctx.logprobs_dtype)
+    grads[0] = _scaled(grad_logprobs, grad_loss, ctx.logprobs_dtype)
     if ctx.entropy_dtype is not None:
-        grads[7] = (grad_loss * grad_entropy).to(ctx.entropy_dtype)
+        grads[7] = _scaled(grad_entropy, grad_loss, ctx.entropy_dtype)
     return tuple(grads)
 
 
@@ -159,8 +164,8 @@ class _DirectSurrogate(torch.autograd.Function):
         grad_logprobs, grad_entropy = ctx.saved_tensors
         grad_entropy_out = None
         if ctx.entropy_dtype is not None:
-            grad_entropy_out = (grad_loss * grad_entropy).to(ctx.entropy_dtype)
-        return (None, (grad_loss * grad_logprobs).to(ctx.logprobs_dtype), grad_entropy_out) + (None,) * 16
+            grad_entropy_out = _scaled(grad_entropy, grad_loss, ctx.entropy_dtype)
+        return (None, _scaled(grad_logprobs, grad_loss, ctx.logprobs_dtype), grad_entropy_out) + (None,) * 16
 
 
 class _DirectLinearLogprob(torch.autograd.Function):
@@ -204,7 +209,8 @@ def surrogate_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Runs the surrogate op (or ``forward_impl`` directly) and names the metrics."""
     if anchor is not None and not isinstance(anchor, torch.Tensor):
-        anchor = torch.tensor(float(anchor), device=logprobs.device)
+        # torch.full, not torch.tensor: no blocking host-to-device copy on CUDA.
+        anchor = torch.full((), float(anchor), device=logprobs.device)
     scalars = (
         config.group_size, config.loss_type, config.epsilon_low, config.epsilon_high,
         config.lambda_scale, config.beta, config.dual_clip, config.entropy_coef,

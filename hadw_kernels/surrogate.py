@@ -97,7 +97,7 @@ def surrogate_loss(
     metrics: dict[str, torch.Tensor] = {}
     if config.beta > 0:
         ref_delta = torch.where(mask, ref_logprobs - logprobs, torch.zeros_like(logprobs))
-        ref_kl = torch.exp(ref_delta) - ref_delta - 1.0
+        ref_kl = torch.expm1(ref_delta) - ref_delta  # expm1 keeps small on-policy values
         loss = loss + config.beta * aggregate(ref_kl, mask, config)
         metrics["ref_kl"] = _masked_mean(ref_kl.detach(), mask)
     if entropy is not None:
