@@ -93,7 +93,7 @@ def _linear_forward_fake(hidden, weight, bias, labels, temperature, ignore_index
 @torch.library.register_fake(f"{LIBRARY}::linear_logprob_backward")
 def _linear_backward_fake(grad_logprobs, grad_entropy, hidden, weight, bias, labels, lse,
                           mean_logit, temperature, ignore_index):
-    grad_bias = weight.new_empty((weight.shape[0],) if bias is not None else (0,))
+    grad_bias = bias.new_empty(bias.shape) if bias is not None else weight.new_empty((0,))
     return torch.empty_like(hidden), torch.empty_like(weight), grad_bias
 
 
@@ -129,11 +129,14 @@ def _linear_setup(ctx, inputs, output):
     hidden, weight, bias, labels, temperature, ignore_index, _ = inputs
     ctx.temperature, ctx.ignore_index = temperature, ignore_index
     ctx.has_bias = bias is not None
+    ctx.with_entropy = inputs[6]
     ctx.save_for_backward(hidden, weight, bias, labels, output[2], output[3])
 
 
 def _linear_backward(ctx, grad_logprobs, grad_entropy, *_unused):
     hidden, weight, bias, labels, lse, mean_logit = ctx.saved_tensors
+    # Autograd hands zeros for an entropy nobody asked for: skip its term instead.
+    grad_entropy = grad_entropy if ctx.with_entropy else None
     grad_hidden, grad_weight, grad_bias = torch.ops.hadw.linear_logprob_backward(
         grad_logprobs, grad_entropy, hidden, weight, bias, labels, lse, mean_logit,
         ctx.temperature, ctx.ignore_index,
@@ -178,12 +181,14 @@ class _DirectLinearLogprob(torch.autograd.Function):
         ctx.backward_impl = backward_impl
         ctx.temperature, ctx.ignore_index = temperature, ignore_index
         ctx.has_bias = bias is not None
+        ctx.with_entropy = with_entropy
         ctx.save_for_backward(hidden, weight, bias, labels, lse, mean_logit)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, labels, lse, mean_logit = ctx.saved_tensors
+        grad_entropy = grad_entropy if ctx.with_entropy else None
         grad_hidden, grad_weight, grad_bias = ctx.backward_impl(
             grad_logprobs, grad_entropy, hidden, weight, bias, labels, lse, mean_logit,
             ctx.temperature, ctx.ignore_index,

@@ -156,6 +156,8 @@ def check_linear_inputs(
         _require_tensor("lm_head_bias", lm_head_bias)
         if _shape(lm_head_bias) != (lm_head_weight.shape[0],):
             raise ValueError(f"lm_head_bias must be [V] = [{lm_head_weight.shape[0]}], got {_shape(lm_head_bias)}")
+        if lm_head_bias.dtype != lm_head_weight.dtype:
+            raise TypeError(f"lm_head_bias ({lm_head_bias.dtype}) must share the LM head's dtype ({lm_head_weight.dtype})")
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     devices = {hidden_states.device, lm_head_weight.device, labels.device}

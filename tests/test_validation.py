@@ -90,6 +90,7 @@ def _linear_inputs():
         (dict(old_logprobs=torch.zeros(4, 2)), ValueError, "old_logprobs has shape"),
         (dict(temperature=0.0), ValueError, "temperature"),
         (dict(lm_head_bias=torch.zeros(15)), ValueError, "lm_head_bias"),
+        (dict(lm_head_bias=torch.zeros(16, dtype=torch.float64)), TypeError, "lm_head_bias"),
         (dict(entropy_coef=-0.1), ValueError, "entropy_coef"),
     ],
 )

@@ -34,7 +34,9 @@ class _TiledLinearLogprob(torch.autograd.Function):
         hidden_acc = hidden.to(accumulate)
         running_max = torch.full((num_tokens,), float("-inf"), device=hidden.device, dtype=accumulate)
         sum_exp = torch.zeros_like(running_max)
-        sum_exp_logit = torch.zeros_like(running_max) if with_entropy else None
+        # Entropy needs E_p[z]; summing exp(z - m) * (z - m) relative to the running max
+        # avoids subtracting two logit-sized numbers at the end.
+        sum_exp_shifted = torch.zeros_like(running_max) if with_entropy else None
         label_logit = torch.zeros_like(running_max)
         for v0 in range(0, vocab, VOCAB_TILE):
             v1 = min(v0 + VOCAB_TILE, vocab)
@@ -46,9 +48,13 @@ class _TiledLinearLogprob(torch.autograd.Function):
                 new_max = torch.maximum(running_max[n0:n1], logits.amax(dim=1))
                 rescale = torch.exp(running_max[n0:n1] - new_max)
                 shifted = torch.exp(logits - new_max[:, None])
-                sum_exp[n0:n1] = sum_exp[n0:n1] * rescale + shifted.sum(dim=1)
                 if with_entropy:
-                    sum_exp_logit[n0:n1] = sum_exp_logit[n0:n1] * rescale + (shifted * logits).sum(dim=1)
+                    max_moved = running_max[n0:n1] - new_max
+                    carried = torch.where(sum_exp[n0:n1] > 0, max_moved * sum_exp[n0:n1], torch.zeros_like(new_max))
+                    sum_exp_shifted[n0:n1] = rescale * (sum_exp_shifted[n0:n1] + carried) + (
+                        shifted * (logits - new_max[:, None])
+                    ).sum(dim=1)
+                sum_exp[n0:n1] = sum_exp[n0:n1] * rescale + shifted.sum(dim=1)
                 running_max[n0:n1] = new_max
                 rows = safe_labels[n0:n1]
                 in_tile = (rows >= v0) & (rows < v1)
@@ -59,8 +65,9 @@ class _TiledLinearLogprob(torch.autograd.Function):
         mean_logit = None
         entropy = None
         if with_entropy:
-            mean_logit = sum_exp_logit / sum_exp
-            entropy = torch.where(valid, lse - mean_logit, torch.zeros_like(lse))
+            mean_shifted = sum_exp_shifted / sum_exp
+            mean_logit = running_max + mean_shifted
+            entropy = torch.where(valid, torch.log(sum_exp) - mean_shifted, torch.zeros_like(lse))
         ctx.save_for_backward(hidden, weight, bias, safe_labels, valid, lse, mean_logit)
         ctx.temperature = temperature
         return logp, entropy
