@@ -1,6 +1,10 @@
 """Checkpoints a crash cannot corrupt: model, optimizer, LR schedule (DeepSpeed's own
 files), the difficulty anchor, every rank's RNG states and the step.
 
+The trainer draws prompts and sampling seeds from (seed, step, rank), not from a running
+generator, so a resumed run samples exactly what an uninterrupted one would; the RNG
+states are saved as well for anything that does use the global generators.
+
 A checkpoint is written into ``checkpoints/.partial-<step>``, and only when every rank
 has finished writing is it renamed to ``checkpoints/step-<step>`` with ``os.replace``, an
 atomic rename. A crash mid-write leaves a ``.partial`` directory that is ignored and
@@ -74,7 +78,8 @@ def save_checkpoint(root: Path, step: int, engine, anchor, keep: int) -> Path:
         partial.mkdir()
     _barrier()
     engine.save_checkpoint(str(partial), tag=DEEPSPEED_TAG, save_latest=False)
-    torch.save(rng_state(), partial / f"rng-rank{rank}.pt")
+    # Each rank's own RNG states and anchor (the anchors agree: their y_t is all-reduced).
+    torch.save({"rng": rng_state(), "anchor": anchor.state_dict()}, partial / f"rank{rank}.pt")
     if rank == 0:
         state = {"step": step, "anchor": anchor.state_dict()}
         (partial / "trainer_state.json").write_text(json.dumps(state))
@@ -106,7 +111,7 @@ def load_checkpoint(path: Path, engine, anchor) -> int:
         raise RuntimeError(f"DeepSpeed found no checkpoint in {path}")
     state = json.loads((path / "trainer_state.json").read_text())
     anchor.load_state_dict(state["anchor"])
-    rng_file = path / f"rng-rank{_rank()}.pt"
-    if rng_file.exists():  # absent when resuming on more ranks than were saved
-        set_rng_state(torch.load(rng_file, weights_only=False))
+    rank_file = path / f"rank{_rank()}.pt"
+    if rank_file.exists():  # absent when resuming on more ranks than were saved
+        set_rng_state(torch.load(rank_file, weights_only=False)["rng"])
     return int(state["step"])

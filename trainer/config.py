@@ -114,12 +114,12 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 150  # rollout batches
-    prompts_per_step: int = 16  # prompts in one rollout batch, over all ranks
+    steps: int = 200  # rollout batches
+    prompts_per_step: int = 64  # prompts in one rollout batch, over all ranks
     mini_batch_prompts: int = 16  # prompts per optimizer step, over all ranks
     micro_batch_prompts: int = 16  # prompts per forward/backward, per rank
     ppo_epochs: int = 1
-    learning_rate: float = 2e-3
+    learning_rate: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 0  # optimizer steps of linear warm-up, then constant
     gradient_clip: float = 1.0
@@ -226,6 +226,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key} must be an integer, got {value!r}")
         return value
     if "float" in text:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
         return float(value)

@@ -58,6 +58,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _logprob_gap(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_logprobs: list[list[float]]) -> float:
+    """Largest |trainer - engine| log-prob of a sampled token in a micro-batch."""
+    engine = torch.zeros_like(trainer_logprobs)
+    for row, values in enumerate(engine_logprobs):
+        engine[row, :len(values)] = torch.tensor(values)
+    return float(torch.where(mask, (trainer_logprobs - engine).abs(), 0.0).max())
+
+
 class Trainer:
     def __init__(self, config: Config, rank: int, world_size: int, resume: bool) -> None:
         self.config = config
@@ -175,7 +183,7 @@ class Trainer:
         problems = self._problems(step)
         prompt_ids = [self._encode(problem.prompt) for problem in problems]
         seeds = [int(s) for s in np.random.SeedSequence([config.train.seed, step, self.rank]).generate_state(len(problems))]
-        responses = self.rollout.generate(prompt_ids, seeds)
+        responses, engine_logprobs = self.rollout.generate(prompt_ids, seeds)
         rolled_out = time.perf_counter()
 
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -187,7 +195,8 @@ class Trainer:
 
         belief = self.anchor.update(rewards)  # once per rollout batch, all-reduced
         tallies = self._global_tallies(per_response, rewards, responses, len(scored.errors))
-        figures = self._update(step, prompt_ids, responses, rewards.to(self.policy.device), belief, tallies)
+        figures = self._update(step, prompt_ids, responses, engine_logprobs, rewards.to(self.policy.device),
+                               belief, tallies)
         trained = time.perf_counter()
 
         if self.rollout.needs_weight_sync:
@@ -234,7 +243,7 @@ class Trainer:
         return {"level_sums": values[:levels], "level_counts": values[levels:2 * levels],
                 "tokens": values[-2], "errors": int(values[-1])}
 
-    def _update(self, step, prompt_ids, responses, rewards, belief, tallies) -> dict:
+    def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, belief, tallies) -> dict:
         train, algo = self.config.train, self.config.algorithm
         group = self.group_size
         pad = self.tokenizer.pad_token_id
@@ -249,10 +258,13 @@ class Trainer:
 
         # Behaviour log-probs: the policy before this batch's first update.
         old_logprobs = {}
+        gaps = []
         for start in range(0, self.prompts_per_rank, micro):
             indices = tuple(range(start, start + micro))
-            batch, _ = batch_of(indices)
+            batch, rows = batch_of(indices)
             old_logprobs[indices] = self.policy.token_logprobs(batch)
+            if engine_logprobs is not None and self.config.rollout.temperature == 1.0:
+                gaps.append(_logprob_gap(old_logprobs[indices], batch.response_mask, [engine_logprobs[r] for r in rows]))
 
         if algo.loss_type == "dapo":
             # Every token of the rollout batch weighs the same in every optimizer step:
@@ -287,6 +299,8 @@ class Trainer:
         averaged["clip_frac"] = averaged["clip_frac_low"] + averaged["clip_frac_high"]
         averaged["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else None
         averaged["lr"] = self.policy.learning_rate()
+        # Engine against trainer on the same weights: large means the weight sync broke.
+        averaged["rollout/logprob_gap"] = max(gaps) if gaps else None
         return averaged
 
     def _report_errors(self, step: int, errors: list[str]) -> None:

@@ -47,7 +47,9 @@ class VLLMRollout:
         self.config = rollout_config
         self.eos_token_id = eos_token_id
 
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """The responses (G per prompt, contiguous) and the engine's log-prob of each
+        sampled token, taken from the raw logits (before temperature and top-p)."""
         from vllm import SamplingParams
 
         params = [
@@ -59,12 +61,19 @@ class VLLMRollout:
                 seed=seed,
                 stop_token_ids=[self.eos_token_id],
                 detokenize=False,
+                logprobs=0,  # the sampled token's own log-prob only
             )
             for seed in seeds
         ]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [list(sample.token_ids) for output in outputs for sample in output.outputs]
+        samples = [sample for output in outputs for sample in output.outputs]
+        responses = [list(sample.token_ids) for sample in samples]
+        logprobs = [
+            [position[token].logprob for token, position in zip(sample.token_ids, sample.logprobs)]
+            for sample in samples
+        ]
+        return responses, logprobs
 
     def sync_weights(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_parameters})
@@ -82,7 +91,7 @@ class HFRollout:
         self.synced_gpus = synced_gpus
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], None]:
         device = next(self.module.parameters()).device
         width = max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
@@ -114,5 +123,5 @@ class HFRollout:
             if self.eos_token_id in row:
                 row = row[: row.index(self.eos_token_id) + 1]
             responses.append(row)
-        return responses
+        return responses, None  # the trainer's own log-probs are the engine's here
 

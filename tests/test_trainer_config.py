@@ -1,0 +1,116 @@
+"""Bad trainer configs fail with a clear message before any model is built."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer.config import ConfigError, load_config, validate  # noqa: E402
+
+
+def _error(overrides, world_size=1, path=None) -> str:
+    with pytest.raises(ConfigError) as raised:
+        validate(load_config(path, overrides), world_size)
+    return str(raised.value)
+
+
+def test_defaults_are_valid():
+    config = load_config(None, [])
+    validate(config)
+    assert config.algorithm.loss_type == "grpo" and config.algorithm.hadw
+    assert config.data.task == "synthetic"
+
+
+def test_table8_config_is_valid_once_pointed_at_model_and_data(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "solution": "It is $\\boxed{2}$.", "level": "Level 1"}) + "\n")
+    config = load_config(
+        REPO / "trainer" / "configs" / "gpu_math_table8.yaml",
+        [f"model.path={model_dir}", f"data.train_files=[{data}]", "rollout.engine=hf"],
+    )
+    validate(config, world_size=8)
+    assert config.train.prompts_per_step == 256 and config.train.learning_rate == 1e-6
+
+
+def test_unknown_section_and_key_suggest_the_right_name():
+    assert "did you mean 'train'" in _error(["trian.steps=3"])
+    assert "did you mean 'train.learning_rate'" in _error(["train.learning_rat=0.1"])
+
+
+def test_wrong_types():
+    assert "train.steps must be an integer" in _error(["train.steps=many"])
+    assert "algorithm.hadw must be true or false" in _error(["algorithm.hadw=3"])
+    assert "must look like section.key=value" in _error(["steps=3"])
+
+
+def test_group_size_below_two():
+    assert "at least 2" in _error(["rollout.group_size=1"])
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (["train.prompts_per_step=10", "train.mini_batch_prompts=4"], 1, "not a multiple of train.mini_batch_prompts"),
+        (["train.prompts_per_step=6", "train.mini_batch_prompts=3", "train.micro_batch_prompts=1"], 2,
+         "does not split over 2 ranks"),
+        (["train.mini_batch_prompts=8", "train.micro_batch_prompts=3"], 1, "not a multiple of train.micro_batch_prompts"),
+        (["train.prompts_per_step=0"], 1, "must be positive"),
+    ],
+)
+def test_impossible_batch_sizes(overrides, world_size, message):
+    assert message in _error(overrides, world_size)
+
+
+def test_choices_and_vllm_head_dim():
+    assert "algorithm.loss_type must be one of" in _error(["algorithm.loss_type=ppo"])
+    assert "rollout.engine must be one of" in _error(["rollout.engine=tgi"])
+    if __import__("importlib").util.find_spec("vllm") is not None:
+        assert "head_dim=48" in _error(["model.head_dim=48", "model.hidden_size=96", "rollout.engine=vllm"])
+
+
+def test_math_data_errors(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    base = ["data.task=math", f"model.path={model_dir}", "rollout.engine=hf"]
+    assert "needs data.train_files" in _error(base)
+    assert "does not exist" in _error(base + [f"data.train_files=[{tmp_path / 'missing.jsonl'}]"])
+    no_answer = tmp_path / "no_answer.jsonl"
+    no_answer.write_text(json.dumps({"problem": "2+2?", "solution": "4"}) + "\n")
+    message = _error(base + [f"data.train_files=[{no_answer}]"])
+    assert "data.answer_field='answer' is not a field" in message and "solution" in message
+    assert "needs model.path" in _error(["data.task=math", f"data.train_files=[{no_answer}]"])
+
+
+def test_run_py_reports_config_errors_before_building_anything(tmp_path):
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, str(REPO / "trainer" / "run.py"), "--set", "rollout.group_size=1",
+         "--set", f"run.output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "config error: rollout.group_size must be at least 2" in result.stderr
+    assert not any(tmp_path.iterdir())  # no run directory, no model
+    assert time.perf_counter() - started < 60
+
+
+def test_existing_run_needs_resume(tmp_path):
+    run_dir = tmp_path / "taken"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "trainer" / "run.py"), "--set", f"run.output_dir={tmp_path}",
+         "--set", "run.name=taken"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "pass --resume" in result.stderr

@@ -1,0 +1,53 @@
+"""Two ranks under torchrun on the CPU: both hold the same difficulty anchor, because
+y_t is all-reduced over the ranks' rewards (each rank samples different prompts)."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer.checkpoint import latest_checkpoint  # noqa: E402
+from trainer.metrics_log import read_metrics  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_ranks_hold_the_same_anchor(tmp_path):
+    overrides = [
+        f"run.output_dir={tmp_path}", "run.name=two", "run.progress=false", "train.steps=3",
+        "train.prompts_per_step=8", "train.mini_batch_prompts=4", "train.micro_batch_prompts=1",
+        "rollout.group_size=4", "algorithm.loss_type=dr_grpo",
+    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(_free_port()), str(REPO / "trainer" / "run.py")]
+    command += [arg for override in overrides for arg in ("--set", override)]
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=environment)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    rows = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    # y_t is over both ranks' 2 x 4 prompts x 4 responses: a multiple of 1/32.
+    for row in rows:
+        assert (row["reward/mean"] * 32) == pytest.approx(round(row["reward/mean"] * 32))
+        if row["rollout/logprob_gap"] is not None:  # vLLM on both ranks, synced
+            assert row["rollout/logprob_gap"] < 1e-3
+    checkpoint = latest_checkpoint(tmp_path / "two" / "checkpoints")
+    anchors = [torch.load(checkpoint / f"rank{rank}.pt", weights_only=False)["anchor"] for rank in (0, 1)]
+    assert anchors[0] == anchors[1]
+    assert anchors[0]["step"] == 3
+    assert anchors[0]["observations"] == [row["reward/mean"] for row in rows]

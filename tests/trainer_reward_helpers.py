@@ -1,0 +1,35 @@
+"""Reward functions for the trainer tests: module-level, so spawned workers can import
+them by name. Not a test module (no test_ prefix)."""
+
+import os
+import time
+
+from trainer.synthetic_task import score_synthetic
+
+
+def raises(response: str, answer: str) -> float:
+    raise RuntimeError("this verifier is broken")
+
+
+def hangs(response: str, answer: str) -> float:
+    time.sleep(60)
+    return 1.0
+
+
+def hangs_on_seven(response: str, answer: str) -> float:
+    if answer == "7":
+        time.sleep(60)
+    return float(response == answer)
+
+
+_calls = 0
+
+
+def synthetic_then_crash(response: str, answer: str) -> float:
+    """The synthetic verifier, until the process dies abruptly after
+    CRASH_AFTER_RESPONSES calls: a stand-in for a machine failure mid-run."""
+    global _calls
+    _calls += 1
+    if _calls > int(os.environ["CRASH_AFTER_RESPONSES"]):
+        os._exit(17)
+    return score_synthetic(response, answer)
