@@ -78,7 +78,7 @@ def test_vllm_engine_with_zero3_keeps_engine_and_trainer_in_sync(tmp_path):
 
 def test_reward_errors_score_zero_and_do_not_stop_the_run(tmp_path):
     result = run_trainer(tmp_path, "broken", [
-        "rollout.engine=hf", "train.steps=2", "reward.function=trainer_reward_helpers:raises",
+        "rollout.engine=hf", "train.steps=2", "reward.function=test_trainer_helpers:raises",
         "reward.timeout_seconds=0",
     ], env={"PYTHONPATH": str(REPO / "tests")})
     rows = read_metrics(tmp_path / "broken" / "metrics.jsonl")
@@ -96,7 +96,7 @@ def test_a_run_killed_mid_way_resumes_onto_the_same_curve(tmp_path):
     # Dies inside step 4's reward: steps 1-3 logged, step 2 is the last checkpoint.
     responses_per_step = 8 * 4
     crashed = run_trainer(
-        tmp_path, "resumed", common + ["reward.function=trainer_reward_helpers:synthetic_then_crash"],
+        tmp_path, "resumed", common + ["reward.function=test_trainer_helpers:synthetic_then_crash"],
         env={"PYTHONPATH": str(REPO / "tests"), "CRASH_AFTER_RESPONSES": str(3 * responses_per_step)},
         check=False,
     )

@@ -24,7 +24,7 @@ from trainer.problem import Problem  # noqa: E402
 from trainer.rewards import InProcessReward, PooledReward, math_verify_reward  # noqa: E402
 from trainer.synthetic_task import LEVELS, VOCABULARY, make_problem, sample_problems, score_synthetic  # noqa: E402
 
-import trainer_reward_helpers as helpers  # noqa: E402
+import test_trainer_helpers as helpers  # noqa: E402
 
 MATH_CASES = [
     # (response, gold answer, reward)

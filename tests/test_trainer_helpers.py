@@ -1,5 +1,5 @@
-"""Reward functions for the trainer tests: module-level, so spawned workers can import
-them by name. Not a test module (no test_ prefix)."""
+"""Reward functions for the trainer tests, at module level so that spawned reward
+workers and trainer subprocesses import them by name. Holds no tests itself."""
 
 import os
 import time
