@@ -27,7 +27,6 @@ class _TiledLinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, with_entropy):
         num_tokens = hidden.shape[0]
-        vocab = weight.shape[0]
         valid = labels != ignore_index
         safe_labels = torch.where(valid, labels, torch.zeros_like(labels)).long()
         accumulate = torch.promote_types(hidden.dtype, torch.float32)
@@ -38,28 +37,21 @@ class _TiledLinearLogprob(torch.autograd.Function):
         # avoids subtracting two logit-sized numbers at the end.
         sum_exp_shifted = torch.zeros_like(running_max) if with_entropy else None
         label_logit = torch.zeros_like(running_max)
-        for v0 in range(0, vocab, VOCAB_TILE):
-            v1 = min(v0 + VOCAB_TILE, vocab)
-            weight_tile = weight[v0:v1].to(accumulate)
-            bias_tile = None if bias is None else bias[v0:v1].to(accumulate)
-            for n0 in range(0, num_tokens, TOKEN_TILE):
-                n1 = min(n0 + TOKEN_TILE, num_tokens)
-                logits = _logits_tile(hidden_acc[n0:n1], weight_tile, bias_tile, temperature)
-                new_max = torch.maximum(running_max[n0:n1], logits.amax(dim=1))
-                rescale = torch.exp(running_max[n0:n1] - new_max)
-                shifted = torch.exp(logits - new_max[:, None])
-                if with_entropy:
-                    max_moved = running_max[n0:n1] - new_max
-                    carried = torch.where(sum_exp[n0:n1] > 0, max_moved * sum_exp[n0:n1], torch.zeros_like(new_max))
-                    sum_exp_shifted[n0:n1] = rescale * (sum_exp_shifted[n0:n1] + carried) + (
-                        shifted * (logits - new_max[:, None])
-                    ).sum(dim=1)
-                sum_exp[n0:n1] = sum_exp[n0:n1] * rescale + shifted.sum(dim=1)
-                running_max[n0:n1] = new_max
-                rows = safe_labels[n0:n1]
-                in_tile = (rows >= v0) & (rows < v1)
-                picked = logits.gather(1, (rows - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1)
-                label_logit[n0:n1] = torch.where(in_tile, picked, label_logit[n0:n1])
+        for rows, columns, _, logits in _logit_tiles(hidden_acc, weight, bias, temperature):
+            new_max = torch.maximum(running_max[rows], logits.amax(dim=1))
+            rescale = torch.exp(running_max[rows] - new_max)
+            shifted = torch.exp(logits - new_max[:, None])
+            if with_entropy:
+                max_moved = running_max[rows] - new_max
+                carried = torch.where(sum_exp[rows] > 0, max_moved * sum_exp[rows], torch.zeros_like(new_max))
+                sum_exp_shifted[rows] = rescale * (sum_exp_shifted[rows] + carried) + (
+                    shifted * (logits - new_max[:, None])
+                ).sum(dim=1)
+            sum_exp[rows] = sum_exp[rows] * rescale + shifted.sum(dim=1)
+            running_max[rows] = new_max
+            in_tile, column = _label_columns(safe_labels[rows], columns)
+            picked = logits.gather(1, column).squeeze(1)
+            label_logit[rows] = torch.where(in_tile, picked, label_logit[rows])
         lse = running_max + torch.log(sum_exp)
         logp = torch.where(valid, label_logit - lse, torch.zeros_like(lse))
         mean_logit = None
@@ -76,7 +68,7 @@ class _TiledLinearLogprob(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, labels, valid, lse, mean_logit = ctx.saved_tensors
         temperature = ctx.temperature
-        num_tokens, vocab = hidden.shape[0], weight.shape[0]
+        vocab = weight.shape[0]
         accumulate = lse.dtype
         zeros = torch.zeros_like(lse)
         grad_logp = zeros if grad_logp is None else torch.where(valid, grad_logp.to(accumulate), zeros)
@@ -94,29 +86,22 @@ class _TiledLinearLogprob(torch.autograd.Function):
             if bias is not None and ctx.needs_input_grad[2]
             else None
         )
-        for v0 in range(0, vocab, VOCAB_TILE):
-            v1 = min(v0 + VOCAB_TILE, vocab)
-            weight_tile = weight[v0:v1].to(accumulate)
-            bias_tile = None if bias is None else bias[v0:v1].to(accumulate)
-            for n0 in range(0, num_tokens, TOKEN_TILE):
-                n1 = min(n0 + TOKEN_TILE, num_tokens)
-                logits = _logits_tile(hidden_acc[n0:n1], weight_tile, bias_tile, temperature)
-                probs = torch.exp(logits - lse[n0:n1, None])
-                # d logp / d z = onehot - p ; d entropy / d z = -p (z - E_p[z])
-                grad_logits = probs * -grad_logp[n0:n1, None]
-                if grad_entropy is not None:
-                    grad_logits -= grad_entropy[n0:n1, None] * probs * (logits - mean_logit[n0:n1, None])
-                rows = labels[n0:n1]
-                in_tile = (rows >= v0) & (rows < v1)
-                onehot_grad = torch.where(in_tile, grad_logp[n0:n1], torch.zeros_like(grad_logp[n0:n1]))
-                grad_logits.scatter_add_(1, (rows - v0).clamp(0, v1 - v0 - 1)[:, None], onehot_grad[:, None])
-                grad_logits /= temperature
-                if grad_hidden is not None:
-                    grad_hidden[n0:n1].addmm_(grad_logits, weight_tile)
-                if grad_weight is not None:
-                    grad_weight[v0:v1].addmm_(grad_logits.T, hidden_acc[n0:n1])
-                if grad_bias is not None:
-                    grad_bias[v0:v1] += grad_logits.sum(dim=0)
+        for rows, columns, weight_tile, logits in _logit_tiles(hidden_acc, weight, bias, temperature):
+            probs = torch.exp(logits - lse[rows, None])
+            # d logp / d z = onehot - p ; d entropy / d z = -p (z - E_p[z])
+            grad_logits = probs * -grad_logp[rows, None]
+            if grad_entropy is not None:
+                grad_logits -= grad_entropy[rows, None] * probs * (logits - mean_logit[rows, None])
+            in_tile, column = _label_columns(labels[rows], columns)
+            onehot_grad = torch.where(in_tile, grad_logp[rows], torch.zeros_like(grad_logp[rows]))
+            grad_logits.scatter_add_(1, column, onehot_grad[:, None])
+            grad_logits /= temperature
+            if grad_hidden is not None:
+                grad_hidden[rows].addmm_(grad_logits, weight_tile)
+            if grad_weight is not None:
+                grad_weight[columns].addmm_(grad_logits.T, hidden_acc[rows])
+            if grad_bias is not None:
+                grad_bias[columns] += grad_logits.sum(dim=0)
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
@@ -128,13 +113,30 @@ class _TiledLinearLogprob(torch.autograd.Function):
         )
 
 
-def _logits_tile(hidden_tile, weight_tile, bias_tile, temperature):
-    logits = hidden_tile @ weight_tile.T
-    if bias_tile is not None:
-        logits += bias_tile
-    if temperature != 1.0:
-        logits /= temperature
-    return logits
+def _logit_tiles(hidden, weight, bias, temperature):
+    """Yields (token slice, vocabulary slice, head tile, logits tile) over the [N, V] grid,
+    vocabulary outermost so each head tile is cast to the accumulation dtype once."""
+    num_tokens, vocab = hidden.shape[0], weight.shape[0]
+    for v0 in range(0, vocab, VOCAB_TILE):
+        columns = slice(v0, min(v0 + VOCAB_TILE, vocab))
+        weight_tile = weight[columns].to(hidden.dtype)
+        bias_tile = None if bias is None else bias[columns].to(hidden.dtype)
+        for n0 in range(0, num_tokens, TOKEN_TILE):
+            rows = slice(n0, min(n0 + TOKEN_TILE, num_tokens))
+            logits = hidden[rows] @ weight_tile.T
+            if bias_tile is not None:
+                logits += bias_tile
+            if temperature != 1.0:
+                logits /= temperature
+            yield rows, columns, weight_tile, logits
+
+
+def _label_columns(labels, columns):
+    """Which labels fall in this vocabulary tile, and their column in it (clamped
+    in range for the others, whose value is then discarded)."""
+    in_tile = (labels >= columns.start) & (labels < columns.stop)
+    column = (labels - columns.start).clamp(0, columns.stop - columns.start - 1)[:, None]
+    return in_tile, column
 
 
 def token_logprobs(
