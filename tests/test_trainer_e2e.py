@@ -44,11 +44,12 @@ def run_trainer(output_dir: Path, name: str, overrides: list[str], *, resume=Fal
     return result
 
 
-def test_hf_engine_dapo_authors_preset(tmp_path):
-    run_trainer(tmp_path, "hf", [
+def test_hf_engine_dapo_authors_preset_survives_a_failing_reward(tmp_path):
+    result = run_trainer(tmp_path, "hf", [
         "rollout.engine=hf", "train.steps=3", "algorithm.loss_type=dapo",
         "algorithm.anchor_preset=authors_code", "train.ppo_epochs=2",
-    ])
+        "reward.function=test_trainer_helpers:synthetic_but_raises_on_odd", "reward.timeout_seconds=0",
+    ], env={"PYTHONPATH": str(REPO / "tests")})
     run_dir = tmp_path / "hf"
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -61,6 +62,12 @@ def test_hf_engine_dapo_authors_preset(tmp_path):
     assert any(row["ratio_mean"] != 1.0 for row in rows)
     assert (run_dir / "config.yaml").exists() and (run_dir / "curves.png").stat().st_size > 10_000
     assert [step for step, _ in completed_checkpoints(run_dir / "checkpoints")] == [3]
+    # Prompts with odd answers made the verifier raise: scored 0, reported, run finished.
+    errors = sum(row["reward/errors"] for row in rows)
+    assert errors > 0 and errors % 4 == 0  # whole groups of G = 4
+    assert "reward error(s), scored 0; first: RuntimeError: this verifier is broken on odd answers" in result.stdout
+    logged = (run_dir / "reward_errors-rank0.log").read_text().splitlines()
+    assert len(logged) == errors and "broken on odd answers" in logged[0]
 
 
 @needs_vllm
@@ -74,18 +81,6 @@ def test_vllm_engine_with_zero3_keeps_engine_and_trainer_in_sync(tmp_path):
     for row in rows:
         assert row["rollout/logprob_gap"] < 1e-3, row["rollout/logprob_gap"]
     assert rows[0]["anchor/belief"] == rows[0]["anchor/y"]  # C_1- = y_1
-
-
-def test_reward_errors_score_zero_and_do_not_stop_the_run(tmp_path):
-    result = run_trainer(tmp_path, "broken", [
-        "rollout.engine=hf", "train.steps=2", "reward.function=test_trainer_helpers:raises",
-        "reward.timeout_seconds=0",
-    ], env={"PYTHONPATH": str(REPO / "tests")})
-    rows = read_metrics(tmp_path / "broken" / "metrics.jsonl")
-    assert [row["reward/mean"] for row in rows] == [0.0, 0.0]
-    assert rows[0]["reward/errors"] == 8 * 4
-    assert "reward error(s), scored 0; first: RuntimeError: this verifier is broken" in result.stdout + result.stderr
-    assert "this verifier is broken" in (tmp_path / "broken" / "reward_errors-rank0.log").read_text()
 
 
 def test_a_run_killed_mid_way_resumes_onto_the_same_curve(tmp_path):

@@ -11,9 +11,11 @@ def raises(response: str, answer: str) -> float:
     raise RuntimeError("this verifier is broken")
 
 
-def hangs(response: str, answer: str) -> float:
-    time.sleep(60)
-    return 1.0
+def synthetic_but_raises_on_odd(response: str, answer: str) -> float:
+    """The synthetic verifier with a bug: every prompt with an odd answer raises."""
+    if int(answer) % 2:
+        raise RuntimeError("this verifier is broken on odd answers")
+    return score_synthetic(response, answer)
 
 
 def hangs_on_seven(response: str, answer: str) -> float:

