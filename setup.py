@@ -1,0 +1,101 @@
+"""Declares the optional C++ extension: the CPU kernels of the hadw:: ops (csrc/).
+
+Everything else about the package (name, version, dependencies) is in pyproject.toml.
+
+The extension is optional: without torch at build time, without a C++ compiler, or if
+compiling fails, the install still succeeds, says why on stderr, and the "torch"
+backend serves the CPU. HADW_BUILD_CPP chooses: "auto" (default) builds when it can,
+"1" makes any failure to build an error (CI), "0" skips the extension.
+See docs/cpp-backend.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+import sysconfig
+
+from setuptools import setup
+
+EXTENSION_NAME = "hadw_kernels._cpu_kernels"
+SOURCES = ["csrc/module.cpp", "csrc/surrogate.cpp", "csrc/linear_logprob.cpp"]
+# -fopenmp: ATen's parallel_for is a header template; without it the kernels would run
+# on one thread. -g0: Python's CFLAGS carry -g, which doubles the compile time of the
+# ATen headers and gives a 6 MB module. No -march: csrc/tile_math.h compiles its loops
+# for AVX-512, AVX2 and the x86-64 baseline and picks one when the module loads, so a
+# wheel built here runs on any x86-64 CPU.
+COMPILE_ARGS = ["-O3", "-g0", "-fopenmp"]
+LINK_ARGS = ["-fopenmp"]
+MODE = os.environ.get("HADW_BUILD_CPP", "auto")
+
+
+def _say(message: str) -> None:
+    bar = "=" * 78
+    print(f"\n{bar}\nhadw-kernels: {message}\n{bar}\n", file=sys.stderr)
+
+
+def _skip(reason: str) -> tuple[list, dict]:
+    if MODE == "1":
+        raise SystemExit(f"hadw-kernels: HADW_BUILD_CPP=1 but the C++ extension cannot be built: {reason}")
+    _say(
+        f"the C++ CPU kernels are NOT built: {reason}. The package works without them "
+        "(the 'torch' backend runs on the CPU). To build them, see docs/cpp-backend.md."
+    )
+    return [], {}
+
+
+def _compiler() -> str | None:
+    command = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+    return shutil.which(shlex.split(command)[0])
+
+
+def _extensions() -> tuple[list, dict]:
+    if MODE == "0":
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError as error:
+        return _skip(
+            f"torch is not importable at build time ({error}); with pip, build with "
+            "--no-build-isolation from an environment that has torch"
+        )
+    if _compiler() is None:
+        return _skip("no C++ compiler found (set CXX, or install g++)")
+
+    class OptionalBuildExtension(BuildExtension):
+        """Turns a failed build into a warning unless HADW_BUILD_CPP=1."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as error:  # compiler checks, compile and link errors share no base
+                if MODE == "1":
+                    raise
+                _say(
+                    f"building the C++ CPU kernels FAILED ({type(error).__name__}: {error}); "
+                    "installing without them, the 'torch' backend runs on the CPU. "
+                    "Set HADW_BUILD_CPP=1 to make this an error."
+                )
+                # Later steps (in-place copy, wheel contents) must not look for the module.
+                self.extensions = []
+                self.distribution.ext_modules = []
+
+    extension = CppExtension(
+        EXTENSION_NAME,
+        SOURCES,
+        extra_compile_args={"cxx": COMPILE_ARGS},
+        extra_link_args=LINK_ARGS,
+        py_limited_api=True,
+    )
+    return [extension], {"build_ext": OptionalBuildExtension}
+
+
+extensions, commands = _extensions()
+setup(
+    ext_modules=extensions,
+    cmdclass=commands,
+    # The module uses only CPython's stable ABI: one wheel serves every CPython >= 3.10.
+    options={"bdist_wheel": {"py_limited_api": "cp310"}} if extensions else {},
+)
