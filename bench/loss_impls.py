@@ -1,0 +1,192 @@
+"""The loss steps the benchmark compares, each built from the same seeded inputs.
+
+A step is one forward and backward of a GRPO loss: from hidden states [B, T, H] and the
+LM head [V, H] (the "hidden" input), or from per-token log-probs [B, T] (the "logprobs"
+input, the part of the loss that is left once a trainer has the log-probs).
+
+    eager        what TRL's and verl's default paths do: fp32 logits [B, T, V],
+                 log_softmax, gather, then the clipped surrogate in plain PyTorch
+    hadw[<b>]    this library, backend <b>, with HA-DW on (anchor 0.5)
+    liger        liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss (chunked, torch.compile)
+    cce          cut_cross_entropy.linear_cross_entropy(impl="torch_compile") for
+                 logp = -nll, then the plain surrogate
+
+Peers and backends are imported only when their case runs, so a missing or broken one
+fails its own case (reported in the table) and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+INPUTS = ("hidden", "logprobs")
+PEERS = ("liger", "cce")
+BASELINE = "eager"
+# The plain GRPO clip range, as TRL's and verl's defaults.
+EPSILON = 0.2
+# HA-DW's difficulty belief: any value in (0, 1) costs the same.
+ANCHOR = 0.5
+
+
+@dataclass(frozen=True)
+class Shape:
+    prompts: int
+    group_size: int
+    length: int
+    hidden: int
+    vocab: int
+
+    @property
+    def batch(self) -> int:
+        return self.prompts * self.group_size
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.length
+
+    @property
+    def label(self) -> str:
+        return f"P{self.prompts} G{self.group_size} T{self.length} H{self.hidden} V{self.vocab}"
+
+    def as_args(self) -> list[str]:
+        return [
+            "--prompts", str(self.prompts), "--group-size", str(self.group_size),
+            "--length", str(self.length), "--hidden", str(self.hidden), "--vocab", str(self.vocab),
+        ]
+
+
+def hadw_impl(backend: str) -> str:
+    return f"hadw[{backend}]"
+
+
+def backend_of(impl: str) -> str | None:
+    """The library backend an implementation name runs, or None for a baseline or peer."""
+    if impl.startswith("hadw[") and impl.endswith("]"):
+        return impl[len("hadw["):-1]
+    return None
+
+
+def plain_group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    return (centred / (grouped.std(dim=1, keepdim=True) + 1e-6)).view(-1)
+
+
+def plain_grpo_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """GRPO's clipped surrogate, token mean per response then mean over responses."""
+    advantages = plain_group_advantages(rewards, group_size)[:, None]
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped_ratio = torch.clamp(ratio, 1.0 - EPSILON, 1.0 + EPSILON)
+    token_loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    mask = response_mask.to(token_loss.dtype)
+    per_response = (token_loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+    return per_response.mean()
+
+
+def eager_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = hidden @ weight.T
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass
+class Inputs:
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
+    labels: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    old_logprobs: torch.Tensor
+    rewards: torch.Tensor
+    response_mask: torch.Tensor
+
+    def leaves(self) -> list[torch.Tensor]:
+        return [t for t in (self.hidden, self.weight, self.logprobs) if t is not None]
+
+
+def make_inputs(shape: Shape, input_kind: str, seed: int = 0) -> Inputs:
+    """fp32 inputs. Labels are valid everywhere (padding is masked, as TRL and verl do),
+    so every implementation computes the same [B*T, V] products."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, length = shape.batch, shape.length
+    # Uniform-ish log-probs around -log V, and a behaviour policy a little off them, so
+    # that some ratios leave the clip range.
+    typical_logprob = -math.log(shape.vocab)
+    old_logprobs = typical_logprob + 0.1 * torch.randn(batch, length, generator=generator)
+    rewards = torch.bernoulli(torch.full((batch,), 0.5), generator=generator)
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=generator)
+    response_mask = torch.arange(length)[None, :] < lengths[:, None]
+    if input_kind == "logprobs":
+        logprobs = typical_logprob + 0.1 * torch.randn(batch, length, generator=generator)
+        return Inputs(None, None, None, logprobs.requires_grad_(), old_logprobs, rewards, response_mask)
+    hidden = torch.randn(batch, length, shape.hidden, generator=generator)
+    weight = torch.randn(shape.vocab, shape.hidden, generator=generator) / math.sqrt(shape.hidden)
+    labels = torch.randint(0, shape.vocab, (batch, length), generator=generator)
+    return Inputs(
+        hidden.requires_grad_(), weight.requires_grad_(), labels, None, old_logprobs, rewards, response_mask
+    )
+
+
+LossFn = Callable[[Inputs], torch.Tensor]
+
+
+def build_loss(impl: str, input_kind: str, shape: Shape) -> LossFn:
+    """The loss of one implementation; imports its package (ImportError if missing)."""
+    group_size = shape.group_size
+    backend = backend_of(impl)
+    if backend is not None:
+        import hadw_kernels
+
+        if input_kind == "logprobs":
+            return lambda x: hadw_kernels.fused_hadw_grpo_loss(
+                x.logprobs, x.old_logprobs, x.rewards, x.response_mask,
+                group_size=group_size, loss_type="grpo", anchor=ANCHOR, backend=backend,
+            )
+        return lambda x: hadw_kernels.fused_linear_hadw_grpo_loss(
+            x.hidden, x.weight, x.labels, x.old_logprobs, x.rewards, x.response_mask,
+            group_size=group_size, loss_type="grpo", anchor=ANCHOR, backend=backend,
+        )
+    if impl == BASELINE:
+        if input_kind == "logprobs":
+            return lambda x: plain_grpo_surrogate(x.logprobs, x.old_logprobs, x.rewards, x.response_mask, group_size)
+        return lambda x: plain_grpo_surrogate(
+            eager_token_logprobs(x.hidden, x.weight, x.labels), x.old_logprobs, x.rewards, x.response_mask,
+            group_size,
+        )
+    if input_kind != "hidden":
+        raise ValueError(f"{impl} takes hidden states only")
+    if impl == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        # TRL's settings: no reference model, GRPO's per-response token mean.
+        liger_loss = LigerFusedLinearGRPOLoss(
+            beta=0.0, use_ref_model=False, loss_type="grpo", epsilon_low=EPSILON, epsilon_high=EPSILON
+        )
+
+        def liger_step(x: Inputs) -> torch.Tensor:
+            advantages = plain_group_advantages(x.rewards, group_size)
+            loss, _metrics = liger_loss(
+                x.hidden, x.weight, x.labels, x.response_mask.float(), advantages,
+                old_per_token_logps=x.old_logprobs,
+            )
+            return loss
+
+        return liger_step
+    if impl == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        def cce_step(x: Inputs) -> torch.Tensor:
+            nll = linear_cross_entropy(x.hidden, x.weight, x.labels, impl="torch_compile", reduction="none")
+            return plain_grpo_surrogate(-nll, x.old_logprobs, x.rewards, x.response_mask, group_size)
+
+        return cce_step
+    raise ValueError(f"unknown implementation {impl!r}")

@@ -1,0 +1,158 @@
+"""The session summary: a markdown table per input and shape, and a plot against G.
+
+A row is a dict with the case (input, impl, shape fields), its status and, when it ran,
+its times (seconds) and peaks (MB). Ratios are to the eager row of the same input and
+shape: the baseline every trainer starts from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from loss_impls import BASELINE
+
+INPUT_TITLES = {
+    "hidden": "Loss from hidden states (LM head + log-probs + surrogate)",
+    "logprobs": "Loss from log-probs (surrogate only)",
+}
+SHAPE_KEYS = ("prompts", "length", "hidden", "vocab")
+LEGEND = """\
+Time: forward+backward of one loss step on the case process's own clock, min [median] over
+the timed rounds (3, or up to 100 for steps of a few ms). The min leads, and the ratios and
+tokens/s use it: on a shared 2-core machine a step is often preempted, and the min is the
+least disturbed figure. (pytest-benchmark drives the rounds and also times them from outside,
+a pipe round trip included: its own table.)
+tokens/s: B*T token positions (padding included: every position is computed) / min time.
+Peak alloc: the allocator's view, peak of live tensor bytes above the inputs during one step
+(PyTorch profiler memory events). Peak RSS: ru_maxrss over the timed steps minus the resident
+set after imports and inputs (what the warm-up left resident, e.g. compiled code, counts).
+Ratios: to eager of the same input, shape and G; memory ratios are left out when eager's peak
+is under 1 MB (page-granular noise)."""
+
+
+def _fixed_shape(row: dict) -> tuple:
+    return tuple(row[key] for key in SHAPE_KEYS)
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+# Below this, a peak is page-granular noise and a ratio of two of them means nothing.
+SMALLEST_MEMORY_RATIO_BASE_MB = 1.0
+
+
+def _megabytes(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.0f}" if abs(value) >= 10 else f"{value:.2f}"
+
+
+def _ratio(value: float | None, base: float | None, smallest_base: float = 0.0) -> str:
+    if value is None or not base or base < smallest_base:
+        return "—"
+    return f"{value / base:.2f}x"
+
+
+def _milliseconds(seconds: float) -> str:
+    milliseconds = seconds * 1e3
+    return f"{milliseconds:.0f}" if milliseconds >= 100 else f"{milliseconds:.3g}"
+
+
+def _time_cell(row: dict) -> str:
+    if row.get("time_min_s") is None:
+        return "—"
+    return f"{_milliseconds(row['time_min_s'])} [{_milliseconds(row['time_median_s'])}]"
+
+
+def markdown_tables(rows: list[dict]) -> str:
+    """One table per (input, shape without G), rows ordered by G then as run."""
+    sections = defaultdict(list)
+    for row in rows:
+        sections[(row["input"], _fixed_shape(row))].append(row)
+    out = []
+    for (input_kind, fixed), section in sections.items():
+        prompts, length, hidden, vocab = fixed
+        out.append(f"#### {INPUT_TITLES[input_kind]}: P={prompts} prompts x G, T={length}, H={hidden}, V={vocab}")
+        out.append("")
+        out.append(
+            "| G | implementation | status | time min [median] (ms) | tokens/s | peak alloc (MB) "
+            "| peak RSS (MB) | time vs eager | alloc vs eager | RSS vs eager |"
+        )
+        out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        baselines = {r["group_size"]: r for r in section if r["impl"] == BASELINE and r["status"] == "ok"}
+        for row in sorted(section, key=lambda r: r["group_size"]):
+            base = baselines.get(row["group_size"], {})
+            status = f"{row['status']}: {row['reason']}" if row.get("reason") else row["status"]
+            tokens_per_s = None
+            if row.get("time_min_s"):
+                tokens_per_s = row["tokens"] / row["time_min_s"]
+            out.append(
+                f"| {row['group_size']} | {row['impl']} | {status} | {_time_cell(row)} "
+                f"| {_number(tokens_per_s, 0)} | {_megabytes(row.get('alloc_peak_mb'))} "
+                f"| {_megabytes(row.get('rss_peak_mb'))} "
+                f"| {_ratio(row.get('time_min_s'), base.get('time_min_s'))} "
+                f"| {_ratio(row.get('alloc_peak_mb'), base.get('alloc_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} "
+                f"| {_ratio(row.get('rss_peak_mb'), base.get('rss_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def plot_against_group_size(rows: list[dict], path: Path) -> Path | None:
+    """Peak RSS and (min) time against G, one line per implementation, for every input
+    whose shape was swept over more than one G. None if nothing was swept."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    swept = defaultdict(list)
+    for row in rows:
+        if row["status"] == "ok":
+            swept[(row["input"], _fixed_shape(row))].append(row)
+    swept = {key: section for key, section in swept.items() if len({r["group_size"] for r in section}) > 1}
+    if not swept:
+        return None
+    figure, axes = plt.subplots(2, len(swept), figsize=(6.5 * len(swept), 8), squeeze=False)
+    for column, ((input_kind, fixed), section) in enumerate(swept.items()):
+        by_impl = defaultdict(list)
+        for row in sorted(section, key=lambda r: r["group_size"]):
+            by_impl[row["impl"]].append(row)
+        memory_axis, time_axis = axes[0][column], axes[1][column]
+        for impl, impl_rows in by_impl.items():
+            groups = [r["group_size"] for r in impl_rows]
+            memory_axis.plot(groups, [r["rss_peak_mb"] for r in impl_rows], marker="o", label=impl)
+            time_axis.plot(groups, [r["time_min_s"] for r in impl_rows], marker="o", label=impl)
+        prompts, length, hidden, vocab = fixed
+        memory_axis.set_title(f"{input_kind}: P={prompts}, T={length}, H={hidden}, V={vocab}")
+        memory_axis.set_ylabel("peak RSS above baseline (MB)")
+        time_axis.set_ylabel("forward+backward, min of rounds (s)")
+        for axis in (memory_axis, time_axis):
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.set_xticks(sorted({r["group_size"] for r in section}))
+            axis.set_xticklabels([str(g) for g in sorted({r["group_size"] for r in section})])
+            axis.set_xlabel("group size G")
+            axis.grid(True, which="both", alpha=0.3)
+            axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def write_reports(rows: list[dict], meta: dict, results_dir: Path, stem: str) -> dict[str, Path]:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    header = "\n".join(f"- {key}: {value}" for key, value in meta.items())
+    table_path = results_dir / f"{stem}.md"
+    table_path.write_text(f"# Loss step benchmark\n\n{header}\n\n{markdown_tables(rows)}\n{LEGEND}\n")
+    json_path = results_dir / f"{stem}.json"
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    paths = {"table": table_path, "json": json_path}
+    plot_path = plot_against_group_size(rows, results_dir / f"{stem}_vs_G.png")
+    if plot_path is not None:
+        paths["plot"] = plot_path
+    return paths

@@ -1,0 +1,164 @@
+"""The memory planner: its arithmetic, and its loss-part formulas against CPU peaks
+measured by the benchmark's worker (bench/worker.py) in fresh processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hadw_kernels import plan
+from hadw_kernels.plan import PRESETS, MicroStep, ModelShape, estimate, largest_group_size, loss_part_bytes
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MIB = 1024 * 1024
+
+TINY = ModelShape("tiny", hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=100,
+                  tied_embeddings=False, qk_norm=False)
+
+
+def micro_step(**changes) -> MicroStep:
+    step = MicroStep(group_size=8, prompts=1, response_length=4096, prompt_length=512, gpus=8, zero_stage=3,
+                     gradient_checkpointing=True)
+    return dataclasses.replace(step, **changes)
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    # The model cards' parameter counts.
+    [("Qwen3-4B", 4.02), ("Qwen3-8B", 8.19), ("Llama-3.2-3B", 3.21)],
+)
+def test_preset_parameter_counts(name, billions):
+    assert PRESETS[name].parameters / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_tiny_model_by_hand():
+    # q: 8x8, k and v: 8x4 each, o: 8x8, MLP: 3x8x16, two norms of 8.
+    assert TINY.layer_parameters == 64 + 64 + 64 + 384 + 16
+    # Embeddings and LM head (untied) 2x100x8, two layers, final norm.
+    assert TINY.parameters == 1600 + 2 * 592 + 8
+    # bf16: 4 h + 2 q + 2 kv + 4 I = 32 + 16 + 8 + 64 elements.
+    assert TINY.layer_activation_bytes_per_token == 2 * 120
+    with_qk_norm = dataclasses.replace(TINY, qk_norm=True)
+    assert with_qk_norm.layer_parameters == TINY.layer_parameters + 8
+    assert with_qk_norm.layer_activation_bytes_per_token == 2 * (120 + 8 + 4)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stages_shard_the_model_states(stage):
+    gpus = 8
+    parts = estimate(TINY, micro_step(zero_stage=stage, gpus=gpus), fused=True).parts
+    psi = TINY.parameters
+    assert parts["bf16 parameters"] == 2 * psi // (gpus if stage >= 3 else 1)
+    assert parts["bf16 gradients"] == 2 * psi // (gpus if stage >= 2 else 1)
+    assert parts["fp32 master weights + Adam m, v"] == 12 * psi // (gpus if stage >= 1 else 1)
+    assert ("ZeRO-3 gathered: 2 layers + LM head" in parts) == (stage == 3)
+
+
+def test_eager_loss_part_is_three_fp32_logit_copies():
+    parts = loss_part_bytes(1000, 64, 5000, fused=False, dtype_bytes=2)
+    assert sum(parts.values()) == 3 * 4 * 1000 * 5000
+
+
+def test_fused_loss_part_has_no_tokens_by_vocab_term():
+    def fused(tokens):
+        return sum(loss_part_bytes(tokens, 64, 100_000, fused=True, dtype_bytes=2).values())
+
+    # Beyond one token tile, each extra token costs its two fp32 hidden-size rows only.
+    assert fused(20_000) - fused(10_000) == 10_000 * 2 * 4 * 64
+    fp32_parts = loss_part_bytes(20_000, 64, 100_000, fused=True, dtype_bytes=4)
+    assert sum(fp32_parts.values()) == fused(20_000) - 4 * 20_000 * 64
+
+
+def test_activations_with_and_without_checkpointing():
+    step = micro_step(prompts=2, group_size=4, prompt_length=100, response_length=300)
+    tokens = 2 * 4 * 400
+    model = PRESETS["Qwen3-4B"]
+    kept = estimate(model, step, fused=True)
+    assert kept.parts["activations: checkpointed layer inputs"] == 2 * model.hidden * model.layers * tokens
+    assert kept.recompute == model.layer_activation_bytes_per_token * tokens
+    full = estimate(model, dataclasses.replace(step, gradient_checkpointing=False), fused=True)
+    assert full.parts["activations: every layer's saved tensors"] == kept.recompute * model.layers
+    assert full.recompute == 0 and full.peak == full.at_loss_peak
+    assert full.peak > kept.peak
+
+
+def test_peak_takes_the_larger_of_loss_and_recompute():
+    model = PRESETS["Qwen3-4B"]
+    eager = estimate(model, micro_step(), fused=False)
+    fused = estimate(model, micro_step(), fused=True)
+    # Eager: the logits dominate; fused: one layer's recompute is larger than the tiles.
+    assert eager.peak == eager.at_loss_peak > eager.at_recompute
+    assert fused.peak == fused.at_recompute > fused.at_loss_peak
+    assert eager.at_loss_peak - fused.at_loss_peak == eager.loss - fused.loss
+
+
+def test_largest_group_size_is_the_fitting_boundary():
+    model = PRESETS["Qwen3-4B"]
+    step = micro_step()
+    for fused in (False, True):
+        largest = largest_group_size(model, step, fused=fused, gpu_gib=80)
+        assert largest >= 1
+        assert estimate(model, dataclasses.replace(step, group_size=largest), fused=fused).fits(80)
+        assert not estimate(model, dataclasses.replace(step, group_size=largest + 1), fused=fused).fits(80)
+    eager_largest = largest_group_size(model, step, fused=False, gpu_gib=80)
+    assert largest_group_size(model, step, fused=True, gpu_gib=80) > 4 * eager_largest
+    assert largest_group_size(model, step, fused=False, gpu_gib=1) == 0
+
+
+def test_invalid_micro_step():
+    with pytest.raises(ValueError, match="zero_stage"):
+        micro_step(zero_stage=4)
+    with pytest.raises(ValueError, match="group_size"):
+        micro_step(group_size=0)
+
+
+def test_command_line_prints_the_breakdown(capsys):
+    plan.main(["--model", "Qwen3-4B", "-G", "16", "--zero-stage", "2", "--no-gradient-checkpointing"])
+    out = capsys.readouterr().out
+    assert out.startswith("ESTIMATE")
+    assert "ZeRO-2, gradient checkpointing off" in out
+    assert "eager: does NOT fit in 80 GiB; largest G that fits:" in out
+    assert "fused:" in out and "PEAK" in out
+
+
+# --- the loss part against measured CPU peaks ---------------------------------------
+
+# One small fp32 case: N = 2048 response tokens, H = 256, V = 16384. Eager's three
+# [N, V] fp32 copies (384 MiB) dwarf the fused path's tiles and gradients (~82 MiB).
+MEASURED_SHAPE = dict(prompts=2, group_size=8, length=128, hidden=256, vocab=16384)
+# The allocator's view counts tensors only: it must agree closely. The resident set
+# adds what the C allocator keeps after a free, thread stacks and page granularity.
+ALLOC_FACTOR = 1.5
+RSS_FACTOR = 3.0
+
+
+def measure(impl: str) -> dict:
+    shape_args = [f"--{key.replace('_', '-')}={value}" for key, value in MEASURED_SHAPE.items()]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "2"}
+    env.pop("TRITON_INTERPRET", None)
+    completed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "worker.py"), "--impl", impl, "--input", "hidden",
+         *shape_args, "--rounds", "1"],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["status"] == "ok", report
+    return report
+
+
+@pytest.mark.parametrize("impl, fused", [("eager", False), ("hadw[torch]", True)])
+def test_loss_part_matches_the_measured_cpu_peak(impl, fused):
+    tokens = MEASURED_SHAPE["prompts"] * MEASURED_SHAPE["group_size"] * MEASURED_SHAPE["length"]
+    planned_mib = sum(
+        loss_part_bytes(tokens, MEASURED_SHAPE["hidden"], MEASURED_SHAPE["vocab"], fused=fused, dtype_bytes=4).values()
+    ) / MIB
+    report = measure(impl)
+    assert 1 / ALLOC_FACTOR <= report["alloc_peak_mb"] / planned_mib <= ALLOC_FACTOR, (report, planned_mib)
+    assert 1 / ALLOC_FACTOR <= report["rss_peak_mb"] / planned_mib <= RSS_FACTOR, (report, planned_mib)
