@@ -24,6 +24,7 @@ import torch
 
 class VLLMRollout:
     needs_weight_sync = True
+
     def __init__(self, model_dir: str, rollout_config, *, dtype: str, max_model_len: int, eos_token_id: int,
                  world_size: int, seed: int) -> None:
         from vllm import LLM
@@ -35,7 +36,7 @@ class VLLMRollout:
             max_model_len=max_model_len,
             seed=seed,
             skip_tokenizer_init=True,
-            # CUDA graphs and torch.compile do not exist on the CPU path.
+            # On the CPU: no graph capture or compilation at start-up (seconds, not minutes).
             enforce_eager=not on_gpu,
         )
         if on_gpu:
@@ -81,6 +82,7 @@ class VLLMRollout:
 
 class HFRollout:
     needs_weight_sync = False  # generate reads the training module's own parameters
+
     def __init__(self, module: torch.nn.Module, rollout_config, *, pad_token_id: int, eos_token_id: int,
                  synced_gpus: bool) -> None:
         self.module = module
