@@ -4,7 +4,7 @@ from .advantage import group_advantages, hadw_weights
 from .anchor import DifficultyAnchor
 from .backends import available_backends
 from .config import DEFAULT_CLIP_RANGE, LOSS_TYPES
-from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 
 __all__ = [
     "DEFAULT_CLIP_RANGE",
@@ -15,6 +15,7 @@ __all__ = [
     "fused_linear_hadw_grpo_loss",
     "group_advantages",
     "hadw_weights",
+    "token_logprobs",
 ]
 
 __version__ = "0.1.0"

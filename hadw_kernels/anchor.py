@@ -132,9 +132,10 @@ class DifficultyAnchor:
         self._posteriors.append(self.posterior)
 
     def figures(self) -> dict[str, float | None]:
-        """y_t, C_t-, C_t+, eta_t and sigma_t of the last update, for logging."""
+        """The belief in use, y_t, C_t-, C_t+, eta_t and sigma_t of the last update, for logging."""
         return {
             "anchor/step": self.step,
+            "anchor/belief": self.value,
             "anchor/y": self.observation,
             "anchor/prior": self.prior,
             "anchor/posterior": self.posterior,

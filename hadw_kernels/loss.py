@@ -7,7 +7,7 @@ import torch
 from .backends import resolve_backend
 from .config import DEFAULT_LAMBDA_SCALE, LossConfig
 from .linear_logprob import IGNORE_INDEX
-from .validation import check_linear_inputs, check_surrogate_inputs
+from .validation import check_label_range, check_linear_inputs, check_surrogate_inputs
 
 Metrics = dict[str, torch.Tensor]
 
@@ -162,10 +162,7 @@ def fused_linear_hadw_grpo_loss(
         check_values=check_values,
     )
     if check_values:
-        vocab = lm_head_weight.shape[0]
-        out_of_range = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
-        if bool(out_of_range.any()):
-            raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
+        check_label_range(labels, lm_head_weight.shape[0], ignore_index)
     implementation = resolve_backend(backend, hidden_states.device)
     with_entropy = entropy_coef > 0 or return_metrics
     logprobs, entropy = implementation.token_logprobs(
@@ -189,3 +186,37 @@ def fused_linear_hadw_grpo_loss(
         entropy=None if entropy is None else entropy.view(batch, width),
     )
     return (loss, metrics) if return_metrics else loss
+
+
+def token_logprobs(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    lm_head_bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    with_entropy: bool = False,
+    backend: str = "auto",
+    check_values: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs [B, T] of ``labels`` under softmax(h W^T / temperature), without the
+    logits: e.g. the old policy's log-probs before an update. Differentiable; returns
+    ``(logprobs, entropy)`` with ``with_entropy=True``. Ignored labels give 0."""
+    check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
+    if check_values:
+        check_label_range(labels, lm_head_weight.shape[0], ignore_index)
+    batch, width, hidden_size = hidden_states.shape
+    implementation = resolve_backend(backend, hidden_states.device)
+    logprobs, entropy = implementation.token_logprobs(
+        hidden_states.reshape(batch * width, hidden_size),
+        lm_head_weight,
+        labels.reshape(-1),
+        lm_head_bias=lm_head_bias,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        with_entropy=with_entropy,
+    )
+    if with_entropy:
+        return logprobs.view(batch, width), entropy.view(batch, width)
+    return logprobs.view(batch, width)

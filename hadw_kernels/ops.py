@@ -232,7 +232,7 @@ def surrogate_loss(
             forward_impl, logprobs, entropy, old_logprobs, rewards, response_mask, anchor,
             ref_logprobs, importance_weights, *scalars,
         )
-    named = dict(zip(METRIC_NAMES, metrics.unbind()))
+    named = dict(zip(METRIC_NAMES, metrics.detach().unbind()))
     if config.beta <= 0:
         del named["ref_kl"]
     if entropy is None:

@@ -122,6 +122,13 @@ def _check_values(rewards: torch.Tensor, response_mask: torch.Tensor, anchor) ->
         raise ValueError(f"anchor must be finite, got {anchor}")
 
 
+def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Labels index the vocabulary or equal ignore_index (one host sync on CUDA)."""
+    out_of_range = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+    if bool(out_of_range.any()):
+        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
+
+
 def check_linear_inputs(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,

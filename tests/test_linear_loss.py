@@ -179,3 +179,21 @@ def test_entropy_keeps_precision_with_large_logits():
         fast_error = (results["fast"][index].double() - exact).abs().max()
         eager_error = (results["eager"][index].double() - exact).abs().max()
         assert fast_error <= 2 * eager_error + 1e-6, (index, fast_error, eager_error)
+
+
+def test_public_token_logprobs_matches_reference():
+    from hadw_kernels import token_logprobs
+
+    h = torch.randn(3, 5, 16, dtype=torch.float64)
+    w = torch.randn(90, 16, dtype=torch.float64)
+    labels = torch.randint(0, 90, (3, 5))
+    labels[1, 4] = -100
+    logp, entropy = token_logprobs(h, w, labels, temperature=0.8, with_entropy=True, backend="torch")
+    exact_logp, exact_entropy = token_logprobs_reference(
+        h.reshape(15, 16), w, labels.reshape(-1), temperature=0.8, with_entropy=True
+    )
+    torch.testing.assert_close(logp, exact_logp.view(3, 5), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy, exact_entropy.view(3, 5), rtol=1e-12, atol=1e-12)
+    assert token_logprobs(h, w, labels, backend="torch").shape == (3, 5)
+    with pytest.raises(ValueError, match="labels must lie"):
+        token_logprobs(h, w, labels + 90, backend="torch")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hadw_kernels import fused_linear_hadw_grpo_loss
-from hadw_kernels.backends import resolve_backend
+from hadw_kernels import token_logprobs as fused_token_logprobs
 
 IGNORE_INDEX = -100
 
@@ -89,7 +89,6 @@ class Policy:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         self.device = self.engine.device
-        self.backend = resolve_backend(config.algorithm.loss_backend, torch.device(self.device))
 
     @property
     def module(self) -> torch.nn.Module:
@@ -132,18 +131,16 @@ class Policy:
     def token_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
         """log pi(response token) [b, response_width], 0 on padding, without logits."""
         hidden = self.hidden_states(batch)
-        rows, width, size = hidden.shape
         with self._gathered([self._lm_head_weight()]):
-            logprobs, _ = self.backend.token_logprobs(
-                hidden.reshape(rows * width, size),
+            logprobs = fused_token_logprobs(
+                hidden,
                 self._lm_head_weight(),
-                batch.labels.reshape(-1),
-                lm_head_bias=None,
+                batch.labels,
                 temperature=self.config.rollout.temperature,
                 ignore_index=IGNORE_INDEX,
-                with_entropy=False,
+                backend=self.config.algorithm.loss_backend,
             )
-        return logprobs.view(rows, width).float()
+        return logprobs.float()
 
     def accumulate(self, batch: SequenceBatch, old_logprobs: torch.Tensor, rewards: torch.Tensor, *,
                    anchor: float | None, lambda_scale: float, loss_normalizer: float) -> dict[str, float]:
