@@ -289,6 +289,7 @@ at::Tensor row_gradient(const at::Tensor& grad, const at::Tensor& valid, at::Sca
 template <typename acc_t>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const LinearInputs& in, const at::Tensor& hidden_in,
                                                              const at::Tensor& weight_in,
+                                                             const std::optional<at::Tensor>& bias_in,
                                                              const at::Tensor& grad_logprobs_in,
                                                              const std::optional<at::Tensor>& grad_entropy_in,
                                                              const at::Tensor& lse_in, const at::Tensor& mean_logit_in,
@@ -359,8 +360,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const LinearInputs&
     }
     grad_hidden.index_copy_(0, block, block_total);
   }
-  at::Tensor grad_bias_out = grad_bias.defined() ? grad_bias.to(in.weight.scalar_type())
-                                                  : at::empty({0}, in.weight.options());
+  at::Tensor grad_bias_out =
+      grad_bias.defined() ? shaped_like(*bias_in, grad_bias) : at::empty({0}, in.weight.options());
   return {shaped_like(hidden_in, grad_hidden), shaped_like(weight_in, grad_weight), grad_bias_out};
 }
 
@@ -396,9 +397,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_backward_cpu(
                 grad_entropy->sizes());
   }
   if (in.accumulate == at::kDouble) {
-    return backward_impl<double>(in, hidden, weight, grad_logprobs, grad_entropy, lse, mean_logit, temperature, ignore_index);
+    return backward_impl<double>(in, hidden, weight, bias, grad_logprobs, grad_entropy, lse, mean_logit, temperature,
+                                 ignore_index);
   }
-  return backward_impl<float>(in, hidden, weight, grad_logprobs, grad_entropy, lse, mean_logit, temperature, ignore_index);
+  return backward_impl<float>(in, hidden, weight, bias, grad_logprobs, grad_entropy, lse, mean_logit, temperature,
+                              ignore_index);
 }
 
 }  // namespace hadw

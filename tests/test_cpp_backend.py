@@ -484,17 +484,19 @@ def test_opcheck_surrogate(dtype, optional):
     torch.library.opcheck(torch.ops.hadw.surrogate_loss.default, _surrogate_op_args(dtype, optional=optional))
 
 
-@pytest.mark.parametrize("dtype, bias", [(torch.float32, True), (torch.bfloat16, False), (torch.float64, True)])
-def test_opcheck_linear_forward_and_backward(dtype, bias):
-    (h, w, b), labels, (upstream_logp, upstream_entropy) = _linear_case(20, 16, 300, bias)
+@pytest.mark.parametrize("dtype, bias_dtype", [(torch.float32, torch.float32), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
+def test_opcheck_linear_forward_and_backward(dtype, bias_dtype):
+    (h, w, b), labels, (upstream_logp, upstream_entropy) = _linear_case(20, 16, 300, bias=bias_dtype is not None)
     h, w = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
-    b = b.to(dtype).requires_grad_() if bias else None
+    b = None if b is None else b.to(bias_dtype).requires_grad_()
     torch.library.opcheck(torch.ops.hadw.linear_logprob_forward.default, (h, w, b, labels, 0.7, IGNORE, True))
-    _, _, lse, mean_logit = _forward_op(h.detach(), w.detach(), None if b is None else b.detach(), labels)
+    detached = [None if t is None else t.detach() for t in (h, w, b)]
+    _, _, lse, mean_logit = _forward_op(*detached, labels)
     torch.library.opcheck(
         torch.ops.hadw.linear_logprob_backward.default,
-        (upstream_logp.to(lse.dtype), upstream_entropy.to(lse.dtype), h.detach(), w.detach(),
-         None if b is None else b.detach(), labels, lse, mean_logit, 0.7, IGNORE),
+        (upstream_logp.to(lse.dtype), upstream_entropy.to(lse.dtype), *detached, labels, lse, mean_logit, 0.7,
+         IGNORE),
     )
 
 
