@@ -16,7 +16,9 @@ EXTRAS="${EXTRAS:-dev,trainer,bench}"
 python3 -m venv "$VENV"
 PIP="$VENV/bin/pip"
 
-# 1. Every pin of pyproject.toml (dependencies and the chosen extras), torch among them.
+# 1. Every pin of pyproject.toml (dependencies and the chosen extras), torch among them,
+# asked for as its CPU build: a bare torch==2.13.0 lets pip backtrack into the CUDA
+# build (several GB) whenever any other pin conflicts.
 REQUIREMENTS="$VENV/pinned-requirements.txt"
 "$VENV/bin/python" - "$ROOT/pyproject.toml" "$EXTRAS" >"$REQUIREMENTS" <<'PY'
 import sys
@@ -24,7 +26,7 @@ import tomllib
 
 with open(sys.argv[1], "rb") as handle:
     project = tomllib.load(handle)["project"]
-pins = list(project["dependencies"]) + ["setuptools==84.2.1", "wheel"]
+pins = [p + "+cpu" if p.startswith("torch==") else p for p in project["dependencies"]]
 for extra in filter(None, sys.argv[2].split(",")):
     pins += project["optional-dependencies"][extra]
 print("\n".join(dict.fromkeys(pins)))
