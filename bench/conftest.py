@@ -60,7 +60,7 @@ def timed_rounds(config) -> int:
 
 def pytest_configure(config):
     config.stash[ROWS] = []
-    config.stash[STARTED] = (time.monotonic(), os.getloadavg()[0])
+    config.stash[STARTED] = (time.monotonic(), os.getloadavg()[0], _git_commit())
 
 
 def pytest_generate_tests(metafunc):
@@ -118,7 +118,7 @@ def session_meta(config) -> dict:
 
     from hadw_kernels import available_backends
 
-    started, load_at_start = config.stash[STARTED]
+    started, load_at_start, commit_at_start = config.stash[STARTED]
     quick = quick_mode(config)
     return {
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
@@ -126,7 +126,7 @@ def session_meta(config) -> dict:
         "machine": f"{os.cpu_count()} CPUs (nproc), {_cpu_model()}, {platform.system()} {platform.machine()}",
         "load average (1 min) at start / end": f"{load_at_start:.1f} / {os.getloadavg()[0]:.1f}",
         "session wall time": f"{time.monotonic() - started:.0f} s",
-        "commit": _git_commit(),
+        "commit at start (the working tree is what runs)": commit_at_start,
         "versions": (
             f"torch {torch.__version__}, liger-kernel {_version('liger-kernel')}, "
             f"cut-cross-entropy {_version('cut-cross-entropy')}, Python {platform.python_version()}"

@@ -29,7 +29,11 @@ Peak alloc: the allocator's view, peak of live tensor bytes above the inputs dur
 (PyTorch profiler memory events). Peak RSS: ru_maxrss over the timed steps minus the resident
 set after imports and inputs (what the warm-up left resident, e.g. compiled code, counts).
 Ratios: to eager of the same input, shape and G; memory ratios are left out when eager's peak
-is under 1 MB (page-granular noise)."""
+is under 1 MB (page-granular noise).
+load: the machine's 1-minute load average when the case ended. The case's own two threads
+make ~2; well above that, other work shared the two cores and the times are inflated (most for
+implementations made of thousands of small parallel ops, whose threads wait at every barrier
+for a descheduled partner)."""
 
 
 def _fixed_shape(row: dict) -> tuple:
@@ -79,9 +83,9 @@ def markdown_tables(rows: list[dict]) -> str:
         out.append("")
         out.append(
             "| G | implementation | status | time min [median] (ms) | tokens/s | peak alloc (MB) "
-            "| peak RSS (MB) | time vs eager | alloc vs eager | RSS vs eager |"
+            "| peak RSS (MB) | time vs eager | alloc vs eager | RSS vs eager | load |"
         )
-        out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         baselines = {r["group_size"]: r for r in section if r["impl"] == BASELINE and r["status"] == "ok"}
         for row in sorted(section, key=lambda r: r["group_size"]):
             base = baselines.get(row["group_size"], {})
@@ -95,14 +99,15 @@ def markdown_tables(rows: list[dict]) -> str:
                 f"| {_megabytes(row.get('rss_peak_mb'))} "
                 f"| {_ratio(row.get('time_min_s'), base.get('time_min_s'))} "
                 f"| {_ratio(row.get('alloc_peak_mb'), base.get('alloc_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} "
-                f"| {_ratio(row.get('rss_peak_mb'), base.get('rss_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} |"
+                f"| {_ratio(row.get('rss_peak_mb'), base.get('rss_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} "
+                f"| {_number(row.get('load_1min'), 1)} |"
             )
         out.append("")
     return "\n".join(out)
 
 
 def plot_against_group_size(rows: list[dict], path: Path) -> Path | None:
-    """Peak RSS and (min) time against G, one line per implementation, for every input
+    """Peak memory (RSS and allocator) and min time against G, one line per implementation, for every input
     whose shape was swept over more than one G. None if nothing was swept."""
     import matplotlib
 
@@ -124,15 +129,20 @@ def plot_against_group_size(rows: list[dict], path: Path) -> Path | None:
         memory_axis, time_axis = axes[0][column], axes[1][column]
         for impl, impl_rows in by_impl.items():
             groups = [r["group_size"] for r in impl_rows]
-            memory_axis.plot(groups, [r["rss_peak_mb"] for r in impl_rows], marker="o", label=impl)
+            (line,) = memory_axis.plot(groups, [r["rss_peak_mb"] for r in impl_rows], marker="o", label=f"{impl} RSS")
+            memory_axis.plot(
+                groups, [r["alloc_peak_mb"] for r in impl_rows], marker="x", linestyle="--",
+                color=line.get_color(), label=f"{impl} alloc",
+            )
             time_axis.plot(groups, [r["time_min_s"] for r in impl_rows], marker="o", label=impl)
         prompts, length, hidden, vocab = fixed
         memory_axis.set_title(f"{input_kind}: P={prompts}, T={length}, H={hidden}, V={vocab}")
-        memory_axis.set_ylabel("peak RSS above baseline (MB)")
+        memory_axis.set_ylabel("peak above baseline (MB): RSS solid, allocator dashed")
         time_axis.set_ylabel("forward+backward, min of rounds (s)")
+        # Linear memory: a peak can be 0 (nothing allocated beyond the inputs).
+        time_axis.set_yscale("log")
         for axis in (memory_axis, time_axis):
             axis.set_xscale("log", base=2)
-            axis.set_yscale("log")
             axis.set_xticks(sorted({r["group_size"] for r in section}))
             axis.set_xticklabels([str(g) for g in sorted({r["group_size"] for r in section})])
             axis.set_xlabel("group size G")

@@ -11,6 +11,7 @@ it fails.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 
 import pytest
@@ -82,4 +83,5 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
         seconds["roundtrip_median_s"] = benchmark.stats.stats.median
     memory = {key: report[key] for key in MEMORY_FIELDS if key in report}
     benchmark.extra_info.update(memory, tokens=shape.tokens, worker_median_s=seconds["time_median_s"])
-    record_row({**row, **memory, **seconds, "status": "ok"})
+    # The case's own two threads count ~2: above that, other work shared the cores.
+    record_row({**row, **memory, **seconds, "status": "ok", "load_1min": os.getloadavg()[0]})
