@@ -165,6 +165,9 @@ def fused_linear_hadw_grpo_loss(
         check_label_range(labels, lm_head_weight.shape[0], ignore_index)
     implementation = resolve_backend(backend, hidden_states.device)
     with_entropy = entropy_coef > 0 or return_metrics
+    # Padding is masked out of the loss anyway; as ignored labels its rows skip the GEMMs
+    # in the kernels that skip ignored rows.
+    labels = labels.masked_fill(~response_mask.bool(), ignore_index)
     logprobs, entropy = implementation.token_logprobs(
         hidden_states.reshape(batch * width, hidden_size),
         lm_head_weight,

@@ -215,7 +215,8 @@ def surrogate_loss(
     """Runs the surrogate op (or ``forward_impl`` directly) and names the metrics."""
     if anchor is not None and not isinstance(anchor, torch.Tensor):
         # torch.full, not torch.tensor: no blocking host-to-device copy on CUDA.
-        anchor = torch.full((), float(anchor), device=logprobs.device)
+        # float64: a Python float is double, and fp32 would round it for fp64 inputs.
+        anchor = torch.full((), float(anchor), dtype=torch.float64, device=logprobs.device)
     scalars = (
         config.group_size, config.loss_type, config.epsilon_low, config.epsilon_high,
         config.lambda_scale, config.beta, config.dual_clip, config.entropy_coef,
