@@ -48,12 +48,17 @@ OUT_OF_MEMORY_MARKS = ("can't allocate memory", "DefaultCPUAllocator", "out of m
 
 
 def peak_rss_bytes() -> int:
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """VmHWM, this process's own high-water mark. Not ru_maxrss: exec folds the parent's
+    resident set into it (a 1 GB pytest parent made every peak here read ~0)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def reset_peak_rss() -> None:
-    """Sets the kernel's high-water mark (ru_maxrss, VmHWM) back to the current RSS."""
+    """Sets the kernel's high-water mark (VmHWM) back to the current RSS."""
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
 

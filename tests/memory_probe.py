@@ -2,12 +2,12 @@
 
     python memory_probe.py {eager|fused} N H V   ->   {"peak_bytes": ...} on stdout
 
-The peak is the process's maximum resident set (ru_maxrss) minus its resident set
-after the inputs exist, so imports and inputs do not count.
+The peak is the process's own high-water mark (VmHWM, reset once the inputs exist) minus
+its resident set then, so imports and inputs do not count. Not ru_maxrss: exec folds the
+parent's resident set into it, so a large pytest parent would hide the peak.
 """
 
 import json
-import resource
 import sys
 
 import torch
@@ -18,9 +18,12 @@ from hadw_kernels.linear_logprob import token_logprobs_reference
 from hadw_kernels.surrogate import surrogate_loss
 
 
-def _resident_bytes():
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
+def _status_bytes(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def main():
@@ -34,14 +37,16 @@ def main():
     old = torch.full((batch, width), -10.0)
     rewards = torch.randint(0, 2, (batch,)).float()
     mask = torch.ones(batch, width, dtype=torch.bool)
-    baseline = _resident_bytes()
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # VmHWM := current resident set
+    baseline = _status_bytes("VmRSS")
     if path == "eager":
         logp, _ = token_logprobs_reference(h.view(-1, hidden), w, labels.view(-1))
         loss, _ = surrogate_loss(logp.view(batch, width), old, rewards, mask, LossConfig.build("grpo", group), anchor=0.5)
     else:
         loss = fused_linear_hadw_grpo_loss(h, w, labels, old, rewards, mask, group_size=group, anchor=0.5, backend="torch")
     loss.backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_bytes("VmHWM")
     print(json.dumps({"path": path, "peak_bytes": peak - baseline}))
 
 
