@@ -147,7 +147,7 @@ def fused_linear_hadw_grpo_loss(
         max_response_length=max_response_length,
     )
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
-    batch, width, hidden_size = hidden_states.shape
+    batch, width, _ = hidden_states.shape
     # The surrogate checks see a stand-in for the log-probs: same shape, device, dtype.
     logprobs_shape = hidden_states.new_empty(batch, width)
     check_surrogate_inputs(
@@ -167,18 +167,18 @@ def fused_linear_hadw_grpo_loss(
     with_entropy = entropy_coef > 0 or return_metrics
     # Padding is masked out of the loss anyway; as ignored labels its rows skip the GEMMs
     # in the kernels that skip ignored rows.
-    labels = labels.masked_fill(~response_mask.bool(), ignore_index)
-    logprobs, entropy = implementation.token_logprobs(
-        hidden_states.reshape(batch * width, hidden_size),
+    logprobs, entropy = _batched_token_logprobs(
+        implementation,
+        hidden_states,
         lm_head_weight,
-        labels.reshape(-1),
+        labels.masked_fill(~response_mask.bool(), ignore_index),
         lm_head_bias=lm_head_bias,
         temperature=temperature,
         ignore_index=ignore_index,
         with_entropy=with_entropy,
     )
     loss, metrics = implementation.surrogate_loss(
-        logprobs.view(batch, width),
+        logprobs,
         old_logprobs,
         rewards,
         response_mask,
@@ -186,7 +186,7 @@ def fused_linear_hadw_grpo_loss(
         anchor=anchor,
         ref_logprobs=ref_logprobs,
         importance_weights=importance_weights,
-        entropy=None if entropy is None else entropy.view(batch, width),
+        entropy=entropy,
     )
     return (loss, metrics) if return_metrics else loss
 
@@ -209,17 +209,23 @@ def token_logprobs(
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
     if check_values:
         check_label_range(labels, lm_head_weight.shape[0], ignore_index)
-    batch, width, hidden_size = hidden_states.shape
-    implementation = resolve_backend(backend, hidden_states.device)
-    logprobs, entropy = implementation.token_logprobs(
-        hidden_states.reshape(batch * width, hidden_size),
+    logprobs, entropy = _batched_token_logprobs(
+        resolve_backend(backend, hidden_states.device),
+        hidden_states,
         lm_head_weight,
-        labels.reshape(-1),
+        labels,
         lm_head_bias=lm_head_bias,
         temperature=temperature,
         ignore_index=ignore_index,
         with_entropy=with_entropy,
     )
-    if with_entropy:
-        return logprobs.view(batch, width), entropy.view(batch, width)
-    return logprobs.view(batch, width)
+    return (logprobs, entropy) if with_entropy else logprobs
+
+
+def _batched_token_logprobs(implementation, hidden_states, lm_head_weight, labels, **options):
+    """The backend's token_logprobs on [B, T, H] flattened to rows, reshaped to [B, T]."""
+    batch, width, hidden_size = hidden_states.shape
+    logprobs, entropy = implementation.token_logprobs(
+        hidden_states.reshape(batch * width, hidden_size), lm_head_weight, labels.reshape(-1), **options
+    )
+    return logprobs.view(batch, width), None if entropy is None else entropy.view(batch, width)
