@@ -1,5 +1,6 @@
 """Backend selection."""
 
+import os
 import subprocess
 import sys
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from hadw_kernels import available_backends, fused_hadw_grpo_loss
-from hadw_kernels.backends import BackendUnavailable, load_backend, resolve_backend
+from hadw_kernels.backends import load_backend, resolve_backend
 
 
 def test_torch_backend_is_always_available():
@@ -30,7 +31,7 @@ def test_triton_on_cpu_without_interpreter_says_why():
         "x = torch.zeros(2, 3)\n"
         "fused_hadw_grpo_loss(x, x, torch.tensor([1.0, 0.0]), torch.ones(2, 3), group_size=2, backend='triton')\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode != 0
     assert "BackendUnavailable" in result.stderr and "TRITON_INTERPRET" in result.stderr
