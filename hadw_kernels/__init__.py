@@ -1,21 +1,30 @@
 """Fused GRPO-family losses with History-Aware Adaptive Difficulty Weighting (HA-DW)."""
 
-from .advantage import group_advantages, hadw_weights
+from .advantage import group_advantages, hadw_advantages, hadw_weights
 from .anchor import DifficultyAnchor
-from .backends import available_backends
-from .config import DEFAULT_CLIP_RANGE, LOSS_TYPES
+from .backends import BackendUnavailable, available_backends
+from .config import AGG_MODES, DEFAULT_CLIP_RANGE, KL_ESTIMATORS, LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES
 from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
+from .module import HADWGRPOLoss, LinearHADWGRPOLoss
 
 __all__ = [
+    "AGG_MODES",
     "DEFAULT_CLIP_RANGE",
+    "KL_ESTIMATORS",
+    "LOSS_PRESETS",
     "LOSS_TYPES",
+    "METRIC_NAMES",
+    "BackendUnavailable",
     "DifficultyAnchor",
+    "HADWGRPOLoss",
+    "LinearHADWGRPOLoss",
     "available_backends",
     "fused_hadw_grpo_loss",
     "fused_linear_hadw_grpo_loss",
     "group_advantages",
+    "hadw_advantages",
     "hadw_weights",
     "token_logprobs",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

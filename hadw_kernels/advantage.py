@@ -2,13 +2,21 @@
 
 Plain PyTorch: this is the reference that every kernel's advantage is tested against,
 and the building block for users who wire their own loss.
+
+:func:`hadw_advantages` is the rollout-time form a trainer such as TRL or verl needs:
+A_hat * Phi for a whole rollout batch, its groups given by contiguity or by an index
+(verl's ``uid``), computed once and then passed to the losses as ``advantages=`` so
+micro-batches may split and shuffle the rows freely.
 """
 
 from __future__ import annotations
 
 import torch
 
-STD_EPS = 1e-6
+from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS
+
+# Kept for callers of the first release.
+STD_EPS = DEFAULT_STD_EPS
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -20,7 +28,7 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         )
     # Advantages are at least fp32: bf16 rewards would round k/G.
     dtype = torch.promote_types(rewards.dtype, torch.float32)
-    return rewards.to(dtype).view(-1, group_size)
+    return rewards.detach().to(dtype).view(-1, group_size)
 
 
 def _degenerate(grouped: torch.Tensor) -> torch.Tensor:
@@ -30,9 +38,13 @@ def _degenerate(grouped: torch.Tensor) -> torch.Tensor:
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    normalize_std: bool = True,
+    std_eps: float = DEFAULT_STD_EPS,
 ) -> torch.Tensor:
-    """A_hat_i = (r_i - mean_g) / (std_g + 1e-6), or r_i - mean_g without the std.
+    """A_hat_i = (r_i - mean_g) / (std_g + std_eps), or r_i - mean_g without the std.
 
     ``rewards`` is [B] with each group's ``group_size`` responses contiguous. The std is
     unbiased (as ``torch.std``). A group whose rewards are all equal gets exactly 0.
@@ -40,7 +52,7 @@ def group_advantages(
     grouped = _grouped(rewards, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std:
-        centred = centred / (grouped.std(dim=1, keepdim=True) + STD_EPS)
+        centred = centred / (grouped.std(dim=1, keepdim=True) + std_eps)
     centred = torch.where(_degenerate(grouped)[:, None], torch.zeros_like(centred), centred)
     return centred.reshape(-1)
 
@@ -50,7 +62,7 @@ def hadw_weights(
     group_size: int,
     anchor: float | torch.Tensor,
     *,
-    lambda_scale: float = 1.3,
+    lambda_scale: float = DEFAULT_LAMBDA_SCALE,
 ) -> torch.Tensor:
     """Phi_i = lambda_scale * exp(D_i * M_g), with D_i = -sgn(A_hat_i) sgn(p_hat_g - C)
     and M_g = |p_hat_g - C|.
@@ -60,7 +72,7 @@ def hadw_weights(
     the std normalisation does not change, so it is the same for every loss type.
     The result carries no gradient.
     """
-    grouped = _grouped(rewards, group_size).detach()
+    grouped = _grouped(rewards, group_size)
     group_mean = grouped.mean(dim=1, keepdim=True)
     advantage_sign = torch.sign(grouped - group_mean)
     advantage_sign = torch.where(
@@ -72,3 +84,69 @@ def hadw_weights(
     difficulty = group_mean - anchor
     exponent = -advantage_sign * torch.sign(difficulty) * difficulty.abs()
     return (lambda_scale * torch.exp(exponent)).reshape(-1)
+
+
+def _contiguous_index(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(dense group id [B] in 0..groups-1, groups) for any labels (verl's uids)."""
+    if group_index.dim() != 1:
+        raise ValueError(f"group_index must be 1-D [B], got shape {tuple(group_index.shape)}")
+    if group_index.is_floating_point() or group_index.is_complex():
+        raise TypeError(f"group_index must hold integers, got {group_index.dtype}")
+    unique, dense = torch.unique(group_index, return_inverse=True)
+    return dense, unique.numel()
+
+
+def hadw_advantages(
+    rewards: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    group_index: torch.Tensor | None = None,
+    anchor: float | torch.Tensor | None = None,
+    lambda_scale: float = DEFAULT_LAMBDA_SCALE,
+    normalize_std: bool = True,
+    std_eps: float = DEFAULT_STD_EPS,
+) -> torch.Tensor:
+    """A_hat * Phi [B] for a whole rollout batch, to pass to the losses as ``advantages``.
+
+    Groups are either contiguous runs of ``group_size`` rows, or the rows sharing a
+    value of ``group_index`` [B] (integers, any order, groups of any size >= 2; verl's
+    ``uid`` mapped to integers). ``anchor=None`` gives the plain group-relative
+    advantage. A group whose rewards are all equal gets exactly 0. Float rewards in,
+    at least fp32 out; no gradient.
+    """
+    if (group_size is None) == (group_index is None):
+        raise ValueError("pass exactly one of group_size (contiguous groups) and group_index")
+    if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
+        raise TypeError("rewards must be a floating-point tensor")
+    if group_size is not None:
+        advantage = group_advantages(rewards, group_size, normalize_std=normalize_std, std_eps=std_eps)
+        if anchor is not None:
+            advantage = advantage * hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
+        return advantage
+    if group_index.shape != rewards.shape:
+        raise ValueError(f"group_index has shape {tuple(group_index.shape)}, rewards {tuple(rewards.shape)}")
+    if group_index.device != rewards.device:
+        raise ValueError(f"group_index is on {group_index.device}, rewards on {rewards.device}")
+    values = rewards.detach().to(torch.promote_types(rewards.dtype, torch.float32))
+    dense, groups = _contiguous_index(group_index)
+    counts = torch.zeros(groups, dtype=values.dtype, device=values.device).index_add_(0, dense, torch.ones_like(values))
+    if bool((counts < 2).any()):
+        raise ValueError("every group of group_index needs at least 2 responses (a group-relative baseline)")
+    sums = torch.zeros_like(counts).index_add_(0, dense, values)
+    means = sums / counts
+    centred = values - means[dense]
+    lowest = torch.full_like(counts, float("inf")).scatter_reduce_(0, dense, values, "amin")
+    highest = torch.full_like(counts, float("-inf")).scatter_reduce_(0, dense, values, "amax")
+    degenerate = (lowest == highest)[dense]
+    advantage = centred
+    if normalize_std:
+        squares = torch.zeros_like(counts).index_add_(0, dense, centred.square())
+        std = torch.sqrt(squares / (counts - 1))
+        advantage = centred / (std[dense] + std_eps)
+    advantage = torch.where(degenerate, torch.zeros_like(advantage), advantage)
+    if anchor is not None:
+        anchor = torch.as_tensor(anchor, dtype=values.dtype, device=values.device)
+        difficulty = means[dense] - anchor
+        sign = torch.where(degenerate, torch.zeros_like(centred), torch.sign(centred))
+        advantage = advantage * lambda_scale * torch.exp(-sign * torch.sign(difficulty) * difficulty.abs())
+    return advantage

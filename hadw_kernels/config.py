@@ -1,98 +1,224 @@
-"""The hyperparameters of one loss call, checked once, shared by every backend."""
+"""What a loss is: the one description every implementation takes its constants from.
+
+A loss type (``grpo``, ``dapo``, ``gspo``, ``dr_grpo``) is a preset of four choices
+(:data:`LOSS_PRESETS`): whether the advantage is divided by the group's std, how
+per-token values are aggregated into the batch loss (verl's ``loss_agg_mode``), whether
+the importance ratio is per token or per sequence, and the clip range. Every choice can
+be overridden one by one; :class:`LossConfig` holds the resolved values, and the
+reference (``surrogate.py``), the Triton kernels and the C++ kernels receive those
+values, never the loss type's name. The C++ build generates its constants from this
+module (``setup.py``), so the metric order and the option codes exist once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 LOSS_TYPES = ("grpo", "dapo", "gspo", "dr_grpo")
 
-# (epsilon_low, epsilon_high) by loss type: SPEC section 5 (DAPO's decoupled clip,
-# GSPO's sequence-level ranges from the seed's Table 8).
-DEFAULT_CLIP_RANGE = {
-    "grpo": (0.2, 0.2),
-    "dapo": (0.2, 0.28),
-    "gspo": (3e-4, 4e-4),
-    "dr_grpo": (0.2, 0.2),
-}
+# How per-token values v_t of valid tokens become the loss, each as sum_t w_t v_t with
+# the weight w_t of a token of response i (T_i valid tokens, S responses in the call,
+# N valid tokens in the call, L the constant max_response_length); a loss_normalizer
+# replaces S (seq-mean-*) or N (token-mean) by the whole rollout batch's count.
+#   token-mean               1 / N                   (DAPO, TRL's bnpo/dapo)
+#   seq-mean-token-mean      1 / (T_i S)             (GRPO)
+#   seq-mean-token-sum       1 / S
+#   seq-mean-token-sum-norm  1 / (L S)               (Dr.GRPO)
+#   token-sum                1                       (verl's token-sum)
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 
+# KL(pi || pi_ref) estimators from the token log-probs, as verl's kl_penalty (k3 is its
+# low_var_kl, with its clamps): x = logp - ref.
+#   k1: x    k2: x^2 / 2    k3: clamp(exp(-x') - 1 + x', -10, 10), x' = clamp(x, -20, 20)    abs: |x|
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+K3_LOG_RATIO_CLAMP = 20.0
+K3_VALUE_CLAMP = 10.0
+
+# The metrics every implementation returns, in this order (kernels index them by name).
+METRIC_NAMES = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "ratio_mean",
+    "approx_kl",
+    "phi_mean",
+    "zero_std_frac",
+    "ref_kl",
+    "entropy_mean",
+)
+# Metrics that describe the groups: unknown when the advantages come from the caller.
+GROUP_METRICS = ("phi_mean", "zero_std_frac")
+
+IGNORE_INDEX = -100
+DEFAULT_STD_EPS = 1e-6
 DEFAULT_LAMBDA_SCALE = 1.3  # the paper's best value (Table 7)
-
+AUTHORS_LAMBDA_SCALE = 1.5  # the authors' public code
 # rho = exp(clamp(log-ratio)): keeps exp finite for any policy drift.
 LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
-class LossConfig:
-    """Everything about the loss that is not a tensor.
+class LossPreset:
+    """What a loss type means."""
 
-    ``loss_normalizer`` replaces the batch denominator (valid tokens for dapo, responses
-    for the others) so that micro-batches of one rollout batch add up to the big-batch
-    loss. ``max_response_length`` is Dr.GRPO's constant L_max (default: the mask width).
+    normalize_std: bool
+    loss_agg_mode: str
+    sequence_level: bool
+    clip_range: tuple[float, float]
+
+
+LOSS_PRESETS = {
+    "grpo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", sequence_level=False,
+                       clip_range=(0.2, 0.2)),
+    # DAPO's decoupled clip (SPEC section 5).
+    "dapo": LossPreset(normalize_std=True, loss_agg_mode="token-mean", sequence_level=False, clip_range=(0.2, 0.28)),
+    # GSPO's sequence-level ranges from the seed's Table 8.
+    "gspo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", sequence_level=True,
+                       clip_range=(3e-4, 4e-4)),
+    "dr_grpo": LossPreset(normalize_std=False, loss_agg_mode="seq-mean-token-sum-norm", sequence_level=False,
+                          clip_range=(0.2, 0.2)),
+}
+assert tuple(LOSS_PRESETS) == LOSS_TYPES
+
+# Kept for callers of the first release: the clip range of each preset.
+DEFAULT_CLIP_RANGE = {name: preset.clip_range for name, preset in LOSS_PRESETS.items()}
+
+
+def _finite_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Everything about the loss that is not a tensor, resolved from a preset.
+
+    ``group_size`` is None when the caller passes advantages instead of rewards.
+    ``loss_normalizer`` replaces the call's own count in the aggregation (see
+    :data:`AGG_MODES`) so that micro-batches of one rollout batch add up to the
+    big-batch loss. ``max_response_length`` is the constant L of
+    ``seq-mean-token-sum-norm`` (default: the mask width).
     """
 
-    loss_type: str
-    group_size: int
+    group_size: int | None
+    normalize_std: bool
+    loss_agg_mode: str
+    sequence_level: bool
     epsilon_low: float
     epsilon_high: float
+    std_eps: float = DEFAULT_STD_EPS
     lambda_scale: float = DEFAULT_LAMBDA_SCALE
     beta: float = 0.0
+    kl_estimator: str = "k3"
     dual_clip: float | None = None
     entropy_coef: float = 0.0
     loss_normalizer: float | None = None
     max_response_length: int | None = None
 
-    @property
-    def normalize_std(self) -> bool:
-        return self.loss_type != "dr_grpo"
-
-    @property
-    def sequence_level(self) -> bool:
-        return self.loss_type == "gspo"
-
     @classmethod
     def build(
         cls,
         loss_type: str,
-        group_size: int,
+        group_size: int | None,
+        *,
+        normalize_std: bool | None = None,
+        loss_agg_mode: str | None = None,
+        sequence_level: bool | None = None,
         epsilon_low: float | None = None,
         epsilon_high: float | None = None,
         **options,
     ) -> "LossConfig":
-        """Fills the clip range from the loss type and validates every field."""
-        if loss_type not in LOSS_TYPES:
+        """The preset of ``loss_type`` with every option given (not None) overriding it."""
+        if loss_type not in LOSS_PRESETS:
             raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
-        default_low, default_high = DEFAULT_CLIP_RANGE[loss_type]
+        preset = LOSS_PRESETS[loss_type]
         config = cls(
-            loss_type=loss_type,
             group_size=group_size,
-            epsilon_low=default_low if epsilon_low is None else float(epsilon_low),
-            epsilon_high=default_high if epsilon_high is None else float(epsilon_high),
-            **options,
+            normalize_std=preset.normalize_std if normalize_std is None else normalize_std,
+            loss_agg_mode=preset.loss_agg_mode if loss_agg_mode is None else loss_agg_mode,
+            sequence_level=preset.sequence_level if sequence_level is None else sequence_level,
+            epsilon_low=preset.clip_range[0] if epsilon_low is None else epsilon_low,
+            epsilon_high=preset.clip_range[1] if epsilon_high is None else epsilon_high,
+            **{key: value for key, value in options.items() if value is not None},
         )
         config.validate()
         return config
 
     def validate(self) -> None:
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
-            raise TypeError(f"group_size must be an int, got {type(self.group_size).__name__}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be at least 2 (a group-relative baseline), got {self.group_size}")
-        if not (self.epsilon_low >= 0 and self.epsilon_high >= 0):
-            raise ValueError(
-                f"clip ranges must be non-negative, got epsilon_low={self.epsilon_low}, "
-                f"epsilon_high={self.epsilon_high}"
-            )
+        if self.group_size is not None:
+            if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
+                raise TypeError(f"group_size must be an int, got {type(self.group_size).__name__}")
+            if self.group_size < 2:
+                raise ValueError(f"group_size must be at least 2 (a group-relative baseline), got {self.group_size}")
+        for name in ("normalize_std", "sequence_level"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; expected one of {AGG_MODES}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+        for name in ("epsilon_low", "epsilon_high"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
+                raise ValueError(f"{name} (clip range) must be a finite non-negative number, got {value!r}")
         if self.epsilon_low >= 1:
             raise ValueError(f"epsilon_low must be below 1 (the ratio is positive), got {self.epsilon_low}")
-        if not self.lambda_scale > 0:
-            raise ValueError(f"lambda_scale must be positive, got {self.lambda_scale}")
-        if not self.beta >= 0:
-            raise ValueError(f"beta (KL coefficient) must be non-negative, got {self.beta}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip must be greater than 1, got {self.dual_clip}")
-        if not self.entropy_coef >= 0:
-            raise ValueError(f"entropy_coef must be non-negative, got {self.entropy_coef}")
-        if self.loss_normalizer is not None and not self.loss_normalizer > 0:
-            raise ValueError(f"loss_normalizer must be positive, got {self.loss_normalizer}")
-        if self.max_response_length is not None and not self.max_response_length > 0:
-            raise ValueError(f"max_response_length must be positive, got {self.max_response_length}")
+        _finite_positive("std_eps", self.std_eps)
+        _finite_positive("lambda_scale", self.lambda_scale)
+        if isinstance(self.beta, bool) or not (0 <= self.beta < math.inf):
+            raise ValueError(f"beta (KL coefficient) must be finite and non-negative, got {self.beta!r}")
+        if self.dual_clip is not None and not (1 < self.dual_clip < math.inf):
+            raise ValueError(f"dual_clip must be finite and greater than 1, got {self.dual_clip!r}")
+        if isinstance(self.entropy_coef, bool) or not (0 <= self.entropy_coef < math.inf):
+            raise ValueError(f"entropy_coef must be finite and non-negative, got {self.entropy_coef!r}")
+        if self.loss_normalizer is not None:
+            _finite_positive("loss_normalizer", self.loss_normalizer)
+        if self.max_response_length is not None:
+            if isinstance(self.max_response_length, bool) or not isinstance(self.max_response_length, int):
+                raise TypeError(f"max_response_length must be an int, got {self.max_response_length!r}")
+            if self.max_response_length < 1:
+                raise ValueError(f"max_response_length must be positive, got {self.max_response_length}")
+        if (
+            self.loss_agg_mode == "seq-mean-token-sum-norm"
+            and self.loss_normalizer is not None
+            and self.max_response_length is None
+        ):
+            # Micro-batches padded to their own widths would each divide by their own
+            # width and no longer add up to the big batch.
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' with a loss_normalizer (gradient accumulation) "
+                "needs max_response_length: the constant length every micro-batch divides by"
+            )
+
+    def replace(self, **changes) -> "LossConfig":
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        values.update(changes)
+        config = LossConfig(**values)
+        config.validate()
+        return config
+
+    def kernel_options(self) -> dict:
+        """The resolved options as the ops take them (``ops.schemas``): names of modes
+        become their index in :data:`AGG_MODES` / :data:`KL_ESTIMATORS`."""
+        return dict(
+            group_size=self.group_size,
+            normalize_std=self.normalize_std,
+            std_eps=float(self.std_eps),
+            lambda_scale=float(self.lambda_scale),
+            loss_agg_mode=AGG_MODES.index(self.loss_agg_mode),
+            sequence_level=self.sequence_level,
+            **self.token_options(),
+            loss_normalizer=None if self.loss_normalizer is None else float(self.loss_normalizer),
+            max_response_length=self.max_response_length,
+        )
+
+    def token_options(self) -> dict:
+        """The options of the per-token objective, as the ops take them."""
+        return dict(
+            epsilon_low=float(self.epsilon_low),
+            epsilon_high=float(self.epsilon_high),
+            dual_clip=None if self.dual_clip is None else float(self.dual_clip),
+            beta=float(self.beta),
+            kl_estimator=KL_ESTIMATORS.index(self.kl_estimator),
+            entropy_coef=float(self.entropy_coef),
+        )

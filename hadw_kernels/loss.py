@@ -1,30 +1,44 @@
-"""The public losses: check the inputs, pick a backend, run it."""
+"""The public losses: check the inputs, resolve the options, pick a backend, run it."""
 
 from __future__ import annotations
 
 import torch
 
 from .backends import resolve_backend
-from .config import DEFAULT_LAMBDA_SCALE, LossConfig
-from .linear_logprob import IGNORE_INDEX
-from .validation import check_label_range, check_linear_inputs, check_surrogate_inputs
+from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, LossConfig
+from .ops import attach_gradients
+from .surrogate import group_metrics, response_advantages, token_weights
+from .validation import (
+    check_hidden_values,
+    check_label_range,
+    check_linear_inputs,
+    check_surrogate_inputs,
+)
 
 Metrics = dict[str, torch.Tensor]
+LINEAR_PATHS = ("auto", "gradients_in_forward", "recompute")
 
 
 def fused_hadw_grpo_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    rewards: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
     *,
-    group_size: int,
+    group_size: int | None = None,
+    advantages: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
     loss_type: str = "grpo",
+    loss_agg_mode: str | None = None,
+    normalize_std: bool | None = None,
+    std_eps: float | None = None,
+    sequence_level: bool | None = None,
     anchor: float | torch.Tensor | None = None,
     lambda_scale: float = DEFAULT_LAMBDA_SCALE,
     epsilon_low: float | None = None,
     epsilon_high: float | None = None,
     beta: float = 0.0,
+    kl_estimator: str = "k3",
     ref_logprobs: torch.Tensor | None = None,
     dual_clip: float | None = None,
     importance_weights: torch.Tensor | None = None,
@@ -38,58 +52,71 @@ def fused_hadw_grpo_loss(
 
     Args:
         logprobs: [B, T] log-probs of the sampled tokens under the current policy.
-        old_logprobs: [B, T] the same under the behaviour policy.
-        rewards: [B], each group's ``group_size`` responses contiguous.
+        old_logprobs: [B, T] the same under the behaviour policy; None means on-policy
+            (the detached current log-probs: ratio 1, as TRL's and Liger's default).
+        rewards: [B] with ``group_size``, each group's responses contiguous: the fused
+            path computes A_hat (and Phi with ``anchor``) in the kernel. A call that
+            cannot guarantee contiguous, complete groups (rows shuffled or split into
+            micro-batches, as TRL and verl do) must pass ``advantages`` instead, or
+            ``group_index`` to have the grouping checked.
         response_mask: [B, T], 1 on response tokens, 0 on padding (bool or 0/1).
-        group_size: G, responses per prompt.
-        loss_type: "grpo", "dapo", "gspo" or "dr_grpo" (SPEC section 5).
-        anchor: the difficulty belief C (a float or 0-d tensor, e.g. from
+        advantages: [B] per-response advantages computed elsewhere, e.g. by
+            :func:`hadw_advantages` over the whole rollout batch; rows may then come in
+            any order and any split.
+        group_index: [B] group id of each row (verl's uid as integers): checks that the
+            rows of each group are contiguous and complete.
+        loss_type: a preset (``config.LOSS_PRESETS``): "grpo", "dapo", "gspo" or
+            "dr_grpo"; each of its choices can be overridden below.
+        loss_agg_mode: verl's aggregation ("token-mean", "seq-mean-token-mean",
+            "seq-mean-token-sum", "seq-mean-token-sum-norm") or "token-sum".
+        normalize_std, std_eps: divide A by the group's std (+ std_eps; TRL uses 1e-4).
+        sequence_level: one importance ratio per response (GSPO), as verl computes it.
+        anchor: the difficulty belief C in [0, 1] (a float or 0-d tensor, e.g. from
             ``DifficultyAnchor.update``); None runs the plain algorithm without HA-DW.
         lambda_scale: Phi's scale (paper: 1.3; the authors' code: 1.5).
         epsilon_low, epsilon_high: clip range; default by loss type.
-        beta, ref_logprobs: KL(k3) to a reference policy, aggregated like the loss.
+        beta, kl_estimator, ref_logprobs: KL penalty to a reference policy, aggregated
+            like the loss; estimators k1, k2, k3 (verl's low_var_kl), abs.
         dual_clip: c > 1 bounding the loss of negative advantages, or None.
-        importance_weights: detached rollout-engine correction, [B, T] or [B]
-            (gspo: [B]).
-        loss_normalizer: the batch denominator (valid tokens for dapo, responses for
-            the others) for gradient accumulation: pass the whole rollout batch's count
-            to every micro-batch and their losses add up to the big-batch loss.
-        max_response_length: Dr.GRPO's constant L_max (default: T).
-        return_metrics: also return a dict of 0-d tensors (clip fractions, mean ratio,
-            approximate KL, mean Phi, zero-variance group fraction).
+        importance_weights: detached rollout-engine correction, [B, T] or [B]. At
+            sequence level a [B, T] weight multiplies each token's share of the loss
+            (verl's rollout_is_weights).
+        loss_normalizer: the batch's count that replaces this call's in the aggregation
+            (valid tokens for token-mean, responses for the seq-mean modes): pass the
+            whole rollout batch's count to every micro-batch and their losses add up to
+            the big-batch loss.
+        max_response_length: L of seq-mean-token-sum-norm (Dr.GRPO; default: T;
+            required with ``loss_normalizer``).
+        return_metrics: also return a dict of 0-d tensors (config.METRIC_NAMES).
         backend: "auto", "torch", "triton" or "cpp".
-        check_values: check rewards are finite and the mask is 0/1 (one host sync on
-            CUDA).
+        check_values: check finite inputs at response tokens, a 0/1 mask, rewards and
+            anchor in [0, 1] under HA-DW (one host sync on CUDA; False in a hot loop,
+            where a NaN input gives a NaN loss).
+
+    An empty batch (B = 0, or no response token) gives a loss of exactly 0 with zero
+    metrics and zero gradients.
     """
     config = LossConfig.build(
-        loss_type,
-        group_size,
-        epsilon_low,
-        epsilon_high,
-        lambda_scale=lambda_scale,
-        beta=beta,
-        dual_clip=dual_clip,
-        loss_normalizer=loss_normalizer,
-        max_response_length=max_response_length,
+        loss_type, group_size, normalize_std=normalize_std, loss_agg_mode=loss_agg_mode,
+        sequence_level=sequence_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high, std_eps=std_eps,
+        lambda_scale=lambda_scale, beta=beta, kl_estimator=kl_estimator, dual_clip=dual_clip,
+        loss_normalizer=loss_normalizer, max_response_length=max_response_length,
     )
+    if response_mask is None:
+        raise ValueError("response_mask is required: [B, T], 1 on response tokens")
     check_surrogate_inputs(
-        logprobs,
-        old_logprobs,
-        rewards,
-        response_mask,
-        config,
-        anchor=anchor,
-        ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights,
+        logprobs, old_logprobs, response_mask, config, rewards=rewards, advantages=advantages,
+        group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs, importance_weights=importance_weights,
         check_values=check_values,
     )
     implementation = resolve_backend(backend, logprobs.device)
     loss, metrics = implementation.surrogate_loss(
         logprobs,
-        old_logprobs,
-        rewards,
+        logprobs.detach() if old_logprobs is None else old_logprobs,
         response_mask,
         config,
+        rewards=rewards,
+        advantages=advantages,
         anchor=anchor,
         ref_logprobs=ref_logprobs,
         importance_weights=importance_weights,
@@ -102,12 +129,18 @@ def fused_linear_hadw_grpo_loss(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    rewards: torch.Tensor,
-    response_mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    rewards: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
     *,
-    group_size: int,
+    group_size: int | None = None,
+    advantages: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
     loss_type: str = "grpo",
+    loss_agg_mode: str | None = None,
+    normalize_std: bool | None = None,
+    std_eps: float | None = None,
+    sequence_level: bool | None = None,
     anchor: float | torch.Tensor | None = None,
     lambda_scale: float = DEFAULT_LAMBDA_SCALE,
     epsilon_low: float | None = None,
@@ -117,11 +150,14 @@ def fused_linear_hadw_grpo_loss(
     ignore_index: int = IGNORE_INDEX,
     entropy_coef: float = 0.0,
     beta: float = 0.0,
+    kl_estimator: str = "k3",
     ref_logprobs: torch.Tensor | None = None,
     dual_clip: float | None = None,
     importance_weights: torch.Tensor | None = None,
     loss_normalizer: float | None = None,
     max_response_length: int | None = None,
+    block_rows: int | None = None,
+    linear_path: str = "auto",
     return_metrics: bool = False,
     backend: str = "auto",
     check_values: bool = True,
@@ -129,66 +165,118 @@ def fused_linear_hadw_grpo_loss(
     """The same loss from hidden states [B, T, H] and the LM head [V, H].
 
     ``labels`` [B, T] are the sampled tokens (already shifted: hidden state t predicts
-    label t). The log-probs of the labels are formed tile by tile, never as [B*T, V]
-    logits. ``entropy_coef`` subtracts the aggregated entropy of the token distribution
-    (an exploration bonus). Other arguments as in :func:`fused_hadw_grpo_loss`. Under
-    DeepSpeed ZeRO-3 pass the gathered LM head (``GatheredParameters``), see README.
+    label t). The log-probs of the labels are formed block by block, never as [B*T, V]
+    logits; padding rows enter no GEMM. ``entropy_coef`` subtracts the aggregated entropy
+    of the token distribution (an exploration bonus). Under DeepSpeed ZeRO-3 pass the
+    gathered LM head (``GatheredParameters``), see docs/fused-linear-logprob.md.
+
+    ``linear_path``: "gradients_in_forward" forms the gradients with respect to the
+    hidden states and the head while each block's logits are at hand (three GEMMs:
+    token-level losses, on backends that have it: cpp, triton); "recompute" forms the
+    log-probs, then backward recomputes the logits (four GEMMs; any loss, GSPO
+    included); "auto" picks the first that applies. ``block_rows``: rows whose logits
+    are held at once, a [block_rows, V] buffer (default: per backend and device,
+    docs/fused-linear-logprob.md). Other arguments as in :func:`fused_hadw_grpo_loss`.
     """
     config = LossConfig.build(
-        loss_type,
-        group_size,
-        epsilon_low,
-        epsilon_high,
-        lambda_scale=lambda_scale,
-        beta=beta,
-        dual_clip=dual_clip,
-        entropy_coef=entropy_coef,
-        loss_normalizer=loss_normalizer,
-        max_response_length=max_response_length,
+        loss_type, group_size, normalize_std=normalize_std, loss_agg_mode=loss_agg_mode,
+        sequence_level=sequence_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high, std_eps=std_eps,
+        lambda_scale=lambda_scale, beta=beta, kl_estimator=kl_estimator, dual_clip=dual_clip,
+        entropy_coef=entropy_coef, loss_normalizer=loss_normalizer, max_response_length=max_response_length,
     )
+    if response_mask is None:
+        raise ValueError("response_mask is required: [B, T], 1 on response tokens")
+    if linear_path not in LINEAR_PATHS:
+        raise ValueError(f"unknown linear_path {linear_path!r}; expected one of {LINEAR_PATHS}")
+    if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1):
+        raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
     batch, width, _ = hidden_states.shape
-    # The surrogate checks see a stand-in for the log-probs: same shape, device, dtype.
-    logprobs_shape = hidden_states.new_empty(batch, width)
     check_surrogate_inputs(
-        logprobs_shape,
-        old_logprobs,
-        rewards,
-        response_mask,
-        config,
-        anchor=anchor,
-        ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights,
-        check_values=check_values,
+        hidden_states.new_empty(batch, width), old_logprobs, response_mask, config, rewards=rewards,
+        advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
+        importance_weights=importance_weights, check_values=check_values, logprobs_known=False,
     )
+    # Padding is masked out of the loss; as ignored labels its rows enter no GEMM, and
+    # labels there are never checked or read.
+    labels = labels.masked_fill(~response_mask.bool(), ignore_index)
     if check_values:
         check_label_range(labels, lm_head_weight.shape[0], ignore_index)
+        check_hidden_values(hidden_states, labels != ignore_index)
     implementation = resolve_backend(backend, hidden_states.device)
+    path = _linear_path(linear_path, implementation, config, hidden_states.device)
     with_entropy = entropy_coef > 0 or return_metrics
-    # Padding is masked out of the loss anyway; as ignored labels its rows skip the GEMMs
-    # in the kernels that skip ignored rows.
-    logprobs, entropy = _batched_token_logprobs(
-        implementation,
-        hidden_states,
-        lm_head_weight,
-        labels.masked_fill(~response_mask.bool(), ignore_index),
-        lm_head_bias=lm_head_bias,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        with_entropy=with_entropy,
-    )
-    loss, metrics = implementation.surrogate_loss(
-        logprobs,
-        old_logprobs,
-        rewards,
-        response_mask,
-        config,
-        anchor=anchor,
-        ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights,
-        entropy=entropy,
-    )
+    data = dict(rewards=rewards, advantages=advantages, anchor=anchor, ref_logprobs=ref_logprobs,
+                importance_weights=importance_weights)
+    options = dict(lm_head_bias=lm_head_bias, temperature=temperature, ignore_index=ignore_index)
+    if path == "gradients_in_forward":
+        loss, metrics = _gradients_in_forward(
+            implementation, hidden_states, lm_head_weight, labels, old_logprobs, response_mask, config,
+            with_entropy=with_entropy, block_rows=block_rows or 0, **data, **options,
+        )
+    else:
+        logprobs, entropy = _batched_token_logprobs(
+            implementation, hidden_states, lm_head_weight, labels, with_entropy=with_entropy, **options
+        )
+        old = logprobs.detach() if old_logprobs is None else old_logprobs
+        loss, metrics = implementation.surrogate_loss(logprobs, old, response_mask, config, entropy=entropy, **data)
     return (loss, metrics) if return_metrics else loss
+
+
+def _linear_path(requested: str, implementation, config: LossConfig, device: torch.device) -> str:
+    available = implementation.linear_surrogate is not None and implementation.has_gradients_in_forward(device)
+    if requested == "auto":
+        return "gradients_in_forward" if available and not config.sequence_level else "recompute"
+    if requested == "gradients_in_forward":
+        if config.sequence_level:
+            raise ValueError(
+                "linear_path='gradients_in_forward' needs a token-level loss: a sequence-level (GSPO) token's "
+                "gradient depends on every log-prob of its response; use 'recompute' or 'auto'"
+            )
+        if not available:
+            raise ValueError(f"backend {implementation.name!r} has no gradients-in-forward path here")
+    return requested
+
+
+def _gradients_in_forward(
+    implementation, hidden_states, lm_head_weight, labels, old_logprobs, response_mask, config, *, rewards,
+    advantages, anchor, ref_logprobs, importance_weights, lm_head_bias, temperature, ignore_index, with_entropy,
+    block_rows,
+):
+    """One sweep forms the log-probs and the gradients; the surrogate op then gives the
+    loss value and the metrics from the log-probs (its gradient is the one already
+    formed), and backward scales the stored gradients."""
+    batch, width, hidden_size = hidden_states.shape
+    mask = response_mask.bool()
+    accumulate = torch.promote_types(hidden_states.dtype, torch.float32)
+    advantage, phi = response_advantages(rewards, advantages, config, anchor)
+
+    def per_token(values):
+        values = values if values.dim() == 2 else values[:, None]
+        return values.detach().to(accumulate).expand(batch, width).reshape(-1)
+
+    logprobs, entropy, grad_hidden, grad_weight, grad_bias = implementation.linear_surrogate(
+        hidden_states.reshape(batch * width, hidden_size), lm_head_weight, labels.reshape(-1),
+        lm_head_bias=lm_head_bias,
+        old_logprobs=None if old_logprobs is None else per_token(old_logprobs),
+        advantages=per_token(advantage),
+        token_weights=per_token(token_weights(mask, config)),
+        ref_logprobs=per_token(ref_logprobs) if config.beta > 0 else None,
+        importance_weights=None if importance_weights is None else per_token(importance_weights),
+        config=config, temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
+        block_rows=block_rows,
+    )
+    logprobs = logprobs.view(batch, width)
+    entropy = entropy.view(batch, width) if with_entropy else None
+    loss, metrics = implementation.surrogate_loss(
+        logprobs, logprobs if old_logprobs is None else old_logprobs, response_mask, config,
+        advantages=advantage, ref_logprobs=ref_logprobs, importance_weights=importance_weights, entropy=entropy,
+    )
+    if phi is not None:
+        metrics.update(group_metrics(rewards, phi, config.group_size))
+    inputs = [hidden_states, lm_head_weight, lm_head_bias]
+    gradients = [grad_hidden.view_as(hidden_states), grad_weight, None if lm_head_bias is None else grad_bias]
+    return attach_gradients(loss, inputs, gradients), metrics
 
 
 def token_logprobs(
@@ -205,7 +293,8 @@ def token_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, T] of ``labels`` under softmax(h W^T / temperature), without the
     logits: e.g. the old policy's log-probs before an update. Differentiable; returns
-    ``(logprobs, entropy)`` with ``with_entropy=True``. Ignored labels give 0."""
+    ``(logprobs, entropy)`` with ``with_entropy=True``. Ignored labels give 0, a label
+    outside the vocabulary NaN (an error with ``check_values``)."""
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
     if check_values:
         check_label_range(labels, lm_head_weight.shape[0], ignore_index)

@@ -1,7 +1,11 @@
-"""The clipped surrogates grpo, dapo, gspo and dr_grpo with HA-DW (SPEC section 5).
+"""The clipped surrogate with HA-DW (SPEC section 5), as :class:`LossConfig` describes it.
 
 Plain PyTorch with autograd: the reference every fast path is tested against, and the
 "torch" backend. It computes in the inputs' dtype, as eager PyTorch code would.
+
+Everything that is data (old and reference log-probs, rewards, advantages, importance
+weights) is detached: the loss differentiates with respect to the current log-probs
+(and the entropy) only, whatever the caller's tensors require.
 """
 
 from __future__ import annotations
@@ -9,12 +13,10 @@ from __future__ import annotations
 import torch
 
 from .advantage import group_advantages, hadw_weights
-from .config import LOG_RATIO_CLAMP, LossConfig
+from .config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LOG_RATIO_CLAMP, METRIC_NAMES, LossConfig
 
 
-def clipped_objective(
-    ratio: torch.Tensor, advantage: torch.Tensor, config: LossConfig
-) -> torch.Tensor:
+def clipped_objective(ratio: torch.Tensor, advantage: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """-min(rho A, clip(rho) A), then bounded by -c A for negative A under dual clip."""
     unclipped = -ratio * advantage
     clipped = -ratio.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high) * advantage
@@ -24,19 +26,60 @@ def clipped_objective(
     return loss
 
 
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) (config.KL_ESTIMATORS)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "abs":
+        return log_ratio.abs()
+    ref_delta = (-log_ratio).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    # expm1 keeps the small values of a policy near the reference.
+    return (torch.expm1(ref_delta) - ref_delta).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+
+
+def response_count(batch: int, config: LossConfig) -> float:
+    """S of the seq-mean modes: the caller's normaliser, else the responses in the call."""
+    return config.loss_normalizer or max(batch, 1)
+
+
 def aggregate(values: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """Reduces per-token values [B, T] to the loss type's batch mean."""
+    """Reduces per-token values [B, T] to the loss by ``config.loss_agg_mode``."""
     masked = torch.where(mask, values, torch.zeros_like(values))
-    batch = values.shape[0]
-    if config.loss_type == "dapo":
-        tokens = config.loss_normalizer or mask.sum().clamp(min=1)
-        return masked.sum() / tokens
-    responses = config.loss_normalizer or batch
-    if config.loss_type == "dr_grpo":
-        max_length = config.max_response_length or values.shape[1]
-        return masked.sum() / max_length / responses
-    lengths = mask.sum(dim=-1).clamp(min=1)
-    return (masked.sum(dim=-1) / lengths).sum() / responses
+    mode = config.loss_agg_mode
+    if mode == "token-mean":
+        return masked.sum() / (config.loss_normalizer or mask.sum().clamp(min=1))
+    if mode == "token-sum":
+        return masked.sum() / (config.loss_normalizer or 1)
+    responses = response_count(values.shape[0], config)
+    sums = masked.sum(dim=-1)
+    if mode == "seq-mean-token-mean":
+        return (sums / mask.sum(dim=-1).clamp(min=1)).sum() / responses
+    if mode == "seq-mean-token-sum":
+        return sums.sum() / responses
+    max_length = config.max_response_length or max(values.shape[1], 1)
+    return sums.sum() / (max_length * responses)
+
+
+def token_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """w_i [B]: the weight of each valid token of response i in :func:`aggregate`, so
+    that aggregate(v) = sum_i w_i sum_t v_it. Float64, for the kernels that take it."""
+    lengths = mask.sum(dim=-1).to(torch.float64)
+    mode = config.loss_agg_mode
+    if mode == "token-mean":
+        denominator = config.loss_normalizer or lengths.sum().clamp(min=1)
+        return torch.ones_like(lengths) / denominator
+    if mode == "token-sum":
+        return torch.ones_like(lengths) / (config.loss_normalizer or 1)
+    responses = response_count(mask.shape[0], config)
+    if mode == "seq-mean-token-mean":
+        return 1.0 / (lengths.clamp(min=1) * responses)
+    if mode == "seq-mean-token-sum":
+        return torch.full_like(lengths, 1.0 / responses)
+    max_length = config.max_response_length or max(mask.shape[1], 1)
+    return torch.full_like(lengths, 1.0 / (max_length * responses))
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -44,13 +87,34 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
 
 
+def response_advantages(
+    rewards: torch.Tensor | None,
+    advantages: torch.Tensor | None,
+    config: LossConfig,
+    anchor: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(A [B], Phi [B] or None): the caller's advantages, or A_hat * Phi from rewards."""
+    if advantages is not None:
+        return advantages.detach().to(torch.promote_types(advantages.dtype, torch.float32)), None
+    rewards = rewards.detach()
+    advantage_hat = group_advantages(
+        rewards, config.group_size, normalize_std=config.normalize_std, std_eps=config.std_eps
+    )
+    if anchor is None:
+        phi = torch.ones_like(advantage_hat)
+    else:
+        phi = hadw_weights(rewards, config.group_size, anchor, lambda_scale=config.lambda_scale)
+    return advantage_hat * phi, phi
+
+
 def surrogate_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
-    rewards: torch.Tensor,
     response_mask: torch.Tensor,
     config: LossConfig,
     *,
+    rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
     anchor: float | torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
@@ -58,46 +122,53 @@ def surrogate_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and its metrics. Inputs are assumed validated (see ``validation``).
 
-    ``importance_weights`` are the rollout engine's correction, [B, T] per token or [B]
-    per response (gspo takes [B] only); ``entropy`` [B, T] enters as
-    ``- entropy_coef * aggregate(entropy)``.
+    Exactly one of ``rewards`` (each group's ``config.group_size`` responses
+    contiguous) and ``advantages`` [B] is given. ``importance_weights`` are the rollout
+    engine's correction, [B, T] per token or [B] per response; ``entropy`` [B, T] enters
+    as ``- entropy_coef * aggregate(entropy)``.
+
+    Sequence level (GSPO) follows verl: every token carries the response's ratio
+    s_i = exp(mean log-ratio), and its gradient flows through that token's own log-prob
+    (log s_it = logp_t - sg(logp_t) + sg(log s_i)). Without per-token weights this is
+    exactly the gradient of the per-response loss.
     """
     mask = response_mask.bool()
-    lengths = mask.sum(dim=-1)
-    advantage_hat = group_advantages(rewards, config.group_size, normalize_std=config.normalize_std)
-    if anchor is None:
-        phi = torch.ones_like(advantage_hat)
-    else:
-        phi = hadw_weights(rewards, config.group_size, anchor, lambda_scale=config.lambda_scale)
-    advantage = advantage_hat * phi
+    old_logprobs = old_logprobs.detach()
+    advantage, phi = response_advantages(rewards, advantages, config, anchor)
+    advantage = advantage.to(torch.promote_types(advantage.dtype, logprobs.dtype))
+    weights = None
+    if importance_weights is not None:
+        weights = importance_weights.detach()
+        weights = weights if weights.dim() == 2 else weights[:, None]
 
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    token_log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    lengths = mask.sum(dim=-1)
     if config.sequence_level:
         sequence_log_ratio = log_ratio.sum(dim=-1) / lengths.clamp(min=1)
-        ratio = torch.exp(sequence_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        per_response = clipped_objective(ratio, advantage, config)
-        if importance_weights is not None:
-            per_response = per_response * importance_weights
-        per_response = torch.where(lengths > 0, per_response, torch.zeros_like(per_response))
-        loss = per_response.sum() / (config.loss_normalizer or per_response.shape[0])
+        own_token = torch.where(mask, logprobs - logprobs.detach(), torch.zeros_like(logprobs))
+        carried = (own_token + sequence_log_ratio.detach()[:, None]).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ratio = torch.exp(carried)
         ratio_mask = lengths > 0
-        token_log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        metric_ratio = torch.exp(sequence_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         signed_advantage = advantage
     else:
-        token_log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = torch.exp(token_log_ratio)
-        per_token = clipped_objective(ratio, advantage[:, None], config)
-        if importance_weights is not None:
-            weights = importance_weights if importance_weights.dim() == 2 else importance_weights[:, None]
-            per_token = per_token * weights
-        loss = aggregate(per_token, mask, config)
         ratio_mask = mask
+        metric_ratio = ratio.detach()
         signed_advantage = advantage[:, None].expand_as(ratio)
+    per_token = clipped_objective(ratio, advantage[:, None], config)
+    if weights is not None:
+        per_token = per_token * weights
+    loss = aggregate(per_token, mask, config)
 
     metrics: dict[str, torch.Tensor] = {}
     if config.beta > 0:
-        ref_delta = torch.where(mask, ref_logprobs - logprobs, torch.zeros_like(logprobs))
-        ref_kl = torch.expm1(ref_delta) - ref_delta  # expm1 keeps small on-policy values
+        # Masked before the estimate: padding may hold inf or NaN, and exp(NaN) * 0 is NaN.
+        zero = torch.zeros_like(logprobs)
+        ref_kl = kl_estimate(
+            torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs.detach(), zero), config.kl_estimator
+        )
         loss = loss + config.beta * aggregate(ref_kl, mask, config)
         metrics["ref_kl"] = _masked_mean(ref_kl.detach(), mask)
     if entropy is not None:
@@ -106,16 +177,24 @@ def surrogate_loss(
         metrics["entropy_mean"] = _masked_mean(entropy.detach(), mask)
 
     with torch.no_grad():
-        ratio = ratio.detach()
-        low = (ratio < 1.0 - config.epsilon_low) & (signed_advantage < 0)
-        high = (ratio > 1.0 + config.epsilon_high) & (signed_advantage > 0)
+        low = (metric_ratio < 1.0 - config.epsilon_low) & (signed_advantage < 0)
+        high = (metric_ratio > 1.0 + config.epsilon_high) & (signed_advantage > 0)
         metrics["clip_frac_low"] = _masked_mean(low, ratio_mask)
         metrics["clip_frac_high"] = _masked_mean(high, ratio_mask)
-        metrics["ratio_mean"] = _masked_mean(ratio, ratio_mask)
+        metrics["ratio_mean"] = _masked_mean(metric_ratio, ratio_mask)
         # k3 estimate of KL(pi_old || pi) from the samples of pi_old.
         approx_kl = torch.expm1(token_log_ratio.detach()) - token_log_ratio.detach()
         metrics["approx_kl"] = _masked_mean(approx_kl, mask)
-        metrics["phi_mean"] = phi.float().mean()
-        grouped = rewards.view(-1, config.group_size)
-        metrics["zero_std_frac"] = (grouped.amax(dim=1) == grouped.amin(dim=1)).float().mean()
-    return loss, metrics
+        if phi is not None:
+            metrics.update(group_metrics(rewards, phi, config.group_size))
+    return loss, {name: metrics[name] for name in METRIC_NAMES if name in metrics}
+
+
+def group_metrics(rewards: torch.Tensor, phi: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """phi_mean and zero_std_frac (groups whose rewards are all equal)."""
+    grouped = rewards.detach().view(-1, group_size)
+    degenerate = (grouped.amax(dim=1) == grouped.amin(dim=1)).float()
+    return {
+        "phi_mean": phi.float().sum() / max(phi.numel(), 1),
+        "zero_std_frac": degenerate.sum() / max(degenerate.numel(), 1),
+    }

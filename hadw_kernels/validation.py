@@ -1,8 +1,16 @@
 """Input checks, run before any computation so a bad call fails with a clear message.
 
-Shape, dtype and device checks cost nothing. The value checks (finite rewards, a 0/1
-mask, a finite anchor) read one flag back from the device: on CUDA that is one host
-synchronisation, which ``check_values=False`` skips in a hot loop.
+Shape, dtype and device checks cost nothing. The value checks (finite log-probs at
+response tokens, finite rewards, rewards and anchor in [0, 1] under HA-DW, a 0/1 mask,
+labels in the vocabulary) read flags back from the device: on CUDA that is one host
+synchronisation, which ``check_values=False`` skips in a hot loop. Without them a NaN
+input gives a NaN loss on every backend, and a label outside the vocabulary a NaN
+log-prob: never a finite wrong number.
+
+Rewards outside [0, 1] are accepted without HA-DW (any real reward has a group-relative
+advantage). With HA-DW they are refused: the anchor is a belief about an accuracy (the
+paper's y_t), and Phi = lambda exp(|p - C|) is only bounded by lambda e for p and C in
+[0, 1]; scale the rewards into [0, 1] first.
 """
 
 from __future__ import annotations
@@ -29,50 +37,95 @@ def _require_float(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
 
 
+def check_anchor(anchor) -> None:
+    """A belief C in [0, 1]: a float or a 0-d tensor (its value is checked with the others)."""
+    if anchor is None:
+        return
+    if isinstance(anchor, bool) or not isinstance(anchor, (int, float, torch.Tensor)):
+        raise TypeError(f"anchor must be a float in [0, 1], a 0-d tensor or None, got {anchor!r}")
+    if isinstance(anchor, torch.Tensor):
+        if anchor.dim() != 0:
+            raise ValueError(f"anchor must be a float or a 0-d tensor, got shape {_shape(anchor)}")
+        if not anchor.is_floating_point():
+            raise TypeError(f"anchor must be a floating-point tensor, got {anchor.dtype}")
+    elif not (math.isfinite(anchor) and 0 <= anchor <= 1):
+        raise ValueError(f"anchor must lie in [0, 1] (a belief about an accuracy), got {anchor}")
+
+
 def check_surrogate_inputs(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    rewards: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     response_mask: torch.Tensor,
     config: LossConfig,
     *,
+    rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
     anchor=None,
     ref_logprobs: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
     check_values: bool = True,
+    logprobs_known: bool = True,
 ) -> None:
-    for name, value in (
-        ("logprobs", logprobs),
-        ("old_logprobs", old_logprobs),
-        ("rewards", rewards),
-        ("response_mask", response_mask),
-    ):
-        _require_tensor(name, value)
+    """``logprobs_known=False``: ``logprobs`` only stands for their shape, device and
+    dtype (the linear loss, whose log-probs do not exist yet)."""
+    _require_tensor("logprobs", logprobs)
+    _require_tensor("response_mask", response_mask)
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {_shape(logprobs)}")
     batch = logprobs.shape[0]
     _require_float("logprobs", logprobs)
-    _require_float("old_logprobs", old_logprobs)
-    _require_float("rewards", rewards)
-    if _shape(old_logprobs) != _shape(logprobs):
-        raise ValueError(
-            f"old_logprobs has shape {_shape(old_logprobs)}, logprobs {_shape(logprobs)}: they must match"
-        )
     if _shape(response_mask) != _shape(logprobs):
         raise ValueError(
             f"response_mask has shape {_shape(response_mask)}, logprobs {_shape(logprobs)}: they must match"
         )
-    if _shape(rewards) != (batch,):
-        raise ValueError(f"rewards must be [B] = [{batch}], got shape {_shape(rewards)}")
-    if batch % config.group_size != 0:
+    tensors = {"logprobs": logprobs, "response_mask": response_mask}
+    if old_logprobs is not None:
+        _require_tensor("old_logprobs", old_logprobs)
+        _require_float("old_logprobs", old_logprobs)
+        if _shape(old_logprobs) != _shape(logprobs):
+            raise ValueError(
+                f"old_logprobs has shape {_shape(old_logprobs)}, logprobs {_shape(logprobs)}: they must match"
+            )
+        tensors["old_logprobs"] = old_logprobs
+    if (rewards is None) == (advantages is None):
         raise ValueError(
-            f"batch of {batch} responses is not divisible by group_size={config.group_size}; "
-            "each group's responses must be contiguous and complete"
+            "pass exactly one of rewards (the advantages are computed per group, groups contiguous) "
+            "and advantages (computed by the caller, e.g. with hadw_advantages)"
         )
-    tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "rewards": rewards, "response_mask": response_mask}
-    if config.beta > 0:
-        if ref_logprobs is None:
-            raise ValueError("beta > 0 needs ref_logprobs (the reference policy's log-probs)")
+    if rewards is not None:
+        _require_tensor("rewards", rewards)
+        _require_float("rewards", rewards)
+        if _shape(rewards) != (batch,):
+            raise ValueError(f"rewards must be [B] = [{batch}], got shape {_shape(rewards)}")
+        if config.group_size is None:
+            raise ValueError("rewards need group_size (responses per prompt, each group's rows contiguous)")
+        if batch % config.group_size != 0:
+            raise ValueError(
+                f"batch of {batch} responses is not divisible by group_size={config.group_size}; "
+                "each group's responses must be contiguous and complete"
+            )
+        tensors["rewards"] = rewards
+    else:
+        _require_tensor("advantages", advantages)
+        _require_float("advantages", advantages)
+        if _shape(advantages) != (batch,):
+            raise ValueError(f"advantages must be [B] = [{batch}] (one per response), got {_shape(advantages)}")
+        if anchor is not None:
+            raise ValueError(
+                "anchor applies HA-DW to advantages computed from rewards; with advantages=, fold Phi in "
+                "when you compute them (hadw_advantages(..., anchor=...))"
+            )
+        if group_index is not None:
+            raise ValueError("group_index checks the groups of rewards; advantages need none")
+        tensors["advantages"] = advantages
+    if group_index is not None:
+        _require_tensor("group_index", group_index)
+        if _shape(group_index) != (batch,):
+            raise ValueError(f"group_index must be [B] = [{batch}], got shape {_shape(group_index)}")
+        tensors["group_index"] = group_index
+    if config.beta > 0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs (the reference policy's log-probs)")
     if ref_logprobs is not None:
         _require_tensor("ref_logprobs", ref_logprobs)
         _require_float("ref_logprobs", ref_logprobs)
@@ -84,49 +137,71 @@ def check_surrogate_inputs(
     if importance_weights is not None:
         _require_tensor("importance_weights", importance_weights)
         _require_float("importance_weights", importance_weights)
-        allowed = [(batch,)] if config.sequence_level else [(batch,), _shape(logprobs)]
-        if _shape(importance_weights) not in allowed:
+        if _shape(importance_weights) not in [(batch,), _shape(logprobs)]:
             raise ValueError(
-                f"importance_weights must have shape {' or '.join(map(str, allowed))} for "
-                f"loss_type={config.loss_type!r}, got {_shape(importance_weights)}"
+                f"importance_weights must have shape {(batch,)} or {_shape(logprobs)}, got {_shape(importance_weights)}"
             )
         tensors["importance_weights"] = importance_weights
+    check_anchor(anchor)
     if isinstance(anchor, torch.Tensor):
-        if anchor.dim() != 0:
-            raise ValueError(f"anchor must be a float or a 0-d tensor, got shape {_shape(anchor)}")
         tensors["anchor"] = anchor
-    elif anchor is not None and not isinstance(anchor, (int, float)):
-        raise TypeError(f"anchor must be a float, a 0-d tensor or None, got {type(anchor).__name__}")
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")
-
+    if group_index is not None:
+        _check_group_index(group_index, config.group_size)
     if check_values:
-        _check_values(rewards, response_mask, anchor)
+        _check_values(
+            logprobs if logprobs_known else None, old_logprobs, response_mask, rewards, advantages, anchor,
+            hadw=anchor is not None,
+        )
 
 
-def _check_values(rewards: torch.Tensor, response_mask: torch.Tensor, anchor) -> None:
+def _check_group_index(group_index: torch.Tensor, group_size: int) -> None:
+    """Rows come in contiguous, complete groups: a trainer that shuffled rows (TRL with
+    steps_per_generation > 1, verl's balance_batch) would otherwise get wrong advantages."""
+    blocks = group_index.view(-1, group_size)
+    uniform = bool((blocks == blocks[:, :1]).all())
+    distinct = torch.unique(blocks[:, 0]).numel() == blocks.shape[0]
+    if not (uniform and distinct):
+        raise ValueError(
+            f"group_index shows rows that are not in contiguous groups of {group_size}: the rows were reordered "
+            "or split; compute the advantages over the whole batch (hadw_advantages(..., group_index=...)) "
+            "and pass advantages= instead"
+        )
+
+
+def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, anchor, *, hadw: bool) -> None:
     if isinstance(anchor, (int, float)) and not math.isfinite(anchor):
         raise ValueError(f"anchor must be finite, got {anchor}")
-    bad_rewards = ~torch.isfinite(rewards).all()
-    bad_mask = ((response_mask != 0) & (response_mask != 1)).any()
-    flags = [bad_rewards, bad_mask]
+    valid = response_mask != 0
+    checks = {"response_mask must contain only 0 and 1": ((response_mask != 0) & (response_mask != 1)).any()}
+    if logprobs is not None:
+        checks["logprobs contain NaN or inf at response tokens"] = (valid & ~torch.isfinite(logprobs)).any()
+    if old_logprobs is not None:
+        checks["old_logprobs contain NaN or inf at response tokens"] = (valid & ~torch.isfinite(old_logprobs)).any()
+    if rewards is not None:
+        checks["rewards contain NaN or inf"] = ~torch.isfinite(rewards).all()
+        if hadw:
+            checks[
+                "rewards must lie in [0, 1] with HA-DW (the anchor is a belief about an accuracy); "
+                "scale them into [0, 1], or pass anchor=None"
+            ] = ((rewards < 0) | (rewards > 1)).any()
+    if advantages is not None:
+        checks["advantages contain NaN or inf"] = ~torch.isfinite(advantages).all()
     if isinstance(anchor, torch.Tensor):
-        flags.append(~torch.isfinite(anchor.float()))
-    flags = torch.stack(flags).tolist()  # the one host synchronisation
-    if flags[0]:
-        raise ValueError("rewards contain NaN or inf")
-    if flags[1]:
-        raise ValueError("response_mask must contain only 0 and 1")
-    if len(flags) > 2 and flags[2]:
-        raise ValueError(f"anchor must be finite, got {anchor}")
+        checks[f"anchor must be finite and in [0, 1], got {anchor}"] = ~((anchor >= 0) & (anchor <= 1))
+    flags = torch.stack([flag.reshape(()) for flag in checks.values()]).tolist()  # the one host synchronisation
+    for message, failed in zip(checks, flags):
+        if failed:
+            raise ValueError(message)
 
 
 def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Labels index the vocabulary or equal ignore_index (one host sync on CUDA)."""
     out_of_range = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
     if bool(out_of_range.any()):
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
+        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index} at response tokens")
 
 
 def check_linear_inputs(
@@ -143,6 +218,8 @@ def check_linear_inputs(
         raise ValueError(f"hidden_states must be [B, T, H], got shape {_shape(hidden_states)}")
     if lm_head_weight.dim() != 2:
         raise ValueError(f"lm_head_weight must be [V, H], got shape {_shape(lm_head_weight)}")
+    if lm_head_weight.shape[0] == 0:
+        raise ValueError("lm_head_weight has an empty vocabulary")
     _require_float("hidden_states", hidden_states)
     _require_float("lm_head_weight", lm_head_weight)
     if lm_head_weight.shape[1] != hidden_states.shape[2]:
@@ -165,8 +242,16 @@ def check_linear_inputs(
             raise ValueError(f"lm_head_bias must be [V] = [{lm_head_weight.shape[0]}], got {_shape(lm_head_bias)}")
         if lm_head_bias.dtype != lm_head_weight.dtype:
             raise TypeError(f"lm_head_bias ({lm_head_bias.dtype}) must share the LM head's dtype ({lm_head_weight.dtype})")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}")
     devices = {hidden_states.device, lm_head_weight.device, labels.device}
     if len(devices) > 1:
         raise ValueError(f"hidden_states, lm_head_weight and labels must be on one device, got {devices}")
+
+
+def check_hidden_values(hidden_states: torch.Tensor, active: torch.Tensor) -> None:
+    """Finite hidden states at the rows that enter the loss (one host sync on CUDA)."""
+    if bool((active[..., None] & ~torch.isfinite(hidden_states)).any()):
+        raise ValueError("hidden_states contain NaN or inf at response tokens")

@@ -1,65 +1,71 @@
-"""Backend registry: one module per implementation, each with the same two functions.
+"""The backends: one module per implementation, each exposing ``BACKEND`` with
 
-    surrogate_loss(logprobs, old_logprobs, rewards, response_mask, config, *, anchor,
-                   ref_logprobs, importance_weights, entropy) -> (loss, metrics)
+    surrogate_loss(logprobs, old_logprobs, response_mask, config, *, rewards, advantages,
+                   anchor, ref_logprobs, importance_weights, entropy) -> (loss, metrics)
     token_logprobs(hidden [N, H], weight [V, H], labels [N], *, lm_head_bias,
                    temperature, ignore_index, with_entropy) -> (logp [N], entropy [N] | None)
+    linear_surrogate(...)   the gradients-in-forward linear loss, or None where the
+                            backend has no such path (``kernel_backend.KernelBackend``)
+    serves(device) / unavailable_message(device)
 
-"auto" picks the fastest implementation available for the tensors' device.
+Adding a backend is a module and one line in ``_MODULES``. "auto" picks, for the
+tensors' device, the first backend of ``_PREFERRED`` that can serve it.
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 
 import torch
 
-BACKENDS = ("torch", "triton", "cpp")
+from ..ops import BackendUnavailable
+
+__all__ = ["BACKENDS", "BackendUnavailable", "available_backends", "load_backend", "resolve_backend"]
 
 _MODULES = {
     "torch": "hadw_kernels.backends.torch_backend",
     "triton": "hadw_kernels.backends.triton_backend",
     "cpp": "hadw_kernels.backends.cpp_backend",
 }
+BACKENDS = tuple(_MODULES)
+_PREFERRED = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}
 
 
-class BackendUnavailable(RuntimeError):
-    pass
-
-
-def load_backend(name: str) -> ModuleType:
-    if name not in BACKENDS:
+def load_backend(name: str):
+    """The backend object of ``name``; BackendUnavailable if its module cannot load."""
+    if name not in _MODULES:
         raise ValueError(f"unknown backend {name!r}; expected 'auto' or one of {BACKENDS}")
     try:
         module = importlib.import_module(_MODULES[name])
     except ImportError as error:
         raise BackendUnavailable(f"backend {name!r} is not available here: {error}") from error
-    reason = getattr(module, "unavailable_reason", lambda: None)()
-    if reason:
-        raise BackendUnavailable(f"backend {name!r} is not available here: {reason}")
-    return module
+    return module.BACKEND
 
 
-def available_backends() -> list[str]:
-    names = []
-    for name in BACKENDS:
-        try:
-            load_backend(name)
-        except BackendUnavailable:
-            continue
-        names.append(name)
-    return names
+def _serving(name: str, device: torch.device):
+    try:
+        backend = load_backend(name)
+    except BackendUnavailable:
+        return None
+    return backend if backend.serves(device) else None
 
 
-def resolve_backend(name: str, device: torch.device) -> ModuleType:
-    """The backend module for ``name`` ("auto" or one of BACKENDS) on ``device``."""
-    if name != "auto":
-        return load_backend(name)
-    preferred = ("triton", "torch") if device.type == "cuda" else ("cpp", "torch")
-    for candidate in preferred:
-        try:
-            return load_backend(candidate)
-        except BackendUnavailable:
-            continue
-    return load_backend("torch")
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """The backends that can run on tensors of ``device`` here."""
+    device = torch.device(device)
+    return [name for name in BACKENDS if _serving(name, device) is not None]
+
+
+def resolve_backend(name: str, device: torch.device):
+    """The backend object for ``name`` ("auto" or one of BACKENDS) on ``device``; a
+    named backend that cannot serve the device raises BackendUnavailable saying why."""
+    if name == "auto":
+        for candidate in _PREFERRED.get(device.type, ("torch",)):
+            backend = _serving(candidate, device)
+            if backend is not None:
+                return backend
+        name = "torch"
+    backend = load_backend(name)
+    if not backend.serves(device):
+        raise BackendUnavailable(backend.unavailable_message(device))
+    return backend

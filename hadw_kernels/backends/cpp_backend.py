@@ -1,10 +1,10 @@
 """The "cpp" backend: C++ CPU kernels (csrc/) behind the hadw:: ops.
 
 Importing the compiled module ``hadw_kernels._cpu_kernels`` registers its kernels for
-the CPU dispatch key of the ops that ``ops`` defines, so the calls below are ordinary
-dispatcher calls: autograd, fake tensors and torch.compile see the same ops as on CUDA.
-The module is built by the package install when a C++ compiler and torch are there
-(setup.py); otherwise ``unavailable_reason`` says why and "auto" falls back to "torch".
+the CPU dispatch key of the ``hadw_cpp::`` ops (same schemas as ``hadw::``, without the
+routing argument); this module makes them the "cpp" kernels of the ``hadw::`` ops. The
+module is built by the package install when a C++ compiler and torch are there
+(setup.py); otherwise the backend says why it cannot serve, and "auto" takes "torch".
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import importlib
 import torch
 
 from .. import ops
+from .kernel_backend import KernelBackend
 
-__all__ = ["surrogate_loss", "token_logprobs", "unavailable_reason"]
-
+NAME = "cpp"
 EXTENSION = "hadw_kernels._cpu_kernels"
 
 
@@ -39,16 +39,17 @@ def _load_extension() -> str | None:
     return None
 
 
+def _has_cpu_kernel(op: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{ops.KERNEL_LIBRARY}::{op}", "CPU")
+
+
+ops.set_unavailable_reason(NAME, "cuda", "its kernels are CPU only (csrc/); use 'triton' or 'auto' for CUDA tensors")
 _UNAVAILABLE = _load_extension()
+if _UNAVAILABLE is not None:
+    ops.set_unavailable_reason(NAME, "cpu", _UNAVAILABLE)
+else:
+    for _op in ops.OPS:
+        if _has_cpu_kernel(_op):
+            ops.register_kernel(_op, NAME, "cpu", getattr(torch.ops.hadw_cpp, _op))
 
-
-def unavailable_reason() -> str | None:
-    return _UNAVAILABLE
-
-
-def surrogate_loss(logprobs, old_logprobs, rewards, response_mask, config, **tensors):
-    return ops.surrogate_loss(logprobs, old_logprobs, rewards, response_mask, config, **tensors)
-
-
-def token_logprobs(hidden_states, lm_head_weight, labels, **options):
-    return ops.token_logprobs(hidden_states, lm_head_weight, labels, **options)
+BACKEND = KernelBackend(NAME)

@@ -1,9 +1,10 @@
 """The "triton" backend: Triton kernels behind the hadw:: ops.
 
-On CUDA the kernels are the CUDA implementation of the ops (see ``ops``), so the
-dispatcher, autograd and torch.compile treat them like any ATen op. With
-``TRITON_INTERPRET=1`` on CPU tensors the same kernels run in Triton's interpreter,
-called directly because the CPU dispatch key belongs to the C++ backend.
+On CUDA tensors the kernels are compiled. On CPU tensors they run in Triton's
+interpreter when ``TRITON_INTERPRET=1`` was set before this module was imported (the
+test suite's way to run them without a GPU); otherwise the backend does not serve CPU
+tensors and says so. Either way the calls go through the same ops, autograd formulas
+and routing as on a GPU.
 """
 
 from __future__ import annotations
@@ -13,45 +14,36 @@ import os
 import torch
 
 from .. import ops
-from ..kernels.linear_logprob import linear_logprob_backward, linear_logprob_forward
+from ..kernels.linear_logprob import linear_logprob_backward, linear_logprob_forward, linear_surrogate_forward
 from ..kernels.surrogate import surrogate_forward
+from .kernel_backend import KernelBackend
 
-__all__ = ["surrogate_loss", "token_logprobs", "unavailable_reason"]
+NAME = "triton"
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+_IMPLEMENTATIONS = {
+    "surrogate_loss": surrogate_forward,
+    "linear_logprob_forward": linear_logprob_forward,
+    "linear_logprob_backward": linear_logprob_backward,
+    "linear_surrogate_forward": linear_surrogate_forward,
+}
 
-for _op, _impl in (
-    ("surrogate_loss", surrogate_forward),
-    ("linear_logprob_forward", linear_logprob_forward),
-    ("linear_logprob_backward", linear_logprob_backward),
-):
-    torch.library.impl(f"{ops.LIBRARY}::{_op}", "CUDA")(_impl)
-
-
-def unavailable_reason() -> str | None:
-    if torch.cuda.is_available() or _INTERPRETING:
-        return None
-    return "no CUDA device, and TRITON_INTERPRET=1 was not set before import"
-
-
-def _direct(device: torch.device) -> bool:
-    return device.type != "cuda"
-
-
-def surrogate_loss(logprobs, old_logprobs, rewards, response_mask, config, **tensors):
-    forward_impl = surrogate_forward if _direct(logprobs.device) else None
-    return ops.surrogate_loss(
-        logprobs, old_logprobs, rewards, response_mask, config, forward_impl=forward_impl, **tensors
+_devices = []
+if INTERPRETING:
+    _devices.append("cpu")
+else:
+    ops.set_unavailable_reason(
+        NAME, "cpu", "its kernels run on CUDA; on CPU tensors they need Triton's interpreter "
+        "(set TRITON_INTERPRET=1 before importing hadw_kernels)"
     )
-
-
-def token_logprobs(hidden_states, lm_head_weight, labels, **options):
-    direct = _direct(hidden_states.device)
-    return ops.token_logprobs(
-        hidden_states,
-        lm_head_weight,
-        labels,
-        forward_impl=linear_logprob_forward if direct else None,
-        backward_impl=linear_logprob_backward if direct else None,
-        **options,
+if torch.cuda.is_available() and not INTERPRETING:
+    _devices.append("cuda")
+else:
+    ops.set_unavailable_reason(
+        NAME, "cuda", "Triton's interpreter is on (TRITON_INTERPRET=1)" if INTERPRETING else "no CUDA device"
     )
+for _device in _devices:
+    for _op, _implementation in _IMPLEMENTATIONS.items():
+        ops.register_kernel(_op, NAME, _device, _implementation)
+
+BACKEND = KernelBackend(NAME)

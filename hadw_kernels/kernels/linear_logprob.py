@@ -1,431 +1,347 @@
-"""Triton kernels for ``hadw::linear_logprob_forward`` / ``_backward`` (SPEC section 6).
+"""The Triton implementations of the linear ops: log-probs (and entropy) of labels under
+softmax((h W^T + b) / temperature), and their gradients, one block of rows at a time.
 
-Forward: programs own a tile of tokens and a contiguous range of vocabulary tiles (a
-"vocabulary split", so that a small batch still fills the GPU). Each computes its logits
-tiles with an fp32 (fp64 for fp64 inputs) GEMM accumulator, adds the bias, divides by the
-temperature and folds the tile into a running max, sum of exp and, for the entropy, sum
-of exp times the logit relative to the running max. A second small kernel merges the
-splits into logp, entropy, lse and mean_logit: O(splits * N) floats, never N x V.
+A block of ``block_rows`` rows (only rows whose label is not ``ignore_index``: padding
+costs nothing and whatever it holds reaches no output) is handled as
 
-Backward: one program per (token tile, vocabulary tile) recomputes its logits tile,
-forms dz = g (onehot - p) - g_ent p (z - mean_logit), divided by the temperature, and
-adds dz W into grad_hidden and dz^T h into grad_weight with fp32 atomics, one hidden
-chunk at a time. docs/fused-linear-logprob.md gives the FLOP and byte counts behind the
-choice of recompute and atomics, and the tile sizes.
+    z  = h_rows W^T (+ b)              one cuBLAS GEMM into a [rows, V] buffer
+    _row_stats_kernel                  lse, logp, entropy, E_p[z] of each row
+    (linear_surrogate_forward only)    _token_gradient_kernel: the token-level
+                                       surrogate's d loss / d logp, d loss / d entropy
+    _logit_gradient_kernel             dz = g (onehot - p) - g_ent p (z - E_p[z]),
+                                       divided by the temperature, in place
+    grad_h_rows = dz W ; grad_W += dz^T h_rows    two cuBLAS GEMMs
+
+so the gradients-in-forward path (``linear_surrogate_forward``) costs the three GEMMs
+that any exact method needs, and the recompute path (``linear_logprob_forward`` then
+``_backward``, for losses whose gradient is known only after every log-prob, GSPO) costs
+four. The GEMMs are cuBLAS's, in the inputs' dtype with fp32 accumulation, exactly as
+eager PyTorch forms the logits and their gradients; the row kernels compute in fp32 (fp64
+for fp64 inputs). Memory: the [rows, V] buffer (``block_rows``, docs/fused-linear-logprob.md)
+plus, for 16-bit heads over several blocks, an fp32 accumulator for grad_W.
 """
 
 from __future__ import annotations
-
-import functools
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["linear_logprob_backward", "linear_logprob_forward"]
+from .surrogate import device_guard, kl_term, policy_term
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+__all__ = [
+    "default_block_rows",
+    "linear_logprob_backward",
+    "linear_logprob_forward",
+    "linear_surrogate_forward",
+]
 
-_TRITON_DTYPES = {
-    torch.float16: tl.float16,
-    torch.bfloat16: tl.bfloat16,
-    torch.float32: tl.float32,
-    torch.float64: tl.float64,
-}
-
-# Rows per program of the kernel that merges the vocabulary splits.
-_MERGE_BLOCK = 128
-
-
-@dataclass(frozen=True)
-class _Tiles:
-    block_tokens: int
-    block_vocab: int
-    block_hidden: int
-    num_warps: int
-    num_stages: int
-    # Backward: token tiles that run next to each other on one vocabulary tile, so a
-    # weight tile is read from DRAM once and served from L2 to the whole group.
-    group_tokens: int
+# Columns a row program streams per step: 16 KiB of fp32 in flight.
+_BLOCK_V = 4096
+# The logits buffer a block may take on a GPU: the block's GEMMs then run at full speed
+# (measured on an H100: docs/gpu-report.md), at a small fraction of the logits' size.
+_CUDA_BUFFER_BYTES = 1 << 30
+_CPU_BUFFER_BYTES = 64 << 20
+_MIN_BLOCK_ROWS = 16
 
 
-def _tiles(device: torch.device, element_size: int, backward: bool) -> _Tiles:
-    if device.type != "cuda":
-        # The interpreter runs one program at a time in numpy: small tiles keep the
-        # tests fast and make their tiny shapes cross every tile edge.
-        return _Tiles(16, 64, 16, num_warps=4, num_stages=1, group_tokens=2)
-    # 128 x 128 logits tiles: the tensor-core GEMM tile that keeps A100/H100 compute
-    # bound, and a 64 KB fp32 accumulator (64 registers a thread over 8 warps). A K-step
-    # reads 128 bytes of each row in forward (64 in backward, whose dz tile and two
-    # gradient chunks need the registers); fp64 (tests) halves the tiles to fit.
-    major, _ = torch.cuda.get_device_capability(device)
-    row_bytes = 64 if backward else 128
-    tile = 64 if element_size == 8 else 128
-    return _Tiles(
-        tile,
-        tile,
-        row_bytes // element_size,
-        num_warps=8,
-        num_stages=4 if major >= 9 else 3,
-        group_tokens=8,
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _target_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        # Enough for the tests' few token tiles to take the multi-split path.
-        return 4
-    # Two waves of programs over the multiprocessors.
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _vocab_splits(num_token_tiles: int, num_vocab_tiles: int, device: torch.device) -> tuple[int, int]:
-    """(splits, vocabulary tiles per split); every split gets at least one tile."""
-    wanted = min(triton.cdiv(_target_programs(device), max(num_token_tiles, 1)), num_vocab_tiles)
-    tiles_per_split = triton.cdiv(num_vocab_tiles, wanted)
-    return triton.cdiv(num_vocab_tiles, tiles_per_split), tiles_per_split
-
-
-def _dot_dtype(dtype: torch.dtype):
-    # The interpreter's bf16 tl.dot is silently wrong; bf16 tiles upcast to fp32 give
-    # the same exact products and fp32 sums. On a GPU bf16 stays on the tensor cores.
-    if _INTERPRETING and dtype == torch.bfloat16:
-        return tl.float32
-    return _TRITON_DTYPES[dtype]
+def default_block_rows(vocab: int, element_size: int, device: torch.device) -> int:
+    """Rows per block when the caller gives none: a buffer of about 1 GiB on CUDA,
+    64 MiB on the CPU (the interpreter)."""
+    budget = _CUDA_BUFFER_BYTES if device.type == "cuda" else _CPU_BUFFER_BYTES
+    rows = budget // max(vocab * element_size, 1)
+    return int(max(_MIN_BLOCK_ROWS, rows // _MIN_BLOCK_ROWS * _MIN_BLOCK_ROWS))
 
 
 @triton.jit
-def _logits_tile(
-    hidden_ptr, weight_ptr, bias_ptr, temperature,
-    rows, cols, row_in, col_in, hidden_size,
-    stride_hidden_row, stride_hidden_col, stride_weight_row, stride_weight_col,
-    HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """(h W^T + b) / temperature for one tile, accumulated in ACC_DTYPE; -inf past V."""
-    logits = tl.zeros([BLOCK_N, BLOCK_V], dtype=ACC_DTYPE)
-    for h0 in range(0, hidden_size, BLOCK_H):
-        ks = h0 + tl.arange(0, BLOCK_H)
-        k_in = ks < hidden_size
-        hidden = tl.load(
-            hidden_ptr + rows[:, None] * stride_hidden_row + ks[None, :] * stride_hidden_col,
-            mask=row_in[:, None] & k_in[None, :], other=0.0,
-        )
-        weight_t = tl.load(
-            weight_ptr + cols[None, :] * stride_weight_row + ks[:, None] * stride_weight_col,
-            mask=col_in[None, :] & k_in[:, None], other=0.0,
-        )
-        # "ieee": fp32 inputs get full fp32 products (as eager PyTorch), never TF32.
-        logits = tl.dot(hidden.to(DOT_DTYPE), weight_t.to(DOT_DTYPE), logits, input_precision="ieee")
-    if HAS_BIAS:
-        logits += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(ACC_DTYPE)[None, :]
-    logits = logits / temperature
-    return tl.where(col_in[None, :], logits, float("-inf"))
-
-
-@triton.jit
-def _forward_split_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, labels_ptr, temperature_ptr,
-    split_max_ptr, split_sum_exp_ptr, split_sum_exp_shifted_ptr, split_label_logit_ptr,
-    num_tokens, vocab, hidden_size, tiles_per_split,
-    stride_hidden_row, stride_hidden_col, stride_weight_row, stride_weight_col,
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """One token tile x one vocabulary split: online log-sum-exp statistics [N] per split.
-
-    With u = z - running_max the split keeps sum exp(u), sum exp(u) * u and the label's
-    logit. Keeping u (not z) in the entropy sum avoids cancelling two large numbers in
-    entropy = lse - E[z] when the logits are large.
-    """
-    token_tile = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = (token_tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_in = rows < num_tokens
-    labels = tl.load(labels_ptr + rows, mask=row_in, other=-1)
-    temperature = tl.load(temperature_ptr)
-
-    running_max = tl.full([BLOCK_N], float("-inf"), dtype=ACC_DTYPE)
-    sum_exp = tl.zeros([BLOCK_N], dtype=ACC_DTYPE)
-    sum_exp_shifted = tl.zeros([BLOCK_N], dtype=ACC_DTYPE)
-    label_logit = tl.zeros([BLOCK_N], dtype=ACC_DTYPE)
-    first_tile = split * tiles_per_split
-    end_tile = tl.minimum(first_tile + tiles_per_split, tl.cdiv(vocab, BLOCK_V))
-    for vocab_tile in range(first_tile, end_tile):
-        cols = (vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
-        col_in = cols < vocab
-        logits = _logits_tile(
-            hidden_ptr, weight_ptr, bias_ptr, temperature, rows, cols, row_in, col_in, hidden_size,
-            stride_hidden_row, stride_hidden_col, stride_weight_row, stride_weight_col,
-            HAS_BIAS, ACC_DTYPE, DOT_DTYPE, BLOCK_N, BLOCK_V, BLOCK_H,
-        )
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-        rescale = tl.exp(running_max - new_max)
-        shifted = logits - new_max[:, None]
-        exp_shifted = tl.exp(shifted)
-        if WITH_ENTROPY:
-            # Moving the reference point from the old max to the new one adds
-            # (old - new) to every earlier u; before the first tile the sums are 0
-            # and (old - new) is -inf, hence the where.
-            moved = tl.where(sum_exp > 0, running_max - new_max, 0.0) * sum_exp
-            tile_sum = tl.sum(exp_shifted * tl.where(col_in[None, :], shifted, 0.0), axis=1)
-            sum_exp_shifted = rescale * (sum_exp_shifted + moved) + tile_sum
-        sum_exp = sum_exp * rescale + tl.sum(exp_shifted, axis=1)
-        running_max = new_max
-        label_logit += tl.sum(tl.where(cols[None, :] == labels[:, None], logits, 0.0), axis=1)
-
-    offsets = split * num_tokens + rows
-    tl.store(split_max_ptr + offsets, running_max, mask=row_in)
-    tl.store(split_sum_exp_ptr + offsets, sum_exp, mask=row_in)
-    tl.store(split_label_logit_ptr + offsets, label_logit, mask=row_in)
-    if WITH_ENTROPY:
-        tl.store(split_sum_exp_shifted_ptr + offsets, sum_exp_shifted, mask=row_in)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    split_max_ptr, split_sum_exp_ptr, split_sum_exp_shifted_ptr, split_label_logit_ptr, labels_ptr,
+def _row_stats_kernel(
+    logits_ptr, stride_logits, labels_ptr, rows_ptr, temperature_ptr,
     logprobs_ptr, entropy_ptr, lse_ptr, mean_logit_ptr,
-    num_tokens, num_splits, ignore_index,
-    WITH_ENTROPY: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+    vocab,
+    WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Folds the splits' statistics together (the same online update) into the outputs."""
-    rows = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    row_in = rows < num_tokens
-    running_max = tl.full([BLOCK], float("-inf"), dtype=ACC_DTYPE)
-    sum_exp = tl.zeros([BLOCK], dtype=ACC_DTYPE)
-    sum_exp_shifted = tl.zeros([BLOCK], dtype=ACC_DTYPE)
-    label_logit = tl.zeros([BLOCK], dtype=ACC_DTYPE)
-    for split in range(0, num_splits):
-        offsets = split * num_tokens + rows
-        split_max = tl.load(split_max_ptr + offsets, mask=row_in, other=0.0)
-        split_sum_exp = tl.load(split_sum_exp_ptr + offsets, mask=row_in, other=1.0)
-        new_max = tl.maximum(running_max, split_max)
-        rescale = tl.exp(running_max - new_max)
-        split_rescale = tl.exp(split_max - new_max)
-        if WITH_ENTROPY:
-            split_sum_exp_shifted = tl.load(split_sum_exp_shifted_ptr + offsets, mask=row_in, other=0.0)
-            moved = tl.where(sum_exp > 0, running_max - new_max, 0.0) * sum_exp
-            sum_exp_shifted = rescale * (sum_exp_shifted + moved) + split_rescale * (
-                split_sum_exp_shifted + (split_max - new_max) * split_sum_exp
-            )
-        sum_exp = sum_exp * rescale + split_sum_exp * split_rescale
-        running_max = new_max
-        label_logit += tl.load(split_label_logit_ptr + offsets, mask=row_in, other=0.0)
+    """One row of the block: online log-sum-exp over the vocabulary, lane by lane.
 
-    labels = tl.load(labels_ptr + rows, mask=row_in, other=ignore_index)
-    valid = labels != ignore_index
-    log_sum_exp = tl.log(sum_exp)
-    lse = running_max + log_sum_exp
-    tl.store(lse_ptr + rows, lse, mask=row_in)
-    tl.store(logprobs_ptr + rows, tl.where(valid, label_logit - lse, 0.0), mask=row_in)
+    With u = z - running max each lane keeps sum exp(u) and, for the entropy,
+    sum exp(u) u; keeping u (not z) avoids cancelling two large numbers in
+    entropy = lse - E_p[z]. A NaN logit makes the sums, hence every output, NaN; a label
+    outside the vocabulary gives a NaN log-prob.
+    """
+    block_row = tl.program_id(0).to(tl.int64)
+    row_logits = logits_ptr + block_row * stride_logits
+    row = tl.load(rows_ptr + block_row)
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    compute = lse_ptr.dtype.element_ty
+    temperature = tl.load(temperature_ptr)
+    lane_max = tl.full([BLOCK_V], float("-inf"), compute)
+    lane_sum = tl.zeros([BLOCK_V], compute)
+    lane_shifted = tl.zeros([BLOCK_V], compute)
+    for start in range(0, vocab, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        z = tl.load(row_logits + cols, mask=cols < vocab, other=float("-inf")).to(compute) / temperature
+        new_max = tl.maximum(lane_max, z)
+        # A lane that has seen only -inf keeps zero sums (and no -inf - -inf).
+        unseen = new_max == float("-inf")
+        rescale = tl.where(unseen, 0.0, tl.exp(lane_max - new_max))
+        shifted = tl.where(unseen, 0.0, z - new_max)
+        exp_shifted = tl.where(unseen, 0.0, tl.exp(shifted))
+        if WITH_ENTROPY:
+            moved = tl.where(lane_sum > 0, lane_max - new_max, 0.0) * lane_sum
+            lane_shifted = rescale * (lane_shifted + moved) + exp_shifted * tl.where(cols < vocab, shifted, 0.0)
+        lane_sum = lane_sum * rescale + exp_shifted
+        lane_max = new_max
+    row_max = tl.max(lane_max, axis=0)
+    lane_scale = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - row_max))
+    total = tl.sum(lane_sum * lane_scale, axis=0)
+    log_total = tl.log(total)
+    lse = row_max + log_total
+    in_vocab = (label >= 0) & (label < vocab)
+    label_logit = tl.load(row_logits + tl.where(in_vocab, label, 0)).to(compute) / temperature
+    tl.store(lse_ptr + row, lse)
+    tl.store(logprobs_ptr + row, tl.where(in_vocab, label_logit - lse, float("nan")))
     if WITH_ENTROPY:
-        mean_shifted = sum_exp_shifted / sum_exp  # E_p[z] - running_max
-        tl.store(mean_logit_ptr + rows, running_max + mean_shifted, mask=row_in)
-        tl.store(entropy_ptr + rows, tl.where(valid, log_sum_exp - mean_shifted, 0.0), mask=row_in)
+        shifted_total = tl.sum(lane_scale * (lane_shifted + tl.where(lane_sum > 0, lane_max - row_max, 0.0) * lane_sum),
+                               axis=0)
+        mean_shifted = shifted_total / total  # E_p[z] - row max
+        tl.store(mean_logit_ptr + row, row_max + mean_shifted)
+        tl.store(entropy_ptr + row, log_total - mean_shifted)
 
 
 @triton.jit
-def _backward_kernel(
-    grad_logprobs_ptr, grad_entropy_ptr, hidden_ptr, weight_ptr, bias_ptr, labels_ptr,
-    lse_ptr, mean_logit_ptr, temperature_ptr,
-    grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
-    num_tokens, vocab, hidden_size, ignore_index,
-    stride_hidden_row, stride_hidden_col, stride_weight_row, stride_weight_col,
-    stride_grad_hidden_row, stride_grad_hidden_col, stride_grad_weight_row, stride_grad_weight_col,
-    stride_grad_bias,
-    HAS_BIAS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr,
+def _token_gradient_kernel(
+    rows_ptr, logprobs_ptr, old_ptr, ref_ptr, weights_ptr, advantage_ptr, token_weight_ptr,
+    grad_logprobs_ptr, grad_entropy_ptr,
+    count,
+    ratio_low: tl.float64, ratio_high: tl.float64, beta: tl.float64, dual_clip: tl.float64,
+    entropy_coef: tl.float64,
+    ON_POLICY: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One (token tile, vocabulary tile): recompute z, form dz, add its share of the grads."""
-    num_token_tiles = tl.cdiv(num_tokens, BLOCK_N)
-    num_vocab_tiles = tl.cdiv(vocab, BLOCK_V)
-    pid = tl.program_id(0)
-    programs_per_group = GROUP_N * num_vocab_tiles
-    first_token_tile = (pid // programs_per_group) * GROUP_N
-    group_height = tl.minimum(num_token_tiles - first_token_tile, GROUP_N)
-    token_tile = first_token_tile + (pid % programs_per_group) % group_height
-    vocab_tile = (pid % programs_per_group) // group_height
+    """d loss / d logp and d loss / d entropy of the block's tokens for a token-level
+    surrogate: w (iw * d policy_term + beta * d kl_term) and -entropy_coef * w, with the
+    per-token formulas of the surrogate kernels."""
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < count
+    rows = tl.load(rows_ptr + index, mask=inside, other=0)
+    compute = grad_logprobs_ptr.dtype.element_ty
+    logprobs = tl.load(logprobs_ptr + rows, mask=inside, other=0.0).to(compute)
+    if ON_POLICY:
+        old = logprobs
+    else:
+        old = tl.load(old_ptr + rows, mask=inside, other=0.0).to(compute)
+    advantage = tl.load(advantage_ptr + rows, mask=inside, other=0.0).to(compute)
+    weight = tl.load(token_weight_ptr + rows, mask=inside, other=0.0).to(compute)
+    _, grad, _ = policy_term(logprobs - old, advantage, tl.full([], ratio_low, compute),
+                             tl.full([], ratio_high, compute), tl.full([], dual_clip, compute), HAS_DUAL_CLIP)
+    if HAS_WEIGHTS:
+        grad *= tl.load(weights_ptr + rows, mask=inside, other=0.0).to(compute)
+    if HAS_KL:
+        ref = tl.load(ref_ptr + rows, mask=inside, other=0.0).to(compute)
+        _, kl_slope = kl_term(logprobs, ref, KL_ESTIMATOR)
+        grad += tl.full([], beta, compute) * kl_slope
+    tl.store(grad_logprobs_ptr + index, grad * weight, mask=inside)
+    tl.store(grad_entropy_ptr + index, -tl.full([], entropy_coef, compute) * weight, mask=inside)
 
-    rows = (token_tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_in = rows < num_tokens
-    labels = tl.load(labels_ptr + rows, mask=row_in, other=ignore_index)
-    valid = row_in & (labels != ignore_index)
-    grad_logprobs = tl.load(grad_logprobs_ptr + rows, mask=valid, other=0.0).to(ACC_DTYPE)
-    active = grad_logprobs != 0
+
+@triton.jit
+def _logit_gradient_kernel(
+    logits_ptr, stride_logits, labels_ptr, rows_ptr, temperature_ptr,
+    grad_logprobs_ptr, stride_grad_logprobs, grad_entropy_ptr, stride_grad_entropy, lse_ptr, mean_logit_ptr,
+    vocab,
+    HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """In place: z -> dz = (g (onehot - p) - g_ent p (z - E_p[z])) / temperature, in the
+    buffer's dtype (the rounding eager applies to a bf16 model's logits gradient)."""
+    block_row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    inside = cols < vocab
+    row = tl.load(rows_ptr + block_row)
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    compute = lse_ptr.dtype.element_ty
+    temperature = tl.load(temperature_ptr)
+    lse = tl.load(lse_ptr + row)
+    grad_logprobs = tl.load(grad_logprobs_ptr + block_row * stride_grad_logprobs).to(compute)
+    pointer = logits_ptr + block_row * stride_logits + cols
+    z = tl.load(pointer, mask=inside, other=0.0).to(compute) / temperature
+    probs = tl.exp(z - lse)
+    grad = tl.where(cols == label, grad_logprobs, 0.0) - grad_logprobs * probs
     if HAS_GRAD_ENTROPY:
-        grad_entropy = tl.load(grad_entropy_ptr + rows, mask=valid, other=0.0).to(ACC_DTYPE)
-        active = active | (grad_entropy != 0)
-    # Ignored labels, padding and prompt tokens have zero upstream gradients: a tile of
-    # only those adds exactly nothing, so it skips the recompute.
-    if tl.max(active.to(tl.int32), axis=0) > 0:
-        cols = (vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
-        col_in = cols < vocab
-        temperature = tl.load(temperature_ptr)
-        logits = _logits_tile(
-            hidden_ptr, weight_ptr, bias_ptr, temperature, rows, cols, row_in, col_in, hidden_size,
-            stride_hidden_row, stride_hidden_col, stride_weight_row, stride_weight_col,
-            HAS_BIAS, ACC_DTYPE, DOT_DTYPE, BLOCK_N, BLOCK_V, BLOCK_H,
+        grad_entropy = tl.load(grad_entropy_ptr + block_row * stride_grad_entropy).to(compute)
+        grad -= grad_entropy * probs * (z - tl.load(mean_logit_ptr + row))
+    tl.store(pointer, (grad / temperature).to(pointer.dtype.element_ty), mask=inside)
+
+
+_TOKEN_BLOCK = 1024
+
+
+class _BlockSweep:
+    """The blocks of active rows and the GEMMs around the row kernels."""
+
+    def __init__(self, hidden, weight, bias, labels, ignore_index, block_rows):
+        self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels.contiguous()
+        self.device = hidden.device
+        self.vocab = weight.shape[0]
+        self.accumulate = torch.promote_types(hidden.dtype, torch.float32)
+        # One host synchronisation: the count of active rows sizes the blocks.
+        self.rows = (self.labels != ignore_index).nonzero().flatten()
+        self.block_rows = block_rows or default_block_rows(self.vocab, hidden.element_size(), self.device)
+        count = self.rows.numel()
+        self.buffer = torch.empty((min(self.block_rows, max(count, 1)), self.vocab), dtype=hidden.dtype,
+                                  device=self.device)
+
+    def blocks(self):
+        for start in range(0, self.rows.numel(), self.block_rows):
+            yield self.rows[start:start + self.block_rows]
+
+    def logits(self, rows):
+        """The block's z = h W^T + b, in the inputs' dtype, in the shared buffer."""
+        logits = self.buffer[: rows.numel()]
+        hidden_rows = self.hidden.index_select(0, rows)
+        if self.bias is None:
+            torch.mm(hidden_rows, self.weight.t(), out=logits)
+        else:
+            torch.addmm(self.bias, hidden_rows, self.weight.t(), out=logits)
+        return logits, hidden_rows
+
+    def stats(self, logits, rows, temperature, outputs, with_entropy):
+        logprobs, entropy, lse, mean_logit = outputs
+        _row_stats_kernel[(rows.numel(),)](
+            logits, logits.stride(0), self.labels, rows, temperature,
+            logprobs, entropy, lse, mean_logit, self.vocab,
+            WITH_ENTROPY=with_entropy, BLOCK_V=_BLOCK_V, num_warps=8,
         )
-        lse = tl.load(lse_ptr + rows, mask=row_in, other=0.0)
-        probs = tl.exp(logits - lse[:, None])
-        # d logp / dz = onehot - p ; d entropy / dz = -p (z - E_p[z])
-        grad_logits = tl.where(cols[None, :] == labels[:, None], grad_logprobs[:, None], 0.0)
-        grad_logits -= grad_logprobs[:, None] * probs
-        if HAS_GRAD_ENTROPY:
-            mean_logit = tl.load(mean_logit_ptr + rows, mask=valid, other=0.0)
-            # Columns past V hold -inf logits: centre them at 0, not -inf, so p * 0 = 0.
-            centered = tl.where(col_in[None, :], logits - mean_logit[:, None], 0.0)
-            grad_logits -= grad_entropy[:, None] * probs * centered
-        grad_logits = tl.where(valid[:, None] & col_in[None, :], grad_logits / temperature, 0.0)
 
-        if HAS_BIAS:
-            tl.atomic_add(grad_bias_ptr + cols * stride_grad_bias, tl.sum(grad_logits, axis=0), mask=col_in,
-                          sem="relaxed")
-        # On a GPU dz enters the gradient GEMMs in the inputs' dtype (bf16 tensor cores,
-        # fp32 accumulation), the rounding a bf16 model's own backward applies to it.
-        grad_logits_op = grad_logits.to(DOT_DTYPE)
-        for h0 in range(0, hidden_size, BLOCK_H):
-            ks = h0 + tl.arange(0, BLOCK_H)
-            k_in = ks < hidden_size
-            weight = tl.load(
-                weight_ptr + cols[:, None] * stride_weight_row + ks[None, :] * stride_weight_col,
-                mask=col_in[:, None] & k_in[None, :], other=0.0,
-            )
-            grad_hidden = tl.dot(grad_logits_op, weight.to(DOT_DTYPE), input_precision="ieee",
-                                 out_dtype=ACC_DTYPE)
-            tl.atomic_add(
-                grad_hidden_ptr + rows[:, None] * stride_grad_hidden_row + ks[None, :] * stride_grad_hidden_col,
-                grad_hidden, mask=valid[:, None] & k_in[None, :], sem="relaxed",
-            )
-            hidden = tl.load(
-                hidden_ptr + rows[:, None] * stride_hidden_row + ks[None, :] * stride_hidden_col,
-                mask=row_in[:, None] & k_in[None, :], other=0.0,
-            )
-            grad_weight = tl.dot(tl.trans(grad_logits_op), hidden.to(DOT_DTYPE), input_precision="ieee",
-                                 out_dtype=ACC_DTYPE)
-            tl.atomic_add(
-                grad_weight_ptr + cols[:, None] * stride_grad_weight_row + ks[None, :] * stride_grad_weight_col,
-                grad_weight, mask=col_in[:, None] & k_in[None, :], sem="relaxed",
-            )
+    def logit_gradient(self, logits, rows, temperature, grad_logprobs, grad_entropy, lse, mean_logit):
+        _logit_gradient_kernel[(rows.numel(), triton.cdiv(self.vocab, _BLOCK_V))](
+            logits, logits.stride(0), self.labels, rows, temperature,
+            grad_logprobs, grad_logprobs.stride(0),
+            grad_logprobs if grad_entropy is None else grad_entropy,
+            0 if grad_entropy is None else grad_entropy.stride(0),
+            lse, mean_logit, self.vocab,
+            HAS_GRAD_ENTROPY=grad_entropy is not None, BLOCK_V=_BLOCK_V, num_warps=8,
+        )
 
 
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
+def _widening_mm(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """left @ right of 16-bit operands, accumulated and returned in ``dtype``."""
+    if left.is_cuda:
+        return torch.mm(left, right, out_dtype=dtype)
+    # Every bf16/fp16 value is an fp32 value: widened operands give the same products.
+    return torch.mm(left.to(dtype), right.to(dtype))
 
 
-def _temperature_tensor(temperature: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+class _Gradients:
+    """grad_hidden, grad_weight and grad_bias, accumulated block by block."""
+
+    def __init__(self, sweep: _BlockSweep):
+        self.sweep = sweep
+        hidden, weight, bias = sweep.hidden, sweep.weight, sweep.bias
+        self.grad_hidden = torch.zeros_like(hidden)
+        # 16-bit heads over several blocks accumulate grad_W in fp32 and round once, as
+        # eager's single GEMM over every row does.
+        several = sweep.rows.numel() > sweep.block_rows
+        self.weight_dtype = sweep.accumulate if several else weight.dtype
+        self.grad_weight = torch.zeros_like(weight, dtype=self.weight_dtype)
+        self.grad_bias = None if bias is None else torch.zeros_like(bias, dtype=sweep.accumulate)
+
+    def add(self, logit_grad, rows, hidden_rows):
+        weight = self.sweep.weight
+        self.grad_hidden.index_copy_(0, rows, torch.mm(logit_grad, weight))
+        if self.weight_dtype == logit_grad.dtype:
+            self.grad_weight.addmm_(logit_grad.t(), hidden_rows)
+        else:
+            self.grad_weight += _widening_mm(logit_grad.t(), hidden_rows, self.weight_dtype)
+        if self.grad_bias is not None:
+            self.grad_bias += logit_grad.sum(dim=0, dtype=self.sweep.accumulate)
+
+    def result(self):
+        weight, bias = self.sweep.weight, self.sweep.bias
+        grad_bias = weight.new_empty((0,)) if bias is None else self.grad_bias.to(bias.dtype)
+        return self.grad_hidden, self.grad_weight.to(weight.dtype), grad_bias
+
+
+def _temperature(temperature: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # A Python float reaches a kernel as fp32; fp64 inputs need the fp64 temperature.
     return torch.full((), float(temperature), dtype=dtype, device=device)
 
 
-def linear_logprob_forward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprobs, entropy, lse, mean_logit), each [N] in fp32 (fp64 for fp64 inputs).
-
-    Without ``with_entropy`` entropy and mean_logit are zeros. Rows whose label is
-    ``ignore_index`` get logprob 0 and entropy 0.
-    """
-    num_tokens, hidden_size = hidden.shape
-    vocab = weight.shape[0]
-    device = hidden.device
-    accumulate = _accumulate_dtype(hidden.dtype)
-    tiles = _tiles(device, hidden.element_size(), backward=False)
-    labels = labels.contiguous()
-    num_token_tiles = triton.cdiv(num_tokens, tiles.block_tokens)
-    num_splits, tiles_per_split = _vocab_splits(num_token_tiles, triton.cdiv(vocab, tiles.block_vocab), device)
-
-    split_max, split_sum_exp, split_sum_exp_shifted, split_label_logit = torch.empty(
-        (4, num_splits, num_tokens), dtype=accumulate, device=device
-    ).unbind()
-    logprobs = torch.empty(num_tokens, dtype=accumulate, device=device)
-    lse = torch.empty_like(logprobs)
-    entropy = torch.zeros_like(logprobs)
-    mean_logit = torch.zeros_like(logprobs)
-    acc_dtype = _TRITON_DTYPES[accumulate]
-
-    _forward_split_kernel[(num_token_tiles, num_splits)](
-        hidden, weight, weight if bias is None else bias, labels,
-        _temperature_tensor(temperature, accumulate, device),
-        split_max, split_sum_exp, split_sum_exp_shifted, split_label_logit,
-        num_tokens, vocab, hidden_size, tiles_per_split,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
-        ACC_DTYPE=acc_dtype, DOT_DTYPE=_dot_dtype(hidden.dtype),
-        BLOCK_N=tiles.block_tokens, BLOCK_V=tiles.block_vocab, BLOCK_H=tiles.block_hidden,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
-    _merge_splits_kernel[(triton.cdiv(num_tokens, _MERGE_BLOCK),)](
-        split_max, split_sum_exp, split_sum_exp_shifted, split_label_logit, labels,
-        logprobs, entropy, lse, mean_logit,
-        num_tokens, num_splits, ignore_index,
-        WITH_ENTROPY=with_entropy, ACC_DTYPE=acc_dtype, BLOCK=_MERGE_BLOCK,
-    )
-    return logprobs, entropy, lse, mean_logit
+def _row_outputs(num_rows: int, dtype: torch.dtype, device: torch.device):
+    # logprobs, entropy (0 on ignored rows), lse, mean_logit
+    return tuple(torch.zeros(num_rows, dtype=dtype, device=device) for _ in range(4))
 
 
-def linear_logprob_backward(
-    grad_logprobs: torch.Tensor,
-    grad_entropy: torch.Tensor | None,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    lse: torch.Tensor,
-    mean_logit: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_hidden, grad_weight, grad_bias) in the inputs' dtypes; grad_bias is empty
-    (shape (0,)) without a bias. ``lse`` and ``mean_logit`` come from the forward."""
-    num_tokens, hidden_size = hidden.shape
-    if weight.dim() != 2 or weight.shape[1] != hidden_size:
+def linear_logprob_forward(hidden, weight, bias, labels, temperature, ignore_index, with_entropy):
+    """``hadw::linear_logprob_forward``: (logprobs, entropy, lse, mean_logit), each [N]
+    in fp32 (fp64 for fp64 inputs); ignored rows give 0."""
+    sweep = _BlockSweep(hidden, weight, bias, labels, ignore_index, 0)
+    outputs = _row_outputs(hidden.shape[0], sweep.accumulate, sweep.device)
+    temperature = _temperature(temperature, sweep.accumulate, sweep.device)
+    with device_guard(sweep.device):
+        for rows in sweep.blocks():
+            logits, _ = sweep.logits(rows)
+            sweep.stats(logits, rows, temperature, outputs, with_entropy)
+    return outputs
+
+
+def linear_logprob_backward(grad_logprobs, grad_entropy, hidden, weight, bias, labels, lse, mean_logit, temperature,
+                            ignore_index):
+    """``hadw::linear_logprob_backward``: (grad_hidden, grad_weight, grad_bias) in the
+    inputs' dtypes, recomputing each block's logits; grad_bias is (0,) without a bias."""
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(
             f"weight has shape {tuple(weight.shape)} in backward, hidden {tuple(hidden.shape)}: a ZeRO-3 "
             "LM head gathered for the forward must stay gathered through the backward "
             "(docs/fused-linear-logprob.md)"
         )
-    vocab = weight.shape[0]
-    device = hidden.device
-    accumulate = _accumulate_dtype(hidden.dtype)
-    tiles = _tiles(device, hidden.element_size(), backward=True)
+    sweep = _BlockSweep(hidden, weight, bias, labels, ignore_index, 0)
+    gradients = _Gradients(sweep)
+    temperature = _temperature(temperature, sweep.accumulate, sweep.device)
+    grad_logprobs = grad_logprobs.to(sweep.accumulate)
+    grad_entropy = None if grad_entropy is None else grad_entropy.to(sweep.accumulate)
+    with device_guard(sweep.device):
+        for rows in sweep.blocks():
+            logits, hidden_rows = sweep.logits(rows)
+            sweep.logit_gradient(
+                logits, rows, temperature, grad_logprobs[rows],
+                None if grad_entropy is None else grad_entropy[rows], lse, mean_logit,
+            )
+            gradients.add(logits, rows, hidden_rows)
+    return gradients.result()
 
-    # Accumulators shaped like the inputs (same strides), so the cast back returns
-    # tensors laid out as the op's fake implementation promises.
-    grad_hidden = torch.zeros_like(hidden, dtype=accumulate)
-    grad_weight = torch.zeros_like(weight, dtype=accumulate)
-    grad_bias = weight.new_empty((0,)) if bias is None else torch.zeros_like(bias, dtype=accumulate)
-    grad_logprobs = grad_logprobs.contiguous()
-    num_programs = triton.cdiv(num_tokens, tiles.block_tokens) * triton.cdiv(vocab, tiles.block_vocab)
 
-    _backward_kernel[(num_programs,)](
-        grad_logprobs, grad_logprobs if grad_entropy is None else grad_entropy.contiguous(),
-        hidden, weight, weight if bias is None else bias, labels.contiguous(),
-        lse.contiguous(), mean_logit.contiguous(), _temperature_tensor(temperature, accumulate, device),
-        grad_hidden, grad_weight, grad_weight if bias is None else grad_bias,
-        num_tokens, vocab, hidden_size, ignore_index,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        grad_hidden.stride(0), grad_hidden.stride(1), grad_weight.stride(0), grad_weight.stride(1),
-        grad_bias.stride(0),
-        HAS_BIAS=bias is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
-        ACC_DTYPE=_TRITON_DTYPES[accumulate], DOT_DTYPE=_dot_dtype(hidden.dtype),
-        BLOCK_N=tiles.block_tokens, BLOCK_V=tiles.block_vocab, BLOCK_H=tiles.block_hidden,
-        GROUP_N=tiles.group_tokens, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
-    return (
-        grad_hidden.to(hidden.dtype),
-        grad_weight.to(weight.dtype),
-        grad_bias if bias is None else grad_bias.to(bias.dtype),
-    )
+def linear_surrogate_forward(
+    hidden, weight, bias, labels, old_logprobs, advantages, token_weights, ref_logprobs, importance_weights,
+    temperature, ignore_index, epsilon_low, epsilon_high, dual_clip, beta, kl_estimator, entropy_coef,
+    with_entropy, block_rows,
+):
+    """``hadw::linear_surrogate_forward``: per-row (logprobs, entropy) and the token-level
+    surrogate's (grad_hidden, grad_weight, grad_bias), each block's logits formed once.
+    Per-token inputs are [N]; ``old_logprobs`` None means on-policy (old = current)."""
+    sweep = _BlockSweep(hidden, weight, bias, labels, ignore_index, block_rows)
+    gradients = _Gradients(sweep)
+    logprobs, entropy, lse, mean_logit = outputs = _row_outputs(hidden.shape[0], sweep.accumulate, sweep.device)
+    temperature = _temperature(temperature, sweep.accumulate, sweep.device)
+    grad_logprobs = torch.empty(sweep.buffer.shape[0], dtype=sweep.accumulate, device=sweep.device)
+    grad_entropy = torch.empty_like(grad_logprobs)
+    has_kl = beta > 0
+    with device_guard(sweep.device):
+        for rows in sweep.blocks():
+            count = rows.numel()
+            logits, hidden_rows = sweep.logits(rows)
+            sweep.stats(logits, rows, temperature, outputs, with_entropy or entropy_coef > 0)
+            _token_gradient_kernel[(triton.cdiv(count, _TOKEN_BLOCK),)](
+                rows, logprobs, logprobs if old_logprobs is None else old_logprobs,
+                ref_logprobs if has_kl else logprobs, importance_weights if importance_weights is not None else logprobs,
+                advantages, token_weights, grad_logprobs, grad_entropy, count,
+                ratio_low=1.0 - epsilon_low, ratio_high=1.0 + epsilon_high, beta=float(beta),
+                dual_clip=float(dual_clip) if dual_clip is not None else 0.0, entropy_coef=float(entropy_coef),
+                ON_POLICY=old_logprobs is None, HAS_DUAL_CLIP=dual_clip is not None, HAS_KL=has_kl,
+                KL_ESTIMATOR=kl_estimator, HAS_WEIGHTS=importance_weights is not None, BLOCK=_TOKEN_BLOCK,
+                num_warps=4,
+            )
+            sweep.logit_gradient(
+                logits, rows, temperature, grad_logprobs[:count],
+                grad_entropy[:count] if entropy_coef > 0 else None, lse, mean_logit,
+            )
+            gradients.add(logits, rows, hidden_rows)
+    return (logprobs, entropy, *gradients.result())

@@ -1,24 +1,27 @@
-"""Triton kernels for ``hadw::surrogate_loss``: the clipped surrogates with HA-DW
-(SPEC sections 2, 4 and 5), loss and gradient in one pass over the tokens.
+"""Triton kernels of ``hadw::surrogate_loss``: the clipped surrogate with HA-DW (SPEC
+sections 2, 4 and 5) as ``config.LossConfig`` describes it, loss and gradient in one
+pass over the tokens.
 
-Three launches, in stream order, none of which reads a value back to the host:
+Launches, in stream order, none of which reads a value back to the host:
 
-1. ``_group_kernel``, one program per response group: group mean and unbiased std,
-   the advantage A_hat, Phi from the anchor (read from device memory), A = A_hat * Phi,
-   each response's valid-token count, and the batch's token count (an exact int64
-   atomic) that dapo divides by.
-2. ``_token_surrogate_kernel`` (grpo, dapo, dr_grpo) or ``_sequence_surrogate_kernel``
-   (gspo), one program per response on grid axis 0 (2^31 - 1 programs, so any batch):
-   the loss contribution of the response and d loss / d logprobs, d loss / d entropy
-   for each of its tokens, and the response's metric partial sums.
-3. ``_finish_kernel``, one program: sums the per-response partials in a fixed order
+1. ``_lengths_kernel``, one program per response: its valid-token count, and the call's
+   token count (an exact int64 atomic) that ``token-mean`` divides by.
+2. ``_group_kernel`` (advantages from rewards only), one program per group: mean and
+   unbiased std, A_hat, Phi from the anchor (read from device memory), A = A_hat * Phi.
+3. ``_surrogate_kernel``, one program per response on grid axis 0 (2^31 - 1 programs):
+   each token's contribution to the loss, d loss / d logprobs and d loss / d entropy,
+   and the response's metric partial sums. Sequence level (GSPO) first reads the
+   response once for its mean log-ratio.
+4. ``_finish_kernel``, one program: sums the per-response partials in a fixed order
    (deterministic, unlike float atomics) into the loss and the metrics vector.
 
-All arithmetic is in the compute dtype (float32, or float64 for float64 log-probs);
-bf16 and fp16 inputs are widened on load. Offsets are int64 (row * stride), so B * T
-may exceed 2^31. Masked positions are never read (masked loads yield 0), so padding may
-hold any value, inf and NaN included. Block sizes are chosen per GPU generation by
-``_token_launch``; docs/triton-surrogate.md gives the reasoning and a time estimate.
+The per-token formulas (``policy_term``, ``kl_term``, ``token_weight``) are shared with
+the gradients-in-forward linear kernels (``linear_surrogate.py``). All arithmetic is in
+the compute dtype (fp32, or fp64 for fp64 log-probs); bf16 and fp16 inputs are widened on
+load. Offsets are int64. Masked positions are never read, so padding may hold inf or
+NaN; a NaN at a valid position makes the loss NaN (maximum and minimum propagate NaN
+here: Triton's default drops it). Block sizes: ``_token_launch`` and
+docs/triton-surrogate.md.
 """
 
 from __future__ import annotations
@@ -30,20 +33,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ..advantage import STD_EPS
-from ..config import LOG_RATIO_CLAMP
-from ..ops import METRIC_NAMES
+from ..config import (
+    AGG_MODES,
+    K3_LOG_RATIO_CLAMP,
+    K3_VALUE_CLAMP,
+    KL_ESTIMATORS,
+    LOG_RATIO_CLAMP,
+    METRIC_NAMES,
+)
 
 __all__ = ["surrogate_forward"]
 
-# Columns of the per-response partial sums the surrogate kernels write and
-# _finish_kernel reduces. The row is padded to a power of two so that the finishing
-# kernel loads it as one aligned tile.
+# Columns of the per-response partial sums the surrogate kernel writes and
+# _finish_kernel reduces, padded to a power of two for one aligned tile.
 _LOSS = tl.constexpr(0)
 _CLIP_LOW = tl.constexpr(1)
 _CLIP_HIGH = tl.constexpr(2)
 _RATIO_SUM = tl.constexpr(3)
-_RATIO_COUNT = tl.constexpr(4)  # tokens (token-level) or non-empty responses (gspo)
+_RATIO_COUNT = tl.constexpr(4)  # tokens (token level) or non-empty responses (sequence level)
 _APPROX_KL = tl.constexpr(5)
 _REF_KL = tl.constexpr(6)
 _ENTROPY = tl.constexpr(7)
@@ -51,31 +58,54 @@ _TOKENS = tl.constexpr(8)
 _NUM_PARTIALS = tl.constexpr(9)
 _PARTIALS_WIDTH = tl.constexpr(16)
 
+# Where each metric goes in the op's metrics vector (config.METRIC_NAMES).
+_METRIC = {name: tl.constexpr(index) for index, name in enumerate(METRIC_NAMES)}
+_M_CLIP_LOW = _METRIC["clip_frac_low"]
+_M_CLIP_HIGH = _METRIC["clip_frac_high"]
+_M_RATIO = _METRIC["ratio_mean"]
+_M_APPROX_KL = _METRIC["approx_kl"]
+_M_PHI = _METRIC["phi_mean"]
+_M_ZERO_STD = _METRIC["zero_std_frac"]
+_M_REF_KL = _METRIC["ref_kl"]
+_M_ENTROPY = _METRIC["entropy_mean"]
+
 # Importance weights: none, [B, T] or [B].
 _NO_WEIGHTS = tl.constexpr(0)
 _TOKEN_WEIGHTS = tl.constexpr(1)
 _RESPONSE_WEIGHTS = tl.constexpr(2)
 
-_STD_EPS = tl.constexpr(STD_EPS)
+_KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
+_KL_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
+_KL_K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
+_TOKEN_MEAN = AGG_MODES.index("token-mean")
+_TOKEN_SUM = AGG_MODES.index("token-sum")
+_SEQ_MEAN_TOKEN_MEAN = AGG_MODES.index("seq-mean-token-mean")
+_SEQ_MEAN_TOKEN_SUM_NORM = AGG_MODES.index("seq-mean-token-sum-norm")
+
 _LOG_RATIO_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)
-
-assert METRIC_NAMES == (
-    "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "phi_mean", "zero_std_frac", "ref_kl",
-    "entropy_mean",
-), "_finish_kernel writes the metrics in this order"
+_K3_LOG_RATIO_CLAMP = tl.constexpr(K3_LOG_RATIO_CLAMP)
+_K3_VALUE_CLAMP = tl.constexpr(K3_VALUE_CLAMP)
+_NAN = tl.PropagateNan.ALL
 
 
-# --- device helpers -----------------------------------------------------------------------
+# --- per-token math, shared with linear_surrogate.py -------------------------------------
 
 
 @triton.jit
-def _sign(x):
-    # sgn(0) = 0 (SPEC section 4): Phi of a zero advantage is lambda_scale.
+def sign(x):
+    # sgn(0) = 0 (SPEC section 4): Phi of a zero advantage is lambda_scale; sgn(NaN) = 0
+    # as torch.sign.
     return tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0)).to(x.dtype)
 
 
 @triton.jit
-def _exp_minus_one_minus_x(x):
+def clamp(x, low, high):
+    """clamp that keeps NaN (tl.minimum / tl.maximum drop it by default)."""
+    return tl.minimum(tl.maximum(x, low, propagate_nan=_NAN), high, propagate_nan=_NAN)
+
+
+@triton.jit
+def exp_minus_one_minus_x(x):
     """exp(x) - 1 - x without the cancellation of the literal formula near 0.
 
     Below |x| = 1/2 the Taylor series to x^12 (truncation < 2e-13 relative); above it
@@ -99,29 +129,68 @@ def _exp_minus_one_minus_x(x):
 
 
 @triton.jit
-def _clipped_objective(ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP: tl.constexpr):
+def clipped_objective(ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP: tl.constexpr):
     """-min(rho A, clip(rho) A), bounded by -c A for A < 0 under dual clip, and its
     derivative with respect to rho, as autograd gives it for the reference: the
     unclipped branch passes -A when it is the larger, or when rho lies inside the clip
-    range (both branches equal, the clamp passes its gradient on [low, high])."""
+    range (both branches equal, the clamp passes its gradient on [low, high]); at the
+    dual-clip bound torch.minimum splits the gradient, so half passes."""
     unclipped = -ratio * advantage
-    clipped = -tl.minimum(tl.maximum(ratio, ratio_low), ratio_high) * advantage
-    objective = tl.maximum(unclipped, clipped)
+    clipped = -clamp(ratio, ratio_low, ratio_high) * advantage
+    objective = tl.maximum(unclipped, clipped, propagate_nan=_NAN)
     passes = (unclipped > clipped) | ((ratio >= ratio_low) & (ratio <= ratio_high))
-    d_objective = tl.where(passes, -advantage, 0.0)
+    slope = tl.where(passes, -advantage, 0.0)
     if HAS_DUAL_CLIP:
         bound = -dual_clip * advantage
-        capped = (advantage < 0) & (objective > bound)
-        objective = tl.where(capped, bound, objective)
-        d_objective = tl.where(capped, 0.0, d_objective)
-    return objective, d_objective
+        negative = advantage < 0
+        slope = tl.where(negative & (objective > bound), 0.0, tl.where(negative & (objective == bound), 0.5 * slope,
+                                                                        slope))
+        objective = tl.where(negative, tl.minimum(objective, bound, propagate_nan=_NAN), objective)
+    return objective, slope
 
 
 @triton.jit
-def _token_weight(length, token_count_ptr, denominator, PER_RESPONSE_MEAN: tl.constexpr, COUNT_TOKENS: tl.constexpr):
-    """d loss / d (per-token value) of one response's valid tokens (config.aggregate):
-    1 / (T_i * B) for grpo; else 1 / denominator (dr_grpo: L_max * B; dapo: the
-    caller's normaliser), or 1 / N_tok counted on the device (dapo, COUNT_TOKENS)."""
+def policy_term(log_ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP: tl.constexpr):
+    """(objective, d objective / d logp, rho) of a token whose log-ratio to the old policy
+    is ``log_ratio``; rho = exp(log-ratio clamped to +-LOG_RATIO_CLAMP), and the clamp
+    passes the gradient on the closed interval only (NaN: none), as torch.clamp."""
+    in_clamp = (log_ratio >= -_LOG_RATIO_CLAMP) & (log_ratio <= _LOG_RATIO_CLAMP)
+    ratio = tl.exp(clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    objective, slope = clipped_objective(ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP)
+    return objective, tl.where(in_clamp, slope * ratio, 0.0), ratio
+
+
+@triton.jit
+def kl_term(logprobs, ref, ESTIMATOR: tl.constexpr):
+    """(KL estimate, its derivative with respect to logp) of one token
+    (config.KL_ESTIMATORS, with verl's clamps for k3)."""
+    log_ratio = logprobs - ref
+    if ESTIMATOR == _KL_K1:
+        value = log_ratio
+        slope = tl.full(log_ratio.shape, 1.0, log_ratio.dtype)
+    elif ESTIMATOR == _KL_K2:
+        value = 0.5 * log_ratio * log_ratio
+        slope = log_ratio
+    elif ESTIMATOR == _KL_K3:
+        ref_delta = -log_ratio
+        delta_in = (ref_delta >= -_K3_LOG_RATIO_CLAMP) & (ref_delta <= _K3_LOG_RATIO_CLAMP)
+        ref_delta = clamp(ref_delta, -_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)
+        raw = exp_minus_one_minus_x(ref_delta)
+        value_in = (raw >= -_K3_VALUE_CLAMP) & (raw <= _K3_VALUE_CLAMP)
+        value = clamp(raw, -_K3_VALUE_CLAMP, _K3_VALUE_CLAMP)
+        # d/dlogp (exp(d) - 1 - d) with d = ref - logp: -(exp(d) - 1) = -(raw + d)
+        slope = tl.where(delta_in & value_in, -(raw + ref_delta), 0.0)
+    else:
+        value = tl.abs(log_ratio)
+        slope = sign(log_ratio)
+    return value, slope
+
+
+@triton.jit
+def token_weight(length, token_count_ptr, denominator, PER_RESPONSE_MEAN: tl.constexpr, COUNT_TOKENS: tl.constexpr):
+    """w of a valid token (surrogate.token_weights): 1 / (T_i * denominator) for
+    seq-mean-token-mean, 1 / N_tok counted on the device for token-mean without a
+    normaliser, else 1 / denominator (set by _aggregation on the host)."""
     if PER_RESPONSE_MEAN:
         weight = 1.0 / (tl.maximum(length, 1).to(denominator.dtype) * denominator)
     elif COUNT_TOKENS:
@@ -136,17 +205,26 @@ def _token_weight(length, token_count_ptr, denominator, PER_RESPONSE_MEAN: tl.co
 
 
 @triton.jit
+def _lengths_kernel(
+    mask_ptr, stride_mask_row, stride_mask_col, length_ptr, token_count_ptr, width, BLOCK_T: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    count = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for start in range(0, width, BLOCK_T):
+        cols = start + tl.arange(0, BLOCK_T)
+        valid = tl.load(mask_ptr + row * stride_mask_row + cols.to(tl.int64) * stride_mask_col, mask=cols < width,
+                        other=0) != 0
+        count += valid.to(tl.int32)
+    length = tl.sum(count, axis=0)
+    tl.store(length_ptr + row, length)
+    tl.atomic_add(token_count_ptr, length.to(tl.int64))
+
+
+@triton.jit
 def _group_kernel(
-    rewards_ptr, stride_rewards,
-    anchor_ptr,
-    mask_ptr, stride_mask_row, stride_mask_col,
-    advantage_ptr, length_ptr, group_stats_ptr, token_count_ptr,
-    group_size, width,
-    lambda_scale: tl.float64,
-    NORMALIZE_STD: tl.constexpr,
-    HAS_ANCHOR: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    rewards_ptr, stride_rewards, anchor_ptr, advantage_ptr, group_stats_ptr,
+    group_size, std_eps: tl.float64, lambda_scale: tl.float64,
+    NORMALIZE_STD: tl.constexpr, HAS_ANCHOR: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     group = tl.program_id(0).to(tl.int64)
     members = tl.arange(0, BLOCK_G)
@@ -164,12 +242,12 @@ def _group_kernel(
     advantage_hat = centred
     if NORMALIZE_STD:
         std = tl.sqrt(tl.sum(centred * centred, axis=0) / (group_size - 1))
-        advantage_hat = centred / (std + _STD_EPS)
+        advantage_hat = centred / (std + tl.full([], std_eps, compute))
     advantage_hat = tl.where(degenerate, 0.0, advantage_hat)
     if HAS_ANCHOR:
         difficulty = mean - tl.load(anchor_ptr).to(compute)
-        advantage_sign = tl.where(degenerate, 0.0, _sign(centred))
-        exponent = -advantage_sign * _sign(difficulty) * tl.abs(difficulty)
+        advantage_sign = tl.where(degenerate, 0.0, sign(centred))
+        exponent = -advantage_sign * sign(difficulty) * tl.abs(difficulty)
         phi = tl.full([], lambda_scale, compute) * tl.exp(exponent)
     else:
         phi = tl.full([BLOCK_G], 1.0, compute)
@@ -177,41 +255,33 @@ def _group_kernel(
     tl.store(group_stats_ptr + group * 2, tl.sum(tl.where(in_group, phi, 0.0), axis=0).to(tl.float32))
     tl.store(group_stats_ptr + group * 2 + 1, degenerate.to(tl.float32))
 
-    # Valid tokens per response: the per-response mean (grpo) and dapo's batch count
-    # are then known before the surrogate kernel writes any gradient.
-    lengths = tl.zeros([BLOCK_G], dtype=tl.int32)
-    row_offsets = rows * stride_mask_row
-    for start in range(0, width, BLOCK_T):
-        cols = start + tl.arange(0, BLOCK_T)
-        offsets = row_offsets[:, None] + cols.to(tl.int64)[None, :] * stride_mask_col
-        inside = in_group[:, None] & (cols < width)[None, :]
-        valid = tl.load(mask_ptr + offsets, mask=inside, other=0) != 0
-        lengths += tl.sum(valid.to(tl.int32), axis=1)
-    tl.store(length_ptr + rows, lengths, mask=in_group)
-    tl.atomic_add(token_count_ptr, tl.sum(lengths.to(tl.int64), axis=0))
-
 
 @triton.jit
-def _token_surrogate_kernel(
+def _surrogate_kernel(
     logprobs_ptr, stride_logprobs_row, stride_logprobs_col,
     old_ptr, stride_old_row, stride_old_col,
     mask_ptr, stride_mask_row, stride_mask_col,
     ref_ptr, stride_ref_row, stride_ref_col,
     weights_ptr, stride_weights_row, stride_weights_col,
     entropy_ptr, stride_entropy_row, stride_entropy_col,
-    advantage_ptr, length_ptr, token_count_ptr,
+    advantage_ptr, stride_advantage, length_ptr, token_count_ptr,
     grad_logprobs_ptr, grad_entropy_ptr, partials_ptr,
     width,
     ratio_low: tl.float64, ratio_high: tl.float64, beta: tl.float64, dual_clip: tl.float64,
     entropy_coef: tl.float64, denominator: tl.float64,
+    SEQUENCE_LEVEL: tl.constexpr,
     PER_RESPONSE_MEAN: tl.constexpr,
     COUNT_TOKENS: tl.constexpr,
     HAS_DUAL_CLIP: tl.constexpr,
     HAS_KL: tl.constexpr,
+    KL_ESTIMATOR: tl.constexpr,
     WEIGHTS: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
+    """One response. Sequence level (verl's GSPO): every token carries the response's
+    ratio s_i and the gradient through its own log-prob, d s_it / d logp_t = s_i, so a
+    token's gradient has the token-level form with rho = s_i."""
     row = tl.program_id(0).to(tl.int64)
     compute = grad_logprobs_ptr.dtype.element_ty
     ratio_low = tl.full([], ratio_low, compute)
@@ -221,192 +291,109 @@ def _token_surrogate_kernel(
     entropy_coef = tl.full([], entropy_coef, compute)
     # A block rather than a scalar: the interpreter turns a scalar boolean into float32
     # when broadcasting it in `&`, so (advantage < 0) must already be a block.
-    advantage = tl.zeros([BLOCK_T], compute) + tl.load(advantage_ptr + row).to(compute)
+    advantage = tl.zeros([BLOCK_T], compute) + tl.load(advantage_ptr + row * stride_advantage).to(compute)
     length = tl.load(length_ptr + row)
-    weight = _token_weight(length, token_count_ptr, tl.full([], denominator, compute), PER_RESPONSE_MEAN, COUNT_TOKENS)
+    weight = token_weight(length, token_count_ptr, tl.full([], denominator, compute), PER_RESPONSE_MEAN,
+                          COUNT_TOKENS)
     if WEIGHTS == _RESPONSE_WEIGHTS:
         response_weight = tl.load(weights_ptr + row * stride_weights_row).to(compute)
+    row_logprobs = logprobs_ptr + row * stride_logprobs_row
+    row_old = old_ptr + row * stride_old_row
+    row_mask = mask_ptr + row * stride_mask_row
+
+    approx_kl = tl.zeros([BLOCK_T], compute)
+    if SEQUENCE_LEVEL:
+        log_ratio_sum = tl.zeros([BLOCK_T], compute)
+        for start in range(0, width, BLOCK_T):
+            cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
+            valid = tl.load(row_mask + cols * stride_mask_col, mask=cols < width, other=0) != 0
+            logprobs = tl.load(row_logprobs + cols * stride_logprobs_col, mask=valid, other=0.0).to(compute)
+            old = tl.load(row_old + cols * stride_old_col, mask=valid, other=0.0).to(compute)
+            log_ratio = logprobs - old
+            log_ratio_sum += log_ratio
+            approx_kl += tl.where(valid, exp_minus_one_minus_x(clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)),
+                                  0.0)
+        sequence_log_ratio = tl.zeros([BLOCK_T], compute) + tl.sum(log_ratio_sum, axis=0) / tl.maximum(
+            length, 1).to(compute)
+        sequence_objective, sequence_grad, sequence_ratio = policy_term(
+            sequence_log_ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP)
 
     objective_sum = tl.zeros([BLOCK_T], compute)
     clip_low = tl.zeros([BLOCK_T], compute)
     clip_high = tl.zeros([BLOCK_T], compute)
     ratio_sum = tl.zeros([BLOCK_T], compute)
-    approx_kl = tl.zeros([BLOCK_T], compute)
     ref_kl = tl.zeros([BLOCK_T], compute)
     entropy_sum = tl.zeros([BLOCK_T], compute)
     for start in range(0, width, BLOCK_T):
-        cols = start + tl.arange(0, BLOCK_T)
-        wide_cols = cols.to(tl.int64)
+        cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
         inside = cols < width
-        valid = tl.load(mask_ptr + row * stride_mask_row + wide_cols * stride_mask_col, mask=inside, other=0) != 0
-        logprobs = tl.load(
-            logprobs_ptr + row * stride_logprobs_row + wide_cols * stride_logprobs_col, mask=valid, other=0.0
-        ).to(compute)
-        old = tl.load(old_ptr + row * stride_old_row + wide_cols * stride_old_col, mask=valid, other=0.0).to(compute)
-
-        log_ratio = logprobs - old
-        # torch.clamp's gradient: passed on the closed interval, zero outside it.
-        in_clamp = (log_ratio >= -_LOG_RATIO_CLAMP) & (log_ratio <= _LOG_RATIO_CLAMP)
-        log_ratio = tl.minimum(tl.maximum(log_ratio, -_LOG_RATIO_CLAMP), _LOG_RATIO_CLAMP)
-        ratio = tl.exp(log_ratio)
-        objective, d_objective = _clipped_objective(ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP)
+        valid = tl.load(row_mask + cols * stride_mask_col, mask=inside, other=0) != 0
+        if SEQUENCE_LEVEL:
+            objective = sequence_objective
+            grad = sequence_grad
+            if HAS_KL:
+                logprobs = tl.load(row_logprobs + cols * stride_logprobs_col, mask=valid, other=0.0).to(compute)
+        else:
+            logprobs = tl.load(row_logprobs + cols * stride_logprobs_col, mask=valid, other=0.0).to(compute)
+            old = tl.load(row_old + cols * stride_old_col, mask=valid, other=0.0).to(compute)
+            log_ratio = logprobs - old
+            objective, grad, ratio = policy_term(log_ratio, advantage, ratio_low, ratio_high, dual_clip,
+                                                 HAS_DUAL_CLIP)
+            approx_kl += tl.where(valid, exp_minus_one_minus_x(clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)),
+                                  0.0)
+            clip_low += (valid & (ratio < ratio_low) & (advantage < 0)).to(compute)
+            clip_high += (valid & (ratio > ratio_high) & (advantage > 0)).to(compute)
+            ratio_sum += tl.where(valid, ratio, 0.0)
         if WEIGHTS == _TOKEN_WEIGHTS:
-            token_weight = tl.load(
-                weights_ptr + row * stride_weights_row + wide_cols * stride_weights_col, mask=valid, other=0.0
+            token_weights = tl.load(
+                weights_ptr + row * stride_weights_row + cols * stride_weights_col, mask=valid, other=0.0
             ).to(compute)
-            objective *= token_weight
-            d_objective *= token_weight
+            objective *= token_weights
+            grad *= token_weights
         elif WEIGHTS == _RESPONSE_WEIGHTS:
             objective *= response_weight
-            d_objective *= response_weight
-        grad = tl.where(in_clamp, d_objective * ratio, 0.0)
+            grad *= response_weight
         if HAS_KL:
-            ref = tl.load(
-                ref_ptr + row * stride_ref_row + wide_cols * stride_ref_col, mask=valid, other=0.0
-            ).to(compute)
-            ref_delta = ref - logprobs
-            kl = _exp_minus_one_minus_x(ref_delta)
+            ref = tl.load(ref_ptr + row * stride_ref_row + cols * stride_ref_col, mask=valid, other=0.0).to(compute)
+            kl, kl_slope = kl_term(logprobs, ref, KL_ESTIMATOR)
             objective += beta * kl
-            # d k3 / d logp = 1 - exp(ref - logp) = -expm1(ref_delta)
-            grad -= beta * (ref_delta + kl)
+            grad += beta * kl_slope
             ref_kl += tl.where(valid, kl, 0.0)
         if HAS_ENTROPY:
             entropy = tl.load(
-                entropy_ptr + row * stride_entropy_row + wide_cols * stride_entropy_col, mask=valid, other=0.0
+                entropy_ptr + row * stride_entropy_row + cols * stride_entropy_col, mask=valid, other=0.0
             ).to(compute)
             objective -= entropy_coef * entropy
             entropy_sum += tl.where(valid, entropy, 0.0)
-            tl.store(grad_entropy_ptr + row * width + wide_cols, tl.where(valid, -entropy_coef * weight, 0.0),
-                     mask=inside)
-        tl.store(grad_logprobs_ptr + row * width + wide_cols, tl.where(valid, grad * weight, 0.0), mask=inside)
-
+            tl.store(grad_entropy_ptr + row * width + cols, tl.where(valid, -entropy_coef * weight, 0.0), mask=inside)
+        tl.store(grad_logprobs_ptr + row * width + cols, tl.where(valid, grad * weight, 0.0), mask=inside)
         objective_sum += tl.where(valid, objective, 0.0)
-        clip_low += (valid & (ratio < ratio_low) & (advantage < 0)).to(compute)
-        clip_high += (valid & (ratio > ratio_high) & (advantage > 0)).to(compute)
-        ratio_sum += tl.where(valid, ratio, 0.0)
-        approx_kl += tl.where(valid, _exp_minus_one_minus_x(log_ratio), 0.0)
 
     partials = partials_ptr + row * _PARTIALS_WIDTH
     token_total = length.to(compute)
     tl.store(partials + _LOSS, tl.sum(objective_sum, axis=0) * weight)
-    tl.store(partials + _CLIP_LOW, tl.sum(clip_low, axis=0))
-    tl.store(partials + _CLIP_HIGH, tl.sum(clip_high, axis=0))
-    tl.store(partials + _RATIO_SUM, tl.sum(ratio_sum, axis=0))
-    tl.store(partials + _RATIO_COUNT, token_total)
+    if SEQUENCE_LEVEL:
+        # One ratio per non-empty response: clip fractions and the mean ratio count
+        # responses.
+        has_tokens = length > 0
+        first = tl.arange(0, BLOCK_T) == 0
+        tl.store(partials + _CLIP_LOW,
+                 tl.sum(tl.where(first & has_tokens & (sequence_ratio < ratio_low) & (advantage < 0), 1.0, 0.0),
+                        axis=0).to(compute))
+        tl.store(partials + _CLIP_HIGH,
+                 tl.sum(tl.where(first & has_tokens & (sequence_ratio > ratio_high) & (advantage > 0), 1.0, 0.0),
+                        axis=0).to(compute))
+        tl.store(partials + _RATIO_SUM, tl.sum(tl.where(first & has_tokens, sequence_ratio, 0.0), axis=0))
+        tl.store(partials + _RATIO_COUNT, has_tokens.to(compute))
+    else:
+        tl.store(partials + _CLIP_LOW, tl.sum(clip_low, axis=0))
+        tl.store(partials + _CLIP_HIGH, tl.sum(clip_high, axis=0))
+        tl.store(partials + _RATIO_SUM, tl.sum(ratio_sum, axis=0))
+        tl.store(partials + _RATIO_COUNT, token_total)
     tl.store(partials + _APPROX_KL, tl.sum(approx_kl, axis=0))
     tl.store(partials + _REF_KL, tl.sum(ref_kl, axis=0))
     tl.store(partials + _ENTROPY, tl.sum(entropy_sum, axis=0))
     tl.store(partials + _TOKENS, token_total)
-
-
-@triton.jit
-def _sequence_surrogate_kernel(
-    logprobs_ptr, stride_logprobs_row, stride_logprobs_col,
-    old_ptr, stride_old_row, stride_old_col,
-    mask_ptr, stride_mask_row, stride_mask_col,
-    ref_ptr, stride_ref_row, stride_ref_col,
-    weights_ptr, stride_weights_row,
-    entropy_ptr, stride_entropy_row, stride_entropy_col,
-    advantage_ptr, length_ptr,
-    grad_logprobs_ptr, grad_entropy_ptr, partials_ptr,
-    width,
-    ratio_low: tl.float64, ratio_high: tl.float64, beta: tl.float64, dual_clip: tl.float64,
-    entropy_coef: tl.float64, denominator: tl.float64,
-    HAS_DUAL_CLIP: tl.constexpr,
-    HAS_KL: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
-    """gspo: s_i = exp(mean over valid tokens of the log-ratio). The sequence ratio
-    needs the whole row before any token's gradient, so the row is read twice; the
-    second read of a response's log-probs comes from L2 (one row is 16 KB at T=4096)."""
-    row = tl.program_id(0).to(tl.int64)
-    compute = grad_logprobs_ptr.dtype.element_ty
-    ratio_low = tl.full([], ratio_low, compute)
-    ratio_high = tl.full([], ratio_high, compute)
-    beta = tl.full([], beta, compute)
-    dual_clip = tl.full([], dual_clip, compute)
-    entropy_coef = tl.full([], entropy_coef, compute)
-    denominator = tl.full([], denominator, compute)
-    advantage = tl.load(advantage_ptr + row).to(compute)
-    length = tl.load(length_ptr + row)
-    # The KL and entropy terms are per-token means of each response (config.aggregate).
-    weight = 1.0 / (tl.maximum(length, 1).to(compute) * denominator)
-
-    # Pass 1: the sequence log-ratio, and the metrics that need no sequence ratio.
-    log_ratio_sum = tl.zeros([BLOCK_T], compute)
-    approx_kl = tl.zeros([BLOCK_T], compute)
-    for start in range(0, width, BLOCK_T):
-        cols = start + tl.arange(0, BLOCK_T)
-        wide_cols = cols.to(tl.int64)
-        valid = tl.load(mask_ptr + row * stride_mask_row + wide_cols * stride_mask_col, mask=cols < width, other=0) != 0
-        logprobs = tl.load(
-            logprobs_ptr + row * stride_logprobs_row + wide_cols * stride_logprobs_col, mask=valid, other=0.0
-        ).to(compute)
-        old = tl.load(old_ptr + row * stride_old_row + wide_cols * stride_old_col, mask=valid, other=0.0).to(compute)
-        log_ratio = logprobs - old
-        log_ratio_sum += log_ratio
-        token_log_ratio = tl.minimum(tl.maximum(log_ratio, -_LOG_RATIO_CLAMP), _LOG_RATIO_CLAMP)
-        approx_kl += tl.where(valid, _exp_minus_one_minus_x(token_log_ratio), 0.0)
-
-    has_tokens = length > 0
-    sequence_log_ratio = tl.sum(log_ratio_sum, axis=0) / tl.maximum(length, 1).to(compute)
-    in_clamp = (sequence_log_ratio >= -_LOG_RATIO_CLAMP) & (sequence_log_ratio <= _LOG_RATIO_CLAMP)
-    ratio = tl.exp(tl.minimum(tl.maximum(sequence_log_ratio, -_LOG_RATIO_CLAMP), _LOG_RATIO_CLAMP))
-    objective, d_objective = _clipped_objective(ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP)
-    if HAS_WEIGHTS:
-        response_weight = tl.load(weights_ptr + row * stride_weights_row).to(compute)
-        objective *= response_weight
-        d_objective *= response_weight
-    objective = tl.where(has_tokens, objective, 0.0)
-    # d l_i / d logp_tok = d l_i / d s_i * s_i / T_i, for every valid token alike.
-    sequence_grad = tl.where(
-        has_tokens & in_clamp, d_objective * ratio / (tl.maximum(length, 1).to(compute) * denominator), 0.0
-    )
-
-    # Pass 2: every token's gradient, with the KL and entropy terms.
-    token_terms = tl.zeros([BLOCK_T], compute)
-    ref_kl = tl.zeros([BLOCK_T], compute)
-    entropy_sum = tl.zeros([BLOCK_T], compute)
-    for start in range(0, width, BLOCK_T):
-        cols = start + tl.arange(0, BLOCK_T)
-        wide_cols = cols.to(tl.int64)
-        inside = cols < width
-        valid = tl.load(mask_ptr + row * stride_mask_row + wide_cols * stride_mask_col, mask=inside, other=0) != 0
-        grad = tl.zeros([BLOCK_T], compute) + sequence_grad
-        if HAS_KL:
-            logprobs = tl.load(
-                logprobs_ptr + row * stride_logprobs_row + wide_cols * stride_logprobs_col, mask=valid, other=0.0
-            ).to(compute)
-            ref = tl.load(
-                ref_ptr + row * stride_ref_row + wide_cols * stride_ref_col, mask=valid, other=0.0
-            ).to(compute)
-            ref_delta = ref - logprobs
-            kl = _exp_minus_one_minus_x(ref_delta)
-            grad -= beta * weight * (ref_delta + kl)
-            ref_kl += tl.where(valid, kl, 0.0)
-            token_terms += tl.where(valid, beta * kl, 0.0)
-        if HAS_ENTROPY:
-            entropy = tl.load(
-                entropy_ptr + row * stride_entropy_row + wide_cols * stride_entropy_col, mask=valid, other=0.0
-            ).to(compute)
-            entropy_sum += tl.where(valid, entropy, 0.0)
-            token_terms -= tl.where(valid, entropy_coef * entropy, 0.0)
-            tl.store(grad_entropy_ptr + row * width + wide_cols, tl.where(valid, -entropy_coef * weight, 0.0),
-                     mask=inside)
-        tl.store(grad_logprobs_ptr + row * width + wide_cols, tl.where(valid, grad, 0.0), mask=inside)
-
-    partials = partials_ptr + row * _PARTIALS_WIDTH
-    tl.store(partials + _LOSS, objective / denominator + tl.sum(token_terms, axis=0) * weight)
-    tl.store(partials + _CLIP_LOW, (has_tokens & (ratio < ratio_low) & (advantage < 0)).to(compute))
-    tl.store(partials + _CLIP_HIGH, (has_tokens & (ratio > ratio_high) & (advantage > 0)).to(compute))
-    tl.store(partials + _RATIO_SUM, tl.where(has_tokens, ratio, 0.0))
-    tl.store(partials + _RATIO_COUNT, has_tokens.to(compute))
-    tl.store(partials + _APPROX_KL, tl.sum(approx_kl, axis=0))
-    tl.store(partials + _REF_KL, tl.sum(ref_kl, axis=0))
-    tl.store(partials + _ENTROPY, tl.sum(entropy_sum, axis=0))
-    tl.store(partials + _TOKENS, length.to(compute))
 
 
 @triton.jit
@@ -418,7 +405,7 @@ def _pick(totals, columns, index: tl.constexpr):
 def _finish_kernel(
     partials_ptr, group_stats_ptr, loss_ptr, metrics_ptr,
     batch, groups,
-    BLOCK_ROWS: tl.constexpr,
+    HAS_GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     """Sums in a fixed order, in float64: the result does not depend on scheduling and
     the counts stay exact beyond 2^24 tokens."""
@@ -431,26 +418,30 @@ def _finish_kernel(
         sums += tile.to(tl.float64)
     totals = tl.sum(sums, axis=0)
 
-    group_columns = tl.arange(0, 2)
-    group_sums = tl.zeros([BLOCK_ROWS, 2], tl.float64)
-    for start in range(0, groups, BLOCK_ROWS):
-        rows = start + tl.arange(0, BLOCK_ROWS).to(tl.int64)
-        tile = tl.load(group_stats_ptr + rows[:, None] * 2 + group_columns[None, :], mask=(rows < groups)[:, None],
-                       other=0.0)
-        group_sums += tile.to(tl.float64)
-    group_totals = tl.sum(group_sums, axis=0)
-
     tl.store(loss_ptr, _pick(totals, columns, _LOSS).to(loss_ptr.dtype.element_ty))
     ratio_count = tl.maximum(_pick(totals, columns, _RATIO_COUNT), 1.0)
     token_count = tl.maximum(_pick(totals, columns, _TOKENS), 1.0)
-    tl.store(metrics_ptr + 0, (_pick(totals, columns, _CLIP_LOW) / ratio_count).to(tl.float32))
-    tl.store(metrics_ptr + 1, (_pick(totals, columns, _CLIP_HIGH) / ratio_count).to(tl.float32))
-    tl.store(metrics_ptr + 2, (_pick(totals, columns, _RATIO_SUM) / ratio_count).to(tl.float32))
-    tl.store(metrics_ptr + 3, (_pick(totals, columns, _APPROX_KL) / token_count).to(tl.float32))
-    tl.store(metrics_ptr + 4, (_pick(group_totals, group_columns, 0) / batch).to(tl.float32))
-    tl.store(metrics_ptr + 5, (_pick(group_totals, group_columns, 1) / groups).to(tl.float32))
-    tl.store(metrics_ptr + 6, (_pick(totals, columns, _REF_KL) / token_count).to(tl.float32))
-    tl.store(metrics_ptr + 7, (_pick(totals, columns, _ENTROPY) / token_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_CLIP_LOW, (_pick(totals, columns, _CLIP_LOW) / ratio_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_CLIP_HIGH, (_pick(totals, columns, _CLIP_HIGH) / ratio_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_RATIO, (_pick(totals, columns, _RATIO_SUM) / ratio_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_APPROX_KL, (_pick(totals, columns, _APPROX_KL) / token_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_REF_KL, (_pick(totals, columns, _REF_KL) / token_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_ENTROPY, (_pick(totals, columns, _ENTROPY) / token_count).to(tl.float32))
+    phi_mean = tl.zeros([], tl.float64)
+    zero_std_frac = tl.zeros([], tl.float64)
+    if HAS_GROUPS:
+        group_columns = tl.arange(0, 2)
+        group_sums = tl.zeros([BLOCK_ROWS, 2], tl.float64)
+        for start in range(0, groups, BLOCK_ROWS):
+            rows = start + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+            tile = tl.load(group_stats_ptr + rows[:, None] * 2 + group_columns[None, :], mask=(rows < groups)[:, None],
+                           other=0.0)
+            group_sums += tile.to(tl.float64)
+        group_totals = tl.sum(group_sums, axis=0)
+        phi_mean = _pick(group_totals, group_columns, 0) / tl.maximum(batch, 1)
+        zero_std_frac = _pick(group_totals, group_columns, 1) / tl.maximum(groups, 1)
+    tl.store(metrics_ptr + _M_PHI, phi_mean.to(tl.float32))
+    tl.store(metrics_ptr + _M_ZERO_STD, zero_std_frac.to(tl.float32))
 
 
 # --- launch configuration -----------------------------------------------------------------
@@ -469,20 +460,11 @@ def _token_launch(width: int, device: torch.device) -> tuple[int, int]:
 
     One program streams one response. Hopper (sm_90) needs about twice Ampere's bytes
     in flight per SM to cover its bandwidth, so its tile is twice as wide. Four tokens
-    a thread keep an fp32 load one 16-byte vector and the register count near 56
-    (110 with KL, weights and entropy), so no variant spills.
+    a thread keep an fp32 load one 16-byte vector.
     """
     widest = 2048 if _compute_capability(device) >= (9, 0) else 1024
     block = min(triton.next_power_of_2(max(width, 1)), widest)
     return block, max(1, min(16, block // 128))
-
-
-def _group_launch(group_size: int, width: int) -> tuple[int, int]:
-    """(BLOCK_G, BLOCK_T) of the group kernel's [group, tokens] mask tile: about 4K
-    mask bytes per step, whatever the group size."""
-    block_g = triton.next_power_of_2(group_size)
-    block_t = min(triton.next_power_of_2(max(width, 1)), max(16, 4096 // block_g))
-    return block_g, block_t
 
 
 _FINISH_BLOCK_ROWS = 256
@@ -492,144 +474,116 @@ def _strides_2d(tensor: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if tensor is None else (tensor.stride(0), tensor.stride(1))
 
 
-def _device_guard(device: torch.device):
+def device_guard(device: torch.device):
     # Triton launches on the current CUDA device: make it the tensors' one.
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-# --- the op's CUDA implementation ----------------------------------------------------------
+def aggregation(
+    loss_agg_mode: int, loss_normalizer: float | None, max_response_length: int | None, batch: int, width: int
+) -> tuple[float, bool, bool]:
+    """(denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of ``token_weight`` for an
+    aggregation mode (surrogate.token_weights)."""
+    if loss_agg_mode == _TOKEN_MEAN:
+        return (loss_normalizer or 1.0), False, loss_normalizer is None
+    if loss_agg_mode == _TOKEN_SUM:
+        return (loss_normalizer or 1.0), False, False
+    responses = loss_normalizer or float(max(batch, 1))
+    if loss_agg_mode == _SEQ_MEAN_TOKEN_MEAN:
+        return responses, True, False
+    if loss_agg_mode == _SEQ_MEAN_TOKEN_SUM_NORM:
+        return float(max_response_length or max(width, 1)) * responses, False, False
+    return responses, False, False
+
+
+# --- the op's implementation ----------------------------------------------------------------
 
 
 def surrogate_forward(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    anchor: torch.Tensor | None,
-    ref_logprobs: torch.Tensor | None,
-    importance_weights: torch.Tensor | None,
-    entropy: torch.Tensor | None,
-    group_size: int,
-    loss_type: str,
-    epsilon_low: float,
-    epsilon_high: float,
-    lambda_scale: float,
-    beta: float,
-    dual_clip: float | None,
-    entropy_coef: float,
-    loss_normalizer: float | None,
-    max_response_length: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``hadw::surrogate_loss`` (schema in ``ops``): the loss, its gradient with respect
-    to the log-probs and the entropy, and the metrics in ``ops.METRIC_NAMES`` order.
+    logprobs, old_logprobs, response_mask, rewards, advantages, anchor, ref_logprobs, importance_weights, entropy,
+    group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, sequence_level,
+    epsilon_low, epsilon_high, dual_clip, beta, kl_estimator, entropy_coef, loss_normalizer, max_response_length,
+):
+    """``hadw::surrogate_loss`` (schema in ``ops.schemas``): the loss, its gradient with
+    respect to the log-probs and the entropy, and the metrics in METRIC_NAMES order.
 
-    Inputs are assumed validated (``validation.check_surrogate_inputs``). Only shapes
-    and Python scalars steer the launches; no tensor value reaches the host.
+    Inputs are assumed validated (``validation``). Only shapes and Python scalars steer
+    the launches; no tensor value reaches the host.
     """
     batch, width = logprobs.shape
     device = logprobs.device
-    groups = batch // group_size
     compute = torch.promote_types(logprobs.dtype, torch.float32)
+    grad_logprobs = torch.zeros((batch, width), dtype=compute, device=device)
+    grad_entropy = torch.zeros((batch, width) if entropy is not None else (0,), dtype=compute, device=device)
+    loss = torch.zeros((), dtype=compute, device=device)
+    metrics = torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=device)
+    if batch == 0:
+        return loss, grad_logprobs, grad_entropy, metrics
+
     # bool storage read as bytes: one byte per token, and any dtype works through `!= 0`.
     mask = response_mask.view(torch.uint8) if response_mask.dtype == torch.bool else response_mask
-    # The batch denominator of config.aggregate; dapo without a normaliser divides by
-    # the token count the group kernel accumulates on the device (COUNT_TOKENS).
-    responses = float(loss_normalizer) if loss_normalizer is not None else float(batch)
-    if loss_type == "dapo":
-        denominator = float(loss_normalizer) if loss_normalizer is not None else 1.0
-    elif loss_type == "dr_grpo":
-        denominator = float(max_response_length or width) * responses
-    else:
-        denominator = responses
+    denominator, per_response_mean, count_tokens = aggregation(
+        loss_agg_mode, loss_normalizer, max_response_length, batch, width
+    )
     has_kl = beta > 0
-
-    # At least the compute dtype: float64 log-probs with float32 rewards get float64 advantages.
-    advantage = torch.empty(batch, dtype=torch.promote_types(rewards.dtype, compute), device=device)
     lengths = torch.empty(batch, dtype=torch.int32, device=device)
-    group_stats = torch.empty((groups, 2), dtype=torch.float32, device=device)
     token_count = torch.zeros((), dtype=torch.int64, device=device)
-    grad_logprobs = torch.empty((batch, width), dtype=compute, device=device)
-    grad_entropy = torch.empty(
-        (batch, width) if entropy is not None else (0,), dtype=compute, device=device
-    )
     partials = torch.empty((batch, _PARTIALS_WIDTH.value), dtype=compute, device=device)
-    loss = torch.empty((), dtype=compute, device=device)
-    metrics = torch.empty(len(METRIC_NAMES), dtype=torch.float32, device=device)
-
-    block_g, group_block_t = _group_launch(group_size, width)
+    has_groups = advantages is None
+    groups = batch // group_size if has_groups else 0
+    group_stats = torch.empty((max(groups, 1), 2), dtype=torch.float32, device=device)
+    if has_groups:
+        # At least the compute dtype: float64 log-probs with float32 rewards get float64 advantages.
+        advantages = torch.empty(batch, dtype=torch.promote_types(rewards.dtype, compute), device=device)
+    if importance_weights is None:
+        weights_layout, weight_strides = _NO_WEIGHTS, (0, 0)
+    elif importance_weights.dim() == 2:
+        weights_layout, weight_strides = _TOKEN_WEIGHTS, _strides_2d(importance_weights)
+    else:
+        weights_layout, weight_strides = _RESPONSE_WEIGHTS, (importance_weights.stride(0), 0)
     block_t, num_warps = _token_launch(width, device)
-    scalars = dict(
-        ratio_low=1.0 - epsilon_low,
-        ratio_high=1.0 + epsilon_high,
-        beta=float(beta),
-        dual_clip=float(dual_clip) if dual_clip is not None else 0.0,
-        entropy_coef=float(entropy_coef),
-        denominator=denominator,
-    )
-    token_inputs = (
-        logprobs, *_strides_2d(logprobs),
-        old_logprobs, *_strides_2d(old_logprobs),
-        mask, *_strides_2d(mask),
-        ref_logprobs if has_kl else None, *_strides_2d(ref_logprobs if has_kl else None),
-    )
-    with _device_guard(device):
-        _group_kernel[(groups,)](
-            rewards, rewards.stride(0),
-            anchor,
-            mask, *_strides_2d(mask),
-            advantage, lengths, group_stats, token_count,
-            group_size, width,
-            float(lambda_scale),
-            NORMALIZE_STD=loss_type != "dr_grpo",
-            HAS_ANCHOR=anchor is not None,
-            BLOCK_G=block_g,
-            BLOCK_T=group_block_t,
-            num_warps=4,
+
+    with device_guard(device):
+        _lengths_kernel[(batch,)](
+            mask, *_strides_2d(mask), lengths, token_count, width, BLOCK_T=block_t, num_warps=num_warps,
         )
-        if loss_type == "gspo":
-            _sequence_surrogate_kernel[(batch,)](
-                *token_inputs,
-                importance_weights, importance_weights.stride(0) if importance_weights is not None else 0,
-                entropy, *_strides_2d(entropy),
-                advantage, lengths,
-                grad_logprobs, grad_entropy, partials,
-                width,
-                **scalars,
-                HAS_DUAL_CLIP=dual_clip is not None,
-                HAS_KL=has_kl,
-                HAS_WEIGHTS=importance_weights is not None,
-                HAS_ENTROPY=entropy is not None,
-                BLOCK_T=block_t,
-                num_warps=num_warps,
+        if has_groups:
+            _group_kernel[(groups,)](
+                rewards, rewards.stride(0), anchor, advantages, group_stats,
+                group_size, float(std_eps), float(lambda_scale),
+                NORMALIZE_STD=normalize_std, HAS_ANCHOR=anchor is not None,
+                BLOCK_G=triton.next_power_of_2(group_size), num_warps=4,
             )
-        else:
-            if importance_weights is None:
-                weights_layout, weight_strides = _NO_WEIGHTS, (0, 0)
-            elif importance_weights.dim() == 2:
-                weights_layout, weight_strides = _TOKEN_WEIGHTS, _strides_2d(importance_weights)
-            else:
-                weights_layout, weight_strides = _RESPONSE_WEIGHTS, (importance_weights.stride(0), 0)
-            _token_surrogate_kernel[(batch,)](
-                *token_inputs,
-                importance_weights, *weight_strides,
-                entropy, *_strides_2d(entropy),
-                advantage, lengths, token_count,
-                grad_logprobs, grad_entropy, partials,
-                width,
-                **scalars,
-                PER_RESPONSE_MEAN=loss_type == "grpo",
-                COUNT_TOKENS=loss_type == "dapo" and loss_normalizer is None,
-                HAS_DUAL_CLIP=dual_clip is not None,
-                HAS_KL=has_kl,
-                WEIGHTS=weights_layout,
-                HAS_ENTROPY=entropy is not None,
-                BLOCK_T=block_t,
-                num_warps=num_warps,
-            )
+        _surrogate_kernel[(batch,)](
+            logprobs, *_strides_2d(logprobs),
+            old_logprobs, *_strides_2d(old_logprobs),
+            mask, *_strides_2d(mask),
+            ref_logprobs if has_kl else None, *_strides_2d(ref_logprobs if has_kl else None),
+            importance_weights, *weight_strides,
+            entropy, *_strides_2d(entropy),
+            advantages, advantages.stride(0), lengths, token_count,
+            grad_logprobs, grad_entropy, partials,
+            width,
+            ratio_low=1.0 - epsilon_low,
+            ratio_high=1.0 + epsilon_high,
+            beta=float(beta),
+            dual_clip=float(dual_clip) if dual_clip is not None else 0.0,
+            entropy_coef=float(entropy_coef),
+            denominator=float(denominator),
+            SEQUENCE_LEVEL=sequence_level,
+            PER_RESPONSE_MEAN=per_response_mean,
+            COUNT_TOKENS=count_tokens,
+            HAS_DUAL_CLIP=dual_clip is not None,
+            HAS_KL=has_kl,
+            KL_ESTIMATOR=kl_estimator,
+            WEIGHTS=weights_layout,
+            HAS_ENTROPY=entropy is not None,
+            BLOCK_T=block_t,
+            num_warps=num_warps,
+        )
         _finish_kernel[(1,)](
             partials, group_stats, loss, metrics,
             batch, groups,
-            BLOCK_ROWS=_FINISH_BLOCK_ROWS,
-            num_warps=4,
+            HAS_GROUPS=has_groups, BLOCK_ROWS=_FINISH_BLOCK_ROWS, num_warps=4,
         )
     return loss, grad_logprobs, grad_entropy, metrics

@@ -1,0 +1,96 @@
+"""A backend made of kernels behind the hadw:: ops (Triton, C++): its calls are op calls
+with the backend's name, which the dispatcher routes (``ops.routing``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..config import GROUP_METRICS, METRIC_NAMES, LossConfig
+
+
+def name_metrics(metrics: torch.Tensor, *, with_groups: bool, with_kl: bool, with_entropy: bool) -> dict:
+    """The metrics vector (``config.METRIC_NAMES`` order) as a dict of the metrics that
+    apply to this call."""
+    named = dict(zip(METRIC_NAMES, metrics.detach().unbind()))
+    dropped = set()
+    if not with_groups:
+        dropped.update(GROUP_METRICS)
+    if not with_kl:
+        dropped.add("ref_kl")
+    if not with_entropy:
+        dropped.add("entropy_mean")
+    return {name: value for name, value in named.items() if name not in dropped}
+
+
+def anchor_tensor(anchor, device: torch.device) -> torch.Tensor | None:
+    if anchor is None or isinstance(anchor, torch.Tensor):
+        return anchor
+    # torch.full, not torch.tensor: no blocking host-to-device copy on CUDA. float64: a
+    # Python float is a double, and fp32 would round it for fp64 inputs.
+    return torch.full((), float(anchor), dtype=torch.float64, device=device)
+
+
+class KernelBackend:
+    """Kernels registered for the hadw:: ops under ``name`` (see ``ops.register_kernel``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def serves(self, device: torch.device) -> bool:
+        return ops.serves(self.name, torch.device(device).type)
+
+    def unavailable_message(self, device: torch.device) -> str:
+        return ops.unavailable_message(self.name, device)
+
+    def has_gradients_in_forward(self, device: torch.device) -> bool:
+        return ops.has_kernel("linear_surrogate_forward", self.name, torch.device(device).type)
+
+    def surrogate_loss(
+        self, logprobs, old_logprobs, response_mask, config: LossConfig, *, rewards=None, advantages=None,
+        anchor=None, ref_logprobs=None, importance_weights=None, entropy=None,
+    ):
+        loss, _, _, metrics = ops.call(
+            "surrogate_loss",
+            logprobs=logprobs,
+            # Data, not parameters: the op's formula differentiates the log-probs only.
+            old_logprobs=old_logprobs.detach(),
+            response_mask=response_mask,
+            rewards=None if rewards is None else rewards.detach(),
+            advantages=None if advantages is None else advantages.detach(),
+            anchor=anchor_tensor(anchor, logprobs.device),
+            ref_logprobs=None if config.beta <= 0 else ref_logprobs.detach(),
+            importance_weights=None if importance_weights is None else importance_weights.detach(),
+            entropy=entropy,
+            **config.kernel_options(),
+            backend=self.name,
+        )
+        return loss, name_metrics(
+            metrics, with_groups=rewards is not None, with_kl=config.beta > 0, with_entropy=entropy is not None
+        )
+
+    def token_logprobs(self, hidden_states, lm_head_weight, labels, *, lm_head_bias, temperature, ignore_index,
+                       with_entropy):
+        logprobs, entropy, _, _ = ops.call(
+            "linear_logprob_forward",
+            hidden=hidden_states, weight=lm_head_weight, bias=lm_head_bias, labels=labels,
+            temperature=float(temperature), ignore_index=ignore_index, with_entropy=with_entropy,
+            backend=self.name,
+        )
+        return logprobs, entropy if with_entropy else None
+
+    def linear_surrogate(self, hidden_states, lm_head_weight, labels, *, lm_head_bias, old_logprobs, advantages,
+                         token_weights, ref_logprobs, importance_weights, config: LossConfig, temperature,
+                         ignore_index, with_entropy, block_rows):
+        """Per-row log-probs, entropy and the gradients of the token-level surrogate
+        with respect to the hidden states, the head and the bias, in one sweep."""
+        return ops.call(
+            "linear_surrogate_forward",
+            hidden=hidden_states.detach(), weight=lm_head_weight.detach(),
+            bias=None if lm_head_bias is None else lm_head_bias.detach(),
+            labels=labels, old_logprobs=old_logprobs, advantages=advantages, token_weights=token_weights,
+            ref_logprobs=ref_logprobs, importance_weights=importance_weights,
+            temperature=float(temperature), ignore_index=ignore_index,
+            **config.token_options(),
+            with_entropy=with_entropy, block_rows=block_rows, backend=self.name,
+        )

@@ -1,0 +1,54 @@
+"""``nn.Module`` forms of the losses, for trainers that build the loss once (as Liger's
+``LigerFusedLinearGRPOLoss``): the options are held, the tensors passed per call."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+
+# The per-call tensors; every other keyword of the functions is an option of the module.
+_TENSORS = {
+    "logprobs", "hidden_states", "lm_head_weight", "labels", "old_logprobs", "rewards", "response_mask",
+    "advantages", "group_index", "anchor", "ref_logprobs", "importance_weights", "lm_head_bias",
+}
+
+
+class _HeldOptions(torch.nn.Module):
+    _function = None
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        accepted = set(inspect.signature(type(self)._function).parameters) - _TENSORS
+        unknown = set(options) - accepted
+        if unknown:
+            raise TypeError(f"{type(self).__name__}: unknown options {sorted(unknown)}; expected some of {sorted(accepted)}")
+        self.options = options
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{key}={value!r}" for key, value in self.options.items())
+
+
+class HADWGRPOLoss(_HeldOptions):
+    """``HADWGRPOLoss(loss_type="dapo", beta=0.04)(logprobs, old_logprobs,
+    response_mask=mask, advantages=adv)``: :func:`fused_hadw_grpo_loss` with held options."""
+
+    _function = staticmethod(fused_hadw_grpo_loss)
+
+    def forward(self, logprobs, old_logprobs=None, rewards=None, response_mask=None, **tensors):
+        return fused_hadw_grpo_loss(logprobs, old_logprobs, rewards, response_mask, **tensors, **self.options)
+
+
+class LinearHADWGRPOLoss(_HeldOptions):
+    """:func:`fused_linear_hadw_grpo_loss` with held options; the call takes the hidden
+    states, the LM head weight, the labels and the per-batch tensors."""
+
+    _function = staticmethod(fused_linear_hadw_grpo_loss)
+
+    def forward(self, hidden_states, lm_head_weight, labels, old_logprobs=None, rewards=None, response_mask=None,
+                **tensors):
+        return fused_linear_hadw_grpo_loss(
+            hidden_states, lm_head_weight, labels, old_logprobs, rewards, response_mask, **tensors, **self.options
+        )

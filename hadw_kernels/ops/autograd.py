@@ -1,0 +1,96 @@
+"""The autograd formulas of the differentiable ops, registered once for every backend.
+
+``surrogate_loss`` returns its gradient with respect to the log-probs (and the entropy)
+from the forward: the loss is the end of the graph, so backward only scales the stored
+gradient by the upstream scalar. ``linear_logprob_forward``'s backward is the
+``linear_logprob_backward`` op of the same backend, which recomputes the logits.
+``linear_surrogate_forward`` returns gradients as outputs and has no formula: the loss
+attaches them (``loss.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .schemas import LIBRARY, argument_names, call
+
+
+def _scaled(stored_grad: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad_loss * stored_grad written straight into ``dtype``: one kernel, no fp32 temp."""
+    return torch.mul(stored_grad, grad_loss, out=torch.empty_like(stored_grad, dtype=dtype))
+
+
+_SURROGATE_ARGUMENTS = argument_names("surrogate_loss")
+_LOGPROBS = _SURROGATE_ARGUMENTS.index("logprobs")
+_ENTROPY = _SURROGATE_ARGUMENTS.index("entropy")
+
+
+def _surrogate_setup(ctx, inputs, output):
+    ctx.logprobs_dtype = inputs[_LOGPROBS].dtype
+    entropy = inputs[_ENTROPY]
+    ctx.entropy_dtype = None if entropy is None else entropy.dtype
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _surrogate_backward(ctx, grad_loss, *_unused):
+    grad_logprobs, grad_entropy = ctx.saved_tensors
+    grads = [None] * len(_SURROGATE_ARGUMENTS)
+    grads[_LOGPROBS] = _scaled(grad_logprobs, grad_loss, ctx.logprobs_dtype)
+    if ctx.entropy_dtype is not None:
+        grads[_ENTROPY] = _scaled(grad_entropy, grad_loss, ctx.entropy_dtype)
+    return tuple(grads)
+
+
+torch.library.register_autograd(f"{LIBRARY}::surrogate_loss", _surrogate_backward, setup_context=_surrogate_setup)
+
+
+_LINEAR_ARGUMENTS = argument_names("linear_logprob_forward")
+
+
+def _linear_setup(ctx, inputs, output):
+    named = dict(zip(_LINEAR_ARGUMENTS, inputs))
+    ctx.options = {key: named[key] for key in ("temperature", "ignore_index", "backend")}
+    ctx.has_bias = named["bias"] is not None
+    ctx.with_entropy = named["with_entropy"]
+    ctx.save_for_backward(named["hidden"], named["weight"], named["bias"], named["labels"], output[2], output[3])
+
+
+def _linear_backward(ctx, grad_logprobs, grad_entropy, *_unused):
+    hidden, weight, bias, labels, lse, mean_logit = ctx.saved_tensors
+    grad_hidden, grad_weight, grad_bias = call(
+        "linear_logprob_backward",
+        grad_logprobs=grad_logprobs,
+        # Autograd hands zeros for an entropy nobody asked for: skip its term instead.
+        grad_entropy=grad_entropy if ctx.with_entropy else None,
+        hidden=hidden, weight=weight, bias=bias, labels=labels, lse=lse, mean_logit=mean_logit,
+        **ctx.options,
+    )
+    grads = dict(hidden=grad_hidden, weight=grad_weight, bias=grad_bias if ctx.has_bias else None)
+    return tuple(grads.get(name) for name in _LINEAR_ARGUMENTS)
+
+
+torch.library.register_autograd(
+    f"{LIBRARY}::linear_logprob_forward", _linear_backward, setup_context=_linear_setup
+)
+
+
+class _AttachGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, loss, gradients, *inputs):
+        ctx.gradients = gradients
+        ctx.dtypes = [None if t is None else t.dtype for t in inputs]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        scaled = [
+            None if gradient is None else _scaled(gradient, grad_loss, dtype)
+            for gradient, dtype in zip(ctx.gradients, ctx.dtypes)
+        ]
+        return (None, None, *scaled)
+
+
+def attach_gradients(loss: torch.Tensor, inputs, gradients) -> torch.Tensor:
+    """``loss`` as a function of ``inputs`` whose gradients were formed in the forward:
+    its backward returns ``gradients`` times the upstream scalar, in the inputs' dtypes."""
+    return _AttachGradients.apply(loss.detach(), tuple(gradients), *inputs)
