@@ -2,6 +2,11 @@
 
 Everything else about the package (name, version, dependencies) is in pyproject.toml.
 
+The kernels take their constants (metric order, option codes, clamps) from
+hadw_kernels/config.py: before compiling, this file writes them into
+build/generated/hadw_config.h (hadw_kernels/backends/cpp_constants.py), which csrc/
+includes.
+
 The extension is optional: without torch at build time, without a C++ compiler, or if
 compiling fails, the install still succeeds, says why on stderr, and the "torch"
 backend serves the CPU. HADW_BUILD_CPP chooses: "auto" (default) builds when it can,
@@ -12,6 +17,7 @@ See docs/cpp-backend.md.
 from __future__ import annotations
 
 import os
+import runpy
 import shlex
 import shutil
 import sys
@@ -20,7 +26,9 @@ import sysconfig
 from setuptools import setup
 
 EXTENSION_NAME = "hadw_kernels._cpu_kernels"
+ROOT = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ["csrc/module.cpp", "csrc/surrogate.cpp", "csrc/linear_logprob.cpp"]
+GENERATED_DIR = os.path.join(ROOT, "build", "generated")
 # -fopenmp: ATen's parallel_for is a header template; without it the kernels would run
 # on one thread. -g0: Python's CFLAGS carry -g, which doubles the compile time of the
 # ATen headers and gives a 6 MB module. No -march: csrc/tile_math.h compiles its loops
@@ -49,6 +57,25 @@ def _skip(reason: str) -> tuple[list, dict]:
 def _compiler() -> str | None:
     command = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
     return shutil.which(shlex.split(command)[0])
+
+
+def generate_config_header(directory: str = GENERATED_DIR) -> str:
+    """Writes hadw_config.h from config.py into ``directory`` (only if its text changed,
+    so an unchanged config does not trigger a rebuild); returns its path."""
+    config = runpy.run_path(os.path.join(ROOT, "hadw_kernels", "config.py"))
+    generator = runpy.run_path(os.path.join(ROOT, "hadw_kernels", "backends", "cpp_constants.py"))
+    text = generator["header"](config)
+    path = os.path.join(directory, generator["HEADER_NAME"])
+    os.makedirs(directory, exist_ok=True)
+    try:
+        with open(path) as existing:
+            if existing.read() == text:
+                return path
+    except FileNotFoundError:
+        pass
+    with open(path, "w") as header:
+        header.write(text)
+    return path
 
 
 def _extensions() -> tuple[list, dict]:
@@ -82,9 +109,12 @@ def _extensions() -> tuple[list, dict]:
                 self.extensions = []
                 self.distribution.ext_modules = []
 
+    header = generate_config_header()
     extension = CppExtension(
         EXTENSION_NAME,
         SOURCES,
+        include_dirs=[GENERATED_DIR],
+        depends=["csrc/kernels.h", "csrc/tile_math.h", "csrc/token_math.h", header],
         extra_compile_args={"cxx": COMPILE_ARGS},
         extra_link_args=LINK_ARGS,
         py_limited_api=True,

@@ -1,18 +1,28 @@
-// CPU kernels of hadw::linear_logprob_forward / hadw::linear_logprob_backward
-// (SPEC section 6): log-probs of the labels, and the entropy, of softmax(h W^T / T),
-// and their gradients, without an [N, V] logits tensor.
+// CPU kernels of the linear ops (SPEC section 6): log-probs of the labels, and the
+// entropy, of softmax((h W^T + b) / temperature), and gradients, without [N, V] logits.
 //
-// Work is cut into blocks of rows (hidden states); inside a block the threads share the
-// vocabulary, tile by tile (see Slabs). A BLAS GEMM writes a tile of raw products into
-// the thread's own [rows, tile] buffer, and the softmax statistics (forward) or the
-// logits gradient (backward) are formed in place while it is in the core's cache.
-// Backward then feeds the tile to two GEMMs: the tile's grad_weight rows (no other
-// thread writes them) and a partial grad_hidden of the block, summed after the block.
-// Only rows that take part enter a block: an ignored label, or (backward) a zero
-// upstream gradient, as on padding, costs no GEMM.
+//   hadw_cpp::linear_logprob_forward    log-probs, entropy, lse, E_p[z] per row
+//   hadw_cpp::linear_logprob_backward   grad_hidden, grad_weight, grad_bias, recomputing
+//                                       the logits (any loss: GSPO's gradient is known
+//                                       only after every log-prob of a response)
+//   hadw_cpp::linear_surrogate_forward  log-probs, entropy and the token-level surrogate's
+//                                       gradients in one sweep: three GEMMs
 //
-// Backward recomputes the logits tile: the log-probs feed an arbitrary surrogate whose
-// gradient is known only after every log-prob is (see backends/torch_backend.py).
+// Only active rows take part (label != ignore_index; in backward also a non-zero upstream
+// gradient; in the surrogate's gradient GEMMs a non-zero token gradient), in blocks of
+// rows. Inside a block the vocabulary is cut into tiles of kVocabTile columns, grouped
+// into a fixed number of slabs of consecutive tiles that idle threads claim. Per tile:
+// a BLAS GEMM of raw products, then, while they are in the core's cache, the logits
+// z = raw / T + b / T in place and the online softmax statistics (forward), or the
+// logits gradient g (onehot - p) - e p (z - E[z]) and its two GEMMs (backward). Each
+// slab keeps its own partial results (softmax statistics, grad_hidden rows), combined in
+// slab order; a grad_weight tile is written by one slab only. The slabs do not depend on
+// the thread count, and each GEMM runs on one thread, so neither do the results.
+//
+// linear_surrogate_forward keeps the block's logits (a [block_rows, V] buffer, tile by
+// tile) between the softmax statistics and the gradient: the surrogate's d loss / d logp
+// of a token-level loss is known as soon as the row's log-prob is, so the block's
+// gradients are formed without recomputing its logits (docs/cpp-backend.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
@@ -20,31 +30,70 @@
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
-#include <ATen/ops/where.h>
+#include <ATen/ops/ne.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
 #include "tile_math.h"
+#include "token_math.h"
 
 namespace hadw {
 namespace {
 
-// Rows of hidden states per block: large enough that the grad_weight GEMM has a deep
-// reduction (K = rows) and W is streamed few times, small enough that a block of
-// hidden states (rows x H fp32) stays near the cores.
-constexpr int64_t kRowBlock = 512;
-// Vocabulary columns per tile: a 512 x 256 fp32 tile is 512 KiB, half a core's L2 here.
+// Vocabulary columns per tile: a 512 x 256 fp32 tile is 512 KiB, well inside a core's L2.
 constexpr int64_t kVocabTile = 256;
+// Slabs of tiles per block: partial results are per slab, so their count (not the
+// thread count) fixes the summation order. More slabs than threads lets a thread slowed
+// by other work on the machine delay its block by one slab, not by a fixed share.
+constexpr int64_t kMaxSlabs = 16;
+// Rows per block of the forward / backward ops (no logits buffer): a deep reduction
+// (K = rows) for the grad_weight GEMM, few passes over W and grad_W.
+constexpr int64_t kRecomputeBlockRows = 512;
+// Default of linear_surrogate_forward's block_rows: the logits buffer holds this many
+// rows, and at most kLogitsBufferBytes (docs/cpp-backend.md for the measurements).
+constexpr int64_t kDefaultBlockRows = 512;
+constexpr int64_t kLogitsBufferBytes = int64_t{512} << 20;
+constexpr int64_t kMinBlockRows = 64;
 
-// The tile functions for each accumulate type. fp32 is the hot path, compiled once per
+// Row-major C[m, n] = op(A)[m, k] op(B)[k, n] (+ C when accumulating), A and B read
+// transposed when asked (their storage is then [k, m] / [n, k]). ATen's CPU GEMM (MKL
+// where torch has it) on views of the buffers: torch exports no BLAS entry point of its
+// own, and a view costs about a microsecond next to a tile's GEMM (~1 ms).
+template <typename T>
+void matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
+            int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  auto view = [&](const T* data, int64_t rows, int64_t cols, int64_t ld, bool transpose) {
+    at::Tensor stored = at::from_blob(const_cast<T*>(data), {transpose ? cols : rows, transpose ? rows : cols},
+                                      {ld, 1}, options);
+    return transpose ? stored.t() : stored;
+  };
+  at::Tensor out = at::from_blob(c, {m, n}, {ldc, 1}, options);
+  const at::Tensor left = view(a, m, k, lda, transpose_a);
+  const at::Tensor right = view(b, k, n, ldb, transpose_b);
+  if (accumulate) {
+    at::cpu::addmm_out(out, out, left, right);
+  } else {
+    at::cpu::mm_out(out, left, right);
+  }
+}
+
+// The tile functions for each compute type. fp32 is the hot path, compiled once per
 // instruction set (HADW_VECTOR_CLONES); fp64 serves exact comparisons.
 HADW_VECTOR_CLONES void fold_tile_of(float* tile, int64_t rows, int64_t cols, float scale, const float* scaled_bias,
                                      SoftmaxState<float>* states, const int64_t* labels, int64_t first_column,
@@ -57,44 +106,54 @@ void fold_tile_of(double* tile, int64_t rows, int64_t cols, double scale, const 
   fold_tile(tile, rows, cols, scale, scaled_bias, states, labels, first_column, label_logits);
 }
 
-HADW_VECTOR_CLONES void gradient_tile_of(float* tile, int64_t rows, int64_t cols, float scale,
-                                         const float* scaled_bias, const float* lse, const float* mean_logit,
-                                         const float* grad_logprobs, const float* grad_entropy, const int64_t* labels,
-                                         int64_t first_column, float* bias_gradient) {
-  gradient_tile(tile, rows, cols, scale, scaled_bias, lse, mean_logit, grad_logprobs, grad_entropy, labels,
-                first_column, bias_gradient);
+HADW_VECTOR_CLONES void to_logits_of(float* tile, int64_t rows, int64_t cols, float scale, const float* scaled_bias) {
+  for (int64_t row = 0; row < rows; ++row) {
+    to_logits(tile + row * cols, cols, scale, scaled_bias);
+  }
 }
 
-void gradient_tile_of(double* tile, int64_t rows, int64_t cols, double scale, const double* scaled_bias,
-                      const double* lse, const double* mean_logit, const double* grad_logprobs,
-                      const double* grad_entropy, const int64_t* labels, int64_t first_column,
-                      double* bias_gradient) {
-  gradient_tile(tile, rows, cols, scale, scaled_bias, lse, mean_logit, grad_logprobs, grad_entropy, labels,
-                first_column, bias_gradient);
+void to_logits_of(double* tile, int64_t rows, int64_t cols, double scale, const double* scaled_bias) {
+  for (int64_t row = 0; row < rows; ++row) {
+    to_logits(tile + row * cols, cols, scale, scaled_bias);
+  }
 }
 
-at::ScalarType accumulate_type(at::ScalarType dtype) {
-  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+HADW_VECTOR_CLONES void logit_gradient_of(const float* z, int64_t z_ld, const int64_t* source, float* out,
+                                          int64_t out_ld, int64_t rows, int64_t cols, float scale, const float* lse,
+                                          const float* mean_logit, const float* grad_logprobs,
+                                          const float* grad_entropy, const int64_t* labels, int64_t first_column,
+                                          float* bias_gradient) {
+  logit_gradient_rows(z, z_ld, source, out, out_ld, rows, cols, scale, lse, mean_logit, grad_logprobs, grad_entropy,
+                      labels, first_column, bias_gradient);
 }
 
-// The vocabulary tiles are split into slabs of consecutive tiles, more slabs than
-// threads, and idle threads claim the next slab: a thread slowed by other work on the
-// machine delays its block by one slab, not by a fixed share. Each slab keeps its own
-// partial results (softmax statistics, grad_hidden rows), combined in slab order, so
-// the results do not depend on which thread ran which slab. The grad_hidden partials
-// take slabs x rows x H floats: 8 MiB at 2 threads, H = 512.
-constexpr int64_t kSlabsPerThread = 4;
+void logit_gradient_of(const double* z, int64_t z_ld, const int64_t* source, double* out, int64_t out_ld,
+                       int64_t rows, int64_t cols, double scale, const double* lse, const double* mean_logit,
+                       const double* grad_logprobs, const double* grad_entropy, const int64_t* labels,
+                       int64_t first_column, double* bias_gradient) {
+  logit_gradient_rows(z, z_ld, source, out, out_ld, rows, cols, scale, lse, mean_logit, grad_logprobs, grad_entropy,
+                      labels, first_column, bias_gradient);
+}
 
 struct Slabs {
-  int64_t tiles;
-  int64_t count;
+  int64_t tiles = 0;
+  int64_t count = 0;
 
+  explicit Slabs(int64_t vocab) : tiles((vocab + kVocabTile - 1) / kVocabTile), count(std::min(tiles, kMaxSlabs)) {}
   int64_t first_tile(int64_t slab) const { return slab * tiles / count; }
   int64_t end_tile(int64_t slab) const { return (slab + 1) * tiles / count; }
 };
 
-// Runs work(worker, slab) for every slab on up to `workers` threads; `worker` indexes
-// the calling thread's own buffers.
+// Scratch memory left uninitialised (std::vector would zero it: a pass over the whole
+// logits buffer on every call).
+template <typename T>
+std::unique_ptr<T[]> uninitialized(int64_t count) {
+  return std::unique_ptr<T[]>(new T[static_cast<size_t>(std::max<int64_t>(count, 1))]);
+}
+
+// Runs work(worker, slab) for every slab on up to `workers` threads; `worker` indexes the
+// calling thread's own buffers. Inside the parallel region each BLAS call runs on its
+// thread alone.
 template <typename Work>
 void for_each_slab(int64_t workers, const Slabs& slabs, const Work& work) {
   std::atomic<int64_t> next_slab{0};
@@ -107,173 +166,268 @@ void for_each_slab(int64_t workers, const Slabs& slabs, const Work& work) {
   });
 }
 
-// The LM head in the accumulate type, one tile at a time. An fp32/fp64 head is used in
+// Everything the three ops share: the inputs in the compute type and the sweep's layout.
+struct LinearInputs {
+  at::Tensor hidden;       // [N, H] input dtype
+  at::Tensor weight;       // [V, H] contiguous, input dtype
+  at::Tensor scaled_bias;  // [V] compute dtype, bias / temperature, or undefined
+  at::Tensor labels;       // [N] int64
+  at::ScalarType compute;
+  int64_t vocab;
+  int64_t hidden_size;
+  Slabs slabs{1};
+  int64_t workers;
+};
+
+LinearInputs prepare_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& labels, double temperature) {
+  TORCH_CHECK(hidden.dim() == 2, op, ": hidden must be [N, H], got ", hidden.sizes());
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), op, ": weight must be [V, H] with H = ",
+              hidden.size(1), ", got ", weight.sizes(),
+              " (a ZeRO-3 LM head gathered for the forward must stay gathered through the backward)");
+  TORCH_CHECK(weight.size(0) > 0, op, ": the vocabulary is empty");
+  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), op, ": hidden (", hidden.scalar_type(), ") and weight (",
+              weight.scalar_type(), ") must share a dtype");
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": unsupported dtype ", dtype);
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == hidden.size(0), op, ": labels must be [N] = [", hidden.size(0),
+              "], got ", labels.sizes());
+  TORCH_CHECK(!at::isFloatingType(labels.scalar_type()), op, ": labels must be integers, got ", labels.scalar_type());
+  TORCH_CHECK(temperature > 0 && std::isfinite(temperature), op, ": temperature must be positive and finite, got ",
+              temperature);
+  LinearInputs in;
+  // Kernels see no autograd: worker threads do not inherit the caller's dispatch state.
+  in.hidden = hidden.detach();
+  in.weight = weight.detach().contiguous();
+  in.compute = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  in.vocab = weight.size(0);
+  in.hidden_size = hidden.size(1);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == in.vocab, op, ": bias must be [V] = [", in.vocab, "], got ",
+                bias->sizes());
+    in.scaled_bias = (bias->detach().to(in.compute) / temperature).contiguous();
+  }
+  in.labels = labels.detach().to(at::kLong).contiguous();
+  in.slabs = Slabs(in.vocab);
+  in.workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), in.slabs.count));
+  return in;
+}
+
+// Per-row [N] inputs in the compute type, contiguous (a copy only when they are not).
+at::Tensor per_row(const char* op, const char* name, const at::Tensor& tensor, int64_t rows, at::ScalarType compute) {
+  TORCH_CHECK(tensor.dim() == 1 && tensor.size(0) == rows, op, ": ", name, " must be [N] = [", rows, "], got ",
+              tensor.sizes());
+  return tensor.detach().to(compute).contiguous();
+}
+
+// The LM head in the compute type, one tile at a time: an fp32/fp64 head is read in
 // place; a bf16/fp16 head is widened tile by tile into the worker's own buffer (exactly:
-// every bf16/fp16 value is an fp32 value), so the GEMM accumulates in fp32 and the
+// every bf16/fp16 value is an fp32 value), so the GEMMs accumulate in fp32 and the
 // logits are never rounded to 16 bits.
+template <typename T>
 class WeightTiles {
  public:
-  WeightTiles(const at::Tensor& weight, at::ScalarType accumulate, int64_t workers)
-      : weight_(weight), widen_(weight.scalar_type() != accumulate) {
-    if (widen_) {
-      for (int64_t worker = 0; worker < workers; ++worker) {
-        buffers_.push_back(at::empty({kVocabTile, weight.size(1)}, weight.options().dtype(accumulate)));
+  WeightTiles(const LinearInputs& in) : weight_(in.weight), hidden_size_(in.hidden_size) {
+    if (weight_.scalar_type() != in.compute) {
+      buffers_.resize(in.workers);
+      for (auto& buffer : buffers_) {
+        buffer.resize(kVocabTile * hidden_size_);
       }
     }
   }
 
-  at::Tensor tile(int64_t worker, int64_t first_column, int64_t cols) const {
-    if (!widen_) {
-      return weight_.narrow(0, first_column, cols);
+  const T* tile(int64_t worker, int64_t first_column, int64_t cols) {
+    const int64_t offset = first_column * hidden_size_;
+    if (buffers_.empty()) {
+      return weight_.const_data_ptr<T>() + offset;
     }
-    at::Tensor buffer = buffers_[worker].narrow(0, 0, cols);
-    const int64_t offset = first_column * weight_.size(1);
-    const int64_t count = cols * weight_.size(1);
-    float* out = buffer.data_ptr<float>();
-    if (weight_.scalar_type() == at::kBFloat16) {
-      widen(weight_.const_data_ptr<c10::BFloat16>() + offset, out, count);
-    } else {
-      widen(weight_.const_data_ptr<c10::Half>() + offset, out, count);
+    T* out = buffers_[worker].data();
+    const int64_t count = cols * hidden_size_;
+    if constexpr (std::is_same_v<T, float>) {
+      if (weight_.scalar_type() == at::kBFloat16) {
+        widen(weight_.const_data_ptr<c10::BFloat16>() + offset, out, count);
+      } else {
+        widen(weight_.const_data_ptr<c10::Half>() + offset, out, count);
+      }
     }
-    return buffer;
+    return out;
   }
 
  private:
   template <typename Narrow>
-  static void widen(const Narrow* in, float* out, int64_t count) {
+  static void widen(const Narrow* in, T* out, int64_t count) {
     for (int64_t i = 0; i < count; ++i) {
-      out[i] = static_cast<float>(in[i]);
+      out[i] = static_cast<T>(in[i]);
     }
   }
 
   at::Tensor weight_;
-  bool widen_;
-  std::vector<at::Tensor> buffers_;
+  int64_t hidden_size_;
+  std::vector<std::vector<T>> buffers_;
 };
 
-struct LinearInputs {
-  at::Tensor hidden;       // [N, H] input dtype
-  at::Tensor weight;       // [V, H] contiguous, input dtype
-  at::Tensor scaled_bias;  // [V] accumulate dtype, bias / temperature, or undefined
-  at::Tensor labels;       // [N] int64
-  at::ScalarType accumulate;
-  int64_t workers;
-  Slabs slabs;
+// A block of active rows: their hidden states in the compute type, their labels.
+struct Block {
+  at::Tensor index;   // [rows] int64, positions in the N rows
+  at::Tensor hidden;  // [rows, H] compute type, contiguous
+  at::Tensor labels;  // [rows] int64
+  int64_t rows = 0;
 };
 
-LinearInputs prepare_inputs(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                            const at::Tensor& labels, double temperature, int64_t ignore_index) {
-  TORCH_CHECK(hidden.dim() == 2, "hadw::linear_logprob: hidden must be [N, H], got ", hidden.sizes());
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1),
-              "hadw::linear_logprob: weight must be [V, H] with H = ", hidden.size(1), ", got ", weight.sizes());
-  TORCH_CHECK(weight.size(0) > 0, "hadw::linear_logprob: the vocabulary is empty");
-  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), "hadw::linear_logprob: hidden (", hidden.scalar_type(),
-              ") and weight (", weight.scalar_type(), ") must share a dtype");
-  const auto dtype = hidden.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "hadw::linear_logprob: unsupported dtype ", dtype);
-  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == hidden.size(0),
-              "hadw::linear_logprob: labels must be [N] = [", hidden.size(0), "], got ", labels.sizes());
-  TORCH_CHECK(temperature > 0, "hadw::linear_logprob: temperature must be positive, got ", temperature);
-  LinearInputs inputs;
-  // Kernels see no autograd: worker threads do not inherit the caller's dispatch state.
-  inputs.hidden = hidden.detach();
-  inputs.weight = weight.detach().contiguous();
-  inputs.accumulate = accumulate_type(dtype);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0),
-                "hadw::linear_logprob: bias must be [V] = [", weight.size(0), "], got ", bias->sizes());
-    inputs.scaled_bias = (bias->detach().to(inputs.accumulate) / temperature).contiguous();
+// The active rows, cut into blocks of at most `block_rows`.
+class RowBlocks {
+ public:
+  RowBlocks(const at::Tensor& active, int64_t block_rows) : rows_(active.nonzero().flatten()) {
+    block_rows_ = std::max<int64_t>(1, std::min(block_rows, rows_.size(0)));
   }
-  inputs.labels = labels.detach().to(at::kLong).contiguous();
-  // Labels outside the vocabulary would pick no logit and give a wrong log-prob silently.
-  const int64_t vocab = weight.size(0);
-  const int64_t* label = inputs.labels.const_data_ptr<int64_t>();
-  for (int64_t row = 0; row < inputs.labels.size(0); ++row) {
-    TORCH_CHECK(label[row] == ignore_index || (label[row] >= 0 && label[row] < vocab),
-                "hadw::linear_logprob: label ", label[row], " at row ", row, " is outside [0, ", vocab,
-                ") and is not ignore_index=", ignore_index);
+  int64_t count() const { return rows_.size(0); }
+  int64_t block_rows() const { return block_rows_; }
+
+  Block block(const LinearInputs& in, int64_t first) const {
+    Block block;
+    block.index = rows_.narrow(0, first, std::min(block_rows_, count() - first));
+    block.rows = block.index.size(0);
+    block.hidden = at::index_select(in.hidden, 0, block.index).to(in.compute).contiguous();
+    block.labels = at::index_select(in.labels, 0, block.index);
+    return block;
   }
-  const int64_t tiles = (vocab + kVocabTile - 1) / kVocabTile;
-  inputs.workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
-  inputs.slabs = {tiles, std::min(tiles, inputs.workers * kSlabsPerThread)};
-  return inputs;
+
+ private:
+  at::Tensor rows_;
+  int64_t block_rows_;
+};
+
+// The softmax statistics of a block's rows, slab by slab, then merged in slab order.
+template <typename T>
+class BlockStatistics {
+ public:
+  BlockStatistics(const Slabs& slabs, int64_t block_rows)
+      : slabs_(slabs), block_rows_(block_rows), states_(slabs.count * block_rows), label_logits_(block_rows) {}
+
+  void reset() {
+    std::fill(states_.begin(), states_.end(), SoftmaxState<T>());
+    std::fill(label_logits_.begin(), label_logits_.end(), std::numeric_limits<T>::quiet_NaN());
+  }
+  SoftmaxState<T>* slab_states(int64_t slab) { return states_.data() + slab * block_rows_; }
+  T* label_logits() { return label_logits_.data(); }
+  const T* label_logits() const { return label_logits_.data(); }
+
+  SoftmaxState<T> row(int64_t row) const {
+    SoftmaxState<T> total;
+    for (int64_t slab = 0; slab < slabs_.count; ++slab) {
+      total.merge(states_[slab * block_rows_ + row]);
+    }
+    return total;
+  }
+
+ private:
+  Slabs slabs_;
+  int64_t block_rows_;
+  std::vector<SoftmaxState<T>> states_;
+  std::vector<T> label_logits_;
+};
+
+// Writes logp, entropy, lse and E_p[z] of a block's rows into the [N] outputs. A label
+// outside the vocabulary gives a NaN log-prob (check_values reports it in Python).
+template <typename T>
+void write_row_outputs(const LinearInputs& in, const Block& block, const BlockStatistics<T>& statistics, T* logprobs,
+                       T* entropy, T* lse, T* mean_logit) {
+  const int64_t* index = block.index.const_data_ptr<int64_t>();
+  const int64_t* labels = block.labels.const_data_ptr<int64_t>();
+  for (int64_t row = 0; row < block.rows; ++row) {
+    const SoftmaxState<T> total = statistics.row(row);
+    const int64_t position = index[row];
+    const bool in_vocab = labels[row] >= 0 && labels[row] < in.vocab;
+    const T row_lse = total.lse();
+    lse[position] = row_lse;
+    mean_logit[position] = total.mean_logit();
+    entropy[position] = total.entropy();
+    logprobs[position] =
+        in_vocab ? statistics.label_logits()[row] - row_lse : std::numeric_limits<T>::quiet_NaN();
+  }
 }
 
-// Row blocks over the rows that take part (a label that is not ignore_index, and in
-// backward a non-zero upstream gradient): the others need no logits at all, so
-// padding costs no GEMM.
-struct RowBlocks {
-  at::Tensor rows;  // [active] int64, indices of the rows that take part
-  int64_t block_rows;
+// Phase 1 of a block: per tile, raw = h W_tile^T into `logits_tile(worker, tile)` (ld =
+// the tile's columns), turned into logits in place and folded into the slab's statistics.
+template <typename T, typename TileOf>
+void forward_block(const LinearInputs& in, const Block& block, WeightTiles<T>& weight_tiles,
+                   BlockStatistics<T>& statistics, T scale, const TileOf& logits_tile) {
+  const T* scaled_bias = in.scaled_bias.defined() ? in.scaled_bias.const_data_ptr<T>() : nullptr;
+  const T* hidden = block.hidden.const_data_ptr<T>();
+  const int64_t* labels = block.labels.const_data_ptr<int64_t>();
+  statistics.reset();
+  for_each_slab(in.workers, in.slabs, [&](int64_t worker, int64_t slab) {
+    for (int64_t tile = in.slabs.first_tile(slab); tile < in.slabs.end_tile(slab); ++tile) {
+      const int64_t first_column = tile * kVocabTile;
+      const int64_t cols = std::min(kVocabTile, in.vocab - first_column);
+      T* logits = logits_tile(worker, tile);
+      matmul<T>(false, true, block.rows, cols, in.hidden_size, hidden, in.hidden_size,
+                weight_tiles.tile(worker, first_column, cols), in.hidden_size, false, logits, cols);
+      fold_tile_of(logits, block.rows, cols, scale, scaled_bias == nullptr ? nullptr : scaled_bias + first_column,
+                   statistics.slab_states(slab), labels, first_column, statistics.label_logits());
+    }
+  });
+}
 
-  RowBlocks(const at::Tensor& active, int64_t max_block_rows) {
-    rows = active.nonzero().flatten();
-    block_rows = std::min(max_block_rows, std::max<int64_t>(rows.size(0), 1));
-  }
-  int64_t count() const { return rows.size(0); }
-  at::Tensor block(int64_t first) const { return rows.narrow(0, first, std::min(block_rows, count() - first)); }
-};
-
-template <typename acc_t>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_impl(const LinearInputs& in, double temperature,
-                                                                         int64_t ignore_index) {
-  const int64_t num_rows = in.hidden.size(0);
-  const int64_t vocab = in.weight.size(0);
-  const auto options = in.hidden.options().dtype(in.accumulate);
-  // Ignored rows: log-prob and entropy 0; their lse and mean logit are never used.
-  at::Tensor logprobs = at::zeros({num_rows}, options);
-  at::Tensor entropy = at::zeros({num_rows}, options);
-  at::Tensor lse = at::zeros({num_rows}, options);
-  at::Tensor mean_logit = at::zeros({num_rows}, options);
-
-  const RowBlocks blocks(in.labels != ignore_index, kRowBlock);
-  const acc_t scale = static_cast<acc_t>(1.0 / temperature);
-  const acc_t* scaled_bias = in.scaled_bias.defined() ? in.scaled_bias.const_data_ptr<acc_t>() : nullptr;
-  WeightTiles weight_tiles(in.weight, in.accumulate, in.workers);
-  std::vector<at::Tensor> logits_buffers;
-  for (int64_t worker = 0; worker < in.workers; ++worker) {
-    logits_buffers.push_back(at::empty({blocks.block_rows * kVocabTile}, options));
-  }
-  std::vector<SoftmaxState<acc_t>> states(in.slabs.count * blocks.block_rows);
-  std::vector<acc_t> label_logits(blocks.block_rows);
-
-  for (int64_t first = 0; first < blocks.count(); first += blocks.block_rows) {
-    const at::Tensor block = blocks.block(first);
-    const int64_t rows = block.size(0);
-    const at::Tensor hidden_block = in.hidden.index_select(0, block).to(in.accumulate);
-    const at::Tensor block_labels = in.labels.index_select(0, block);
-    const int64_t* labels = block_labels.const_data_ptr<int64_t>();
-    std::fill(states.begin(), states.end(), SoftmaxState<acc_t>());
-    for_each_slab(in.workers, in.slabs, [&](int64_t worker, int64_t slab) {
-      for (int64_t tile = in.slabs.first_tile(slab); tile < in.slabs.end_tile(slab); ++tile) {
-        const int64_t first_column = tile * kVocabTile;
-        const int64_t cols = std::min(kVocabTile, vocab - first_column);
-        at::Tensor logits = logits_buffers[worker].narrow(0, 0, rows * cols).view({rows, cols});
-        at::cpu::mm_out(logits, hidden_block, weight_tiles.tile(worker, first_column, cols).t());
-        fold_tile_of(logits.data_ptr<acc_t>(), rows, cols, scale,
-                      scaled_bias == nullptr ? nullptr : scaled_bias + first_column,
-                      states.data() + slab * blocks.block_rows, labels, first_column, label_logits.data());
-      }
-    });
-    const int64_t* row_index = block.const_data_ptr<int64_t>();
-    for (int64_t row = 0; row < rows; ++row) {
-      SoftmaxState<acc_t> total;
-      for (int64_t slab = 0; slab < in.slabs.count; ++slab) {
-        total.merge(states[slab * blocks.block_rows + row]);
-      }
-      const int64_t index = row_index[row];
-      lse.data_ptr<acc_t>()[index] = total.lse();
-      mean_logit.data_ptr<acc_t>()[index] = total.mean_logit();
-      logprobs.data_ptr<acc_t>()[index] = label_logits[row] - total.lse();
-      entropy.data_ptr<acc_t>()[index] = total.entropy();
+// The gradient GEMMs of a block, given per tile the logits gradient of its `rows` rows
+// (hidden_rows: their hidden states [rows, H]): grad_weight's tile (+)= dz^T h, the
+// slab's partial grad_hidden (+)= dz W_tile, then the partials summed in slab order into
+// grad_hidden's rows `index`.
+template <typename T>
+class GradientAccumulator {
+ public:
+  GradientAccumulator(const LinearInputs& in, int64_t block_rows, T* grad_weight)
+      : in_(in), grad_weight_(grad_weight) {
+    for (int64_t slab = 0; slab < in.slabs.count; ++slab) {
+      partials_.push_back(uninitialized<T>(block_rows * in.hidden_size));
     }
   }
-  return {logprobs, entropy, lse, mean_logit};
-}
+
+  // Runs on the slab's thread, for each tile of the slab in order.
+  void add_tile(int64_t slab, bool first_tile_of_slab, int64_t first_column, int64_t cols, const T* dz,
+                int64_t rows, const T* hidden_rows, const T* weight_tile) {
+    const int64_t hidden_size = in_.hidden_size;
+    matmul<T>(true, false, cols, hidden_size, rows, dz, cols, hidden_rows, hidden_size, weight_started_,
+              grad_weight_ + first_column * hidden_size, hidden_size);
+    matmul<T>(false, false, rows, hidden_size, cols, dz, cols, weight_tile, hidden_size, !first_tile_of_slab,
+              partials_[slab].get(), hidden_size);
+  }
+
+  // After every slab of the block: grad_hidden[index[k]] = sum over slabs of partial[k].
+  void finish_block(int64_t rows, const int64_t* index, T* grad_hidden) {
+    const int64_t hidden_size = in_.hidden_size;
+    at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+      for (int64_t row = first; row < last; ++row) {
+        T* out = grad_hidden + index[row] * hidden_size;
+        std::memcpy(out, partials_[0].get() + row * hidden_size, hidden_size * sizeof(T));
+        for (int64_t slab = 1; slab < in_.slabs.count; ++slab) {
+          const T* partial = partials_[slab].get() + row * hidden_size;
+          for (int64_t col = 0; col < hidden_size; ++col) {
+            out[col] += partial[col];
+          }
+        }
+      }
+    });
+    weight_started_ = true;
+  }
+
+  // grad_weight is zero where no block wrote it.
+  void finish() {
+    if (!weight_started_) {
+      std::fill(grad_weight_, grad_weight_ + in_.vocab * in_.hidden_size, T(0));
+    }
+  }
+
+ private:
+  const LinearInputs& in_;
+  T* grad_weight_;
+  bool weight_started_ = false;
+  std::vector<std::unique_ptr<T[]>> partials_;
+};
 
 // `values` in the dtype and layout of `input`, as the fake implementation promises
-// (empty_like): usually `values` itself, a copy only for 16-bit or strided inputs.
+// (empty_like): `values` itself for fp32/fp64 contiguous inputs, else a copy.
 at::Tensor shaped_like(const at::Tensor& input, const at::Tensor& values) {
   if (values.scalar_type() == input.scalar_type() && values.strides() == input.strides()) {
     return values;
@@ -281,88 +435,255 @@ at::Tensor shaped_like(const at::Tensor& input, const at::Tensor& values) {
   return at::empty_like(input).copy_(values);
 }
 
-// An upstream gradient in the accumulate type, zero on ignored rows.
-at::Tensor row_gradient(const at::Tensor& grad, const at::Tensor& valid, at::ScalarType accumulate) {
-  return at::where(valid, grad.detach().to(accumulate), at::zeros({}, valid.options().dtype(accumulate)));
+// The gradient outputs, accumulated in the compute type and returned in the inputs'.
+struct GradientOutputs {
+  at::Tensor grad_hidden;  // [N, H] compute type, zero on rows without a gradient
+  at::Tensor grad_weight;  // [V, H] compute type (filled by GradientAccumulator)
+  at::Tensor grad_bias;    // [V] compute type, or undefined
+
+  GradientOutputs(const LinearInputs& in) {
+    const auto options = in.hidden.options().dtype(in.compute);
+    grad_hidden = at::zeros({in.hidden.size(0), in.hidden_size}, options);
+    grad_weight = at::empty({in.vocab, in.hidden_size}, options);
+    if (in.scaled_bias.defined()) {
+      grad_bias = at::zeros({in.vocab}, options);
+    }
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> result(const at::Tensor& hidden, const at::Tensor& weight,
+                                                        const std::optional<at::Tensor>& bias) const {
+    at::Tensor bias_out = grad_bias.defined() ? shaped_like(*bias, grad_bias) : at::empty({0}, weight.options());
+    return {shaped_like(hidden, grad_hidden), shaped_like(weight, grad_weight), bias_out};
+  }
+};
+
+template <typename T>
+T* data_or_null(const at::Tensor& tensor) {
+  return tensor.defined() ? tensor.data_ptr<T>() : nullptr;
 }
 
-template <typename acc_t>
+// --- linear_logprob_forward -----------------------------------------------------------
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_impl(const LinearInputs& in, double temperature,
+                                                                         int64_t ignore_index) {
+  const int64_t num_rows = in.hidden.size(0);
+  const auto options = in.hidden.options().dtype(in.compute);
+  // Ignored rows: log-prob and entropy 0; their lse and mean logit are never used.
+  at::Tensor logprobs = at::zeros({num_rows}, options);
+  at::Tensor entropy = at::zeros({num_rows}, options);
+  at::Tensor lse = at::zeros({num_rows}, options);
+  at::Tensor mean_logit = at::zeros({num_rows}, options);
+
+  const RowBlocks blocks(at::ne(in.labels, ignore_index), kRecomputeBlockRows);
+  const T scale = static_cast<T>(1.0 / temperature);
+  WeightTiles<T> weight_tiles(in);
+  std::vector<std::unique_ptr<T[]>> tiles;
+  for (int64_t worker = 0; worker < in.workers; ++worker) {
+    tiles.push_back(uninitialized<T>(blocks.block_rows() * kVocabTile));
+  }
+  BlockStatistics<T> statistics(in.slabs, blocks.block_rows());
+  for (int64_t first = 0; first < blocks.count(); first += blocks.block_rows()) {
+    const Block block = blocks.block(in, first);
+    forward_block<T>(in, block, weight_tiles, statistics, scale,
+                     [&](int64_t worker, int64_t) { return tiles[worker].get(); });
+    write_row_outputs<T>(in, block, statistics, logprobs.data_ptr<T>(), entropy.data_ptr<T>(),
+                         lse.data_ptr<T>(), mean_logit.data_ptr<T>());
+  }
+  return {logprobs, entropy, lse, mean_logit};
+}
+
+// --- linear_logprob_backward ----------------------------------------------------------
+
+template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const LinearInputs& in, const at::Tensor& hidden_in,
                                                              const at::Tensor& weight_in,
                                                              const std::optional<at::Tensor>& bias_in,
-                                                             const at::Tensor& grad_logprobs_in,
-                                                             const std::optional<at::Tensor>& grad_entropy_in,
-                                                             const at::Tensor& lse_in, const at::Tensor& mean_logit_in,
-                                                             double temperature, int64_t ignore_index) {
-  const int64_t num_rows = in.hidden.size(0);
-  const int64_t hidden_size = in.hidden.size(1);
-  const int64_t vocab = in.weight.size(0);
-  const auto options = in.hidden.options().dtype(in.accumulate);
-  const at::Tensor valid = in.labels != ignore_index;
-  const at::Tensor grad_logprobs = row_gradient(grad_logprobs_in, valid, in.accumulate);
-  const at::Tensor grad_entropy =
-      grad_entropy_in.has_value() ? row_gradient(*grad_entropy_in, valid, in.accumulate) : at::Tensor();
-  const at::Tensor lse = lse_in.detach().to(in.accumulate);
-  const at::Tensor mean_logit = mean_logit_in.detach().to(in.accumulate);
-
-  // Gradients accumulate in fp32/fp64 and are cast to the input dtype at the end.
-  at::Tensor grad_hidden = at::zeros({num_rows, hidden_size}, options);
-  at::Tensor grad_weight = at::zeros({vocab, hidden_size}, options);
-  at::Tensor grad_bias = in.scaled_bias.defined() ? at::zeros({vocab}, options) : at::Tensor();
-
-  const at::Tensor active = grad_entropy.defined() ? (grad_logprobs != 0).logical_or_(grad_entropy != 0)
-                                                   : grad_logprobs != 0;
-  const RowBlocks blocks(active, kRowBlock);
-  const acc_t scale = static_cast<acc_t>(1.0 / temperature);
-  const acc_t* scaled_bias = in.scaled_bias.defined() ? in.scaled_bias.const_data_ptr<acc_t>() : nullptr;
-  WeightTiles weight_tiles(in.weight, in.accumulate, in.workers);
-  std::vector<at::Tensor> logits_buffers;
+                                                             const at::Tensor& grad_logprobs,
+                                                             const at::Tensor& grad_entropy, const at::Tensor& lse,
+                                                             const at::Tensor& mean_logit, double temperature,
+                                                             int64_t ignore_index) {
+  GradientOutputs outputs(in);
+  // Rows that take part: not ignored, and a non-zero upstream gradient (padding, clipped
+  // tokens and degenerate groups cost no GEMM). NaN is non-zero.
+  at::Tensor active = at::ne(grad_logprobs, 0);
+  if (grad_entropy.defined()) {
+    active.logical_or_(at::ne(grad_entropy, 0));
+  }
+  active.logical_and_(at::ne(in.labels, ignore_index));
+  const RowBlocks blocks(active, kRecomputeBlockRows);
+  const T scale = static_cast<T>(1.0 / temperature);
+  const T* scaled_bias = in.scaled_bias.defined() ? in.scaled_bias.const_data_ptr<T>() : nullptr;
+  T* grad_bias = data_or_null<T>(outputs.grad_bias);
+  WeightTiles<T> weight_tiles(in);
+  std::vector<std::unique_ptr<T[]>> tiles;
   for (int64_t worker = 0; worker < in.workers; ++worker) {
-    logits_buffers.push_back(at::empty({blocks.block_rows * kVocabTile}, options));
+    tiles.push_back(uninitialized<T>(blocks.block_rows() * kVocabTile));
   }
-  std::vector<at::Tensor> hidden_partials;
-  for (int64_t slab = 0; slab < in.slabs.count; ++slab) {
-    hidden_partials.push_back(at::empty({blocks.block_rows, hidden_size}, options));
-  }
+  GradientAccumulator<T> accumulator(in, blocks.block_rows(), outputs.grad_weight.data_ptr<T>());
 
-  for (int64_t first = 0; first < blocks.count(); first += blocks.block_rows) {
-    const at::Tensor block = blocks.block(first);
-    const int64_t rows = block.size(0);
-    const at::Tensor hidden_block = in.hidden.index_select(0, block).to(in.accumulate);
-    const at::Tensor block_labels = in.labels.index_select(0, block);
-    const at::Tensor block_lse = lse.index_select(0, block);
-    const at::Tensor block_mean = mean_logit.index_select(0, block);
-    const at::Tensor block_grad = grad_logprobs.index_select(0, block);
-    const at::Tensor block_grad_entropy = grad_entropy.defined() ? grad_entropy.index_select(0, block) : at::Tensor();
+  for (int64_t first = 0; first < blocks.count(); first += blocks.block_rows()) {
+    const Block block = blocks.block(in, first);
+    const at::Tensor block_lse = at::index_select(lse, 0, block.index);
+    const at::Tensor block_mean = at::index_select(mean_logit, 0, block.index);
+    const at::Tensor block_grad = at::index_select(grad_logprobs, 0, block.index);
+    const at::Tensor block_grad_entropy =
+        grad_entropy.defined() ? at::index_select(grad_entropy, 0, block.index) : at::Tensor();
+    const T* hidden = block.hidden.const_data_ptr<T>();
     for_each_slab(in.workers, in.slabs, [&](int64_t worker, int64_t slab) {
-      at::Tensor hidden_gradient = hidden_partials[slab].narrow(0, 0, rows).zero_();
       for (int64_t tile = in.slabs.first_tile(slab); tile < in.slabs.end_tile(slab); ++tile) {
         const int64_t first_column = tile * kVocabTile;
-        const int64_t cols = std::min(kVocabTile, vocab - first_column);
-        const at::Tensor weight_tile = weight_tiles.tile(worker, first_column, cols);
-        at::Tensor logits = logits_buffers[worker].narrow(0, 0, rows * cols).view({rows, cols});
-        at::cpu::mm_out(logits, hidden_block, weight_tile.t());
-        gradient_tile_of(logits.data_ptr<acc_t>(), rows, cols, scale,
-                          scaled_bias == nullptr ? nullptr : scaled_bias + first_column,
-                          block_lse.const_data_ptr<acc_t>(), block_mean.const_data_ptr<acc_t>(),
-                          block_grad.const_data_ptr<acc_t>(),
-                          block_grad_entropy.defined() ? block_grad_entropy.const_data_ptr<acc_t>() : nullptr,
-                          block_labels.const_data_ptr<int64_t>(), first_column,
-                          grad_bias.defined() ? grad_bias.data_ptr<acc_t>() + first_column : nullptr);
-        at::Tensor weight_gradient = grad_weight.narrow(0, first_column, cols);
-        at::cpu::addmm_out(weight_gradient, weight_gradient, logits.t(), hidden_block);
-        at::cpu::addmm_out(hidden_gradient, hidden_gradient, logits, weight_tile);
+        const int64_t cols = std::min(kVocabTile, in.vocab - first_column);
+        const T* weight_tile = weight_tiles.tile(worker, first_column, cols);
+        T* logits = tiles[worker].get();
+        matmul<T>(false, true, block.rows, cols, in.hidden_size, hidden, in.hidden_size, weight_tile,
+                  in.hidden_size, false, logits, cols);
+        to_logits_of(logits, block.rows, cols, scale, scaled_bias == nullptr ? nullptr : scaled_bias + first_column);
+        logit_gradient_of(logits, cols, nullptr, logits, cols, block.rows, cols, scale, block_lse.const_data_ptr<T>(),
+                          block_mean.const_data_ptr<T>(), block_grad.const_data_ptr<T>(),
+                          block_grad_entropy.defined() ? block_grad_entropy.const_data_ptr<T>() : nullptr,
+                          block.labels.const_data_ptr<int64_t>(), first_column,
+                          grad_bias == nullptr ? nullptr : grad_bias + first_column);
+        accumulator.add_tile(slab, tile == in.slabs.first_tile(slab), first_column, cols, logits, block.rows, hidden,
+                             weight_tile);
       }
     });
-    at::Tensor block_total = hidden_partials[0].narrow(0, 0, rows);
-    for (int64_t slab = 1; slab < in.slabs.count; ++slab) {
-      block_total.add_(hidden_partials[slab].narrow(0, 0, rows));
-    }
-    grad_hidden.index_copy_(0, block, block_total);
+    accumulator.finish_block(block.rows, block.index.const_data_ptr<int64_t>(), outputs.grad_hidden.data_ptr<T>());
   }
-  at::Tensor grad_bias_out =
-      grad_bias.defined() ? shaped_like(*bias_in, grad_bias) : at::empty({0}, in.weight.options());
-  return {shaped_like(hidden_in, grad_hidden), shaped_like(weight_in, grad_weight), grad_bias_out};
+  accumulator.finish();
+  return outputs.result(hidden_in, weight_in, bias_in);
+}
+
+// --- linear_surrogate_forward ---------------------------------------------------------
+
+// The token-level surrogate's inputs, [N] in the compute type.
+template <typename T>
+struct TokenInputs {
+  const T* old_logprobs;  // null: on-policy (old = the row's own log-prob)
+  const T* advantages;
+  const T* token_weights;
+  const T* ref_logprobs;  // null unless beta > 0
+  const T* importance_weights;  // or null
+  ClipOptions<T> clip;
+  T beta;
+  int64_t kl_estimator;
+  T entropy_coef;
+};
+
+int64_t default_block_rows(int64_t vocab, int64_t element_size) {
+  const int64_t by_budget = kLogitsBufferBytes / std::max<int64_t>(vocab * element_size, 1);
+  return std::max(kMinBlockRows, std::min(kDefaultBlockRows, by_budget));
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
+    const LinearInputs& in, const at::Tensor& hidden_in, const at::Tensor& weight_in,
+    const std::optional<at::Tensor>& bias_in, const TokenInputs<T>& tokens, double temperature, int64_t ignore_index,
+    int64_t block_rows) {
+  const int64_t num_rows = in.hidden.size(0);
+  const int64_t hidden_size = in.hidden_size;
+  const auto options = in.hidden.options().dtype(in.compute);
+  at::Tensor logprobs = at::zeros({num_rows}, options);
+  at::Tensor entropy = at::zeros({num_rows}, options);
+  GradientOutputs outputs(in);
+  T* logprob_data = logprobs.data_ptr<T>();
+  T* entropy_data = entropy.data_ptr<T>();
+  T* grad_bias = data_or_null<T>(outputs.grad_bias);
+
+  const RowBlocks blocks(at::ne(in.labels, ignore_index),
+                         block_rows > 0 ? block_rows : default_block_rows(in.vocab, sizeof(T)));
+  const int64_t capacity = blocks.block_rows();
+  const T scale = static_cast<T>(1.0 / temperature);
+  WeightTiles<T> weight_tiles(in);
+  BlockStatistics<T> statistics(in.slabs, capacity);
+  GradientAccumulator<T> accumulator(in, capacity, outputs.grad_weight.data_ptr<T>());
+  // The block's logits, tile-major: tile j is [rows, cols] contiguous at j * rows * kVocabTile.
+  const std::unique_ptr<T[]> logits = uninitialized<T>(capacity * in.slabs.tiles * kVocabTile);
+  // Per worker: the logits gradient of one tile's rows, in cache for its two GEMMs.
+  std::vector<std::unique_ptr<T[]>> scratch;
+  for (int64_t worker = 0; worker < in.workers; ++worker) {
+    scratch.push_back(uninitialized<T>(capacity * kVocabTile));
+  }
+  // Per block row (compacted to the rows with a gradient): the values of the logits gradient.
+  std::vector<int64_t> source(capacity), labels(capacity);
+  std::vector<T> lse(capacity), mean_logit(capacity), grad(capacity), grad_entropy(capacity);
+  std::vector<T> compact_hidden;
+
+  for (int64_t first = 0; first < blocks.count(); first += capacity) {
+    const Block block = blocks.block(in, first);
+    const int64_t tile_stride = block.rows * kVocabTile;
+    forward_block<T>(in, block, weight_tiles, statistics, scale,
+                     [&](int64_t, int64_t tile) { return logits.get() + tile * tile_stride; });
+
+    // Per row: log-prob, entropy and the token's d loss / d logp, d loss / d entropy.
+    const int64_t* index = block.index.const_data_ptr<int64_t>();
+    const int64_t* block_labels = block.labels.const_data_ptr<int64_t>();
+    int64_t active = 0;
+    for (int64_t row = 0; row < block.rows; ++row) {
+      const SoftmaxState<T> total = statistics.row(row);
+      const int64_t position = index[row];
+      const bool in_vocab = block_labels[row] >= 0 && block_labels[row] < in.vocab;
+      const T row_lse = total.lse();
+      const T logprob = in_vocab ? statistics.label_logits()[row] - row_lse : std::numeric_limits<T>::quiet_NaN();
+      logprob_data[position] = logprob;
+      entropy_data[position] = total.entropy();
+      const T old = tokens.old_logprobs == nullptr ? logprob : tokens.old_logprobs[position];
+      const T weight = tokens.token_weights[position];
+      T slope = policy_term(logprob - old, tokens.advantages[position], tokens.clip).slope;
+      if (tokens.importance_weights != nullptr) {
+        slope *= tokens.importance_weights[position];
+      }
+      if (tokens.ref_logprobs != nullptr) {
+        slope += tokens.beta * kl_term(logprob, tokens.ref_logprobs[position], tokens.kl_estimator).slope;
+      }
+      const T g = slope * weight;
+      const T g_entropy = tokens.entropy_coef > 0 ? -tokens.entropy_coef * weight : T(0);
+      // Rows without a gradient (clipped tokens, zero advantages) enter no gradient GEMM.
+      if (g != 0 || g_entropy != 0) {
+        source[active] = row;
+        labels[active] = block_labels[row];
+        lse[active] = row_lse;
+        mean_logit[active] = total.mean_logit();
+        grad[active] = g;
+        grad_entropy[active] = g_entropy;
+        ++active;
+      }
+    }
+    if (active == 0) {
+      continue;
+    }
+    const T* hidden_rows = block.hidden.const_data_ptr<T>();
+    if (active < block.rows) {
+      compact_hidden.resize(active * hidden_size);
+      for (int64_t k = 0; k < active; ++k) {
+        std::memcpy(compact_hidden.data() + k * hidden_size, hidden_rows + source[k] * hidden_size,
+                    hidden_size * sizeof(T));
+      }
+      hidden_rows = compact_hidden.data();
+    }
+    const bool with_entropy_gradient = tokens.entropy_coef > 0;
+    for_each_slab(in.workers, in.slabs, [&](int64_t worker, int64_t slab) {
+      for (int64_t tile = in.slabs.first_tile(slab); tile < in.slabs.end_tile(slab); ++tile) {
+        const int64_t first_column = tile * kVocabTile;
+        const int64_t cols = std::min(kVocabTile, in.vocab - first_column);
+        T* dz = scratch[worker].get();
+        logit_gradient_of(logits.get() + tile * tile_stride, cols, source.data(), dz, cols, active, cols, scale,
+                          lse.data(), mean_logit.data(), grad.data(),
+                          with_entropy_gradient ? grad_entropy.data() : nullptr, labels.data(), first_column,
+                          grad_bias == nullptr ? nullptr : grad_bias + first_column);
+        accumulator.add_tile(slab, tile == in.slabs.first_tile(slab), first_column, cols, dz, active, hidden_rows,
+                             weight_tiles.tile(worker, first_column, cols));
+      }
+    });
+    std::vector<int64_t> positions(active);
+    for (int64_t k = 0; k < active; ++k) {
+      positions[k] = index[source[k]];
+    }
+    accumulator.finish_block(active, positions.data(), outputs.grad_hidden.data_ptr<T>());
+  }
+  accumulator.finish();
+  auto [grad_hidden, grad_weight, grad_bias_out] = outputs.result(hidden_in, weight_in, bias_in);
+  return {logprobs, entropy, grad_hidden, grad_weight, grad_bias_out};
 }
 
 }  // namespace
@@ -373,8 +694,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_logprob_forwar
   // The entropy costs one multiply-add per logit next to the H of the GEMM, so it is
   // always formed: the outputs then mean the same whatever with_entropy says.
   (void)with_entropy;
-  const LinearInputs in = prepare_inputs(hidden, weight, bias, labels, temperature, ignore_index);
-  if (in.accumulate == at::kDouble) {
+  const LinearInputs in = prepare_inputs("hadw_cpp::linear_logprob_forward", hidden, weight, bias, labels, temperature);
+  if (in.compute == at::kDouble) {
     return forward_impl<double>(in, temperature, ignore_index);
   }
   return forward_impl<float>(in, temperature, ignore_index);
@@ -384,24 +705,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_backward_cpu(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& labels, const at::Tensor& lse,
     const at::Tensor& mean_logit, double temperature, int64_t ignore_index) {
-  const LinearInputs in = prepare_inputs(hidden, weight, bias, labels, temperature, ignore_index);
-  const int64_t num_rows = in.hidden.size(0);
-  for (const at::Tensor* row_tensor : {&grad_logprobs, &lse, &mean_logit}) {
-    TORCH_CHECK(row_tensor->dim() == 1 && row_tensor->size(0) == num_rows,
-                "hadw::linear_logprob_backward: per-row inputs must be [N] = [", num_rows, "], got ",
-                row_tensor->sizes());
-  }
-  if (grad_entropy.has_value()) {
-    TORCH_CHECK(grad_entropy->dim() == 1 && grad_entropy->size(0) == num_rows,
-                "hadw::linear_logprob_backward: grad_entropy must be [N] = [", num_rows, "], got ",
-                grad_entropy->sizes());
-  }
-  if (in.accumulate == at::kDouble) {
-    return backward_impl<double>(in, hidden, weight, bias, grad_logprobs, grad_entropy, lse, mean_logit, temperature,
+  constexpr const char* op = "hadw_cpp::linear_logprob_backward";
+  const LinearInputs in = prepare_inputs(op, hidden, weight, bias, labels, temperature);
+  const int64_t rows = in.hidden.size(0);
+  const at::Tensor upstream = per_row(op, "grad_logprobs", grad_logprobs, rows, in.compute);
+  const at::Tensor upstream_entropy =
+      grad_entropy.has_value() ? per_row(op, "grad_entropy", *grad_entropy, rows, in.compute) : at::Tensor();
+  const at::Tensor row_lse = per_row(op, "lse", lse, rows, in.compute);
+  const at::Tensor row_mean = per_row(op, "mean_logit", mean_logit, rows, in.compute);
+  if (in.compute == at::kDouble) {
+    return backward_impl<double>(in, hidden, weight, bias, upstream, upstream_entropy, row_lse, row_mean, temperature,
                                  ignore_index);
   }
-  return backward_impl<float>(in, hidden, weight, bias, grad_logprobs, grad_entropy, lse, mean_logit, temperature,
+  return backward_impl<float>(in, hidden, weight, bias, upstream, upstream_entropy, row_lse, row_mean, temperature,
                               ignore_index);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_surrogate_forward_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& labels, const std::optional<at::Tensor>& old_logprobs, const at::Tensor& advantages,
+    const at::Tensor& token_weights, const std::optional<at::Tensor>& ref_logprobs,
+    const std::optional<at::Tensor>& importance_weights, double temperature, int64_t ignore_index,
+    double epsilon_low, double epsilon_high, std::optional<double> dual_clip, double beta, int64_t kl_estimator,
+    double entropy_coef, bool with_entropy, int64_t block_rows) {
+  constexpr const char* op = "hadw_cpp::linear_surrogate_forward";
+  (void)with_entropy;  // the entropy is always formed (see linear_logprob_forward_cpu)
+  const LinearInputs in = prepare_inputs(op, hidden, weight, bias, labels, temperature);
+  TORCH_CHECK(kl_estimator >= 0 && kl_estimator < config::kKlCount, op,
+              ": kl_estimator must index config.KL_ESTIMATORS, got ", kl_estimator);
+  TORCH_CHECK(block_rows >= 0, op, ": block_rows must be positive (0: the default), got ", block_rows);
+  const int64_t rows = in.hidden.size(0);
+  // Kept alive for the pointers below.
+  const at::Tensor old = old_logprobs.has_value() ? per_row(op, "old_logprobs", *old_logprobs, rows, in.compute)
+                                                  : at::Tensor();
+  const at::Tensor advantage = per_row(op, "advantages", advantages, rows, in.compute);
+  const at::Tensor weights = per_row(op, "token_weights", token_weights, rows, in.compute);
+  at::Tensor ref;
+  if (beta > 0) {
+    TORCH_CHECK(ref_logprobs.has_value(), op, ": beta > 0 needs ref_logprobs");
+    ref = per_row(op, "ref_logprobs", *ref_logprobs, rows, in.compute);
+  }
+  const at::Tensor importance = importance_weights.has_value()
+                                    ? per_row(op, "importance_weights", *importance_weights, rows, in.compute)
+                                    : at::Tensor();
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    TokenInputs<T> tokens;
+    tokens.old_logprobs = old.defined() ? old.const_data_ptr<T>() : nullptr;
+    tokens.advantages = advantage.const_data_ptr<T>();
+    tokens.token_weights = weights.const_data_ptr<T>();
+    tokens.ref_logprobs = ref.defined() ? ref.const_data_ptr<T>() : nullptr;
+    tokens.importance_weights = importance.defined() ? importance.const_data_ptr<T>() : nullptr;
+    tokens.clip = {static_cast<T>(1.0 - epsilon_low), static_cast<T>(1.0 + epsilon_high), dual_clip.has_value(),
+                   static_cast<T>(dual_clip.value_or(0.0))};
+    tokens.beta = static_cast<T>(beta);
+    tokens.kl_estimator = kl_estimator;
+    tokens.entropy_coef = static_cast<T>(entropy_coef);
+    return surrogate_impl<T>(in, hidden, weight, bias, tokens, temperature, ignore_index, block_rows);
+  };
+  if (in.compute == at::kDouble) {
+    return run(0.0);
+  }
+  return run(0.0f);
 }
 
 }  // namespace hadw

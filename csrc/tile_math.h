@@ -165,48 +165,46 @@ HADW_ALWAYS_INLINE void fold_tile(T* tile, int64_t rows, int64_t cols, T scale, 
   }
 }
 
-// Backward, one tile [rows, cols] of raw products h W^T, overwritten in place with the
-// gradient of the loss with respect to those raw products:
+// The logits gradient of `rows` rows of one vocabulary tile: row k of `out` (ld
+// out_ld) gets, from row source[k] of the logits tile `z` (ld z_ld; source null: row k),
 //   d/dz (g logp(y) + e H) = g (onehot(y) - p) - e p (z - E[z]),  p = exp(z - lse)
-// times `scale` (1/temperature, the derivative of z by the raw product). Rows with
-// g = e = 0 (ignored labels, unused positions) are zero without any exp. Adds each
-// column's sum to bias_gradient when given (the bias gradient of this tile).
+// times `scale` (1/temperature: the derivative of z by the raw product h.w). The per-row
+// values (g, e, lse, E[z], label) are indexed by k. A label outside this tile (or the
+// vocabulary) gets no one-hot term. Adds each column's sum to bias_gradient when given.
+// `out` may be `z` itself (source null, same ld): each element is read before written.
 template <typename T>
-HADW_ALWAYS_INLINE void gradient_tile(T* tile, int64_t rows, int64_t cols, T scale, const T* scaled_bias,
-                                      const T* lse, const T* mean_logit, const T* grad_logprobs,
-                                      const T* grad_entropy, const int64_t* labels, int64_t first_column,
-                                      T* bias_gradient) {
+HADW_ALWAYS_INLINE void logit_gradient_rows(const T* z, int64_t z_ld, const int64_t* source, T* out, int64_t out_ld,
+                                            int64_t rows, int64_t cols, T scale, const T* lse, const T* mean_logit,
+                                            const T* grad_logprobs, const T* grad_entropy, const int64_t* labels,
+                                            int64_t first_column, T* bias_gradient) {
   for (int64_t row = 0; row < rows; ++row) {
-    T* z = tile + row * cols;
+    const T* logits = z + (source == nullptr ? row : source[row]) * z_ld;
+    T* grad = out + row * out_ld;
     const T g = grad_logprobs[row];
     const T e = grad_entropy == nullptr ? T(0) : grad_entropy[row];
-    if (g == 0 && e == 0) {
-      std::fill(z, z + cols, T(0));
-      continue;
-    }
     const T row_lse = lse[row];
-    const T row_mean = mean_logit[row];
-    if (scaled_bias != nullptr) {
+    if (e == 0) {
+      const T factor = -g * scale;
 #pragma omp simd
       for (int64_t col = 0; col < cols; ++col) {
-        const T logit = z[col] * scale + scaled_bias[col];
-        z[col] = -vector_exp(logit - row_lse) * (g + e * (logit - row_mean)) * scale;
+        grad[col] = vector_exp(logits[col] - row_lse) * factor;
       }
     } else {
+      const T row_mean = mean_logit[row];
 #pragma omp simd
       for (int64_t col = 0; col < cols; ++col) {
-        const T logit = z[col] * scale;
-        z[col] = -vector_exp(logit - row_lse) * (g + e * (logit - row_mean)) * scale;
+        const T logit = logits[col];
+        grad[col] = -vector_exp(logit - row_lse) * (g + e * (logit - row_mean)) * scale;
       }
     }
     const int64_t label_column = labels[row] - first_column;
     if (label_column >= 0 && label_column < cols) {
-      z[label_column] += g * scale;
+      grad[label_column] += g * scale;
     }
     if (bias_gradient != nullptr) {
 #pragma omp simd
       for (int64_t col = 0; col < cols; ++col) {
-        bias_gradient[col] += z[col];
+        bias_gradient[col] += grad[col];
       }
     }
   }

@@ -5,15 +5,19 @@ the CPU dispatch key of the ``hadw_cpp::`` ops (same schemas as ``hadw::``, with
 routing argument); this module makes them the "cpp" kernels of the ``hadw::`` ops. The
 module is built by the package install when a C++ compiler and torch are there
 (setup.py); otherwise the backend says why it cannot serve, and "auto" takes "torch".
+A module compiled from another ``config.py`` (its metric order or option codes) is
+refused the same way: it would index the metrics wrongly.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 
 import torch
 
-from .. import ops
+from .. import config, ops
+from .cpp_constants import fingerprint
 from .kernel_backend import KernelBackend
 
 NAME = "cpp"
@@ -23,7 +27,7 @@ EXTENSION = "hadw_kernels._cpu_kernels"
 def _load_extension() -> str | None:
     """Imports the kernels; returns why they cannot be used, or None."""
     try:
-        importlib.import_module(EXTENSION)
+        module = importlib.import_module(EXTENSION)
     except ModuleNotFoundError as error:
         if error.name != EXTENSION:
             raise
@@ -35,6 +39,12 @@ def _load_extension() -> str | None:
         return (
             f"the C++ extension {EXTENSION} does not load ({error}); it was probably built against "
             f"another torch than {torch.__version__}: reinstall the package"
+        )
+    built_with = json.loads(getattr(module, "CONFIG", "null"))
+    if built_with != fingerprint(vars(config)):
+        return (
+            f"the C++ extension {EXTENSION} was built from another hadw_kernels/config.py than the one "
+            "running (metric order, option codes or clamps differ): rebuild it (docs/cpp-backend.md)"
         )
     return None
 
