@@ -41,9 +41,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -55,8 +57,13 @@
 namespace hadw {
 namespace {
 
-// Vocabulary columns per tile: a 512 x 256 fp32 tile is 512 KiB, well inside a core's L2.
+
+// Vocabulary columns per tile of the forward / backward ops: a 512 x 256 fp32 tile is
+// 512 KiB, well inside a core's L2.
 constexpr int64_t kVocabTile = 256;
+// Per tile of linear_surrogate_forward: its tiles live in the logits buffer anyway, so
+// they are wider (fewer, larger GEMM calls; measured 1-3% faster than 256 columns).
+constexpr int64_t kSurrogateTile = 2048;
 // Slabs of tiles per block: partial results are per slab, so their count (not the
 // thread count) fixes the summation order. More slabs than threads lets a thread slowed
 // by other work on the machine delay its block by one slab, not by a fixed share.
@@ -66,8 +73,8 @@ constexpr int64_t kMaxSlabs = 16;
 constexpr int64_t kRecomputeBlockRows = 512;
 // Default of linear_surrogate_forward's block_rows: the logits buffer holds this many
 // rows, and at most kLogitsBufferBytes (docs/cpp-backend.md for the measurements).
-constexpr int64_t kDefaultBlockRows = 512;
-constexpr int64_t kLogitsBufferBytes = int64_t{512} << 20;
+constexpr int64_t kDefaultBlockRows = 1024;
+constexpr int64_t kLogitsBufferBytes = int64_t{256} << 20;
 constexpr int64_t kMinBlockRows = 64;
 
 // Row-major C[m, n] = op(A)[m, k] op(B)[k, n] (+ C when accumulating), A and B read
@@ -97,13 +104,29 @@ void matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k,
 // instruction set (HADW_VECTOR_CLONES); fp64 serves exact comparisons.
 HADW_VECTOR_CLONES void fold_tile_of(float* tile, int64_t rows, int64_t cols, float scale, const float* scaled_bias,
                                      SoftmaxState<float>* states, const int64_t* labels, int64_t first_column,
-                                     float* label_logits) {
-  fold_tile(tile, rows, cols, scale, scaled_bias, states, labels, first_column, label_logits);
+                                     float* label_logits, float* shifts) {
+  fold_tile(tile, rows, cols, scale, scaled_bias, states, labels, first_column, label_logits, shifts);
 }
 
 void fold_tile_of(double* tile, int64_t rows, int64_t cols, double scale, const double* scaled_bias,
-                  SoftmaxState<double>* states, const int64_t* labels, int64_t first_column, double* label_logits) {
-  fold_tile(tile, rows, cols, scale, scaled_bias, states, labels, first_column, label_logits);
+                  SoftmaxState<double>* states, const int64_t* labels, int64_t first_column, double* label_logits,
+                  double* shifts) {
+  fold_tile(tile, rows, cols, scale, scaled_bias, states, labels, first_column, label_logits, shifts);
+}
+
+HADW_VECTOR_CLONES void scaled_probability_of(const float* numerators, int64_t in_ld, const int64_t* source,
+                                              float* out, int64_t out_ld, int64_t rows, int64_t cols,
+                                              const float* factor, const float* onehot, const int64_t* labels,
+                                              int64_t first_column, float* bias_gradient) {
+  scaled_probability_rows(numerators, in_ld, source, out, out_ld, rows, cols, factor, onehot, labels, first_column,
+                          bias_gradient);
+}
+
+void scaled_probability_of(const double* numerators, int64_t in_ld, const int64_t* source, double* out,
+                           int64_t out_ld, int64_t rows, int64_t cols, const double* factor, const double* onehot,
+                           const int64_t* labels, int64_t first_column, double* bias_gradient) {
+  scaled_probability_rows(numerators, in_ld, source, out, out_ld, rows, cols, factor, onehot, labels, first_column,
+                          bias_gradient);
 }
 
 HADW_VECTOR_CLONES void to_logits_of(float* tile, int64_t rows, int64_t cols, float scale, const float* scaled_bias) {
@@ -136,20 +159,102 @@ void logit_gradient_of(const double* z, int64_t z_ld, const int64_t* source, dou
 }
 
 struct Slabs {
+  int64_t vocab = 0;
+  int64_t columns = 0;  // per tile (the last one may have fewer)
   int64_t tiles = 0;
   int64_t count = 0;
 
-  explicit Slabs(int64_t vocab) : tiles((vocab + kVocabTile - 1) / kVocabTile), count(std::min(tiles, kMaxSlabs)) {}
+  Slabs(int64_t vocab_size, int64_t tile_columns)
+      : vocab(vocab_size),
+        columns(tile_columns),
+        tiles((vocab_size + tile_columns - 1) / tile_columns),
+        count(std::min(tiles, kMaxSlabs)) {}
   int64_t first_tile(int64_t slab) const { return slab * tiles / count; }
   int64_t end_tile(int64_t slab) const { return (slab + 1) * tiles / count; }
+  int64_t first_column(int64_t tile) const { return tile * columns; }
+  int64_t cols(int64_t tile) const { return std::min(columns, vocab - tile * columns); }
 };
 
-// Scratch memory left uninitialised (std::vector would zero it: a pass over the whole
-// logits buffer on every call).
+struct FreeDeleter {
+  void operator()(void* data) const { std::free(data); }
+};
 template <typename T>
-std::unique_ptr<T[]> uninitialized(int64_t count) {
-  return std::unique_ptr<T[]>(new T[static_cast<size_t>(std::max<int64_t>(count, 1))]);
+using Scratch = std::unique_ptr<T[], FreeDeleter>;
+
+// Scratch memory left uninitialised (std::vector would zero it: a pass over the whole
+// buffer), aligned to a cache line.
+template <typename T>
+Scratch<T> uninitialized(int64_t count) {
+  constexpr size_t kAlignment = 64;
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T);
+  void* data = std::aligned_alloc(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  TORCH_CHECK(data != nullptr, "hadw_cpp: cannot allocate ", bytes, " bytes of scratch memory");
+  return Scratch<T>(static_cast<T*>(data));
 }
+
+// The logits buffer of linear_surrogate_forward, kept between calls: a fresh buffer of
+// block_rows x V floats (64-600 MiB) costs a page fault per 4 KiB on first touch,
+// measured at 3-6% of a loss step; the kept one is already resident. Its size is the
+// largest buffer asked for so far. A call that finds it in use (another thread) takes a
+// buffer of its own. (Huge pages through madvise cut the faults but cost more: the
+// kernel compacts memory to find them, measured 0.1-0.5 s of system time a call.)
+class LogitsWorkspace {
+ public:
+  class Lease {
+   public:
+    Lease(char* data, Scratch<char> own) : data_(data), own_(std::move(own)) {}
+    Lease(Lease&& other) noexcept : data_(other.data_), own_(std::move(other.own_)) { other.data_ = nullptr; }
+    Lease(const Lease&) = delete;
+    ~Lease() {
+      if (data_ != nullptr && own_ == nullptr) {
+        std::lock_guard<std::mutex> lock(mutex());
+        in_use() = false;
+      }
+    }
+    template <typename T>
+    T* as() const {
+      return reinterpret_cast<T*>(data_);
+    }
+
+   private:
+    char* data_;
+    Scratch<char> own_;  // null when the shared buffer is lent
+  };
+
+  static Lease acquire(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex());
+    if (in_use()) {
+      Scratch<char> own = uninitialized<char>(static_cast<int64_t>(bytes));
+      char* data = own.get();
+      return Lease(data, std::move(own));
+    }
+    if (capacity() < bytes) {
+      buffer().reset();  // free the old one before taking the larger one
+      buffer() = uninitialized<char>(static_cast<int64_t>(bytes));
+      capacity() = bytes;
+    }
+    in_use() = true;
+    return Lease(buffer().get(), nullptr);
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex instance;
+    return instance;
+  }
+  static bool& in_use() {
+    static bool instance = false;
+    return instance;
+  }
+  static size_t& capacity() {
+    static size_t instance = 0;
+    return instance;
+  }
+  static Scratch<char>& buffer() {
+    static Scratch<char> instance;
+    return instance;
+  }
+};
 
 // Runs work(worker, slab) for every slab on up to `workers` threads; `worker` indexes the
 // calling thread's own buffers. Inside the parallel region each BLAS call runs on its
@@ -175,12 +280,13 @@ struct LinearInputs {
   at::ScalarType compute;
   int64_t vocab;
   int64_t hidden_size;
-  Slabs slabs{1};
+  Slabs slabs{1, 1};
   int64_t workers;
 };
 
 LinearInputs prepare_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, const at::Tensor& labels, double temperature) {
+                            const std::optional<at::Tensor>& bias, const at::Tensor& labels, double temperature,
+                            int64_t tile_columns) {
   TORCH_CHECK(hidden.dim() == 2, op, ": hidden must be [N, H], got ", hidden.sizes());
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1), op, ": weight must be [V, H] with H = ",
               hidden.size(1), ", got ", weight.sizes(),
@@ -209,7 +315,7 @@ LinearInputs prepare_inputs(const char* op, const at::Tensor& hidden, const at::
     in.scaled_bias = (bias->detach().to(in.compute) / temperature).contiguous();
   }
   in.labels = labels.detach().to(at::kLong).contiguous();
-  in.slabs = Slabs(in.vocab);
+  in.slabs = Slabs(in.vocab, tile_columns);
   in.workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), in.slabs.count));
   return in;
 }
@@ -232,7 +338,7 @@ class WeightTiles {
     if (weight_.scalar_type() != in.compute) {
       buffers_.resize(in.workers);
       for (auto& buffer : buffers_) {
-        buffer.resize(kVocabTile * hidden_size_);
+        buffer.resize(in.slabs.columns * hidden_size_);
       }
     }
   }
@@ -350,22 +456,25 @@ void write_row_outputs(const LinearInputs& in, const Block& block, const BlockSt
 
 // Phase 1 of a block: per tile, raw = h W_tile^T into `logits_tile(worker, tile)` (ld =
 // the tile's columns), turned into logits in place and folded into the slab's statistics.
+// With `shifts` ([tiles][block rows]), tiles are left holding softmax numerators
+// (fold_tile).
 template <typename T, typename TileOf>
 void forward_block(const LinearInputs& in, const Block& block, WeightTiles<T>& weight_tiles,
-                   BlockStatistics<T>& statistics, T scale, const TileOf& logits_tile) {
+                   BlockStatistics<T>& statistics, T scale, const TileOf& logits_tile, T* shifts = nullptr) {
   const T* scaled_bias = in.scaled_bias.defined() ? in.scaled_bias.const_data_ptr<T>() : nullptr;
   const T* hidden = block.hidden.const_data_ptr<T>();
   const int64_t* labels = block.labels.const_data_ptr<int64_t>();
   statistics.reset();
   for_each_slab(in.workers, in.slabs, [&](int64_t worker, int64_t slab) {
     for (int64_t tile = in.slabs.first_tile(slab); tile < in.slabs.end_tile(slab); ++tile) {
-      const int64_t first_column = tile * kVocabTile;
-      const int64_t cols = std::min(kVocabTile, in.vocab - first_column);
+      const int64_t first_column = in.slabs.first_column(tile);
+      const int64_t cols = in.slabs.cols(tile);
       T* logits = logits_tile(worker, tile);
       matmul<T>(false, true, block.rows, cols, in.hidden_size, hidden, in.hidden_size,
                 weight_tiles.tile(worker, first_column, cols), in.hidden_size, false, logits, cols);
       fold_tile_of(logits, block.rows, cols, scale, scaled_bias == nullptr ? nullptr : scaled_bias + first_column,
-                   statistics.slab_states(slab), labels, first_column, statistics.label_logits());
+                   statistics.slab_states(slab), labels, first_column, statistics.label_logits(),
+                   shifts == nullptr ? nullptr : shifts + tile * block.rows);
     }
   });
 }
@@ -423,7 +532,7 @@ class GradientAccumulator {
   const LinearInputs& in_;
   T* grad_weight_;
   bool weight_started_ = false;
-  std::vector<std::unique_ptr<T[]>> partials_;
+  std::vector<Scratch<T>> partials_;
 };
 
 // `values` in the dtype and layout of `input`, as the fake implementation promises
@@ -478,9 +587,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_impl(const Li
   const RowBlocks blocks(at::ne(in.labels, ignore_index), kRecomputeBlockRows);
   const T scale = static_cast<T>(1.0 / temperature);
   WeightTiles<T> weight_tiles(in);
-  std::vector<std::unique_ptr<T[]>> tiles;
+  std::vector<Scratch<T>> tiles;
   for (int64_t worker = 0; worker < in.workers; ++worker) {
-    tiles.push_back(uninitialized<T>(blocks.block_rows() * kVocabTile));
+    tiles.push_back(uninitialized<T>(blocks.block_rows() * in.slabs.columns));
   }
   BlockStatistics<T> statistics(in.slabs, blocks.block_rows());
   for (int64_t first = 0; first < blocks.count(); first += blocks.block_rows()) {
@@ -516,9 +625,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const LinearInputs&
   const T* scaled_bias = in.scaled_bias.defined() ? in.scaled_bias.const_data_ptr<T>() : nullptr;
   T* grad_bias = data_or_null<T>(outputs.grad_bias);
   WeightTiles<T> weight_tiles(in);
-  std::vector<std::unique_ptr<T[]>> tiles;
+  std::vector<Scratch<T>> tiles;
   for (int64_t worker = 0; worker < in.workers; ++worker) {
-    tiles.push_back(uninitialized<T>(blocks.block_rows() * kVocabTile));
+    tiles.push_back(uninitialized<T>(blocks.block_rows() * in.slabs.columns));
   }
   GradientAccumulator<T> accumulator(in, blocks.block_rows(), outputs.grad_weight.data_ptr<T>());
 
@@ -532,8 +641,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const LinearInputs&
     const T* hidden = block.hidden.const_data_ptr<T>();
     for_each_slab(in.workers, in.slabs, [&](int64_t worker, int64_t slab) {
       for (int64_t tile = in.slabs.first_tile(slab); tile < in.slabs.end_tile(slab); ++tile) {
-        const int64_t first_column = tile * kVocabTile;
-        const int64_t cols = std::min(kVocabTile, in.vocab - first_column);
+        const int64_t first_column = in.slabs.first_column(tile);
+        const int64_t cols = in.slabs.cols(tile);
         const T* weight_tile = weight_tiles.tile(worker, first_column, cols);
         T* logits = tiles[worker].get();
         matmul<T>(false, true, block.rows, cols, in.hidden_size, hidden, in.hidden_size, weight_tile,
@@ -572,7 +681,7 @@ struct TokenInputs {
 
 int64_t default_block_rows(int64_t vocab, int64_t element_size) {
   const int64_t by_budget = kLogitsBufferBytes / std::max<int64_t>(vocab * element_size, 1);
-  return std::max(kMinBlockRows, std::min(kDefaultBlockRows, by_budget));
+  return std::max(kMinBlockRows, std::min(kDefaultBlockRows, by_budget / kMinBlockRows * kMinBlockRows));
 }
 
 template <typename T>
@@ -597,12 +706,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
   WeightTiles<T> weight_tiles(in);
   BlockStatistics<T> statistics(in.slabs, capacity);
   GradientAccumulator<T> accumulator(in, capacity, outputs.grad_weight.data_ptr<T>());
-  // The block's logits, tile-major: tile j is [rows, cols] contiguous at j * rows * kVocabTile.
-  const std::unique_ptr<T[]> logits = uninitialized<T>(capacity * in.slabs.tiles * kVocabTile);
-  // Per worker: the logits gradient of one tile's rows, in cache for its two GEMMs.
-  std::vector<std::unique_ptr<T[]>> scratch;
+  // The block's logits, tile-major: tile j is [rows, cols] contiguous at j * rows * columns.
+  const LogitsWorkspace::Lease workspace =
+      LogitsWorkspace::acquire(static_cast<size_t>(capacity * in.slabs.tiles * in.slabs.columns) * sizeof(T));
+  T* const logits_data = workspace.as<T>();
+  // Without an entropy term the tiles keep softmax numerators exp(z - shift) (one per
+  // tile and row), and the gradient pass needs no exp (tile_math.h).
+  const bool numerators = !(tokens.entropy_coef > 0);
+  const Scratch<T> shifts = uninitialized<T>(numerators ? capacity * in.slabs.tiles : 0);
+  std::vector<Scratch<T>> factors, onehots;
   for (int64_t worker = 0; worker < in.workers; ++worker) {
-    scratch.push_back(uninitialized<T>(capacity * kVocabTile));
+    factors.push_back(uninitialized<T>(capacity));
+    onehots.push_back(uninitialized<T>(capacity));
   }
   // Per block row (compacted to the rows with a gradient): the values of the logits gradient.
   std::vector<int64_t> source(capacity), labels(capacity);
@@ -611,9 +726,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
 
   for (int64_t first = 0; first < blocks.count(); first += capacity) {
     const Block block = blocks.block(in, first);
-    const int64_t tile_stride = block.rows * kVocabTile;
+    const int64_t tile_stride = block.rows * in.slabs.columns;
     forward_block<T>(in, block, weight_tiles, statistics, scale,
-                     [&](int64_t, int64_t tile) { return logits.get() + tile * tile_stride; });
+                     [&](int64_t, int64_t tile) { return logits_data + tile * tile_stride; },
+                     numerators ? shifts.get() : nullptr);
 
     // Per row: log-prob, entropy and the token's d loss / d logp, d loss / d entropy.
     const int64_t* index = block.index.const_data_ptr<int64_t>();
@@ -634,7 +750,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
         slope *= tokens.importance_weights[position];
       }
       if (tokens.ref_logprobs != nullptr) {
-        slope += tokens.beta * kl_term(logprob, tokens.ref_logprobs[position], tokens.kl_estimator).slope;
+        slope += tokens.beta * kl_term(tokens.kl_estimator, logprob, tokens.ref_logprobs[position]).slope;
       }
       const T g = slope * weight;
       const T g_entropy = tokens.entropy_coef > 0 ? -tokens.entropy_coef * weight : T(0);
@@ -661,18 +777,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
       }
       hidden_rows = compact_hidden.data();
     }
-    const bool with_entropy_gradient = tokens.entropy_coef > 0;
     for_each_slab(in.workers, in.slabs, [&](int64_t worker, int64_t slab) {
+      T* factor = factors[worker].get();
+      T* onehot = onehots[worker].get();
       for (int64_t tile = in.slabs.first_tile(slab); tile < in.slabs.end_tile(slab); ++tile) {
-        const int64_t first_column = tile * kVocabTile;
-        const int64_t cols = std::min(kVocabTile, in.vocab - first_column);
-        T* dz = scratch[worker].get();
-        logit_gradient_of(logits.get() + tile * tile_stride, cols, source.data(), dz, cols, active, cols, scale,
-                          lse.data(), mean_logit.data(), grad.data(),
-                          with_entropy_gradient ? grad_entropy.data() : nullptr, labels.data(), first_column,
-                          grad_bias == nullptr ? nullptr : grad_bias + first_column);
-        accumulator.add_tile(slab, tile == in.slabs.first_tile(slab), first_column, cols, dz, active, hidden_rows,
-                             weight_tiles.tile(worker, first_column, cols));
+        const int64_t first_column = in.slabs.first_column(tile);
+        const int64_t cols = in.slabs.cols(tile);
+        // The gradient replaces the tile's values in place, rows compacted to the active ones.
+        T* tile_values = logits_data + tile * tile_stride;
+        T* bias_tile = grad_bias == nullptr ? nullptr : grad_bias + first_column;
+        if (numerators) {
+          const T* tile_shifts = shifts.get() + tile * block.rows;
+          for (int64_t k = 0; k < active; ++k) {
+            factor[k] = -grad[k] * scale * std::exp(tile_shifts[source[k]] - lse[k]);
+            onehot[k] = grad[k] * scale;
+          }
+          scaled_probability_of(tile_values, cols, source.data(), tile_values, cols, active, cols, factor, onehot,
+                                labels.data(), first_column, bias_tile);
+        } else {
+          logit_gradient_of(tile_values, cols, source.data(), tile_values, cols, active, cols, scale, lse.data(),
+                            mean_logit.data(), grad.data(), grad_entropy.data(), labels.data(), first_column,
+                            bias_tile);
+        }
+        accumulator.add_tile(slab, tile == in.slabs.first_tile(slab), first_column, cols, tile_values, active,
+                             hidden_rows, weight_tiles.tile(worker, first_column, cols));
       }
     });
     std::vector<int64_t> positions(active);
@@ -694,7 +822,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_logprob_forwar
   // The entropy costs one multiply-add per logit next to the H of the GEMM, so it is
   // always formed: the outputs then mean the same whatever with_entropy says.
   (void)with_entropy;
-  const LinearInputs in = prepare_inputs("hadw_cpp::linear_logprob_forward", hidden, weight, bias, labels, temperature);
+  const LinearInputs in =
+      prepare_inputs("hadw_cpp::linear_logprob_forward", hidden, weight, bias, labels, temperature, kVocabTile);
   if (in.compute == at::kDouble) {
     return forward_impl<double>(in, temperature, ignore_index);
   }
@@ -706,7 +835,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_backward_cpu(
     const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& labels, const at::Tensor& lse,
     const at::Tensor& mean_logit, double temperature, int64_t ignore_index) {
   constexpr const char* op = "hadw_cpp::linear_logprob_backward";
-  const LinearInputs in = prepare_inputs(op, hidden, weight, bias, labels, temperature);
+  const LinearInputs in = prepare_inputs(op, hidden, weight, bias, labels, temperature, kVocabTile);
   const int64_t rows = in.hidden.size(0);
   const at::Tensor upstream = per_row(op, "grad_logprobs", grad_logprobs, rows, in.compute);
   const at::Tensor upstream_entropy =
@@ -730,7 +859,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_su
     double entropy_coef, bool with_entropy, int64_t block_rows) {
   constexpr const char* op = "hadw_cpp::linear_surrogate_forward";
   (void)with_entropy;  // the entropy is always formed (see linear_logprob_forward_cpu)
-  const LinearInputs in = prepare_inputs(op, hidden, weight, bias, labels, temperature);
+  const LinearInputs in = prepare_inputs(op, hidden, weight, bias, labels, temperature, kSurrogateTile);
   TORCH_CHECK(kl_estimator >= 0 && kl_estimator < config::kKlCount, op,
               ": kl_estimator must index config.KL_ESTIMATORS, got ", kl_estimator);
   TORCH_CHECK(block_rows >= 0, op, ": block_rows must be positive (0: the default), got ", block_rows);

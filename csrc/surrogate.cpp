@@ -114,7 +114,7 @@ struct Problem {
   int64_t width;
   const T* logprobs;
   const T* old_logprobs;
-  const bool* mask;
+  const uint8_t* mask;  // bool storage read as bytes
   const T* ref_logprobs;  // null unless beta > 0
   const T* weights;       // importance weights [B, T] or [B], or null
   bool per_token_weights;
@@ -154,26 +154,121 @@ struct ResponseSums {
   }
 };
 
+// Tokens per chunk of a response: the chunk's per-token values stay in L1 between the
+// passes below, each a loop the compiler vectorises.
+constexpr int64_t kChunk = 256;
+
+// The passes below are maps (no reductions: GCC does not vectorise the token math with
+// an `omp simd reduction` around it) followed by masked sums over the chunk.
 template <typename T>
-void count_ratio(ResponseSums& sums, T ratio, T advantage, const ClipOptions<T>& clip) {
-  sums.ratio_count += 1;
-  sums.ratio += ratio;
-  sums.clipped_low += (ratio < clip.ratio_low && advantage < 0);
-  sums.clipped_high += (ratio > clip.ratio_high && advantage > 0);
+HADW_ALWAYS_INLINE T masked_sum(const T* values, const uint8_t* mask, int64_t count) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < count; ++t) {
+    sum += mask[t] != 0 ? values[t] : T(0);
+  }
+  return sum;
+}
+
+// Valid tokens whose ratio lies below `low` (below: true) or above `high`.
+template <typename T>
+HADW_ALWAYS_INLINE T masked_count_outside(const T* ratio, const uint8_t* mask, int64_t count, T bound, bool below) {
+  T total = 0;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < count; ++t) {
+    const bool outside = below ? ratio[t] < bound : ratio[t] > bound;
+    total += (mask[t] != 0 && outside) ? T(1) : T(0);
+  }
+  return total;
+}
+
+// Pass 1, token level: each token's objective, its d / d logp, its ratio and approx_kl.
+template <typename T>
+HADW_ALWAYS_INLINE void policy_pass(const T* logprobs, const T* old_logprobs, int64_t count, T advantage,
+                                    ClipOptions<T> clip, T* value, T* slope, T* ratio, T* approx_kl) {
+#pragma omp simd
+  for (int64_t t = 0; t < count; ++t) {
+    const T log_ratio = logprobs[t] - old_logprobs[t];
+    const PolicyTerm<T> term = policy_term(log_ratio, advantage, clip);
+    value[t] = term.value;
+    slope[t] = term.slope;
+    ratio[t] = term.ratio;
+    approx_kl[t] = approx_kl_term(log_ratio);
+  }
+}
+
+// Pass 1, sequence level: every token carries the response's term; approx_kl per token.
+template <typename T>
+HADW_ALWAYS_INLINE void sequence_pass(const T* logprobs, const T* old_logprobs, int64_t count,
+                                      PolicyTerm<T> sequence, T* value, T* slope, T* approx_kl) {
+#pragma omp simd
+  for (int64_t t = 0; t < count; ++t) {
+    value[t] = sequence.value;
+    slope[t] = sequence.slope;
+    approx_kl[t] = approx_kl_term(logprobs[t] - old_logprobs[t]);
+  }
 }
 
 template <typename T>
-ResponseSums process_response(const Problem<T>& problem, int64_t row) {
-  const int64_t offset = row * problem.width;
+HADW_ALWAYS_INLINE void weight_pass(const T* weights, int64_t count, T* value, T* slope) {
+#pragma omp simd
+  for (int64_t t = 0; t < count; ++t) {
+    value[t] *= weights[t];
+    slope[t] *= weights[t];
+  }
+}
+
+template <int64_t kEstimator, typename T>
+HADW_ALWAYS_INLINE void kl_pass(const T* logprobs, const T* ref_logprobs, int64_t count, T beta, T* value, T* slope,
+                                T* kl_value) {
+#pragma omp simd
+  for (int64_t t = 0; t < count; ++t) {
+    const Term<T> kl = kl_term<kEstimator>(logprobs[t], ref_logprobs[t]);
+    value[t] += beta * kl.value;
+    slope[t] += beta * kl.slope;
+    kl_value[t] = kl.value;
+  }
+}
+
+// Without a coefficient the entropy only feeds its metric: a NaN there must not reach
+// the loss.
+template <typename T>
+HADW_ALWAYS_INLINE void entropy_pass(const T* entropy, const uint8_t* mask, int64_t count, T coefficient, T weight,
+                                     T* value, T* grad_entropy) {
+  const T grad = coefficient > 0 ? -coefficient * weight : T(0);
+  if (coefficient > 0) {
+#pragma omp simd
+    for (int64_t t = 0; t < count; ++t) {
+      value[t] -= coefficient * entropy[t];
+    }
+  }
+#pragma omp simd
+  for (int64_t t = 0; t < count; ++t) {
+    grad_entropy[t] = mask[t] != 0 ? grad : T(0);
+  }
+}
+
+// Masked positions (which may hold inf or NaN) are selected out, never multiplied by 0.
+template <typename T>
+HADW_ALWAYS_INLINE void gradient_pass(const uint8_t* mask, int64_t count, T weight, const T* slope, T* grad) {
+#pragma omp simd
+  for (int64_t t = 0; t < count; ++t) {
+    grad[t] = mask[t] != 0 ? slope[t] * weight : T(0);
+  }
+}
+
+// One response: its tokens' gradients, and what it adds to the loss and the metrics.
+// Inlined into process_rows, so that each instruction-set clone has its own copy.
+template <typename T>
+HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int64_t row) {
+  const int64_t width = problem.width;
+  const int64_t offset = row * width;
   const T* logprobs = problem.logprobs + offset;
   const T* old_logprobs = problem.old_logprobs + offset;
-  const bool* mask = problem.mask + offset;
-  T* grad = problem.grad_logprobs + offset;
-  T* grad_entropy = problem.grad_entropy == nullptr ? nullptr : problem.grad_entropy + offset;
+  const uint8_t* mask = problem.mask + offset;
   const int64_t length = problem.lengths[row];
   const T weight = static_cast<T>(problem.token_weight[row]);
   const T advantage = static_cast<T>(problem.advantage[row]);
-  const T entropy_grad = problem.entropy_coef > 0 ? -problem.entropy_coef * weight : T(0);
   ResponseSums sums;
 
   // Sequence level (verl's GSPO): every token carries s_i = exp(mean log-ratio), and its
@@ -181,60 +276,95 @@ ResponseSums process_response(const Problem<T>& problem, int64_t row) {
   PolicyTerm<T> sequence{};
   if (problem.sequence_level && length > 0) {
     double log_ratio_sum = 0;
-    for (int64_t t = 0; t < problem.width; ++t) {
+    for (int64_t t = 0; t < width; ++t) {
       if (mask[t]) {
         log_ratio_sum += logprobs[t] - old_logprobs[t];
       }
     }
     sequence = policy_term(static_cast<T>(log_ratio_sum / static_cast<double>(length)), advantage, problem.clip);
-    count_ratio(sums, sequence.ratio, advantage, problem.clip);
+    sums.ratio_count = 1;
+    sums.ratio = sequence.ratio;
+    sums.clipped_low = (sequence.ratio < problem.clip.ratio_low && advantage < 0);
+    sums.clipped_high = (sequence.ratio > problem.clip.ratio_high && advantage > 0);
+  } else if (!problem.sequence_level) {
+    sums.ratio_count = static_cast<double>(length);
   }
 
+  T value[kChunk];
+  T slope[kChunk];
+  T ratio[kChunk];
+  T scratch[kChunk];  // approx_kl, then the KL estimate
   double token_terms = 0;
-  for (int64_t t = 0; t < problem.width; ++t) {
-    if (!mask[t]) {
-      grad[t] = 0;
-      if (grad_entropy != nullptr) {
-        grad_entropy[t] = 0;
+  for (int64_t start = 0; start < width; start += kChunk) {
+    const int64_t count = std::min(kChunk, width - start);
+    const uint8_t* chunk_mask = mask + start;
+    const T* chunk_logprobs = logprobs + start;
+    if (problem.sequence_level) {
+      sequence_pass(chunk_logprobs, old_logprobs + start, count, sequence, value, slope, scratch);
+    } else {
+      policy_pass(chunk_logprobs, old_logprobs + start, count, advantage, problem.clip, value, slope, ratio, scratch);
+      sums.ratio += masked_sum(ratio, chunk_mask, count);
+      if (advantage < 0) {
+        sums.clipped_low += masked_count_outside(ratio, chunk_mask, count, problem.clip.ratio_low, true);
+      } else if (advantage > 0) {
+        sums.clipped_high += masked_count_outside(ratio, chunk_mask, count, problem.clip.ratio_high, false);
       }
-      continue;
     }
-    const T logprob = logprobs[t];
-    const T log_ratio = logprob - old_logprobs[t];
-    sums.approx_kl += approx_kl_term(log_ratio);
-    PolicyTerm<T> policy = sequence;
-    if (!problem.sequence_level) {
-      policy = policy_term(log_ratio, advantage, problem.clip);
-      count_ratio(sums, policy.ratio, advantage, problem.clip);
-    }
+    sums.approx_kl += masked_sum(scratch, chunk_mask, count);
     if (problem.weights != nullptr) {
-      const T importance = problem.per_token_weights ? problem.weights[offset + t] : problem.weights[row];
-      policy.value *= importance;
-      policy.slope *= importance;
-    }
-    T value = policy.value;
-    T slope = policy.slope;
-    if (problem.ref_logprobs != nullptr) {
-      const Term<T> kl = kl_term(logprob, problem.ref_logprobs[offset + t], problem.kl_estimator);
-      value += problem.beta * kl.value;
-      slope += problem.beta * kl.slope;
-      sums.ref_kl += kl.value;
-    }
-    if (grad_entropy != nullptr) {
-      const T entropy = problem.entropy[offset + t];
-      sums.entropy += entropy;
-      // Without a coefficient the entropy only feeds its metric: a NaN there must not
-      // reach the loss.
-      if (problem.entropy_coef > 0) {
-        value -= problem.entropy_coef * entropy;
+      if (problem.per_token_weights) {
+        weight_pass(problem.weights + offset + start, count, value, slope);
+      } else {
+        const T response_weight = problem.weights[row];
+        for (int64_t t = 0; t < count; ++t) {
+          value[t] *= response_weight;
+          slope[t] *= response_weight;
+        }
       }
-      grad_entropy[t] = entropy_grad;
     }
-    token_terms += value;
-    grad[t] = slope * weight;
+    if (problem.ref_logprobs != nullptr) {
+      const T* ref_logprobs = problem.ref_logprobs + offset + start;
+      switch (problem.kl_estimator) {  // the estimator as a constant of each loop
+        case config::kKlK1:
+          kl_pass<config::kKlK1>(chunk_logprobs, ref_logprobs, count, problem.beta, value, slope, scratch);
+          break;
+        case config::kKlK2:
+          kl_pass<config::kKlK2>(chunk_logprobs, ref_logprobs, count, problem.beta, value, slope, scratch);
+          break;
+        case config::kKlK3:
+          kl_pass<config::kKlK3>(chunk_logprobs, ref_logprobs, count, problem.beta, value, slope, scratch);
+          break;
+        default:
+          kl_pass<config::kKlAbs>(chunk_logprobs, ref_logprobs, count, problem.beta, value, slope, scratch);
+          break;
+      }
+      sums.ref_kl += masked_sum(scratch, chunk_mask, count);
+    }
+    if (problem.entropy != nullptr) {
+      const T* entropy = problem.entropy + offset + start;
+      sums.entropy += masked_sum(entropy, chunk_mask, count);
+      entropy_pass(entropy, chunk_mask, count, problem.entropy_coef, weight, value,
+                   problem.grad_entropy + offset + start);
+    }
+    gradient_pass(chunk_mask, count, weight, slope, problem.grad_logprobs + offset + start);
+    token_terms += masked_sum(value, chunk_mask, count);
   }
   sums.loss = token_terms * problem.token_weight[row];
   return sums;
+}
+
+// The token loop for each instruction set (HADW_VECTOR_CLONES): fp32 is the hot path.
+HADW_VECTOR_CLONES void process_rows(const Problem<float>& problem, int64_t first, int64_t last,
+                                     ResponseSums* sums) {
+  for (int64_t row = first; row < last; ++row) {
+    sums[row] = process_response(problem, row);
+  }
+}
+
+void process_rows(const Problem<double>& problem, int64_t first, int64_t last, ResponseSums* sums) {
+  for (int64_t row = first; row < last; ++row) {
+    sums[row] = process_response(problem, row);
+  }
 }
 
 at::Tensor compute_copy(const at::Tensor& tensor, at::ScalarType compute) {
@@ -314,12 +444,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   const at::Tensor entropy = entropy_in.has_value() ? compute_copy(*entropy_in, compute) : at::Tensor();
 
   // Valid tokens per response, first: token-mean's weight needs the batch's count.
-  const bool* mask_data = mask.const_data_ptr<bool>();
+  // Read as bytes (0 or 1): loops over bool do not vectorise.
+  const uint8_t* mask_data = reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>());
   std::vector<int64_t> lengths(batch);
   at::parallel_for(0, batch, row_grain(width), [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
-      const bool* row_mask = mask_data + row * width;
-      lengths[row] = std::count(row_mask, row_mask + width, true);
+      const uint8_t* row_mask = mask_data + row * width;
+      int64_t length = 0;
+      for (int64_t t = 0; t < width; ++t) {
+        length += row_mask[t];
+      }
+      lengths[row] = length;
     }
   });
   int64_t tokens = 0;
@@ -352,9 +487,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
 
   std::vector<ResponseSums> responses(batch);
   at::parallel_for(0, batch, row_grain(width), [&](int64_t first, int64_t last) {
-    for (int64_t row = first; row < last; ++row) {
-      responses[row] = process_response(problem, row);
-    }
+    process_rows(problem, first, last, responses.data());
   });
   ResponseSums total;
   for (const ResponseSums& sums : responses) {

@@ -137,30 +137,85 @@ HADW_ALWAYS_INLINE void to_logits(T* z, int64_t n, T scale, const T* scaled_bias
 // Forward, one tile [rows, cols] of raw products h W^T (row-major, contiguous):
 // turns them into logits z = raw * scale + scaled_bias in place, folds each row into
 // its state, and picks the label's logit for rows whose label lies in this tile.
+// With `shifts`, the tile is left holding exp(z - shifts[row]) instead of z (the
+// numerators of the softmax, relative to the row's running max): the gradient pass then
+// needs one multiply per logit, not an exp (scaled_probability_rows).
 template <typename T>
 HADW_ALWAYS_INLINE void fold_tile(T* tile, int64_t rows, int64_t cols, T scale, const T* scaled_bias,
                                   SoftmaxState<T>* states, const int64_t* labels, int64_t first_column,
-                                  T* label_logits) {
+                                  T* label_logits, T* shifts) {
   for (int64_t row = 0; row < rows; ++row) {
     T* z = tile + row * cols;
     to_logits(z, cols, scale, scaled_bias);
+    const int64_t label_column = labels[row] - first_column;
+    if (label_column >= 0 && label_column < cols) {
+      label_logits[row] = z[label_column];
+    }
     SoftmaxState<T> part;
     part.max = std::max(states[row].max, row_max(z, cols));
+    if (part.max == -std::numeric_limits<T>::infinity()) {
+      // Every logit so far is -inf: nothing to add (and no -inf - -inf).
+      if (shifts != nullptr) {
+        shifts[row] = 0;
+        std::fill(z, z + cols, T(0));
+      }
+      continue;
+    }
     T sum = 0;
     T shifted = 0;
+    if (shifts != nullptr) {
+      shifts[row] = part.max;
 #pragma omp simd reduction(+ : sum, shifted)
-    for (int64_t col = 0; col < cols; ++col) {
-      const T offset = z[col] - part.max;
-      const T weight = vector_exp(offset);
-      sum += weight;
-      shifted += weight * offset;
+      for (int64_t col = 0; col < cols; ++col) {
+        const T offset = z[col] - part.max;
+        const T weight = vector_exp(offset);
+        sum += weight;
+        shifted += weight * offset;
+        z[col] = weight;
+      }
+    } else {
+#pragma omp simd reduction(+ : sum, shifted)
+      for (int64_t col = 0; col < cols; ++col) {
+        const T offset = z[col] - part.max;
+        const T weight = vector_exp(offset);
+        sum += weight;
+        shifted += weight * offset;
+      }
     }
     part.sum = sum;
     part.shifted = shifted;
     states[row].merge(part);
+  }
+}
+
+// The logits gradient of a tile that fold_tile left holding exp(z - shift): row k of
+// `out` (ld out_ld) gets, from row source[k] of `numerators` (ld in_ld),
+//   g (onehot(y) - p) scale,  p = numerator * exp(shift - lse) = numerator * factor / (-g scale)
+// given factor[k] = -g exp(shift - lse) scale and onehot[k] = g scale. No entropy term:
+// it needs the logits themselves (logit_gradient_rows). `out` may alias `numerators`
+// with source[k] >= k (rows move up): each row is read before it is overwritten.
+template <typename T>
+HADW_ALWAYS_INLINE void scaled_probability_rows(const T* numerators, int64_t in_ld, const int64_t* source, T* out,
+                                                int64_t out_ld, int64_t rows, int64_t cols, const T* factor,
+                                                const T* onehot, const int64_t* labels, int64_t first_column,
+                                                T* bias_gradient) {
+  for (int64_t row = 0; row < rows; ++row) {
+    const T* numerator = numerators + (source == nullptr ? row : source[row]) * in_ld;
+    T* grad = out + row * out_ld;
+    const T row_factor = factor[row];
+#pragma omp simd
+    for (int64_t col = 0; col < cols; ++col) {
+      grad[col] = numerator[col] * row_factor;
+    }
     const int64_t label_column = labels[row] - first_column;
     if (label_column >= 0 && label_column < cols) {
-      label_logits[row] = z[label_column];
+      grad[label_column] += onehot[row];
+    }
+    if (bias_gradient != nullptr) {
+#pragma omp simd
+      for (int64_t col = 0; col < cols; ++col) {
+        bias_gradient[col] += grad[col];
+      }
     }
   }
 }
