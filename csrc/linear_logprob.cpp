@@ -256,13 +256,36 @@ class LogitsWorkspace {
   }
 };
 
+// MKL's thread count for the calling thread: the C entry point of mkl_service.h's
+// mkl_set_num_threads_local (exported by torch builds with MKL; weak: null elsewhere).
+// MKL splits the reduction of a skinny GEMM across its threads, which changes the
+// rounding with the thread count, and it does so even inside these kernels' parallel
+// region.
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+// Every GEMM of a slab runs on its worker thread alone, whatever the thread count.
+class SequentialBlas {
+ public:
+  SequentialBlas() : previous_(MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0) {}
+  ~SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local != nullptr) {
+      MKL_Set_Num_Threads_Local(previous_);  // 0: back to the global setting
+    }
+  }
+  SequentialBlas(const SequentialBlas&) = delete;
+  SequentialBlas& operator=(const SequentialBlas&) = delete;
+
+ private:
+  int previous_;
+};
+
 // Runs work(worker, slab) for every slab on up to `workers` threads; `worker` indexes the
-// calling thread's own buffers. Inside the parallel region each BLAS call runs on its
-// thread alone.
+// calling thread's own buffers.
 template <typename Work>
 void for_each_slab(int64_t workers, const Slabs& slabs, const Work& work) {
   std::atomic<int64_t> next_slab{0};
   at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t end_worker) {
+    const SequentialBlas sequential;
     for (int64_t worker = first_worker; worker < end_worker; ++worker) {
       for (int64_t slab = next_slab++; slab < slabs.count; slab = next_slab++) {
         work(worker, slab);

@@ -1,0 +1,385 @@
+"""What only the C++ kernels (csrc/, the "cpp" backend) must hold. Their agreement with
+the reference runs in the conformance suite, on every backend; here: results that do not
+depend on the thread count, the op contracts (torch.library.opcheck) of the hadw_cpp::
+kernels, the shared logits buffer under concurrent calls, the generated constants
+header, the extension's loading, and setup.py's build modes."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from hadw_kernels import config
+from hadw_kernels.backends import cpp_backend, cpp_constants
+
+ROOT = Path(__file__).resolve().parents[1]
+IGNORE = -100
+
+needs_extension = pytest.mark.skipif(
+    cpp_backend._UNAVAILABLE is not None, reason=f"C++ extension unavailable: {cpp_backend._UNAVAILABLE}"
+)
+
+
+@pytest.fixture
+def threads():
+    """Restores the thread count a test changes."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# --- inputs ---------------------------------------------------------------------------------
+
+
+def _surrogate_args(dtype=torch.float32, *, batch=16, width=300, advantages=False, sequence_level=False,
+                    options=True):
+    """hadw_cpp::surrogate_loss arguments: padding, an empty response, KL, per-token
+    importance weights, entropy (options=True)."""
+    logprobs = -torch.rand(batch, width, dtype=torch.float64) * 3
+    mask = torch.rand(batch, width) > 0.2
+    mask[1] = False
+    rewards = torch.randint(0, 2, (batch,)).float()
+    return (
+        logprobs.to(dtype), (logprobs + 0.3 * torch.randn_like(logprobs)).to(dtype), mask,
+        None if advantages else rewards, torch.randn(batch) if advantages else None,
+        None if advantages else torch.tensor(0.4, dtype=torch.float64),
+        (logprobs + 0.1 * torch.randn_like(logprobs)).to(dtype) if options else None,
+        (torch.rand(batch, width) + 0.5).to(dtype) if options else None,
+        torch.rand(batch, width).to(dtype) if options else None,
+        None if advantages else 4, True, 1e-6, 1.3,
+        config.AGG_MODES.index("token-mean"), sequence_level, 0.2, 0.28, 3.0 if options else None,
+        0.05 if options else 0.0, config.KL_ESTIMATORS.index("k3"), 0.01 if options else 0.0, None, None,
+    )
+
+
+def _linear_tensors(rows, hidden, vocab, dtype=torch.float32, bias=True):
+    h = torch.randn(rows, hidden, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, dtype=torch.float64) / hidden**0.5
+    b = torch.randn(vocab, dtype=torch.float64) if bias else None
+    labels = torch.randint(0, vocab, (rows,))
+    labels[1::7] = IGNORE
+    return h.to(dtype), w.to(dtype), None if b is None else b.to(dtype), labels
+
+
+def _linear_surrogate_args(rows, hidden, vocab, dtype=torch.float32, *, entropy_coef=0.0, block_rows=0,
+                           options=True):
+    """hadw_cpp::linear_surrogate_forward arguments; a third of the tokens are clipped
+    (zero gradient: compacted out of the gradient GEMMs)."""
+    h, w, b, labels = _linear_tensors(rows, hidden, vocab, dtype)
+    accumulate = torch.promote_types(dtype, torch.float32)
+    old = -torch.rand(rows, dtype=accumulate) * 8
+    advantages = torch.randn(rows, dtype=accumulate)
+    advantages[::3] = 0.0
+    token_weights = torch.full((rows,), 1.0 / rows, dtype=accumulate)
+    ref = old + 0.1 * torch.randn_like(old) if options else None
+    weights = torch.rand(rows, dtype=accumulate) + 0.5 if options else None
+    return (h, w, b, labels, old if options else None, advantages, token_weights, ref, weights, 0.8, IGNORE,
+            0.2, 0.28, 2.0 if options else None, 0.05 if options else 0.0, config.KL_ESTIMATORS.index("k2"),
+            entropy_coef, True, block_rows)
+
+
+def _outputs(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _assert_bit_identical(first, second):
+    for index, (a, b) in enumerate(zip(_outputs(first), _outputs(second))):
+        assert a.shape == b.shape and a.dtype == b.dtype, index
+        assert torch.equal(a, b), f"output {index} differs: max difference {(a.double() - b.double()).abs().max()}"
+
+
+# --- thread count ---------------------------------------------------------------------------
+
+
+@needs_extension
+@pytest.mark.parametrize("sequence_level", [False, True])
+def test_surrogate_does_not_depend_on_thread_count(threads, sequence_level):
+    """Responses are summed in response order, whichever thread ran them."""
+    args = _surrogate_args(batch=64, sequence_level=sequence_level)
+    results = []
+    for count in (1, 2):
+        threads(count)
+        results.append(torch.ops.hadw_cpp.surrogate_loss(*args))
+    _assert_bit_identical(*results)
+
+
+@needs_extension
+def test_linear_logprobs_do_not_depend_on_thread_count(threads):
+    """The vocabulary slabs, and the order their partial results are combined in, are
+    fixed by the vocabulary size, not by the thread count. 2600 columns: 11 tiles of the
+    recompute path; 700 rows: two blocks."""
+    h, w, b, labels = _linear_tensors(700, 32, 2600)
+    grad_logprobs, grad_entropy = torch.randn(700), torch.randn(700)
+    results = []
+    for count in (1, 2):
+        threads(count)
+        forward = torch.ops.hadw_cpp.linear_logprob_forward(h, w, b, labels, 0.7, IGNORE, True)
+        backward = torch.ops.hadw_cpp.linear_logprob_backward(grad_logprobs, grad_entropy, h, w, b, labels,
+                                                              forward[2], forward[3], 0.7, IGNORE)
+        results.append((*forward, *backward))
+    _assert_bit_identical(*results)
+
+
+@needs_extension
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.02], ids=["numerators", "logits"])
+def test_linear_surrogate_does_not_depend_on_thread_count(threads, entropy_coef):
+    """9000 columns: 5 tiles of the gradients-in-forward path; block_rows 128: 5 blocks,
+    each with clipped rows compacted out of the gradient GEMMs."""
+    args = _linear_surrogate_args(600, 32, 9000, entropy_coef=entropy_coef, block_rows=128)
+    results = []
+    for count in (1, 2):
+        threads(count)
+        results.append(torch.ops.hadw_cpp.linear_surrogate_forward(*args))
+    _assert_bit_identical(*results)
+
+
+@needs_extension
+def test_block_rows_only_round_differently():
+    """The block size changes which rows share a grad_weight GEMM, so only rounding."""
+    args = _linear_surrogate_args(300, 16, 3000, block_rows=7)
+    small = torch.ops.hadw_cpp.linear_surrogate_forward(*args)
+    default = torch.ops.hadw_cpp.linear_surrogate_forward(*args[:-1], 0)
+    for a, b in zip(small, default):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# --- the shared logits buffer -----------------------------------------------------------------
+
+
+@needs_extension
+def test_concurrent_calls_give_the_serial_results():
+    """The logits buffer kept between calls is lent to one call at a time; a call that
+    finds it lent takes its own."""
+    cases = [_linear_surrogate_args(200, 16, 5000 + 500 * index, entropy_coef=0.01 * (index % 2))
+             for index in range(4)]
+    serial = [torch.ops.hadw_cpp.linear_surrogate_forward(*args) for args in cases]
+    concurrent = [None] * len(cases)
+
+    def run(index):
+        for _ in range(3):
+            concurrent[index] = torch.ops.hadw_cpp.linear_surrogate_forward(*cases[index])
+
+    workers = [threading.Thread(target=run, args=(index,)) for index in range(len(cases))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    for expected, got in zip(serial, concurrent):
+        _assert_bit_identical(expected, got)
+
+
+# --- op contracts -----------------------------------------------------------------------------
+
+# The hadw_cpp:: kernels have no autograd formula (the routed hadw:: ops do): their inputs
+# are given without requires_grad, and the routed ops are checked with it.
+KERNEL_CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype, advantages, options", [
+    (torch.float32, False, False), (torch.float32, False, True), (torch.float32, True, True),
+    (torch.bfloat16, False, True), (torch.float64, True, True),
+])
+def test_opcheck_surrogate(dtype, advantages, options):
+    args = _surrogate_args(dtype, batch=8, width=5, advantages=advantages, options=options)
+    torch.library.opcheck(torch.ops.hadw_cpp.surrogate_loss.default, args, test_utils=KERNEL_CHECKS)
+    routed = list(args) + ["cpp"]
+    routed[0] = routed[0].clone().requires_grad_()
+    if options:
+        routed[8] = routed[8].clone().requires_grad_()
+    torch.library.opcheck(torch.ops.hadw.surrogate_loss.default, tuple(routed))
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype, bias_dtype", [(torch.float32, torch.float32), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
+def test_opcheck_linear_forward_and_backward(dtype, bias_dtype):
+    h, w, b, labels = _linear_tensors(20, 16, 300, dtype, bias=bias_dtype is not None)
+    b = None if b is None else b.to(bias_dtype)
+    forward_args = (h, w, b, labels, 0.7, IGNORE, True)
+    torch.library.opcheck(torch.ops.hadw_cpp.linear_logprob_forward.default, forward_args, test_utils=KERNEL_CHECKS)
+    _, _, lse, mean_logit = torch.ops.hadw_cpp.linear_logprob_forward(*forward_args)
+    upstream = torch.randn(20, dtype=lse.dtype)
+    torch.library.opcheck(
+        torch.ops.hadw_cpp.linear_logprob_backward.default,
+        (upstream, upstream.flip(0), h, w, b, labels, lse, mean_logit, 0.7, IGNORE), test_utils=KERNEL_CHECKS,
+    )
+    leaves = [None if t is None else t.clone().requires_grad_() for t in (h, w, b)]
+    torch.library.opcheck(torch.ops.hadw.linear_logprob_forward.default, (*leaves, labels, 0.7, IGNORE, True, "cpp"))
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype, entropy_coef, options", [
+    (torch.float32, 0.0, True), (torch.float32, 0.02, False), (torch.bfloat16, 0.0, True), (torch.float64, 0.02, True),
+])
+def test_opcheck_linear_surrogate(dtype, entropy_coef, options):
+    args = _linear_surrogate_args(30, 16, 300, dtype, entropy_coef=entropy_coef, block_rows=8, options=options)
+    torch.library.opcheck(torch.ops.hadw_cpp.linear_surrogate_forward.default, args, test_utils=KERNEL_CHECKS)
+    torch.library.opcheck(torch.ops.hadw.linear_surrogate_forward.default, (*args, "cpp"), test_utils=KERNEL_CHECKS)
+
+
+@needs_extension
+def test_strided_hidden_gets_a_gradient_of_its_layout():
+    """The fake implementations promise empty_like(hidden): the kernels keep its strides."""
+    h, w, b, labels = _linear_tensors(30, 16, 300)
+    strided = h.t().contiguous().t()
+    _, _, lse, mean_logit = torch.ops.hadw_cpp.linear_logprob_forward(h, w, b, labels, 0.7, IGNORE, True)
+    upstream = torch.randn(30)
+    got = torch.ops.hadw_cpp.linear_logprob_backward(upstream, None, strided, w, b, labels, lse, mean_logit, 0.7,
+                                                     IGNORE)[0]
+    expected = torch.ops.hadw_cpp.linear_logprob_backward(upstream, None, h, w, b, labels, lse, mean_logit, 0.7,
+                                                          IGNORE)[0]
+    assert got.stride() == strided.stride()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    args = list(_linear_surrogate_args(30, 16, 300))
+    args[0] = args[0].t().contiguous().t()
+    assert torch.ops.hadw_cpp.linear_surrogate_forward(*args)[2].stride() == args[0].stride()
+
+
+@needs_extension
+def test_a_tile_of_minus_infinity_logits():
+    """A vocabulary tile whose logits are all -inf (a bias masking it out) adds nothing to
+    the log-sum-exp: the log-probs stay finite, as log_softmax's."""
+    h, w, _, labels = _linear_tensors(40, 16, 5000, bias=False)
+    labels = labels.clamp(min=2048)  # labels outside the masked columns (ignored rows stay ignored)
+    labels[1::7] = IGNORE
+    bias = torch.zeros(5000)
+    bias[:2048] = float("-inf")
+    logprobs = torch.ops.hadw_cpp.linear_logprob_forward(h, w, bias, labels, 1.0, IGNORE, True)[0]
+    reference = torch.log_softmax(h @ w.t() + bias, dim=-1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    valid = labels != IGNORE
+    torch.testing.assert_close(logprobs[valid], reference[valid])
+    rows = torch.ones(40)
+    result = torch.ops.hadw_cpp.linear_surrogate_forward(h, w, bias, labels, None, rows, rows / 40, None, None, 1.0,
+                                                         IGNORE, 0.2, 0.2, None, 0.0, 0, 0.0, True, 16)
+    torch.testing.assert_close(result[0][valid], reference[valid])
+    assert torch.isfinite(result[2]).all() and torch.isfinite(result[3]).all()
+
+
+# --- constants generated from config.py -----------------------------------------------------
+
+
+def _header_constants(text: str) -> dict[str, float]:
+    return {name: float(value) for name, value in re.findall(r"constexpr \w+ (k\w+) = ([-0-9.e]+);", text)}
+
+
+def test_generated_header_holds_config_values():
+    constants = _header_constants(cpp_constants.header(vars(config)))
+    for prefix, names in (("Metric", config.METRIC_NAMES), ("Agg", config.AGG_MODES), ("Kl", config.KL_ESTIMATORS)):
+        assert constants[f"k{prefix}Count"] == len(names)
+        for index, name in enumerate(names):
+            assert constants[f"k{prefix}{cpp_constants._identifier(name)}"] == index, name
+    assert constants["kLogRatioClamp"] == config.LOG_RATIO_CLAMP
+    assert constants["kK3LogRatioClamp"] == config.K3_LOG_RATIO_CLAMP
+    assert constants["kK3ValueClamp"] == config.K3_VALUE_CLAMP
+
+
+def test_header_in_the_build_tree_is_current():
+    """setup.py's header (where this checkout was built) is the one config.py gives now."""
+    built = ROOT / "build" / "generated" / cpp_constants.HEADER_NAME
+    if not built.exists():
+        pytest.skip("the extension was not built in this checkout")
+    assert built.read_text() == cpp_constants.header(vars(config))
+
+
+@needs_extension
+def test_module_was_built_from_this_config():
+    import hadw_kernels._cpu_kernels as module
+
+    assert json.loads(module.CONFIG) == cpp_constants.fingerprint(vars(config))
+
+
+@needs_extension
+def test_a_module_built_from_another_config_is_refused(monkeypatch):
+    monkeypatch.setattr(config, "METRIC_NAMES", tuple(reversed(config.METRIC_NAMES)))
+    assert "another hadw_kernels/config.py" in cpp_backend._load_extension()
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def test_a_missing_extension_is_reported(monkeypatch):
+    monkeypatch.setattr(cpp_backend, "EXTENSION", "hadw_kernels._not_built")
+    assert "is not built" in cpp_backend._load_extension()
+
+
+@needs_extension
+def test_extension_loads_before_the_op_schemas():
+    """Importing the kernels before ops/schemas.py defines the schemas works too: the
+    dispatcher keeps the kernels and checks them against the schemas when they arrive."""
+    code = (
+        "import torch\n"
+        "import hadw_kernels._cpu_kernels\n"
+        "from hadw_kernels import ops\n"
+        "h, w = torch.randn(3, 4), torch.randn(10, 4)\n"
+        "logp = torch.ops.hadw_cpp.linear_logprob_forward(h, w, None, torch.tensor([1, 2, 3]), 1.0, -100, False)[0]\n"
+        "print(torch.isfinite(logp).all().item())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
+
+
+# --- setup.py's build modes ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def source_tree(tmp_path_factory):
+    """What setup.py needs, copied: a failing build must not touch this checkout."""
+    tree = tmp_path_factory.mktemp("source")
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    shutil.copytree(ROOT / "csrc", tree / "csrc")
+    shutil.copytree(ROOT / "hadw_kernels", tree / "hadw_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    return tree
+
+
+def _build(tree: Path, mode: str, compiler: str):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tree), "HADW_BUILD_CPP": mode, "CXX": compiler}
+    shutil.rmtree(tree / "build", ignore_errors=True)
+    return subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _built(tree: Path) -> bool:
+    return any((tree / "hadw_kernels").glob("_cpu_kernels*.so"))
+
+
+def test_build_mode_0_skips_the_extension(source_tree):
+    result = _build(source_tree, "0", "c++")
+    assert result.returncode == 0, result.stderr
+    assert not _built(source_tree)
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_no_compiler(source_tree, mode):
+    result = _build(source_tree, mode, "/nonexistent/c++")
+    assert not _built(source_tree)
+    if mode == "auto":
+        assert result.returncode == 0, result.stderr
+        assert "NOT built" in result.stderr and "no C++ compiler" in result.stderr
+    else:
+        assert result.returncode != 0
+        assert "HADW_BUILD_CPP=1" in result.stderr and "no C++ compiler" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_failing_compiler(source_tree, mode):
+    """A compiler that exists but fails (here `false`): a warning under auto, an error
+    under 1. The constants header is written before compiling either way."""
+    result = _build(source_tree, mode, "false")
+    assert not _built(source_tree)
+    header = source_tree / "build" / "generated" / cpp_constants.HEADER_NAME
+    assert header.read_text() == cpp_constants.header(vars(config))
+    if mode == "auto":
+        assert result.returncode == 0, result.stderr
+        assert "FAILED" in result.stderr
+    else:
+        assert result.returncode != 0
