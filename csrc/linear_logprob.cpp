@@ -71,10 +71,11 @@ constexpr int64_t kMaxSlabs = 16;
 // Rows per block of the forward / backward ops (no logits buffer): a deep reduction
 // (K = rows) for the grad_weight GEMM, few passes over W and grad_W.
 constexpr int64_t kRecomputeBlockRows = 512;
-// Default of linear_surrogate_forward's block_rows: the logits buffer holds this many
-// rows, and at most kLogitsBufferBytes (docs/cpp-backend.md for the measurements).
+// Default of linear_surrogate_forward's block_rows: 1024 rows (grad_W's GEMM reduces
+// over them: 512 rows measured ~3% slower at V = 32k), at most kLogitsBufferBytes of
+// logits (512 rows at V = 152k; 256 and 384 measured 3-5% slower), a multiple of 64.
 constexpr int64_t kDefaultBlockRows = 1024;
-constexpr int64_t kLogitsBufferBytes = int64_t{256} << 20;
+constexpr int64_t kLogitsBufferBytes = int64_t{320} << 20;
 constexpr int64_t kMinBlockRows = 64;
 
 // Row-major C[m, n] = op(A)[m, k] op(B)[k, n] (+ C when accumulating), A and B read
@@ -509,11 +510,12 @@ void forward_block(const LinearInputs& in, const Block& block, WeightTiles<T>& w
 template <typename T>
 class GradientAccumulator {
  public:
-  GradientAccumulator(const LinearInputs& in, int64_t block_rows, T* grad_weight)
-      : in_(in), grad_weight_(grad_weight) {
-    for (int64_t slab = 0; slab < in.slabs.count; ++slab) {
-      partials_.push_back(uninitialized<T>(block_rows * in.hidden_size));
-    }
+  // `partials`: partials_size(in, block_rows) values of scratch memory.
+  GradientAccumulator(const LinearInputs& in, int64_t block_rows, T* grad_weight, T* partials)
+      : in_(in), grad_weight_(grad_weight), partials_(partials), partial_stride_(block_rows * in.hidden_size) {}
+
+  static int64_t partials_size(const LinearInputs& in, int64_t block_rows) {
+    return in.slabs.count * block_rows * in.hidden_size;
   }
 
   // Runs on the slab's thread, for each tile of the slab in order.
@@ -523,7 +525,7 @@ class GradientAccumulator {
     matmul<T>(true, false, cols, hidden_size, rows, dz, cols, hidden_rows, hidden_size, weight_started_,
               grad_weight_ + first_column * hidden_size, hidden_size);
     matmul<T>(false, false, rows, hidden_size, cols, dz, cols, weight_tile, hidden_size, !first_tile_of_slab,
-              partials_[slab].get(), hidden_size);
+              partials_ + slab * partial_stride_, hidden_size);
   }
 
   // After every slab of the block: grad_hidden[index[k]] = sum over slabs of partial[k].
@@ -532,9 +534,9 @@ class GradientAccumulator {
     at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
       for (int64_t row = first; row < last; ++row) {
         T* out = grad_hidden + index[row] * hidden_size;
-        std::memcpy(out, partials_[0].get() + row * hidden_size, hidden_size * sizeof(T));
+        std::memcpy(out, partials_ + row * hidden_size, hidden_size * sizeof(T));
         for (int64_t slab = 1; slab < in_.slabs.count; ++slab) {
-          const T* partial = partials_[slab].get() + row * hidden_size;
+          const T* partial = partials_ + slab * partial_stride_ + row * hidden_size;
           for (int64_t col = 0; col < hidden_size; ++col) {
             out[col] += partial[col];
           }
@@ -555,7 +557,8 @@ class GradientAccumulator {
   const LinearInputs& in_;
   T* grad_weight_;
   bool weight_started_ = false;
-  std::vector<Scratch<T>> partials_;
+  T* partials_;  // per slab, [block rows, H]
+  int64_t partial_stride_;
 };
 
 // `values` in the dtype and layout of `input`, as the fake implementation promises
@@ -652,7 +655,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const LinearInputs&
   for (int64_t worker = 0; worker < in.workers; ++worker) {
     tiles.push_back(uninitialized<T>(blocks.block_rows() * in.slabs.columns));
   }
-  GradientAccumulator<T> accumulator(in, blocks.block_rows(), outputs.grad_weight.data_ptr<T>());
+  const Scratch<T> partials = uninitialized<T>(GradientAccumulator<T>::partials_size(in, blocks.block_rows()));
+  GradientAccumulator<T> accumulator(in, blocks.block_rows(), outputs.grad_weight.data_ptr<T>(), partials.get());
 
   for (int64_t first = 0; first < blocks.count(); first += blocks.block_rows()) {
     const Block block = blocks.block(in, first);
@@ -728,11 +732,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
   const T scale = static_cast<T>(1.0 / temperature);
   WeightTiles<T> weight_tiles(in);
   BlockStatistics<T> statistics(in.slabs, capacity);
-  GradientAccumulator<T> accumulator(in, capacity, outputs.grad_weight.data_ptr<T>());
-  // The block's logits, tile-major: tile j is [rows, cols] contiguous at j * rows * columns.
+
+  // The block's logits (tile-major: tile j is [rows, cols] contiguous at j * rows *
+  // columns) and the grad_hidden partials, in the buffer kept between calls.
+  const int64_t logits_size = capacity * in.slabs.tiles * in.slabs.columns;
+  const int64_t partials_size = GradientAccumulator<T>::partials_size(in, capacity);
   const LogitsWorkspace::Lease workspace =
-      LogitsWorkspace::acquire(static_cast<size_t>(capacity * in.slabs.tiles * in.slabs.columns) * sizeof(T));
+      LogitsWorkspace::acquire(static_cast<size_t>(logits_size + partials_size) * sizeof(T));
   T* const logits_data = workspace.as<T>();
+  GradientAccumulator<T> accumulator(in, capacity, outputs.grad_weight.data_ptr<T>(), logits_data + logits_size);
   // Without an entropy term the tiles keep softmax numerators exp(z - shift) (one per
   // tile and row), and the gradient pass needs no exp (tile_math.h).
   const bool numerators = !(tokens.entropy_coef > 0);
