@@ -166,13 +166,17 @@ def batch_normalizer(
         count = global_batch_info.get("batch_num_tokens")
         if count is None:
             if dp_size > 1:
-                raise ValueError("loss_agg_mode='token-mean' with dp_size > 1 needs global_batch_info['batch_num_tokens']")
+                raise ValueError(
+                    "loss_agg_mode='token-mean' with dp_size > 1 needs global_batch_info['batch_num_tokens']"
+                )
             count = int(mask.sum())
         return (float(count) / dp_size if count > 0 else None), None
     count = global_batch_info.get("global_batch_size")
     if count is None:
         if dp_size > 1:
-            raise ValueError(f"loss_agg_mode={loss_agg_mode!r} with dp_size > 1 needs global_batch_info['global_batch_size']")
+            raise ValueError(
+                f"loss_agg_mode={loss_agg_mode!r} with dp_size > 1 needs global_batch_info['global_batch_size']"
+            )
         count = int(mask.any(dim=1).sum())
     normalizer = float(count) / dp_size if count > 0 else None
     if loss_agg_mode != "seq-mean-token-sum-norm":
