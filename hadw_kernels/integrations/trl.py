@@ -178,7 +178,12 @@ class HADWGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             raise ValueError("HADWGRPOTrainer's fused loss does not add the MoE router auxiliary loss "
                              "(set router_aux_loss_coef=0)")
-        text_config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if is_peft_model(model) else model
+        if hasattr(model.get_output_embeddings(), "base_layer"):
+            raise ValueError("the LM head carries a PEFT adapter, which the fused loss (reading the head's weight) "
+                             "would ignore: leave lm_head out of the adapter's target modules")
+        text_config = model.config.get_text_config()
         transforms = {name: getattr(text_config, name, None) for name in LOGIT_TRANSFORMS}
         transforms = {name: value for name, value in transforms.items() if value not in (None, 1, 1.0)}
         if transforms:
@@ -192,7 +197,8 @@ class HADWGRPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL gathers every process's rewards here: keep them for Phi.
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._gathered_rewards_per_func = rewards_per_func
+        if self.anchor is not None:
+            self._gathered_rewards_per_func = rewards_per_func
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
@@ -200,6 +206,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         if self.anchor is None:
             return output
         mode = "train" if self.model.training else "eval"
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
         rewards_per_func, self._gathered_rewards_per_func = self._gathered_rewards_per_func, None
         # TRL's reward: the weighted sum over reward functions; NaN where none scored.
         weighted = rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
@@ -208,13 +215,12 @@ class HADWGRPOTrainer(GRPOTrainer):
             rewards, "scale each reward function into [0, 1] and give reward_weights that sum to 1"
         )
         scored = rewards[~torch.isnan(rewards)]
-        if mode == "train":
+        if mode == "train" and scored.numel() > 0:
             # Once per generation batch, from every process's rewards (TRL gathered them).
             self.anchor.observe(scored.double().mean().item())
         belief = self.anchor.value
-        if belief is None:  # evaluation before any training batch
+        if belief is None or group_size < 2:  # no belief yet, or no group to compare with it
             return output
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
         # An unscored response takes its group's mean: it leaves the group mean as TRL's
         # nanmean has it, and its advantage (0) stays 0.
         group_means = torch.nanmean(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size)
