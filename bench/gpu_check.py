@@ -216,10 +216,19 @@ class Timing:
 
 
 def _cuda_time(step: Callable, rounds: int) -> float:
+    """Median milliseconds of ``step`` after two warm-up calls: CUDA events on a GPU, the
+    process clock in a dry run on the CPU."""
     import torch
 
     step()  # warm-up: compiles, autotunes, fills caches
     step()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(rounds):
@@ -232,9 +241,13 @@ def _cuda_time(step: Callable, rounds: int) -> float:
     return statistics.median(times)
 
 
-def _peak_mib(step: Callable) -> float:
+def _peak_mib(step: Callable) -> float | None:
+    """Peak allocated MiB above the memory held before ``step`` (None without CUDA)."""
     import torch
 
+    if not torch.cuda.is_available():
+        step()
+        return None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -277,18 +290,28 @@ def bound_step(case: Case, x: dict) -> Callable:
     return step
 
 
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
 def benchmark(cases: list[Case], rounds: int) -> list[tuple[Case, dict[str, Timing]]]:
     import torch
 
     results = []
     for case in cases:
         say(f"bench: {case.label()}")
-        x = make_inputs(case, "cuda")
+        x = make_inputs(case, _device())
         row = {"bound (3 GEMMs)": measure(bound_step(case, x), rounds)}
         for name, step in implementations(case).items():
             row[name] = measure(lambda: step(x), rounds)
             timing = row[name]
-            say(f"  {name:34s} " + (f"{timing.milliseconds:9.2f} ms {timing.peak_mib:9.0f} MiB"
+            say(f"  {name:34s} " + (f"{timing.milliseconds:9.2f} ms {_mib(timing.peak_mib):>9s} MiB"
                                     if timing.milliseconds is not None else timing.note))
         results.append((case, row))
         del x
@@ -306,12 +329,13 @@ def surrogate_benchmark(batch: int, width: int, dtypes: list[str], rounds: int) 
     results = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        generator = torch.Generator(device="cuda").manual_seed(0)
-        logprobs = (-torch.rand(batch, width, device="cuda", generator=generator) * 3).to(dtype)
-        old = logprobs + (0.1 * torch.randn(batch, width, device="cuda", generator=generator)).to(dtype)
-        rewards = torch.bernoulli(torch.full((batch,), 0.5, device="cuda"), generator=generator)
-        lengths = torch.randint(width // 2, width + 1, (batch,), device="cuda", generator=generator)
-        mask = torch.arange(width, device="cuda")[None] < lengths[:, None]
+        device = _device()
+        generator = torch.Generator(device=device).manual_seed(0)
+        logprobs = (-torch.rand(batch, width, device=device, generator=generator) * 3).to(dtype)
+        old = logprobs + (0.1 * torch.randn(batch, width, device=device, generator=generator)).to(dtype)
+        rewards = torch.bernoulli(torch.full((batch,), 0.5, device=device), generator=generator)
+        lengths = torch.randint(width // 2, width + 1, (batch,), device=device, generator=generator)
+        mask = torch.arange(width, device=device)[None] < lengths[:, None]
         calls = {
             "eager": lambda lp: plain_surrogate(lp, old, rewards, mask),
             "hadw[triton]": lambda lp: hadw_kernels.fused_hadw_grpo_loss(
@@ -333,6 +357,8 @@ def surrogate_benchmark(batch: int, width: int, dtypes: list[str], rounds: int) 
                 continue
             graph_ms = None
             try:
+                if device != "cuda":
+                    raise RuntimeError("CUDA graphs need a GPU")
                 graph = torch.cuda.CUDAGraph()
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
@@ -365,7 +391,7 @@ def paper_scale(group_sizes: list[int], width: int, hidden: int, vocab: int) -> 
         case = Case(f"G={group_size}", group_size, width, hidden, vocab, "bfloat16")
         row = {"G": group_size, "tokens": case.tokens}
         try:
-            x = make_inputs(case, "cuda")
+            x = make_inputs(case, _device())
         except torch.cuda.OutOfMemoryError:
             rows.append({**row, "note": "inputs do not fit"})
             break
@@ -381,7 +407,8 @@ def paper_scale(group_sizes: list[int], width: int, hidden: int, vocab: int) -> 
         row["planner eager"] = sum(plan.loss_part_bytes(case.tokens, hidden, vocab, fused=False,
                                                         dtype_bytes=2).values()) / 2**20
         say(f"paper scale G={group_size}: " + ", ".join(
-            f"{key} {value:.0f} MiB" if isinstance(value, float) else f"{key} {value}" for key, value in row.items()))
+            f"{key} {_mib(value)} MiB" if key not in ("G", "tokens") else f"{key} {value}"
+            for key, value in row.items()))
         rows.append(row)
         del x
         torch.cuda.empty_cache()
@@ -445,7 +472,7 @@ def write_report(path: Path, tests: TestRun, bench, surrogate, paper, dry_run: b
                 if timing.milliseconds is None:
                     lines.append(f"| {name} | {timing.note} | | | |")
                     continue
-                peak = "" if name.startswith("bound") else f"{timing.peak_mib:.0f}"
+                peak = "" if name.startswith("bound") else _mib(timing.peak_mib)
                 lines.append(f"| {name} | {timing.milliseconds:.2f} | {_ratio(timing.milliseconds, bound)} | "
                              f"{_ratio(timing.milliseconds, eager)} | {peak} |")
             lines.append("")
@@ -472,7 +499,7 @@ def write_report(path: Path, tests: TestRun, bench, surrogate, paper, dry_run: b
                 continue
 
             def cell(value):
-                return "OOM" if value is None else f"{value:.0f}"
+                return "OOM or n/a" if value is None else f"{value:.0f}"
 
             lines.append(f"| {row['G']} | {row['tokens']} | {cell(row['eager'])} | "
                          f"{cell(row['hadw[triton] gradients in forward'])} | {row['planner']:.0f} | "
@@ -493,24 +520,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
+    if args.dry_run:
+        # The Triton kernels on CPU tensors: the interpreter, before any kernel is defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     junit = args.report.with_suffix(".junit.xml")
     tests = TestRun() if args.skip_tests else run_tests(args.dry_run, junit)
     if junit.exists():
         junit.unlink()
     bench, surrogate, paper = [], [], []
     crashed: list[str] = []
-    if not args.dry_run and not args.skip_bench:
-        cases = [
+    if args.dry_run and not args.skip_bench:
+        # The same code on the CPU with tiny shapes (Triton in its interpreter), so that
+        # it cannot rot; the figures mean nothing.
+        sizes = dict(cases=[Case("tiny", 2, 16, 32, 300, "float32"), Case("tiny", 2, 16, 32, 300, "bfloat16",
+                                                                          padded=True, block_rows=(16,))],
+                     surrogate=(8, 16), paper=([2, 4], 16, 32, 300), rounds=1)
+    elif not args.skip_bench:
+        sizes = dict(cases=[
             Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", block_rows=(2048, 4096, 8192)),
             Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", padded=True),
             Case("issue 14 shape", 8, 256, 512, 32768, "float32"),
             Case("issue 14 shape", 8, 256, 512, 32768, "bfloat16"),
             Case("issue 14 Qwen vocabulary", 4, 256, 1024, 151936, "float32"),
-        ]
+        ], surrogate=(256, 4096), paper=([8, 16, 32, 64], 4096, 2560, 151936), rounds=args.rounds)
+    if not args.skip_bench:
         sections = {
-            "bench": lambda: benchmark(cases, args.rounds),
-            "surrogate": lambda: surrogate_benchmark(256, 4096, ["float32", "bfloat16"], args.rounds),
-            "paper": lambda: paper_scale([8, 16, 32, 64], 4096, 2560, 151936),
+            "bench": lambda: benchmark(sizes["cases"], sizes["rounds"]),
+            "surrogate": lambda: surrogate_benchmark(*sizes["surrogate"], ["float32", "bfloat16"], sizes["rounds"]),
+            "paper": lambda: paper_scale(*sizes["paper"]),
         }
         outputs = {}
         for name, section in sections.items():
