@@ -19,7 +19,8 @@ pytest.importorskip("deepspeed", reason="the trainer extra is not installed (scr
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer.checkpoint import completed_checkpoints, latest_checkpoint, save_checkpoint  # noqa: E402
+from trainer.checkpoint import save_checkpoint  # noqa: E402
+from trainer.checkpoint_files import completed_checkpoints, latest_checkpoint  # noqa: E402
 from trainer.metrics_log import read_metrics  # noqa: E402
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

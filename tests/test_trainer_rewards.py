@@ -158,3 +158,20 @@ def test_a_random_policy_scores_between_5_and_40_percent(architecture):
     groups = rewards.view(-1, config.rollout.group_size)
     mixed = (groups.amax(1) != groups.amin(1)).float().mean().item()
     assert mixed >= 0.3, f"only {mixed:.0%} of the groups have both right and wrong answers"
+
+
+def test_one_hanging_response_costs_one_timeout_not_the_batch():
+    """Issue 12 item 11: with one worker, every response after a stuck one used to time
+    out as well (N x timeout a step); the stuck worker is now replaced."""
+    pooled = PooledReward(helpers.hangs_on_seven, timeout_seconds=2.0, workers=1)
+    try:
+        answers = ["7", "1", "2", "3", "7", "4"]
+        started = time.perf_counter()
+        batch = pooled(answers, [Problem("q", answer, "a") for answer in answers])
+        elapsed = time.perf_counter() - started
+        assert batch.rewards == [0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+        assert batch.errors == ["timeout after 2.0s"] * 2
+        # Two deadlines and two replacement workers' start-up, nothing more.
+        assert elapsed < 2 * 2.0 + 20, elapsed
+    finally:
+        pooled.close()

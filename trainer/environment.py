@@ -22,7 +22,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def prepare_environment(vllm_cpu_kv_cache_gib: int) -> None:
+def prepare_environment(config) -> None:
     # One OpenMP thread per process unless told otherwise (torchrun does the same). vLLM
     # pins the process's threads: a second OpenMP thread spinning on the pinned core
     # made a step 30x slower on 2 busy cores (6.6 s against 0.22 s). Read when torch loads.
@@ -32,7 +32,7 @@ def prepare_environment(vllm_cpu_kv_cache_gib: int) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
     # vLLM logs every weight reload at INFO (and a harmless rotary warning): once a step.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vllm_cpu_kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm_cpu_kv_cache_gib))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from hadw_kernels import DifficultyAnchor
+from hadw_kernels.anchor import AUTHORS_CODE_LAMBDA_SCALE
 from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, resolve_engine, save_config
 from .metrics_log import MetricsLog, read_metrics
 from .policy import Policy, SequenceBatch
@@ -30,20 +31,20 @@ from .problem import Problem
 from .rewards import build_reward
 from .synthetic_task import VOCABULARY, sample_problems
 
-AUTHORS_CODE_LAMBDA = 1.5
 MAX_ERROR_MESSAGES = 20
 
 
 def build_anchor(algo) -> tuple[DifficultyAnchor, float]:
     """The anchor and lambda_scale of the configured preset."""
     if algo.anchor_preset == "authors_code":
-        return DifficultyAnchor.authors_code(), algo.lambda_scale or AUTHORS_CODE_LAMBDA
+        return DifficultyAnchor.authors_code(), algo.lambda_scale or AUTHORS_CODE_LAMBDA_SCALE
     options = {
         name: value
         for name, value in (("eta", algo.anchor_eta), ("window", algo.anchor_window), ("eta_min", algo.anchor_eta_min))
         if value is not None
     }
-    return DifficultyAnchor("soft", belief="prior", **options), algo.lambda_scale or DEFAULT_LAMBDA_SCALE
+    rule = "kalman" if algo.anchor_preset == "kalman" else "soft"
+    return DifficultyAnchor(rule, belief="prior", **options), algo.lambda_scale or DEFAULT_LAMBDA_SCALE
 
 
 def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
@@ -67,7 +68,7 @@ def _logprob_gap(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_logp
 
 
 class Trainer:
-    def __init__(self, config: Config, rank: int, world_size: int, resume: bool) -> None:
+    def __init__(self, config: Config, rank: int, world_size: int, checkpoint: Path | None) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -90,7 +91,6 @@ class Trainer:
         self.error_messages = 0
 
         self.start_step = 0
-        checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
         if checkpoint is not None:
             self.start_step = load_checkpoint(checkpoint, self.policy.engine, self.anchor)
         self.rollout = self._build_rollout(model_dir)

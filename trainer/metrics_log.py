@@ -2,6 +2,8 @@
 
 Only rank 0 writes and shows. On resume the file is cut back to the checkpoint's step,
 so steps that ran after the last checkpoint of an interrupted run are not listed twice.
+A run killed while writing leaves a torn last line (no newline, half a record): it is
+dropped on reading, since the step it belonged to runs again after the resume.
 """
 
 from __future__ import annotations
@@ -14,10 +16,25 @@ from tqdm import tqdm
 
 
 def read_metrics(path: Path) -> list[dict]:
+    """The rows of a JSONL log; a torn last line is ignored, any other bad line is an error."""
     if not path.exists():
         return []
-    with path.open() as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    lines = path.read_text().split("\n")
+    complete, tail = lines[:-1], lines[-1]  # tail: what follows the last newline
+    rows = []
+    for number, line in enumerate(complete, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}, line {number} is not JSON ({error}): {line[:80]!r}") from None
+    if tail.strip():
+        try:
+            rows.append(json.loads(tail))
+        except json.JSONDecodeError:
+            pass  # torn by a kill mid-write
+    return rows
 
 
 class MetricsLog:

@@ -18,8 +18,7 @@ import torch
 
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels import token_logprobs as fused_token_logprobs
-
-IGNORE_INDEX = -100
+from hadw_kernels.linear_logprob import IGNORE_INDEX
 
 
 @dataclass
