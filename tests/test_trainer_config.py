@@ -16,6 +16,14 @@ sys.path.insert(0, str(REPO))
 from trainer.config import ConfigError, load_config, validate  # noqa: E402
 
 
+def _model_dir(tmp_path, head_dim=128) -> Path:
+    """A directory that passes for a Hugging Face model in validation (its config.json)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"hidden_size": 4 * head_dim, "num_attention_heads": 4}))
+    return model_dir
+
+
 def _error(overrides, world_size=1, path=None) -> str:
     with pytest.raises(ConfigError) as raised:
         validate(load_config(path, overrides), world_size)
@@ -30,8 +38,7 @@ def test_defaults_are_valid():
 
 
 def test_table8_config_is_valid_once_pointed_at_model_and_data(tmp_path):
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
+    model_dir = _model_dir(tmp_path)
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"problem": "1+1?", "solution": "It is $\\boxed{2}$.", "level": "Level 1"}) + "\n")
     config = load_config(
@@ -79,8 +86,7 @@ def test_choices_and_vllm_head_dim():
 
 
 def test_math_data_errors(tmp_path):
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
+    model_dir = _model_dir(tmp_path)
     base = ["data.task=math", f"model.path={model_dir}", "rollout.engine=hf"]
     assert "needs data.train_files" in _error(base)
     assert "does not exist" in _error(base + [f"data.train_files=[{tmp_path / 'missing.jsonl'}]"])
@@ -120,8 +126,7 @@ def test_every_data_row_is_checked_before_anything_is_built(tmp_path):
     """Issue 12 item 12: only the first row was checked; a later row without the answer
     failed with a KeyError after the model was built, and "answer": null trained
     against the string "None"."""
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
+    model_dir = _model_dir(tmp_path)
     rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"},
             {"problem": "3+3?"}, {"problem": "4+4?", "answer": None}, {"problem": None, "answer": "10"},
             {"problem": "6+6?", "answer": "12"}]

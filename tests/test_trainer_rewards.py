@@ -107,7 +107,7 @@ def test_math_data_from_json_jsonl_and_parquet(tmp_path):
     first = dataset.items[0]
     assert first.answer == "0" and first.level == "Level 0"
     assert first.prompt == (
-        "What is 0+0?. Let's think step by step and output the final answer within \\boxed{}."
+        "What is 0+0? Let's think step by step and output the final answer within \\boxed{}."
     )
     # One epoch: every problem once; ranks get disjoint slices of the same order.
     seen = dataset.problems(0, 2, rank=0, world=2) + dataset.problems(0, 2, rank=1, world=2)
@@ -147,7 +147,7 @@ def test_a_random_policy_scores_between_5_and_40_percent(architecture):
     model = build_tiny_model(config.model, tokenizer, seed=1)
     engine = HFRollout(model, config.rollout, pad_token_id=tokenizer.pad_token_id,
                        eos_token_id=tokenizer.eos_token_id, synced_gpus=False)
-    problems = sample_problems(config.data.levels, 64, np.random.default_rng(0))
+    problems = sample_problems(list(LEVELS), 64, np.random.default_rng(0))
     prompts = [tokenizer(p.prompt).input_ids for p in problems]
     assert all(ids[0] == tokenizer.bos_token_id for ids in prompts)
     responses, _ = engine.generate(prompts, seeds=[0])

@@ -220,6 +220,10 @@ def build_reward(data_config, reward_config):
         function = load_function(reward_config.function)
     elif data_config.task == "math":
         function = math_verify_reward
+    elif data_config.task == "arithmetic":
+        from .arithmetic_task import score_arithmetic
+
+        function = score_arithmetic
     else:
         return InProcessReward(score_synthetic)
     if reward_config.timeout_seconds > 0:
