@@ -21,10 +21,10 @@ TEMPLATE = "{question} Give the final answer as a number."
 def _solve(question: str) -> int:
     """The answer, read back from the story's wording."""
     numbers = [int(n) for n in re.findall(r"\d+", question)]
-    if "one more" in question:
-        return numbers[0] + 1
     if len(numbers) == 3:
         return numbers[0] + numbers[1] - numbers[2]
+    if "plus" in question or "add" in question or "sum" in question:
+        return numbers[0] + numbers[1]
     taken = any(word in question for word in ("away", "takes", "left"))
     return numbers[0] - numbers[1] if taken else numbers[0] + numbers[1]
 
@@ -50,8 +50,11 @@ def test_held_out_set_is_fixed_distinct_and_never_trained_on():
     assert len({p.prompt for p in held_out}) == 64
     assert [p.level for p in held_out] == [level for level in levels for _ in range(16)]
     prompts = frozenset(p.prompt for p in held_out)
-    drawn = sample_problems(["one-more"], 2000, np.random.default_rng(1), TEMPLATE, prompts)
+    drawn = sample_problems(["plus"], 2000, np.random.default_rng(1), TEMPLATE, prompts)
     assert not prompts & {p.prompt for p in drawn}
+    with pytest.raises(ValueError, match="lower eval.problems_per_level"):
+        everything = frozenset(p.prompt for p in held_out_problems(["plus"], 80, TEMPLATE))  # all 80 of them
+        sample_problems(["plus"], 1, np.random.default_rng(1), TEMPLATE, everything)
 
 
 @pytest.mark.parametrize("response, answer, reward", [

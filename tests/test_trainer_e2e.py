@@ -121,7 +121,7 @@ def test_gguf_model_with_chat_template_on_the_hf_engine_skips_batches_without_si
         assert sample["reward"] == 0.0 and isinstance(sample["response"], str)
     evaluations = read_metrics(run_dir / "eval.jsonl")
     assert [row["step"] for row in evaluations] == [0, 1, 2]
-    assert set(evaluations[0]) >= {"eval/one-more", "eval/single-digit", "eval/two-digit", "eval/multi-step"}
+    assert set(evaluations[0]) >= {"eval/plus", "eval/single-digit", "eval/two-digit", "eval/multi-step"}
     assert (run_dir / "hf_model" / "config.json").is_file()
 
 

@@ -1,16 +1,17 @@
 """Arithmetic word problems in graded levels, for a small pretrained model on a CPU.
 
-Each problem is a short story drawn from a seed (names, objects and sentence forms vary)
-whose answer is a whole number. The levels differ in the arithmetic a story needs:
+Each problem is drawn from a seed (names, objects and sentence forms vary) and its
+answer is a whole number. The levels differ in the arithmetic and the story around it:
 
-    one-more      "Mia has 5 coins and gets one more. How many ..."          a + 1
+    plus          "What is 3 plus 4?"                                        a + b, no story, sum < 10
     single-digit  "Tom has 3 apples. He gets 4 more apples. How many ..."    a + b or a - b, one digit
     two-digit     "Lily has 24 books. She gets 38 more books. How many ..."  a + b or a - b, two digits
     multi-step    "Ben has 6 pencils. He gets 5 more, then gives 3 away..."  a + b - c
 
-Calibrated on SmolLM2-135M-Instruct (docs/trainer.md): sampled at step 0 its accuracy
-runs from over 50% on ``one-more`` to under 15% on ``multi-step``, the spread of easy and
-hard prompts the paper's HA-DW is about.
+Calibrated on SmolLM2-135M-Instruct (``trainer/calibrate.py``, docs/trainer.md): sampled
+at step 0 its accuracy runs from over 50% on ``plus`` to under 15% on ``two-digit`` and
+``multi-step``, the spread of easy and hard prompts the paper's HA-DW is about. (A story
+around even "one more" brought it under 40%.)
 
 A response is scored by math-verify on the whole text: it takes the answer after "final
 answer is", else the last ``\\boxed{}``, else the last number, and compares it with the
@@ -28,16 +29,14 @@ NAMES = [("Tom", "he"), ("Anna", "she"), ("Sam", "he"), ("Lily", "she"), ("Ben",
          ("Leo", "he"), ("Emma", "she")]
 OBJECTS = ["apples", "books", "pencils", "coins", "stickers", "marbles", "cookies", "cards"]
 HELD_OUT_SEED = 20261122  # fixed: every run is evaluated on the same problems
+MAX_DRAWS = 1000  # per problem, before a level is declared exhausted
 
 
-def _one_more(rng, name, pronoun, thing):
-    a = int(rng.integers(1, 9))
-    forms = [
-        f"{name} has {a} {thing} and gets one more. How many {thing} does {name} have now?",
-        f"There are {a} {thing} on the table. {name} puts one more on the table. How many {thing} are on the table now?",
-        f"{name} had {a} {thing}. A friend gave {name} one more. How many {thing} does {name} have?",
-    ]
-    return forms[int(rng.integers(len(forms)))], a + 1
+def _plus(rng, name, pronoun, thing):
+    a, b = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+    forms = [f"What is {a} plus {b}?", f"How much is {a} plus {b}?", f"What do you get if you add {a} and {b}?",
+             f"What is the sum of {a} and {b}?"]
+    return forms[int(rng.integers(len(forms)))], a + b
 
 
 def _add_or_take(rng, name, pronoun, thing, low, high):
@@ -67,7 +66,7 @@ def _multi_step(rng, name, pronoun, thing):
 
 
 LEVELS = {
-    "one-more": _one_more,
+    "plus": _plus,
     "single-digit": lambda rng, *story: _add_or_take(rng, *story, 1, 9),
     "two-digit": lambda rng, *story: _add_or_take(rng, *story, 10, 99),
     "multi-step": _multi_step,
@@ -89,7 +88,7 @@ def held_out_problems(levels: list[str], per_level: int, template: str) -> list[
     problems = []
     for level in levels:
         chosen: dict[str, Problem] = {}
-        for _ in range(100 * per_level):
+        for _ in range(MAX_DRAWS * per_level):
             if len(chosen) == per_level:
                 break
             problem = make_problem(level, rng, template)
@@ -107,10 +106,14 @@ def sample_problems(levels: list[str], count: int, rng: np.random.Generator, tem
     chosen = rng.integers(len(levels), size=count)
     problems = []
     for index in chosen:
-        problem = make_problem(levels[index], rng, template)
-        while problem.prompt in held_out:
+        for _ in range(MAX_DRAWS):
             problem = make_problem(levels[index], rng, template)
-        problems.append(problem)
+            if problem.prompt not in held_out:
+                problems.append(problem)
+                break
+        else:
+            raise ValueError(f"level {levels[index]!r} has almost no problems outside the held-out set: "
+                             f"lower eval.problems_per_level")
     return problems
 
 
