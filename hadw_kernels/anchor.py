@@ -19,7 +19,7 @@ accuracy moves in a batch) is estimated from the recent innovations nu = y_t - C
 whose expected square is P_{t-1}+ + Q_t + R_t (Mehra's innovation-based estimate), and
 floored at ``process_noise_min``; a jump in accuracy shows as large innovations and
 raises the gain within a batch or two. ``python -m hadw_kernels.theory.anchor_tracking``
-measures every rule's tracking error (docs/theory.md quotes it).
+measures every rule's tracking error (the README quotes it).
 """
 
 from __future__ import annotations
