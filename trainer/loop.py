@@ -115,7 +115,8 @@ class Trainer:
         )
         self.samples = JsonlLog(self.run_dir / "samples.jsonl", first_step=self.start_step,
                                 enabled=rank == 0 and config.run.log_samples > 0)
-        self.evaluations = JsonlLog(self.run_dir / "eval.jsonl", first_step=self.start_step,
+        # Cut back to before the first step: the run evaluates its first step (again).
+        self.evaluations = JsonlLog(self.run_dir / "eval.jsonl", first_step=self.start_step - 1,
                                     enabled=rank == 0 and config.eval.every > 0)
         if checkpoint is not None:
             self.log.message(f"resumed from {checkpoint} at step {self.start_step}")
@@ -417,8 +418,8 @@ class Trainer:
         config = self.config
         every = config.eval.every
         try:
-            if every and self.start_step == 0:
-                self.evaluate(0)
+            if every and (self.start_step % every == 0 or self.start_step == config.train.steps):
+                self.evaluate(self.start_step)
             for step in range(self.start_step, config.train.steps):
                 row = self.train_step(step)
                 self.log.write(row)
