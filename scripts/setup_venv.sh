@@ -14,7 +14,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
-EXTRAS="${EXTRAS:-dev,triton,trainer,bench,trl,verl}"
+EXTRAS="${EXTRAS:-dev,triton,trainer,bench,trl,verl,smollm2}"
 CONSTRAINTS="$ROOT/constraints/cpu-py311.txt"
 
 python3 -m venv "$VENV"
