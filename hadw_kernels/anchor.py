@@ -43,8 +43,6 @@ DEFAULT_ETA_MIN = 0.05
 # to move by at least ~0.003 a batch, so the gain never reaches 0 (the soft rule's freeze).
 DEFAULT_PROCESS_NOISE_MIN = 1e-5
 
-# The lambda_scale the authors' code uses with its anchor (the paper's best is 1.3).
-AUTHORS_CODE_LAMBDA_SCALE = 1.5
 
 
 class DifficultyAnchor:
@@ -79,16 +77,16 @@ class DifficultyAnchor:
             raise ValueError(f"unknown rule {rule!r}; expected one of {RULES}")
         if belief not in BELIEFS:
             raise ValueError(f"unknown belief {belief!r}; expected one of {BELIEFS}")
-        if not eta >= 0:
-            raise ValueError(f"eta must be non-negative, got {eta}")
-        if not 0 <= eta_min <= 1:
-            raise ValueError(f"eta_min must lie in [0, 1], got {eta_min}")
+        if not _is_number(eta) or not 0 <= eta < math.inf:
+            raise ValueError(f"eta must be finite and non-negative, got {eta!r}")
+        if not _is_number(eta_min) or not 0 <= eta_min <= 1:
+            raise ValueError(f"eta_min must lie in [0, 1], got {eta_min!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
-        if not (math.isfinite(process_noise_min) and process_noise_min > 0):
-            raise ValueError(f"process_noise_min must be positive and finite, got {process_noise_min}")
-        if initial is not None and not math.isfinite(initial):
-            raise ValueError(f"initial must be finite, got {initial}")
+        if not _is_number(process_noise_min) or not 0 < process_noise_min < math.inf:
+            raise ValueError(f"process_noise_min must be positive and finite, got {process_noise_min!r}")
+        if initial is not None and (not _is_number(initial) or not 0 <= initial <= 1):
+            raise ValueError(f"initial must lie in [0, 1] (a belief about an accuracy), got {initial!r}")
         self.rule = rule
         self.eta = float(eta)
         self.window = window
@@ -101,7 +99,7 @@ class DifficultyAnchor:
     @classmethod
     def authors_code(cls) -> "DifficultyAnchor":
         """The authors' public code: hard rule over 10 batches, posterior belief.
-        Use it with ``lambda_scale=AUTHORS_CODE_LAMBDA_SCALE`` (1.5) in the loss, as they do."""
+        Use it with ``lambda_scale=config.AUTHORS_LAMBDA_SCALE`` (1.5) in the loss, as they do."""
         return cls("hard", window=10, belief="posterior")
 
     def reset(self) -> None:
@@ -128,6 +126,22 @@ class DifficultyAnchor:
         Under torch.distributed the sums and the count of rewards are all-reduced, so
         every rank holds the same belief (never a mean of per-rank means).
         """
+        if not isinstance(rewards, torch.Tensor):
+            try:
+                rewards = torch.as_tensor(rewards, dtype=torch.float64)
+            except (TypeError, ValueError) as error:
+                raise TypeError(f"rewards must be a tensor or a sequence of numbers, got {type(rewards).__name__}") \
+                    from error
+        if rewards.is_complex():
+            raise TypeError(f"rewards must be real numbers, got {rewards.dtype}")
+        rewards = rewards.detach().to(torch.float64)
+        if not bool(torch.isfinite(rewards).all()):
+            raise ValueError("rewards must be finite: they contain NaN or inf")
+        if bool(((rewards < 0) | (rewards > 1)).any()):
+            raise ValueError(
+                "rewards must lie in [0, 1]: the anchor is a belief about an accuracy (the paper's y_t); "
+                "scale the rewards into [0, 1] first"
+            )
         mean, variance, count = batch_reward_statistics(rewards)
         self.observe(mean, count=count, variance=variance)
         return self.value
@@ -229,11 +243,23 @@ class DifficultyAnchor:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["config"] != self.state_dict()["config"]:
+        """Restores a ``state_dict()``; checked whole first, so a bad state changes nothing."""
+        expected = self.state_dict()
+        if not isinstance(state, dict):
+            raise TypeError(f"anchor state must be a dict, got {type(state).__name__}")
+        missing, unknown = set(expected) - set(state), set(state) - set(expected)
+        if missing or unknown:
+            raise ValueError(f"anchor state has missing keys {sorted(missing)} and unknown keys {sorted(unknown)}")
+        if state["config"] != expected["config"]:
             raise ValueError(
-                f"anchor state was saved with {state['config']}, this anchor has "
-                f"{self.state_dict()['config']}"
+                f"anchor state was saved with {state['config']}, this anchor has {expected['config']}"
             )
+        for key in ("prior", "posterior", "observation"):
+            value = state[key]
+            if value is not None and (not _is_number(value) or not math.isfinite(value)):
+                raise ValueError(f"anchor state {key!r} must be a finite number or None, got {value!r}")
+        if not isinstance(state["step"], int) or state["step"] < 0:
+            raise ValueError(f"anchor state 'step' must be a non-negative int, got {state['step']!r}")
         self.step = state["step"]
         self.prior = state["prior"]
         self.posterior = state["posterior"]
@@ -251,6 +277,10 @@ class DifficultyAnchor:
             f"DifficultyAnchor(rule={self.rule!r}, eta={self.eta}, window={self.window}, "
             f"eta_min={self.eta_min}, belief={self.belief!r}, step={self.step}, value={self.value})"
         )
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def batch_reward_statistics(rewards: torch.Tensor) -> tuple[float, float, int]:

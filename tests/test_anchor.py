@@ -201,3 +201,61 @@ def test_observation_is_all_reduced_across_ranks():
     results = mp.Manager().dict()
     mp.spawn(_rank_main, args=(2, port, results), nprocs=2, join=True)
     assert results[0] == results[1] == pytest.approx(4 / 6)
+
+
+# --- input (issue 12, item 8) -------------------------------------------------------------
+
+
+def test_update_takes_a_list_of_rewards():
+    anchor = DifficultyAnchor()
+    assert anchor.update([0.0, 1.0]) == pytest.approx(0.5)
+    assert anchor.update((1, 1, 1, 0)) == pytest.approx(0.5)  # prior: the previous belief
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(initial=5.0), r"initial must lie in \[0, 1\]"),
+        (dict(initial=True), r"initial must lie in \[0, 1\]"),
+        (dict(eta=float("inf")), "eta must be finite"),
+        (dict(eta=float("nan")), "eta must be finite"),
+        (dict(eta_min=2.0), r"eta_min must lie in \[0, 1\]"),
+        (dict(process_noise_min=float("inf")), "process_noise_min"),
+    ],
+)
+def test_bad_settings_are_refused(options, match):
+    with pytest.raises(ValueError, match=match):
+        DifficultyAnchor(**options)
+
+
+@pytest.mark.parametrize("rewards, match", [([0.0, 2.0], r"\[0, 1\]"), ([0.0, float("nan")], "NaN"),
+                                            (["a"], "sequence of numbers")])
+def test_bad_rewards_are_refused_and_change_nothing(rewards, match):
+    anchor = DifficultyAnchor()
+    anchor.update(torch.tensor([0.0, 1.0, 1.0, 1.0]))
+    before = anchor.state_dict()
+    with pytest.raises((ValueError, TypeError), match=match):
+        anchor.update(rewards)
+    assert anchor.state_dict() == before
+
+
+@pytest.mark.parametrize("damage", ["missing", "unknown", "prior", "step"])
+def test_a_bad_state_is_refused_whole(damage):
+    source = DifficultyAnchor()
+    for value in (0.25, 0.5, 0.75):
+        source.update(torch.tensor([value, value]))
+    state = source.state_dict()
+    if damage == "missing":
+        del state["posteriors"]
+    elif damage == "unknown":
+        state["extra"] = 1
+    elif damage == "prior":
+        state["prior"] = float("nan")
+    else:
+        state["step"] = -3
+    target = DifficultyAnchor()
+    target.update(torch.tensor([1.0, 1.0]))
+    before = target.state_dict()
+    with pytest.raises(ValueError):
+        target.load_state_dict(state)
+    assert target.state_dict() == before

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hadw_kernels import DifficultyAnchor
-from hadw_kernels.anchor import AUTHORS_CODE_LAMBDA_SCALE
+from hadw_kernels.config import AUTHORS_LAMBDA_SCALE
 from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -45,7 +45,7 @@ DEGENERATE_WARNINGS_EVERY = 20
 def build_anchor(algo) -> tuple[DifficultyAnchor, float]:
     """The anchor and lambda_scale of the configured preset."""
     if algo.anchor_preset == "authors_code":
-        return DifficultyAnchor.authors_code(), algo.lambda_scale or AUTHORS_CODE_LAMBDA_SCALE
+        return DifficultyAnchor.authors_code(), algo.lambda_scale or AUTHORS_LAMBDA_SCALE
     options = {
         name: value
         for name, value in (("eta", algo.anchor_eta), ("window", algo.anchor_window), ("eta_min", algo.anchor_eta_min))

@@ -18,6 +18,7 @@ import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,9 +47,16 @@ def math_verify_reward(response: str, answer: str) -> float:
     predicted = last_boxed(response)
     if predicted is None:
         return 0.0
-    gold = parse("\\boxed{" + answer + "}", parsing_timeout=None)
-    target = parse("\\boxed{" + predicted + "}", parsing_timeout=None)
+    gold = parse("\\boxed{" + _without_percent(answer) + "}", parsing_timeout=None)
+    target = parse("\\boxed{" + _without_percent(predicted) + "}", parsing_timeout=None)
     return float(verify(gold, target, timeout_seconds=None))
+
+
+def _without_percent(text: str) -> str:
+    """``10\\%`` -> ``10``: math-verify reads a percentage as its number, but only with
+    the ANTLR 4.13 LaTeX grammar; with ANTLR 4.9 (which omegaconf, hence verl, pins) it
+    keeps ``10\\%`` as text and a right answer would score 0."""
+    return re.sub(r"\\?%", "", text)
 
 
 def _quiet_worker() -> None:
