@@ -40,7 +40,6 @@ def pytest_addoption(parser):
     group = parser.getgroup("hadw-bench")
     group.addoption("--quick", action="store_true", help="one small shape per case (CI); or HADW_BENCH_QUICK=1")
     group.addoption("--bench-rounds", type=int, default=None, help="timed steps per case, at least (default 3, quick 2; short steps get more)")
-    group.addoption("--bench-threads", type=int, default=2, help="torch threads in every case")
     group.addoption(
         "--bench-memory-cap-gb", type=float, default=16.0,
         help="address-space cap of a case above its baseline: beyond it the case reports out of memory",
@@ -76,7 +75,6 @@ def bench_settings(request) -> dict:
     config = request.config
     return {
         "rounds": timed_rounds(config),
-        "threads": config.getoption("--bench-threads"),
         "memory_cap_gb": config.getoption("--bench-memory-cap-gb"),
     }
 
@@ -133,7 +131,7 @@ def session_meta(config) -> dict:
         ),
         "hadw backends available here": ", ".join(available_backends()),
         "per case": (
-            f"fresh process, torch.set_num_threads({config.getoption('--bench-threads')}), fp32, "
+            "fresh process, torch.set_num_threads(the case's threads), fp32, "
             f"1 warm-up, then {timed_rounds(config)} timed forward+backward steps (more, up to "
             f"{matrix.MOST_ROUNDS}, when a step is short), then 1 profiled step"
         ),

@@ -4,12 +4,23 @@ A step is one forward and backward of a GRPO loss: from hidden states [B, T, H] 
 LM head [V, H] (the "hidden" input), or from per-token log-probs [B, T] (the "logprobs"
 input, the part of the loss that is left once a trainer has the log-probs).
 
-    eager        what TRL's and verl's default paths do: fp32 logits [B, T, V],
-                 log_softmax, gather, then the clipped surrogate in plain PyTorch
-    hadw[<b>]    this library, backend <b>, with HA-DW on (anchor 0.5)
+    bound        the three GEMMs any exact method needs (logits, the hidden states'
+                 and the LM head's gradients) on preallocated buffers: the physical limit
+    eager        materialised fp32 logits [B, T, V], log_softmax, gather, then the
+                 clipped surrogate in plain PyTorch (verl's default path)
+    hadw[<b>]    this library, backend <b>, with HA-DW on (anchor 0.5), the default path
+                 (gradients formed in the forward where the backend has it);
+                 hadw[<b>,recompute] forces the recompute path
     liger        liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss (chunked, torch.compile)
     cce          cut_cross_entropy.linear_cross_entropy(impl="torch_compile") for
                  logp = -nll, then the plain surrogate
+    trl          TRL 1.16's own chunked fused LM head (trl.kernels.ChunkedLogProbFunction,
+                 the GRPO trainer's log-prob path, its chunk size) for logp, then the
+                 plain surrogate
+
+A "dense" case is the first mini-batch of a GRPO step: on-policy (old log-probs = the
+current ones, ratio 1), no padding, every token with a gradient. Otherwise responses are
+padded to T from lengths in [T/2, T] and the behaviour policy differs a little.
 
 Peers and backends are imported only when their case runs, so a missing or broken one
 fails its own case (reported in the table) and nothing else.
@@ -24,8 +35,9 @@ from typing import Callable
 import torch
 
 INPUTS = ("hidden", "logprobs")
-PEERS = ("liger", "cce")
+PEERS = ("liger", "cce", "trl")
 BASELINE = "eager"
+BOUND = "bound"
 # The plain GRPO clip range, as TRL's and verl's defaults.
 EPSILON = 0.2
 # HA-DW's difficulty belief: any value in (0, 1) costs the same.
@@ -59,15 +71,20 @@ class Shape:
         ]
 
 
-def hadw_impl(backend: str) -> str:
-    return f"hadw[{backend}]"
+def hadw_impl(backend: str, path: str | None = None) -> str:
+    return f"hadw[{backend}]" if path is None else f"hadw[{backend},{path}]"
 
 
 def backend_of(impl: str) -> str | None:
     """The library backend an implementation name runs, or None for a baseline or peer."""
     if impl.startswith("hadw[") and impl.endswith("]"):
-        return impl[len("hadw["):-1]
+        return impl[len("hadw["):-1].split(",")[0]
     return None
+
+
+def linear_path_of(impl: str) -> str:
+    inner = impl[len("hadw["):-1].split(",")
+    return inner[1] if len(inner) > 1 else "auto"
 
 
 def plain_group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -105,15 +122,18 @@ class Inputs:
     weight: torch.Tensor | None
     labels: torch.Tensor | None
     logprobs: torch.Tensor | None
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None  # None: on-policy (the detached current log-probs)
     rewards: torch.Tensor
     response_mask: torch.Tensor
 
     def leaves(self) -> list[torch.Tensor]:
         return [t for t in (self.hidden, self.weight, self.logprobs) if t is not None]
 
+    def old(self, logprobs: torch.Tensor) -> torch.Tensor:
+        return logprobs.detach() if self.old_logprobs is None else self.old_logprobs
 
-def make_inputs(shape: Shape, input_kind: str, seed: int = 0) -> Inputs:
+
+def make_inputs(shape: Shape, input_kind: str, dense: bool = False, seed: int = 0) -> Inputs:
     """fp32 inputs. Labels are valid everywhere (padding is masked, as TRL and verl do),
     so every implementation computes the same [B*T, V] products."""
     generator = torch.Generator().manual_seed(seed)
@@ -121,9 +141,11 @@ def make_inputs(shape: Shape, input_kind: str, seed: int = 0) -> Inputs:
     # Uniform-ish log-probs around -log V, and a behaviour policy a little off them, so
     # that some ratios leave the clip range.
     typical_logprob = -math.log(shape.vocab)
-    old_logprobs = typical_logprob + 0.1 * torch.randn(batch, length, generator=generator)
+    old_logprobs = None if dense else typical_logprob + 0.1 * torch.randn(batch, length, generator=generator)
     rewards = torch.bernoulli(torch.full((batch,), 0.5), generator=generator)
-    lengths = torch.randint(length // 2, length + 1, (batch,), generator=generator)
+    rewards[:2] = torch.tensor([0.0, 1.0])  # a one-group batch still has a gradient
+    lengths = torch.full((batch,), length) if dense else torch.randint(length // 2, length + 1, (batch,),
+                                                                       generator=generator)
     response_mask = torch.arange(length)[None, :] < lengths[:, None]
     if input_kind == "logprobs":
         logprobs = typical_logprob + 0.1 * torch.randn(batch, length, generator=generator)
@@ -136,11 +158,36 @@ def make_inputs(shape: Shape, input_kind: str, seed: int = 0) -> Inputs:
     )
 
 
-LossFn = Callable[[Inputs], torch.Tensor]
+Step = Callable[[Inputs], None]
 
 
-def build_loss(impl: str, input_kind: str, shape: Shape) -> LossFn:
-    """The loss of one implementation; imports its package (ImportError if missing)."""
+def build_step(impl: str, input_kind: str, shape: Shape) -> Step:
+    """One forward + backward of an implementation; imports its package (ImportError if
+    missing)."""
+    if impl == BOUND:
+        return _bound_step(shape)
+    loss_fn = _build_loss(impl, input_kind, shape)
+    return lambda x: loss_fn(x).backward()
+
+
+def _bound_step(shape: Shape) -> Step:
+    buffers = {}
+
+    def step(x: Inputs) -> None:
+        hidden = x.hidden.detach().reshape(-1, shape.hidden)[x.response_mask.reshape(-1)]
+        weight = x.weight.detach()
+        if not buffers:
+            buffers["logits"] = torch.empty(hidden.shape[0], shape.vocab)
+            buffers["grad_hidden"] = torch.empty_like(hidden)
+            buffers["grad_weight"] = torch.empty_like(weight)
+        torch.mm(hidden, weight.T, out=buffers["logits"])
+        torch.mm(buffers["logits"], weight, out=buffers["grad_hidden"])
+        torch.mm(buffers["logits"].T, hidden, out=buffers["grad_weight"])
+
+    return step
+
+
+def _build_loss(impl: str, input_kind: str, shape: Shape) -> Callable[[Inputs], torch.Tensor]:
     group_size = shape.group_size
     backend = backend_of(impl)
     if backend is not None:
@@ -154,14 +201,18 @@ def build_loss(impl: str, input_kind: str, shape: Shape) -> LossFn:
         return lambda x: hadw_kernels.fused_linear_hadw_grpo_loss(
             x.hidden, x.weight, x.labels, x.old_logprobs, x.rewards, x.response_mask,
             group_size=group_size, loss_type="grpo", anchor=ANCHOR, backend=backend,
+            linear_path=linear_path_of(impl),
         )
     if impl == BASELINE:
         if input_kind == "logprobs":
-            return lambda x: plain_grpo_surrogate(x.logprobs, x.old_logprobs, x.rewards, x.response_mask, group_size)
-        return lambda x: plain_grpo_surrogate(
-            eager_token_logprobs(x.hidden, x.weight, x.labels), x.old_logprobs, x.rewards, x.response_mask,
-            group_size,
-        )
+            return lambda x: plain_grpo_surrogate(x.logprobs, x.old(x.logprobs), x.rewards, x.response_mask,
+                                                  group_size)
+
+        def eager(x: Inputs) -> torch.Tensor:
+            logprobs = eager_token_logprobs(x.hidden, x.weight, x.labels)
+            return plain_grpo_surrogate(logprobs, x.old(logprobs), x.rewards, x.response_mask, group_size)
+
+        return eager
     if input_kind != "hidden":
         raise ValueError(f"{impl} takes hidden states only")
     if impl == "liger":
@@ -174,6 +225,7 @@ def build_loss(impl: str, input_kind: str, shape: Shape) -> LossFn:
 
         def liger_step(x: Inputs) -> torch.Tensor:
             advantages = plain_group_advantages(x.rewards, group_size)
+            # old_per_token_logps=None: Liger's on-policy default (the detached current ones).
             loss, _metrics = liger_loss(
                 x.hidden, x.weight, x.labels, x.response_mask.float(), advantages,
                 old_per_token_logps=x.old_logprobs,
@@ -185,8 +237,23 @@ def build_loss(impl: str, input_kind: str, shape: Shape) -> LossFn:
         from cut_cross_entropy import linear_cross_entropy
 
         def cce_step(x: Inputs) -> torch.Tensor:
-            nll = linear_cross_entropy(x.hidden, x.weight, x.labels, impl="torch_compile", reduction="none")
-            return plain_grpo_surrogate(-nll, x.old_logprobs, x.rewards, x.response_mask, group_size)
+            logprobs = -linear_cross_entropy(x.hidden, x.weight, x.labels, impl="torch_compile", reduction="none")
+            return plain_grpo_surrogate(logprobs, x.old(logprobs), x.rewards, x.response_mask, group_size)
 
         return cce_step
+    if impl == "trl":
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+        def trl_step(x: Inputs) -> torch.Tensor:
+            batch, length, hidden = x.hidden.shape
+            # The GRPO trainer asks for the entropy too (logging, entropy masking).
+            logprobs, *_ = ChunkedLogProbFunction.apply(
+                x.hidden.reshape(-1, hidden), x.weight, None, x.labels.reshape(-1), 1.0,
+                _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("entropy",),
+            )
+            logprobs = logprobs.view(batch, length)
+            return plain_grpo_surrogate(logprobs, x.old(logprobs), x.rewards, x.response_mask, group_size)
+
+        return trl_step
     raise ValueError(f"unknown implementation {impl!r}")

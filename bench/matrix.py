@@ -1,26 +1,29 @@
-"""Which cases the benchmark runs: implementations x inputs x shapes.
+"""Which cases the benchmark runs: implementations x inputs x shapes x threads.
 
-Shapes are scaled to a 2-core, 24 GiB CPU machine shared with other work. The group
-size G is the swept variable: a micro-batch holds ``prompts`` x G responses of T
-tokens. From the natural 4 prompts x T = 256, both are scaled down, to 1 prompt (one
-group a micro-batch) and T = 32, so that the full sweep (every implementation at every
-G, each with a warm-up, three timed steps and a profiled step) stays within 15 minutes
-on two cores: the fp32 LM-head GEMMs cost ~6-8 V H flops a token, and Liger's chunks
-(one response each) re-touch the whole [V, H] LM-head gradient once per response, so
-one prompt's G responses cost Liger 4x less than 4 prompts' at the same token count.
-Eager's three [B*T, V] fp32 copies stay under 1 GB. One extra shape has Qwen3's
-vocabulary, V = 151936.
+Shapes are scaled to a 2-core, 24 GiB CPU machine shared with other work.
+
+- The G sweep: one prompt x G responses of T = 32 tokens (padded), H = 512, V = 32768,
+  G = 8..64, two threads: memory and time as G grows. Eager's three [B*T, V] fp32
+  copies stay under 1 GB; Liger's chunks (one response each) re-touch the whole [V, H]
+  LM-head gradient once per response, which this keeps affordable.
+- The dense on-policy cases of issue 14 (the first mini-batch of a GRPO step: ratio 1,
+  no padding, every token with a gradient), where the GEMMs dominate and the bound is
+  what counts: B = 8, T = 256, H = 512, V = 32768 and Qwen3's vocabulary, B = 4, T = 256,
+  H = 1024, V = 151936, at one and two threads; and the first of them padded, beside.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loss_impls import BASELINE, PEERS, Shape, hadw_impl
+from loss_impls import BASELINE, BOUND, PEERS, Shape, hadw_impl
 
 GROUP_SIZES = (8, 16, 32, 64)
 SWEEP = dict(prompts=1, length=32, hidden=512, vocab=32768)
-QWEN3_VOCAB = Shape(prompts=1, group_size=8, length=32, hidden=512, vocab=151936)
+DENSE_SHAPES = (
+    Shape(prompts=1, group_size=8, length=256, hidden=512, vocab=32768),
+    Shape(prompts=1, group_size=4, length=256, hidden=1024, vocab=151936),
+)
 QUICK = Shape(prompts=1, group_size=8, length=32, hidden=256, vocab=8192)
 
 FULL_ROUNDS = 3
@@ -30,6 +33,7 @@ QUICK_ROUNDS = 2
 # of their order.
 MOST_ROUNDS = 100
 SHORTEST_TIMED_SECONDS = 0.5
+SWEEP_THREADS = 2
 
 
 def rounds_for(step_seconds: float, configured: int) -> int:
@@ -43,10 +47,14 @@ class Case:
     input_kind: str
     impl: str
     shape: Shape
+    threads: int = SWEEP_THREADS
+    dense: bool = False
 
     @property
     def id(self) -> str:
-        return f"{self.input_kind}-{self.impl}-G{self.shape.group_size}-V{self.shape.vocab}"
+        kind = "dense" if self.dense else "padded"
+        return f"{self.input_kind}-{self.impl}-G{self.shape.group_size}-T{self.shape.length}-V{self.shape.vocab}-" \
+               f"{kind}-{self.threads}t"
 
 
 def implementations(input_kind: str, backends: tuple[str, ...]) -> list[str]:
@@ -54,20 +62,24 @@ def implementations(input_kind: str, backends: tuple[str, ...]) -> list[str]:
     ours = [hadw_impl(backend) for backend in backends]
     if input_kind == "logprobs":
         return [BASELINE, *ours]
-    return [BASELINE, *ours, *PEERS]
+    # The gradients-in-forward backends also run their recompute path, for comparison.
+    recompute = [hadw_impl(backend, "recompute") for backend in backends if backend != "torch"]
+    return [BOUND, BASELINE, *ours, *recompute, *PEERS]
 
 
 def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
+    hidden_impls = implementations("hidden", backends)
+    logprob_impls = implementations("logprobs", backends)
     if quick:
-        shapes_by_input = {"hidden": [QUICK], "logprobs": [QUICK]}
-    else:
-        sweep = [Shape(group_size=g, **SWEEP) for g in GROUP_SIZES]
-        # The log-prob loss does not see V: the Qwen3 vocabulary matters to the
-        # hidden-state cases only.
-        shapes_by_input = {"hidden": [*sweep, QWEN3_VOCAB], "logprobs": sweep}
-    return [
-        Case(input_kind, impl, shape)
-        for input_kind, shapes in shapes_by_input.items()
-        for shape in shapes
-        for impl in implementations(input_kind, backends)
-    ]
+        return [
+            *(Case("hidden", impl, QUICK, dense=dense) for dense in (True, False) for impl in hidden_impls),
+            *(Case("logprobs", impl, QUICK) for impl in logprob_impls),
+        ]
+    sweep = [Shape(group_size=g, **SWEEP) for g in GROUP_SIZES]
+    out = [Case("hidden", impl, shape) for shape in sweep for impl in hidden_impls]
+    # The log-prob loss does not see V or H.
+    out += [Case("logprobs", impl, shape) for shape in sweep for impl in logprob_impls]
+    for shape in DENSE_SHAPES:
+        out += [Case("hidden", impl, shape, threads, dense=True) for threads in (1, 2) for impl in hidden_impls]
+    out += [Case("hidden", impl, DENSE_SHAPES[0], 2, dense=False) for impl in hidden_impls]
+    return out

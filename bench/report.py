@@ -1,8 +1,9 @@
 """The session summary: a markdown table per input and shape, and a plot against G.
 
-A row is a dict with the case (input, impl, shape fields), its status and, when it ran,
-its times (seconds) and peaks (MB). Ratios are to the eager row of the same input and
-shape: the baseline every trainer starts from.
+A row is a dict with the case (input, impl, shape fields, threads, dense), its status
+and, when it ran, its times (seconds) and peaks (MB). Ratios are to the bound (the three
+bare GEMMs) and to the eager row of the same input, shape, threads and kind: the physical
+limit and the baseline every trainer starts from.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from loss_impls import BASELINE
+from loss_impls import BASELINE, BOUND
 
 INPUT_TITLES = {
     "hidden": "Loss from hidden states (LM head + log-probs + surrogate)",
@@ -28,16 +29,17 @@ tokens/s: B*T token positions (padding included: every position is computed) / m
 Peak alloc: the allocator's view, peak of live tensor bytes above the inputs during one step
 (PyTorch profiler memory events). Peak RSS: ru_maxrss over the timed steps minus the resident
 set after imports and inputs (what the warm-up left resident, e.g. compiled code, counts).
-Ratios: to eager of the same input, shape and G; memory ratios are left out when eager's peak
-is under 1 MB (page-granular noise).
-load: the machine's 1-minute load average when the case ended. The case's own two threads
-make ~2; well above that, other work shared the two cores and the times are inflated (most for
+Ratios: time to the bound (three bare GEMMs on preallocated buffers, same threads, same process
+kind) and to eager of the same input, shape, G, threads and kind (dense on-policy or padded);
+memory ratios to eager, left out when eager's peak is under 1 MB (page-granular noise).
+load: the machine's 1-minute load average when the case ended. The case's own threads
+make ~1-2; well above that, other work shared the two cores and the times are inflated (most for
 implementations made of thousands of small parallel ops, whose threads wait at every barrier
 for a descheduled partner)."""
 
 
 def _fixed_shape(row: dict) -> tuple:
-    return tuple(row[key] for key in SHAPE_KEYS)
+    return tuple(row[key] for key in SHAPE_KEYS) + (row.get("dense", False), row.get("threads", 2))
 
 
 def _number(value: float | None, digits: int) -> str:
@@ -78,17 +80,21 @@ def markdown_tables(rows: list[dict]) -> str:
         sections[(row["input"], _fixed_shape(row))].append(row)
     out = []
     for (input_kind, fixed), section in sections.items():
-        prompts, length, hidden, vocab = fixed
-        out.append(f"#### {INPUT_TITLES[input_kind]}: P={prompts} prompts x G, T={length}, H={hidden}, V={vocab}")
+        prompts, length, hidden, vocab, dense, threads = fixed
+        kind = "dense on-policy" if dense else "padded"
+        out.append(f"#### {INPUT_TITLES[input_kind]}: P={prompts} prompts x G, T={length}, H={hidden}, V={vocab}, "
+                   f"{kind}, {threads} thread{'s' if threads > 1 else ''}")
         out.append("")
         out.append(
             "| G | implementation | status | time min [median] (ms) | tokens/s | peak alloc (MB) "
-            "| peak RSS (MB) | time vs eager | alloc vs eager | RSS vs eager | load |"
+            "| peak RSS (MB) | time vs bound | time vs eager | alloc vs eager | RSS vs eager | load |"
         )
-        out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         baselines = {r["group_size"]: r for r in section if r["impl"] == BASELINE and r["status"] == "ok"}
+        bounds = {r["group_size"]: r for r in section if r["impl"] == BOUND and r["status"] == "ok"}
         for row in sorted(section, key=lambda r: r["group_size"]):
             base = baselines.get(row["group_size"], {})
+            bound = bounds.get(row["group_size"], {})
             status = f"{row['status']}: {row['reason']}" if row.get("reason") else row["status"]
             tokens_per_s = None
             if row.get("time_min_s"):
@@ -97,6 +103,7 @@ def markdown_tables(rows: list[dict]) -> str:
                 f"| {row['group_size']} | {row['impl']} | {status} | {_time_cell(row)} "
                 f"| {_number(tokens_per_s, 0)} | {_megabytes(row.get('alloc_peak_mb'))} "
                 f"| {_megabytes(row.get('rss_peak_mb'))} "
+                f"| {_ratio(row.get('time_min_s'), bound.get('time_min_s'))} "
                 f"| {_ratio(row.get('time_min_s'), base.get('time_min_s'))} "
                 f"| {_ratio(row.get('alloc_peak_mb'), base.get('alloc_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} "
                 f"| {_ratio(row.get('rss_peak_mb'), base.get('rss_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} "
@@ -135,8 +142,8 @@ def plot_against_group_size(rows: list[dict], path: Path) -> Path | None:
                 color=line.get_color(), label=f"{impl} alloc",
             )
             time_axis.plot(groups, [r["time_min_s"] for r in impl_rows], marker="o", label=impl)
-        prompts, length, hidden, vocab = fixed
-        memory_axis.set_title(f"{input_kind}: P={prompts}, T={length}, H={hidden}, V={vocab}")
+        prompts, length, hidden, vocab, _dense, threads = fixed
+        memory_axis.set_title(f"{input_kind}: P={prompts}, T={length}, H={hidden}, V={vocab}, {threads} threads")
         memory_axis.set_ylabel("peak above baseline (MB): RSS solid, allocator dashed")
         time_axis.set_ylabel("forward+backward, min of rounds (s)")
         # Linear memory: a peak can be 0 (nothing allocated beyond the inputs).

@@ -43,7 +43,8 @@ def untimed_reason(impl: str) -> str | None:
 
 def test_loss_step(case, benchmark, bench_settings, record_row):
     shape = case.shape
-    row = {"input": case.input_kind, "impl": case.impl, **dataclasses.asdict(shape), "tokens": shape.tokens}
+    row = {"input": case.input_kind, "impl": case.impl, **dataclasses.asdict(shape), "tokens": shape.tokens,
+           "threads": case.threads, "dense": case.dense}
     reason = untimed_reason(case.impl)
     if reason == INTERPRETER_ONLY:
         record_row({**row, "status": INTERPRETER_ONLY})
@@ -52,10 +53,10 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
         record_row({**row, "status": "unavailable", "reason": reason})
         pytest.skip(f"{case.impl}: {reason}")
 
-    benchmark.group = f"{case.input_kind} {shape.label}"
+    benchmark.group = f"{case.input_kind} {shape.label} {'dense' if case.dense else 'padded'} {case.threads}t"
     worker = Worker(
-        ["--impl", case.impl, "--input", case.input_kind, *shape.as_args()],
-        threads=bench_settings["threads"],
+        ["--impl", case.impl, "--input", case.input_kind, *shape.as_args(), *(["--dense"] if case.dense else [])],
+        threads=case.threads,
         memory_cap_gb=bench_settings["memory_cap_gb"],
     )
     try:
@@ -83,5 +84,5 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
         seconds["roundtrip_median_s"] = benchmark.stats.stats.median
     memory = {key: report[key] for key in MEMORY_FIELDS if key in report}
     benchmark.extra_info.update(memory, tokens=shape.tokens, worker_median_s=seconds["time_median_s"])
-    # The case's own two threads count ~2: above that, other work shared the cores.
+    # The case's own threads count ~1-2: above that, other work shared the cores.
     record_row({**row, **memory, **seconds, "status": "ok", "load_1min": os.getloadavg()[0]})

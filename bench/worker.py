@@ -1,7 +1,7 @@
 """Runs one loss step case in this (fresh) process and measures its peak memory.
 
     python bench/worker.py --impl eager --input hidden --prompts 4 --group-size 8 \
-        --length 64 --hidden 512 --vocab 32768 [--rounds 3 | --serve]
+        --length 64 --hidden 512 --vocab 32768 [--dense] [--threads 2] [--rounds 3 | --serve]
 
 A fresh process per case keeps one case's allocations, compiled code and allocator
 state out of the next one's figures. The sequence is:
@@ -40,7 +40,7 @@ from typing import Iterable, TextIO
 
 import torch
 
-from loss_impls import INPUTS, Shape, build_loss, make_inputs
+from loss_impls import INPUTS, Shape, build_step, make_inputs
 
 MB = 1024 * 1024
 # Phrases the CPU allocator and Python use when an allocation fails.
@@ -112,15 +112,14 @@ def run(args: argparse.Namespace, commands: Iterable[str], out: TextIO) -> None:
     torch.set_num_threads(args.threads)
     shape = Shape(args.prompts, args.group_size, args.length, args.hidden, args.vocab)
     try:
-        loss_fn = build_loss(args.impl, args.input, shape)
+        impl_step = build_step(args.impl, args.input, shape)
     except Exception as error:  # an import error or an unavailable backend: a result
         send(event="done", status="unavailable", reason=first_line(error))
         return
-    inputs = make_inputs(shape, args.input)
+    inputs = make_inputs(shape, args.input, dense=args.dense)
 
     def step() -> None:
-        loss = loss_fn(inputs)
-        loss.backward()
+        impl_step(inputs)
         for leaf in inputs.leaves():
             leaf.grad = None
 
@@ -161,7 +160,7 @@ def run(args: argparse.Namespace, commands: Iterable[str], out: TextIO) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--impl", required=True, help="eager, hadw[<backend>], liger or cce")
+    parser.add_argument("--impl", required=True, help="bound, eager, hadw[<backend>(,recompute)], liger, cce or trl")
     parser.add_argument("--input", choices=INPUTS, required=True)
     parser.add_argument("--prompts", type=int, required=True)
     parser.add_argument("--group-size", type=int, required=True)
@@ -169,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--vocab", type=int, required=True)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dense", action="store_true", help="on-policy, no padding")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0, help="0: no cap")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--rounds", type=int, default=1, help="timed steps run here")

@@ -51,7 +51,7 @@ def group_advantages(
     """
     grouped = _grouped(rewards, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_std:
+    if normalize_std and grouped.numel():
         centred = centred / (grouped.std(dim=1, keepdim=True) + std_eps)
     centred = torch.where(_degenerate(grouped)[:, None], torch.zeros_like(centred), centred)
     return centred.reshape(-1)

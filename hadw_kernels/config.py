@@ -56,6 +56,25 @@ AUTHORS_LAMBDA_SCALE = 1.5  # the authors' public code
 # rho = exp(clamp(log-ratio)): keeps exp finite for any policy drift.
 LOG_RATIO_CLAMP = 20.0
 
+# The linear loss holds the logits of ``block_rows`` rows at once, a [block_rows, V]
+# buffer. By default it takes about this many bytes: on an H100 the block's GEMMs then
+# run at full speed (docs/gpu-report.md); on the CPU (Triton's interpreter) less.
+LOGITS_BUFFER_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+MIN_BLOCK_ROWS = 16
+
+
+def block_rows_for(rows: int, vocab: int, element_size: int, device_type: str, requested: int | None = None) -> int:
+    """Rows per block of the linear loss: ``requested``, or the rows split into even
+    blocks that fit the device's LOGITS_BUFFER_BYTES (8192 rows in at most 3533 run as
+    3 x 2736, not 3533 + 3533 + 1126), a multiple of MIN_BLOCK_ROWS."""
+    if requested:
+        return requested
+    budget = LOGITS_BUFFER_BYTES.get(device_type, LOGITS_BUFFER_BYTES["cpu"])
+    largest = max(MIN_BLOCK_ROWS, budget // max(vocab * element_size, 1) // MIN_BLOCK_ROWS * MIN_BLOCK_ROWS)
+    blocks = max(1, -(-rows // largest))
+    even = -(-rows // blocks)
+    return max(MIN_BLOCK_ROWS, -(-even // MIN_BLOCK_ROWS) * MIN_BLOCK_ROWS)
+
 
 @dataclass(frozen=True)
 class LossPreset:

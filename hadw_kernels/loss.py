@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .backends import resolve_backend
-from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, LossConfig
+from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig
 from .ops import attach_gradients
 from .surrogate import group_metrics, response_advantages, token_weights
 from .validation import (
@@ -274,6 +274,7 @@ def _gradients_in_forward(
     )
     if phi is not None:
         metrics.update(group_metrics(rewards, phi, config.group_size))
+        metrics = {name: metrics[name] for name in METRIC_NAMES if name in metrics}
     inputs = [hidden_states, lm_head_weight, lm_head_bias]
     gradients = [grad_hidden.view_as(hidden_states), grad_weight, None if lm_head_bias is None else grad_bias]
     return attach_gradients(loss, inputs, gradients), metrics

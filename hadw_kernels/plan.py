@@ -25,11 +25,11 @@ activation and the loss's own buffers are alive at once):
   states of the response tokens, saved by the LM head, count in both cases.
 - The loss part, over the response tokens only (trainers keep only those logits):
   eager holds, at its peak in backward, the fp32 log-softmax saved for backward, the
-  gradient flowing into it and the gradient of the fp32 logits: 3 x 4 bytes a logit
-  (its forward peak, bf16 logits + fp32 copy + log-softmax, is 10 bytes a logit).
-  Fused holds no [N, V] tensor: fp32 gradient accumulators for the hidden states and
-  the LM head, an fp32 copy of bf16 hidden states, and a few fp32 tiles of the torch
-  backend's size (the Triton kernel's tiles live on chip: this bounds it from above).
+  gradient flowing into it, the bf16 logits and their fp32 copy: 14 bytes a logit
+  (measured: docs/gpu-report.md).
+  Fused (the Triton path) holds no [N, V] tensor: the logits of one block of rows, the
+  gradients of the hidden states and the LM head (with an fp32 accumulator for a bf16
+  head over several blocks) and a few per-token vectors (loss_part_bytes).
 - A fixed overhead (CUDA context, NCCL and DeepSpeed buffers, allocator fragmentation),
   4 GiB unless told otherwise.
 
@@ -45,7 +45,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from .backends.torch_backend import TOKEN_TILE, VOCAB_TILE
+from .config import block_rows_for
 
 GIB = 1024**3
 BF16 = 2
@@ -54,10 +54,9 @@ FP32 = 4
 PARAMETER_BYTES = BF16
 GRADIENT_BYTES = BF16
 OPTIMIZER_BYTES = 3 * FP32
-EAGER_BYTES_PER_LOGIT = 3 * FP32
-# Tiles alive at once in the torch backend's backward: logits, probabilities, the
-# logits' gradient and one temporary.
-LIVE_TILES = 4
+# The linear path's per-token vectors: int64 row index, fp32 log-probs, entropy, lse,
+# mean logit, the token gradients, and the per-token advantage, weight and old log-prob.
+PER_TOKEN_BYTES = 8 + 10 * FP32
 DEFAULT_OVERHEAD_GIB = 4.0
 A100_80GB_GIB = 80.0
 LARGEST_GROUP_SEARCHED = 1 << 16
@@ -152,21 +151,29 @@ class MicroStep:
         return self.sequences * self.response_length
 
 
-def loss_part_bytes(tokens: int, hidden: int, vocab: int, *, fused: bool, dtype_bytes: int) -> dict[str, int]:
-    """What the loss adds at its peak above its inputs (hidden states, LM head), by part.
+def loss_part_bytes(tokens: int, hidden: int, vocab: int, *, fused: bool, dtype_bytes: int,
+                    block_rows: int | None = None) -> dict[str, int]:
+    """What the loss step adds at its peak above its inputs (hidden states, LM head), by
+    part, on a GPU (the Triton path: gradients formed in the forward, dense rows).
 
-    ``tokens`` are the response tokens, ``dtype_bytes`` the hidden states' element size
-    (2 for bf16 on a GPU, 4 for the fp32 CPU benchmark).
+    ``tokens`` are the response tokens, ``dtype_bytes`` the hidden states' element size,
+    ``block_rows`` the rows whose logits are held at once (default: the library's).
     """
     if not fused:
-        return {"eager: fp32 log-softmax + its gradient + the logits' gradient": EAGER_BYTES_PER_LOGIT * tokens * vocab}
+        # The logits, their fp32 copy (16-bit models), the fp32 log-softmax and its
+        # gradient alive together: 14 bytes a logit for bf16 (measured on an H100,
+        # docs/gpu-report.md), 12 for fp32 (measured on the CPU, tests/test_plan.py).
+        per_logit = dtype_bytes + (FP32 if dtype_bytes < FP32 else 0) + 2 * FP32
+        return {"eager: logits, their fp32 copy, the log-softmax and its gradient": per_logit * tokens * vocab}
+    block_rows = min(tokens, block_rows_for(tokens, vocab, dtype_bytes, "cuda", block_rows))
     parts = {
-        "fused: fp32 tiles": LIVE_TILES * min(tokens, TOKEN_TILE) * min(vocab, VOCAB_TILE) * FP32,
-        "fused: fp32 gradient of the hidden states": FP32 * tokens * hidden,
-        "fused: fp32 gradient of the LM head": FP32 * vocab * hidden,
+        "fused: logits of one block of rows": block_rows * vocab * dtype_bytes,
+        "fused: gradient of the hidden states": dtype_bytes * tokens * hidden,
+        "fused: gradient of the LM head": dtype_bytes * vocab * hidden,
+        "fused: per-token values (log-probs, entropy, lse, advantages, weights, row index)": PER_TOKEN_BYTES * tokens,
     }
-    if dtype_bytes < FP32:
-        parts["fused: fp32 copy of the hidden states"] = FP32 * tokens * hidden
+    if tokens > block_rows and dtype_bytes < FP32:
+        parts["fused: fp32 accumulator of the LM head's gradient (several blocks)"] = FP32 * vocab * hidden
     return parts
 
 

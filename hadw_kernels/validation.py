@@ -37,6 +37,14 @@ def _require_float(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
 
 
+def _require_like_logprobs(name: str, tensor, logprobs: torch.Tensor) -> None:
+    """A floating-point [B, T] tensor of the log-probs' shape."""
+    _require_tensor(name, tensor)
+    _require_float(name, tensor)
+    if _shape(tensor) != _shape(logprobs):
+        raise ValueError(f"{name} has shape {_shape(tensor)}, logprobs {_shape(logprobs)}: they must match")
+
+
 def check_anchor(anchor) -> None:
     """A belief C in [0, 1]: a float or a 0-d tensor (its value is checked with the others)."""
     if anchor is None:
@@ -81,12 +89,7 @@ def check_surrogate_inputs(
         )
     tensors = {"logprobs": logprobs, "response_mask": response_mask}
     if old_logprobs is not None:
-        _require_tensor("old_logprobs", old_logprobs)
-        _require_float("old_logprobs", old_logprobs)
-        if _shape(old_logprobs) != _shape(logprobs):
-            raise ValueError(
-                f"old_logprobs has shape {_shape(old_logprobs)}, logprobs {_shape(logprobs)}: they must match"
-            )
+        _require_like_logprobs("old_logprobs", old_logprobs, logprobs)
         tensors["old_logprobs"] = old_logprobs
     if (rewards is None) == (advantages is None):
         raise ValueError(
@@ -127,12 +130,7 @@ def check_surrogate_inputs(
     if config.beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs (the reference policy's log-probs)")
     if ref_logprobs is not None:
-        _require_tensor("ref_logprobs", ref_logprobs)
-        _require_float("ref_logprobs", ref_logprobs)
-        if _shape(ref_logprobs) != _shape(logprobs):
-            raise ValueError(
-                f"ref_logprobs has shape {_shape(ref_logprobs)}, logprobs {_shape(logprobs)}: they must match"
-            )
+        _require_like_logprobs("ref_logprobs", ref_logprobs, logprobs)
         tensors["ref_logprobs"] = ref_logprobs
     if importance_weights is not None:
         _require_tensor("importance_weights", importance_weights)

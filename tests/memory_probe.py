@@ -42,7 +42,8 @@ def main():
     baseline = _status_bytes("VmRSS")
     if path == "eager":
         logp, _ = token_logprobs_reference(h.view(-1, hidden), w, labels.view(-1))
-        loss, _ = surrogate_loss(logp.view(batch, width), old, rewards, mask, LossConfig.build("grpo", group), anchor=0.5)
+        loss, _ = surrogate_loss(logp.view(batch, width), old, mask, LossConfig.build("grpo", group), rewards=rewards,
+                                 anchor=0.5)
     else:
         loss = fused_linear_hadw_grpo_loss(h, w, labels, old, rewards, mask, group_size=group, anchor=0.5, backend="torch")
     loss.backward()

@@ -16,6 +16,14 @@ sys.path.insert(0, str(REPO))
 from trainer.config import ConfigError, load_config, validate  # noqa: E402
 
 
+def _model_dir(tmp_path, head_dim=128) -> Path:
+    """A directory that passes for a Hugging Face model in validation (its config.json)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"hidden_size": 4 * head_dim, "num_attention_heads": 4}))
+    return model_dir
+
+
 def _error(overrides, world_size=1, path=None) -> str:
     with pytest.raises(ConfigError) as raised:
         validate(load_config(path, overrides), world_size)
@@ -30,8 +38,7 @@ def test_defaults_are_valid():
 
 
 def test_table8_config_is_valid_once_pointed_at_model_and_data(tmp_path):
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
+    model_dir = _model_dir(tmp_path)
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"problem": "1+1?", "solution": "It is $\\boxed{2}$.", "level": "Level 1"}) + "\n")
     config = load_config(
@@ -79,15 +86,14 @@ def test_choices_and_vllm_head_dim():
 
 
 def test_math_data_errors(tmp_path):
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
+    model_dir = _model_dir(tmp_path)
     base = ["data.task=math", f"model.path={model_dir}", "rollout.engine=hf"]
     assert "needs data.train_files" in _error(base)
     assert "does not exist" in _error(base + [f"data.train_files=[{tmp_path / 'missing.jsonl'}]"])
     no_answer = tmp_path / "no_answer.jsonl"
     no_answer.write_text(json.dumps({"problem": "2+2?", "solution": "4"}) + "\n")
     message = _error(base + [f"data.train_files=[{no_answer}]"])
-    assert "data.answer_field='answer' is not a field" in message and "solution" in message
+    assert "line 1 has no field 'answer' (data.answer_field" in message and "solution" in message
     assert "needs model.path" in _error(["data.task=math", f"data.train_files=[{no_answer}]"])
 
 
@@ -114,3 +120,32 @@ def test_existing_run_needs_resume(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2 and "pass --resume" in result.stderr
+
+
+def test_every_data_row_is_checked_before_anything_is_built(tmp_path):
+    """Issue 12 item 12: only the first row was checked; a later row without the answer
+    failed with a KeyError after the model was built, and "answer": null trained
+    against the string "None"."""
+    model_dir = _model_dir(tmp_path)
+    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"},
+            {"problem": "3+3?"}, {"problem": "4+4?", "answer": None}, {"problem": None, "answer": "10"},
+            {"problem": "6+6?", "answer": "12"}]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    message = _error(["data.task=math", f"model.path={model_dir}", "rollout.engine=hf",
+                      f"data.train_files=[{data}]"])
+    assert "3 bad row(s)" in message
+    assert "line 3 has no field 'answer'" in message
+    assert "line 4 has an empty 'answer' field (None)" in message
+    assert "line 5 has an empty 'problem' field" in message
+    assert "line 1" not in message and "line 6" not in message
+
+
+def test_reward_function_is_resolved_in_validation():
+    """Issue 12 item 13: a reward function that does not import passed validation and
+    failed after the model was built."""
+    assert "cannot import module 'no_such_module'" in _error(["reward.function=no_such_module:f"])
+    assert "has no attribute 'no_such_function'" in _error(["reward.function=json:no_such_function"])
+    assert "not a function" in _error(["reward.function=json:__name__"])
+    assert "must look like 'package.module:function'" in _error(["reward.function=json"])
+    validate(load_config(None, ["reward.function=json:dumps"]))

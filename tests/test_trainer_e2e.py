@@ -13,13 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer.checkpoint import completed_checkpoints, latest_checkpoint, save_checkpoint  # noqa: E402
+from trainer.checkpoint import save_checkpoint  # noqa: E402
+from trainer.checkpoint_files import completed_checkpoints, latest_checkpoint  # noqa: E402
 from trainer.metrics_log import read_metrics  # noqa: E402
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -68,6 +70,59 @@ def test_hf_engine_dapo_authors_preset_survives_a_failing_reward(tmp_path):
     assert "reward error(s), scored 0; first: RuntimeError: this verifier is broken on odd answers" in result.stdout
     logged = (run_dir / "reward_errors-rank0.log").read_text().splitlines()
     assert len(logged) == errors and "broken on odd answers" in logged[0]
+    # The trained policy as a Hugging Face directory: the last checkpoint's weights.
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf_model").state_dict()
+    trained = torch.load(run_dir / "checkpoints" / "step-00000003" / "state" / "mp_rank_00_model_states.pt",
+                         weights_only=True)["module"]
+    initial = AutoModelForCausalLM.from_pretrained(run_dir / "initial_model").state_dict()
+    assert set(exported) == set(trained)
+    assert all(torch.equal(exported[name], trained[name]) for name in trained)
+    assert not all(torch.equal(exported[name], initial[name]) for name in initial)
+    # What the model answered, for a user to read.
+    samples = read_metrics(run_dir / "samples.jsonl")
+    assert [row["step"] for row in samples] == [1] * 4 + [2] * 4 + [3] * 4
+    assert samples[0]["prompt"].startswith("[BOS] ") and len(samples[0]["group_rewards"]) == 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="the smollm2 extra is not installed")
+def test_gguf_model_with_chat_template_on_the_hf_engine_skips_batches_without_signal(tmp_path):
+    """Issue 16: model.path a GGUF file (the packaged SmolLM2's path, on a tiny model),
+    data.apply_chat_template=true (it sent a BatchEncoding's keys as token ids), the
+    arithmetic task with its held-out evaluation, and a reward that is always 0: no
+    group has an advantage, so each update is skipped while the step is still logged
+    and folded into the anchor."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_gguf import write_tiny_llama_gguf
+
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    result = run_trainer(tmp_path, "gguf", [
+        f"model.path={tmp_path / 'tiny.gguf'}", f"model.cache_dir={tmp_path / 'cache'}", "data.task=arithmetic",
+        "data.apply_chat_template=true", "rollout.engine=hf", "rollout.max_new_tokens=6", "train.steps=2",
+        "eval.every=1", "eval.problems_per_level=2", "reward.function=test_trainer_helpers:nothing_right",
+    ], env={"PYTHONPATH": str(REPO / "tests")})
+    run_dir = tmp_path / "gguf"
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["update/skipped"] is True and row["degenerate_group_frac"] == 1.0
+        assert "loss" not in row and row["time/train"] < 0.5
+        assert row["anchor/y"] == 0.0 and row["anchor/eta"] is not None
+    state = json.loads((latest_checkpoint(run_dir / "checkpoints") / "trainer_state.json").read_text())
+    assert state["anchor"]["step"] == 2  # both skipped batches folded into the anchor
+    assert result.stdout.count("groups got equal rewards") == 2
+
+    samples = read_metrics(run_dir / "samples.jsonl")
+    assert len(samples) == 8
+    for sample in samples:
+        assert sample["prompt"].startswith("<|im_start|>user\n") and "How many" in sample["prompt"]
+        assert sample["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert sample["reward"] == 0.0 and isinstance(sample["response"], str)
+    evaluations = read_metrics(run_dir / "eval.jsonl")
+    assert [row["step"] for row in evaluations] == [0, 1, 2]
+    assert set(evaluations[0]) >= {"eval/plus", "eval/single-digit", "eval/two-digit", "eval/multi-step"}
+    assert (run_dir / "hf_model" / "config.json").is_file()
 
 
 @needs_vllm

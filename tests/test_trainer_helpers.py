@@ -7,6 +7,11 @@ import time
 from trainer.synthetic_task import score_synthetic
 
 
+def nothing_right(response: str, answer: str) -> float:
+    """Every response wrong: every group degenerate, every update skipped."""
+    return 0.0
+
+
 def raises(response: str, answer: str) -> float:
     raise RuntimeError("this verifier is broken")
 

@@ -107,7 +107,7 @@ def test_math_data_from_json_jsonl_and_parquet(tmp_path):
     first = dataset.items[0]
     assert first.answer == "0" and first.level == "Level 0"
     assert first.prompt == (
-        "What is 0+0?. Let's think step by step and output the final answer within \\boxed{}."
+        "What is 0+0? Let's think step by step and output the final answer within \\boxed{}."
     )
     # One epoch: every problem once; ranks get disjoint slices of the same order.
     seen = dataset.problems(0, 2, rank=0, world=2) + dataset.problems(0, 2, rank=1, world=2)
@@ -147,7 +147,7 @@ def test_a_random_policy_scores_between_5_and_40_percent(architecture):
     model = build_tiny_model(config.model, tokenizer, seed=1)
     engine = HFRollout(model, config.rollout, pad_token_id=tokenizer.pad_token_id,
                        eos_token_id=tokenizer.eos_token_id, synced_gpus=False)
-    problems = sample_problems(config.data.levels, 64, np.random.default_rng(0))
+    problems = sample_problems(list(LEVELS), 64, np.random.default_rng(0))
     prompts = [tokenizer(p.prompt).input_ids for p in problems]
     assert all(ids[0] == tokenizer.bos_token_id for ids in prompts)
     responses, _ = engine.generate(prompts, seeds=[0])
@@ -158,3 +158,20 @@ def test_a_random_policy_scores_between_5_and_40_percent(architecture):
     groups = rewards.view(-1, config.rollout.group_size)
     mixed = (groups.amax(1) != groups.amin(1)).float().mean().item()
     assert mixed >= 0.3, f"only {mixed:.0%} of the groups have both right and wrong answers"
+
+
+def test_one_hanging_response_costs_one_timeout_not_the_batch():
+    """Issue 12 item 11: with one worker, every response after a stuck one used to time
+    out as well (N x timeout a step); the stuck worker is now replaced."""
+    pooled = PooledReward(helpers.hangs_on_seven, timeout_seconds=2.0, workers=1)
+    try:
+        answers = ["7", "1", "2", "3", "7", "4"]
+        started = time.perf_counter()
+        batch = pooled(answers, [Problem("q", answer, "a") for answer in answers])
+        elapsed = time.perf_counter() - started
+        assert batch.rewards == [0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+        assert batch.errors == ["timeout after 2.0s"] * 2
+        # Two deadlines and two replacement workers' start-up, nothing more.
+        assert elapsed < 2 * 2.0 + 20, elapsed
+    finally:
+        pooled.close()

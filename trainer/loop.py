@@ -7,6 +7,11 @@ taken from the policy before any update; then ``ppo_epochs`` passes over the bat
 mini-batches (one optimizer step each), each mini-batch in micro-batches whose losses
 add up to the mini-batch loss. The updated weights go into the rollout engine before the
 next batch.
+
+A batch whose every group got equal rewards has zero advantage everywhere: its gradient
+is exactly zero (without an entropy bonus), so the forward and backward are skipped and
+the weights stay as they are. The batch is still logged and still folded into the
+anchor, since its accuracy is an observation like any other.
 """
 
 from __future__ import annotations
@@ -20,30 +25,34 @@ import torch
 import torch.distributed as dist
 
 from hadw_kernels import DifficultyAnchor
+from hadw_kernels.config import AUTHORS_LAMBDA_SCALE
 from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import Config, resolve_engine, save_config
-from .metrics_log import MetricsLog, read_metrics
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import Config, resolve_engine, save_config, task_levels
+from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .policy import Policy, SequenceBatch
 from .problem import Problem
 from .rewards import build_reward
 from .synthetic_task import VOCABULARY, sample_problems
 
-AUTHORS_CODE_LAMBDA = 1.5
 MAX_ERROR_MESSAGES = 20
+# The all-degenerate warning: the first few times, then every this many steps.
+DEGENERATE_WARNINGS_FIRST = 3
+DEGENERATE_WARNINGS_EVERY = 20
 
 
 def build_anchor(algo) -> tuple[DifficultyAnchor, float]:
     """The anchor and lambda_scale of the configured preset."""
     if algo.anchor_preset == "authors_code":
-        return DifficultyAnchor.authors_code(), algo.lambda_scale or AUTHORS_CODE_LAMBDA
+        return DifficultyAnchor.authors_code(), algo.lambda_scale or AUTHORS_LAMBDA_SCALE
     options = {
         name: value
         for name, value in (("eta", algo.anchor_eta), ("window", algo.anchor_window), ("eta_min", algo.anchor_eta_min))
         if value is not None
     }
-    return DifficultyAnchor("soft", belief="prior", **options), algo.lambda_scale or DEFAULT_LAMBDA_SCALE
+    rule = "kalman" if algo.anchor_preset == "kalman" else "soft"
+    return DifficultyAnchor(rule, belief="prior", **options), algo.lambda_scale or DEFAULT_LAMBDA_SCALE
 
 
 def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
@@ -67,7 +76,7 @@ def _logprob_gap(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_logp
 
 
 class Trainer:
-    def __init__(self, config: Config, rank: int, world_size: int, resume: bool) -> None:
+    def __init__(self, config: Config, rank: int, world_size: int, checkpoint: Path | None) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -88,9 +97,9 @@ class Trainer:
         self.anchor, self.lambda_scale = build_anchor(config.algorithm)
         self.reward = build_reward(config.data, config.reward)
         self.error_messages = 0
+        self.degenerate_steps = 0
 
         self.start_step = 0
-        checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
         if checkpoint is not None:
             self.start_step = load_checkpoint(checkpoint, self.policy.engine, self.anchor)
         self.rollout = self._build_rollout(model_dir)
@@ -104,6 +113,11 @@ class Trainer:
             enabled=rank == 0,
             progress=config.run.progress,
         )
+        self.samples = JsonlLog(self.run_dir / "samples.jsonl", first_step=self.start_step,
+                                enabled=rank == 0 and config.run.log_samples > 0)
+        # Cut back to before the first step: the run evaluates its first step (again).
+        self.evaluations = JsonlLog(self.run_dir / "eval.jsonl", first_step=self.start_step - 1,
+                                    enabled=rank == 0 and config.eval.every > 0)
         if checkpoint is not None:
             self.log.message(f"resumed from {checkpoint} at step {self.start_step}")
 
@@ -115,9 +129,16 @@ class Trainer:
         model_config = self.config.model
         dtype = getattr(torch, model_config.dtype)
         if model_config.path:
-            tokenizer = AutoTokenizer.from_pretrained(model_config.path)
-            model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype)
-            return tokenizer, model, Path(model_config.path)
+            from .pretrained import cached_model_dir, ensure_converted, resolve_model_source
+
+            source = resolve_model_source(model_config.path)
+            if self.rank == 0:
+                ensure_converted(source, model_config.cache_dir)
+            _barrier()
+            model_dir = cached_model_dir(source, model_config.cache_dir)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            return tokenizer, model, model_dir
         from .tiny_model import build_tiny_model, build_tokenizer, save_initial_model
 
         tokenizer = build_tokenizer(VOCABULARY)
@@ -130,9 +151,16 @@ class Trainer:
 
     def _build_prompt_source(self) -> None:
         data = self.config.data
-        if data.task == "synthetic":
-            self.levels = list(data.levels)
-            self.math_data = None
+        self.math_data = None
+        self.held_out: list[Problem] = []
+        if data.task != "math":
+            self.levels = list(data.levels) or list(task_levels(data.task))
+            if data.task == "arithmetic" and self.config.eval.every:
+                from .arithmetic_task import held_out_problems
+
+                self.held_out = held_out_problems(self.levels, self.config.eval.problems_per_level,
+                                                  data.prompt_template)
+            self.held_out_prompts = frozenset(problem.prompt for problem in self.held_out)
         else:
             from .math_data import MathDataset
 
@@ -163,15 +191,21 @@ class Trainer:
         if self.math_data is not None:
             return self.math_data.problems(step, self.prompts_per_rank, self.rank, self.world_size)
         rng = np.random.default_rng([self.config.train.seed, step, self.rank])
+        if self.config.data.task == "arithmetic":
+            from .arithmetic_task import sample_problems as sample_arithmetic
+
+            return sample_arithmetic(self.levels, self.prompts_per_rank, rng, self.config.data.prompt_template,
+                                     self.held_out_prompts)
         return sample_problems(self.levels, self.prompts_per_rank, rng)
 
     def _encode(self, prompt: str) -> list[int]:
         data = self.config.data
         if data.apply_chat_template:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            # return_dict=False: transformers 5 otherwise returns a BatchEncoding (a
+            # Mapping, not a dict), whose keys were once sent to vLLM as token ids.
+            ids = list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            ))
         else:
             ids = self.tokenizer(prompt).input_ids
         # Keep the end: the template's instruction comes after the question.
@@ -195,11 +229,20 @@ class Trainer:
 
         belief = self.anchor.update(rewards)  # once per rollout batch, all-reduced
         tallies = self._global_tallies(per_response, rewards, responses, len(scored.errors))
-        figures = self._update(step, prompt_ids, responses, engine_logprobs, rewards.to(self.policy.device),
-                               belief, tallies)
+        self._log_samples(step, problems, prompt_ids, texts, scored.rewards)
+        all_degenerate = tallies["degenerate_groups"] == tallies["groups"]
+        if all_degenerate:
+            self._warn_degenerate(step, tallies)
+        # Zero advantage everywhere: a zero gradient, unless an entropy bonus adds one.
+        skip = all_degenerate and self.config.algorithm.entropy_coef == 0
+        if skip:
+            figures = {}
+        else:
+            figures = self._update(step, prompt_ids, responses, engine_logprobs, rewards.to(self.policy.device),
+                                   belief, tallies)
         trained = time.perf_counter()
 
-        if self.rollout.needs_weight_sync:
+        if self.rollout.needs_weight_sync and not skip:
             self.rollout.sync_weights(self.policy.weights_for_rollout())
         synced = time.perf_counter()
 
@@ -218,6 +261,8 @@ class Trainer:
         })
         row.update(figures)
         row.update({
+            "update/skipped": skip,
+            "degenerate_group_frac": tallies["degenerate_groups"] / tallies["groups"],
             "response_length": tallies["tokens"] / (len(per_response) * self.world_size),
             "reward/errors": tallies["errors"],
             "tokens_per_s": tallies["tokens"] / (synced - started),
@@ -230,18 +275,73 @@ class Trainer:
         return row
 
     def _global_tallies(self, problems, rewards, responses, errors) -> dict:
-        """Per-level reward sums and counts, generated tokens and reward errors over all ranks."""
+        """Per-level reward sums and counts, generated tokens, reward errors, and groups
+        whose rewards are all equal (zero advantage), over all ranks."""
         levels = len(self.levels)
-        values = torch.zeros(2 * levels + 2, dtype=torch.float64)
+        values = torch.zeros(2 * levels + 4, dtype=torch.float64)
         for problem, reward in zip(problems, rewards.tolist()):
             index = self.levels.index(problem.level)
             values[index] += reward
             values[levels + index] += 1
-        values[-2] = sum(len(r) for r in responses)
-        values[-1] = errors
+        groups = rewards.view(-1, self.group_size)
+        values[-4] = sum(len(r) for r in responses)
+        values[-3] = errors
+        values[-2] = float((groups.amax(dim=1) == groups.amin(dim=1)).sum())
+        values[-1] = groups.shape[0]
         values = _all_reduce_sum(values).tolist()
         return {"level_sums": values[:levels], "level_counts": values[levels:2 * levels],
-                "tokens": values[-2], "errors": int(values[-1])}
+                "tokens": values[-4], "errors": int(values[-3]), "degenerate_groups": int(values[-2]),
+                "groups": int(values[-1])}
+
+    def _log_samples(self, step: int, problems, prompt_ids, texts, rewards) -> None:
+        """The first response to each of the first prompts, so a user can see what the
+        model answers (and why the reward is what it is)."""
+        group = self.group_size
+        for index, problem in enumerate(problems[:self.config.run.log_samples]):
+            self.samples.write({
+                "step": step + 1,
+                "level": problem.level,
+                "prompt": self.tokenizer.decode(prompt_ids[index]),
+                "answer": problem.answer,
+                "response": texts[index * group],
+                "reward": rewards[index * group],
+                "group_rewards": rewards[index * group:(index + 1) * group],
+            })
+
+    def _warn_degenerate(self, step: int, tallies: dict) -> None:
+        self.degenerate_steps += 1
+        count = self.degenerate_steps
+        if count <= DEGENERATE_WARNINGS_FIRST or count % DEGENERATE_WARNINGS_EVERY == 0:
+            self.log.message(
+                f"warning: step {step + 1}: all {tallies['groups']} groups got equal rewards (mean "
+                f"{self.anchor.observation:.2f}), so no response has an advantage and there is nothing to "
+                f"learn from ({count} such step(s) so far); samples.jsonl shows what the model answers"
+            )
+
+    def evaluate(self, step: int) -> dict:
+        """Greedy accuracy per level on the held-out problems, over all ranks."""
+        started = time.perf_counter()
+        mine = self.held_out[self.rank::self.world_size]
+        responses = self.rollout.greedy([self._encode(problem.prompt) for problem in mine],
+                                        self.config.rollout.max_new_tokens)
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        scored = self.reward(texts, mine)
+        levels = len(self.levels)
+        values = torch.zeros(2 * levels, dtype=torch.float64)
+        for problem, reward in zip(mine, scored.rewards):
+            index = self.levels.index(problem.level)
+            values[index] += reward
+            values[levels + index] += 1
+        values = _all_reduce_sum(values).tolist()
+        row = {"step": step}
+        for index, level in enumerate(self.levels):
+            row[f"eval/{level}"] = values[index] / values[levels + index]
+        row["eval/mean"] = sum(values[:levels]) / sum(values[levels:])
+        row["time/eval"] = time.perf_counter() - started
+        self.evaluations.write(row)
+        self.log.message(f"held-out greedy accuracy at step {step}: " + ", ".join(
+            f"{level} {row[f'eval/{level}']:.2f}" for level in self.levels) + f" ({row['time/eval']:.0f} s)")
+        return row
 
     def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, belief, tallies) -> dict:
         train, algo = self.config.train, self.config.algorithm
@@ -316,16 +416,26 @@ class Trainer:
 
     def run(self) -> list[dict]:
         config = self.config
+        every = config.eval.every
         try:
+            if every and (self.start_step % every == 0 or self.start_step == config.train.steps):
+                self.evaluate(self.start_step)
             for step in range(self.start_step, config.train.steps):
                 row = self.train_step(step)
                 self.log.write(row)
                 done = step + 1
+                if every and (done % every == 0 or done == config.train.steps):
+                    self.evaluate(done)
                 if done % config.run.checkpoint_every == 0 or done == config.train.steps:
                     save_checkpoint(self.run_dir / "checkpoints", done, self.policy.engine, self.anchor,
                                     config.run.keep_checkpoints)
+            if config.run.export_hf:
+                self.policy.export_hf(self.run_dir / "hf_model", self.tokenizer)
+                self.log.message(f"trained model saved as a Hugging Face directory: {self.run_dir / 'hf_model'}")
         finally:
             self.log.close()
+            self.samples.close()
+            self.evaluations.close()
             self.reward.close()
         rows = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
         if self.rank == 0 and config.run.plot and rows:

@@ -17,42 +17,90 @@ import numpy as np
 from .problem import Problem
 
 
-def read_records(path: Path) -> list[dict]:
+MAX_REPORTED_ROWS = 10
+
+
+class DataError(ValueError):
+    """Records that cannot become problems; the message names each bad row."""
+
+
+def read_records(path: Path) -> list[tuple[str, object]]:
+    """``(where, record)`` pairs; ``where`` names the row for error messages ("line 3" of
+    a JSONL file, "record 3" of a JSON list or Parquet table, counted from 1)."""
     if path.suffix == ".jsonl":
+        records = []
         with path.open() as handle:
-            return [json.loads(line) for line in handle if line.strip()]
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append((f"line {number}", json.loads(line)))
+                except json.JSONDecodeError as error:
+                    raise DataError(f"{path}, line {number} is not JSON: {error}") from None
+        return records
     if path.suffix == ".json":
-        loaded = json.loads(path.read_text())
+        try:
+            loaded = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path} is not JSON: {error}") from None
         if isinstance(loaded, dict):  # {"data": [...]} or one record
             lists = [v for v in loaded.values() if isinstance(v, list)]
             loaded = lists[0] if len(lists) == 1 else [loaded]
-        return list(loaded)
+        if not isinstance(loaded, list):
+            raise DataError(f"{path} holds neither a list of records nor a mapping")
+        return [(f"record {number}", record) for number, record in enumerate(loaded, start=1)]
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    raise ValueError(f"{path}: expected a .json, .jsonl or .parquet file")
+        rows = pq.read_table(path).to_pylist()
+        return [(f"record {number}", record) for number, record in enumerate(rows, start=1)]
+    raise DataError(f"{path}: expected a .json, .jsonl or .parquet file")
 
 
-def first_record(path: Path) -> dict | None:
-    """The first record, read cheaply, so a config check can see the field names."""
-    if path.suffix == ".jsonl":
-        with path.open() as handle:
-            for line in handle:
-                if line.strip():
-                    return json.loads(line)
-        return None
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+def problem_from_record(record: object, data_config) -> Problem:
+    """One record as a problem; raises ValueError saying what is wrong with it."""
+    if not isinstance(record, dict):
+        raise ValueError(f"is a {type(record).__name__}, not a record of fields")
+    values = {}
+    for key in ("question_field", "answer_field"):
+        name = getattr(data_config, key)
+        if name not in record:
+            raise ValueError(f"has no field {name!r} (data.{key}; fields: {sorted(record)})")
+        value = record[name]
+        # null would become the string "None" and train against it
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ValueError(f"has an empty {name!r} field ({value!r})")
+        values[key] = str(value).strip()
+    answer = values["answer_field"]
+    if data_config.answer_from_solution:
+        answer = last_boxed(answer)
+        if answer is None or not answer.strip():
+            raise ValueError(f"has a solution without a \\boxed{{}} answer: {values['answer_field'][:60]!r}")
+    level = record.get(data_config.level_field)
+    level = "all" if level is None else str(level)
+    prompt = data_config.prompt_template.replace("{question}", values["question_field"])
+    return Problem(prompt, answer.strip(), level)
 
-        table = pq.ParquetFile(path)
-        for batch in table.iter_batches(batch_size=1):
-            rows = batch.to_pylist()
-            if rows:
-                return rows[0]
-        return None
-    records = read_records(path)
-    return records[0] if records else None
+
+def load_problems(data_config) -> list[Problem]:
+    """Every record of ``data.train_files`` as a problem, each row checked first: one
+    error lists every bad row (the first few of them, and how many there are)."""
+    problems, bad = [], []
+    for name in data_config.train_files:
+        path = Path(name)
+        records = read_records(path)
+        if not records:
+            bad.append(f"{path} holds no records")
+        for where, record in records:
+            try:
+                problems.append(problem_from_record(record, data_config))
+            except ValueError as error:
+                bad.append(f"{path}, {where} {error}")
+    if bad:
+        shown = "\n  ".join(bad[:MAX_REPORTED_ROWS])
+        more = f"\n  ... and {len(bad) - MAX_REPORTED_ROWS} more" if len(bad) > MAX_REPORTED_ROWS else ""
+        raise DataError(f"{len(bad)} bad row(s) in data.train_files:\n  {shown}{more}")
+    return problems
 
 
 def last_boxed(text: str) -> str | None:
@@ -86,25 +134,7 @@ class MathDataset:
         self.seed = seed
         self._epoch: int | None = None
         self._epoch_order = np.empty(0, dtype=np.int64)
-        self.items: list[Problem] = []
-        for name in data_config.train_files:
-            for record in read_records(Path(name)):
-                self.items.append(self._problem(record, data_config, name))
-        if not self.items:
-            raise ValueError(f"no usable records in {data_config.train_files}")
-
-    @staticmethod
-    def _problem(record: dict, data_config, source: str) -> Problem:
-        question = str(record[data_config.question_field]).strip()
-        answer = str(record[data_config.answer_field])
-        if data_config.answer_from_solution:
-            boxed = last_boxed(answer)
-            if boxed is None:
-                raise ValueError(f"{source}: a solution has no \\boxed{{}} answer: {answer[:80]!r}")
-            answer = boxed
-        level = str(record.get(data_config.level_field, "all"))
-        prompt = data_config.prompt_template.replace("{question}", question)
-        return Problem(prompt, answer.strip(), level)
+        self.items: list[Problem] = load_problems(data_config)
 
     def problems(self, step: int, count: int, rank: int = 0, world: int = 1) -> list[Problem]:
         size = len(self.items)

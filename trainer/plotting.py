@@ -61,27 +61,35 @@ def plot_run(rows: list[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def plot_comparison(runs: dict[str, list[list[dict]]], path: Path, title: str) -> None:
-    """``runs`` maps a label to the metric rows of each seed; mean and range per label."""
-    levels = sorted({k for seeds in runs.values() for rows in seeds for row in rows for k in row
-                     if k.startswith("acc/")})
-    keys = ["reward/mean"] + levels
-    figure, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
-    for axis, key in zip(axes[0], keys):
-        for label, seeds in runs.items():
-            curves = [_series(rows, key) for rows in seeds]
+def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str) -> None:
+    """``runs`` maps a label to one ``{"metrics": rows, "eval": rows}`` per seed; each
+    panel shows the mean over seeds and the min-max band, per label. Panels: the
+    training reward, then each level's held-out greedy accuracy where the runs were
+    evaluated (eval.jsonl), else each level's training accuracy."""
+    seeds = [seed for per_label in runs.values() for seed in per_label]
+    evaluated = all(seed["eval"] for seed in seeds)
+    source, prefix = ("eval", "eval/") if evaluated else ("metrics", "acc/")
+    # In the order the rows list them (the task's, easy to hard), not alphabetical.
+    levels = list(dict.fromkeys(k for seed in seeds for row in seed[source] for k in row if k.startswith(prefix)))
+    panels = [("metrics", "reward/mean", "training reward (sampled)")]
+    panels += [(source, key, f"held-out greedy {key.split('/', 1)[1]}" if evaluated else key) for key in levels]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
+    for axis, (kind, key, name) in zip(axes[0], panels):
+        for label, per_seed in runs.items():
+            curves = [_series(seed[kind], key) for seed in per_seed]
             length = min(len(steps) for steps, _ in curves)
             if length == 0:
                 continue
-            window = max(1, length // 15)
+            window = max(1, length // 15) if kind == "metrics" else 1  # evaluations are few: unsmoothed
             stacked = np.stack([smooth(values[:length], window) for _, values in curves])
             steps = curves[0][0][:length]
-            line, = axis.plot(steps, stacked.mean(axis=0), label=f"{label} (n={len(seeds)})")
+            line, = axis.plot(steps, stacked.mean(axis=0), marker="o" if kind == "eval" else None,
+                              label=f"{label} (n={len(per_seed)})")
             axis.fill_between(steps, stacked.min(axis=0), stacked.max(axis=0), alpha=0.2, color=line.get_color())
-        axis.set_title(key)
+        axis.set_title(name)
         axis.set_xlabel("rollout batch")
         axis.set_ylim(-0.02, 1.02)
-        axis.legend(fontsize=8)
+        axis.legend(fontsize=7)
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=90)

@@ -11,15 +11,17 @@ gathered with ``GatheredParameters`` for the loss and its backward.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels import token_logprobs as fused_token_logprobs
-
-IGNORE_INDEX = -100
+from hadw_kernels.linear_logprob import IGNORE_INDEX
 
 
 @dataclass
@@ -182,6 +184,24 @@ class Policy:
 
     def learning_rate(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def export_hf(self, directory: Path, tokenizer) -> None:
+        """Saves the policy as a Hugging Face directory (weights, config, tokenizer) that
+        ``from_pretrained`` and vLLM load; collective under ZeRO-3, rank 0 writes."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        parameters = list(self.module.parameters())
+        with self._gathered(parameters):  # ZeRO-3: the full weights on every rank
+            if rank == 0:
+                partial = directory.with_name(f".partial-{directory.name}")
+                shutil.rmtree(partial, ignore_errors=True)
+                self.module.save_pretrained(partial)
+                tokenizer.save_pretrained(partial)
+                shutil.rmtree(directory, ignore_errors=True)
+                os.replace(partial, directory)
+        if dist.is_initialized():
+            dist.barrier()
 
     def weights_for_rollout(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) in the checkpoint's naming, for the engine's reload_weights."""

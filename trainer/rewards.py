@@ -7,8 +7,9 @@ gives reward 0 for that response and an error message the trainer counts and log
 
 The MATH verifier uses ``math-verify``. Its own timeouts use ``signal.alarm``, which only
 works on a process's main thread and would fire inside the trainer's own work, so they
-are switched off and each verification runs in a worker process of a ``spawn`` pool with
-a deadline: a worker stuck in sympy past it is killed and the pool rebuilt.
+are switched off and each verification runs in a ``spawn`` worker process with a
+deadline: a worker stuck in sympy past it is killed and replaced, and the other
+responses of the batch go on in the remaining workers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing
+import multiprocessing.connection
+import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,9 +47,16 @@ def math_verify_reward(response: str, answer: str) -> float:
     predicted = last_boxed(response)
     if predicted is None:
         return 0.0
-    gold = parse("\\boxed{" + answer + "}", parsing_timeout=None)
-    target = parse("\\boxed{" + predicted + "}", parsing_timeout=None)
+    gold = parse("\\boxed{" + _without_percent(answer) + "}", parsing_timeout=None)
+    target = parse("\\boxed{" + _without_percent(predicted) + "}", parsing_timeout=None)
     return float(verify(gold, target, timeout_seconds=None))
+
+
+def _without_percent(text: str) -> str:
+    """``10\\%`` -> ``10``: math-verify reads a percentage as its number, but only with
+    the ANTLR 4.13 LaTeX grammar; with ANTLR 4.9 (which omegaconf, hence verl, pins) it
+    keeps ``10\\%`` as text and a right answer would score 0."""
+    return re.sub(r"\\?%", "", text)
 
 
 def _quiet_worker() -> None:
@@ -80,57 +91,135 @@ class InProcessReward:
         pass
 
 
+def _worker_main(connection, function: RewardFunction) -> None:
+    """A reward worker: answers (index, response, answer) requests until told to stop."""
+    _quiet_worker()
+    connection.send("ready")
+    while (request := connection.recv()) is not None:
+        index, response, answer = request
+        connection.send((index, *_call_safely(function, response, answer)))
+
+
+class _Worker:
+    """One spawned worker process and the request it is busy with."""
+
+    def __init__(self, context, function: RewardFunction) -> None:
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child, function), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready = False
+        self.task: int | None = None
+        self.deadline = 0.0
+
+    def stop(self, kill: bool) -> None:
+        if kill:
+            self.process.kill()
+        else:
+            try:
+                self.connection.send(None)
+            except OSError:
+                self.process.kill()
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.connection.close()
+
+
 class PooledReward:
-    """A reward function run in worker processes, each response with a deadline."""
+    """A reward function run in worker processes, each response with its own deadline.
+
+    A response is handed to an idle worker and timed from that moment, so a response
+    never waits out another's deadline. A worker still busy at its deadline (stuck in
+    sympy, say) is killed and replaced, and only its response scores 0: one bad response
+    costs one timeout, not the rest of the batch. Workers start once and are reused.
+    """
 
     def __init__(self, function: RewardFunction, timeout_seconds: float, workers: int) -> None:
         self.function = function
         self.timeout_seconds = timeout_seconds
-        self.workers = workers
-        self._pool = None
-
-    def _ensure_pool(self):
-        if self._pool is None:
-            context = multiprocessing.get_context("spawn")
-            self._pool = context.Pool(self.workers, initializer=_quiet_worker)
-        return self._pool
+        self.size = workers
+        self._context = multiprocessing.get_context("spawn")
+        self._workers: list[_Worker] = []
 
     def __call__(self, responses: Sequence[str], problems: Sequence[Problem]) -> RewardBatch:
-        pool = self._ensure_pool()
-        pending = [
-            pool.apply_async(_call_safely, (self.function, response, problem.answer))
-            for response, problem in zip(responses, problems, strict=True)
-        ]
+        answers = [problem.answer for problem in problems]
+        if len(answers) != len(responses):
+            raise ValueError(f"{len(responses)} responses for {len(answers)} problems")
+        while len(self._workers) < self.size:
+            self._workers.append(_Worker(self._context, self.function))
+        results: dict[int, tuple[float, str | None]] = {}
+        queue = list(range(len(responses)))
+        queue.reverse()  # pop() from the end hands the responses out in order
+        while len(results) < len(responses):
+            for worker in self._workers:
+                if worker.ready and worker.task is None and queue:
+                    worker.task = queue.pop()
+                    worker.deadline = time.monotonic() + self.timeout_seconds
+                    worker.connection.send((worker.task, responses[worker.task], answers[worker.task]))
+            busy = [w for w in self._workers if w.task is not None]
+            waits = [w.deadline - time.monotonic() for w in busy]
+            ready = multiprocessing.connection.wait(
+                [w.connection for w in self._workers], timeout=max(0.0, min(waits)) if waits else None
+            )
+            for index, worker in enumerate(self._workers):
+                if worker.connection in ready:
+                    try:
+                        message = worker.connection.recv()
+                    except EOFError:  # the worker died (crashed, or killed from outside)
+                        if not worker.ready:
+                            worker.process.join()
+                            raise RuntimeError(
+                                f"a reward worker exited while starting (exit code {worker.process.exitcode}): "
+                                f"can {self.function!r} be imported in a fresh process?"
+                            ) from None
+                        if worker.task is not None:
+                            results[worker.task] = (0.0, "the reward worker died")
+                        self._replace(index, kill=True)
+                        continue
+                    if message == "ready":
+                        worker.ready = True
+                    else:
+                        task, reward, error = message
+                        results[task] = (reward, error)
+                        worker.task = None
+                elif worker.task is not None and time.monotonic() >= worker.deadline:
+                    results[worker.task] = (0.0, f"timeout after {self.timeout_seconds}s")
+                    self._replace(index, kill=True)
         batch = RewardBatch([])
-        stuck = False
-        for result in pending:
-            try:
-                # Each response gets the full deadline from the moment it is awaited:
-                # the queue ahead of it is bounded by the deadlines of those before.
-                reward, error = result.get(timeout=self.timeout_seconds)
-            except multiprocessing.TimeoutError:
-                reward, error, stuck = 0.0, f"timeout after {self.timeout_seconds}s", True
+        for index in range(len(responses)):
+            reward, error = results[index]
             batch.rewards.append(reward)
             if error:
                 batch.errors.append(error)
-        if stuck:
-            # A worker still inside sympy would hold the pool: kill it and start afresh.
-            self.close()
         return batch
 
+    def _replace(self, index: int, kill: bool) -> None:
+        self._workers[index].stop(kill)
+        self._workers[index] = _Worker(self._context, self.function)
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        for worker in self._workers:
+            worker.stop(kill=False)
+        self._workers = []
 
 
 def load_function(spec: str) -> RewardFunction:
-    """``"package.module:function"`` -> the function."""
+    """``"package.module:function"`` -> the function; errors say which part failed."""
     module_name, sep, attribute = spec.partition(":")
-    if not sep:
-        raise ValueError(f"reward.function {spec!r} must look like 'package.module:function'")
-    return getattr(importlib.import_module(module_name), attribute)
+    if not sep or not module_name or not attribute:
+        raise ValueError("must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ImportError(f"cannot import module {module_name!r} ({error}); is it on PYTHONPATH?") from error
+    function = getattr(module, attribute, None)
+    if function is None:
+        raise AttributeError(f"module {module_name!r} has no attribute {attribute!r}")
+    if not callable(function):
+        raise TypeError(f"{module_name}.{attribute} is a {type(function).__name__}, not a function")
+    return function
 
 
 def build_reward(data_config, reward_config):
@@ -139,6 +228,10 @@ def build_reward(data_config, reward_config):
         function = load_function(reward_config.function)
     elif data_config.task == "math":
         function = math_verify_reward
+    elif data_config.task == "arithmetic":
+        from .arithmetic_task import score_arithmetic
+
+        function = score_arithmetic
     else:
         return InProcessReward(score_synthetic)
     if reward_config.timeout_seconds > 0:

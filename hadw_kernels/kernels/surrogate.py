@@ -85,7 +85,6 @@ _SEQ_MEAN_TOKEN_SUM_NORM = AGG_MODES.index("seq-mean-token-sum-norm")
 _LOG_RATIO_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)
 _K3_LOG_RATIO_CLAMP = tl.constexpr(K3_LOG_RATIO_CLAMP)
 _K3_VALUE_CLAMP = tl.constexpr(K3_VALUE_CLAMP)
-_NAN = tl.PropagateNan.ALL
 
 
 # --- per-token math, shared with linear_surrogate.py -------------------------------------
@@ -101,7 +100,7 @@ def sign(x):
 @triton.jit
 def clamp(x, low, high):
     """clamp that keeps NaN (tl.minimum / tl.maximum drop it by default)."""
-    return tl.minimum(tl.maximum(x, low, propagate_nan=_NAN), high, propagate_nan=_NAN)
+    return tl.minimum(tl.maximum(x, low, propagate_nan=tl.PropagateNan.ALL), high, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -137,7 +136,7 @@ def clipped_objective(ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DU
     dual-clip bound torch.minimum splits the gradient, so half passes."""
     unclipped = -ratio * advantage
     clipped = -clamp(ratio, ratio_low, ratio_high) * advantage
-    objective = tl.maximum(unclipped, clipped, propagate_nan=_NAN)
+    objective = tl.maximum(unclipped, clipped, propagate_nan=tl.PropagateNan.ALL)
     passes = (unclipped > clipped) | ((ratio >= ratio_low) & (ratio <= ratio_high))
     slope = tl.where(passes, -advantage, 0.0)
     if HAS_DUAL_CLIP:
@@ -145,7 +144,7 @@ def clipped_objective(ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DU
         negative = advantage < 0
         slope = tl.where(negative & (objective > bound), 0.0, tl.where(negative & (objective == bound), 0.5 * slope,
                                                                         slope))
-        objective = tl.where(negative, tl.minimum(objective, bound, propagate_nan=_NAN), objective)
+        objective = tl.where(negative, tl.minimum(objective, bound, propagate_nan=tl.PropagateNan.ALL), objective)
     return objective, slope
 
 

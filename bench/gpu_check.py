@@ -1,0 +1,566 @@
+"""The GPU half, proven in one offline command: ``bash scripts/gpu_check.sh`` on a CUDA
+machine (torch and Triton installed, no network), ``--dry-run`` on the CPU (CI).
+
+1. runs the conformance suite and the hardening tests with the Triton kernels compiled
+   (HADW_TEST_DEVICE=cuda; dry run: the interpreter, a subset);
+2. times one loss step (forward + backward) against the bound (the three bare GEMMs any
+   exact method needs, cuBLAS, preallocated), eager PyTorch (materialised logits),
+   Liger's chunked loss and Triton GRPO op, and Cut Cross-Entropy's kernel + surrogate,
+   with CUDA events (warm-up, median), and the peak memory above the inputs;
+3. at the paper's scale (Qwen3-4B head, responses of 4096 tokens, G = 8..64, bf16)
+   measures the loss step's peak memory for eager and this library, the largest G that
+   fits, and the memory planner's loss part against the measurement;
+4. writes one markdown report (``--report``) and exits non-zero if a correctness test
+   failed.
+
+Progress goes to stdout as it happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+START = time.time()
+
+
+def say(message: str) -> None:
+    print(f"[gpu_check {time.time() - START:6.1f}s] {message}", flush=True)
+
+
+# --- 1. correctness -------------------------------------------------------------------
+
+
+@dataclass
+class TestRun:
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def run_tests(dry_run: bool, junit: Path) -> TestRun:
+    """The conformance suite and the hardening tests, in a child pytest."""
+    environment = dict(os.environ)
+    if dry_run:
+        environment["HADW_TEST_DEVICE"] = "cpu"
+        environment["TRITON_INTERPRET"] = "1"
+        selection = ["tests/conformance/test_surrogate_op.py", "-k", "grpo and (plain or hadw) and float32"]
+    else:
+        environment["HADW_TEST_DEVICE"] = "cuda"
+        environment.pop("TRITON_INTERPRET", None)
+        selection = ["tests/conformance"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *selection]
+    say("tests: " + " ".join(command[3:]))
+    started = time.time()
+    subprocess.run(command, cwd=ROOT, env=environment, check=False)
+    run = TestRun(seconds=time.time() - started)
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        outcome = {child.tag for child in case}
+        if outcome & {"failure", "error"}:
+            run.failed += 1
+            detail = next(child for child in case if child.tag in ("failure", "error"))
+            run.failures.append(f"{case.get('name')}: {(detail.get('message') or '')[:300]}")
+        elif "skipped" in outcome:
+            run.skipped += 1
+        else:
+            run.passed += 1
+    say(f"tests: {run.passed} passed, {run.failed} failed, {run.skipped} skipped in {run.seconds:.0f} s")
+    return run
+
+
+# --- 2. loss-step benchmark -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    width: int
+    hidden: int
+    vocab: int
+    dtype: str
+    padded: bool = False  # half of each response is padding
+    block_rows: tuple = ()  # extra rows of this library at these block sizes
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.width
+
+    def label(self) -> str:
+        pad = ", half padding" if self.padded else ", dense on-policy"
+        return f"{self.name}: B={self.batch} T={self.width} H={self.hidden} V={self.vocab} {self.dtype}{pad}"
+
+
+GROUP_SIZE = 8
+EPSILON = 0.2
+
+
+def make_inputs(case: Case, device):
+    import torch
+
+    dtype = getattr(torch, case.dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(case.batch, case.width, case.hidden, device=device, generator=generator).to(dtype)
+    weight = (torch.randn(case.vocab, case.hidden, device=device, generator=generator) / math.sqrt(case.hidden)).to(dtype)
+    labels = torch.randint(0, case.vocab, (case.batch, case.width), device=device, generator=generator)
+    rewards = torch.bernoulli(torch.full((case.batch,), 0.5, device=device), generator=generator)
+    rewards[0], rewards[1] = 0.0, 1.0  # no group of only equal rewards in a one-group batch
+    lengths = torch.full((case.batch,), case.width, device=device)
+    if case.padded:
+        lengths = lengths // 2
+    mask = torch.arange(case.width, device=device)[None, :] < lengths[:, None]
+    return dict(hidden=hidden, weight=weight, labels=labels, rewards=rewards, mask=mask)
+
+
+def plain_surrogate(logprobs, old, rewards, mask):
+    """GRPO's clipped surrogate as TRL and verl write it (eager baseline)."""
+    import torch
+
+    grouped = rewards.view(-1, min(GROUP_SIZE, rewards.numel()))
+    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+    ratio = torch.exp(logprobs - old)
+    loss = -torch.minimum(ratio * advantages, ratio.clamp(1 - EPSILON, 1 + EPSILON) * advantages)
+    mask = mask.to(loss.dtype)
+    return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+
+
+def implementations(case: Case) -> dict[str, Callable]:
+    """name -> step(inputs) running one forward + backward; peers imported lazily."""
+    import torch
+
+    import hadw_kernels
+
+    def leaves(x):
+        return x["hidden"].detach().requires_grad_(), x["weight"].detach().requires_grad_()
+
+    def eager(x):
+        hidden, weight = leaves(x)
+        logits = hidden @ weight.t()
+        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, x["labels"][..., None]).squeeze(-1)
+        plain_surrogate(logprobs, logprobs.detach(), x["rewards"], x["mask"]).backward()
+
+    def hadw(path, block_rows=None):
+        def step(x):
+            hidden, weight = leaves(x)
+            loss = hadw_kernels.fused_linear_hadw_grpo_loss(
+                hidden, weight, x["labels"], None, x["rewards"], x["mask"], group_size=min(GROUP_SIZE, case.batch),
+                anchor=0.5, backend="triton", linear_path=path, block_rows=block_rows, check_values=False,
+            )
+            loss.backward()
+        return step
+
+    def liger_chunked(x):
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="grpo", epsilon_low=EPSILON,
+                                           epsilon_high=EPSILON)
+        hidden, weight = leaves(x)
+        advantages = hadw_kernels.group_advantages(x["rewards"], min(GROUP_SIZE, case.batch))
+        loss, _ = loss_fn(hidden, weight, x["labels"], x["mask"].float(), advantages)
+        loss.backward()
+
+    def liger_triton_op(x):
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        hidden, weight = leaves(x)
+        logits = hidden @ weight.t()
+        # Liger's op takes the logits of T + 1 positions and drops the last.
+        logits = torch.cat([logits, logits[:, -1:]], dim=1)
+        advantages = hadw_kernels.group_advantages(x["rewards"], min(GROUP_SIZE, case.batch))
+        per_token, _, _ = triton_grpo_loss(logits, None, None, x["labels"], advantages, x["mask"].float(),
+                                           temperature=1.0, beta=0.0, eps_low=EPSILON, eps_high=EPSILON,
+                                           loss_type="grpo")
+        mask = x["mask"].float()
+        ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().backward()
+
+    def cce(x):
+        from cut_cross_entropy import linear_cross_entropy
+
+        hidden, weight = leaves(x)
+        labels = x["labels"].masked_fill(~x["mask"], -100)
+        logprobs = -linear_cross_entropy(hidden, weight, labels, impl="cce", reduction="none")
+        plain_surrogate(logprobs, logprobs.detach(), x["rewards"], x["mask"]).backward()
+
+    return {
+        "eager": eager,
+        "hadw[triton] gradients in forward": hadw("gradients_in_forward"),
+        **{f"hadw[triton] gradients in forward, block_rows={rows}": hadw("gradients_in_forward", rows)
+           for rows in case.block_rows},
+        "hadw[triton] recompute": hadw("recompute"),
+        "liger chunked": liger_chunked,
+        "liger triton op": liger_triton_op,
+        "cce + surrogate": cce,
+    }
+
+
+@dataclass
+class Timing:
+    milliseconds: float | None
+    peak_mib: float | None
+    note: str = ""
+
+
+def _cuda_time(step: Callable, rounds: int) -> float:
+    """Median milliseconds of ``step`` after two warm-up calls: CUDA events on a GPU, the
+    process clock in a dry run on the CPU."""
+    import torch
+
+    step()  # warm-up: compiles, autotunes, fills caches
+    step()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _peak_mib(step: Callable) -> float | None:
+    """Peak allocated MiB above the memory held before ``step`` (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        step()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def measure(step: Callable, rounds: int) -> Timing:
+    import torch
+
+    try:
+        timing = Timing(_cuda_time(step, rounds), _peak_mib(step))
+    except torch.cuda.OutOfMemoryError:
+        timing = Timing(None, None, "out of memory")
+    except Exception as error:  # a peer that does not support the case reports why
+        timing = Timing(None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
+    torch.cuda.empty_cache()
+    return timing
+
+
+def bound_step(case: Case, x: dict) -> Callable:
+    """The three GEMMs of any exact method on preallocated buffers: logits, then the
+    gradients of the hidden states and of the head from a logits-sized gradient."""
+    import torch
+
+    hidden = x["hidden"].reshape(-1, case.hidden)
+    if case.padded:
+        hidden = hidden[x["mask"].reshape(-1)]
+    weight = x["weight"]
+    logits = torch.empty(hidden.shape[0], case.vocab, dtype=hidden.dtype, device=hidden.device)
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
+
+    def step():
+        torch.mm(hidden, weight.t(), out=logits)
+        torch.mm(logits, weight, out=grad_hidden)
+        torch.mm(logits.t(), hidden, out=grad_weight)
+
+    return step
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+def benchmark(cases: list[Case], rounds: int) -> list[tuple[Case, dict[str, Timing]]]:
+    import torch
+
+    results = []
+    for case in cases:
+        say(f"bench: {case.label()}")
+        x = make_inputs(case, _device())
+        row = {"bound (3 GEMMs)": measure(bound_step(case, x), rounds)}
+        for name, step in implementations(case).items():
+            row[name] = measure(lambda: step(x), rounds)
+            timing = row[name]
+            say(f"  {name:34s} " + (f"{timing.milliseconds:9.2f} ms {_mib(timing.peak_mib):>9s} MiB"
+                                    if timing.milliseconds is not None else timing.note))
+        results.append((case, row))
+        del x
+        torch.cuda.empty_cache()
+    return results
+
+
+def surrogate_benchmark(batch: int, width: int, dtypes: list[str], rounds: int) -> list[tuple[str, dict]]:
+    """The surrogate alone from log-probs [B, T]: wall time of the call (CUDA events),
+    and GPU kernel time from a CUDA-graph replay (no launch overhead)."""
+    import torch
+
+    import hadw_kernels
+
+    results = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        device = _device()
+        generator = torch.Generator(device=device).manual_seed(0)
+        logprobs = (-torch.rand(batch, width, device=device, generator=generator) * 3).to(dtype)
+        old = logprobs + (0.1 * torch.randn(batch, width, device=device, generator=generator)).to(dtype)
+        rewards = torch.bernoulli(torch.full((batch,), 0.5, device=device), generator=generator)
+        lengths = torch.randint(width // 2, width + 1, (batch,), device=device, generator=generator)
+        mask = torch.arange(width, device=device)[None] < lengths[:, None]
+        calls = {
+            "eager": lambda lp: plain_surrogate(lp, old, rewards, mask),
+            "hadw[triton]": lambda lp: hadw_kernels.fused_hadw_grpo_loss(
+                lp, old, rewards, mask, group_size=GROUP_SIZE, anchor=0.5, backend="triton", check_values=False),
+        }
+        row = {}
+        for name, call in calls.items():
+            leaf = logprobs.detach().requires_grad_()
+
+            def step():
+                leaf.grad = None
+                call(leaf).backward()
+
+            try:
+                wall = _cuda_time(step, rounds)
+            except Exception as error:
+                say(f"  surrogate {name} FAILED: {type(error).__name__}: {str(error)[:300]}")
+                row[name] = (None, None)
+                continue
+            graph_ms = None
+            try:
+                if device != "cuda":
+                    raise RuntimeError("CUDA graphs need a GPU")
+                graph = torch.cuda.CUDAGraph()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    step()
+                torch.cuda.current_stream().wait_stream(stream)
+                with torch.cuda.graph(graph):
+                    step()
+                graph_ms = _cuda_time(graph.replay, rounds)
+            except Exception as error:
+                say(f"  {name}: no CUDA graph ({type(error).__name__}: {str(error)[:100]})")
+            row[name] = (wall, graph_ms)
+            say(f"  surrogate B={batch} T={width} {dtype_name} {name:14s} wall {wall * 1e3:8.1f} us"
+                + (f", graph replay {graph_ms * 1e3:8.1f} us" if graph_ms is not None else ""))
+        results.append((dtype_name, row))
+    return results
+
+
+# --- 3. the paper's scale ---------------------------------------------------------------
+
+
+def paper_scale(group_sizes: list[int], width: int, hidden: int, vocab: int) -> list[dict]:
+    """Peak memory of one loss step at Qwen3-4B's head, one prompt x G responses."""
+    import torch
+
+    from hadw_kernels import plan
+
+    rows = []
+    for group_size in group_sizes:
+        case = Case(f"G={group_size}", group_size, width, hidden, vocab, "bfloat16")
+        row = {"G": group_size, "tokens": case.tokens}
+        try:
+            x = make_inputs(case, _device())
+        except torch.cuda.OutOfMemoryError:
+            rows.append({**row, "note": "inputs do not fit"})
+            break
+        steps = implementations(case)
+        for name in ("eager", "hadw[triton] gradients in forward"):
+            try:
+                row[name] = _peak_mib(lambda: steps[name](x))
+            except torch.cuda.OutOfMemoryError:
+                row[name] = None
+            torch.cuda.empty_cache()
+        parts = plan.loss_part_bytes(case.tokens, hidden, vocab, fused=True, dtype_bytes=2)
+        row["planner"] = sum(parts.values()) / 2**20
+        row["planner eager"] = sum(plan.loss_part_bytes(case.tokens, hidden, vocab, fused=False,
+                                                        dtype_bytes=2).values()) / 2**20
+        say(f"paper scale G={group_size}: " + ", ".join(
+            f"{key} {_mib(value)} MiB" if key not in ("G", "tokens") else f"{key} {value}"
+            for key, value in row.items()))
+        rows.append(row)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+# --- 4. the report ------------------------------------------------------------------------
+
+
+def environment_lines() -> list[str]:
+    import torch
+    import triton
+
+    lines = [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+             f"- python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}"]
+    if torch.cuda.is_available():
+        lines.append(f"- device: {torch.cuda.get_device_name()}, "
+                     f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30).stdout.strip()
+            lines.append(f"- driver {smi}, CUDA {torch.version.cuda}")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    for package in ("liger_kernel", "cut_cross_entropy"):
+        try:
+            module = __import__(package)
+            lines.append(f"- {package} {getattr(module, '__version__', 'installed')}")
+        except ImportError:
+            lines.append(f"- {package}: not installed (its rows are empty)")
+    return lines
+
+
+def _ratio(value, reference) -> str:
+    if value is None or reference is None:
+        return "n/a"
+    return f"{value / reference:.2f}x"
+
+
+def write_report(path: Path, tests: TestRun, bench, surrogate, paper, dry_run: bool, crashed: list[str]) -> None:
+    lines = ["# GPU check report", ""]
+    if dry_run:
+        lines += ["DRY RUN on the CPU (interpreter, tiny shapes): proves the command runs, measures nothing.", ""]
+    lines += ["Written by `bash scripts/gpu_check.sh` (bench/gpu_check.py).", "", *environment_lines(), "",
+              "## Correctness (compiled Triton kernels)" if not dry_run else "## Correctness", "",
+              f"{tests.passed} passed, {tests.failed} failed, {tests.skipped} skipped ({tests.seconds:.0f} s).", ""]
+    lines += [f"- FAILED {failure}" for failure in tests.failures[:50]]
+    for crash in crashed:
+        lines += ["", "## A section crashed", "", "```", crash, "```"]
+    if bench:
+        lines += ["", "## Loss step: forward + backward from hidden states", "",
+                  "Median of CUDA-event timings after two warm-up steps; peak = max_memory_allocated above the "
+                  "inputs. Ratios are to the bound (three cuBLAS GEMMs on preallocated buffers) and to eager "
+                  "(materialised logits) in the same run.", ""]
+        for case, row in bench:
+            bound = row["bound (3 GEMMs)"].milliseconds
+            eager = row["eager"].milliseconds
+            lines += [f"### {case.label()}", "", "| implementation | ms | / bound | / eager | peak MiB |",
+                      "| --- | ---: | ---: | ---: | ---: |"]
+            for name, timing in row.items():
+                if timing.milliseconds is None:
+                    lines.append(f"| {name} | {timing.note} | | | |")
+                    continue
+                peak = "" if name.startswith("bound") else _mib(timing.peak_mib)
+                lines.append(f"| {name} | {timing.milliseconds:.2f} | {_ratio(timing.milliseconds, bound)} | "
+                             f"{_ratio(timing.milliseconds, eager)} | {peak} |")
+            lines.append("")
+    if surrogate:
+        lines += ["## The surrogate alone, from log-probs", "",
+                  "Wall: one call + backward from Python (launch overhead included). Graph: the same replayed as "
+                  "a CUDA graph (GPU time only).", "", "| dtype | implementation | wall us | graph us |",
+                  "| --- | --- | ---: | ---: |"]
+        for dtype_name, row in surrogate:
+            for name, (wall, graph) in row.items():
+                wall_text = "failed" if wall is None else f"{wall * 1e3:.1f}"
+                graph_text = "n/a" if graph is None else f"{graph * 1e3:.1f}"
+                lines.append(f"| {dtype_name} | {name} | {wall_text} | {graph_text} |")
+        lines.append("")
+    if paper:
+        lines += ["## The paper's scale: Qwen3-4B head, one prompt x G responses of 4096 tokens, bf16", "",
+                  "Peak memory of the loss step above its inputs; the planner's loss part "
+                  "(`hadw_kernels.plan.loss_part_bytes`) beside it.", "",
+                  "| G | tokens | eager MiB | hadw MiB | planner hadw MiB | planner eager MiB |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for row in paper:
+            if "note" in row:
+                lines.append(f"| {row['G']} | {row['tokens']} | {row['note']} | | | |")
+                continue
+
+            def cell(value):
+                return "OOM or n/a" if value is None else f"{value:.0f}"
+
+            lines.append(f"| {row['G']} | {row['tokens']} | {cell(row['eager'])} | "
+                         f"{cell(row['hadw[triton] gradients in forward'])} | {row['planner']:.0f} | "
+                         f"{row['planner eager']:.0f} |")
+        fits = [row["G"] for row in paper if row.get("hadw[triton] gradients in forward") is not None]
+        eager_fits = [row["G"] for row in paper if row.get("eager") is not None]
+        lines += ["", f"Largest G measured whose loss step fits: hadw {max(fits) if fits else 'none'}, "
+                      f"eager {max(eager_fits) if eager_fits else 'none'} (of those tried).", ""]
+    path.write_text("\n".join(lines) + "\n")
+    say(f"report written to {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes (CI)")
+    parser.add_argument("--report", type=Path, default=ROOT / "docs" / "gpu-report.md")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        # The Triton kernels on CPU tensors: the interpreter, before any kernel is defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    junit = args.report.with_suffix(".junit.xml")
+    tests = TestRun() if args.skip_tests else run_tests(args.dry_run, junit)
+    if junit.exists():
+        junit.unlink()
+    bench, surrogate, paper = [], [], []
+    crashed: list[str] = []
+    if args.dry_run and not args.skip_bench:
+        # The same code on the CPU with tiny shapes (Triton in its interpreter), so that
+        # it cannot rot; the figures mean nothing.
+        sizes = dict(cases=[Case("tiny", 2, 16, 32, 300, "float32"), Case("tiny", 2, 16, 32, 300, "bfloat16",
+                                                                          padded=True, block_rows=(16,))],
+                     surrogate=(8, 16), paper=([2, 4], 16, 32, 300), rounds=1)
+    elif not args.skip_bench:
+        sizes = dict(cases=[
+            Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", block_rows=(2048, 4096, 8192)),
+            Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", padded=True),
+            Case("issue 14 shape", 8, 256, 512, 32768, "float32"),
+            Case("issue 14 shape", 8, 256, 512, 32768, "bfloat16"),
+            Case("issue 14 Qwen vocabulary", 4, 256, 1024, 151936, "float32"),
+        ], surrogate=(256, 4096), paper=([8, 16, 32, 64], 4096, 2560, 151936), rounds=args.rounds)
+    if not args.skip_bench:
+        sections = {
+            "bench": lambda: benchmark(sizes["cases"], sizes["rounds"]),
+            "surrogate": lambda: surrogate_benchmark(*sizes["surrogate"], ["float32", "bfloat16"], sizes["rounds"]),
+            "paper": lambda: paper_scale(*sizes["paper"]),
+        }
+        outputs = {}
+        for name, section in sections.items():
+            try:
+                outputs[name] = section()
+            except Exception:
+                crashed.append(f"{name}: {traceback.format_exc()[-1500:]}")
+                say(f"section {name} CRASHED:\n{crashed[-1]}")
+                outputs[name] = []
+        bench, surrogate, paper = outputs["bench"], outputs["surrogate"], outputs["paper"]
+    write_report(args.report, tests, bench, surrogate, paper, args.dry_run, crashed)
+    return 1 if tests.failed or crashed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""HA-DW and the fused loss inside the trainers RL engineers use.
+
+- :mod:`hadw_kernels.integrations.trl`: ``HADWGRPOTrainer`` and ``HADWGRPOConfig`` for
+  TRL's ``GRPOTrainer`` (extra ``trl``; docs/integrations/trl.md).
+- :mod:`hadw_kernels.integrations.verl`: the ``hadw`` advantage estimator, the ``hadw``
+  and ``hadw_gspo`` policy losses and the anchor's checkpoint callback, registered in
+  verl's registries (extra ``verl``; docs/integrations/verl.md).
+
+Each module imports its trainer, so this package imports neither.
+"""

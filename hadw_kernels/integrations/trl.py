@@ -1,0 +1,362 @@
+"""HA-DW and the fused linear loss in TRL 1.16's ``GRPOTrainer``.
+
+    from hadw_kernels.integrations.trl import HADWGRPOConfig, HADWGRPOTrainer
+
+    args = HADWGRPOConfig(output_dir="out", loss_type="dapo", hadw_lambda_scale=1.3)
+    trainer = HADWGRPOTrainer(model=model, reward_funcs=accuracy, args=args, train_dataset=data)
+    trainer.train()
+
+:class:`HADWGRPOTrainer` changes three things of the stock trainer and keeps the rest
+(generation, rewards, reference model, logging, checkpoints):
+
+- after TRL scores a generation batch (gathered over all processes), the batch's mean
+  reward is folded into the :class:`~hadw_kernels.DifficultyAnchor` once, and TRL's
+  advantages are multiplied by Phi, per response, before TRL shuffles and splits the
+  rows into micro-batches;
+- the loss is :func:`~hadw_kernels.fused_linear_hadw_grpo_loss` on the backbone's last
+  hidden states and the LM head, given those advantages (``advantages=``: any order, any
+  split), routed through the wrapped model's forward as TRL's own fused losses are; TRL's
+  ``loss_type`` (grpo, bnpo, dr_grpo, dapo), ``importance_sampling_level``, ``beta``,
+  ``epsilon``/``epsilon_high``, ``delta``, ``num_items_in_batch``, gradient accumulation
+  and the vLLM importance-sampling correction map onto its options, so with
+  ``use_hadw=False`` the loss is TRL's;
+- the anchor is saved in each checkpoint folder (``hadw_anchor.json``) and restored with
+  the optimizer when training resumes from one, as TRL does for its entropy controller.
+
+Options TRL has and this loss does not (other loss types, the entropy bonus and mask,
+the off-policy mask, bias-corrected KL, MoE auxiliary loss, logit soft-capping) are
+refused when the trainer is built, with the option named.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import is_peft_model
+from torch.distributed.tensor import DTensor
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl import GRPOConfig, GRPOTrainer
+from trl.models.utils import _ForwardRedirection
+from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+from ..advantage import hadw_weights
+from ..anchor import DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_WINDOW, DifficultyAnchor
+from ..config import DEFAULT_LAMBDA_SCALE
+from ..loss import LINEAR_PATHS, fused_linear_hadw_grpo_loss
+from .rewards import require_unit_interval
+
+logger = logging.getLogger(__name__)
+
+ANCHOR_FILE = "hadw_anchor.json"
+
+# TRL's loss types the fused loss expresses, as its aggregation modes.
+AGGREGATION = {
+    "grpo": "seq-mean-token-mean",
+    "bnpo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+    "dapo": "token-mean",
+}
+
+# Inputs TRL's GRPOTrainer passes to vision-language backbones.
+MULTIMODAL_INPUTS = (
+    "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes", "token_type_ids",
+    "mm_token_type_ids", "image_position_ids",
+)
+
+# Text-config fields with which a model scales or soft-caps its logits before the
+# softmax; the fused loss forms softmax(h W^T / temperature) only.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                    "logits_scaling")
+
+
+@dataclass
+class HADWGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`HADWGRPOTrainer`]: [`~trl.GRPOConfig`] and the HA-DW fields.
+
+    Parameters:
+        > Parameters that control HA-DW
+
+        use_hadw (`bool`, *optional*, defaults to `True`):
+            Multiply the advantages by Phi, from the difficulty anchor. With `False` the trainer runs TRL's loss
+            with the fused kernel only.
+        hadw_lambda_scale (`float`, *optional*, defaults to `1.3`):
+            Phi's scale lambda (the paper's best; the authors' code uses 1.5).
+        hadw_anchor_rule (`str`, *optional*, defaults to `"soft"`):
+            `"soft"` (the paper's Kalman-style rule) or `"hard"` (mean of the last window batches).
+        hadw_anchor_eta (`float`, *optional*, defaults to `50.0`):
+            Gain of the soft rule.
+        hadw_anchor_window (`int`, *optional*, defaults to `10`):
+            Beliefs in the soft rule's spread, or batches in the hard rule's mean.
+        hadw_anchor_eta_min (`float`, *optional*, defaults to `0.05`):
+            Floor of the soft rule's gain, which keeps the anchor from freezing (0 is the paper's rule).
+        hadw_anchor_belief (`str`, *optional*, defaults to `"prior"`):
+            `"prior"` (the belief before the batch, the paper) or `"posterior"` (the authors' code).
+        hadw_anchor_initial (`float` or `None`, *optional*, defaults to `None`):
+            First belief; `None` takes the first batch's mean reward.
+
+        > Parameters that control the fused loss
+
+        hadw_backend (`str`, *optional*, defaults to `"auto"`):
+            `"auto"`, `"torch"`, `"triton"` or `"cpp"`.
+        hadw_linear_path (`str`, *optional*, defaults to `"auto"`):
+            `"auto"`, `"gradients_in_forward"` or `"recompute"`; under DeepSpeed ZeRO-3, `"auto"` means
+            `"gradients_in_forward"`, whose backward does not read the gathered LM head again.
+        hadw_block_rows (`int` or `None`, *optional*, defaults to `None`):
+            Rows whose logits are held at once; `None` is the backend's default.
+    """
+
+    use_hadw: bool = field(default=True, metadata={"help": "Multiply the advantages by the HA-DW weight Phi."})
+    hadw_lambda_scale: float = field(default=DEFAULT_LAMBDA_SCALE, metadata={"help": "Phi's scale lambda."})
+    hadw_anchor_rule: str = field(default="soft", metadata={"help": "Anchor rule: 'soft' or 'hard'."})
+    hadw_anchor_eta: float = field(default=DEFAULT_ETA, metadata={"help": "Gain of the soft anchor rule."})
+    hadw_anchor_window: int = field(default=DEFAULT_WINDOW, metadata={"help": "Window of the anchor rules."})
+    hadw_anchor_eta_min: float = field(default=DEFAULT_ETA_MIN, metadata={"help": "Floor of the soft rule's gain."})
+    hadw_anchor_belief: str = field(default="prior", metadata={"help": "Belief Phi uses: 'prior' or 'posterior'."})
+    hadw_anchor_initial: float | None = field(default=None, metadata={"help": "First belief; None: first batch."})
+    hadw_backend: str = field(default="auto", metadata={"help": "Backend of the fused loss."})
+    hadw_linear_path: str = field(default="auto", metadata={"help": "Linear path of the fused loss."})
+    hadw_block_rows: int | None = field(default=None, metadata={"help": "Rows whose logits are held at once."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_type not in AGGREGATION:
+            raise ValueError(
+                f"HADWGRPOTrainer runs loss_type in {sorted(AGGREGATION)} (GSPO: importance_sampling_level="
+                f"'sequence'), got {self.loss_type!r}"
+            )
+        if self.hadw_linear_path not in LINEAR_PATHS:
+            raise ValueError(f"hadw_linear_path must be one of {LINEAR_PATHS}, got {self.hadw_linear_path!r}")
+        refused = {
+            "top_entropy_quantile < 1": self.top_entropy_quantile < 1.0,
+            "entropy_coef != 0 or use_adaptive_entropy": self.entropy_coef != 0.0 or self.use_adaptive_entropy,
+            "off_policy_mask_threshold": self.off_policy_mask_threshold is not None,
+            # TRL's default; it only acts on the KL term.
+            "use_bias_correction_kl with beta != 0 (set use_bias_correction_kl=False)": (
+                self.beta != 0.0 and self.use_bias_correction_kl
+            ),
+        }
+        named = [name for name, given in refused.items() if given]
+        if named:
+            raise ValueError(f"HADWGRPOTrainer's fused loss does not implement {', '.join(named)}")
+        epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        if self.delta is not None and self.delta < 1 + epsilon_high:
+            # TRL's delta caps the unclipped ratio; from 1 + epsilon_high up it only acts on
+            # negative advantages, where it is exactly the dual clip c = delta.
+            raise ValueError(
+                f"delta={self.delta} below 1 + epsilon_high = {1 + epsilon_high} has no dual-clip equivalent; "
+                "the fused loss runs delta >= 1 + epsilon_high"
+            )
+        if self.use_hadw and self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                "HA-DW compares each group's mean reward with the anchor, which needs "
+                "multi_objective_aggregation='sum_then_normalize' (one reward per response)"
+            )
+
+    def anchor(self) -> DifficultyAnchor:
+        """The difficulty anchor these fields describe."""
+        return DifficultyAnchor(
+            self.hadw_anchor_rule, eta=self.hadw_anchor_eta, window=self.hadw_anchor_window,
+            eta_min=self.hadw_anchor_eta_min, belief=self.hadw_anchor_belief, initial=self.hadw_anchor_initial,
+        )
+
+
+class HADWGRPOTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with HA-DW and the fused linear loss; takes the same
+    arguments, with ``args`` a :class:`HADWGRPOConfig`. ``self.anchor`` is the
+    difficulty anchor (None with ``use_hadw=False``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, HADWGRPOConfig):
+            raise TypeError(f"HADWGRPOTrainer needs args=HADWGRPOConfig(...), got {type(self.args).__name__}")
+        if self.aux_loss_enabled:
+            raise ValueError("HADWGRPOTrainer's fused loss does not add the MoE router auxiliary loss "
+                             "(set router_aux_loss_coef=0)")
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if is_peft_model(model) else model
+        if hasattr(model.get_output_embeddings(), "base_layer"):
+            raise ValueError("the LM head carries a PEFT adapter, which the fused loss (reading the head's weight) "
+                             "would ignore: leave lm_head out of the adapter's target modules")
+        text_config = model.config.get_text_config()
+        transforms = {name: getattr(text_config, name, None) for name in LOGIT_TRANSFORMS}
+        transforms = {name: value for name, value in transforms.items() if value not in (None, 1, 1.0)}
+        if transforms:
+            raise ValueError(f"this model transforms its logits ({transforms}), which the fused loss does not")
+        self.anchor = self.args.anchor() if self.args.use_hadw else None
+        self._forward_redirection = _ForwardRedirection()
+        self._gathered_rewards_per_func = None
+
+    # -- HA-DW on the advantages ------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL gathers every process's rewards here: keep them for Phi.
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.anchor is not None:
+            self._gathered_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.anchor is None:
+            return output
+        mode = "train" if self.model.training else "eval"
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        rewards_per_func, self._gathered_rewards_per_func = self._gathered_rewards_per_func, None
+        # TRL's reward: the weighted sum over reward functions; NaN where none scored.
+        weighted = rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+        rewards = weighted.nansum(dim=1).masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
+        require_unit_interval(
+            rewards, "scale each reward function into [0, 1] and give reward_weights that sum to 1"
+        )
+        scored = rewards[~torch.isnan(rewards)]
+        if mode == "train" and scored.numel() > 0:
+            # Once per generation batch, from every process's rewards (TRL gathered them).
+            self.anchor.observe(scored.double().mean().item())
+        belief = self.anchor.value
+        if belief is None or group_size < 2:  # no belief yet, or no group to compare with it
+            return output
+        # An unscored response takes its group's mean: it leaves the group mean as TRL's
+        # nanmean has it, and its advantage (0) stays 0.
+        group_means = torch.nanmean(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size)
+        rewards = torch.where(torch.isnan(rewards), group_means, rewards)
+        phi = hadw_weights(rewards, group_size, belief, lambda_scale=self.args.hadw_lambda_scale)
+        local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
+        output["advantages"] = output["advantages"] * phi[local].to(output["advantages"].dtype)
+        self._metrics[mode]["hadw/anchor"].append(belief)
+        self._metrics[mode]["hadw/phi_mean"].append(phi.mean().item())
+        return output
+
+    # -- the fused loss -------------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        # The backbone, the LM head and the loss run inside the wrapped model's forward
+        # (DDP's gradient hooks, FSDP and ZeRO-3 gathering), as TRL's fused losses do;
+        # the metrics' collectives run after it.
+        mode = "train" if self.model.training else "eval"
+        unwrapped = self.accelerator.unwrap_model(model)
+        loss, metrics, counts = self._forward_redirection(model, unwrapped, self._fused_loss, unwrapped, inputs, mode)
+        self._log_loss_metrics(metrics, counts, mode)
+        return loss
+
+    def _fused_loss(self, unwrapped, inputs, mode):
+        completion_ids = inputs["completion_ids"]
+        mask = inputs["completion_mask"].bool()
+        if "tool_mask" in inputs:  # tool outputs inside a completion are not the policy's tokens
+            mask = mask & inputs["tool_mask"].bool()
+        model_inputs = {
+            "input_ids": torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+            "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            "use_cache": False,
+            **{key: inputs[key] for key in MULTIMODAL_INPUTS if key in inputs},
+        }
+        model = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+        # The decoder without the LM head, in TRL's mixed precision; position t's hidden
+        # state predicts token t + 1.
+        with self.accelerator.autocast():
+            hidden_states = model.base_model(**model_inputs).last_hidden_state
+        hidden_states = hidden_states[:, -completion_ids.size(1) - 1 : -1]
+        lm_head = model.get_output_embeddings()
+        weight, bias = lm_head.weight, lm_head.bias
+        if isinstance(weight, DTensor):  # FSDP2 shards; the loss needs the whole head
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        # The head's dtype (fp32 under cast_lm_head_to_fp32 or fp32 master weights): the
+        # kernels accumulate in fp32 whatever it is, outside autocast.
+        hidden_states = hidden_states.to(device=weight.device, dtype=weight.dtype)
+        linear_path = self.args.hadw_linear_path
+        if linear_path == "auto" and is_deepspeed_zero3_enabled():
+            linear_path = "gradients_in_forward"
+        with torch.autocast(weight.device.type, enabled=False), maybe_gather_lm_head_ctx(weight, bias):
+            loss, metrics = fused_linear_hadw_grpo_loss(
+                hidden_states, weight, completion_ids, inputs.get("old_per_token_logps"),
+                response_mask=mask, advantages=inputs["advantages"], lm_head_bias=bias,
+                temperature=self.temperature, ref_logprobs=inputs.get("ref_per_token_logps"),
+                importance_weights=self._importance_weights(inputs, mask), return_metrics=True,
+                backend=self.args.hadw_backend, linear_path=linear_path, block_rows=self.args.hadw_block_rows,
+                **self._loss_options(inputs, mask, mode),
+            )
+        counts = mask.any(dim=1).sum() if self.importance_sampling_level == "sequence" else mask.sum()
+        return loss, metrics, (mask.sum(), counts)
+
+    def _loss_options(self, inputs, mask, mode) -> dict:
+        """TRL's loss type, clip, KL and normalisation as the fused loss's options."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        if self.loss_type in ("grpo", "dr_grpo"):
+            normalizer = mask.shape[0] * accumulation
+        elif self.loss_type == "bnpo":
+            normalizer = max(int(mask.sum()), 1) * accumulation
+        else:  # dapo: num_items_in_batch spans the generation batch, over all processes
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0).item() / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * accumulation / self.args.steps_per_generation
+        return dict(
+            loss_agg_mode=AGGREGATION[self.loss_type],
+            sequence_level=self.importance_sampling_level == "sequence",
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            dual_clip=self.args.delta,
+            beta=self.beta,
+            kl_estimator="k3",
+            loss_normalizer=normalizer,
+            max_response_length=self.max_completion_length if self.loss_type == "dr_grpo" else None,
+        )
+
+    def _importance_weights(self, inputs, mask):
+        """TRL's vLLM importance-sampling ratio, [B, T] (token modes) or [B, 1]."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return None
+        ratio = inputs["importance_sampling_ratio"]
+        if ratio.shape[1] == 1:
+            return ratio.squeeze(1)
+        if self.importance_sampling_level == "sequence":
+            # TRL multiplies a response's one loss by each token's ratio, so the response's
+            # gradient flows with the ratios' mean over its tokens: pass that mean.
+            return (ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return ratio
+
+    def _log_loss_metrics(self, metrics, counts, mode):
+        """TRL's loss metrics (names and global token-weighted means) from the fused loss's."""
+        tokens, ratio_units = counts
+
+        def global_mean(value, count):
+            totals = self.accelerator.reduce(torch.stack([value.float() * count, count.float()]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        self._metrics[mode]["entropy"].append(global_mean(metrics["entropy_mean"], tokens))
+        if self.beta != 0.0:
+            self._metrics[mode]["kl"].append(global_mean(metrics["ref_kl"], tokens))
+        low = global_mean(metrics["clip_frac_low"], ratio_units)
+        high = global_mean(metrics["clip_frac_high"], ratio_units)
+        self._metrics[mode]["clip_ratio/low_mean"].append(low)
+        self._metrics[mode]["clip_ratio/high_mean"].append(high)
+        self._metrics[mode]["clip_ratio/region_mean"].append(low + high)
+
+    # -- the anchor in TRL's checkpoints ----------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.anchor is not None and self.args.should_save:
+            checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = os.path.join(self._get_output_dir(trial=trial), checkpoint)
+            path = os.path.join(folder, ANCHOR_FILE)
+            with open(path + ".partial", "w") as handle:
+                json.dump(self.anchor.state_dict(), handle)
+            os.replace(path + ".partial", path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.anchor is None or checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ANCHOR_FILE)
+        if not os.path.exists(path):
+            logger.warning("resuming from %s, which holds no %s: the HA-DW anchor starts afresh", checkpoint,
+                           ANCHOR_FILE)
+            return
+        with open(path) as handle:
+            self.anchor.load_state_dict(json.load(handle))

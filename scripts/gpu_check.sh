@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Validates and benchmarks the GPU half on a CUDA machine, offline, in one command
+# (under 10 minutes on an H100), and writes docs/gpu-report.md:
+#
+#   bash scripts/gpu_check.sh                 # install, test (compiled Triton), benchmark
+#   WHEELS=/path/to/wheels bash scripts/gpu_check.sh   # peers' wheels (Liger, CCE), no index
+#   bash scripts/gpu_check.sh --dry-run       # the CPU, interpreter, tiny shapes (CI)
+#
+# The project goes into the Python that runs this script with --no-deps, so the torch
+# and Triton already installed there are the ones tested. Exits non-zero if any
+# correctness test failed. Other flags go to bench/gpu_check.py (--help).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+WHEELS="${WHEELS:-$ROOT/.whl}"
+cd "$ROOT"
+
+if [[ " $* " != *" --dry-run "* ]]; then
+    echo "gpu_check: installing hadw-kernels (no dependencies: torch and Triton stay as they are)" >&2
+    if ! HADW_BUILD_CPP=0 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index -e "$ROOT"; then
+        echo "gpu_check: pip could not install the project here; running it from the source tree" >&2
+        export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        echo "gpu_check: installing the peers' wheels from $WHEELS" >&2
+        "$PYTHON" -m pip install -q --no-deps --no-index "$WHEELS"/*.whl
+    fi
+fi
+exec "$PYTHON" "$ROOT/bench/gpu_check.py" "$@"

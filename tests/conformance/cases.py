@@ -1,0 +1,284 @@
+"""Case builders shared by the whole suite: seeded float64 inputs on the CPU, and the
+runs of a backend, of eager PyTorch in the case's dtype, and of the exact reference.
+
+A surrogate batch has contiguous groups of 4 (the first one degenerate: equal rewards),
+an empty response and a full one, an odd width, and padding that holds NaN and inf in
+every per-token input (masked positions must never reach an output).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
+from hadw_kernels.backends import load_backend
+from hadw_kernels.config import LossConfig
+from hadw_kernels.linear_logprob import token_logprobs_reference
+from hadw_kernels.surrogate import surrogate_loss as reference_surrogate
+
+GROUP_SIZE = 4
+IGNORE = -100
+UPSTREAM = 0.7  # a non-unit upstream gradient of the loss
+
+
+def _poison(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """NaN and inf, alternating, at masked positions."""
+    poison = torch.full_like(values, float("nan"))
+    poison.view(-1)[::2] = float("inf")
+    return torch.where(mask, values, poison)
+
+
+def surrogate_batch(seed: int, batch: int = 12, width: int = 37, drift: float = 0.3) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (batch,), generator=generator)
+    if batch >= 3:
+        lengths[1] = 0
+        lengths[2] = width
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    logprobs = -torch.rand(batch, width, generator=generator, dtype=torch.float64) * 3
+    old = logprobs + drift * torch.randn(batch, width, generator=generator, dtype=torch.float64)
+    ref = logprobs + 0.2 * torch.randn(batch, width, generator=generator, dtype=torch.float64)
+    rewards = torch.bernoulli(torch.full((batch,), 0.5), generator=generator).double()
+    if batch >= 2 * GROUP_SIZE:
+        rewards[:GROUP_SIZE] = 1.0
+        rewards[GROUP_SIZE] = 0.0
+        rewards[GROUP_SIZE + 1] = 1.0
+    entropy = torch.rand(batch, width, generator=generator, dtype=torch.float64) * 4
+    token_weights = 0.5 + torch.rand(batch, width, generator=generator, dtype=torch.float64)
+    return dict(
+        logprobs=_poison(logprobs, mask),
+        old_logprobs=_poison(old, mask),
+        ref_logprobs=_poison(ref, mask),
+        entropy=_poison(entropy, mask),
+        token_weights=_poison(token_weights, mask),
+        response_weights=0.5 + torch.rand(batch, generator=generator, dtype=torch.float64),
+        rewards=rewards,
+        advantages=torch.randn(batch, generator=generator, dtype=torch.float64),
+        response_mask=mask,
+    )
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Options of one loss call; ``tensors`` names the batch tensors it passes."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+    tensors: tuple = ("old_logprobs", "rewards")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# Every option of the loss appears in at least one variant; each variant runs with
+# every loss type, dtype and backend.
+SURROGATE_VARIANTS = [
+    Variant("plain"),
+    Variant("hadw", {"anchor": 0.35}),
+    Variant("hadw_kl_k3_dual_clip", {"anchor": 0.6, "beta": 0.1, "dual_clip": 3.0}, ("old_logprobs", "rewards",
+                                                                                      "ref_logprobs")),
+    Variant("kl_k1", {"beta": 0.05, "kl_estimator": "k1"}, ("old_logprobs", "rewards", "ref_logprobs")),
+    Variant("kl_k2_std_eps", {"beta": 0.05, "kl_estimator": "k2", "std_eps": 1e-4},
+            ("old_logprobs", "rewards", "ref_logprobs")),
+    Variant("kl_abs_no_std", {"beta": 0.05, "kl_estimator": "abs", "normalize_std": False},
+            ("old_logprobs", "rewards", "ref_logprobs")),
+    Variant("token_weights", {"anchor": 0.35}, ("old_logprobs", "rewards", "token_weights")),
+    Variant("response_weights", {}, ("old_logprobs", "rewards", "response_weights")),
+    Variant("normalizer", {"loss_normalizer": 50.0, "max_response_length": 40}),
+    Variant("advantages", {}, ("old_logprobs", "advantages")),
+    Variant("on_policy", {"anchor": 0.35}, ("rewards",)),
+    Variant("token_mean", {"loss_agg_mode": "token-mean", "anchor": 0.2}),
+    Variant("seq_mean_token_sum", {"loss_agg_mode": "seq-mean-token-sum"}),
+    Variant("seq_mean_token_sum_norm", {"loss_agg_mode": "seq-mean-token-sum-norm"}),
+    Variant("token_sum", {"loss_agg_mode": "token-sum", "anchor": 0.8}),
+]
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def loss_kwargs(batch: dict, loss_type: str, variant: Variant) -> dict:
+    """The keyword arguments of one call, batch tensors still in float64 on the CPU."""
+    kwargs = dict(loss_type=loss_type, **variant.options)
+    for name in variant.tensors:
+        if name == "token_weights":
+            kwargs["importance_weights"] = batch["token_weights"]
+        elif name == "response_weights":
+            kwargs["importance_weights"] = batch["response_weights"]
+        else:
+            kwargs[name] = batch[name]
+    if "rewards" in kwargs:
+        kwargs["group_size"] = GROUP_SIZE
+    return kwargs
+
+
+def cast(kwargs: dict, dtype: torch.dtype, device: torch.device) -> dict:
+    """Float tensors to ``dtype`` (rewards and advantages at least fp32, as a trainer
+    holds them) on ``device``."""
+    out = {}
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point():
+                target = torch.promote_types(dtype, torch.float32) if key in ("rewards", "advantages") else dtype
+                value = value.to(target)
+            value = value.to(device)
+        out[key] = value
+    return out
+
+
+def rounded(kwargs: dict, dtype: torch.dtype) -> dict:
+    """The same inputs rounded to ``dtype``, then float64 on the CPU: what an exact
+    computation of the fast path's inputs sees."""
+    return {
+        key: value.to(dtype).double() if isinstance(value, torch.Tensor) and value.is_floating_point()
+        and key not in ("rewards", "advantages") else value
+        for key, value in kwargs.items()
+    }
+
+
+@dataclass
+class Outputs:
+    values: dict  # name -> tensor (loss, gradients, per-token outputs)
+    metrics: dict
+
+
+def run_surrogate(backend: str, logprobs, response_mask, kwargs) -> Outputs:
+    """The public loss from log-probs: loss, d loss / d logprobs (upstream 0.7), metrics."""
+    logprobs = logprobs.detach().requires_grad_()
+    loss, metrics = fused_hadw_grpo_loss(
+        logprobs, response_mask=response_mask, return_metrics=True, backend=backend, check_values=False, **kwargs
+    )
+    (loss * UPSTREAM).backward()
+    return Outputs({"loss": loss.detach(), "grad_logprobs": logprobs.grad}, metrics)
+
+
+def run_surrogate_op_with_entropy(backend: str, logprobs, entropy, response_mask, kwargs, entropy_coef) -> Outputs:
+    """The backend's surrogate op with an entropy input (what the linear loss feeds it)."""
+    kwargs = dict(kwargs)
+    loss_type = kwargs.pop("loss_type")
+    config = LossConfig.build(
+        loss_type, kwargs.pop("group_size", None), entropy_coef=entropy_coef,
+        **{key: kwargs.pop(key) for key in list(kwargs) if key not in _TENSOR_KEYS},
+    )
+    logprobs = logprobs.detach().requires_grad_()
+    entropy = entropy.detach().requires_grad_()
+    old = kwargs.pop("old_logprobs", None)
+    run = reference_surrogate if backend == "reference" else load_backend(backend).surrogate_loss
+    loss, metrics = run(
+        logprobs, logprobs.detach() if old is None else old, response_mask, config, entropy=entropy, **kwargs
+    )
+    (loss * UPSTREAM).backward()
+    return Outputs({"loss": loss.detach(), "grad_logprobs": logprobs.grad, "grad_entropy": entropy.grad}, metrics)
+
+
+_TENSOR_KEYS = {"old_logprobs", "rewards", "advantages", "anchor", "ref_logprobs", "importance_weights"}
+
+
+# --- linear -------------------------------------------------------------------------------
+
+
+def linear_batch(seed: int, batch: int = 8, width: int = 13, hidden: int = 24, vocab: int = 300,
+                 scale: float = 1.0) -> dict:
+    """A surrogate batch plus hidden states (NaN/inf at padding), a head, a bias and
+    labels; typical log-probs near -log V so that some ratios leave the clip range."""
+    generator = torch.Generator().manual_seed(seed)
+    data = surrogate_batch(seed, batch=batch, width=width, drift=0.0)
+    mask = data["response_mask"]
+    typical = -math.log(vocab)
+    old = typical + 0.3 * torch.randn(batch, width, generator=generator, dtype=torch.float64)
+    data["old_logprobs"] = _poison(old, mask)
+    data["ref_logprobs"] = _poison(old + 0.1 * torch.randn(batch, width, generator=generator, dtype=torch.float64),
+                                   mask)
+    hidden_states = torch.randn(batch, width, hidden, generator=generator, dtype=torch.float64)
+    data["hidden_states"] = torch.where(mask[..., None], hidden_states, float("nan"))
+    data["lm_head_weight"] = torch.randn(vocab, hidden, generator=generator, dtype=torch.float64) * (
+        scale / hidden**0.5)
+    data["lm_head_bias"] = 0.5 * torch.randn(vocab, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (batch, width), generator=generator)
+    # Labels at padding may be anything, an index outside the vocabulary included.
+    data["labels"] = torch.where(mask, labels, torch.full_like(labels, vocab + 7))
+    return data
+
+
+def run_linear_loss(backend: str, hidden_states, lm_head_weight, labels, response_mask, kwargs, *,
+                    lm_head_bias=None, linear_path="auto") -> Outputs:
+    leaves = [hidden_states.detach().requires_grad_(), lm_head_weight.detach().requires_grad_()]
+    if lm_head_bias is not None:
+        leaves.append(lm_head_bias.detach().requires_grad_())
+    loss, metrics = fused_linear_hadw_grpo_loss(
+        leaves[0], leaves[1], labels, response_mask=response_mask, lm_head_bias=leaves[2] if lm_head_bias is not None
+        else None, return_metrics=True, backend=backend, linear_path=linear_path, block_rows=16, check_values=False,
+        **kwargs,
+    )
+    (loss * UPSTREAM).backward()
+    values = {"loss": loss.detach(), "grad_hidden": leaves[0].grad, "grad_weight": leaves[1].grad}
+    if lm_head_bias is not None:
+        values["grad_bias"] = leaves[2].grad
+    return Outputs(values, metrics)
+
+
+def reference_linear_loss(hidden_states, lm_head_weight, labels, response_mask, kwargs, *,
+                          lm_head_bias=None) -> Outputs:
+    """Eager PyTorch: materialised logits in the inputs' dtype, log-softmax in fp32 (as
+    trainers do), then the reference surrogate."""
+    kwargs = dict(kwargs)
+    temperature = kwargs.pop("temperature", 1.0)
+    entropy_coef = kwargs.pop("entropy_coef", 0.0)
+    batch, width, hidden = hidden_states.shape
+    leaves = [hidden_states.detach().requires_grad_(), lm_head_weight.detach().requires_grad_()]
+    bias = None
+    if lm_head_bias is not None:
+        bias = lm_head_bias.detach().requires_grad_()
+        leaves.append(bias)
+    mask = response_mask.bool()
+    safe_labels = labels.masked_fill(~mask, IGNORE)
+    # Padding rows hold NaN: the reference must not form their logits either.
+    rows = mask.reshape(-1)
+    flat_hidden = torch.where(rows[:, None], leaves[0].reshape(-1, hidden), torch.zeros_like(leaves[0].reshape(-1, hidden)))
+    logprobs, entropy = token_logprobs_reference(
+        flat_hidden, leaves[1], safe_labels.reshape(-1), lm_head_bias=bias, temperature=temperature,
+        with_entropy=True,
+    )
+    logprobs, entropy = logprobs.view(batch, width), entropy.view(batch, width)
+    loss_type = kwargs.pop("loss_type")
+    config = LossConfig.build(
+        loss_type, kwargs.pop("group_size", None), entropy_coef=entropy_coef,
+        **{key: kwargs.pop(key) for key in list(kwargs) if key not in _TENSOR_KEYS},
+    )
+    old = kwargs.pop("old_logprobs", None)
+    loss, metrics = reference_surrogate(
+        logprobs, logprobs.detach() if old is None else old, mask, config, entropy=entropy, **kwargs
+    )
+    (loss * UPSTREAM).backward()
+    values = {"loss": loss.detach(), "grad_hidden": leaves[0].grad, "grad_weight": leaves[1].grad}
+    if bias is not None:
+        values["grad_bias"] = bias.grad
+    return Outputs(values, metrics)
+
+
+def run_token_logprobs(backend: str, hidden_states, lm_head_weight, labels, upstream, *, lm_head_bias=None,
+                       temperature=1.0) -> Outputs:
+    """Log-probs and entropy [B, T] and the gradients of sum(g * logp + g_ent * entropy)."""
+    leaves = [hidden_states.detach().requires_grad_(), lm_head_weight.detach().requires_grad_()]
+    if lm_head_bias is not None:
+        leaves.append(lm_head_bias.detach().requires_grad_())
+    bias = leaves[2] if lm_head_bias is not None else None
+    if backend == "reference":
+        batch, width, hidden = hidden_states.shape
+        logprobs, entropy = token_logprobs_reference(
+            leaves[0].reshape(-1, hidden), leaves[1], labels.reshape(-1), lm_head_bias=bias,
+            temperature=temperature, with_entropy=True,
+        )
+        logprobs, entropy = logprobs.view(batch, width), entropy.view(batch, width)
+    else:
+        logprobs, entropy = token_logprobs(
+            leaves[0], leaves[1], labels, lm_head_bias=bias, temperature=temperature, with_entropy=True,
+            backend=backend, check_values=False,
+        )
+    total = (logprobs * upstream[0].to(logprobs)).sum() + (entropy * upstream[1].to(entropy)).sum()
+    grads = torch.autograd.grad(total, leaves)
+    names = ["grad_hidden", "grad_weight", "grad_bias"]
+    values = {"logprobs": logprobs.detach(), "entropy": entropy.detach(), **dict(zip(names, grads))}
+    return Outputs(values, {})

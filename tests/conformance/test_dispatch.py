@@ -1,0 +1,128 @@
+"""One dispatch: the device key picks the kernel, the backend name picks whose, and a
+backend that cannot serve the tensors' device says so instead of running other code."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hadw_kernels import BackendUnavailable, available_backends, fused_hadw_grpo_loss
+from hadw_kernels.backends import BACKENDS, load_backend, resolve_backend
+
+# What each backend serves when everything it needs is present.
+SERVES = {"torch": {"cpu", "cuda"}, "triton": {"cuda"}, "cpp": {"cpu"}}
+
+
+def test_every_backend_declares_its_devices():
+    assert set(SERVES) == set(BACKENDS)
+
+
+@pytest.mark.parametrize("name", [name for name in BACKENDS if name != "torch"])
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_backend_that_cannot_serve_a_device_says_why(name, device_type):
+    try:
+        backend = load_backend(name)
+    except BackendUnavailable as error:
+        assert name in str(error)
+        return
+    if backend.serves(torch.device(device_type)):
+        assert device_type in SERVES[name] or (name == "triton" and os.environ.get("TRITON_INTERPRET") == "1")
+        return
+    with pytest.raises(BackendUnavailable) as raised:
+        resolve_backend(name, torch.device(device_type))
+    assert repr(name) in str(raised.value) and device_type in str(raised.value)
+
+
+def test_triton_on_cpu_tensors_without_the_interpreter_says_why():
+    code = (
+        "import torch; from hadw_kernels import fused_hadw_grpo_loss\n"
+        "x = torch.zeros(2, 3)\n"
+        "fused_hadw_grpo_loss(x, x, torch.tensor([1.0, 0.0]), torch.ones(2, 3), group_size=2, backend='triton')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode != 0
+    assert "BackendUnavailable" in result.stderr and "'triton'" in result.stderr and "cpu" in result.stderr
+    assert "TRITON_INTERPRET" in result.stderr
+
+
+def test_the_op_router_refuses_a_backend_without_kernels_for_the_device():
+    """Below the public functions the op itself refuses: no other backend's kernel runs."""
+    from hadw_kernels import ops
+
+    x = torch.zeros(2, 3)
+    with pytest.raises(BackendUnavailable, match="'no-such-backend' cannot run on cpu"):
+        ops.call("linear_logprob_forward", hidden=x, weight=torch.zeros(5, 3), bias=None,
+                 labels=torch.zeros(2, dtype=torch.long), temperature=1.0, ignore_index=-100, with_entropy=False,
+                 backend="no-such-backend")
+
+
+def test_torch_backend_is_always_available(device):
+    assert "torch" in available_backends(device)
+
+
+def test_auto_picks_the_preferred_available_backend(device):
+    preferred = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}[device.type]
+    expected = next(name for name in preferred if name in available_backends(device))
+    assert resolve_backend("auto", device) is load_backend(expected)
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="unknown backend"):
+        load_backend("cuda-magic")
+
+
+def test_outputs_match_the_fake_implementation(backend, device):
+    """Shapes and dtypes of every op equal its fake (meta) outputs, which torch.compile trusts."""
+    from hadw_kernels import ops
+    from hadw_kernels.config import LossConfig
+
+    config = LossConfig.build("grpo", 2, entropy_coef=0.01)
+    for dtype in (torch.float32, torch.bfloat16):
+        logprobs = torch.zeros(4, 5, dtype=dtype, device=device)
+        surrogate = dict(logprobs=logprobs, old_logprobs=logprobs, response_mask=torch.ones(4, 5, dtype=torch.bool,
+                         device=device), rewards=torch.tensor([1.0, 0, 0, 1], device=device), advantages=None,
+                         anchor=None, ref_logprobs=None, importance_weights=None, entropy=logprobs,
+                         **config.kernel_options())
+        hidden, weight = torch.zeros(6, 8, dtype=dtype, device=device), torch.zeros(11, 8, dtype=dtype, device=device)
+        labels, rows = torch.zeros(6, dtype=torch.long, device=device), torch.zeros(6, device=device)
+        calls = {
+            "surrogate_loss": surrogate,
+            "linear_logprob_forward": dict(hidden=hidden, weight=weight, bias=None, labels=labels, temperature=1.0,
+                                           ignore_index=-100, with_entropy=True),
+            "linear_logprob_backward": dict(grad_logprobs=rows, grad_entropy=rows, hidden=hidden, weight=weight,
+                                            bias=None, labels=labels, lse=rows, mean_logit=rows, temperature=1.0,
+                                            ignore_index=-100),
+            "linear_surrogate_forward": dict(hidden=hidden, weight=weight, bias=None, labels=labels, old_logprobs=None,
+                                             advantages=rows, token_weights=rows, ref_logprobs=None,
+                                             importance_weights=None, temperature=1.0, ignore_index=-100,
+                                             **config.token_options(), with_entropy=True, block_rows=0),
+        }
+        for op, arguments in calls.items():
+            if backend == "torch" or not ops.has_kernel(op, backend, device.type):
+                continue
+            real = ops.call(op, **arguments, backend=backend)
+            meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in arguments.items()}
+            fake = ops.call(op, **meta, backend=backend)
+            for index, (out, expected) in enumerate(zip(real, fake)):
+                assert (out.shape, out.dtype) == (expected.shape, expected.dtype), (op, index)
+
+
+def test_loss_compiles_with_torch_compile(backend, device):
+    logprobs = -torch.rand(8, 5, device=device, requires_grad=True)
+    old = logprobs.detach() + 0.1
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0], device=device)
+    mask = torch.ones(8, 5, dtype=torch.bool, device=device)
+
+    def step(lp):
+        return fused_hadw_grpo_loss(lp, old, rewards, mask, group_size=4, anchor=0.5, check_values=False,
+                                    backend=backend)
+
+    eager = step(logprobs)
+    compiled = torch.compile(step, fullgraph=False)(logprobs)
+    torch.testing.assert_close(compiled, eager)
+    (grad_eager,) = torch.autograd.grad(eager, logprobs)
+    (grad_compiled,) = torch.autograd.grad(compiled, logprobs)
+    torch.testing.assert_close(grad_compiled, grad_eager)

@@ -1,0 +1,202 @@
+"""What a hostile user found (issue 12), held on every backend: data is data, padding
+reaches nothing, NaN in gives NaN out, empty batches give an exact zero, unchecked bad
+labels give NaN rather than a wrong number, and the KL keeps its digits near on-policy."""
+
+import math
+
+import pytest
+import torch
+
+from cases import GROUP_SIZE, linear_batch, surrogate_batch
+from hadw_kernels import LOSS_TYPES, METRIC_NAMES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
+
+
+def _clean_batch(device, dtype=torch.float32, seed=0):
+    """A surrogate batch with zeros (not poison) at padding, on ``device``."""
+    batch = surrogate_batch(seed)
+    mask = batch["response_mask"]
+    clean = {key: torch.where(mask, value, torch.zeros_like(value)) if value.shape == mask.shape else value
+             for key, value in batch.items() if key != "response_mask"}
+    out = {key: value.to(dtype if key != "rewards" else torch.float32).to(device) for key, value in clean.items()}
+    out["response_mask"] = mask.to(device)
+    return out
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_data_inputs_receive_no_gradient(backend, device, loss_type):
+    """The current log-probs passed as the old ones without .detach() (a common slip) give
+    the same policy gradient as detached ones, and no data tensor gets a gradient."""
+    batch = _clean_batch(device)
+    logprobs = batch["logprobs"].clone().requires_grad_()
+    data = {name: batch[name].clone().requires_grad_() for name in ("rewards", "ref_logprobs", "token_weights")}
+    loss = fused_hadw_grpo_loss(
+        logprobs, logprobs, data["rewards"], batch["response_mask"], group_size=GROUP_SIZE, loss_type=loss_type,
+        anchor=0.4, beta=0.1, ref_logprobs=data["ref_logprobs"], importance_weights=data["token_weights"],
+        backend=backend,
+    )
+    loss.backward()
+    detached = logprobs.detach().clone().requires_grad_()
+    expected = fused_hadw_grpo_loss(
+        detached, logprobs.detach(), batch["rewards"], batch["response_mask"], group_size=GROUP_SIZE,
+        loss_type=loss_type, anchor=0.4, beta=0.1, ref_logprobs=batch["ref_logprobs"],
+        importance_weights=batch["token_weights"], backend=backend,
+    )
+    expected.backward()
+    torch.testing.assert_close(logprobs.grad, detached.grad)
+    assert torch.any(logprobs.grad != 0)
+    assert all(tensor.grad is None for tensor in data.values())
+
+
+def test_advantages_receive_no_gradient(backend, device):
+    batch = _clean_batch(device)
+    advantages = batch["advantages"].clone().requires_grad_()
+    logprobs = batch["logprobs"].clone().requires_grad_()
+    fused_hadw_grpo_loss(logprobs, batch["old_logprobs"], response_mask=batch["response_mask"],
+                         advantages=advantages, backend=backend).backward()
+    assert advantages.grad is None and torch.any(logprobs.grad != 0)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_nan_logprob_gives_nan_loss(backend, device, loss_type):
+    batch = _clean_batch(device)
+    logprobs = batch["logprobs"].clone()
+    row = 5  # a response with tokens, in a group with a non-zero advantage
+    logprobs[row, 0] = float("nan")
+    loss, metrics = fused_hadw_grpo_loss(
+        logprobs, batch["old_logprobs"], batch["rewards"], batch["response_mask"], group_size=GROUP_SIZE,
+        loss_type=loss_type, anchor=0.4, return_metrics=True, backend=backend, check_values=False,
+    )
+    assert torch.isnan(loss), loss
+    assert torch.isnan(metrics["ratio_mean"])
+    with pytest.raises(ValueError, match="logprobs contain NaN"):
+        fused_hadw_grpo_loss(logprobs, batch["old_logprobs"], batch["rewards"], batch["response_mask"],
+                             group_size=GROUP_SIZE, loss_type=loss_type, backend=backend)
+
+
+@pytest.mark.parametrize("path", ["auto", "recompute"])
+def test_nan_hidden_state_gives_nan_loss(backend, device, path):
+    data = linear_batch(1)
+    hidden = data["hidden_states"].float().to(device)
+    mask = data["response_mask"].to(device)
+    hidden[5, 0, 3] = float("nan")  # a response token
+    kwargs = dict(rewards=data["rewards"].float().to(device), group_size=GROUP_SIZE, anchor=0.4, backend=backend,
+                  linear_path=path)
+    loss = fused_linear_hadw_grpo_loss(hidden, data["lm_head_weight"].float().to(device), data["labels"].to(device),
+                                       data["old_logprobs"].float().to(device), response_mask=mask,
+                                       check_values=False, **kwargs)
+    assert torch.isnan(loss)
+    with pytest.raises(ValueError, match="hidden_states contain NaN"):
+        fused_linear_hadw_grpo_loss(hidden, data["lm_head_weight"].float().to(device), data["labels"].to(device),
+                                    data["old_logprobs"].float().to(device), response_mask=mask, **kwargs)
+
+
+def test_poisoned_ignored_rows_leave_the_head_gradient_finite(backend, device):
+    """NaN and inf hidden states at ignored labels: every gradient finite, those rows' zero."""
+    hidden = torch.randn(2, 6, 16, device=device)
+    labels = torch.randint(0, 50, (2, 6), device=device)
+    labels[:, 3:] = -100
+    hidden[:, 3] = float("nan")
+    hidden[:, 4] = float("inf")
+    hidden.requires_grad_()
+    weight = torch.randn(50, 16, device=device, requires_grad=True)
+    logprobs, entropy = token_logprobs(hidden, weight, labels, with_entropy=True, backend=backend)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert torch.isfinite(weight.grad).all() and torch.isfinite(hidden.grad).all()
+    assert torch.all(hidden.grad[:, 3:] == 0)
+
+
+def test_labels_outside_the_vocabulary_give_nan_unless_checked(backend, device):
+    hidden = torch.randn(1, 4, 8, device=device)
+    weight = torch.randn(30, 8, device=device)
+    labels = torch.tensor([[1, 30, 2, -5]], device=device)
+    logprobs = token_logprobs(hidden, weight, labels, backend=backend, check_values=False)
+    assert torch.isfinite(logprobs[0, [0, 2]]).all() and torch.isnan(logprobs[0, [1, 3]]).all()
+    with pytest.raises(ValueError, match="labels must lie"):
+        token_logprobs(hidden, weight, labels, backend=backend)
+
+
+def test_labels_outside_the_vocabulary_at_padding_are_accepted(backend, device):
+    data = linear_batch(2)
+    mask = data["response_mask"]
+    assert bool((data["labels"][~mask] >= data["lm_head_weight"].shape[0]).all())  # the batch holds such labels
+    loss = fused_linear_hadw_grpo_loss(
+        data["hidden_states"].float().to(device), data["lm_head_weight"].float().to(device), data["labels"].to(device),
+        data["old_logprobs"].float().to(device), data["rewards"].float().to(device), mask.to(device),
+        group_size=GROUP_SIZE, backend=backend,
+    )
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("shape", [(0, 5), (4, 0), (4, 5)], ids=["no_rows", "no_columns", "all_masked"])
+def test_empty_batches_give_exact_zeros(backend, device, loss_type, shape):
+    logprobs = torch.randn(*shape, device=device, requires_grad=True)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], device=device)[: shape[0]]
+    mask = torch.zeros(*shape, dtype=torch.bool, device=device)
+    loss, metrics = fused_hadw_grpo_loss(
+        logprobs, logprobs.detach(), rewards, mask, group_size=2, loss_type=loss_type, anchor=0.5, beta=0.1,
+        ref_logprobs=logprobs.detach(), return_metrics=True, backend=backend,
+    )
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(logprobs.grad, torch.zeros_like(logprobs))
+    assert set(metrics) == set(METRIC_NAMES) - {"entropy_mean"}
+    for name, value in metrics.items():
+        expected = 1.3 if name == "phi_mean" and shape[0] else 0.0
+        if name == "zero_std_frac" and shape[0]:
+            expected = 0.0
+        assert torch.isfinite(value), name
+        if name != "phi_mean":
+            assert value.item() == expected, (name, value)
+
+
+@pytest.mark.parametrize("path", ["auto", "recompute"])
+def test_empty_linear_batch_gives_exact_zeros(backend, device, path):
+    hidden = torch.randn(0, 5, 8, device=device, requires_grad=True)
+    weight = torch.randn(30, 8, device=device, requires_grad=True)
+    labels = torch.zeros(0, 5, dtype=torch.long, device=device)
+    empty = torch.zeros(0, 5, device=device)
+    loss = fused_linear_hadw_grpo_loss(hidden, weight, labels, empty, torch.zeros(0, device=device),
+                                       empty.bool(), group_size=2, backend=backend, linear_path=path)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs"])
+def test_kl_keeps_its_precision_near_on_policy(backend, device, estimator):
+    """Reference deltas of 1e-4 in fp32: the KL term of the loss (k3 ~ 5e-9 a token) within
+    1e-3 of its fp64 value on every backend (the literal exp(d) - d - 1 is off by 100%)."""
+    batch = _clean_batch(device)
+    logprobs = batch["logprobs"]
+    ref = logprobs + 1e-4 * torch.sign(torch.randn_like(logprobs))
+    kwargs = dict(advantages=torch.zeros_like(batch["advantages"]), beta=1.0, kl_estimator=estimator)
+    _, metrics = fused_hadw_grpo_loss(logprobs, logprobs, response_mask=batch["response_mask"], ref_logprobs=ref,
+                                      return_metrics=True, backend=backend, **kwargs)
+    _, exact = fused_hadw_grpo_loss(logprobs.double().cpu(), logprobs.double().cpu(),
+                                    response_mask=batch["response_mask"].cpu(), ref_logprobs=ref.double().cpu(),
+                                    return_metrics=True, backend="torch",
+                                    **{key: value.double().cpu() if isinstance(value, torch.Tensor) else value
+                                       for key, value in kwargs.items()})
+    assert math.isclose(metrics["ref_kl"].item(), exact["ref_kl"].item(), rel_tol=1e-3)
+
+
+def test_dr_grpo_micro_batches_of_different_widths_add_up(backend, device):
+    """With max_response_length, micro-batches padded to their own widths add up to the
+    batch; without it, a loss_normalizer is refused for seq-mean-token-sum-norm."""
+    batch = _clean_batch(device, seed=4)
+    mask, width = batch["response_mask"], batch["logprobs"].shape[1]
+    kwargs = dict(group_size=GROUP_SIZE, loss_type="dr_grpo", anchor=0.3, backend=backend)
+    whole = fused_hadw_grpo_loss(batch["logprobs"], batch["old_logprobs"], batch["rewards"], mask,
+                                 max_response_length=width, **kwargs)
+    total = 0.0
+    for rows in (slice(0, 4), slice(4, 12)):
+        trimmed = int(mask[rows].sum(dim=1).max())  # padded only to this micro-batch's longest response
+        total += fused_hadw_grpo_loss(
+            batch["logprobs"][rows, :trimmed], batch["old_logprobs"][rows, :trimmed], batch["rewards"][rows],
+            mask[rows, :trimmed], loss_normalizer=12, max_response_length=width, **kwargs,
+        ).item()
+    assert total == pytest.approx(whole.item(), rel=1e-5, abs=1e-7)
+    with pytest.raises(ValueError, match="needs max_response_length"):
+        fused_hadw_grpo_loss(batch["logprobs"], batch["old_logprobs"], batch["rewards"], mask, loss_normalizer=12,
+                             **kwargs)

@@ -1,0 +1,104 @@
+"""The linear ops and the linear loss on every backend against the full-logits
+reference: log-probs and entropy with random upstream gradients, and the whole loss on
+each execution path (gradients formed in the forward, or recomputed in backward) with
+blocks of 16 rows, so blocks end inside responses and a response spans several."""
+
+import pytest
+import torch
+
+from cases import (
+    DTYPES,
+    Variant,
+    cast,
+    linear_batch,
+    loss_kwargs,
+    reference_linear_loss,
+    rounded,
+    run_linear_loss,
+    run_token_logprobs,
+)
+from check import assert_conforms
+from hadw_kernels import LOSS_TYPES
+from hadw_kernels.backends import load_backend
+
+# (batch, width, hidden, vocab, bias, temperature, logit scale): a vocabulary that no
+# tile divides, a single token, and logits near +-40 (a trained head's) at temperature 0.5.
+SHAPES = [
+    pytest.param(3, 13, 32, 300, True, 0.7, 1.0, id="ragged_vocab-bias-temperature"),
+    pytest.param(1, 1, 24, 200, False, 1.3, 1.0, id="one_token"),
+    pytest.param(2, 12, 20, 150, True, 0.5, 5.0, id="large_logits"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch, width, hidden, vocab, bias, temperature, scale", SHAPES)
+def test_token_logprobs_match_reference(backend, device, dtype, batch, width, hidden, vocab, bias, temperature,
+                                        scale):
+    data = linear_batch(7, batch=batch, width=width, hidden=hidden, vocab=vocab, scale=scale)
+    hidden_states = torch.randn(batch, width, hidden, dtype=torch.float64)
+    labels = data["labels"].clamp(max=vocab - 1)
+    if labels.numel() > 1:
+        labels.view(-1)[1::5] = -100
+    upstream = (torch.randn(batch, width, dtype=torch.float64), torch.randn(batch, width, dtype=torch.float64))
+    weight, lm_bias = data["lm_head_weight"], data["lm_head_bias"] if bias else None
+
+    def run(name, on, in_dtype):
+        convert = (lambda t: None if t is None else t.to(dtype).to(in_dtype).to(on))
+        return run_token_logprobs(
+            name, convert(hidden_states), convert(weight), labels.to(on), [u.to(on) for u in upstream],
+            lm_head_bias=convert(lm_bias), temperature=temperature,
+        )
+
+    fast = run(backend, device, dtype)
+    eager = run("reference", device, dtype)
+    exact = run("reference", torch.device("cpu"), torch.float64)
+    assert_conforms(fast, eager, exact, dtype)
+    ignored = (labels == -100).to(device)
+    assert torch.all(fast.values["logprobs"][ignored] == 0) and torch.all(fast.values["entropy"][ignored] == 0)
+
+
+LINEAR_VARIANTS = [
+    Variant("plain"),
+    Variant("hadw_kl_entropy_bias_temperature", {"anchor": 0.35, "beta": 0.05, "entropy_coef": 0.01,
+                                                 "temperature": 0.7, "dual_clip": 3.0},
+            ("old_logprobs", "rewards", "ref_logprobs", "bias")),
+    Variant("token_weights_normalizer", {"loss_normalizer": 40.0, "max_response_length": 16,
+                                         "kl_estimator": "k2", "beta": 0.02},
+            ("old_logprobs", "rewards", "token_weights", "ref_logprobs")),
+    Variant("advantages_on_policy", {"entropy_coef": 0.02, "loss_agg_mode": "seq-mean-token-sum"},
+            ("advantages",)),
+]
+PATHS = ["gradients_in_forward", "recompute"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", LINEAR_VARIANTS, ids=str)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_linear_loss_matches_reference(backend, device, loss_type, variant, dtype, path):
+    if path == "gradients_in_forward":
+        if loss_type == "gspo":
+            pytest.skip("a sequence-level loss has no gradients-in-forward path (its token gradients need the "
+                        "whole response)")
+        if not load_backend(backend).has_gradients_in_forward(device):
+            pytest.skip(f"backend {backend!r} has no gradients-in-forward path")
+    data = linear_batch(11)
+    variant_tensors = tuple(name for name in variant.tensors if name != "bias")
+    kwargs = loss_kwargs(data, loss_type, Variant(variant.name, variant.options, variant_tensors))
+    mask, labels = data["response_mask"], data["labels"]
+    bias = data["lm_head_bias"] if "bias" in variant.tensors else None
+
+    def tensors(on, in_dtype):
+        convert = (lambda t: None if t is None else t.to(dtype).to(in_dtype).to(on))
+        return convert(data["hidden_states"]), convert(data["lm_head_weight"]), convert(bias)
+
+    hidden, weight, lm_bias = tensors(device, dtype)
+    on_device = cast(kwargs, dtype, device)
+    fast = run_linear_loss(backend, hidden, weight, labels.to(device), mask.to(device), on_device,
+                           lm_head_bias=lm_bias, linear_path=path)
+    eager = reference_linear_loss(hidden, weight, labels.to(device), mask.to(device), on_device, lm_head_bias=lm_bias)
+    hidden, weight, lm_bias = tensors(torch.device("cpu"), torch.float64)
+    exact = reference_linear_loss(hidden, weight, labels, mask, rounded(kwargs, dtype), lm_head_bias=lm_bias)
+    assert_conforms(fast, eager, exact, dtype)
+    # Padding rows (hidden states NaN, labels outside the vocabulary) get exactly zero.
+    assert torch.all(fast.values["grad_hidden"][~mask.to(device)] == 0)

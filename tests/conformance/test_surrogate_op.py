@@ -1,0 +1,73 @@
+"""hadw::surrogate_loss on every backend against the reference: every loss type and
+option variant, four dtypes, poisoned padding, degenerate groups, empty and full
+responses, an odd width, a non-unit upstream gradient."""
+
+import pytest
+import torch
+
+from cases import (
+    DTYPES,
+    SURROGATE_VARIANTS,
+    Variant,
+    cast,
+    loss_kwargs,
+    rounded,
+    run_surrogate,
+    run_surrogate_op_with_entropy,
+    surrogate_batch,
+)
+from check import assert_conforms
+from hadw_kernels import LOSS_TYPES
+
+
+def _drift(loss_type: str) -> float:
+    # GSPO's clip range is 3e-4 wide: a small drift keeps some sequence ratios inside.
+    return 1e-3 if loss_type == "gspo" else 0.3
+
+
+def _compare(backend, device, loss_type, variant, dtype, *, seed=0, width=37):
+    batch = surrogate_batch(seed, width=width, drift=_drift(loss_type))
+    kwargs = loss_kwargs(batch, loss_type, variant)
+    logprobs, mask = batch["logprobs"], batch["response_mask"]
+    on_device = cast(kwargs, dtype, device)
+    fast = run_surrogate(backend, logprobs.to(dtype).to(device), mask.to(device), on_device)
+    eager = run_surrogate("torch", logprobs.to(dtype).to(device), mask.to(device), on_device)
+    exact = run_surrogate("torch", logprobs.to(dtype).double(), mask, rounded(kwargs, dtype))
+    assert_conforms(fast, eager, exact, dtype)
+    return fast
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", SURROGATE_VARIANTS, ids=str)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_matches_reference(backend, device, loss_type, variant, dtype):
+    fast = _compare(backend, device, loss_type, variant, dtype)
+    # Padding and empty responses get exactly zero gradient, whatever they held.
+    mask = surrogate_batch(0, width=37)["response_mask"].to(device)
+    assert torch.all(fast.values["grad_logprobs"][~mask] == 0)
+
+
+@pytest.mark.parametrize("width", [1, 7])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_odd_widths(backend, device, loss_type, width):
+    _compare(backend, device, loss_type, Variant("hadw", {"anchor": 0.4}), torch.float32, seed=width, width=width)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_entropy_input(backend, device, loss_type, dtype):
+    """The op's entropy input (what the linear loss feeds it): its gradient is
+    -entropy_coef times the aggregation weight, and entropy_mean joins the metrics."""
+    batch = surrogate_batch(3, drift=_drift(loss_type))
+    variant = Variant("hadw_kl", {"anchor": 0.35, "beta": 0.05}, ("old_logprobs", "rewards", "ref_logprobs"))
+    kwargs = loss_kwargs(batch, loss_type, variant)
+    logprobs, entropy, mask = batch["logprobs"], batch["entropy"], batch["response_mask"]
+    runs = {}
+    for name, run_backend, on, cast_dtype in (("fast", backend, device, dtype), ("eager", "torch", device, dtype),
+                                              ("exact", "reference", torch.device("cpu"), torch.float64)):
+        inputs = cast(kwargs, cast_dtype, on) if name != "exact" else rounded(kwargs, dtype)
+        runs[name] = run_surrogate_op_with_entropy(
+            run_backend, logprobs.to(dtype).to(cast_dtype).to(on), entropy.to(dtype).to(cast_dtype).to(on),
+            mask.to(on), inputs, entropy_coef=0.01,
+        )
+    assert_conforms(runs["fast"], runs["eager"], runs["exact"], dtype)

@@ -1,0 +1,33 @@
+"""The GPU check command cannot rot: its dry run (CPU, Triton's interpreter, tiny shapes)
+runs every section and writes a report; a failing correctness test makes it exit 1."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dry_run_writes_a_report(tmp_path):
+    report = tmp_path / "gpu-report.md"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--report", str(report)],
+        capture_output=True, text=True, cwd=ROOT, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = report.read_text()
+    assert "DRY RUN" in text and "0 failed" in text
+    for section in ("## Loss step", "## The surrogate alone", "## The paper's scale"):
+        assert section in text, section
+    assert "bench: tiny" in result.stdout and "paper scale G=4" in result.stdout
+
+
+def test_the_shell_entry_point_passes_its_flags(tmp_path):
+    report = tmp_path / "report.md"
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--skip-bench", "--skip-tests",
+         "--report", str(report)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "DRY RUN" in report.read_text()

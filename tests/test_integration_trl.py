@@ -1,0 +1,210 @@
+"""hadw_kernels.integrations.trl with TRL 1.16's GRPOTrainer on the CPU: a tiny Llama
+built from a config and a word-level tokenizer, both offline, and a toy reward (the
+fraction of "7"s in a completion).
+
+With HA-DW off the integration must be TRL: the same logged losses and metrics, and
+(plain SGD, so parameters move by the gradient) the same parameters after two steps,
+for each loss type. With HA-DW on, the advantages are TRL's times Phi from the anchor
+folded once per generation batch, and the anchor survives a save and resume."""
+
+import json
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="the trl extra is not installed")
+from datasets import Dataset  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_weights  # noqa: E402
+from hadw_kernels.integrations.trl import ANCHOR_FILE, HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
+from trainer.tiny_model import build_tokenizer  # noqa: E402
+
+TOKENIZER = build_tokenizer(["[PAD]", "[BOS]", "[EOS]"] + [str(digit) for digit in range(10)])
+PROMPTS = Dataset.from_dict({"prompt": [f"{i} {i + 1}" for i in range(8)]})
+# 4 prompts x 4 completions a generation batch, split into 4 micro-batches (shuffled),
+# 2 per optimizer step: the second step has old log-probs and clips. SGD with a large
+# rate, so that parameters after a step reflect the gradient and ratios move.
+RUN = dict(
+    per_device_train_batch_size=4, num_generations=4, steps_per_generation=4, gradient_accumulation_steps=2,
+    max_completion_length=8, learning_rate=1.0, optim="sgd", logging_steps=1, report_to="none",
+    save_strategy="no", use_cpu=True, bf16=False, seed=0,
+)
+LOSS_SETTINGS = {
+    "dapo+kl+delta": dict(loss_type="dapo", beta=0.05, use_bias_correction_kl=False, delta=1.5),
+    "grpo": dict(loss_type="grpo", epsilon_high=0.28),
+    "bnpo": dict(loss_type="bnpo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+}
+COMPARED_METRICS = ("loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny Llama saved to disk: TRL builds its reference model (beta > 0) from the path."""
+    config = LlamaConfig(
+        vocab_size=len(TOKENIZER), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=TOKENIZER.bos_token_id,
+        eos_token_id=TOKENIZER.eos_token_id, pad_token_id=TOKENIZER.pad_token_id, tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def sevens(completions, **_):
+    return [completion.split().count("7") / max(len(completion.split()), 1) for completion in completions]
+
+
+def train(trainer_class, config_class, model, output_dir, **options):
+    trainer = trainer_class(
+        model=model, reward_funcs=sevens, args=config_class(output_dir=str(output_dir), **{**RUN, **options}),
+        train_dataset=PROMPTS, processing_class=TOKENIZER,
+    )
+    trainer.train()
+    return trainer
+
+
+def logged_steps(trainer) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("setting", LOSS_SETTINGS)
+def test_without_hadw_the_integration_is_trl(setting, model_dir, tmp_path):
+    options = dict(LOSS_SETTINGS[setting], max_steps=2)
+    stock = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "stock", **options)
+    fused = train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path / "fused", use_hadw=False, **options)
+    assert fused.anchor is None
+    stock_steps, fused_steps = logged_steps(stock), logged_steps(fused)
+    assert len(stock_steps) == len(fused_steps) == 2
+    for expected, got in zip(stock_steps, fused_steps):
+        for name in COMPARED_METRICS:
+            if name in expected:
+                assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-6), name
+    assert fused_steps[0]["loss"] == pytest.approx(stock_steps[0]["loss"], rel=0, abs=1e-6)
+    if setting != "gspo":  # GSPO's clip range is 4e-4 wide: every ratio clips
+        assert any(step["clip_ratio/region_mean"] > 0 for step in stock_steps)
+    for expected, got in zip(stock.model.parameters(), fused.model.parameters()):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+class RecordingTrainer(HADWGRPOTrainer):
+    """Keeps each generation batch's gathered rewards and the advantages it hands on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generations = []
+
+    def _calculate_rewards(self, *args):
+        rewards = super()._calculate_rewards(*args)
+        self.generations.append({"rewards": rewards[:, 0].clone()})
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.generations[-1].update(advantages=output["advantages"].clone(), belief=self.anchor.value)
+        return output
+
+
+def test_hadw_scales_trl_advantages_by_phi_for_three_steps(model_dir, tmp_path):
+    trainer = train(RecordingTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=3, hadw_lambda_scale=1.5)
+    # Three optimizer steps, a generation batch every two: two anchor updates.
+    assert len(trainer.generations) == 2 and trainer.anchor.step == 2
+    reference = DifficultyAnchor()
+    for generation in trainer.generations:
+        rewards = generation["rewards"]
+        assert generation["belief"] == reference.update(rewards)
+        grouped = rewards.view(-1, 4)
+        trl_advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+        phi = hadw_weights(rewards, 4, generation["belief"], lambda_scale=1.5)
+        torch.testing.assert_close(generation["advantages"], trl_advantages * phi)
+    steps = logged_steps(trainer)
+    assert len(steps) == 3 and all(math.isfinite(step["loss"]) for step in steps)
+    assert "hadw/anchor" in steps[0] and "hadw/phi_mean" in steps[0]
+
+
+class ResumeProbe(HADWGRPOTrainer):
+    """Keeps the anchor's state as TRL's resume leaves it, before any new batch."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        self.anchor_at_resume = self.anchor.state_dict()
+
+
+def test_anchor_survives_save_and_resume(model_dir, tmp_path):
+    first = train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=2, save_strategy="steps",
+                  save_steps=2)
+    saved = first.anchor.state_dict()
+    assert saved["step"] == 1
+    assert json.loads((tmp_path / "checkpoint-2" / ANCHOR_FILE).read_text()) == saved
+
+    resumed = ResumeProbe(
+        model=model_dir, reward_funcs=sevens, train_dataset=PROMPTS, processing_class=TOKENIZER,
+        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 3}),
+    )
+    assert resumed.anchor.step == 0
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.anchor_at_resume == saved
+    # Step 3 generates a new batch: the belief moves on from the saved one.
+    assert resumed.anchor.step == saved["step"] + 1
+    assert resumed.anchor.prior == saved["posterior"]
+
+
+def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
+    def plus_minus_one(completions, **_):
+        return [2.0 * score - 1.0 for score in sevens(completions)]
+
+    trainer = HADWGRPOTrainer(
+        model=model_dir, reward_funcs=plus_minus_one, train_dataset=PROMPTS, processing_class=TOKENIZER,
+        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 1}),
+    )
+    with pytest.raises(ValueError, match=r"accuracies in \[0, 1\].*reward_weights that sum to 1"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(loss_type="cispo"), "runs loss_type in"),
+        (dict(loss_type="dapo", delta=1.1), "no dual-clip equivalent"),
+        (dict(loss_type="dapo", beta=0.1), "use_bias_correction_kl"),
+        (dict(loss_type="dapo", top_entropy_quantile=0.5), "top_entropy_quantile"),
+        (dict(loss_type="dapo", multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),
+    ],
+)
+def test_options_the_fused_loss_lacks_are_refused(options, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, **options})
+
+
+@pytest.mark.parametrize("delta", [1.28, 2.0, 3.0])
+def test_trl_delta_is_the_dual_clip(delta):
+    """TRL's delta caps the unclipped ratio (loss -min(min(r, delta) A, clip(r) A));
+    from delta >= 1 + epsilon_high on it is the dual clip c = delta: same loss, same
+    gradient, for ratios from 0.05 to 20 and both signs of A."""
+    generator = torch.Generator().manual_seed(0)
+    old = -torch.rand(64, 6, generator=generator, dtype=torch.float64)
+    log_ratio = torch.empty(64, 6, dtype=torch.float64).uniform_(-3.0, 3.0, generator=generator)
+    advantages = torch.randn(64, generator=generator, dtype=torch.float64)
+    mask = torch.ones(64, 6, dtype=torch.bool)
+    results = []
+    for dual_clip in (None, delta):
+        logprobs = (old + log_ratio).requires_grad_()
+        if dual_clip is None:
+            ratio = torch.exp(logprobs - old)
+            capped = torch.clamp(ratio, max=delta) * advantages[:, None]
+            clipped = torch.clamp(ratio, 1 - 0.2, 1 + 0.28) * advantages[:, None]
+            loss = -torch.min(capped, clipped).mean()
+        else:
+            loss = fused_hadw_grpo_loss(logprobs, old, response_mask=mask, advantages=advantages, loss_type="dapo",
+                                        dual_clip=dual_clip)
+        loss.backward()
+        results.append((loss.detach(), logprobs.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-12, atol=1e-14)

@@ -1,0 +1,220 @@
+"""hadw_kernels.integrations.verl through verl 0.9.1's own registries, on CPU tensors:
+the registered losses equal verl's vanilla and GSPO losses, the estimator equals verl's
+GRPO advantage with HA-DW off, and the anchor round-trips through verl's checkpoint
+folder and its checkpoint-callback hook."""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="the verl extra is not installed")
+from omegaconf import OmegaConf  # noqa: E402
+from verl.workers.config import ActorConfig  # noqa: E402
+
+from hadw_kernels import DifficultyAnchor, hadw_advantages  # noqa: E402
+from hadw_kernels.integrations import verl as hadw_verl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+# What verl's workers put in global_batch_info: none (one process), or a rank of two
+# data-parallel ranks with the global counts and a constant Dr.GRPO length.
+BATCH_INFOS = {
+    "local": {},
+    "global": {"dp_size": 2, "batch_num_tokens": 41, "global_batch_size": 14, "loss_scale_factor": 16},
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_driver_anchor():
+    hadw_verl.reset_driver_anchor()
+    yield
+    hadw_verl.reset_driver_anchor()
+
+
+def actor_config(batch_info: dict) -> ActorConfig:
+    config = ActorConfig(
+        strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2, clip_ratio_low=0.2,
+        clip_ratio_high=0.28, clip_ratio_c=3.0,
+    )
+    config.global_batch_info.update(batch_info)
+    return config
+
+
+def policy_batch(with_is_weights: bool):
+    """fp64 [B, T] tensors with padding, one empty response, ratios wide enough to hit
+    both clips and the dual clip, and one advantage per response broadcast over tokens."""
+    generator = torch.Generator().manual_seed(3)
+    batch, width = 7, 9
+    lengths = torch.tensor([9, 1, 5, 0, 7, 3, 8])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    old = -torch.rand(batch, width, generator=generator, dtype=torch.float64) * 3
+    logprob = (old + 0.8 * torch.randn(batch, width, generator=generator, dtype=torch.float64)).requires_grad_()
+    advantages = torch.randn(batch, generator=generator, dtype=torch.float64)[:, None] * mask
+    weights = torch.rand(batch, width, generator=generator, dtype=torch.float64) + 0.5 if with_is_weights else None
+    return old, logprob, advantages, mask, weights
+
+
+def run_loss(function, old, logprob, advantages, mask, mode, config, weights):
+    logprob.grad = None
+    loss, metrics = function(old, logprob, advantages, mask, loss_agg_mode=mode, config=config,
+                             rollout_is_weights=weights)
+    loss.backward()
+    return loss.detach(), logprob.grad.clone(), metrics
+
+
+def test_registries_return_the_integration():
+    assert core_algos.get_policy_loss_fn("hadw") is hadw_verl.compute_policy_loss_hadw
+    assert core_algos.get_policy_loss_fn("hadw_gspo") is hadw_verl.compute_policy_loss_hadw_gspo
+    assert core_algos.get_adv_estimator_fn("hadw") is hadw_verl.compute_hadw_outcome_advantage
+
+
+@pytest.mark.parametrize("batch_info", BATCH_INFOS, ids=str)
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize(("ours", "theirs"), [("hadw", "vanilla"), ("hadw_gspo", "gspo")])
+@pytest.mark.parametrize("with_is_weights", [False, True], ids=["no-is", "rollout-is"])
+def test_policy_loss_equals_verl(ours, theirs, mode, batch_info, with_is_weights):
+    old, logprob, advantages, mask, weights = policy_batch(with_is_weights)
+    expected = run_loss(core_algos.get_policy_loss_fn(theirs), old, logprob, advantages, mask, mode,
+                        actor_config(BATCH_INFOS[batch_info]), weights)
+    got = run_loss(core_algos.get_policy_loss_fn(ours), old, logprob, advantages, mask, mode,
+                   actor_config(BATCH_INFOS[batch_info]), weights)
+    # verl's seq-mean-token-mean divides by (tokens + 1e-8): a relative 1e-9 here.
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-8, atol=1e-12)
+    assert got[2]["actor/ppo_kl"] == pytest.approx(expected[2]["actor/ppo_kl"], rel=1e-12)
+    if ours == "hadw":  # at sequence level verl counts clipped tokens, the fused loss responses
+        assert got[2]["actor/pg_clipfrac"] == pytest.approx(expected[2]["actor/pg_clipfrac"], rel=1e-6)
+        assert got[2]["actor/pg_clipfrac_lower"] == pytest.approx(expected[2]["actor/pg_clipfrac_lower"], rel=1e-6)
+        assert 0 < expected[2]["actor/pg_clipfrac_lower"] < expected[2]["actor/pg_clipfrac"]
+
+
+def test_policy_loss_refuses_per_token_advantages():
+    old, logprob, advantages, mask, _ = policy_batch(False)
+    advantages = advantages + 0.01 * torch.arange(advantages.shape[1])
+    with pytest.raises(ValueError, match=r"rows \[0, 2, 4, 5, 6\] vary over their valid tokens"):
+        hadw_verl.compute_policy_loss_hadw(old, logprob, advantages, mask, config=actor_config({}))
+
+
+def test_policy_loss_needs_global_counts_under_data_parallelism():
+    old, logprob, advantages, mask, _ = policy_batch(False)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        hadw_verl.compute_policy_loss_hadw(old, logprob, advantages, mask, loss_agg_mode="seq-mean-token-mean",
+                                           config=actor_config({"dp_size": 2}))
+
+
+def outcome_batch(seed: int, groups: int = 5, group_size: int = 4):
+    """Binary rewards on each response's last valid token, rows shuffled, string uids."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, width = groups * group_size, 6
+    order = torch.randperm(batch, generator=generator)
+    uids = np.array([f"prompt-{i // group_size}" for i in range(batch)], dtype=object)[order.numpy()]
+    lengths = torch.randint(1, width + 1, (batch,), generator=generator)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+    rewards = torch.bernoulli(torch.full((batch,), 0.4), generator=generator)
+    token_level_rewards = torch.zeros(batch, width).scatter(1, (lengths - 1)[:, None], rewards[:, None])
+    return token_level_rewards, mask, uids, rewards
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_estimator_without_hadw_equals_verl_grpo(normalize_std):
+    token_level_rewards, mask, uids, _ = outcome_batch(seed=1)
+    config = OmegaConf.create({"norm_adv_by_std_in_grpo": normalize_std, "hadw": {"enable": False}})
+    estimator = core_algos.get_adv_estimator_fn("hadw")
+    advantages, returns = estimator(token_level_rewards=token_level_rewards, response_mask=mask, index=uids,
+                                    config=config)
+    expected, _ = core_algos.compute_grpo_outcome_advantage(
+        token_level_rewards, mask, uids, norm_adv_by_std_in_grpo=normalize_std
+    )
+    torch.testing.assert_close(advantages, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(returns, advantages)
+    assert hadw_verl._driver_anchor is None
+
+
+def test_estimator_with_hadw_folds_each_step_into_the_anchor_once():
+    config = OmegaConf.create({"hadw": {"lambda_scale": 1.5, "anchor": {"window": 3}}})
+    reference = DifficultyAnchor(window=3)
+    for step in range(4):
+        token_level_rewards, mask, uids, rewards = outcome_batch(seed=10 + step)
+        advantages, _ = core_algos.get_adv_estimator_fn("hadw")(
+            token_level_rewards=token_level_rewards, response_mask=mask, index=uids, config=config
+        )
+        belief = reference.update(rewards)
+        group_index = torch.as_tensor(np.unique(uids, return_inverse=True)[1])
+        expected = hadw_advantages(rewards, group_index=group_index, anchor=belief, lambda_scale=1.5)
+        torch.testing.assert_close(advantages, expected[:, None] * mask)
+    assert hadw_verl._driver_anchor.state_dict() == reference.state_dict()
+
+
+def test_estimator_refuses_rewards_outside_the_unit_interval():
+    token_level_rewards, mask, uids, _ = outcome_batch(seed=2)
+    with pytest.raises(ValueError, match=r"rewards in \[0, 3\].*compute_score"):
+        core_algos.get_adv_estimator_fn("hadw")(
+            token_level_rewards=3 * token_level_rewards, response_mask=mask, index=uids,
+            config=OmegaConf.create({}),
+        )
+    with pytest.raises(ValueError, match="unknown keys"):
+        core_algos.get_adv_estimator_fn("hadw")(
+            token_level_rewards=token_level_rewards, response_mask=mask, index=uids,
+            config=OmegaConf.create({"hadw": {"lamda_scale": 1.0}}),
+        )
+
+
+def trainer_config(checkpoints: Path, resume_mode: str = "auto") -> dict:
+    return OmegaConf.create({
+        "algorithm": {"adv_estimator": "hadw", "hadw": {"anchor": {"window": 2}}},
+        "trainer": {"resume_mode": resume_mode, "default_local_dir": str(checkpoints), "resume_from_path": None},
+    })
+
+
+def test_anchor_round_trips_through_a_verl_checkpoint(tmp_path):
+    config = trainer_config(tmp_path)
+    callback = hadw_verl.HADWCheckpointCallback(config)  # nothing to resume from yet
+    estimator = core_algos.get_adv_estimator_fn("hadw")
+    for step in range(3):
+        token_level_rewards, mask, uids, _ = outcome_batch(seed=20 + step)
+        estimator(token_level_rewards=token_level_rewards, response_mask=mask, index=uids, config=config.algorithm)
+    # What verl's trainer does at a save: its own files, the tracker, then the callback.
+    folder = tmp_path / "global_step_3"
+    folder.mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    callback.on_save(trainer=None, global_step=3, checkpoint_dir=str(folder))
+    saved = hadw_verl._driver_anchor.state_dict()
+    assert json.loads((folder / hadw_verl.ANCHOR_FILE).read_text()) == saved
+
+    hadw_verl.reset_driver_anchor()  # a new driver process
+    hadw_verl.HADWCheckpointCallback(trainer_config(tmp_path))
+    assert hadw_verl._driver_anchor.state_dict() == saved
+
+    hadw_verl.reset_driver_anchor()
+    hadw_verl.HADWCheckpointCallback(trainer_config(tmp_path, resume_mode="disable"))
+    assert hadw_verl._driver_anchor is None
+
+
+def test_entry_point_registers_the_names_when_verl_is_imported(tmp_path):
+    """verl imports its "verl.plugins" entry points in every process of a run: declare
+    pyproject.toml's in a bare distribution on the path and import only verl."""
+    with open(ROOT / "pyproject.toml", "rb") as handle:
+        plugins = tomllib.load(handle)["project"]["entry-points"]["verl.plugins"]
+    dist_info = tmp_path / "hadw_kernels_plugin_probe-0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: hadw-kernels-plugin-probe\nVersion: 0\n")
+    entries = "".join(f"{name} = {target}\n" for name, target in plugins.items())
+    (dist_info / "entry_points.txt").write_text(f"[verl.plugins]\n{entries}")
+    probe = (
+        "import verl\n"
+        "from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn\n"
+        "print(get_policy_loss_fn('hadw').__module__, get_policy_loss_fn('hadw_gspo').__module__,"
+        " get_adv_estimator_fn('hadw').__module__)\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    result = subprocess.run([sys.executable, "-c", probe], env=environment, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["hadw_kernels.integrations.verl"] * 3

@@ -1,0 +1,171 @@
+"""The package installs next to the torch (and Triton) a user already has.
+
+A wheel is built from the working tree (without the optional C++ extension), then pip
+resolves it, offline (--no-index, this machine's pip configuration switched off), into
+fresh virtualenvs: one that holds the torch 2.11 + Triton 3.6 of a common CUDA image
+(as installed metadata), one that holds this machine's real CPU torch and no Triton.
+pip must install the package alone, never replace torch; the package must import
+without Triton, which then reports itself unavailable."""
+
+import email
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "hadw_kernels")
+
+
+def pip(*arguments, cwd=None) -> subprocess.CompletedProcess:
+    """This interpreter's pip, hermetic: no configuration files, no PIP_* variables."""
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
+    environment.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", HADW_BUILD_CPP="0")
+    return subprocess.run([sys.executable, "-m", "pip", *arguments], env=environment, cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The package's wheel, built from a copy of the sources (the build writes into them)."""
+    work = tmp_path_factory.mktemp("packaging")
+    for name in SOURCES:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, work / "src" / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        else:
+            (work / "src").mkdir(exist_ok=True)
+            shutil.copy(source, work / "src" / name)
+    result = pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(work / "wheels"),
+                 str(work / "src"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (built,) = (work / "wheels").glob("hadw_kernels-*.whl")
+    return built
+
+
+def fresh_venv(path: Path) -> Path:
+    """A virtualenv without pip (the caller's pip drives it through --python)."""
+    venv.EnvBuilder(with_pip=False).create(path)
+    return path / "bin" / "python"
+
+
+def site_packages(python: Path) -> Path:
+    return Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+
+
+def dry_run(python: Path, wheel: Path, requirement: str, report: Path) -> subprocess.CompletedProcess:
+    return pip("--python", str(python), "install", "--dry-run", "--no-index", "--find-links", str(wheel.parent),
+               "--report", str(report), requirement)
+
+
+def installed_by(report: Path) -> dict[str, str]:
+    return {item["metadata"]["name"]: item["metadata"]["version"] for item in json.loads(report.read_text())["install"]}
+
+
+def test_wheel_declares_ranges_license_types_and_the_verl_plugin(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (metadata_name,) = [name for name in names if name.endswith(".dist-info/METADATA")]
+        metadata = email.message_from_string(archive.read(metadata_name).decode())
+        (entry_points_name,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+        entry_points = archive.read(entry_points_name).decode()
+    assert "hadw_kernels/py.typed" in names
+    assert any(re.search(r"\.dist-info/licenses/LICENSE$", name) for name in names)
+    assert metadata["License-Expression"] == "Apache-2.0"
+    requirements = [Requirement(text) for text in metadata.get_all("Requires-Dist")]
+    runtime = {r.name: r for r in requirements if r.marker is None}
+    assert set(runtime) == {"torch", "numpy"}
+    assert runtime["torch"].specifier.contains("2.11.0+cu130") and not runtime["torch"].specifier.contains("2.10.0")
+    triton = [r for r in requirements if r.name == "triton"]
+    assert triton and all(r.marker is not None and "extra" in str(r.marker) for r in triton)
+    assert "[verl.plugins]\nhadw = hadw_kernels.integrations.verl" in entry_points
+
+
+def fake_distribution(site: Path, name: str, version: str) -> None:
+    """Installed-package metadata, all pip reads when it decides what to keep."""
+    dist_info = site / f"{name}-{version}.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (dist_info / "INSTALLER").write_text("pip\n")
+    (dist_info / "RECORD").write_text("")
+
+
+def test_pip_keeps_the_torch_and_triton_of_a_cuda_image(wheel, tmp_path):
+    python = fresh_venv(tmp_path / "cuda-image")
+    site = site_packages(python)
+    for name, version in (("torch", "2.11.0+cu130"), ("triton", "3.6.0"), ("numpy", "2.1.2")):
+        fake_distribution(site, name, version)
+    result = dry_run(python, wheel, "hadw-kernels[triton]", tmp_path / "report.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert installed_by(tmp_path / "report.json") == {"hadw-kernels": "0.2.0"}
+
+    # Below the oldest supported torch pip would have to replace it (and, offline, cannot).
+    older = fresh_venv(tmp_path / "older-image")
+    for name, version in (("torch", "2.10.0+cu128"), ("numpy", "2.1.2")):
+        fake_distribution(site_packages(older), name, version)
+    result = dry_run(older, wheel, "hadw-kernels", tmp_path / "older.json")
+    assert result.returncode != 0 and "torch>=2.11" in result.stderr
+
+
+def link_distribution(name: str, target: Path, seen: set[str]) -> None:
+    """Symlinks an installed distribution of this interpreter, and those it requires,
+    into ``target``: its top-level packages and its .dist-info."""
+    distribution = importlib.metadata.distribution(name)
+    key = distribution.metadata["Name"].lower()
+    if key in seen:
+        return
+    seen.add(key)
+    base = Path(distribution.locate_file(""))
+    for top in {Path(str(file)).parts[0] for file in distribution.files or []}:
+        if top != ".." and not (target / top).exists() and (base / top).exists():
+            (target / top).symlink_to(base / top)
+    for text in distribution.requires or []:
+        requirement = Requirement(text)
+        if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+            link_distribution(requirement.name, target, seen)
+
+
+def test_package_installs_beside_a_real_torch_and_imports_without_triton(wheel, tmp_path):
+    python = fresh_venv(tmp_path / "cpu")
+    present = tmp_path / "present"
+    present.mkdir()
+    for name in ("torch", "numpy"):
+        link_distribution(name, present, set())
+    assert not (present / "triton").exists()
+    (site_packages(python) / "present.pth").write_text(f"{present}\n")
+
+    result = dry_run(python, wheel, "hadw-kernels", tmp_path / "report.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert installed_by(tmp_path / "report.json") == {"hadw-kernels": "0.2.0"}
+
+    result = pip("--python", str(python), "install", "--no-deps", "--no-index", str(wheel))
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = (
+        "import importlib.util, hadw_kernels\n"
+        "from hadw_kernels.backends import load_backend, BackendUnavailable\n"
+        "assert importlib.util.find_spec('triton') is None\n"
+        "print(hadw_kernels.__file__)\n"
+        "print(hadw_kernels.available_backends())\n"
+        "try:\n"
+        "    load_backend('triton')\n"
+        "except BackendUnavailable as error:\n"
+        "    print(error)\n"
+    )
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    location, backends, reason = result.stdout.strip().splitlines()
+    assert Path(location).is_relative_to(site_packages(python))
+    assert "triton" not in backends and "torch" in backends
+    assert "triton" in reason and "not available" in reason

@@ -1,0 +1,152 @@
+"""Checkpoints and resume (issue 12, items 10 and 14): no pickle of the trainer's own is
+ever loaded, a damaged checkpoint is named and skipped for the newest intact one, a torn
+last line of metrics.jsonl is ignored, and resuming a run that does not exist fails.
+
+No model is built: a stand-in engine writes and reads what DeepSpeed would.
+"""
+
+import json
+import pickle
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from trainer.checkpoint_files import CheckpointError, completed_checkpoints, select_checkpoint  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.metrics_log import MetricsLog, read_metrics  # noqa: E402
+from trainer.run import resume_point  # noqa: E402
+
+from hadw_kernels import DifficultyAnchor  # noqa: E402
+
+
+class _Engine:
+    """Writes and reads a file as DeepSpeed's save_checkpoint/load_checkpoint would."""
+
+    def save_checkpoint(self, directory, tag, save_latest):
+        (Path(directory) / tag).mkdir(parents=True)
+        (Path(directory) / tag / "model_states.pt").write_bytes(b"weights" * 1000)
+
+    def load_checkpoint(self, directory, tag, **_):
+        data = (Path(directory) / tag / "model_states.pt").read_bytes()
+        if data != b"weights" * 1000:
+            raise RuntimeError("PytorchStreamReader failed reading zip archive")
+        return directory, {}
+
+
+class _Exploit:
+    """Unpickling this runs code: it creates the file named by ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _anchor_after(rewards):
+    anchor = DifficultyAnchor()
+    for reward in rewards:
+        anchor.observe(reward)
+    return anchor
+
+
+def test_rng_and_trainer_state_round_trip_as_json(tmp_path):
+    anchor = _anchor_after([0.2, 0.4, 0.3])
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    save_checkpoint(tmp_path, 3, _Engine(), anchor, keep=2)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restored = DifficultyAnchor()
+    assert load_checkpoint(tmp_path / "step-00000003", _Engine(), restored) == 3
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    assert restored.state_dict() == anchor.state_dict()
+    # Everything the trainer wrote itself is JSON (DeepSpeed's files are its own).
+    for name in ("trainer_state.json", "rank0.json", "manifest.json"):
+        json.loads((tmp_path / "step-00000003" / name).read_text())
+    assert not list((tmp_path / "step-00000003").glob("*.pt"))
+
+
+def test_a_crafted_rank_file_cannot_run_code(tmp_path):
+    """Item 10: rank<r>.pt was loaded with weights_only=False, so a crafted file ran
+    arbitrary code on --resume. The trainer's state is JSON now: a pickle is an error."""
+    save_checkpoint(tmp_path, 2, _Engine(), _anchor_after([0.5]), keep=2)
+    checkpoint = tmp_path / "step-00000002"
+    marker = tmp_path / "exploited"
+    payload = pickle.dumps(_Exploit(marker))
+    for name in ("rank0.pt", "rank0.json"):  # the old name and the new one
+        (checkpoint / name).write_bytes(payload)
+    with pytest.raises(CheckpointError, match="rank0.json"):
+        load_checkpoint(checkpoint, _Engine(), DifficultyAnchor())
+    assert not marker.exists()
+
+
+def test_a_truncated_checkpoint_is_named_and_the_newest_intact_one_used(tmp_path):
+    """Item 14: a truncated file gave a raw traceback after vLLM had started."""
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        save_checkpoint(root, step, _Engine(), _anchor_after([0.5] * step), keep=3)
+    model_file = root / "step-00000006" / "state" / "model_states.pt"
+    model_file.write_bytes(model_file.read_bytes()[:100])  # a copy cut short
+    (root / "step-00000004" / "rank0.json").write_text("{}")  # altered after it was written
+    checkpoint, warnings = select_checkpoint(root)
+    assert checkpoint == root / "step-00000002"
+    assert str(model_file) in warnings[0] and "truncated" in warnings[0]
+    assert "rank0.json" in warnings[1]
+    assert "falling back to" in warnings[-1]
+    assert load_checkpoint(checkpoint, _Engine(), DifficultyAnchor()) == 2
+
+    (root / "step-00000002" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no intact checkpoint"):
+        select_checkpoint(root)
+
+
+def test_a_checkpoint_deepspeed_cannot_read_is_named(tmp_path):
+    save_checkpoint(tmp_path, 2, _Engine(), _anchor_after([0.5]), keep=2)
+    (tmp_path / "step-00000002" / "state" / "model_states.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"DeepSpeed could not load .*step-00000002"):
+        load_checkpoint(tmp_path / "step-00000002", _Engine(), DifficultyAnchor())
+
+
+def test_a_torn_last_line_of_metrics_is_ignored_on_resume(tmp_path):
+    """Item 14: a run killed while appending left half a line, and resume crashed on it."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}]
+    log = MetricsLog(path, total_steps=5, first_step=2, enabled=True, progress=False)
+    log.write({"step": 3})
+    log.close()
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}, {"step": 3}]
+    # A damaged line that is not the last is not a torn write: an error naming it.
+    path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_metrics(path)
+
+
+def test_resuming_a_run_that_does_not_exist_fails_unless_asked(tmp_path):
+    """Item 14: --resume of a mistyped run name silently started a new run at step 0."""
+    missing = tmp_path / "runs" / "typo"
+    with pytest.raises(ConfigError, match="there is no run at .*typo.*--start-if-missing"):
+        resume_point(missing, resume=True, start_if_missing=False)
+    assert resume_point(missing, resume=True, start_if_missing=True) is None
+
+    existing = tmp_path / "runs" / "real"
+    existing.mkdir(parents=True)
+    (existing / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match="pass --resume"):
+        resume_point(existing, resume=False, start_if_missing=False)
+    assert resume_point(existing, resume=True, start_if_missing=False) is None  # no checkpoint yet
+    save_checkpoint(existing / "checkpoints", 1, _Engine(), _anchor_after([0.5]), keep=2)
+    assert resume_point(existing, resume=True, start_if_missing=False) == existing / "checkpoints" / "step-00000001"
+    assert [step for step, _ in completed_checkpoints(existing / "checkpoints")] == [1]

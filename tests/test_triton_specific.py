@@ -1,0 +1,149 @@
+"""What only the Triton kernels have: compilation for real GPUs, no host
+synchronisation in the surrogate, launch geometry for any batch, int64 offsets, and the
+device helpers' tie rules. The numbers are in the conformance suite."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from hadw_kernels import fused_hadw_grpo_loss  # noqa: E402
+from hadw_kernels.kernels import surrogate as triton_surrogate  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs Triton's interpreter or a GPU")
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _batch(batch=8, width=5):
+    logprobs = -torch.rand(batch, width, device=DEVICE)
+    rewards = torch.tensor([1.0, 0.0] * (batch // 2), device=DEVICE)
+    return logprobs, logprobs + 0.1, rewards, torch.ones(batch, width, dtype=torch.bool, device=DEVICE)
+
+
+def test_kernels_compile_for_a100_and_h100(tmp_path):
+    """The interpreter accepts code the compiler rejects (globals that are not
+    constexpr, for one): every kernel variant of representative calls compiles to a cubin
+    for sm_80 and sm_90, without a GPU."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    environment["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, leave no cache behind
+    script = Path(__file__).with_name("triton_compile_check.py")
+    result = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.splitlines()[0] == str(sorted([
+        "_finish_kernel", "_group_kernel", "_lengths_kernel", "_logit_gradient_kernel", "_row_stats_kernel",
+        "_surrogate_kernel", "_token_gradient_kernel"]))
+
+
+def test_no_host_synchronisation(monkeypatch):
+    """No tensor value reaches Python in the surrogate: every way of reading one raises."""
+    logprobs, old, rewards, mask = _batch()
+    logprobs.requires_grad_()
+    anchor = torch.tensor(0.3, device=DEVICE)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor value was read on the host")
+
+    for method in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, method, refuse)
+    loss = fused_hadw_grpo_loss(logprobs, old, rewards, mask, group_size=2, loss_type="dapo", anchor=anchor,
+                                backend="triton", check_values=False)
+    loss.backward()
+    monkeypatch.undo()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+
+
+class _LaunchRecorder:
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return lambda *args, **kwargs: None
+
+
+def test_rows_are_on_grid_axis_0(monkeypatch):
+    """70,000 responses exceed CUDA's 65,535 limit on grid axes 1 and 2 (the interpreter
+    has none and would take minutes): one program per group / response, all on axis 0."""
+    names = ("_lengths_kernel", "_group_kernel", "_surrogate_kernel", "_finish_kernel")
+    recorders = {name: _LaunchRecorder() for name in names}
+    for name, recorder in recorders.items():
+        monkeypatch.setattr(triton_surrogate, name, recorder)
+    zeros = torch.zeros(70_000, 2)
+    for loss_type in ("grpo", "gspo"):
+        fused_hadw_grpo_loss(zeros, zeros, torch.zeros(70_000), torch.ones(70_000, 2, dtype=torch.bool),
+                             group_size=2, loss_type=loss_type, backend="triton", check_values=False)
+    assert recorders["_lengths_kernel"].grids == [(70_000,), (70_000,)]
+    assert recorders["_group_kernel"].grids == [(35_000,), (35_000,)]
+    assert recorders["_surrogate_kernel"].grids == [(70_000,), (70_000,)]
+    assert recorders["_finish_kernel"].grids == [(1,), (1,)]
+
+
+def test_row_offsets_beyond_int32():
+    """Rows 2^30 + 7 elements apart: the last row starts past 2^31, where an int32
+    row * stride would wrap. Buffers are allocated lazily: only touched pages count."""
+    if DEVICE != "cpu":
+        pytest.skip("the lazily allocated 8 GiB buffer is a CPU trick")
+    batch, width, row_stride = 3, 5, 2**30 + 7
+    logprobs = -torch.rand(batch, width)
+    old = logprobs + 0.1 * torch.randn(batch, width)
+    mask = torch.rand(batch, width) > 0.3
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    values = torch.empty((batch - 1) * row_stride + 2 * width)
+    flags = torch.empty((batch - 1) * row_stride + width, dtype=torch.bool)
+    spread_logprobs = values.as_strided((batch, width), (row_stride, 1), 0)
+    spread_old = values.as_strided((batch, width), (row_stride, 1), width)
+    spread_mask = flags.as_strided((batch, width), (row_stride, 1))
+    spread_logprobs.copy_(logprobs)
+    spread_old.copy_(old)
+    spread_mask.copy_(mask)
+    kwargs = dict(group_size=3, anchor=0.2, backend="triton", return_metrics=True)
+    dense = logprobs.clone().requires_grad_()
+    spread = spread_logprobs.requires_grad_()
+    expected, expected_metrics = fused_hadw_grpo_loss(dense, old, rewards, mask, **kwargs)
+    actual, actual_metrics = fused_hadw_grpo_loss(spread, spread_old, rewards, spread_mask, **kwargs)
+    expected.backward()
+    actual.backward()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    torch.testing.assert_close(spread.grad, dense.grad, rtol=0, atol=0)
+    for name in expected_metrics:
+        torch.testing.assert_close(actual_metrics[name], expected_metrics[name], rtol=0, atol=0)
+
+
+@triton.jit
+def _objective_kernel(ratio_ptr, advantage_ptr, objective_ptr, slope_ptr, dual_clip, BLOCK: tl.constexpr):
+    index = tl.arange(0, BLOCK)
+    ratio = tl.load(ratio_ptr + index)
+    advantage = tl.load(advantage_ptr + index)
+    objective, slope = triton_surrogate.clipped_objective(ratio, advantage, 0.8, 1.2, dual_clip, True)
+    tl.store(objective_ptr + index, objective)
+    tl.store(slope_ptr + index, slope)
+
+
+def test_dual_clip_tie_halves_the_slope():
+    """At the exact dual-clip bound torch.minimum splits the gradient between the
+    objective and the bound, so half the slope passes (as the reference and C++ do);
+    above it none, below it all."""
+    ratio = torch.tensor([3.0, 3.5, 2.5, 3.0], device=DEVICE)
+    advantage = torch.tensor([-1.0, -1.0, -1.0, 1.0], device=DEVICE)
+    objective, slope = torch.empty(4, device=DEVICE), torch.empty(4, device=DEVICE)
+    _objective_kernel[(1,)](ratio, advantage, objective, slope, 3.0, BLOCK=4)
+    reference_ratio = ratio.clone().requires_grad_()
+    from hadw_kernels.config import LossConfig
+    from hadw_kernels.surrogate import clipped_objective
+
+    config = LossConfig.build("grpo", 2, dual_clip=3.0)
+    reference = clipped_objective(reference_ratio, advantage, config)
+    reference.sum().backward()
+    torch.testing.assert_close(objective, reference.detach())
+    torch.testing.assert_close(slope, reference_ratio.grad)
+    assert slope.tolist() == [0.5, 0.0, 1.0, 0.0]  # the last one is clipped above 1.2

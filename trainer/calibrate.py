@@ -1,0 +1,100 @@
+"""Step-0 accuracy per level of a config's model on its task, before any training:
+``python trainer/calibrate.py --config trainer/configs/smollm2_arithmetic.yaml``.
+
+For each level it samples ``--prompts`` problems with G responses each at the
+configured temperature (as a training step would) and one greedy response each (as the
+held-out evaluation does), and prints the sampled and greedy accuracy and the share of
+groups with both right and wrong responses (the groups GRPO learns from). HA-DW is about
+a spread of difficulty: hard levels under ~15% and easy ones over ~50%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.config import ConfigError, load_config, task_levels, validate  # noqa: E402
+from trainer.environment import prepare_environment  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="a YAML config (its model, task, rollout and reward sections are used)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--prompts", type=int, default=32, help="problems per level (default 32)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        prepare_environment(config)
+        validate(config)
+        if config.data.task != "arithmetic" or not config.model.path:
+            raise ConfigError("calibrate.py needs data.task=arithmetic and a model.path model")
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from trainer.arithmetic_task import make_problem
+    from trainer.config import resolve_engine
+    from trainer.pretrained import ensure_converted, resolve_model_source
+    from trainer.rewards import build_reward
+
+    model_dir = ensure_converted(resolve_model_source(config.model.path), config.model.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = _engine(config, model_dir, tokenizer, resolve_engine(config.rollout.engine))
+    reward = build_reward(config.data, config.reward)
+    group = config.rollout.group_size
+
+    def encode(prompt: str) -> list[int]:
+        if config.data.apply_chat_template:
+            return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
+        return tokenizer(prompt).input_ids
+
+    print(f"{config.model.path}, temperature {config.rollout.temperature}, G={group}, {args.prompts} prompts a level")
+    print("| level | sampled | greedy | mixed groups | time |")
+    print("| --- | --- | --- | --- | --- |")
+    try:
+        for level in list(config.data.levels) or list(task_levels(config.data.task)):
+            started = time.perf_counter()
+            rng = np.random.default_rng([args.seed, len(level)])
+            problems = [make_problem(level, rng, config.data.prompt_template) for _ in range(args.prompts)]
+            ids = [encode(problem.prompt) for problem in problems]
+            sampled, _ = engine.generate(ids, list(range(len(ids))))
+            greedy = engine.greedy(ids, config.rollout.max_new_tokens)
+            per_response = [problem for problem in problems for _ in range(group)]
+            rewards = np.array(reward(tokenizer.batch_decode(sampled, skip_special_tokens=True), per_response).rewards)
+            greedy_rewards = reward(tokenizer.batch_decode(greedy, skip_special_tokens=True), problems).rewards
+            groups = rewards.reshape(-1, group)
+            mixed = float(np.mean(groups.max(axis=1) != groups.min(axis=1)))
+            print(f"| {level} | {rewards.mean():.2f} | {np.mean(greedy_rewards):.2f} | {mixed:.2f} | "
+                  f"{time.perf_counter() - started:.0f} s |", flush=True)
+    finally:
+        reward.close()
+    return 0
+
+
+def _engine(config, model_dir: Path, tokenizer, engine_name: str):
+    from trainer.rollout import HFRollout, VLLMRollout
+
+    if engine_name == "hf":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, config.model.dtype))
+        return HFRollout(model, config.rollout, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, synced_gpus=False)
+    return VLLMRollout(model_dir, config.rollout, dtype=config.model.dtype,
+                       max_model_len=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
+                       eos_token_id=tokenizer.eos_token_id, world_size=1, seed=config.train.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

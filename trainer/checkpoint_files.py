@@ -1,0 +1,98 @@
+"""Which checkpoints exist and which are intact, without importing torch: run.py picks
+the checkpoint to resume from before the engines (and torch's thread settings) load.
+
+Every completed checkpoint directory holds ``manifest.json``: each file's size and
+SHA-256, written after every rank has finished. A file that is missing, shorter than
+written (a disk that filled up, a copy cut short) or altered fails the check, and the
+error names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be restored; the message names the file."""
+
+
+def completed_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), path) for path in root.iterdir() if (m := STEP_DIR.match(path.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = completed_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """Records every file under ``directory`` and fsyncs them all, the manifest last."""
+    files = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            files[str(path.relative_to(directory))] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            _fsync(path)
+    manifest = directory / MANIFEST
+    manifest.write_text(json.dumps(files, indent=1))
+    _fsync(manifest)
+
+
+def _fsync(path: Path) -> None:
+    with path.open("rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raises :class:`CheckpointError` naming the first missing, truncated or altered file."""
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{manifest_path} is missing (written by an older trainer, or damaged)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{manifest_path} is damaged: {error}") from None
+    for name, expected in manifest.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file} is truncated or damaged: {size} bytes, {expected['bytes']} written")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"{file} is damaged: its SHA-256 differs from the one written")
+
+
+def select_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint under ``root``, and a warning for each newer damaged
+    one. None when there is no checkpoint; an error when none of them is intact."""
+    warnings = []
+    for _, path in reversed(completed_checkpoints(root)):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as damage:
+            warnings.append(f"skipping checkpoint {path.name}: {damage}")
+            continue
+        if warnings:
+            warnings.append(f"falling back to {path}, the newest intact checkpoint")
+        return path, warnings
+    if warnings:
+        raise CheckpointError("no intact checkpoint to resume from:\n  " + "\n  ".join(warnings))
+    return None, warnings
