@@ -408,9 +408,14 @@ struct Block {
 // The active rows, cut into blocks of at most `block_rows`.
 class RowBlocks {
  public:
-  RowBlocks(const at::Tensor& active, int64_t block_rows) : rows_(active.nonzero().flatten()) {
-    block_rows_ = std::max<int64_t>(1, std::min(block_rows, rows_.size(0)));
+  // `block_rows` as given, or (0) from default_rows(active row count).
+  template <typename Default>
+  RowBlocks(const at::Tensor& active, int64_t block_rows, const Default& default_rows)
+      : rows_(active.nonzero().flatten()) {
+    const int64_t rows = block_rows > 0 ? block_rows : default_rows(rows_.size(0));
+    block_rows_ = std::max<int64_t>(1, std::min(rows, rows_.size(0)));
   }
+  RowBlocks(const at::Tensor& active, int64_t block_rows) : RowBlocks(active, block_rows, [](int64_t) { return 1; }) {}
   int64_t count() const { return rows_.size(0); }
   int64_t block_rows() const { return block_rows_; }
 
@@ -706,9 +711,16 @@ struct TokenInputs {
   T entropy_coef;
 };
 
-int64_t default_block_rows(int64_t vocab, int64_t element_size) {
+// The rows split into even blocks of at most the default's rows (2048 rows at most 1024
+// a block run as 2 x 1024, 1300 as 704 + 596, not 1024 + 276: a short last block's
+// grad_W GEMM reduces over few rows), a multiple of kMinBlockRows.
+int64_t default_block_rows(int64_t rows, int64_t vocab, int64_t element_size) {
   const int64_t by_budget = kLogitsBufferBytes / std::max<int64_t>(vocab * element_size, 1);
-  return std::max(kMinBlockRows, std::min(kDefaultBlockRows, by_budget / kMinBlockRows * kMinBlockRows));
+  const int64_t largest =
+      std::max(kMinBlockRows, std::min(kDefaultBlockRows, by_budget / kMinBlockRows * kMinBlockRows));
+  const int64_t blocks = std::max<int64_t>(1, (rows + largest - 1) / largest);
+  const int64_t even = (rows + blocks - 1) / blocks;
+  return std::max(kMinBlockRows, (even + kMinBlockRows - 1) / kMinBlockRows * kMinBlockRows);
 }
 
 template <typename T>
@@ -726,8 +738,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
   T* entropy_data = entropy.data_ptr<T>();
   T* grad_bias = data_or_null<T>(outputs.grad_bias);
 
-  const RowBlocks blocks(at::ne(in.labels, ignore_index),
-                         block_rows > 0 ? block_rows : default_block_rows(in.vocab, sizeof(T)));
+  const RowBlocks blocks(at::ne(in.labels, ignore_index), block_rows,
+                         [&](int64_t rows) { return default_block_rows(rows, in.vocab, sizeof(T)); });
   const int64_t capacity = blocks.block_rows();
   const T scale = static_cast<T>(1.0 / temperature);
   WeightTiles<T> weight_tiles(in);
