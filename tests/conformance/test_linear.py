@@ -18,7 +18,7 @@ from cases import (
     run_token_logprobs,
 )
 from check import assert_conforms
-from hadw_kernels import LOSS_TYPES
+from hadw_kernels import LOSS_TYPES, fused_linear_hadw_grpo_loss
 from hadw_kernels.backends import load_backend
 
 # (batch, width, hidden, vocab, bias, temperature, logit scale): a vocabulary that no
@@ -102,3 +102,21 @@ def test_linear_loss_matches_reference(backend, device, loss_type, variant, dtyp
     assert_conforms(fast, eager, exact, dtype)
     # Padding rows (hidden states NaN, labels outside the vocabulary) get exactly zero.
     assert torch.all(fast.values["grad_hidden"][~mask.to(device)] == 0)
+
+
+def test_gradients_formed_in_forward_serve_one_backward(backend, device):
+    """The stored gradients are scaled in place by the backward: a second backward of the
+    same graph is refused, never silently scaled twice."""
+    if not load_backend(backend).has_gradients_in_forward(device):
+        pytest.skip(f"backend {backend!r} has no gradients-in-forward path")
+    data = linear_batch(5)
+    hidden = data["hidden_states"].float().to(device).requires_grad_()
+    loss = fused_linear_hadw_grpo_loss(
+        hidden, data["lm_head_weight"].float().to(device), data["labels"].to(device), response_mask=data[
+            "response_mask"].to(device), advantages=data["advantages"].float().to(device), backend=backend,
+        linear_path="gradients_in_forward",
+    )
+    (first,) = torch.autograd.grad(loss, hidden, retain_graph=True)
+    assert torch.isfinite(first).all()
+    with pytest.raises(RuntimeError, match="already handed to a backward"):
+        torch.autograd.grad(loss, hidden)
