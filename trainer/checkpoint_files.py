@@ -35,7 +35,7 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while chunk := handle.read(1 << 22):
@@ -48,7 +48,7 @@ def write_manifest(directory: Path) -> None:
     files = {}
     for path in sorted(directory.rglob("*")):
         if path.is_file():
-            files[str(path.relative_to(directory))] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            files[str(path.relative_to(directory))] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
             _fsync(path)
     manifest = directory / MANIFEST
     manifest.write_text(json.dumps(files, indent=1))
@@ -76,7 +76,7 @@ def verify_checkpoint(path: Path) -> None:
         size = file.stat().st_size
         if size != expected["bytes"]:
             raise CheckpointError(f"{file} is truncated or damaged: {size} bytes, {expected['bytes']} written")
-        if _sha256(file) != expected["sha256"]:
+        if file_sha256(file) != expected["sha256"]:
             raise CheckpointError(f"{file} is damaged: its SHA-256 differs from the one written")
 
 

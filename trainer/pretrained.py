@@ -19,7 +19,6 @@ not installed (scripts/setup_venv.sh installs the package without its dependenci
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -27,6 +26,8 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.checkpoint_files import file_sha256
 
 # name -> (pip package, file inside it, the pin of the smollm2 extra)
 PACKAGED_MODELS = {
@@ -89,20 +90,12 @@ def head_dim(source: ModelSource) -> int:
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def cached_model_dir(source: ModelSource, cache_dir: str) -> Path:
     """Where the Hugging Face directory of ``source`` lives (itself for a directory)."""
     if not source.is_gguf:
         return source.path
     root = Path(cache_dir) if cache_dir else DEFAULT_CACHE_DIR
-    return root / f"{source.path.stem}-{_sha256(source.path)[:16]}"
+    return root / f"{source.path.stem}-{file_sha256(source.path)[:16]}"
 
 
 def ensure_converted(source: ModelSource, cache_dir: str, log=print) -> Path:
