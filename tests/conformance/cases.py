@@ -21,6 +21,9 @@ from hadw_kernels.surrogate import surrogate_loss as reference_surrogate
 
 GROUP_SIZE = 4
 IGNORE = -100
+# Rows of hidden states per block of the linear loss: a linear batch's longest responses
+# (13 tokens) span two blocks, and blocks end inside responses.
+BLOCK_ROWS = 8
 UPSTREAM = 0.7  # a non-unit upstream gradient of the loss
 
 
@@ -209,7 +212,7 @@ def run_linear_loss(backend: str, hidden_states, lm_head_weight, labels, respons
         leaves.append(lm_head_bias.detach().requires_grad_())
     loss, metrics = fused_linear_hadw_grpo_loss(
         leaves[0], leaves[1], labels, response_mask=response_mask, lm_head_bias=leaves[2] if lm_head_bias is not None
-        else None, return_metrics=True, backend=backend, linear_path=linear_path, block_rows=16, check_values=False,
+        else None, return_metrics=True, backend=backend, linear_path=linear_path, block_rows=BLOCK_ROWS, check_values=False,
         **kwargs,
     )
     (loss * UPSTREAM).backward()

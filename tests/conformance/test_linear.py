@@ -1,7 +1,7 @@
 """The linear ops and the linear loss on every backend against the full-logits
 reference: log-probs and entropy with random upstream gradients, and the whole loss on
 each execution path (gradients formed in the forward, or recomputed in backward) with
-blocks of 16 rows, so blocks end inside responses and a response spans several."""
+blocks of 8 rows, so blocks end inside responses and a response spans several."""
 
 import pytest
 import torch
