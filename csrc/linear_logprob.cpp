@@ -71,12 +71,6 @@ constexpr int64_t kMaxSlabs = 16;
 // Rows per block of the forward / backward ops (no logits buffer): a deep reduction
 // (K = rows) for the grad_weight GEMM, few passes over W and grad_W.
 constexpr int64_t kRecomputeBlockRows = 512;
-// Default of linear_surrogate_forward's block_rows: 1024 rows (grad_W's GEMM reduces
-// over them: 512 rows measured ~3% slower at V = 32k), at most kLogitsBufferBytes of
-// logits (512 rows at V = 152k; 256 and 384 measured 3-5% slower), a multiple of 64.
-constexpr int64_t kDefaultBlockRows = 1024;
-constexpr int64_t kLogitsBufferBytes = int64_t{320} << 20;
-constexpr int64_t kMinBlockRows = 64;
 
 // Row-major C[m, n] = op(A)[m, k] op(B)[k, n] (+ C when accumulating), A and B read
 // transposed when asked (their storage is then [k, m] / [n, k]). ATen's CPU GEMM (MKL
@@ -711,16 +705,18 @@ struct TokenInputs {
   T entropy_coef;
 };
 
-// The rows split into even blocks of at most the default's rows (2048 rows at most 1024
-// a block run as 2 x 1024, 1300 as 704 + 596, not 1024 + 276: a short last block's
-// grad_W GEMM reduces over few rows), a multiple of kMinBlockRows.
+// Default of linear_surrogate_forward's block_rows: config.block_rows_for on "cpu", whose
+// constants the generated header holds (at most 1024 rows and 320 MiB of logits, 2048
+// rows run as 2 x 1024, 1300 as 2 x 704: a short last block's grad_W GEMM reduces over
+// few rows).
 int64_t default_block_rows(int64_t rows, int64_t vocab, int64_t element_size) {
+  using namespace hadw::config;
   const int64_t by_budget = kLogitsBufferBytes / std::max<int64_t>(vocab * element_size, 1);
   const int64_t largest =
-      std::max(kMinBlockRows, std::min(kDefaultBlockRows, by_budget / kMinBlockRows * kMinBlockRows));
+      std::max(kBlockRowsGranule, std::min(kMaxBlockRows, by_budget) / kBlockRowsGranule * kBlockRowsGranule);
   const int64_t blocks = std::max<int64_t>(1, (rows + largest - 1) / largest);
   const int64_t even = (rows + blocks - 1) / blocks;
-  return std::max(kMinBlockRows, (even + kMinBlockRows - 1) / kMinBlockRows * kMinBlockRows);
+  return std::max(kBlockRowsGranule, (even + kBlockRowsGranule - 1) / kBlockRowsGranule * kBlockRowsGranule);
 }
 
 template <typename T>

@@ -57,23 +57,31 @@ AUTHORS_LAMBDA_SCALE = 1.5  # the authors' public code
 LOG_RATIO_CLAMP = 20.0
 
 # The linear loss holds the logits of ``block_rows`` rows at once, a [block_rows, V]
-# buffer. By default it takes about this many bytes: on an H100 the block's GEMMs then
-# run at full speed (docs/gpu-report.md); on the CPU (Triton's interpreter) less.
-LOGITS_BUFFER_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
-MIN_BLOCK_ROWS = 16
+# buffer. By default the rows are split into even blocks of at most the device's
+# buffer bytes and rows, a multiple of its row granule. CUDA (Triton): 1 GiB, where an
+# H100's block GEMMs run at full speed (docs/gpu-report.md). CPU (the C++ kernels, which
+# compile these values in through the generated header; Triton's interpreter uses them
+# too): 320 MiB and at most 1024 rows, since grad_W's GEMM reduces over a block's rows
+# and fewer rows measured 3-5% slower (docs/cpp-backend.md).
+LOGITS_BUFFER_BYTES = {"cuda": 1 << 30, "cpu": 320 << 20}
+MAX_BLOCK_ROWS = {"cuda": 1 << 30, "cpu": 1024}
+BLOCK_ROWS_GRANULE = {"cuda": 16, "cpu": 64}
 
 
 def block_rows_for(rows: int, vocab: int, element_size: int, device_type: str, requested: int | None = None) -> int:
     """Rows per block of the linear loss: ``requested``, or the rows split into even
-    blocks that fit the device's LOGITS_BUFFER_BYTES (8192 rows in at most 3533 run as
-    3 x 2736, not 3533 + 3533 + 1126), a multiple of MIN_BLOCK_ROWS."""
+    blocks within the device's LOGITS_BUFFER_BYTES and MAX_BLOCK_ROWS (on CUDA, 8192 rows
+    in at most 3533 run as 3 x 2736, not 3533 + 3533 + 1126), a multiple of its
+    BLOCK_ROWS_GRANULE. ``element_size`` is that of the buffer's dtype."""
     if requested:
         return requested
-    budget = LOGITS_BUFFER_BYTES.get(device_type, LOGITS_BUFFER_BYTES["cpu"])
-    largest = max(MIN_BLOCK_ROWS, budget // max(vocab * element_size, 1) // MIN_BLOCK_ROWS * MIN_BLOCK_ROWS)
+    device = device_type if device_type in LOGITS_BUFFER_BYTES else "cpu"
+    granule = BLOCK_ROWS_GRANULE[device]
+    by_budget = LOGITS_BUFFER_BYTES[device] // max(vocab * element_size, 1)
+    largest = max(granule, min(MAX_BLOCK_ROWS[device], by_budget) // granule * granule)
     blocks = max(1, -(-rows // largest))
     even = -(-rows // blocks)
-    return max(MIN_BLOCK_ROWS, -(-even // MIN_BLOCK_ROWS) * MIN_BLOCK_ROWS)
+    return max(granule, -(-even // granule) * granule)
 
 
 @dataclass(frozen=True)

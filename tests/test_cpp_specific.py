@@ -149,6 +149,20 @@ def test_block_rows_only_round_differently():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@needs_extension
+def test_default_blocks_are_config_block_rows_for():
+    """The kernel's default blocks follow config.block_rows_for on "cpu" (its constants
+    come from the generated header): 1500 rows, 1285 of them active, run as 2 x 704.
+    Other block sizes round grad_weight differently, so bit-identity pins the choice."""
+    args = _linear_surrogate_args(1500, 16, 300)
+    active = int((args[3] != IGNORE).sum())
+    expected = config.block_rows_for(active, 300, 4, "cpu")
+    assert expected == 704
+    default = torch.ops.hadw_cpp.linear_surrogate_forward(*args)
+    _assert_bit_identical(default, torch.ops.hadw_cpp.linear_surrogate_forward(*args[:-1], expected))
+    largest = torch.ops.hadw_cpp.linear_surrogate_forward(*args[:-1], config.MAX_BLOCK_ROWS["cpu"])
+    assert not torch.equal(default[3], largest[3])
+
 # --- the shared logits buffer -----------------------------------------------------------------
 
 
@@ -278,6 +292,9 @@ def test_generated_header_holds_config_values():
     assert constants["kLogRatioClamp"] == config.LOG_RATIO_CLAMP
     assert constants["kK3LogRatioClamp"] == config.K3_LOG_RATIO_CLAMP
     assert constants["kK3ValueClamp"] == config.K3_VALUE_CLAMP
+    assert constants["kLogitsBufferBytes"] == config.LOGITS_BUFFER_BYTES["cpu"]
+    assert constants["kMaxBlockRows"] == config.MAX_BLOCK_ROWS["cpu"]
+    assert constants["kBlockRowsGranule"] == config.BLOCK_ROWS_GRANULE["cpu"]
 
 
 def test_header_in_the_build_tree_is_current():
