@@ -10,6 +10,9 @@ Shapes are scaled to a 2-core, 24 GiB CPU machine shared with other work.
   no padding, every token with a gradient), where the GEMMs dominate and the bound is
   what counts: B = 8, T = 256, H = 512, V = 32768 and Qwen3's vocabulary, B = 4, T = 256,
   H = 1024, V = 151936, at one and two threads; and the first of them padded, beside.
+- The surrogate alone (from log-probs) from 16k tokens up, where it must not be slower
+  than eager, and at the paper's rollout, B = 256 responses of T = 4096: one and two
+  threads.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ SWEEP = dict(prompts=1, length=32, hidden=512, vocab=32768)
 DENSE_SHAPES = (
     Shape(prompts=1, group_size=8, length=256, hidden=512, vocab=32768),
     Shape(prompts=1, group_size=4, length=256, hidden=1024, vocab=151936),
+)
+# H and V do not enter the log-prob loss.
+SURROGATE_SHAPES = (
+    Shape(prompts=8, group_size=8, length=256, hidden=512, vocab=32768),
+    Shape(prompts=32, group_size=8, length=4096, hidden=512, vocab=32768),
 )
 QUICK = Shape(prompts=1, group_size=8, length=32, hidden=256, vocab=8192)
 
@@ -53,7 +61,7 @@ class Case:
     @property
     def id(self) -> str:
         kind = "dense" if self.dense else "padded"
-        return f"{self.input_kind}-{self.impl}-G{self.shape.group_size}-T{self.shape.length}-V{self.shape.vocab}-" \
+        return f"{self.input_kind}-{self.impl}-P{self.shape.prompts}-G{self.shape.group_size}-T{self.shape.length}-V{self.shape.vocab}-" \
                f"{kind}-{self.threads}t"
 
 
@@ -82,4 +90,6 @@ def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
     for shape in DENSE_SHAPES:
         out += [Case("hidden", impl, shape, threads, dense=True) for threads in (1, 2) for impl in hidden_impls]
     out += [Case("hidden", impl, DENSE_SHAPES[0], 2, dense=False) for impl in hidden_impls]
+    for shape in SURROGATE_SHAPES:
+        out += [Case("logprobs", impl, shape, threads) for threads in (1, 2) for impl in logprob_impls]
     return out
