@@ -93,6 +93,28 @@ def test_bool_mask_is_accepted():
     assert torch.isfinite(_call(response_mask=torch.ones(4, 3, dtype=torch.bool)))
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
+@pytest.mark.parametrize("name", ["logprobs", "old_logprobs"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_logprobs_are_refused_at_response_tokens_only(mask_dtype, name, poison):
+    mask = torch.ones(4, 3, dtype=mask_dtype)
+    mask[1, 2] = 0
+    values = torch.zeros(4, 3)
+    values[1, 2] = poison  # masked out: accepted
+    assert torch.isfinite(_call(response_mask=mask, **{name: values}))
+    values[2, 0] = poison
+    with pytest.raises(ValueError, match=f"^{name} contain NaN or inf at response tokens"):
+        _call(response_mask=mask, **{name: values})
+
+
+@pytest.mark.parametrize("bad", [2.0, -1.0, float("nan")])
+def test_mask_values_other_than_zero_and_one_are_refused(bad):
+    mask = torch.ones(4, 3)
+    mask[3, 1] = bad
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        _call(response_mask=mask)
+
+
 def test_value_checks_can_be_skipped_for_hot_loops():
     # With the checks off the caller owns the inputs; the call itself must still run.
     loss = _call(response_mask=torch.ones(4, 3), check_values=False)
