@@ -263,5 +263,5 @@ def check_linear_inputs(
 
 def check_hidden_values(hidden_states: torch.Tensor, active: torch.Tensor) -> None:
     """Finite hidden states at the rows that enter the loss (one host sync on CUDA)."""
-    if bool((active[..., None] & ~torch.isfinite(hidden_states)).any()):
+    if bool(_nonfinite_at(hidden_states, ~active[..., None])):
         raise ValueError("hidden_states contain NaN or inf at response tokens")

@@ -206,7 +206,7 @@ def linear_batch(seed: int, batch: int = 8, width: int = 13, hidden: int = 24, v
 
 
 def run_linear_loss(backend: str, hidden_states, lm_head_weight, labels, response_mask, kwargs, *,
-                    lm_head_bias=None, linear_path="auto") -> Outputs:
+                    lm_head_bias=None, linear_path="auto", upstream=UPSTREAM) -> Outputs:
     leaves = [hidden_states.detach().requires_grad_(), lm_head_weight.detach().requires_grad_()]
     if lm_head_bias is not None:
         leaves.append(lm_head_bias.detach().requires_grad_())
@@ -215,7 +215,7 @@ def run_linear_loss(backend: str, hidden_states, lm_head_weight, labels, respons
         else None, return_metrics=True, backend=backend, linear_path=linear_path, block_rows=BLOCK_ROWS, check_values=False,
         **kwargs,
     )
-    (loss * UPSTREAM).backward()
+    (loss if upstream == 1 else loss * upstream).backward()
     values = {"loss": loss.detach(), "grad_hidden": leaves[0].grad, "grad_weight": leaves[1].grad}
     if lm_head_bias is not None:
         values["grad_bias"] = leaves[2].grad

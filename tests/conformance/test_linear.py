@@ -8,6 +8,7 @@ import torch
 
 from cases import (
     DTYPES,
+    UPSTREAM,
     Variant,
     cast,
     linear_batch,
@@ -102,6 +103,20 @@ def test_linear_loss_matches_reference(backend, device, loss_type, variant, dtyp
     assert_conforms(fast, eager, exact, dtype)
     # Padding rows (hidden states NaN, labels outside the vocabulary) get exactly zero.
     assert torch.all(fast.values["grad_hidden"][~mask.to(device)] == 0)
+
+
+def test_unit_upstream_gradient(backend, device):
+    """``loss.backward()``: the stored gradients are returned unscaled (the CPU skips the
+    multiplication by 1), as the reference's gradients times 1 / UPSTREAM."""
+    data = linear_batch(7)
+    kwargs = dict(advantages=data["advantages"].float().to(device), loss_type="grpo")
+    mask, labels = data["response_mask"].to(device), data["labels"].to(device)
+    hidden, weight = data["hidden_states"].float().to(device), data["lm_head_weight"].float().to(device)
+    unit = run_linear_loss(backend, hidden, weight, labels, mask, kwargs, upstream=1.0)
+    scaled = run_linear_loss(backend, hidden, weight, labels, mask, kwargs)
+    for name in ("grad_hidden", "grad_weight"):
+        torch.testing.assert_close(unit.values[name] * UPSTREAM, scaled.values[name], rtol=1e-6, atol=1e-9)
+    assert torch.any(unit.values["grad_weight"] != 0)
 
 
 def test_gradients_formed_in_forward_serve_one_backward(backend, device):
