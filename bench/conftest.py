@@ -75,6 +75,7 @@ def bench_settings(request) -> dict:
     config = request.config
     return {
         "rounds": timed_rounds(config),
+        "timed_seconds": matrix.QUICK_TIMED_SECONDS if quick_mode(config) else matrix.FULL_TIMED_SECONDS,
         "memory_cap_gb": config.getoption("--bench-memory-cap-gb"),
     }
 
@@ -127,13 +128,14 @@ def session_meta(config) -> dict:
         "commit at start (the working tree is what runs)": commit_at_start,
         "versions": (
             f"torch {torch.__version__}, liger-kernel {_version('liger-kernel')}, "
-            f"cut-cross-entropy {_version('cut-cross-entropy')}, Python {platform.python_version()}"
+            f"cut-cross-entropy {_version('cut-cross-entropy')}, trl {_version('trl')}, Python {platform.python_version()}"
         ),
         "hadw backends available here": ", ".join(available_backends()),
         "per case": (
             "fresh process, torch.set_num_threads(the case's threads), fp32, "
             f"1 warm-up, then {timed_rounds(config)} timed forward+backward steps (more, up to "
-            f"{matrix.MOST_ROUNDS}, when a step is short), then 1 profiled step"
+            f"{matrix.MOST_ROUNDS}, until {matrix.QUICK_TIMED_SECONDS if quick else matrix.FULL_TIMED_SECONDS:g} s "
+            "of steps are timed), then 1 profiled step"
         ),
     }
 

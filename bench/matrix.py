@@ -36,18 +36,19 @@ QUICK = Shape(prompts=1, group_size=8, length=32, hidden=256, vocab=8192)
 
 FULL_ROUNDS = 3
 QUICK_ROUNDS = 2
-# Steps of a few milliseconds get more rounds, up to this many, so that at least
-# SHORTEST_TIMED_SECONDS of them are timed: the scheduler's noise on a shared machine is
-# of their order.
+# Short steps get more rounds, up to MOST_ROUNDS, until this many seconds of them are
+# timed: the scheduler's noise on a shared machine is of the order of a few-millisecond
+# step, and the min of 3 rounds of a 1-second step still moved by ~5% between runs.
+FULL_TIMED_SECONDS = 6.0
+QUICK_TIMED_SECONDS = 0.5
 MOST_ROUNDS = 100
-SHORTEST_TIMED_SECONDS = 0.5
 SWEEP_THREADS = 2
 
 
-def rounds_for(step_seconds: float, configured: int) -> int:
+def rounds_for(step_seconds: float, configured: int, timed_seconds: float) -> int:
     if step_seconds <= 0:
         return MOST_ROUNDS
-    return max(configured, min(MOST_ROUNDS, int(SHORTEST_TIMED_SECONDS / step_seconds)))
+    return max(configured, min(MOST_ROUNDS, int(timed_seconds / step_seconds)))
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
     )
     try:
         ready = worker.ready()
-        rounds = matrix.rounds_for(ready["warmup_seconds"], bench_settings["rounds"])
+        rounds = matrix.rounds_for(ready["warmup_seconds"], bench_settings["rounds"], bench_settings["timed_seconds"])
         benchmark.pedantic(worker.step, rounds=rounds, iterations=1)
         report = worker.finish()
     except CaseFailed as failure:
