@@ -19,7 +19,7 @@ import torch
 
 import matrix
 from fresh_process import CaseFailed, Worker
-from loss_impls import BOUND, backend_of
+from loss_impls import backend_of
 
 INTERPRETER_ONLY = "interpreter only here, not timed"
 MEMORY_FIELDS = ("alloc_peak_mb", "rss_peak_mb", "first_step_rss_mb", "baseline_rss_mb", "warmup_seconds")
@@ -54,35 +54,16 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
         pytest.skip(f"{case.impl}: {reason}")
 
     benchmark.group = f"{case.input_kind} {shape.label} {'dense' if case.dense else 'padded'} {case.threads}t"
-
-    def start(impl: str) -> Worker:
-        return Worker(
-            ["--impl", impl, "--input", case.input_kind, *shape.as_args(), *(["--dense"] if case.dense else [])],
-            threads=case.threads,
-            memory_cap_gb=bench_settings["memory_cap_gb"],
-        )
-
-    worker = start(case.impl)
-    # A dense case, where the bound is the yardstick, also steps the bound in a second
-    # fresh process, round for round with its own: that ratio comes from interleaved
-    # rounds, immune to the machine's drift between the table's cases (which moved the
-    # separate bound row's ratios by several percent between runs).
-    paired = start(BOUND) if case.dense and case.input_kind == "hidden" and case.impl != BOUND else None
-
-    def step() -> None:
-        worker.step()
-        if paired is not None:
-            paired.step()
-
+    worker = Worker(
+        ["--impl", case.impl, "--input", case.input_kind, *shape.as_args(), *(["--dense"] if case.dense else [])],
+        threads=case.threads,
+        memory_cap_gb=bench_settings["memory_cap_gb"],
+    )
     try:
         ready = worker.ready()
-        if paired is not None:
-            paired.ready()
         rounds = matrix.rounds_for(ready["warmup_seconds"], bench_settings["rounds"], bench_settings["timed_seconds"])
-        benchmark.pedantic(step, rounds=rounds, iterations=1)
+        benchmark.pedantic(worker.step, rounds=rounds, iterations=1)
         report = worker.finish()
-        if paired is not None:
-            paired.finish()
     except CaseFailed as failure:
         memory = {key: failure.report[key] for key in MEMORY_FIELDS if key in failure.report}
         record_row({**row, **memory, "status": failure.status, "reason": failure.reason})
@@ -91,8 +72,6 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
         pytest.skip(f"{case.impl} cannot run here: {failure}")
     finally:
         worker.close()
-        if paired is not None:
-            paired.close()
 
     # The table takes the worker's own clock: the pytest-side times add a pipe round trip
     # and a process wake-up, noise of the order of a log-prob step's few milliseconds.
@@ -101,9 +80,7 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
         "time_min_s": min(worker.step_seconds),
         "time_rounds": len(worker.step_seconds),
     }
-    if paired is not None:
-        seconds["paired_bound_min_s"] = min(paired.step_seconds)
-    elif benchmark.stats is not None:  # None under --benchmark-disable; with a paired bound, both steps
+    if benchmark.stats is not None:  # None under --benchmark-disable
         seconds["roundtrip_median_s"] = benchmark.stats.stats.median
     memory = {key: report[key] for key in MEMORY_FIELDS if key in report}
     benchmark.extra_info.update(memory, tokens=shape.tokens, worker_median_s=seconds["time_median_s"])
