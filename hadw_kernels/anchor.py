@@ -44,7 +44,6 @@ DEFAULT_ETA_MIN = 0.05
 DEFAULT_PROCESS_NOISE_MIN = 1e-5
 
 
-
 class DifficultyAnchor:
     """Tracks C_t across rollout batches.
 

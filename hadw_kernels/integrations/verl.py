@@ -40,7 +40,7 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ..advantage import hadw_advantages
 from ..anchor import DifficultyAnchor
-from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS
+from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP
 from ..loss import fused_hadw_grpo_loss
 from .rewards import require_unit_interval
 
@@ -217,7 +217,7 @@ def _fused_policy_loss(
         if dual_clip is not None:
             # Tokens whose loss the dual clip bounds: a negative advantage and a PPO-clipped
             # ratio above clip_ratio_c.
-            ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+            ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
             clipped = torch.maximum(ratio, ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high))
             lower = ((clipped > dual_clip) & (per_response < 0)[:, None] & mask).sum() / tokens
     return loss, {
