@@ -27,10 +27,19 @@ needs_extension = pytest.mark.skipif(
 
 
 @pytest.fixture
-def threads():
-    """Restores the thread count a test changes."""
+def at_one_and_two_threads():
+    """Runs a call at one thread, then at two, and returns both results; restores the
+    thread count."""
     before = torch.get_num_threads()
-    yield torch.set_num_threads
+
+    def run(call):
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(call())
+        return results
+
+    yield run
     torch.set_num_threads(before)
 
 
@@ -99,44 +108,36 @@ def _assert_bit_identical(first, second):
 
 @needs_extension
 @pytest.mark.parametrize("sequence_level", [False, True])
-def test_surrogate_does_not_depend_on_thread_count(threads, sequence_level):
+def test_surrogate_does_not_depend_on_thread_count(at_one_and_two_threads, sequence_level):
     """Responses are summed in response order, whichever thread ran them."""
     args = _surrogate_args(batch=64, sequence_level=sequence_level)
-    results = []
-    for count in (1, 2):
-        threads(count)
-        results.append(torch.ops.hadw_cpp.surrogate_loss(*args))
-    _assert_bit_identical(*results)
+    _assert_bit_identical(*at_one_and_two_threads(lambda: torch.ops.hadw_cpp.surrogate_loss(*args)))
 
 
 @needs_extension
-def test_linear_logprobs_do_not_depend_on_thread_count(threads):
+def test_linear_logprobs_do_not_depend_on_thread_count(at_one_and_two_threads):
     """The vocabulary slabs, and the order their partial results are combined in, are
     fixed by the vocabulary size, not by the thread count. 2600 columns: 11 tiles of the
     recompute path; 700 rows: two blocks."""
     h, w, b, labels = _linear_tensors(700, 32, 2600)
     grad_logprobs, grad_entropy = torch.randn(700), torch.randn(700)
-    results = []
-    for count in (1, 2):
-        threads(count)
+
+    def forward_and_backward():
         forward = torch.ops.hadw_cpp.linear_logprob_forward(h, w, b, labels, 0.7, IGNORE, True)
         backward = torch.ops.hadw_cpp.linear_logprob_backward(grad_logprobs, grad_entropy, h, w, b, labels,
                                                               forward[2], forward[3], 0.7, IGNORE)
-        results.append((*forward, *backward))
-    _assert_bit_identical(*results)
+        return (*forward, *backward)
+
+    _assert_bit_identical(*at_one_and_two_threads(forward_and_backward))
 
 
 @needs_extension
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.02], ids=["numerators", "logits"])
-def test_linear_surrogate_does_not_depend_on_thread_count(threads, entropy_coef):
+def test_linear_surrogate_does_not_depend_on_thread_count(at_one_and_two_threads, entropy_coef):
     """9000 columns: 5 tiles of the gradients-in-forward path; block_rows 128: 5 blocks,
     each with clipped rows compacted out of the gradient GEMMs."""
     args = _linear_surrogate_args(600, 32, 9000, entropy_coef=entropy_coef, block_rows=128)
-    results = []
-    for count in (1, 2):
-        threads(count)
-        results.append(torch.ops.hadw_cpp.linear_surrogate_forward(*args))
-    _assert_bit_identical(*results)
+    _assert_bit_identical(*at_one_and_two_threads(lambda: torch.ops.hadw_cpp.linear_surrogate_forward(*args)))
 
 
 @needs_extension
