@@ -57,6 +57,17 @@ def group_advantages(
     return centred.reshape(-1)
 
 
+def _anchor_operand(anchor: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
+    """The anchor as an operand of ``like``'s arithmetic, in its dtype, without a copy to
+    its device: a Python number or a 0-d CPU tensor enters as a scalar (a blocking copy
+    to a GPU would wait for all the work queued there)."""
+    if not isinstance(anchor, torch.Tensor):
+        return float(anchor)
+    if anchor.dim() != 0:
+        raise ValueError(f"anchor must be a scalar, got shape {tuple(anchor.shape)}")
+    return anchor if anchor.device.type == "cpu" else anchor.to(like.dtype)
+
+
 def hadw_weights(
     rewards: torch.Tensor,
     group_size: int,
@@ -78,10 +89,7 @@ def hadw_weights(
     advantage_sign = torch.where(
         _degenerate(grouped)[:, None], torch.zeros_like(advantage_sign), advantage_sign
     )
-    anchor = torch.as_tensor(anchor, dtype=grouped.dtype, device=grouped.device)
-    if anchor.dim() != 0:
-        raise ValueError(f"anchor must be a scalar, got shape {tuple(anchor.shape)}")
-    difficulty = group_mean - anchor
+    difficulty = group_mean - _anchor_operand(anchor, grouped)
     exponent = -advantage_sign * torch.sign(difficulty) * difficulty.abs()
     return (lambda_scale * torch.exp(exponent)).reshape(-1)
 
@@ -145,8 +153,7 @@ def hadw_advantages(
         advantage = centred / (std[dense] + std_eps)
     advantage = torch.where(degenerate, torch.zeros_like(advantage), advantage)
     if anchor is not None:
-        anchor = torch.as_tensor(anchor, dtype=values.dtype, device=values.device)
-        difficulty = means[dense] - anchor
+        difficulty = means[dense] - _anchor_operand(anchor, values)
         sign = torch.where(degenerate, torch.zeros_like(centred), torch.sign(centred))
         advantage = advantage * lambda_scale * torch.exp(-sign * torch.sign(difficulty) * difficulty.abs())
     return advantage

@@ -68,16 +68,31 @@ MAX_BLOCK_ROWS = {"cuda": 1 << 30, "cpu": 1024}
 BLOCK_ROWS_GRANULE = {"cuda": 16, "cpu": 64}
 
 
-def block_rows_for(rows: int, vocab: int, element_size: int, device_type: str, requested: int | None = None) -> int:
+def head_accumulator_bytes(vocab: int, hidden: int, element_size: int) -> int:
+    """The fp32 accumulator of a 16-bit LM head's gradient over several blocks (rounded
+    once at the end, as eager's single GEMM over every row is); none for fp32/fp64."""
+    return 4 * vocab * hidden if element_size < 4 else 0
+
+
+def block_rows_for(rows: int, vocab: int, element_size: int, device_type: str, requested: int | None = None,
+                   accumulator_bytes: int = 0) -> int:
     """Rows per block of the linear loss: ``requested``, or the rows split into even
     blocks within the device's LOGITS_BUFFER_BYTES and MAX_BLOCK_ROWS (on CUDA, 8192 rows
     in at most 3533 run as 3 x 2736, not 3533 + 3533 + 1126), a multiple of its
-    BLOCK_ROWS_GRANULE. ``element_size`` is that of the buffer's dtype."""
+    BLOCK_ROWS_GRANULE. ``element_size`` is that of the buffer's dtype.
+
+    ``accumulator_bytes`` (``head_accumulator_bytes``) is what several blocks would add:
+    when all rows' logits fit in the budget plus that, they are one block, which holds no
+    more memory and spares the accumulator's passes (on an H100 at the Qwen3-4B head,
+    8192 bf16 rows: one block instead of three, docs/gpu-report.md)."""
     if requested:
         return requested
     device = device_type if device_type in LOGITS_BUFFER_BYTES else "cpu"
     granule = BLOCK_ROWS_GRANULE[device]
-    by_budget = LOGITS_BUFFER_BYTES[device] // max(vocab * element_size, 1)
+    budget = LOGITS_BUFFER_BYTES[device]
+    if rows <= MAX_BLOCK_ROWS[device] and rows * vocab * element_size <= budget + accumulator_bytes:
+        return max(granule, -(-rows // granule) * granule)
+    by_budget = budget // max(vocab * element_size, 1)
     largest = max(granule, min(MAX_BLOCK_ROWS[device], by_budget) // granule * granule)
     blocks = max(1, -(-rows // largest))
     even = -(-rows // blocks)

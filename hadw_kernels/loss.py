@@ -277,7 +277,7 @@ def _gradients_in_forward(
         metrics = {name: metrics[name] for name in METRIC_NAMES if name in metrics}
     inputs = [hidden_states, lm_head_weight, lm_head_bias]
     gradients = [grad_hidden.view_as(hidden_states), grad_weight, None if lm_head_bias is None else grad_bias]
-    return attach_gradients(loss, inputs, gradients), metrics
+    return attach_gradients(loss, inputs, gradients, implementation.scale_in_place), metrics
 
 
 def token_logprobs(

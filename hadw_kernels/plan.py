@@ -45,7 +45,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from .config import block_rows_for
+from .config import block_rows_for, head_accumulator_bytes
 
 GIB = 1024**3
 BF16 = 2
@@ -165,15 +165,16 @@ def loss_part_bytes(tokens: int, hidden: int, vocab: int, *, fused: bool, dtype_
         # docs/gpu-report.md), 12 for fp32 (measured on the CPU, tests/test_plan.py).
         per_logit = dtype_bytes + (FP32 if dtype_bytes < FP32 else 0) + 2 * FP32
         return {"eager: logits, their fp32 copy, the log-softmax and its gradient": per_logit * tokens * vocab}
-    block_rows = min(tokens, block_rows_for(tokens, vocab, dtype_bytes, "cuda", block_rows))
+    accumulator = head_accumulator_bytes(vocab, hidden, dtype_bytes)
+    block_rows = min(tokens, block_rows_for(tokens, vocab, dtype_bytes, "cuda", block_rows, accumulator))
     parts = {
         "fused: logits of one block of rows": block_rows * vocab * dtype_bytes,
         "fused: gradient of the hidden states": dtype_bytes * tokens * hidden,
         "fused: gradient of the LM head": dtype_bytes * vocab * hidden,
         "fused: per-token values (log-probs, entropy, lse, advantages, weights, row index)": PER_TOKEN_BYTES * tokens,
     }
-    if tokens > block_rows and dtype_bytes < FP32:
-        parts["fused: fp32 accumulator of the LM head's gradient (several blocks)"] = FP32 * vocab * hidden
+    if tokens > block_rows and accumulator:
+        parts["fused: fp32 accumulator of the LM head's gradient (several blocks)"] = accumulator
     return parts
 
 

@@ -17,6 +17,8 @@ import triton.language as tl  # noqa: E402
 
 from hadw_kernels import fused_hadw_grpo_loss  # noqa: E402
 from hadw_kernels.kernels import surrogate as triton_surrogate  # noqa: E402
+from hadw_kernels.kernels import scale as scale_module  # noqa: E402
+from hadw_kernels.kernels.scale import scale_in_place_  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs Triton's interpreter or a GPU")
@@ -35,13 +37,16 @@ def test_kernels_compile_for_a100_and_h100(tmp_path):
     for sm_80 and sm_90, without a GPU."""
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     environment["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, leave no cache behind
+    # The child imports the package as this process does, installed or not.
+    repo_root = str(Path(__file__).resolve().parents[1])
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, environment.get("PYTHONPATH")]))
     script = Path(__file__).with_name("triton_compile_check.py")
     result = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.splitlines()[0] == str(sorted([
         "_finish_kernel", "_group_kernel", "_lengths_kernel", "_logit_gradient_kernel", "_row_stats_kernel",
-        "_surrogate_kernel", "_token_gradient_kernel"]))
+        "_scale_kernel", "_surrogate_kernel", "_token_gradient_kernel"]))
 
 
 def test_no_host_synchronisation(monkeypatch):
@@ -78,9 +83,10 @@ def test_rows_are_on_grid_axis_0(monkeypatch):
     recorders = {name: _LaunchRecorder() for name in names}
     for name, recorder in recorders.items():
         monkeypatch.setattr(triton_surrogate, name, recorder)
-    zeros = torch.zeros(70_000, 2)
+    zeros = torch.zeros(70_000, 2, device=DEVICE)
     for loss_type in ("grpo", "gspo"):
-        fused_hadw_grpo_loss(zeros, zeros, torch.zeros(70_000), torch.ones(70_000, 2, dtype=torch.bool),
+        fused_hadw_grpo_loss(zeros, zeros, torch.zeros(70_000, device=DEVICE),
+                             torch.ones(70_000, 2, dtype=torch.bool, device=DEVICE),
                              group_size=2, loss_type=loss_type, backend="triton", check_values=False)
     assert recorders["_lengths_kernel"].grids == [(70_000,), (70_000,)]
     assert recorders["_group_kernel"].grids == [(35_000,), (35_000,)]
@@ -147,3 +153,56 @@ def test_dual_clip_tie_halves_the_slope():
     torch.testing.assert_close(objective, reference.detach())
     torch.testing.assert_close(slope, reference_ratio.grad)
     assert slope.tolist() == [0.5, 0.0, 1.0, 0.0]  # the last one is clipped above 1.2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_in_place_scaling_is_mul_(dtype, monkeypatch):
+    """The backward's scaling of the gradients formed in the forward: bit for bit the
+    product in fp32 (fp64 for fp64) with the upstream scalar unrounded, rounded once, as
+    ``mul_`` by a CPU scalar does (by a CUDA one, ``mul_`` rounds the scalar to a 16-bit
+    tensor's dtype first), over several programs and a ragged end; nothing changes (NaN
+    and inf included) when the scalar is 1, and a NaN scalar reaches every value."""
+    monkeypatch.setattr(scale_module, "SMALLEST_FOR_KERNEL", 0)  # the kernel, not mul_, at this size
+    values = torch.randn(3 * 4096 + 5, device=DEVICE).to(dtype)
+    values[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    compute = torch.promote_types(dtype, torch.float32)
+    for scale in (0.37, -3.0, 1.0, 0.0, float("inf")):
+        scalar = torch.tensor(scale, dtype=compute, device=DEVICE)
+        scaled = scale_in_place_(values.clone(), scalar)
+        expected = (values.to(compute) * scalar).to(dtype)
+        torch.testing.assert_close(scaled, expected, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(scaled.view(-1)[2:3].signbit(), expected.view(-1)[2:3].signbit())
+    nan = torch.tensor(float("nan"), device=DEVICE)
+    assert scale_in_place_(values.clone(), nan).isnan().all()
+    strided = values.clone()[::2]
+    torch.testing.assert_close(scale_in_place_(strided, scalar), values[::2].clone().mul_(scalar), rtol=0, atol=0,
+                               equal_nan=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or DEVICE != "cuda", reason="CUDA's synchronisation debug mode")
+def test_linear_loss_synchronises_once_on_cuda():
+    """The fused linear loss with values unchecked waits for the GPU once: the count of
+    active rows that sizes its blocks. A second wait, after the model's forward was queued,
+    would leave the GPU idle while Python runs (a Python anchor once made a blocking copy)."""
+    import warnings
+
+    from hadw_kernels import fused_linear_hadw_grpo_loss
+
+    hidden = torch.randn(2, 16, 32, device="cuda", requires_grad=True)
+    weight = torch.randn(64, 32, device="cuda", requires_grad=True)
+    labels = torch.randint(0, 64, (2, 16), device="cuda")
+    rewards = torch.tensor([0.0, 1.0], device="cuda")
+    mask = torch.ones(2, 16, dtype=torch.bool, device="cuda")
+    for anchor in (0.5, torch.tensor(0.5, device="cuda")):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss = fused_linear_hadw_grpo_loss(hidden, weight, labels, None, rewards, mask, group_size=2,
+                                                   anchor=anchor, backend="triton", check_values=False)
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in caught if str(w.message).startswith("called a synchronizing")]
+        assert len(syncs) == 1, syncs

@@ -34,8 +34,11 @@ def anchor_tensor(anchor, device: torch.device) -> torch.Tensor | None:
 class KernelBackend:
     """Kernels registered for the hadw:: ops under ``name`` (see ``ops.register_kernel``)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, scale_in_place=None) -> None:
         self.name = name
+        # How the gradients formed in the forward are scaled by the upstream gradient
+        # (``ops.attach_gradients``); None: ``mul_``.
+        self.scale_in_place = scale_in_place
 
     def serves(self, device: torch.device) -> bool:
         return ops.serves(self.name, torch.device(device).type)

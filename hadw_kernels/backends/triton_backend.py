@@ -15,6 +15,7 @@ import torch
 
 from .. import ops
 from ..kernels.linear_logprob import linear_logprob_backward, linear_logprob_forward, linear_surrogate_forward
+from ..kernels.scale import scale_in_place_
 from ..kernels.surrogate import surrogate_forward
 from .kernel_backend import KernelBackend
 
@@ -46,4 +47,4 @@ for _device in _devices:
     for _op, _implementation in _IMPLEMENTATIONS.items():
         ops.register_kernel(_op, NAME, _device, _implementation)
 
-BACKEND = KernelBackend(NAME)
+BACKEND = KernelBackend(NAME, scale_in_place=scale_in_place_)

@@ -23,14 +23,12 @@ plus, for 16-bit heads over several blocks, an fp32 accumulator for grad_W.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ..config import block_rows_for
-from .surrogate import device_guard, kl_term, policy_term
+from ..config import block_rows_for, head_accumulator_bytes
+from .surrogate import INTERPRETING, device_guard, kl_term, policy_term, round_to_bfloat16
 
 __all__ = [
     "linear_logprob_backward",
@@ -49,10 +47,10 @@ def _row_stats_kernel(
     vocab,
     WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """One row of the block: online log-sum-exp over the vocabulary, lane by lane.
-
-    With u = z - running max each lane keeps sum exp(u) and, for the entropy,
-    sum exp(u) u; keeping u (not z) avoids cancelling two large numbers in
+    """One row of the block: online log-sum-exp over the vocabulary, a tile of columns at
+    a time. The running max is the row's (one reduction per tile), so each logit costs one
+    exp; the sums stay per lane. With u = z - running max each lane keeps sum exp(u) and,
+    for the entropy, sum exp(u) u; keeping u (not z) avoids cancelling two large numbers in
     entropy = lse - E_p[z]. A NaN logit makes the sums, hence every output, NaN; a label
     outside the vocabulary gives a NaN log-prob.
     """
@@ -62,26 +60,24 @@ def _row_stats_kernel(
     label = tl.load(labels_ptr + row).to(tl.int64)
     compute = lse_ptr.dtype.element_ty
     temperature = tl.load(temperature_ptr)
-    lane_max = tl.full([BLOCK_V], float("-inf"), compute)
+    row_max = tl.full([], float("-inf"), compute)
     lane_sum = tl.zeros([BLOCK_V], compute)
     lane_shifted = tl.zeros([BLOCK_V], compute)
     for start in range(0, vocab, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         z = tl.load(row_logits + cols, mask=cols < vocab, other=float("-inf")).to(compute) / temperature
-        new_max = tl.maximum(lane_max, z)
-        # A lane that has seen only -inf keeps zero sums (and no -inf - -inf).
+        new_max = tl.maximum(row_max, tl.max(z, axis=0))
+        # Until a finite logit is seen the sums stay zero (and no -inf - -inf is formed).
         unseen = new_max == float("-inf")
-        rescale = tl.where(unseen, 0.0, tl.exp(lane_max - new_max))
-        shifted = tl.where(unseen, 0.0, z - new_max)
-        exp_shifted = tl.where(unseen, 0.0, tl.exp(shifted))
+        rescale = tl.where(unseen, 0.0, tl.exp(row_max - new_max))
+        shifted = tl.where(z == float("-inf"), 0.0, z - new_max)  # every z is -inf while unseen
+        exp_shifted = tl.where(unseen, 0.0, tl.exp(z - new_max))
         if WITH_ENTROPY:
-            moved = tl.where(lane_sum > 0, lane_max - new_max, 0.0) * lane_sum
-            lane_shifted = rescale * (lane_shifted + moved) + exp_shifted * tl.where(cols < vocab, shifted, 0.0)
+            moved = tl.where(row_max == float("-inf"), 0.0, row_max - new_max)  # lane sums are 0 then
+            lane_shifted = rescale * (lane_shifted + moved * lane_sum) + exp_shifted * shifted
         lane_sum = lane_sum * rescale + exp_shifted
-        lane_max = new_max
-    row_max = tl.max(lane_max, axis=0)
-    lane_scale = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - row_max))
-    total = tl.sum(lane_sum * lane_scale, axis=0)
+        row_max = new_max
+    total = tl.sum(lane_sum, axis=0)
     log_total = tl.log(total)
     lse = row_max + log_total
     in_vocab = (label >= 0) & (label < vocab)
@@ -89,9 +85,7 @@ def _row_stats_kernel(
     tl.store(lse_ptr + row, lse)
     tl.store(logprobs_ptr + row, tl.where(in_vocab, label_logit - lse, float("nan")))
     if WITH_ENTROPY:
-        shifted_total = tl.sum(lane_scale * (lane_shifted + tl.where(lane_sum > 0, lane_max - row_max, 0.0) * lane_sum),
-                               axis=0)
-        mean_shifted = shifted_total / total  # E_p[z] - row max
+        mean_shifted = tl.sum(lane_shifted, axis=0) / total  # E_p[z] - row max
         tl.store(mean_logit_ptr + row, row_max + mean_shifted)
         tl.store(entropy_ptr + row, log_total - mean_shifted)
 
@@ -133,14 +127,6 @@ def _token_gradient_kernel(
 
 
 @triton.jit
-def _round_to_bfloat16(x):
-    """fp32 -> the nearest bf16 value (ties to even), still as fp32."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
-
-
-@triton.jit
 def _logit_gradient_kernel(
     logits_ptr, stride_logits, labels_ptr, rows_ptr, temperature_ptr,
     grad_logprobs_ptr, stride_grad_logprobs, grad_entropy_ptr, stride_grad_entropy, lse_ptr, mean_logit_ptr,
@@ -167,14 +153,11 @@ def _logit_gradient_kernel(
         grad -= grad_entropy * probs * (z - tl.load(mean_logit_ptr + row))
     grad = grad / temperature
     if ROUND_BF16_BY_HAND:
-        grad = _round_to_bfloat16(grad)
+        grad = round_to_bfloat16(grad)
     tl.store(pointer, grad.to(pointer.dtype.element_ty), mask=inside)
 
 
 _TOKEN_BLOCK = 1024
-# Triton's interpreter casts fp32 to bf16 by truncation; GPUs (and eager PyTorch) round
-# to nearest even. Under the interpreter the logits gradient is rounded by hand.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class _BlockSweep:
@@ -188,7 +171,10 @@ class _BlockSweep:
         # One host synchronisation: the count of active rows sizes the blocks.
         self.rows = (self.labels != ignore_index).nonzero().flatten()
         count = self.rows.numel()
-        self.block_rows = block_rows_for(count, self.vocab, hidden.element_size(), self.device.type, block_rows)
+        self.block_rows = block_rows_for(
+            count, self.vocab, hidden.element_size(), self.device.type, block_rows,
+            accumulator_bytes=head_accumulator_bytes(self.vocab, hidden.shape[1], hidden.element_size()),
+        )
         # Every row active (no padding): blocks are slices, no gather or scatter.
         self.dense = count == hidden.shape[0]
         self.buffer = torch.empty((min(self.block_rows, max(count, 1)), self.vocab), dtype=hidden.dtype,
@@ -228,7 +214,7 @@ class _BlockSweep:
             0 if grad_entropy is None else grad_entropy.stride(0),
             lse, mean_logit, self.vocab,
             HAS_GRAD_ENTROPY=grad_entropy is not None,
-            ROUND_BF16_BY_HAND=_INTERPRETING and logits.dtype == torch.bfloat16,
+            ROUND_BF16_BY_HAND=INTERPRETING and logits.dtype == torch.bfloat16,
             BLOCK_V=_BLOCK_V, num_warps=8,
         )
 
@@ -236,21 +222,25 @@ class _BlockSweep:
 _FUSED_WIDENING_ADDMM = True
 
 
-def _widening_addmm_(accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """accumulator += left @ right for 16-bit operands and an fp32 accumulator: one cuBLAS
+def _widening_addmm_(accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor, first: bool) -> None:
+    """accumulator (+)= left @ right for 16-bit operands and an fp32 accumulator, "=" for
+    the ``first`` block (the accumulator is then uninitialised and never read): one cuBLAS
     GEMM that reads and writes the accumulator in fp32 on CUDA."""
     global _FUSED_WIDENING_ADDMM
+    beta = 0.0 if first else 1.0
     if left.is_cuda and _FUSED_WIDENING_ADDMM:
         try:
-            torch.addmm(accumulator, left, right, out_dtype=accumulator.dtype, out=accumulator)
+            torch.addmm(accumulator, left, right, beta=beta, out_dtype=accumulator.dtype, out=accumulator)
             return
         except (RuntimeError, TypeError):  # a torch without addmm(out_dtype=) in place
             _FUSED_WIDENING_ADDMM = False
-    if left.is_cuda:
+    if left.is_cuda and first:
+        accumulator.copy_(torch.mm(left, right, out_dtype=accumulator.dtype))
+    elif left.is_cuda:
         accumulator += torch.mm(left, right, out_dtype=accumulator.dtype)
     else:
         # Every bf16/fp16 value is an fp32 value: widened operands give the same products.
-        accumulator.addmm_(left.to(accumulator.dtype), right.to(accumulator.dtype))
+        accumulator.addmm_(left.to(accumulator.dtype), right.to(accumulator.dtype), beta=beta)
 
 
 class _Gradients:
@@ -260,8 +250,7 @@ class _Gradients:
         self.sweep = sweep
         hidden, weight, bias = sweep.hidden, sweep.weight, sweep.bias
         self.grad_hidden = torch.empty_like(hidden) if sweep.dense else torch.zeros_like(hidden)
-        # 16-bit heads over several blocks accumulate grad_W in fp32 and round once, as
-        # eager's single GEMM over every row does.
+        # 16-bit heads over several blocks accumulate grad_W in fp32 (head_accumulator_bytes).
         several = sweep.rows.numel() > sweep.block_rows
         self.weight_dtype = sweep.accumulate if several else weight.dtype
         # The first block writes grad_W (no zero fill); later ones add to it.
@@ -275,17 +264,13 @@ class _Gradients:
             torch.mm(logit_grad, weight, out=self.grad_hidden[span])
         else:
             self.grad_hidden.index_copy_(0, rows, torch.mm(logit_grad, weight))
-        if self.first:
-            if self.weight_dtype == logit_grad.dtype:
-                torch.mm(logit_grad.t(), hidden_rows, out=self.grad_weight)
-            else:
-                self.grad_weight.zero_()
-                _widening_addmm_(self.grad_weight, logit_grad.t(), hidden_rows)
-            self.first = False
-        elif self.weight_dtype == logit_grad.dtype:
-            self.grad_weight.addmm_(logit_grad.t(), hidden_rows)
+        if self.weight_dtype != logit_grad.dtype:
+            _widening_addmm_(self.grad_weight, logit_grad.t(), hidden_rows, first=self.first)
+        elif self.first:
+            torch.mm(logit_grad.t(), hidden_rows, out=self.grad_weight)
         else:
-            _widening_addmm_(self.grad_weight, logit_grad.t(), hidden_rows)
+            self.grad_weight.addmm_(logit_grad.t(), hidden_rows)
+        self.first = False
         if self.grad_bias is not None:
             self.grad_bias += logit_grad.sum(dim=0, dtype=self.sweep.accumulate)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 import triton
@@ -87,7 +88,20 @@ _K3_LOG_RATIO_CLAMP = tl.constexpr(K3_LOG_RATIO_CLAMP)
 _K3_VALUE_CLAMP = tl.constexpr(K3_VALUE_CLAMP)
 
 
-# --- per-token math, shared with linear_surrogate.py -------------------------------------
+# Triton's interpreter casts fp32 to bf16 by truncation; GPUs (and eager PyTorch) round
+# to nearest even. Under the interpreter, kernels that store bf16 round by hand first.
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def round_to_bfloat16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+# --- per-token math, shared with linear_logprob.py ---------------------------------------
 
 
 @triton.jit

@@ -74,10 +74,15 @@ torch.library.register_autograd(
 )
 
 
+def _multiply_in_place(gradient: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    return gradient.mul_(grad_loss)
+
+
 class _AttachGradients(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, loss, gradients, *inputs):
+    def forward(ctx, loss, gradients, scale_in_place, *inputs):
         ctx.gradients = gradients
+        ctx.scale_in_place = scale_in_place
         ctx.dtypes = [None if t is None else t.dtype for t in inputs]
         return loss.clone()
 
@@ -91,7 +96,8 @@ class _AttachGradients(torch.autograd.Function):
         # The stored gradients belong to this graph alone: scale them in place rather
         # than copying tensors the size of the LM head (5-15% of a step on the CPU). The
         # usual upstream gradient is exactly 1 (``loss.backward()``): on the CPU, where
-        # reading it costs no device synchronisation, that pass over them is skipped.
+        # reading it costs no device synchronisation, that pass over them is skipped; a
+        # backend's own ``scale_in_place`` may skip it on its device (kernels/scale.py).
         unit = grad_loss.device.type == "cpu" and grad_loss.numel() == 1 and grad_loss.item() == 1.0
         scaled = []
         for gradient, dtype in zip(ctx.gradients, ctx.dtypes):
@@ -100,14 +106,15 @@ class _AttachGradients(torch.autograd.Function):
             elif gradient.dtype == dtype and unit:
                 scaled.append(gradient)
             elif gradient.dtype == dtype:
-                scaled.append(gradient.mul_(grad_loss))
+                scaled.append(ctx.scale_in_place(gradient, grad_loss))
             else:
                 scaled.append(_scaled(gradient, grad_loss, dtype))
         ctx.gradients = None
-        return (None, None, *scaled)
+        return (None, None, None, *scaled)
 
 
-def attach_gradients(loss: torch.Tensor, inputs, gradients) -> torch.Tensor:
+def attach_gradients(loss: torch.Tensor, inputs, gradients, scale_in_place=None) -> torch.Tensor:
     """``loss`` as a function of ``inputs`` whose gradients were formed in the forward:
-    its backward returns ``gradients`` times the upstream scalar, in the inputs' dtypes."""
-    return _AttachGradients.apply(loss.detach(), tuple(gradients), *inputs)
+    its backward returns ``gradients`` times the upstream scalar, in the inputs' dtypes.
+    ``scale_in_place(gradient, grad_loss)`` does the scaling (default: ``mul_``)."""
+    return _AttachGradients.apply(loss.detach(), tuple(gradients), scale_in_place or _multiply_in_place, *inputs)
