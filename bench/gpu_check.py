@@ -499,7 +499,8 @@ def write_report(path: Path, tests: TestRun, bench, surrogate, paper, dry_run: b
                 continue
 
             def cell(value):
-                return "OOM or n/a" if value is None else f"{value:.0f}"
+                # None: out of memory on a GPU; nothing measured in a dry run.
+                return ("n/a" if dry_run else "OOM") if value is None else f"{value:.0f}"
 
             lines.append(f"| {row['G']} | {row['tokens']} | {cell(row['eager'])} | "
                          f"{cell(row['hadw[triton] gradients in forward'])} | {row['planner']:.0f} | "
