@@ -417,8 +417,14 @@ class RowBlocks {
     Block block;
     block.index = rows_.narrow(0, first, std::min(block_rows_, count() - first));
     block.rows = block.index.size(0);
-    block.hidden = at::index_select(in.hidden, 0, block.index).to(in.compute).contiguous();
-    block.labels = at::index_select(in.labels, 0, block.index);
+    if (count() == in.hidden.size(0)) {
+      // Every row active (no padding): the block is a slice, no gather.
+      block.hidden = in.hidden.narrow(0, first, block.rows).to(in.compute).contiguous();
+      block.labels = in.labels.narrow(0, first, block.rows).contiguous();
+    } else {
+      block.hidden = at::index_select(in.hidden, 0, block.index).to(in.compute).contiguous();
+      block.labels = at::index_select(in.labels, 0, block.index);
+    }
     return block;
   }
 
