@@ -135,7 +135,7 @@ def session_meta(config) -> dict:
             "fresh process, torch.set_num_threads(the case's threads), fp32, "
             f"1 warm-up, then {timed_rounds(config)} timed forward+backward steps (more, up to "
             f"{matrix.MOST_ROUNDS}, until {matrix.QUICK_TIMED_SECONDS if quick else matrix.FULL_TIMED_SECONDS:g} s "
-            "of steps are timed), in dense cases as many again of bound and step in turn, then 1 profiled step"
+            "of steps are timed), then 1 profiled step"
         ),
     }
 

@@ -40,11 +40,11 @@ class Worker:
     """One case in its own process: ``ready()``, then ``step()`` per timed round, then
     ``finish()`` for the memory figures. Any failure raises :class:`CaseFailed`."""
 
-    def __init__(self, worker_args: list[str], threads: int, memory_cap_gb: float, paired_bound_seconds: float = 0.0):
+    def __init__(self, worker_args: list[str], threads: int, memory_cap_gb: float):
         self._stderr = tempfile.TemporaryFile(mode="w+")
         command = [
             sys.executable, str(WORKER), *worker_args, "--threads", str(threads),
-            "--memory-cap-gb", str(memory_cap_gb), "--paired-bound-seconds", str(paired_bound_seconds), "--serve",
+            "--memory-cap-gb", str(memory_cap_gb), "--serve",
         ]
         self._process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,

@@ -30,13 +30,7 @@ Peak alloc: the allocator's view, peak of live tensor bytes above the inputs dur
 (PyTorch profiler memory events). Peak RSS: ru_maxrss over the timed steps minus the resident
 set after imports and inputs (what the warm-up left resident, e.g. compiled code, counts).
 Ratios: time to the bound (three bare GEMMs on preallocated buffers, same threads, same process
-kind; its own row, run in its own process) and to eager of the same input, shape, G, threads and
-kind (dense on-policy or padded). "vs bound, same process" (dense cases): after its timed steps
-the case's process times a bound step and a step of the case in turn, the order alternating,
-for at least 3 rounds, more until the timed steps' seconds are spent again; the median over
-rounds of step / bound. It shares
-the process, threads and moment with the step it is compared with, which the bound's own row,
-run minutes apart, does not (docs/benchmarks.md);
+kind) and to eager of the same input, shape, G, threads and kind (dense on-policy or padded);
 memory ratios to eager, left out when eager's peak is under 1 MB (page-granular noise).
 load: the machine's 1-minute load average when the case ended. The case's own threads
 make ~1-2; well above that, other work shared the two cores and the times are inflated (most for
@@ -93,10 +87,9 @@ def markdown_tables(rows: list[dict]) -> str:
         out.append("")
         out.append(
             "| G | implementation | status | time min [median] (ms) | tokens/s | peak alloc (MB) "
-            "| peak RSS (MB) | time vs bound | vs bound, same process | time vs eager | alloc vs eager "
-            "| RSS vs eager | load |"
+            "| peak RSS (MB) | time vs bound | time vs eager | alloc vs eager | RSS vs eager | load |"
         )
-        out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         baselines = {r["group_size"]: r for r in section if r["impl"] == BASELINE and r["status"] == "ok"}
         bounds = {r["group_size"]: r for r in section if r["impl"] == BOUND and r["status"] == "ok"}
         for row in sorted(section, key=lambda r: r["group_size"]):
@@ -111,7 +104,6 @@ def markdown_tables(rows: list[dict]) -> str:
                 f"| {_number(tokens_per_s, 0)} | {_megabytes(row.get('alloc_peak_mb'))} "
                 f"| {_megabytes(row.get('rss_peak_mb'))} "
                 f"| {_ratio(row.get('time_min_s'), bound.get('time_min_s'))} "
-                f"| {_ratio(row.get('paired_bound_ratio'), 1.0)} "
                 f"| {_ratio(row.get('time_min_s'), base.get('time_min_s'))} "
                 f"| {_ratio(row.get('alloc_peak_mb'), base.get('alloc_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} "
                 f"| {_ratio(row.get('rss_peak_mb'), base.get('rss_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} "

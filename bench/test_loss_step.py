@@ -23,7 +23,6 @@ from loss_impls import backend_of
 
 INTERPRETER_ONLY = "interpreter only here, not timed"
 MEMORY_FIELDS = ("alloc_peak_mb", "rss_peak_mb", "first_step_rss_mb", "baseline_rss_mb", "warmup_seconds")
-PAIRED_FIELDS = ("paired_bound_ratio", "paired_rounds")
 
 
 def untimed_reason(impl: str) -> str | None:
@@ -59,8 +58,6 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
         ["--impl", case.impl, "--input", case.input_kind, *shape.as_args(), *(["--dense"] if case.dense else [])],
         threads=case.threads,
         memory_cap_gb=bench_settings["memory_cap_gb"],
-        # Dense cases are judged against the bound: time it beside the case, in its process.
-        paired_bound_seconds=bench_settings["timed_seconds"] if case.dense else 0.0,
     )
     try:
         ready = worker.ready()
@@ -86,7 +83,6 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
     if benchmark.stats is not None:  # None under --benchmark-disable
         seconds["roundtrip_median_s"] = benchmark.stats.stats.median
     memory = {key: report[key] for key in MEMORY_FIELDS if key in report}
-    paired = {key: report[key] for key in PAIRED_FIELDS if key in report}
-    benchmark.extra_info.update(memory, **paired, tokens=shape.tokens, worker_median_s=seconds["time_median_s"])
+    benchmark.extra_info.update(memory, tokens=shape.tokens, worker_median_s=seconds["time_median_s"])
     # The case's own threads count ~1-2: above that, other work shared the cores.
-    record_row({**row, **memory, **seconds, **paired, "status": "ok", "load_1min": os.getloadavg()[0]})
+    record_row({**row, **memory, **seconds, "status": "ok", "load_1min": os.getloadavg()[0]})

@@ -16,13 +16,7 @@ state out of the next one's figures. The sequence is:
 4. after "finish" (or the rounds): the steady-state peak RSS, ru_maxrss minus the
    baseline, over the timed steps (what the warm-up left resident counts: compiled
    code, allocator caches);
-5. with ``--paired-bound-seconds``: rounds of one bound step (the three bare GEMMs on
-   the same inputs, ``loss_impls``) and one step of the case, in turn, the order
-   alternating, until that many seconds of each are timed; the median over rounds of
-   step / bound is ``paired_bound_ratio``: the two share this process, its threads and
-   the machine's state of the moment, which separate processes run minutes apart do
-   not (after the RSS window: the bound's buffers are not the case's memory);
-6. one step under the PyTorch profiler with memory events: the allocator's view, the
+5. one step under the PyTorch profiler with memory events: the allocator's view, the
    peak of live tensor bytes above those live before the step (the inputs).
 
 Every message is one JSON line on the original stdout (library output goes to stderr).
@@ -39,7 +33,6 @@ import gc
 import json
 import os
 import resource
-import statistics
 import sys
 import time
 import traceback
@@ -47,8 +40,7 @@ from typing import Iterable, TextIO
 
 import torch
 
-from loss_impls import BOUND, INPUTS, Shape, build_step, make_inputs
-from matrix import rounds_for
+from loss_impls import INPUTS, Shape, build_step, make_inputs
 
 MB = 1024 * 1024
 # Phrases the CPU allocator and Python use when an allocation fails.
@@ -98,25 +90,6 @@ def allocator_peak_bytes(step) -> int:
         live += nbytes
         peak = max(peak, live)
     return peak
-
-
-def paired_bound_rounds(step, bound_step, inputs, step_seconds: list[float], timed_seconds: float) -> dict:
-    """Bound and case in turn in this process (step 5 of the module's sequence)."""
-    bound_step(inputs)  # warm-up: the bound's buffers
-    rounds = rounds_for(statistics.median(step_seconds), 3, timed_seconds)
-    ratios = []
-    for round_index in range(rounds):
-        timed = {}
-        order = ("bound", "step") if round_index % 2 == 0 else ("step", "bound")
-        for name in order:
-            started = time.perf_counter()
-            if name == "bound":
-                bound_step(inputs)
-            else:
-                step()
-            timed[name] = time.perf_counter() - started
-        ratios.append(timed["step"] / timed["bound"])
-    return {"paired_bound_ratio": statistics.median(ratios), "paired_rounds": rounds}
 
 
 def failure_status(error: BaseException) -> str:
@@ -175,10 +148,6 @@ def run(args: argparse.Namespace, commands: Iterable[str], out: TextIO) -> None:
             seconds.append(time.perf_counter() - started)
             send(event="stepped", seconds=seconds[-1])
         report["rss_peak_mb"] = (peak_rss_bytes() - baseline) / MB
-        if args.paired_bound_seconds > 0 and args.input == "hidden" and args.impl != BOUND and seconds:
-            phase = "paired bound rounds"
-            report.update(paired_bound_rounds(step, build_step(BOUND, args.input, shape), inputs, seconds,
-                                              args.paired_bound_seconds))
         # Last: the profiler keeps ~150 MB of its own resident after it ran.
         phase = "profiled step"
         report["alloc_peak_mb"] = allocator_peak_bytes(step) / MB
@@ -201,8 +170,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dense", action="store_true", help="on-policy, no padding")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0, help="0: no cap")
-    parser.add_argument("--paired-bound-seconds", type=float, default=0.0,
-                        help="after the timed steps, time bound and case in turn for this long (0: not)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--rounds", type=int, default=1, help="timed steps run here")
     mode.add_argument("--serve", action="store_true", help="run a step per 'step' line on stdin")
