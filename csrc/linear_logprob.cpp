@@ -712,7 +712,7 @@ struct TokenInputs {
 };
 
 // Default of linear_surrogate_forward's block_rows: config.block_rows_for on "cpu", whose
-// constants the generated header holds (at most 1024 rows and 320 MiB of logits, 2048
+// constants the generated header holds (at most 1024 rows and 640 MiB of logits, 2048
 // rows run as 2 x 1024, 1300 as 2 x 704: a short last block's grad_W GEMM reduces over
 // few rows).
 int64_t default_block_rows(int64_t rows, int64_t vocab, int64_t element_size) {
