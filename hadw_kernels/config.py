@@ -79,8 +79,8 @@ def head_accumulator_bytes(vocab: int, hidden: int, element_size: int) -> int:
 def block_rows_for(rows: int, vocab: int, element_size: int, device_type: str, requested: int | None = None,
                    accumulator_bytes: int = 0) -> int:
     """Rows per block of the linear loss: ``requested``, or the rows split into even
-    blocks within the device's LOGITS_BUFFER_BYTES and MAX_BLOCK_ROWS (on CUDA, 8192 rows
-    in at most 3533 run as 3 x 2736, not 3533 + 3533 + 1126), a multiple of its
+    blocks within the device's LOGITS_BUFFER_BYTES and MAX_BLOCK_ROWS (blocks of at most
+    3533 rows for 8192 run as 3 x 2736, not 3533 + 3533 + 1126), a multiple of its
     BLOCK_ROWS_GRANULE. ``element_size`` is that of the buffer's dtype.
 
     ``accumulator_bytes`` (``head_accumulator_bytes``) is what several blocks would add:
