@@ -93,10 +93,11 @@ def block_rows_for(rows: int, vocab: int, element_size: int, device_type: str, r
     granule = BLOCK_ROWS_GRANULE[device]
     budget = LOGITS_BUFFER_BYTES[device]
     if rows <= MAX_BLOCK_ROWS[device] and rows * vocab * element_size <= budget + accumulator_bytes:
-        return max(granule, -(-rows // granule) * granule)
-    by_budget = budget // max(vocab * element_size, 1)
-    largest = max(granule, min(MAX_BLOCK_ROWS[device], by_budget) // granule * granule)
-    blocks = max(1, -(-rows // largest))
+        blocks = 1
+    else:
+        by_budget = budget // max(vocab * element_size, 1)
+        largest = max(granule, min(MAX_BLOCK_ROWS[device], by_budget) // granule * granule)
+        blocks = max(1, -(-rows // largest))
     even = -(-rows // blocks)
     return max(granule, -(-even // granule) * granule)
 

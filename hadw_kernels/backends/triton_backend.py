@@ -9,18 +9,15 @@ and routing as on a GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .. import ops
 from ..kernels.linear_logprob import linear_logprob_backward, linear_logprob_forward, linear_surrogate_forward
 from ..kernels.scale import scale_in_place_
-from ..kernels.surrogate import surrogate_forward
+from ..kernels.surrogate import INTERPRETING, surrogate_forward
 from .kernel_backend import KernelBackend
 
 NAME = "triton"
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 _IMPLEMENTATIONS = {
     "surrogate_loss": surrogate_forward,

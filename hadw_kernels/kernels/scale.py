@@ -41,13 +41,12 @@ def _scale_kernel(values_ptr, scale_ptr, count, ROUND_BF16_BY_HAND: tl.constexpr
 
 def scale_in_place_(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """values *= scale (a one-element tensor on values' device), in place; returns values."""
-    if values.numel() < SMALLEST_FOR_KERNEL or not values.is_contiguous():
-        return values.mul_(scale)
     count = values.numel()
-    if count:
-        with device_guard(values.device):
-            _scale_kernel[(triton.cdiv(count, _BLOCK),)](
-                values, scale.reshape(()), count, ROUND_BF16_BY_HAND=INTERPRETING and values.dtype == torch.bfloat16,
-                BLOCK=_BLOCK, num_warps=8,
-            )
+    if count < SMALLEST_FOR_KERNEL or not values.is_contiguous():
+        return values.mul_(scale)
+    with device_guard(values.device):
+        _scale_kernel[(triton.cdiv(count, _BLOCK),)](
+            values, scale.reshape(()), count, ROUND_BF16_BY_HAND=INTERPRETING and values.dtype == torch.bfloat16,
+            BLOCK=_BLOCK, num_warps=8,
+        )
     return values
