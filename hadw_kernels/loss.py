@@ -6,7 +6,7 @@ import torch
 
 from .backends import resolve_backend
 from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig
-from .ops import attach_gradients
+from .ops import attach_single_use_gradients
 from .surrogate import group_metrics, response_advantages, token_weights
 from .validation import (
     check_hidden_values,
@@ -277,7 +277,7 @@ def _gradients_in_forward(
         metrics = {name: metrics[name] for name in METRIC_NAMES if name in metrics}
     inputs = [hidden_states, lm_head_weight, lm_head_bias]
     gradients = [grad_hidden.view_as(hidden_states), grad_weight, None if lm_head_bias is None else grad_bias]
-    return attach_gradients(loss, inputs, gradients, implementation.scale_in_place), metrics
+    return attach_single_use_gradients(loss, inputs, gradients, implementation.scale_in_place), metrics
 
 
 def token_logprobs(

@@ -191,8 +191,9 @@ def test_concurrent_calls_give_the_serial_results():
 
 # --- op contracts -----------------------------------------------------------------------------
 
-# The hadw_cpp:: kernels have no autograd formula (the routed hadw:: ops do): their inputs
-# are given without requires_grad, and the routed ops are checked with it.
+# The hadw_cpp:: kernels have no autograd formula: their inputs are given without
+# requires_grad. Of the routed hadw:: ops only linear_logprob_forward has one (checked with
+# requires_grad); the others return their gradients, which the losses attach.
 KERNEL_CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
@@ -204,11 +205,7 @@ KERNEL_CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 def test_opcheck_surrogate(dtype, advantages, options):
     args = _surrogate_args(dtype, batch=8, width=5, advantages=advantages, options=options)
     torch.library.opcheck(torch.ops.hadw_cpp.surrogate_loss.default, args, test_utils=KERNEL_CHECKS)
-    routed = list(args) + ["cpp"]
-    routed[0] = routed[0].clone().requires_grad_()
-    if options:
-        routed[8] = routed[8].clone().requires_grad_()
-    torch.library.opcheck(torch.ops.hadw.surrogate_loss.default, tuple(routed))
+    torch.library.opcheck(torch.ops.hadw.surrogate_loss.default, (*args, "cpp"), test_utils=KERNEL_CHECKS)
 
 
 @needs_extension

@@ -37,7 +37,7 @@ class KernelBackend:
     def __init__(self, name: str, scale_in_place=None) -> None:
         self.name = name
         # How the gradients formed in the forward are scaled by the upstream gradient
-        # (``ops.attach_gradients``); None: ``mul_``.
+        # (``ops.attach_single_use_gradients``); None: ``mul_``.
         self.scale_in_place = scale_in_place
 
     def serves(self, device: torch.device) -> bool:
@@ -53,10 +53,11 @@ class KernelBackend:
         self, logprobs, old_logprobs, response_mask, config: LossConfig, *, rewards=None, advantages=None,
         anchor=None, ref_logprobs=None, importance_weights=None, entropy=None,
     ):
-        loss, _, _, metrics = ops.call(
+        loss, grad_logprobs, grad_entropy, metrics = ops.call(
             "surrogate_loss",
-            logprobs=logprobs,
-            # Data, not parameters: the op's formula differentiates the log-probs only.
+            # The op forms its gradient with respect to the log-probs (and the entropy)
+            # in the forward; it is attached below.
+            logprobs=logprobs.detach(),
             old_logprobs=old_logprobs.detach(),
             response_mask=response_mask,
             rewards=None if rewards is None else rewards.detach(),
@@ -64,9 +65,12 @@ class KernelBackend:
             anchor=anchor_tensor(anchor, logprobs.device),
             ref_logprobs=None if config.beta <= 0 else ref_logprobs.detach(),
             importance_weights=None if importance_weights is None else importance_weights.detach(),
-            entropy=entropy,
+            entropy=None if entropy is None else entropy.detach(),
             **config.kernel_options(),
             backend=self.name,
+        )
+        loss = ops.attach_gradients(
+            loss, [logprobs, entropy], [grad_logprobs, None if entropy is None else grad_entropy]
         )
         return loss, name_metrics(
             metrics, with_groups=rewards is not None, with_kl=config.beta > 0, with_entropy=entropy is not None

@@ -3,7 +3,7 @@
 On CUDA tensors the kernels are compiled. On CPU tensors they run in Triton's
 interpreter when ``TRITON_INTERPRET=1`` was set before this module was imported (the
 test suite's way to run them without a GPU); otherwise the backend does not serve CPU
-tensors and says so. Either way the calls go through the same ops, autograd formulas
+tensors and says so. Either way the calls go through the same ops, gradient handling
 and routing as on a GPU.
 """
 

@@ -1,8 +1,8 @@
 """The hadw:: ops: schemas and fakes (``schemas``), one routed kernel per device key
-(``routing``), and the autograd formulas (``autograd``)."""
+(``routing``), and how their gradients reach autograd (``autograd``)."""
 
-from . import autograd  # noqa: F401  (registers the formulas)
-from .autograd import attach_gradients
+from . import autograd  # noqa: F401  (registers linear_logprob_forward's formula)
+from .autograd import attach_gradients, attach_single_use_gradients
 from .routing import BackendUnavailable, has_kernel, register_kernel, serves, set_unavailable_reason, unavailable_message
 from .schemas import KERNEL_LIBRARY, LIBRARY, OPS, accumulate_dtype, argument_names, call
 
@@ -14,6 +14,7 @@ __all__ = [
     "accumulate_dtype",
     "argument_names",
     "attach_gradients",
+    "attach_single_use_gradients",
     "call",
     "has_kernel",
     "register_kernel",

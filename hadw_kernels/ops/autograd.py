@@ -1,11 +1,13 @@
-"""The autograd formulas of the differentiable ops, registered once for every backend.
+"""The autograd formula of ``linear_logprob_forward``, and how the losses whose gradients
+are formed in the forward hand them to autograd.
 
-``surrogate_loss`` returns its gradient with respect to the log-probs (and the entropy)
-from the forward: the loss is the end of the graph, so backward only scales the stored
-gradient by the upstream scalar. ``linear_logprob_forward``'s backward is the
-``linear_logprob_backward`` op of the same backend, which recomputes the logits.
-``linear_surrogate_forward`` returns gradients as outputs and has no formula: the loss
-attaches them (``loss.py``).
+``linear_logprob_forward``'s backward is the ``linear_logprob_backward`` op of the same
+backend, which recomputes the logits. ``surrogate_loss`` and ``linear_surrogate_forward``
+return their gradients as outputs and have no formula: the loss is the end of the graph,
+so the loss attaches them (``attach_gradients``) and backward only scales them by the
+upstream scalar. An op formula would cost the call more: torch.library's autograd
+wrapper refills the schema's defaults on every call, quadratic in its ~25 arguments
+(~0.2 ms a call, as much as the whole surrogate at 16k tokens).
 """
 
 from __future__ import annotations
@@ -18,30 +20,6 @@ from .schemas import LIBRARY, argument_names, call
 def _scaled(stored_grad: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """grad_loss * stored_grad written straight into ``dtype``: one kernel, no fp32 temp."""
     return torch.mul(stored_grad, grad_loss, out=torch.empty_like(stored_grad, dtype=dtype))
-
-
-_SURROGATE_ARGUMENTS = argument_names("surrogate_loss")
-_LOGPROBS = _SURROGATE_ARGUMENTS.index("logprobs")
-_ENTROPY = _SURROGATE_ARGUMENTS.index("entropy")
-
-
-def _surrogate_setup(ctx, inputs, output):
-    ctx.logprobs_dtype = inputs[_LOGPROBS].dtype
-    entropy = inputs[_ENTROPY]
-    ctx.entropy_dtype = None if entropy is None else entropy.dtype
-    ctx.save_for_backward(output[1], output[2])
-
-
-def _surrogate_backward(ctx, grad_loss, *_unused):
-    grad_logprobs, grad_entropy = ctx.saved_tensors
-    grads = [None] * len(_SURROGATE_ARGUMENTS)
-    grads[_LOGPROBS] = _scaled(grad_logprobs, grad_loss, ctx.logprobs_dtype)
-    if ctx.entropy_dtype is not None:
-        grads[_ENTROPY] = _scaled(grad_entropy, grad_loss, ctx.entropy_dtype)
-    return tuple(grads)
-
-
-torch.library.register_autograd(f"{LIBRARY}::surrogate_loss", _surrogate_backward, setup_context=_surrogate_setup)
 
 
 _LINEAR_ARGUMENTS = argument_names("linear_logprob_forward")
@@ -93,6 +71,9 @@ class _AttachGradients(torch.autograd.Function):
                 "the fused linear loss's gradients were already handed to a backward; "
                 "compute the loss again for another one"
             )
+        if ctx.scale_in_place is None:
+            scaled = [None if g is None else _scaled(g, grad_loss, dtype) for g, dtype in zip(ctx.gradients, ctx.dtypes)]
+            return (None, None, None, *scaled)
         # The stored gradients belong to this graph alone: scale them in place rather
         # than copying tensors the size of the LM head (5-15% of a step on the CPU). The
         # usual upstream gradient is exactly 1 (``loss.backward()``): on the CPU, where
@@ -113,8 +94,15 @@ class _AttachGradients(torch.autograd.Function):
         return (None, None, None, *scaled)
 
 
-def attach_gradients(loss: torch.Tensor, inputs, gradients, scale_in_place=None) -> torch.Tensor:
+def attach_gradients(loss: torch.Tensor, inputs, gradients) -> torch.Tensor:
     """``loss`` as a function of ``inputs`` whose gradients were formed in the forward:
-    its backward returns ``gradients`` times the upstream scalar, in the inputs' dtypes.
-    ``scale_in_place(gradient, grad_loss)`` does the scaling (default: ``mul_``)."""
+    its backward returns ``gradients`` times the upstream scalar, as new tensors in the
+    inputs' dtypes, as often as the graph is differentiated (``retain_graph``)."""
+    return _AttachGradients.apply(loss.detach(), tuple(gradients), None, *inputs)
+
+
+def attach_single_use_gradients(loss: torch.Tensor, inputs, gradients, scale_in_place=None) -> torch.Tensor:
+    """The same for gradients too large to copy (the LM head's): one backward scales them
+    in place with ``scale_in_place(gradient, grad_loss)`` (default: ``mul_``) and hands
+    them over; a second backward of the graph is refused."""
     return _AttachGradients.apply(loss.detach(), tuple(gradients), scale_in_place or _multiply_in_place, *inputs)

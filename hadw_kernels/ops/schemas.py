@@ -16,6 +16,8 @@ without the ``backend`` argument. Arguments are passed by name through
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import METRIC_NAMES
@@ -70,6 +72,7 @@ for _name in OPS:
     _kernels.define(_name + schema(_name, routed=False))
 
 
+@functools.cache  # the schemas never change; reading one builds every argument anew
 def argument_names(name: str) -> tuple[str, ...]:
     return tuple(argument.name for argument in getattr(torch.ops.hadw, name).default._schema.arguments)
 

@@ -17,7 +17,7 @@ from cases import (
     surrogate_batch,
 )
 from check import assert_conforms
-from hadw_kernels import LOSS_TYPES
+from hadw_kernels import LOSS_TYPES, fused_hadw_grpo_loss
 
 
 def _drift(loss_type: str) -> float:
@@ -71,3 +71,15 @@ def test_entropy_input(backend, device, loss_type, dtype):
             mask.to(on), inputs, entropy_coef=0.01,
         )
     assert_conforms(runs["fast"], runs["eager"], runs["exact"], dtype)
+
+
+def test_a_retained_graph_gives_the_same_gradient_again(backend, device):
+    """The gradient formed in the forward is scaled into a new tensor by each backward:
+    differentiating the graph twice (retain_graph) gives it twice, unchanged."""
+    batch = surrogate_batch(5)
+    kwargs = cast(loss_kwargs(batch, "grpo", Variant("hadw", {"anchor": 0.4})), torch.float32, device)
+    logprobs = batch["logprobs"].float().to(device).requires_grad_()
+    loss = fused_hadw_grpo_loss(logprobs, response_mask=batch["response_mask"].to(device), backend=backend, **kwargs)
+    (first,) = torch.autograd.grad(loss, logprobs, retain_graph=True)
+    (second,) = torch.autograd.grad(loss * 2, logprobs)
+    torch.testing.assert_close(second, 2 * first, rtol=0, atol=0)
