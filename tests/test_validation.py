@@ -50,6 +50,9 @@ def _call(group_size=2, **overrides):
         (dict(anchor=True), TypeError, "anchor must be a float"),
         (dict(anchor=1.5), ValueError, r"anchor must lie in \[0, 1\]"),
         (dict(anchor=torch.tensor(-0.2)), ValueError, "anchor must be finite and in"),
+        (dict(anchor=torch.tensor(float("nan"))), ValueError, "anchor must be finite and in"),
+        (dict(rewards=None, advantages=torch.tensor([0.0, float("-inf"), 0.0, 1.0])), ValueError,
+         "advantages contain NaN or inf"),
         (dict(anchor=0.5, rewards=torch.tensor([1.0, 0.0, 5.0, 1.0])), ValueError, r"rewards must lie in \[0, 1\]"),
         (dict(loss_agg_mode="seq-sum"), ValueError, "unknown loss_agg_mode"),
         (dict(kl_estimator="k4"), ValueError, "unknown kl_estimator"),
@@ -105,6 +108,13 @@ def test_nonfinite_logprobs_are_refused_at_response_tokens_only(mask_dtype, name
     values[2, 0] = poison
     with pytest.raises(ValueError, match=f"^{name} contain NaN or inf at response tokens"):
         _call(response_mask=mask, **{name: values})
+
+
+def test_finite_logprobs_whose_sum_overflows_are_accepted():
+    """The value checks screen the log-probs with one sum over all positions; finite
+    values that overflow it are still finite inputs."""
+    loss = _call(logprobs=torch.full((4, 3), -3e38))
+    assert loss.dim() == 0
 
 
 @pytest.mark.parametrize("bad", [2.0, -1.0, float("nan")])
