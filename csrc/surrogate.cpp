@@ -165,7 +165,9 @@ HADW_ALWAYS_INLINE T masked_sum(const T* values, const uint8_t* mask, int64_t co
   T sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < count; ++t) {
-    sum += mask[t] != 0 ? values[t] : T(0);
+    // Loaded before the select: a load under the condition keeps GCC from vectorising.
+    const T value = values[t];
+    sum += mask[t] != 0 ? value : T(0);
   }
   return sum;
 }
