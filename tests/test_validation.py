@@ -168,3 +168,14 @@ def test_bad_linear_input_raises(overrides, error, match):
     inputs.update(overrides)
     with pytest.raises(error, match=match):
         fused_linear_hadw_grpo_loss(**inputs, group_size=2, **options)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_nonfinite_hidden_states_are_refused_at_response_tokens_only(poison):
+    inputs = _linear_inputs()
+    inputs["response_mask"][1, 2] = 0
+    inputs["hidden_states"][1, 2, 5] = poison  # a padding row: accepted
+    assert torch.isfinite(fused_linear_hadw_grpo_loss(**inputs, group_size=2))
+    inputs["hidden_states"][2, 0, 1] = poison
+    with pytest.raises(ValueError, match="hidden_states contain NaN or inf at response tokens"):
+        fused_linear_hadw_grpo_loss(**inputs, group_size=2)
