@@ -1,6 +1,6 @@
 """Benchmark session: options, the case matrix, and the summary written at the end.
 
-    pytest bench/            full sweep (G = 8..64 and Qwen3's vocabulary), < 15 min here
+    pytest bench/            full sweep (G = 8..64, the dense cases, Qwen3's vocabulary), ~28 min here
     pytest bench/ --quick    one small shape per case, for CI (or HADW_BENCH_QUICK=1)
 
 The table and the plot go to bench/results/ (git-ignored) and the table is printed at

@@ -71,8 +71,9 @@ class _AttachGradients(torch.autograd.Function):
                 "the fused linear loss's gradients were already handed to a backward; "
                 "compute the loss again for another one"
             )
-        if ctx.scale_in_place is None:
-            scaled = [None if g is None else _scaled(g, grad_loss, dtype) for g, dtype in zip(ctx.gradients, ctx.dtypes)]
+        if ctx.scale_in_place is None:  # kept (attach_gradients): scaled into new tensors
+            scaled = [None if gradient is None else _scaled(gradient, grad_loss, dtype)
+                      for gradient, dtype in zip(ctx.gradients, ctx.dtypes)]
             return (None, None, None, *scaled)
         # The stored gradients belong to this graph alone: scale them in place rather
         # than copying tensors the size of the LM head (5-15% of a step on the CPU). The
