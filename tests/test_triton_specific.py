@@ -49,6 +49,29 @@ def test_kernels_compile_for_a100_and_h100(tmp_path):
         "_scale_kernel", "_surrogate_kernel", "_token_gradient_kernel"]))
 
 
+def test_outputs_do_not_depend_on_recycled_memory():
+    """The surrogate's outputs are allocated without a fill: the kernels must write every
+    element. Freed NaN blocks of the outputs' sizes come back from the allocator (CUDA's
+    caching allocator; glibc's free lists under the interpreter)."""
+    logprobs, old, rewards, mask = _batch(batch=8, width=37)
+    entropy = torch.rand(8, 37, device=DEVICE)
+    mask[1, 20:] = False
+    mask[2] = False
+
+    def call():
+        return triton_surrogate.surrogate_forward(
+            logprobs, old, mask, rewards, None, None, None, None, entropy, 4, True, 1e-6, 1.5, 0, False,
+            0.2, 0.2, None, 0.0, 0, 0.01, None, None,
+        )
+
+    clean = call()
+    for _ in range(3):
+        poison = [torch.full_like(output, float("nan")) for output in clean for _ in range(4)]
+        del poison
+        for output, expected in zip(call(), clean):
+            torch.testing.assert_close(output, expected, rtol=0, atol=0)
+
+
 def test_no_host_synchronisation(monkeypatch):
     """No tensor value reaches Python in the surrogate: every way of reading one raises."""
     logprobs, old, rewards, mask = _batch()

@@ -526,10 +526,13 @@ def surrogate_forward(
     batch, width = logprobs.shape
     device = logprobs.device
     compute = torch.promote_types(logprobs.dtype, torch.float32)
-    grad_logprobs = torch.zeros((batch, width), dtype=compute, device=device)
-    grad_entropy = torch.zeros((batch, width) if entropy is not None else (0,), dtype=compute, device=device)
-    loss = torch.zeros((), dtype=compute, device=device)
-    metrics = torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=device)
+    # The kernels write every element of the outputs (of an empty batch, there are none
+    # but the loss and the metrics, zeros): no fill launches before them.
+    allocate = torch.zeros if batch == 0 else torch.empty
+    grad_logprobs = allocate((batch, width), dtype=compute, device=device)
+    grad_entropy = allocate((batch, width) if entropy is not None else (0,), dtype=compute, device=device)
+    loss = allocate((), dtype=compute, device=device)
+    metrics = allocate(len(METRIC_NAMES), dtype=torch.float32, device=device)
     if batch == 0:
         return loss, grad_logprobs, grad_entropy, metrics
 
