@@ -20,6 +20,7 @@ import math
 import torch
 
 from .config import LossConfig
+from .ops import accumulate_dtype
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -195,7 +196,8 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
         # usual case). Otherwise (a NaN in padding, or finite values overflowing the sum)
         # the masked checks below decide.
         combined = per_token[0] if len(per_token) == 1 else per_token[0] - per_token[1]
-        probes["tokens"] = combined.sum()
+        # (Summed in fp32 at least: fp16 would overflow at a few thousand tokens.)
+        probes["tokens"] = combined.sum(dtype=accumulate_dtype(combined.dtype))
     for name, values in (("rewards", rewards), ("advantages", advantages)):
         if values is not None and values.numel() > 0:
             # min and max are NaN when any value is, inf when any is.
@@ -284,7 +286,7 @@ def check_hidden_values(hidden_states: torch.Tensor, active: torch.Tensor) -> No
     """Finite hidden states at the rows that enter the loss (one host sync on CUDA). A sum
     over every row screens them in one pass; the masked check decides when it trips (a
     NaN in a padding row, or finite values overflowing the sum)."""
-    if math.isfinite(hidden_states.sum()):
+    if math.isfinite(hidden_states.sum(dtype=accumulate_dtype(hidden_states.dtype))):
         return
     if bool(_nonfinite_at(hidden_states, ~active[..., None])):
         raise ValueError("hidden_states contain NaN or inf at response tokens")
