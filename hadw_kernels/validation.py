@@ -184,7 +184,6 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
     much as the loss did: each reduction here is one op, or two passes over the tokens."""
     if isinstance(anchor, (int, float)) and not math.isfinite(anchor):
         raise ValueError(f"anchor must be finite, got {anchor}")
-    valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     probes = {}
     if response_mask.dtype != torch.bool:
         # m (1 - m) is 0 exactly for m in {0, 1} (NaN for NaN).
@@ -211,7 +210,7 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
     if read.get("mask", 0) != 0:
         raise ValueError("response_mask must contain only 0 and 1")
     if not math.isfinite(read.get("tokens", 0)):
-        masked_out = ~valid
+        masked_out = ~response_mask if response_mask.dtype == torch.bool else response_mask == 0
         for name, values in (("logprobs", logprobs), ("old_logprobs", old_logprobs)):
             if values is not None and bool(_nonfinite_at(values, masked_out)):
                 raise ValueError(f"{name} contain NaN or inf at response tokens")
