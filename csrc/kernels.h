@@ -38,4 +38,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_su
     double epsilon_low, double epsilon_high, std::optional<double> dual_clip, double beta, int64_t kl_estimator,
     double entropy_coef, bool with_entropy, int64_t block_rows);
 
+// "avx512" or "portable": which loops the softmax row sums run on this CPU (tile_math.h).
+const char* row_kernels();
+
 }  // namespace hadw

@@ -861,6 +861,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
 
 }  // namespace
 
+const char* row_kernels() { return avx512_rows_enabled() ? "avx512" : "portable"; }
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_logprob_forward_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& labels, double temperature, int64_t ignore_index, bool with_entropy) {

@@ -5,9 +5,9 @@
 // hadw_kernels/backends/cpp_backend.py makes these the "cpp" kernels of the hadw:: ops.
 //
 // Built against Python's limited API (no pybind11): the module's import runs the static
-// registration below, and its one attribute, CONFIG, is the JSON of the config.py
-// constants it was compiled with (build/generated/hadw_config.h), which the backend
-// checks against the running config.py.
+// registration below. Its attributes: CONFIG, the JSON of the config.py constants it was
+// compiled with (build/generated/hadw_config.h), which the backend checks against the
+// running config.py; ROW_KERNELS, "avx512" or "portable" (csrc/tile_math.h).
 
 #include <Python.h>
 #include <torch/library.h>
@@ -35,7 +35,8 @@ extern "C" PyObject* PyInit__cpu_kernels(void) {
       nullptr,
   };
   PyObject* module = PyModule_Create(&module_definition);
-  if (module != nullptr && PyModule_AddStringConstant(module, "CONFIG", hadw::config::kFingerprint) != 0) {
+  if (module != nullptr && (PyModule_AddStringConstant(module, "CONFIG", hadw::config::kFingerprint) != 0 ||
+                            PyModule_AddStringConstant(module, "ROW_KERNELS", hadw::row_kernels()) != 0)) {
     Py_DECREF(module);
     return nullptr;
   }

@@ -9,16 +9,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && defined(__ELF__)
 // One binary for every x86-64 CPU: GCC compiles the caller for AVX-512, AVX2 and the
 // baseline, and the loader picks the best one the CPU has (ifunc). This is why setup.py
 // passes no -march flag: a wheel built here also runs on a CPU without AVX-512.
 #define HADW_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// The softmax row sums also have a hand-written AVX-512 kernel, taken when the CPU has it.
+#define HADW_AVX512_ROWS 1
+#include <immintrin.h>
 #else
 #define HADW_VECTOR_CLONES
+#define HADW_AVX512_ROWS 0
 #endif
 
 #define HADW_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -92,6 +98,122 @@ struct SoftmaxState {
   T entropy() const { return std::log(sum) - shifted / sum; }
 };
 
+// The sums of one row of logits z relative to `shift` (at least the row's largest):
+//   sum = sum exp(z - shift),  shifted = sum exp(z - shift) (z - shift),
+// and with keep_numerators, z[col] replaced by exp(z[col] - shift).
+template <typename T>
+HADW_ALWAYS_INLINE void portable_row_sums(T* z, int64_t cols, T shift, bool keep_numerators, T* sum_out,
+                                          T* shifted_out) {
+  T sum = 0;
+  T shifted = 0;
+  if (keep_numerators) {
+#pragma omp simd reduction(+ : sum, shifted)
+    for (int64_t col = 0; col < cols; ++col) {
+      const T offset = z[col] - shift;
+      const T weight = vector_exp(offset);
+      sum += weight;
+      shifted += weight * offset;
+      z[col] = weight;
+    }
+  } else {
+#pragma omp simd reduction(+ : sum, shifted)
+    for (int64_t col = 0; col < cols; ++col) {
+      const T offset = z[col] - shift;
+      const T weight = vector_exp(offset);
+      sum += weight;
+      shifted += weight * offset;
+    }
+  }
+  *sum_out = sum;
+  *shifted_out = shifted;
+}
+
+#if HADW_AVX512_ROWS
+// GCC 12's avx512fintrin.h seeds some intrinsics with _mm512_undefined_ps and then warns
+// about its own placeholder when they are inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// vector_exp's steps in 16 lanes, for x <= 0 (or NaN): k = round(x / ln 2) with one
+// rounding instruction, the same split of ln 2 and polynomial, and vscalefps for
+// p * 2^k. What GCC makes of vector_exp needs about twice the instructions (its range
+// clamps and the underflow select become masks on every step), and the row loop is
+// bound by them. 0 below log(FLT_MIN), like vector_exp; NaN stays NaN.
+__attribute__((target("avx512f"), always_inline)) inline __m512 exp_avx512(__m512 x) {
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(_mm512_scalef_ps(p, k), underflow, _mm512_setzero_ps());
+}
+
+// portable_row_sums for fp32 in AVX-512, prefetching `next` (a row of the same length, or
+// null) one cache line per 16 columns: the fold's two passes over a row (its max, then
+// this) otherwise wait on memory for every row the GEMM left in L3.
+__attribute__((target("avx512f"))) inline void avx512_row_sums(float* z, int64_t cols, float shift,
+                                                               bool keep_numerators, const float* next,
+                                                               float* sum_out, float* shifted_out) {
+  const __m512 shifts = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  __m512 shifted = _mm512_setzero_ps();
+  for (int64_t col = 0; col < cols; col += 16) {
+    const __mmask16 lanes = cols - col >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - col)) - 1);
+    if (next != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + col), _MM_HINT_T0);
+    }
+    const __m512 offset = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, z + col), shifts);
+    const __m512 weight = _mm512_maskz_mov_ps(lanes, exp_avx512(offset));
+    sum = _mm512_add_ps(sum, weight);
+    shifted = _mm512_mask3_fmadd_ps(weight, offset, shifted, lanes);
+    if (keep_numerators) {
+      _mm512_mask_storeu_ps(z + col, lanes, weight);
+    }
+  }
+  *sum_out = _mm512_reduce_add_ps(sum);
+  *shifted_out = _mm512_reduce_add_ps(shifted);
+}
+
+#pragma GCC diagnostic pop
+#endif
+
+// Whether softmax_row_sums takes the AVX-512 kernel: the CPU has it, and HADW_CPP_AVX512
+// is not "0" (the switch to the portable loops, to compare them or to test them on a
+// CPU that has AVX-512). Read once.
+inline bool avx512_rows_enabled() {
+#if HADW_AVX512_ROWS
+  static const bool enabled = [] {
+    const char* setting = std::getenv("HADW_CPP_AVX512");
+    return __builtin_cpu_supports("avx512f") && !(setting != nullptr && std::strcmp(setting, "0") == 0);
+  }();
+  return enabled;
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+HADW_ALWAYS_INLINE void softmax_row_sums(T* z, int64_t cols, T shift, bool keep_numerators, const T* next,
+                                         T* sum_out, T* shifted_out) {
+#if HADW_AVX512_ROWS
+  if constexpr (std::is_same_v<T, float>) {
+    if (avx512_rows_enabled()) {
+      avx512_row_sums(z, cols, shift, keep_numerators, next, sum_out, shifted_out);
+      return;
+    }
+  }
+#endif
+  (void)next;
+  portable_row_sums(z, cols, shift, keep_numerators, sum_out, shifted_out);
+}
+
 // Largest of z[0, n), with GCC vector types: GCC vectorises neither a floating-point
 // max reduction (even under `omp simd`) nor its unrolled lanes without -ffast-math,
 // which the inf/NaN handling here cannot have. A 64-byte vector is one AVX-512
@@ -161,29 +283,12 @@ HADW_ALWAYS_INLINE void fold_tile(T* tile, int64_t rows, int64_t cols, T scale, 
       }
       continue;
     }
-    T sum = 0;
-    T shifted = 0;
     if (shifts != nullptr) {
       shifts[row] = part.max;
-#pragma omp simd reduction(+ : sum, shifted)
-      for (int64_t col = 0; col < cols; ++col) {
-        const T offset = z[col] - part.max;
-        const T weight = vector_exp(offset);
-        sum += weight;
-        shifted += weight * offset;
-        z[col] = weight;
-      }
-    } else {
-#pragma omp simd reduction(+ : sum, shifted)
-      for (int64_t col = 0; col < cols; ++col) {
-        const T offset = z[col] - part.max;
-        const T weight = vector_exp(offset);
-        sum += weight;
-        shifted += weight * offset;
-      }
     }
-    part.sum = sum;
-    part.shifted = shifted;
+    // The next row's max pass then reads it from cache, not from L3.
+    const T* next_row = row + 1 < rows ? z + cols : nullptr;
+    softmax_row_sums(z, cols, part.max, shifts != nullptr, next_row, &part.sum, &part.shifted);
     states[row].merge(part);
   }
 }

@@ -5,6 +5,7 @@ kernels, the shared logits buffer under concurrent calls, the generated constant
 header, the extension's loading, and setup.py's build modes."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -272,6 +273,53 @@ def test_a_tile_of_minus_infinity_logits():
                                                          IGNORE, 0.2, 0.2, None, 0.0, 0, 0.0, True, 16)
     torch.testing.assert_close(result[0][valid], reference[valid])
     assert torch.isfinite(result[2]).all() and torch.isfinite(result[3]).all()
+
+
+# --- the softmax row loops: AVX-512 kernel and portable loops ------------------------------
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return re.search(r"^flags\s*:.*\bavx512f\b", flags, re.MULTILINE) is not None
+
+
+def _row_kernels_in_child(env: dict) -> str:
+    code = "import hadw_kernels._cpu_kernels as m; print(m.ROW_KERNELS)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@needs_extension
+def test_row_kernels_follow_the_cpu_and_the_switch(monkeypatch):
+    """The AVX-512 row kernel runs where the CPU has AVX-512 and HADW_CPP_AVX512 is not 0;
+    HADW_CPP_AVX512=0 selects the portable loops."""
+    monkeypatch.delenv("HADW_CPP_AVX512", raising=False)
+    expected = "avx512" if _cpu_has_avx512() and sys.platform.startswith("linux") else "portable"
+    assert _row_kernels_in_child(dict(os.environ)) == expected
+    assert _row_kernels_in_child({**os.environ, "HADW_CPP_AVX512": "0"}) == "portable"
+    assert _row_kernels_in_child({**os.environ, "HADW_CPP_AVX512": "1"}) == expected
+
+
+@needs_extension
+@pytest.mark.skipif(not _cpu_has_avx512(), reason="this CPU runs the portable row loops in every other test")
+def test_portable_row_loops_pass_the_linear_conformance_suite():
+    """On an AVX-512 CPU the other tests exercise the AVX-512 row kernel; the portable
+    loops (what a CPU without it runs) go through the linear part of the conformance
+    suite here, in a process with HADW_CPP_AVX512=0."""
+    env = {**os.environ, "HADW_CPP_AVX512": "0"}
+    assert _row_kernels_in_child(env) == "portable"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cpp",
+         "tests/conformance/test_linear.py"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT, env=env,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert re.search(r"\b\d+ passed\b", result.stdout), result.stdout[-2000:]
 
 
 # --- constants generated from config.py -----------------------------------------------------
