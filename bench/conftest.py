@@ -75,7 +75,7 @@ def bench_settings(request) -> dict:
     config = request.config
     return {
         "rounds": timed_rounds(config),
-        "timed_seconds": matrix.QUICK_TIMED_SECONDS if quick_mode(config) else matrix.FULL_TIMED_SECONDS,
+        "quick": quick_mode(config),
         "memory_cap_gb": config.getoption("--bench-memory-cap-gb"),
     }
 
@@ -134,8 +134,8 @@ def session_meta(config) -> dict:
         "per case": (
             "fresh process, torch.set_num_threads(the case's threads), fp32, "
             f"1 warm-up, then {timed_rounds(config)} timed forward+backward steps (more, up to "
-            f"{matrix.MOST_ROUNDS}, until {matrix.QUICK_TIMED_SECONDS if quick else matrix.FULL_TIMED_SECONDS:g} s "
-            "of steps are timed), then 1 profiled step"
+            f"{matrix.MOST_ROUNDS}, until {matrix.timed_seconds_for(False, quick):g} s of steps are timed, "
+            f"{matrix.timed_seconds_for(True, quick):g} s in a dense case), then 1 profiled step"
         ),
     }
 

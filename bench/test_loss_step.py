@@ -61,7 +61,8 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
     )
     try:
         ready = worker.ready()
-        rounds = matrix.rounds_for(ready["warmup_seconds"], bench_settings["rounds"], bench_settings["timed_seconds"])
+        timed_seconds = matrix.timed_seconds_for(case.dense, bench_settings["quick"])
+        rounds = matrix.rounds_for(ready["warmup_seconds"], bench_settings["rounds"], timed_seconds)
         benchmark.pedantic(worker.step, rounds=rounds, iterations=1)
         report = worker.finish()
     except CaseFailed as failure:
