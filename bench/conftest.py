@@ -135,7 +135,8 @@ def session_meta(config) -> dict:
             "fresh process, torch.set_num_threads(the case's threads), fp32, "
             f"1 warm-up, then {timed_rounds(config)} timed forward+backward steps (more, up to "
             f"{matrix.MOST_ROUNDS}, until {matrix.timed_seconds_for(False, quick):g} s of steps are timed, "
-            f"{matrix.timed_seconds_for(True, quick):g} s in a dense case), then 1 profiled step"
+            f"{matrix.timed_seconds_for(True, quick):g} s and {matrix.least_rounds_for(True, quick, timed_rounds(config))} "
+            "rounds at least in a dense case), then 1 profiled step"
         ),
     }
 

@@ -42,8 +42,11 @@ QUICK_ROUNDS = 2
 FULL_TIMED_SECONDS = 6.0
 # The dense cases, where a ratio to the bound of a few percent is the question: the min of
 # 3-7 rounds (6 s) of a 0.7-1.4 s step moved by 5-10% between processes a minute apart
-# here, the bound's as much as anyone's, so every implementation of a dense case gets 20 s.
+# here, the bound's as much as anyone's, so every implementation of a dense case gets 20 s
+# and at least 5 rounds (a 5-6 s step at V = 151936 on one thread otherwise gets 3: its
+# bound read 6.1 s in one run and 5.2 s in the next).
 DENSE_TIMED_SECONDS = 20.0
+DENSE_ROUNDS = 5
 QUICK_TIMED_SECONDS = 0.5
 MOST_ROUNDS = 100
 SWEEP_THREADS = 2
@@ -53,6 +56,12 @@ def timed_seconds_for(dense: bool, quick: bool) -> float:
     if quick:
         return QUICK_TIMED_SECONDS
     return DENSE_TIMED_SECONDS if dense else FULL_TIMED_SECONDS
+
+
+def least_rounds_for(dense: bool, quick: bool, configured: int) -> int:
+    """The configured rounds (--bench-rounds, or the mode's default), DENSE_ROUNDS at least
+    in a dense case of the full run."""
+    return max(configured, DENSE_ROUNDS) if dense and not quick else configured
 
 
 def rounds_for(step_seconds: float, configured: int, timed_seconds: float) -> int:

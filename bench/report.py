@@ -21,8 +21,8 @@ INPUT_TITLES = {
 SHAPE_KEYS = ("prompts", "length", "hidden", "vocab")
 LEGEND = """\
 Time: forward+backward of one loss step on the case process's own clock, min [median] over
-the timed rounds (at least 3, more until 6 s of steps are timed, 20 s in a dense case, up to 100). The min
-leads, and the ratios and
+the timed rounds (at least 3, more until 6 s of steps are timed; in a dense case at least 5 and 20 s; up to
+100). The min leads, and the ratios and
 tokens/s use it: on a shared 2-core machine a step is often preempted, and the min is the
 least disturbed figure. (pytest-benchmark drives the rounds and also times them from outside,
 a pipe round trip included: its own table.)

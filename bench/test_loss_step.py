@@ -61,8 +61,10 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
     )
     try:
         ready = worker.ready()
-        timed_seconds = matrix.timed_seconds_for(case.dense, bench_settings["quick"])
-        rounds = matrix.rounds_for(ready["warmup_seconds"], bench_settings["rounds"], timed_seconds)
+        quick = bench_settings["quick"]
+        rounds = matrix.rounds_for(ready["warmup_seconds"],
+                                   matrix.least_rounds_for(case.dense, quick, bench_settings["rounds"]),
+                                   matrix.timed_seconds_for(case.dense, quick))
         benchmark.pedantic(worker.step, rounds=rounds, iterations=1)
         report = worker.finish()
     except CaseFailed as failure:
