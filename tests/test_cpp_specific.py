@@ -1,8 +1,9 @@
 """What only the C++ kernels (csrc/, the "cpp" backend) must hold. Their agreement with
 the reference runs in the conformance suite, on every backend; here: results that do not
 depend on the thread count, the op contracts (torch.library.opcheck) of the hadw_cpp::
-kernels, the shared logits buffer under concurrent calls, the generated constants
-header, the extension's loading, and setup.py's build modes."""
+kernels, the shared logits buffer under concurrent calls, the LM head's gradient memory
+kept between calls, the generated constants header, the extension's loading, and
+setup.py's build modes."""
 
 import json
 import os
@@ -188,6 +189,57 @@ def test_concurrent_calls_give_the_serial_results():
         worker.join()
     for expected, got in zip(serial, concurrent):
         _assert_bit_identical(expected, got)
+
+
+# --- the LM head's gradient, its memory kept between calls -------------------------------------
+
+
+@needs_extension
+@pytest.mark.parametrize("nothing_active", [False, True], ids=["gradients", "no-gradient"])
+def test_kept_gradient_memory_is_rewritten_whole(nothing_active):
+    """A freed grad_weight's memory serves the next call of its size, which writes all of
+    it: the stale values (NaN here) never show, not even where no row has a gradient."""
+    args = list(_linear_surrogate_args(60, 16, 700, options=not nothing_active))
+    if nothing_active:
+        args[5] = torch.zeros_like(args[5])  # zero advantages, no KL, no entropy term
+    expected = torch.ops.hadw_cpp.linear_surrogate_forward(*args)
+    stale = torch.ops.hadw_cpp.linear_surrogate_forward(*args)[3]
+    address = stale.data_ptr()
+    stale.fill_(float("nan"))
+    del stale
+    again = torch.ops.hadw_cpp.linear_surrogate_forward(*args)
+    assert again[3].data_ptr() == address
+    _assert_bit_identical(expected, again)
+    if nothing_active:
+        assert not again[3].any()
+
+    # The recompute path's backward returns its grad_weight from the same memory.
+    h, w, b, labels = _linear_tensors(60, 16, 700)
+    _, _, lse, mean_logit = torch.ops.hadw_cpp.linear_logprob_forward(h, w, b, labels, 0.8, IGNORE, True)
+    upstream = torch.zeros(60) if nothing_active else torch.randn(60)
+    backward_args = (upstream, None, h, w, b, labels, lse, mean_logit, 0.8, IGNORE)
+    expected = torch.ops.hadw_cpp.linear_logprob_backward(*backward_args)
+    stale = torch.ops.hadw_cpp.linear_logprob_backward(*backward_args)[1]
+    address = stale.data_ptr()
+    stale.fill_(float("nan"))
+    del stale
+    again = torch.ops.hadw_cpp.linear_logprob_backward(*backward_args)
+    assert again[1].data_ptr() == address
+    _assert_bit_identical(expected, again)
+
+
+@needs_extension
+def test_profiler_sees_the_kept_gradient_live():
+    """The profiler's memory view counts grad_weight while it lives, as it would a tensor
+    of the CPU allocator's, though its memory was kept from an earlier call."""
+    args = _linear_surrogate_args(60, 16, 700)
+    torch.ops.hadw_cpp.linear_surrogate_forward(*args)  # a block of this size is kept
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        grad_weight = torch.ops.hadw_cpp.linear_surrogate_forward(*args)[3]
+        del grad_weight
+    sizes = [event.nbytes() for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
+    nbytes = 700 * 16 * 4
+    assert nbytes in sizes and -nbytes in sizes
 
 
 # --- op contracts -----------------------------------------------------------------------------
