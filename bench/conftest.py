@@ -1,6 +1,6 @@
 """Benchmark session: options, the case matrix, and the summary written at the end.
 
-    pytest bench/            full sweep (G = 8..64, the dense cases, Qwen3's vocabulary), ~28 min here
+    pytest bench/            full sweep (G = 8..64, the dense cases, Qwen3's vocabulary), ~40 min here
     pytest bench/ --quick    one small shape per case, for CI (or HADW_BENCH_QUICK=1)
 
 The table and the plot go to bench/results/ (git-ignored) and the table is printed at
@@ -134,9 +134,11 @@ def session_meta(config) -> dict:
         "per case": (
             "fresh process, torch.set_num_threads(the case's threads), fp32, "
             f"1 warm-up, then {timed_rounds(config)} timed forward+backward steps (more, up to "
-            f"{matrix.MOST_ROUNDS}, until {matrix.timed_seconds_for(False, quick):g} s of steps are timed, "
-            f"{matrix.timed_seconds_for(True, quick):g} s and {matrix.least_rounds_for(True, quick, timed_rounds(config))} "
-            "rounds at least in a dense case), then 1 profiled step"
+            f"{matrix.MOST_ROUNDS}, until {matrix.timed_seconds_for(False, quick):g} s of steps are timed), "
+            "then 1 profiled step; a dense case: each implementation in "
+            f"{matrix.processes_for(dense=True, quick=quick)} such processes in turns with the others', "
+            f"each timing at least {matrix.least_rounds_for(True, quick, timed_rounds(config))} rounds and "
+            f"{matrix.timed_seconds_for(True, quick):g} s, the first with the profiled step"
         ),
     }
 

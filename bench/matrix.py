@@ -10,6 +10,8 @@ Shapes are scaled to a 2-core, 24 GiB CPU machine shared with other work.
   no padding, every token with a gradient), where the GEMMs dominate and the bound is
   what counts: B = 8, T = 256, H = 512, V = 32768 and Qwen3's vocabulary, B = 4, T = 256,
   H = 1024, V = 151936, at one and two threads; and the first of them padded, beside.
+  Each implementation of a dense case runs in several fresh processes, in turns with
+  the others (see DENSE_PROCESSES).
 - The surrogate alone (from log-probs) from 16k tokens up, where it must not be slower
   than eager, and at the paper's rollout, B = 256 responses of T = 4096: one and two
   threads.
@@ -40,13 +42,19 @@ QUICK_ROUNDS = 2
 # timed: the scheduler's noise on a shared machine is of the order of a few-millisecond
 # step, and the min of 3 rounds of a 1-second step still moved by ~5% between runs.
 FULL_TIMED_SECONDS = 6.0
-# The dense cases, where a ratio to the bound of a few percent is the question: the min of
-# 3-7 rounds (6 s) of a 0.7-1.4 s step moved by 5-10% between processes a minute apart
-# here, the bound's as much as anyone's, so every implementation of a dense case gets 20 s
-# and at least 5 rounds (a 5-6 s step at V = 151936 on one thread otherwise gets 3: its
-# bound read 6.1 s in one run and 5.2 s in the next).
-DENSE_TIMED_SECONDS = 20.0
-DENSE_ROUNDS = 5
+# The dense cases, where a ratio to the bound of a few percent is the question. Here a
+# whole process can run slow: the min of 5-28 rounds (20 s) of a 0.7-6 s step moved by
+# 5-15% between processes minutes apart, the bound's as much as anyone's, and eight fresh
+# processes of the bound in four minutes had mins 1.20-1.33 s. So, as pyperf does, every
+# implementation of a dense case runs in DENSE_PROCESSES fresh processes, taken in turns
+# with the other implementations' (bound, eager, ..., bound, eager, ...), and its time is
+# the median of the processes' mins; each process times at least DENSE_ROUNDS rounds and
+# DENSE_TIMED_SECONDS of them.
+DENSE_PROCESSES = 3
+DENSE_TIMED_SECONDS = 8.0
+DENSE_ROUNDS = 3
+# The quick run takes two, so that CI runs the combining of processes too.
+QUICK_DENSE_PROCESSES = 2
 QUICK_TIMED_SECONDS = 0.5
 MOST_ROUNDS = 100
 SWEEP_THREADS = 2
@@ -64,6 +72,12 @@ def least_rounds_for(dense: bool, quick: bool, configured: int) -> int:
     return max(configured, DENSE_ROUNDS) if dense and not quick else configured
 
 
+def processes_for(dense: bool, quick: bool) -> int:
+    if not dense:
+        return 1
+    return QUICK_DENSE_PROCESSES if quick else DENSE_PROCESSES
+
+
 def rounds_for(step_seconds: float, configured: int, timed_seconds: float) -> int:
     if step_seconds <= 0:
         return MOST_ROUNDS
@@ -77,12 +91,16 @@ class Case:
     shape: Shape
     threads: int = SWEEP_THREADS
     dense: bool = False
+    # This is fresh process `process` (0-based) of `processes` that time the case.
+    process: int = 0
+    processes: int = 1
 
     @property
     def id(self) -> str:
         kind = "dense" if self.dense else "padded"
+        of_processes = f"-process{self.process + 1}of{self.processes}" if self.processes > 1 else ""
         return f"{self.input_kind}-{self.impl}-P{self.shape.prompts}-G{self.shape.group_size}-T{self.shape.length}-V{self.shape.vocab}-" \
-               f"{kind}-{self.threads}t"
+               f"{kind}-{self.threads}t{of_processes}"
 
 
 def implementations(input_kind: str, backends: tuple[str, ...]) -> list[str]:
@@ -95,12 +113,20 @@ def implementations(input_kind: str, backends: tuple[str, ...]) -> list[str]:
     return [BOUND, BASELINE, *ours, *recompute, *PEERS]
 
 
+def dense_cases(impls: list[str], shape: Shape, threads: int, processes: int) -> list[Case]:
+    """Every implementation's processes of a dense case, in turns: round r runs process r
+    of each implementation, so a slow stretch of the machine falls on all of them."""
+    return [Case("hidden", impl, shape, threads, dense=True, process=process, processes=processes)
+            for process in range(processes) for impl in impls]
+
+
 def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
     hidden_impls = implementations("hidden", backends)
     logprob_impls = implementations("logprobs", backends)
     if quick:
         return [
-            *(Case("hidden", impl, QUICK, dense=dense) for dense in (True, False) for impl in hidden_impls),
+            *dense_cases(hidden_impls, QUICK, SWEEP_THREADS, processes_for(dense=True, quick=True)),
+            *(Case("hidden", impl, QUICK) for impl in hidden_impls),
             *(Case("logprobs", impl, QUICK) for impl in logprob_impls),
         ]
     sweep = [Shape(group_size=g, **SWEEP) for g in GROUP_SIZES]
@@ -108,7 +134,8 @@ def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
     # The log-prob loss does not see V or H.
     out += [Case("logprobs", impl, shape) for shape in sweep for impl in logprob_impls]
     for shape in DENSE_SHAPES:
-        out += [Case("hidden", impl, shape, threads, dense=True) for threads in (1, 2) for impl in hidden_impls]
+        for threads in (1, 2):
+            out += dense_cases(hidden_impls, shape, threads, processes_for(dense=True, quick=False))
     out += [Case("hidden", impl, DENSE_SHAPES[0], 2, dense=False) for impl in hidden_impls]
     for shape in SURROGATE_SHAPES:
         out += [Case("logprobs", impl, shape, threads) for threads in (1, 2) for impl in logprob_impls]

@@ -1,17 +1,21 @@
 """The session summary: a markdown table per input and shape, and a plot against G.
 
-A row is a dict with the case (input, impl, shape fields, threads, dense), its status
-and, when it ran, its times (seconds) and peaks (MB). Ratios are to the bound (the three
-bare GEMMs) and to the eager row of the same input, shape, threads and kind: the physical
-limit and the baseline every trainer starts from.
+A row is a dict with the case (input, impl, shape fields, threads, dense, which of its
+processes), its status and, when it ran, its times (seconds) and peaks (MB). The rows of
+one case's processes are combined into one (``combine_processes``) before anything is
+shown. Ratios are to the bound (the three bare GEMMs) and to the eager row of the same
+input, shape, threads and kind: the physical limit and the baseline every trainer starts
+from.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
+import matrix
 from loss_impls import BASELINE, BOUND
 
 INPUT_TITLES = {
@@ -19,13 +23,20 @@ INPUT_TITLES = {
     "logprobs": "Loss from log-probs (surrogate only)",
 }
 SHAPE_KEYS = ("prompts", "length", "hidden", "vocab")
-LEGEND = """\
+CASE_KEYS = ("input", "impl", "group_size", *SHAPE_KEYS, "threads", "dense")
+LEGEND = f"""\
 Time: forward+backward of one loss step on the case process's own clock, min [median] over
-the timed rounds (at least 3, more until 6 s of steps are timed; in a dense case at least 5 and 20 s; up to
-100). The min leads, and the ratios and
-tokens/s use it: on a shared 2-core machine a step is often preempted, and the min is the
-least disturbed figure. (pytest-benchmark drives the rounds and also times them from outside,
-a pipe round trip included: its own table.)
+the timed rounds (at least {matrix.FULL_ROUNDS}, more until {matrix.FULL_TIMED_SECONDS:g} s of steps \
+are timed; up to {matrix.MOST_ROUNDS}).
+The min leads, and the ratios and tokens/s use it: on a shared 2-core machine a step is often
+preempted, and the min is the least disturbed figure.
+A dense case runs each implementation in {matrix.DENSE_PROCESSES} fresh processes \
+({matrix.QUICK_DENSE_PROCESSES} in the quick run),
+in turns with the other implementations', each timing at least {matrix.DENSE_ROUNDS} rounds \
+and {matrix.DENSE_TIMED_SECONDS:g} s: its time
+is the median of the processes' mins [the median of their medians], and {{lo-hi}} the range
+of the processes' mins (here a whole process can run 5-15% slow). (pytest-benchmark drives
+the rounds and also times them from outside, a pipe round trip included: its own table.)
 tokens/s: B*T token positions (padding included: every position is computed) / min time.
 Peak alloc: the allocator's view, peak of live tensor bytes above the inputs during one step
 (PyTorch profiler memory events). Peak RSS: ru_maxrss over the timed steps minus the resident
@@ -37,6 +48,39 @@ load: the machine's 1-minute load average when the case ended. The case's own th
 make ~1-2; well above that, other work shared the two cores and the times are inflated (most for
 implementations made of thousands of small parallel ops, whose threads wait at every barrier
 for a descheduled partner)."""
+
+
+def combine_processes(rows: list[dict]) -> list[dict]:
+    """One row per case: a case timed in several fresh processes gets the median of their
+    mins and of their medians, the list of their mins (``process_mins_s``), the memory
+    figures of its first process (the one with the allocator's profile) and the highest
+    load; a process that failed makes the case's status."""
+    by_case = defaultdict(list)
+    for row in rows:
+        by_case[tuple(row.get(key) for key in CASE_KEYS)].append(row)
+    combined = []
+    for case_rows in by_case.values():
+        if len(case_rows) == 1:
+            combined.append(case_rows[0])
+            continue
+        case_rows.sort(key=lambda r: r.get("process", 0))
+        failed = [r for r in case_rows if r["status"] != "ok"]
+        if len(failed) == len(case_rows):  # unavailable, untimed, or failed every time
+            combined.append(failed[0])
+            continue
+        if failed:
+            combined.append({**failed[0], "processes_failed": f"{len(failed)} of {len(case_rows)}"})
+            continue
+        mins = [r["time_min_s"] for r in case_rows]
+        combined.append({
+            **case_rows[0],
+            "time_min_s": statistics.median(mins),
+            "time_median_s": statistics.median(r["time_median_s"] for r in case_rows),
+            "time_rounds": sum(r["time_rounds"] for r in case_rows),
+            "process_mins_s": mins,
+            "load_1min": max(r["load_1min"] for r in case_rows),
+        })
+    return combined
 
 
 def _fixed_shape(row: dict) -> tuple:
@@ -71,13 +115,17 @@ def _milliseconds(seconds: float) -> str:
 def _time_cell(row: dict) -> str:
     if row.get("time_min_s") is None:
         return "—"
-    return f"{_milliseconds(row['time_min_s'])} [{_milliseconds(row['time_median_s'])}]"
+    cell = f"{_milliseconds(row['time_min_s'])} [{_milliseconds(row['time_median_s'])}]"
+    if row.get("process_mins_s"):
+        mins = row["process_mins_s"]
+        cell += f" {{{_milliseconds(min(mins))}-{_milliseconds(max(mins))}}}"
+    return cell
 
 
 def markdown_tables(rows: list[dict]) -> str:
     """One table per (input, shape without G), rows ordered by G then as run."""
     sections = defaultdict(list)
-    for row in rows:
+    for row in combine_processes(rows):
         sections[(row["input"], _fixed_shape(row))].append(row)
     out = []
     for (input_kind, fixed), section in sections.items():
@@ -96,7 +144,11 @@ def markdown_tables(rows: list[dict]) -> str:
         for row in sorted(section, key=lambda r: r["group_size"]):
             base = baselines.get(row["group_size"], {})
             bound = bounds.get(row["group_size"], {})
-            status = f"{row['status']}: {row['reason']}" if row.get("reason") else row["status"]
+            status = row["status"]
+            if row.get("processes_failed"):
+                status += f" ({row['processes_failed']} processes)"
+            if row.get("reason"):
+                status += f": {row['reason']}"
             tokens_per_s = None
             if row.get("time_min_s"):
                 tokens_per_s = row["tokens"] / row["time_min_s"]
@@ -123,7 +175,7 @@ def plot_against_group_size(rows: list[dict], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     swept = defaultdict(list)
-    for row in rows:
+    for row in combine_processes(rows):
         if row["status"] == "ok":
             swept[(row["input"], _fixed_shape(row))].append(row)
     swept = {key: section for key, section in swept.items() if len({r["group_size"] for r in section}) > 1}
@@ -168,6 +220,7 @@ def write_reports(rows: list[dict], meta: dict, results_dir: Path, stem: str) ->
     table_path = results_dir / f"{stem}.md"
     table_path.write_text(f"# Loss step benchmark\n\n{header}\n\n{markdown_tables(rows)}\n{LEGEND}\n")
     json_path = results_dir / f"{stem}.json"
+    # Every process's own row, uncombined.
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     paths = {"table": table_path, "json": json_path}
     plot_path = plot_against_group_size(rows, results_dir / f"{stem}_vs_G.png")

@@ -1,8 +1,8 @@
 """Forward+backward time and peak memory of one GRPO loss step, per case.
 
-Each case runs in a fresh process (``worker.py``); pytest-benchmark drives the timed
-rounds, one step of that process per round, and the table takes the process's own
-clock. A case that cannot run here (missing package, unavailable backend, out of
+Each case runs in a fresh process (``worker.py``; a dense case in several, one test
+each, combined in the table); pytest-benchmark drives the timed rounds, one step of that
+process per round, and the table takes the process's own clock. A case that cannot run here (missing package, unavailable backend, out of
 memory, crash) is still a row in the table, with its reason; for a peer or the
 baseline the test is skipped with that reason, for this library's own timed backends
 it fails.
@@ -44,7 +44,7 @@ def untimed_reason(impl: str) -> str | None:
 def test_loss_step(case, benchmark, bench_settings, record_row):
     shape = case.shape
     row = {"input": case.input_kind, "impl": case.impl, **dataclasses.asdict(shape), "tokens": shape.tokens,
-           "threads": case.threads, "dense": case.dense}
+           "threads": case.threads, "dense": case.dense, "process": case.process, "processes": case.processes}
     reason = untimed_reason(case.impl)
     if reason == INTERPRETER_ONLY:
         record_row({**row, "status": INTERPRETER_ONLY})
@@ -55,7 +55,9 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
 
     benchmark.group = f"{case.input_kind} {shape.label} {'dense' if case.dense else 'padded'} {case.threads}t"
     worker = Worker(
-        ["--impl", case.impl, "--input", case.input_kind, *shape.as_args(), *(["--dense"] if case.dense else [])],
+        ["--impl", case.impl, "--input", case.input_kind, *shape.as_args(), *(["--dense"] if case.dense else []),
+         # The allocator's peak does not depend on the process: the first one measures it.
+         *(["--no-allocator-profile"] if case.process > 0 else [])],
         threads=case.threads,
         memory_cap_gb=bench_settings["memory_cap_gb"],
     )

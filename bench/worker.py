@@ -17,7 +17,8 @@ state out of the next one's figures. The sequence is:
    baseline, over the timed steps (what the warm-up left resident counts: compiled
    code, allocator caches);
 5. one step under the PyTorch profiler with memory events: the allocator's view, the
-   peak of live tensor bytes above those live before the step (the inputs).
+   peak of live tensor bytes above those live before the step (the inputs); left out
+   with ``--no-allocator-profile`` (a case's later processes: the first one has it).
 
 Every message is one JSON line on the original stdout (library output goes to stderr).
 The last one has "event": "done" and "status": "ok", "unavailable", "out of memory" or
@@ -148,9 +149,10 @@ def run(args: argparse.Namespace, commands: Iterable[str], out: TextIO) -> None:
             seconds.append(time.perf_counter() - started)
             send(event="stepped", seconds=seconds[-1])
         report["rss_peak_mb"] = (peak_rss_bytes() - baseline) / MB
-        # Last: the profiler keeps ~150 MB of its own resident after it ran.
-        phase = "profiled step"
-        report["alloc_peak_mb"] = allocator_peak_bytes(step) / MB
+        if args.allocator_profile:
+            # Last: the profiler keeps ~150 MB of its own resident after it ran.
+            phase = "profiled step"
+            report["alloc_peak_mb"] = allocator_peak_bytes(step) / MB
     except Exception as error:
         traceback.print_exc(file=sys.stderr)
         send(event="done", status=failure_status(error), reason=f"{phase}: {first_line(error)}", **report)
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dense", action="store_true", help="on-policy, no padding")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0, help="0: no cap")
+    parser.add_argument("--no-allocator-profile", dest="allocator_profile", action="store_false",
+                        help="skip the profiled step at the end (no alloc_peak_mb)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--rounds", type=int, default=1, help="timed steps run here")
     mode.add_argument("--serve", action="store_true", help="run a step per 'step' line on stdin")
