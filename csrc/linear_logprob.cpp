@@ -268,10 +268,9 @@ class RecycledGradient {
     const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
     Scratch<char> block;
     {
-      std::lock_guard<std::mutex> lock(mutex());
-      if (kept() != nullptr && kept_bytes() == bytes) {
-        block = std::move(kept());
-        kept_bytes() = 0;
+      std::lock_guard<std::mutex> lock(state().mutex);
+      if (state().kept != nullptr && state().kept_bytes == bytes) {
+        block = std::move(state().kept);
       }
     }
     if (block == nullptr) {
@@ -284,37 +283,33 @@ class RecycledGradient {
   }
 
  private:
+  struct State {
+    std::mutex mutex;
+    Scratch<char> kept;
+    size_t kept_bytes = 0;
+    std::atomic<int64_t> live_bytes{0};  // as far as the profiler was told
+  };
+
+  // Never destroyed: a tensor may be freed while the process exits.
+  static State& state() {
+    static State* instance = new State();
+    return *instance;
+  }
+
   static void give_back(char* data, size_t bytes) {
     report(data, -static_cast<int64_t>(bytes));
     Scratch<char> older(data);
-    std::lock_guard<std::mutex> lock(mutex());
-    std::swap(kept(), older);  // the newest is kept; `older` (if any) is freed on return
-    kept_bytes() = bytes;
+    std::lock_guard<std::mutex> lock(state().mutex);
+    std::swap(state().kept, older);  // the newest is kept; `older` (if any) is freed on return
+    state().kept_bytes = bytes;
   }
 
   static void report(void* data, int64_t delta) {
     if (c10::memoryProfilingEnabled()) {
-      const int64_t live = live_bytes() += delta;
+      const int64_t live = state().live_bytes += delta;
       c10::reportMemoryUsageToProfiler(data, delta, static_cast<size_t>(std::max<int64_t>(live, 0)), 0,
                                        c10::Device(c10::DeviceType::CPU));
     }
-  }
-
-  static std::mutex& mutex() {
-    static std::mutex instance;
-    return instance;
-  }
-  static Scratch<char>& kept() {
-    static Scratch<char> instance;
-    return instance;
-  }
-  static size_t& kept_bytes() {
-    static size_t instance = 0;
-    return instance;
-  }
-  static std::atomic<int64_t>& live_bytes() {
-    static std::atomic<int64_t> instance{0};
-    return instance;
   }
 };
 

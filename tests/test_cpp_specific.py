@@ -194,38 +194,38 @@ def test_concurrent_calls_give_the_serial_results():
 # --- the LM head's gradient, its memory kept between calls -------------------------------------
 
 
+def _rewrites_a_stale_block(call, grad_weight_output: int):
+    """call()'s result, from the memory of a grad_weight that an earlier call returned and
+    that was freed full of NaN; it must equal a result computed before."""
+    expected = call()
+    stale = call()[grad_weight_output]
+    address = stale.data_ptr()
+    stale.fill_(float("nan"))
+    del stale
+    again = call()
+    assert again[grad_weight_output].data_ptr() == address
+    _assert_bit_identical(expected, again)
+    return again
+
+
 @needs_extension
 @pytest.mark.parametrize("nothing_active", [False, True], ids=["gradients", "no-gradient"])
 def test_kept_gradient_memory_is_rewritten_whole(nothing_active):
     """A freed grad_weight's memory serves the next call of its size, which writes all of
-    it: the stale values (NaN here) never show, not even where no row has a gradient."""
+    it: the stale values never show, not even where no row has a gradient."""
     args = list(_linear_surrogate_args(60, 16, 700, options=not nothing_active))
     if nothing_active:
         args[5] = torch.zeros_like(args[5])  # zero advantages, no KL, no entropy term
-    expected = torch.ops.hadw_cpp.linear_surrogate_forward(*args)
-    stale = torch.ops.hadw_cpp.linear_surrogate_forward(*args)[3]
-    address = stale.data_ptr()
-    stale.fill_(float("nan"))
-    del stale
-    again = torch.ops.hadw_cpp.linear_surrogate_forward(*args)
-    assert again[3].data_ptr() == address
-    _assert_bit_identical(expected, again)
+    result = _rewrites_a_stale_block(lambda: torch.ops.hadw_cpp.linear_surrogate_forward(*args), 3)
     if nothing_active:
-        assert not again[3].any()
+        assert not result[3].any()
 
     # The recompute path's backward returns its grad_weight from the same memory.
     h, w, b, labels = _linear_tensors(60, 16, 700)
     _, _, lse, mean_logit = torch.ops.hadw_cpp.linear_logprob_forward(h, w, b, labels, 0.8, IGNORE, True)
     upstream = torch.zeros(60) if nothing_active else torch.randn(60)
     backward_args = (upstream, None, h, w, b, labels, lse, mean_logit, 0.8, IGNORE)
-    expected = torch.ops.hadw_cpp.linear_logprob_backward(*backward_args)
-    stale = torch.ops.hadw_cpp.linear_logprob_backward(*backward_args)[1]
-    address = stale.data_ptr()
-    stale.fill_(float("nan"))
-    del stale
-    again = torch.ops.hadw_cpp.linear_logprob_backward(*backward_args)
-    assert again[1].data_ptr() == address
-    _assert_bit_identical(expected, again)
+    _rewrites_a_stale_block(lambda: torch.ops.hadw_cpp.linear_logprob_backward(*backward_args), 1)
 
 
 @needs_extension
