@@ -1,6 +1,6 @@
 """Benchmark session: options, the case matrix, and the summary written at the end.
 
-    pytest bench/            full sweep (G = 8..64, the dense cases, Qwen3's vocabulary), ~40 min here
+    pytest bench/            full sweep (G = 8..64, the dense cases, Qwen3's vocabulary), ~55 min here
     pytest bench/ --quick    one small shape per case, for CI (or HADW_BENCH_QUICK=1)
 
 The table and the plot go to bench/results/ (git-ignored) and the table is printed at
@@ -136,7 +136,7 @@ def session_meta(config) -> dict:
             f"1 warm-up, then {timed_rounds(config)} timed forward+backward steps (more, up to "
             f"{matrix.MOST_ROUNDS}, until {matrix.timed_seconds_for(False, quick):g} s of steps are timed), "
             "then 1 profiled step; a dense case: each implementation in "
-            f"{matrix.processes_for(dense=True, quick=quick)} such processes in turns with the others', "
+            f"{matrix.dense_processes(quick)} such processes in turns with the others', "
             f"each timing at least {matrix.least_rounds_for(True, quick, timed_rounds(config))} rounds and "
             f"{matrix.timed_seconds_for(True, quick):g} s, the first with the profiled step"
         ),

@@ -72,9 +72,7 @@ def least_rounds_for(dense: bool, quick: bool, configured: int) -> int:
     return max(configured, DENSE_ROUNDS) if dense and not quick else configured
 
 
-def processes_for(dense: bool, quick: bool) -> int:
-    if not dense:
-        return 1
+def dense_processes(quick: bool) -> int:
     return QUICK_DENSE_PROCESSES if quick else DENSE_PROCESSES
 
 
@@ -125,7 +123,7 @@ def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
     logprob_impls = implementations("logprobs", backends)
     if quick:
         return [
-            *dense_cases(hidden_impls, QUICK, SWEEP_THREADS, processes_for(dense=True, quick=True)),
+            *dense_cases(hidden_impls, QUICK, SWEEP_THREADS, dense_processes(quick=True)),
             *(Case("hidden", impl, QUICK) for impl in hidden_impls),
             *(Case("logprobs", impl, QUICK) for impl in logprob_impls),
         ]
@@ -135,7 +133,7 @@ def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
     out += [Case("logprobs", impl, shape) for shape in sweep for impl in logprob_impls]
     for shape in DENSE_SHAPES:
         for threads in (1, 2):
-            out += dense_cases(hidden_impls, shape, threads, processes_for(dense=True, quick=False))
+            out += dense_cases(hidden_impls, shape, threads, dense_processes(quick=False))
     out += [Case("hidden", impl, DENSE_SHAPES[0], 2, dense=False) for impl in hidden_impls]
     for shape in SURROGATE_SHAPES:
         out += [Case("logprobs", impl, shape, threads) for threads in (1, 2) for impl in logprob_impls]

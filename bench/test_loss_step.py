@@ -2,10 +2,10 @@
 
 Each case runs in a fresh process (``worker.py``; a dense case in several, one test
 each, combined in the table); pytest-benchmark drives the timed rounds, one step of that
-process per round, and the table takes the process's own clock. A case that cannot run here (missing package, unavailable backend, out of
-memory, crash) is still a row in the table, with its reason; for a peer or the
-baseline the test is skipped with that reason, for this library's own timed backends
-it fails.
+process per round, and the table takes the process's own clock. A case that cannot run
+here (missing package, unavailable backend, out of memory, crash) is still a row in the
+table, with its reason; for a peer or the baseline the test is skipped with that reason,
+for this library's own timed backends it fails.
 """
 
 from __future__ import annotations
