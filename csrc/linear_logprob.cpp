@@ -923,7 +923,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
 
 }  // namespace
 
-const char* row_kernels() { return avx512_rows_enabled() ? "avx512" : "portable"; }
+const char* row_kernels() { return row_kernels_name(selected_row_kernels()); }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_logprob_forward_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

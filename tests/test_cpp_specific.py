@@ -327,15 +327,24 @@ def test_a_tile_of_minus_infinity_logits():
     assert torch.isfinite(result[2]).all() and torch.isfinite(result[3]).all()
 
 
-# --- the softmax row loops: AVX-512 kernel and portable loops ------------------------------
+# --- the softmax row loops: AVX-512 and AVX2 kernels, portable loops -------------------
 
 
-def _cpu_has_avx512() -> bool:
+# Row kernels from the widest down; HADW_CPP_ROW_KERNELS caps at one of the narrower.
+ROW_KERNELS = ("avx512", "avx2", "portable")
+
+
+def _widest_row_kernels() -> str:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return re.search(r"^flags\s*:.*\bavx512f\b", flags, re.MULTILINE) is not None
+        return "portable"
+    has = lambda flag: re.search(rf"^flags\s*:.*\b{flag}\b", flags, re.MULTILINE) is not None  # noqa: E731
+    if not sys.platform.startswith("linux"):
+        return "portable"
+    if has("avx512f"):
+        return "avx512"
+    return "avx2" if has("avx2") and has("fma") else "portable"
 
 
 def _row_kernels_in_child(env: dict) -> str:
@@ -346,25 +355,31 @@ def _row_kernels_in_child(env: dict) -> str:
     return result.stdout.strip()
 
 
-@needs_extension
-def test_row_kernels_follow_the_cpu_and_the_switch(monkeypatch):
-    """The AVX-512 row kernel runs where the CPU has AVX-512 and HADW_CPP_AVX512 is not 0;
-    HADW_CPP_AVX512=0 selects the portable loops."""
-    monkeypatch.delenv("HADW_CPP_AVX512", raising=False)
-    expected = "avx512" if _cpu_has_avx512() and sys.platform.startswith("linux") else "portable"
-    assert _row_kernels_in_child(dict(os.environ)) == expected
-    assert _row_kernels_in_child({**os.environ, "HADW_CPP_AVX512": "0"}) == "portable"
-    assert _row_kernels_in_child({**os.environ, "HADW_CPP_AVX512": "1"}) == expected
+def _capped_env(cap: str | None) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "HADW_CPP_ROW_KERNELS"}
+    return env if cap is None else {**env, "HADW_CPP_ROW_KERNELS": cap}
 
 
 @needs_extension
-@pytest.mark.skipif(not _cpu_has_avx512(), reason="this CPU runs the portable row loops in every other test")
-def test_portable_row_loops_pass_the_linear_conformance_suite():
-    """On an AVX-512 CPU the other tests exercise the AVX-512 row kernel; the portable
-    loops (what a CPU without it runs) go through the linear part of the conformance
-    suite here, in a process with HADW_CPP_AVX512=0."""
-    env = {**os.environ, "HADW_CPP_AVX512": "0"}
-    assert _row_kernels_in_child(env) == "portable"
+def test_row_kernels_follow_the_cpu_and_the_switch():
+    """The widest row kernels the CPU has run, unless HADW_CPP_ROW_KERNELS caps them."""
+    widest = _widest_row_kernels()
+    assert _row_kernels_in_child(_capped_env(None)) == widest
+    assert _row_kernels_in_child(_capped_env("portable")) == "portable"
+    assert _row_kernels_in_child(_capped_env("avx2")) == ("portable" if widest == "portable" else "avx2")
+    assert _row_kernels_in_child(_capped_env("avx512")) == widest
+
+
+@needs_extension
+@pytest.mark.parametrize("kernels", ROW_KERNELS[1:])
+def test_narrower_row_kernels_pass_the_linear_conformance_suite(kernels):
+    """Every other test runs the widest row kernels this CPU has; each narrower one (what
+    another CPU runs) goes through the linear part of the conformance suite here, in a
+    process capped at it."""
+    if ROW_KERNELS.index(kernels) <= ROW_KERNELS.index(_widest_row_kernels()):
+        pytest.skip(f"this CPU runs the {kernels} row kernels in every other test, or cannot run them")
+    env = _capped_env(kernels)
+    assert _row_kernels_in_child(env) == kernels
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cpp",
          "tests/conformance/test_linear.py"],
