@@ -212,7 +212,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_avx2(__m256
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
 }
 
-// The first `count` (< 8) lanes set, for the masked loads and stores of a row's tail.
+// The first `count` (at most 8) lanes set, for the masked loads and stores of a row's tail.
 __attribute__((target("avx2"), always_inline)) inline __m256i avx2_tail_lanes(int64_t count) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
