@@ -21,6 +21,8 @@
 namespace hadw {
 
 static_assert(config::kKlCount == 4, "config.KL_ESTIMATORS changed: teach kl_term (csrc/token_math.h) the new one");
+static_assert(config::kLogRatioClamp >= 0.5 && config::kK3LogRatioClamp >= 0.5,
+              "clamped_exp_minus_one_minus_x picks its series on the unclamped value");
 
 // clamp that keeps NaN (std::clamp's result for NaN is unspecified).
 template <typename T>
@@ -35,25 +37,31 @@ HADW_ALWAYS_INLINE bool in_closed(T x, T low, T high) {
   return x >= low && x <= high;  // false for NaN
 }
 
-// exp(x) - 1 - x without the cancellation of the literal formula near 0: below |x| = 1/2
-// the Taylor series to x^12 (truncation < 2e-13 relative), above it the literal formula
-// (which then loses at most a few ulp). An on-policy log-ratio's k3 (~1e-7) keeps its
-// digits, and expm1(x) = exp_minus_one_minus_x(x) + x for tiny x too.
+// exp(c) - 1 - c of c = x clamped to [-limit, limit] (limit >= 1/2, NaN kept), without
+// the cancellation of the literal formula near 0: for |c| < 1/2 the Taylor series to
+// c^12 (truncation < 2e-13 relative), above it the literal formula (which then loses at
+// most a few ulp). An on-policy log-ratio's k3 (~1e-7) keeps its digits, and
+// expm1(c) = clamped_exp_minus_one_minus_x(x, limit) + c for tiny c too. The series is
+// chosen on x, not on c (the same choice: the clamp is the identity there). Chosen on c,
+// GCC's partial redundancy elimination specialised the choice on each branch of the
+// clamp into a select of masks that it cannot vectorise for AVX2, and the token loops
+// ran scalar.
 template <typename T>
-HADW_ALWAYS_INLINE T exp_minus_one_minus_x(T x) {
+HADW_ALWAYS_INLINE T clamped_exp_minus_one_minus_x(T x, T limit) {
+  const T c = clamp_keep_nan(x, -limit, limit);
   T series = T(1.0 / 479001600.0);
-  series = series * x + T(1.0 / 39916800.0);
-  series = series * x + T(1.0 / 3628800.0);
-  series = series * x + T(1.0 / 362880.0);
-  series = series * x + T(1.0 / 40320.0);
-  series = series * x + T(1.0 / 5040.0);
-  series = series * x + T(1.0 / 720.0);
-  series = series * x + T(1.0 / 120.0);
-  series = series * x + T(1.0 / 24.0);
-  series = series * x + T(1.0 / 6.0);
-  series = series * x + T(0.5);
-  const T small = x * x * series;
-  const T large = vector_exp(x) - T(1) - x;
+  series = series * c + T(1.0 / 39916800.0);
+  series = series * c + T(1.0 / 3628800.0);
+  series = series * c + T(1.0 / 362880.0);
+  series = series * c + T(1.0 / 40320.0);
+  series = series * c + T(1.0 / 5040.0);
+  series = series * c + T(1.0 / 720.0);
+  series = series * c + T(1.0 / 120.0);
+  series = series * c + T(1.0 / 24.0);
+  series = series * c + T(1.0 / 6.0);
+  series = series * c + T(0.5);
+  const T small = c * c * series;
+  const T large = vector_exp(c) - T(1) - c;
   return (x > T(-0.5) && x < T(0.5)) ? small : large;  // NaN: large, NaN
 }
 
@@ -115,7 +123,7 @@ HADW_ALWAYS_INLINE PolicyTerm<T> policy_term(T log_ratio, T advantage, const Cli
 template <typename T>
 HADW_ALWAYS_INLINE T approx_kl_term(T log_ratio) {
   const T limit = static_cast<T>(config::kLogRatioClamp);
-  return exp_minus_one_minus_x(clamp_keep_nan(log_ratio, -limit, limit));
+  return clamped_exp_minus_one_minus_x(log_ratio, limit);
 }
 
 // A KL(pi || pi_ref) estimate of one token and its derivative with respect to logp
@@ -133,7 +141,7 @@ HADW_ALWAYS_INLINE Term<T> kl_term(T logprob, T ref_logprob) {
     const T value_limit = static_cast<T>(config::kK3ValueClamp);
     const T ref_delta = -log_ratio;
     const T clamped = clamp_keep_nan(ref_delta, -delta_limit, delta_limit);
-    const T raw = exp_minus_one_minus_x(clamped);
+    const T raw = clamped_exp_minus_one_minus_x(ref_delta, delta_limit);
     const bool passes = in_closed(ref_delta, -delta_limit, delta_limit) && in_closed(raw, -value_limit, value_limit);
     // d/dlogp (exp(d) - 1 - d) with d = ref - logp: -(exp(d) - 1) = -(raw + d)
     return {clamp_keep_nan(raw, -value_limit, value_limit), passes ? -(raw + clamped) : T(0)};
