@@ -335,16 +335,17 @@ ROW_KERNELS = ("avx512", "avx2", "portable")
 
 
 def _widest_row_kernels() -> str:
+    if not sys.platform.startswith("linux"):
+        return "portable"
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "portable"
-    has = lambda flag: re.search(rf"^flags\s*:.*\b{flag}\b", flags, re.MULTILINE) is not None  # noqa: E731
-    if not sys.platform.startswith("linux"):
-        return "portable"
-    if has("avx512f"):
+    line = re.search(r"^flags\s*:(.*)$", flags, re.MULTILINE)
+    cpu_flags = set(line.group(1).split()) if line else set()
+    if "avx512f" in cpu_flags:
         return "avx512"
-    return "avx2" if has("avx2") and has("fma") else "portable"
+    return "avx2" if {"avx2", "fma"} <= cpu_flags else "portable"
 
 
 def _row_kernels_in_child(env: dict) -> str:
