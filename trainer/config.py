@@ -133,7 +133,11 @@ class TrainConfig:
     steps: int = 200  # rollout batches
     prompts_per_step: int = 64  # prompts in one rollout batch, over all ranks
     mini_batch_prompts: int = 16  # prompts per optimizer step, over all ranks
-    micro_batch_prompts: int = 16  # prompts per forward/backward, per rank
+    micro_batch_prompts: int = 16  # prompts per forward/backward, per rank (micro_batch_tokens=0)
+    # Padded prompt+response tokens per forward/backward, per rank: responses are sorted
+    # by length and packed up to it, so memory is set by it and not by the group size.
+    # 0: micro-batches of micro_batch_prompts prompts.
+    micro_batch_tokens: int = 0
     ppo_epochs: int = 1
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
@@ -383,8 +387,12 @@ def _validate_batches(train: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"train.mini_batch_prompts={train.mini_batch_prompts} does not split over {world_size} ranks"
         )
+    if isinstance(train.micro_batch_tokens, bool) or not isinstance(train.micro_batch_tokens, int) \
+            or train.micro_batch_tokens < 0:
+        raise ConfigError(f"train.micro_batch_tokens must be a non-negative integer (0: by prompts), "
+                          f"got {train.micro_batch_tokens!r}")
     per_rank = train.mini_batch_prompts // world_size
-    if per_rank % train.micro_batch_prompts:
+    if not train.micro_batch_tokens and per_rank % train.micro_batch_prompts:
         raise ConfigError(
             f"a mini-batch holds {per_rank} prompts per rank, not a multiple of "
             f"train.micro_batch_prompts={train.micro_batch_prompts}"

@@ -24,13 +24,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hadw_kernels import DifficultyAnchor
+from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, hadw_advantages, hadw_weights
 from hadw_kernels.config import AUTHORS_LAMBDA_SCALE
 from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, resolve_engine, save_config, task_levels
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
+from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
 from .policy import Policy, SequenceBatch
 from .problem import Problem
 from .rewards import build_reward
@@ -55,10 +56,32 @@ def build_anchor(algo) -> tuple[DifficultyAnchor, float]:
     return DifficultyAnchor(rule, belief="prior", **options), algo.lambda_scale or DEFAULT_LAMBDA_SCALE
 
 
+def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale: float,
+                     belief: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """A_hat * Phi of every response of a rank's rollout batch (its groups whole and in
+    order), formed once so that micro-batches may take any rows, and the groups' figures
+    (phi_mean, zero_std_frac) the loss cannot see once given advantages."""
+    anchor = belief if algo.hadw else None
+    advantages = hadw_advantages(rewards, group_size=group_size, anchor=anchor, lambda_scale=lambda_scale,
+                                 normalize_std=LOSS_PRESETS[algo.loss_type].normalize_std)
+    phi = (hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
+           if anchor is not None else torch.ones_like(advantages))
+    grouped = rewards.view(-1, group_size)
+    degenerate = (grouped.amax(dim=1) == grouped.amin(dim=1)).float()
+    return advantages, {"phi_mean": float(phi.mean()), "zero_std_frac": float(degenerate.mean())}
+
+
 def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         values = values.clone()
         dist.all_reduce(values)
+    return values
+
+
+def _all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return values
 
 
@@ -98,6 +121,7 @@ class Trainer:
         self.reward = build_reward(config.data, config.reward)
         self.error_messages = 0
         self.degenerate_steps = 0
+        self.warned_oversized = False
 
         self.start_step = 0
         if checkpoint is not None:
@@ -343,51 +367,74 @@ class Trainer:
             f"{level} {row[f'eval/{level}']:.2f}" for level in self.levels) + f" ({row['time/eval']:.0f} s)")
         return row
 
+    def _micro_batches(self, rows: list[int], prompt_lengths: list[int], response_lengths: list[int]) -> list[list[int]]:
+        """The micro-batches of ``rows``: packed under the token budget, or by prompt count;
+        as many on every rank (each forward is collective under ZeRO-3)."""
+        train = self.config.train
+        if not train.micro_batch_tokens:
+            return by_prompt_count(rows, train.micro_batch_prompts * self.group_size)
+        micro_batches, oversized = pack_by_tokens(rows, prompt_lengths, response_lengths, train.micro_batch_tokens)
+        if oversized and not self.warned_oversized:
+            self.warned_oversized = True
+            longest = max(prompt_lengths[row] + response_lengths[row] for row in oversized)
+            self.log.message(
+                f"note: a response of {longest} prompt+response tokens exceeds train.micro_batch_tokens="
+                f"{train.micro_batch_tokens}; such responses get a micro-batch of their own (said once)"
+            )
+        count = int(_all_reduce_max(torch.tensor([len(micro_batches)], dtype=torch.float64))[0])
+        return split_to_count(micro_batches, count, prompt_lengths, response_lengths)
+
     def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, belief, tallies) -> dict:
         train, algo = self.config.train, self.config.algorithm
         group = self.group_size
         pad = self.tokenizer.pad_token_id
         mini_prompts = train.mini_batch_prompts // self.world_size
         mini_batches = self.prompts_per_rank // mini_prompts
-        micro = train.micro_batch_prompts
+        row_prompts = [prompt_ids[row // group] for row in range(len(responses))]
+        prompt_lengths = [len(prompt) for prompt in row_prompts]
+        response_lengths = [len(response) for response in responses]
 
-        def batch_of(prompt_indices):
-            rows = [p * group + g for p in prompt_indices for g in range(group)]
-            return (SequenceBatch.build([prompt_ids[p] for p in prompt_indices for _ in range(group)],
-                                        [responses[r] for r in rows], pad, self.policy.device), rows)
+        def batch_of(rows):
+            return SequenceBatch.build([row_prompts[r] for r in rows], [responses[r] for r in rows], pad,
+                                       self.policy.device)
 
-        # Behaviour log-probs: the policy before this batch's first update.
-        old_logprobs = {}
+        def stacked(per_row, rows, width):
+            values = torch.zeros(len(rows), width, device=self.policy.device)
+            for index, row in enumerate(rows):
+                values[index, :per_row[row].numel()] = per_row[row]
+            return values
+
+        advantages, group_figures = batch_advantages(rewards, group, algo, self.lambda_scale, belief)
+
+        # Behaviour log-probs: the policy before this batch's first update, kept per row.
+        old_logprobs: list[torch.Tensor] = [None] * len(responses)
         gaps = []
-        for start in range(0, self.prompts_per_rank, micro):
-            indices = tuple(range(start, start + micro))
-            batch, rows = batch_of(indices)
-            old_logprobs[indices] = self.policy.token_logprobs(batch)
+        for rows in self._micro_batches(list(range(len(responses))), prompt_lengths, response_lengths):
+            batch = batch_of(rows)
+            logprobs = self.policy.token_logprobs(batch)
+            for index, row in enumerate(rows):
+                old_logprobs[row] = logprobs[index, :response_lengths[row]]
             if engine_logprobs is not None and self.config.rollout.temperature == 1.0:
-                gaps.append(_logprob_gap(old_logprobs[indices], batch.response_mask, [engine_logprobs[r] for r in rows]))
+                gaps.append(_logprob_gap(logprobs, batch.response_mask, [engine_logprobs[r] for r in rows]))
 
-        if algo.loss_type == "dapo":
-            # Every token of the rollout batch weighs the same in every optimizer step:
-            # the batch's tokens over all ranks, shared out over the mini-batches, and
-            # divided by the ranks because DeepSpeed averages the ranks' gradients.
-            normalizer = tallies["tokens"] / (mini_batches * self.world_size)
-        else:
-            normalizer = float(mini_prompts * group)  # responses per rank per mini-batch
+        normalizer = loss_normalizer(LOSS_PRESETS[algo.loss_type].loss_agg_mode, batch_tokens=tallies["tokens"],
+                                     mini_batches=mini_batches, responses_per_rank=mini_prompts * group,
+                                     world_size=self.world_size)
 
-        anchor = belief if algo.hadw else None
         sums: dict[str, float] = {}
         calls = 0
         grad_norms = []
         for epoch in range(train.ppo_epochs):
-            order = np.random.default_rng([train.seed, step, epoch, 7]).permutation(self.prompts_per_rank // micro)
+            order = np.random.default_rng([train.seed, step, epoch, 7]).permutation(self.prompts_per_rank)
             for mini in range(mini_batches):
-                chunk = order[mini * (mini_prompts // micro):(mini + 1) * (mini_prompts // micro)]
-                for micro_index in chunk:
-                    indices = tuple(range(micro_index * micro, (micro_index + 1) * micro))
-                    batch, rows = batch_of(indices)
+                prompts = sorted(order[mini * mini_prompts:(mini + 1) * mini_prompts])
+                rows = [p * group + g for p in prompts for g in range(group)]
+                micro_batches = self._micro_batches(rows, prompt_lengths, response_lengths)
+                for index, micro_rows in enumerate(micro_batches):
+                    batch = batch_of(micro_rows)
                     figures = self.policy.accumulate(
-                        batch, old_logprobs[indices], rewards[rows],
-                        anchor=anchor, lambda_scale=self.lambda_scale, loss_normalizer=normalizer,
+                        batch, stacked(old_logprobs, micro_rows, batch.labels.shape[1]), advantages[micro_rows],
+                        loss_normalizer=normalizer, last=index == len(micro_batches) - 1,
                     )
                     for name, value in figures.items():
                         sums[name] = sums.get(name, 0.0) + value
@@ -396,7 +443,9 @@ class Trainer:
                 if norm is not None:
                     grad_norms.append(norm)
         averaged = {name: value / calls for name, value in sums.items()}
+        averaged.update(group_figures)
         averaged["clip_frac"] = averaged["clip_frac_low"] + averaged["clip_frac_high"]
+        averaged["micro_batches"] = calls / (train.ppo_epochs * mini_batches)
         averaged["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else None
         averaged["lr"] = self.policy.learning_rate()
         # Engine against trainer on the same weights: large means the weight sync broke.

@@ -59,6 +59,47 @@ class SequenceBatch:
                    labels.to(device), (labels != IGNORE_INDEX).to(device), prompt_width)
 
 
+def response_hidden_states(forward, batch: SequenceBatch) -> torch.Tensor:
+    """[b, response_width, H]: the last hidden states of ``forward`` (a causal LM or the
+    DeepSpeed engine around one) that predict the responses. The LM head sees zero
+    positions (``logits_to_keep`` is an empty index), so no logits exist."""
+    outputs = forward(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=torch.empty(0, dtype=torch.long, device=batch.input_ids.device),
+    )
+    width = batch.labels.shape[1]
+    return outputs.hidden_states[-1][:, batch.prompt_width - 1: batch.prompt_width - 1 + width]
+
+
+def policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: SequenceBatch,
+                old_logprobs: torch.Tensor, advantages: torch.Tensor, config, *,
+                loss_normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The configured loss of one micro-batch from its hidden states, on advantages formed
+    once per rollout batch (so the rows need not hold whole groups)."""
+    algo = config.algorithm
+    return fused_linear_hadw_grpo_loss(
+        hidden,
+        lm_head_weight,
+        batch.labels,
+        old_logprobs,
+        response_mask=batch.response_mask,
+        advantages=advantages,
+        loss_type=algo.loss_type,
+        epsilon_low=algo.epsilon_low,
+        epsilon_high=algo.epsilon_high,
+        temperature=config.rollout.temperature,
+        entropy_coef=algo.entropy_coef,
+        loss_normalizer=loss_normalizer,
+        max_response_length=config.rollout.max_new_tokens,
+        return_metrics=True,
+        backend=algo.loss_backend,
+    )
+
+
 class Policy:
     def __init__(self, model: torch.nn.Module, config, world_size: int) -> None:
         import deepspeed
@@ -68,7 +109,6 @@ class Policy:
         self.zero_stage = train.zero_stage
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        micro_batches = train.mini_batch_prompts // world_size // train.micro_batch_prompts
         # A torch optimizer, not one named in the DeepSpeed config: DeepSpeed would
         # otherwise build its fused Adam extension (~80 s and 2 GB on a CPU).
         optimizer = torch.optim.AdamW(
@@ -79,8 +119,10 @@ class Policy:
             optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
         ds_config = {
-            "train_micro_batch_size_per_gpu": train.micro_batch_prompts * rollout.group_size,
-            "gradient_accumulation_steps": micro_batches,
+            # A mini-batch holds as many micro-batches as its token budget cuts it into:
+            # accumulate() marks the last, and DeepSpeed's own count (1) scales nothing.
+            "train_micro_batch_size_per_gpu": train.mini_batch_prompts // world_size * rollout.group_size,
+            "gradient_accumulation_steps": 1,
             "gradient_clipping": train.gradient_clip,
             "zero_optimization": {"stage": train.zero_stage},
             "zero_allow_untested_optimizer": True,
@@ -114,20 +156,9 @@ class Policy:
 
         Through the DeepSpeed engine's forward, not the decoder's: the engine clears
         ZeRO's per-micro-batch backward state there, and without that ZeRO-3 summed the
-        micro-batches' gradients wrongly (60-75% off, tested against plain PyTorch). The
-        LM head's forward sees zero positions (``logits_to_keep`` is an empty index), so
-        no logits exist; the hidden states come from ``output_hidden_states``.
+        micro-batches' gradients wrongly (60-75% off, tested against plain PyTorch).
         """
-        outputs = self.engine(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            output_hidden_states=True,
-            logits_to_keep=torch.empty(0, dtype=torch.long, device=batch.input_ids.device),
-        )
-        width = batch.labels.shape[1]
-        return outputs.hidden_states[-1][:, batch.prompt_width - 1: batch.prompt_width - 1 + width]
+        return response_hidden_states(self.engine, batch)
 
     @torch.no_grad()
     def token_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
@@ -144,33 +175,17 @@ class Policy:
             )
         return logprobs.float()
 
-    def accumulate(self, batch: SequenceBatch, old_logprobs: torch.Tensor, rewards: torch.Tensor, *,
-                   anchor: float | None, lambda_scale: float, loss_normalizer: float) -> dict[str, float]:
-        """Forward and backward of one micro-batch, then DeepSpeed's step (which updates
-        the weights at the end of a mini-batch's micro-batches)."""
-        algo = self.config.algorithm
+    def accumulate(self, batch: SequenceBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
+                   loss_normalizer: float, last: bool) -> dict[str, float]:
+        """Forward and backward of one micro-batch, then DeepSpeed's step, which updates
+        the weights after the ``last`` micro-batch of a mini-batch. Mini-batches hold
+        varying numbers of micro-batches (token budgets), so the trainer, not DeepSpeed's
+        fixed accumulation count, says where the optimizer step falls."""
+        self.engine.set_gradient_accumulation_boundary(last)
         hidden = self.hidden_states(batch)
         with self._gathered([self._lm_head_weight()]):
-            loss, metrics = fused_linear_hadw_grpo_loss(
-                hidden,
-                self._lm_head_weight(),
-                batch.labels,
-                old_logprobs,
-                rewards,
-                batch.response_mask,
-                group_size=self.config.rollout.group_size,
-                loss_type=algo.loss_type,
-                anchor=anchor,
-                lambda_scale=lambda_scale,
-                epsilon_low=algo.epsilon_low,
-                epsilon_high=algo.epsilon_high,
-                temperature=self.config.rollout.temperature,
-                entropy_coef=algo.entropy_coef,
-                loss_normalizer=loss_normalizer,
-                max_response_length=self.config.rollout.max_new_tokens,
-                return_metrics=True,
-                backend=algo.loss_backend,
-            )
+            loss, metrics = policy_loss(hidden, self._lm_head_weight(), batch, old_logprobs, advantages,
+                                        self.config, loss_normalizer=loss_normalizer)
             # The normaliser already spreads the mini-batch over its micro-batches.
             self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()

@@ -1,0 +1,126 @@
+"""Micro-batches cut by a token budget: the packing, and a mini-batch's gradient that
+does not depend on the cut (tiny model, float64, every loss type with HA-DW, one and two
+ranks as DeepSpeed combines them: the mean of the ranks' summed gradients)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hadw_kernels import LOSS_PRESETS  # noqa: E402
+from trainer.config import Config  # noqa: E402
+from trainer.loop import batch_advantages  # noqa: E402
+from trainer.micro_batches import (  # noqa: E402
+    by_prompt_count,
+    loss_normalizer,
+    pack_by_tokens,
+    padded_tokens,
+    split_to_count,
+)
+from trainer.policy import SequenceBatch, policy_loss, response_hidden_states  # noqa: E402
+from trainer.synthetic_task import VOCABULARY  # noqa: E402
+from trainer.tiny_model import build_tiny_model, build_tokenizer  # noqa: E402
+
+
+def test_packing_respects_the_budget_and_keeps_every_row():
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 9, (40,), generator=generator).tolist()
+    responses = torch.randint(0, 30, (40,), generator=generator).tolist()
+    for budget in (1, 20, 64, 150, 10_000):
+        micro_batches, oversized = pack_by_tokens(range(40), prompts, responses, budget)
+        assert sorted(row for micro in micro_batches for row in micro) == list(range(40))
+        for micro in micro_batches:
+            assert len(micro) == 1 or padded_tokens(micro, prompts, responses) <= budget
+        assert oversized == [micro[0] for micro in micro_batches
+                             if padded_tokens(micro, prompts, responses) > budget]
+        for count in sorted({len(micro_batches), min(len(micro_batches) + 3, 40), 40}):
+            split = split_to_count(micro_batches, count, prompts, responses)
+            assert len(split) == count
+            assert sorted(row for micro in split for row in micro) == list(range(40))
+            assert all(len(m) == 1 or padded_tokens(m, prompts, responses) <= budget for m in split)
+    # Sorting by length keeps padding small: far below packing in arrival order.
+    micro_batches, _ = pack_by_tokens(range(40), prompts, responses, 150)
+    padded = sum(padded_tokens(micro, prompts, responses) for micro in micro_batches)
+    assert padded < 1.35 * sum(p + r for p, r in zip(prompts, responses))
+    with pytest.raises(ValueError, match="cannot cut"):
+        split_to_count([[0, 1]], 3, prompts, responses)
+    with pytest.raises(ValueError, match="positive"):
+        pack_by_tokens([0], prompts, responses, 0)
+    assert by_prompt_count(list(range(6)), 4) == [[0, 1, 2, 3], [4, 5]]
+
+
+GROUP = 4
+PROMPTS = 4
+
+
+def _setup(loss_type):
+    config = Config()
+    config.algorithm.loss_type = loss_type
+    config.algorithm.loss_backend = "torch"
+    config.rollout.group_size = GROUP
+    config.rollout.max_new_tokens = 9
+    tokenizer = build_tokenizer(VOCABULARY)
+    model = build_tiny_model(config.model, tokenizer, seed=3).double()
+    generator = torch.Generator().manual_seed(1)
+    vocab = len(tokenizer)
+    prompts = [torch.randint(4, vocab, (int(n),), generator=generator).tolist()
+               for n in torch.randint(2, 6, (PROMPTS,), generator=generator)]
+    responses = [torch.randint(4, vocab, (int(n),), generator=generator).tolist()
+                 for n in torch.randint(0, 10, (PROMPTS * GROUP,), generator=generator)]
+    rewards = torch.tensor([1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 0, 1, 0.5, 0.25, 1, 0], dtype=torch.float64)
+    row_prompts = [prompts[row // GROUP] for row in range(PROMPTS * GROUP)]
+    return config, model, tokenizer, row_prompts, responses, rewards
+
+
+def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, budget, world_size):
+    """The mini-batch's gradient as the trainer forms it: advantages once, each rank's rows
+    packed under ``budget`` (as many micro-batches on every rank), each micro-batch's
+    loss with the shared normaliser, the ranks' summed gradients averaged."""
+    lambda_scale = 1.3
+    advantages, _ = batch_advantages(rewards, GROUP, config.algorithm, lambda_scale, belief=0.4)
+    prompt_lengths = [len(p) for p in row_prompts]
+    response_lengths = [len(r) for r in responses]
+    rows_per_rank = len(responses) // world_size
+    rank_rows = [list(range(rank * rows_per_rank, (rank + 1) * rows_per_rank)) for rank in range(world_size)]
+    plans = [pack_by_tokens(rows, prompt_lengths, response_lengths, budget)[0] for rows in rank_rows]
+    count = max(len(plan) for plan in plans)
+    plans = [split_to_count(plan, count, prompt_lengths, response_lengths) for plan in plans]
+    normalizer = loss_normalizer(LOSS_PRESETS[config.algorithm.loss_type].loss_agg_mode,
+                                 batch_tokens=sum(response_lengths), mini_batches=1,
+                                 responses_per_rank=rows_per_rank, world_size=world_size)
+    model.zero_grad()
+    micro_batches = 0
+    for plan in plans:
+        for rows in plan:
+            batch = SequenceBatch.build([row_prompts[r] for r in rows], [responses[r] for r in rows],
+                                        tokenizer.pad_token_id, torch.device("cpu"))
+            hidden = response_hidden_states(model, batch)
+            with torch.no_grad():
+                old = hidden.new_zeros(batch.labels.shape)  # a ratio far from 1: clipping applies
+                old.masked_fill_(batch.response_mask, -2.5)
+            loss, _ = policy_loss(hidden, model.get_output_embeddings().weight, batch, old,
+                                  advantages[rows], config, loss_normalizer=normalizer)
+            (loss / world_size).backward()
+            micro_batches += 1
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, micro_batches
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "gspo", "dr_grpo"])
+def test_a_mini_batch_gradient_does_not_depend_on_the_cut(loss_type):
+    setup = _setup(loss_type)
+    whole, count = _summed_gradient(*setup, budget=10**6, world_size=1)
+    assert count == 1
+    assert max(float(g.abs().max()) for g in whole.values()) > 1e-4  # a gradient to compare
+    for world_size in (1, 2):
+        for budget in (1, 30, 60, 10**6):
+            cut, count = _summed_gradient(*setup, budget=budget, world_size=world_size)
+            if budget == 1:
+                assert count == PROMPTS * GROUP  # one response per micro-batch
+            assert cut.keys() == whole.keys()
+            for name in whole:
+                torch.testing.assert_close(cut[name], whole[name], rtol=1e-9, atol=1e-12,
+                                           msg=f"{name}, budget {budget}, {world_size} rank(s)")

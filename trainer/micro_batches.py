@@ -1,0 +1,94 @@
+"""Cutting a mini-batch's responses into micro-batches (one forward and backward each).
+
+The advantages are formed once per rollout batch, so a micro-batch is any set of
+responses: it need not hold whole groups. By a token budget (``train.micro_batch_tokens``)
+the responses are sorted by length and packed greedily while the micro-batch, as it is
+fed to the model, holds at most the budget: rows x (widest prompt + widest response),
+since prompts are left-padded and responses right-padded to a common width. Memory is
+then set by the budget, not by the group size. With no budget, each micro-batch holds
+``train.micro_batch_prompts`` prompts' responses, in order.
+
+Every rank must run the same number of forwards (ZeRO-3 gathers parameters inside each
+one), so the trainer agrees on the largest count over the ranks and each rank splits its
+largest micro-batches until it has that many (:func:`split_to_count`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def padded_tokens(rows: Sequence[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int]) -> int:
+    """Tokens of the rows as fed to the model: every row padded to the widest prompt and
+    the widest response (at least one response position)."""
+    if not rows:
+        return 0
+    prompt_width = max(prompt_lengths[row] for row in rows)
+    response_width = max(1, max(response_lengths[row] for row in rows))
+    return len(rows) * (prompt_width + response_width)
+
+
+def pack_by_tokens(rows: Sequence[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int],
+                   budget: int) -> tuple[list[list[int]], list[int]]:
+    """(micro-batches, rows over the budget): ``rows`` sorted by response then prompt
+    length and packed greedily under ``budget`` padded tokens. A row longer than the
+    budget on its own gets a micro-batch of its own and is listed second."""
+    if budget < 1:
+        raise ValueError(f"a token budget must be positive, got {budget}")
+    ordered = sorted(rows, key=lambda row: (response_lengths[row], prompt_lengths[row], row))
+    micro_batches: list[list[int]] = []
+    oversized: list[int] = []
+    current: list[int] = []
+    prompt_width = response_width = 0
+    for row in ordered:
+        widest_prompt = max(prompt_width, prompt_lengths[row])
+        widest_response = max(response_width, response_lengths[row], 1)
+        if current and (len(current) + 1) * (widest_prompt + widest_response) > budget:
+            micro_batches.append(current)
+            current, widest_prompt, widest_response = [], prompt_lengths[row], max(response_lengths[row], 1)
+        current.append(row)
+        prompt_width, response_width = widest_prompt, widest_response
+        if len(current) == 1 and prompt_width + response_width > budget:
+            oversized.append(row)
+    if current:
+        micro_batches.append(current)
+    return micro_batches, oversized
+
+
+def split_to_count(micro_batches: list[list[int]], count: int, prompt_lengths: Sequence[int],
+                   response_lengths: Sequence[int]) -> list[list[int]]:
+    """``micro_batches`` split until there are ``count``: each time the one with the most
+    padded tokens (of those with two rows or more) into two halves. Splitting keeps every
+    micro-batch within the budget it was packed under."""
+    result = [list(micro) for micro in micro_batches]
+    total_rows = sum(len(micro) for micro in result)
+    if count > total_rows:
+        raise ValueError(f"cannot cut {total_rows} responses into {count} micro-batches")
+    while len(result) < count:
+        largest = max((micro for micro in result if len(micro) > 1),
+                      key=lambda micro: padded_tokens(micro, prompt_lengths, response_lengths))
+        index = result.index(largest)
+        half = len(largest) // 2
+        result[index:index + 1] = [largest[:half], largest[half:]]
+    return result
+
+
+def by_prompt_count(rows: Sequence[int], rows_per_micro_batch: int) -> list[list[int]]:
+    """Consecutive runs of ``rows_per_micro_batch`` rows (the no-budget cut)."""
+    return [list(rows[start:start + rows_per_micro_batch]) for start in range(0, len(rows), rows_per_micro_batch)]
+
+
+def loss_normalizer(loss_agg_mode: str, *, batch_tokens: float, mini_batches: int, responses_per_rank: int,
+                    world_size: int) -> float:
+    """The ``loss_normalizer`` every micro-batch of a mini-batch passes, so that the
+    micro-batches' gradients add up to the mini-batch's however it is cut, and the ranks'
+    (which DeepSpeed averages) to the whole mini-batch's over all ranks."""
+    if loss_agg_mode == "token-mean":
+        # Every token of the rollout batch (over all ranks) weighs the same in every
+        # optimizer step: its tokens shared out over the mini-batches.
+        return batch_tokens / (mini_batches * world_size)
+    if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        return float(responses_per_rank)
+    if loss_agg_mode == "token-sum":
+        return 1.0 / world_size
+    raise ValueError(f"no micro-batch normaliser for loss_agg_mode {loss_agg_mode!r}")
