@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from .config import IGNORE_INDEX
 
 
 def token_logprobs_reference(

@@ -21,7 +21,7 @@ from hadw_kernels import config
 from hadw_kernels.backends import cpp_backend, cpp_constants
 
 ROOT = Path(__file__).resolve().parents[1]
-IGNORE = -100
+IGNORE = config.IGNORE_INDEX
 
 needs_extension = pytest.mark.skipif(
     cpp_backend._UNAVAILABLE is not None, reason=f"C++ extension unavailable: {cpp_backend._UNAVAILABLE}"

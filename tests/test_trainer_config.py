@@ -47,6 +47,8 @@ def test_table8_config_is_valid_once_pointed_at_model_and_data(tmp_path):
     )
     validate(config, world_size=8)
     assert config.train.prompts_per_step == 256 and config.train.learning_rate == 1e-6
+    # Table 8's micro batch of 4 responses, as a token budget: 4 x (1024 + 4096).
+    assert config.train.micro_batch_tokens == 4 * (config.data.max_prompt_tokens + config.rollout.max_new_tokens)
 
 
 def test_unknown_section_and_key_suggest_the_right_name():
@@ -72,6 +74,8 @@ def test_group_size_below_two():
          "does not split over 2 ranks"),
         (["train.mini_batch_prompts=8", "train.micro_batch_prompts=3"], 1, "not a multiple of train.micro_batch_prompts"),
         (["train.prompts_per_step=0"], 1, "must be positive"),
+        (["train.micro_batch_tokens=-5"], 1, "train.micro_batch_tokens must be a non-negative integer"),
+        (["train.micro_batch_tokens=1.5"], 1, "train.micro_batch_tokens must be"),
     ],
 )
 def test_impossible_batch_sizes(overrides, world_size, message):
@@ -149,3 +153,10 @@ def test_reward_function_is_resolved_in_validation():
     assert "not a function" in _error(["reward.function=json:__name__"])
     assert "must look like 'package.module:function'" in _error(["reward.function=json"])
     validate(load_config(None, ["reward.function=json:dumps"]))
+
+
+def test_a_token_budget_lifts_the_prompt_count_rule():
+    # micro_batch_prompts need not divide the mini-batch once micro-batches are cut by tokens.
+    config = load_config(None, ["train.mini_batch_prompts=8", "train.micro_batch_prompts=3",
+                                "train.micro_batch_tokens=64"])
+    validate(config, world_size=1)

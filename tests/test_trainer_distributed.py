@@ -1,5 +1,7 @@
 """Two ranks under torchrun on the CPU: both hold the same difficulty anchor, because
-y_t is all-reduced over the ranks' rewards (each rank samples different prompts)."""
+y_t is all-reduced over the ranks' rewards (each rank samples different prompts); and
+under ZeRO-3 with a token budget below one group's tokens, where each rank packs its own
+responses into micro-batches and the ranks must agree on how many forwards to run."""
 
 import json
 import os
@@ -25,11 +27,16 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_two_ranks_hold_the_same_anchor(tmp_path):
+@pytest.mark.parametrize("batching", [
+    ["train.micro_batch_prompts=1", "algorithm.loss_type=dr_grpo"],
+    # A group of 4 responses holds more than 12 tokens: groups are split, and the ranks'
+    # packings differ in count (ZeRO-3 gathers parameters in every forward).
+    ["train.micro_batch_tokens=12", "train.zero_stage=3", "algorithm.loss_type=dapo"],
+], ids=["by-prompts", "token-budget-zero3"])
+def test_two_ranks_hold_the_same_anchor(tmp_path, batching):
     overrides = [
         f"run.output_dir={tmp_path}", "run.name=two", "run.progress=false", "train.steps=3",
-        "train.prompts_per_step=8", "train.mini_batch_prompts=4", "train.micro_batch_prompts=1",
-        "rollout.group_size=4", "algorithm.loss_type=dr_grpo",
+        "train.prompts_per_step=8", "train.mini_batch_prompts=4", "rollout.group_size=4", *batching,
     ]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(_free_port()), str(REPO / "trainer" / "run.py")]
@@ -50,3 +57,5 @@ def test_two_ranks_hold_the_same_anchor(tmp_path):
     assert anchors[0] == anchors[1]
     assert anchors[0]["step"] == 3
     assert anchors[0]["observations"] == [row["reward/mean"] for row in rows]
+    if "train.micro_batch_tokens=12" in batching:
+        assert all(row["update/skipped"] or row["micro_batches"] > 2 for row in rows)

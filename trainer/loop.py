@@ -2,11 +2,12 @@
 
 One iteration handles one rollout batch: each rank samples its share of the prompts
 (G responses each), scores them, and the difficulty anchor folds in the batch's
-accuracy once (all-reduced, so every rank holds the same belief). The old log-probs are
-taken from the policy before any update; then ``ppo_epochs`` passes over the batch in
-mini-batches (one optimizer step each), each mini-batch in micro-batches whose losses
-add up to the mini-batch loss. The updated weights go into the rollout engine before the
-next batch.
+accuracy once (all-reduced, so every rank holds the same belief), and each response's
+advantage A_hat * Phi is formed once. The old log-probs are taken from the policy before
+any update; then ``ppo_epochs`` passes over the batch in mini-batches (one optimizer step
+each), each mini-batch in micro-batches (any responses, cut by a token budget or by
+prompts: ``micro_batches.py``) whose losses add up to the mini-batch loss. The updated
+weights go into the rollout engine before the next batch.
 
 A batch whose every group got equal rewards has zero advantage everywhere: its gradient
 is exactly zero (without an entropy bonus), so the forward and backward are skipped and
@@ -424,11 +425,15 @@ class Trainer:
         sums: dict[str, float] = {}
         calls = 0
         grad_norms = []
+        # Mini-batches are drawn as runs of prompts: single prompts under a token budget,
+        # else runs of micro_batch_prompts, each then one micro-batch.
+        run = 1 if train.micro_batch_tokens else train.micro_batch_prompts
+        runs_per_mini_batch = mini_prompts // run
         for epoch in range(train.ppo_epochs):
-            order = np.random.default_rng([train.seed, step, epoch, 7]).permutation(self.prompts_per_rank)
+            order = np.random.default_rng([train.seed, step, epoch, 7]).permutation(self.prompts_per_rank // run)
             for mini in range(mini_batches):
-                prompts = sorted(order[mini * mini_prompts:(mini + 1) * mini_prompts])
-                rows = [p * group + g for p in prompts for g in range(group)]
+                runs = order[mini * runs_per_mini_batch:(mini + 1) * runs_per_mini_batch]
+                rows = [(first * run + p) * group + g for first in runs for p in range(run) for g in range(group)]
                 micro_batches = self._micro_batches(rows, prompt_lengths, response_lengths)
                 for index, micro_rows in enumerate(micro_batches):
                     batch = batch_of(micro_rows)

@@ -21,7 +21,7 @@ import torch
 
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels import token_logprobs as fused_token_logprobs
-from hadw_kernels.linear_logprob import IGNORE_INDEX
+from hadw_kernels.config import IGNORE_INDEX
 
 
 @dataclass

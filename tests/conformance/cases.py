@@ -15,12 +15,12 @@ import torch
 
 from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from hadw_kernels.backends import load_backend
-from hadw_kernels.config import LossConfig
+from hadw_kernels.config import IGNORE_INDEX, LossConfig
 from hadw_kernels.linear_logprob import token_logprobs_reference
 from hadw_kernels.surrogate import surrogate_loss as reference_surrogate
 
 GROUP_SIZE = 4
-IGNORE = -100
+IGNORE = IGNORE_INDEX
 # Rows of hidden states per block of the linear loss: a linear batch's longest responses
 # (13 tokens) span two blocks, and blocks end inside responses.
 BLOCK_ROWS = 8
