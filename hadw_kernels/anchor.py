@@ -1,4 +1,4 @@
-"""The evolving difficulty anchor C_t (paper section 3.1 and appendix F, SPEC section 3).
+"""The evolving difficulty anchor C_t (paper section 3.1 and appendix F; docs/math.md section 3).
 
 The anchor is a belief about the model's accuracy that lives across rollout batches.
 Update it once per rollout batch (not per mini-batch or PPO epoch) with that batch's
@@ -25,6 +25,7 @@ The update is vectorised over the models with small float64 numpy arrays.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import deque
 
 import numpy as np
@@ -173,15 +174,17 @@ class DifficultyAnchor:
         The kalman rule also needs ``count`` (B_t, the rewards y_t is the mean of) and
         takes ``variance``, their unbiased sample variance (default: binary rewards).
         """
-        if not _is_number(y) or not math.isfinite(y):
+        if isinstance(y, bool) or not isinstance(y, numbers.Real) or not math.isfinite(y):
             raise ValueError(f"observation y_t must be a finite number, got {y!r}")
         if self.rule == "kalman":
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
                 raise ValueError(f"the kalman rule needs the batch's reward count (a positive int), got {count!r}")
             if not 0 <= y <= 1:
                 raise ValueError(f"the kalman rule's observation y_t must lie in [0, 1], got {y!r}")
-            if variance is not None and not (_is_number(variance) and math.isfinite(variance) and variance >= 0):
+            if variance is not None and (isinstance(variance, bool) or not isinstance(variance, numbers.Real)
+                                         or not math.isfinite(variance) or variance < 0):
                 raise ValueError(f"reward variance must be finite and non-negative, got {variance!r}")
+            count = int(count)
         y = float(y)
         self.step += 1
         self.observation = y

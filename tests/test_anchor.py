@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from hadw_kernels import DifficultyAnchor
 from hadw_kernels.theory.anchor_tracking import SEEDS, tracking_error
 
-BATCH = 2048  # binary rewards a rollout batch, as in SPEC section 3
+BATCH = 2048  # binary rewards a rollout batch, as in the paper (docs/math.md section 3)
 SMALL_BATCH = 64  # the trainer's CPU default: 8 prompts x G = 8
 
 
@@ -322,7 +322,7 @@ def test_observation_is_all_reduced_across_ranks():
     assert results[0] == results[1] == pytest.approx(4 / 6)
 
 
-# --- input (issue 12, item 8) -------------------------------------------------------------
+# --- input ---------------------------------------------------------------------------------
 
 
 def test_update_takes_a_list_of_rewards():
@@ -495,3 +495,19 @@ def test_a_bank_where_the_rule_has_none_is_refused():
     state["bank"] = DifficultyAnchor("kalman").state_dict()["bank"] or {"mu": []}
     with pytest.raises(ValueError, match="bank"):
         DifficultyAnchor().load_state_dict(state)
+
+
+def test_observe_takes_numpy_numbers_and_refuses_strings():
+    import numpy as np
+
+    anchor = DifficultyAnchor("kalman")
+    anchor.observe(np.float32(0.25), count=np.int64(16), variance=np.float64(0.2))
+    anchor.observe(0.5, count=16)
+    assert anchor.step == 2 and isinstance(anchor.prior, float)
+    with pytest.raises(ValueError, match="finite number"):
+        anchor.observe("0.5", count=16)
+    with pytest.raises(ValueError, match="count"):
+        anchor.observe(0.5, count=16.0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        anchor.observe(1.5, count=16)
+    assert anchor.step == 2
