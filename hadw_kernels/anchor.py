@@ -1,4 +1,4 @@
-"""The evolving difficulty anchor C_t (paper section 3.1 and appendix F, SPEC section 3).
+"""The evolving difficulty anchor C_t (paper section 3.1 and appendix F; docs/math.md section 3).
 
 The anchor is a belief about the model's accuracy that lives across rollout batches.
 Update it once per rollout batch (not per mini-batch or PPO epoch) with that batch's
@@ -11,22 +11,24 @@ the defaults were chosen by simulating a ramp and a step of accuracy (see
 ``tests/test_anchor.py`` and the README). They were chosen at 2048 rewards a batch: at
 64, eta_t sits at its cap of 1 and the belief is the previous batch's noisy mean.
 
-The Kalman rule is a filter in fact: y_t is a mean of B_t rewards, so its noise variance
-is known, R_t = s_t^2 / B_t (s_t^2 the rewards' sample variance, y(1-y) for binary ones),
-and the gain K_t = P_t- / (P_t- + R_t) weighs it against the belief's own uncertainty:
-small batches are smoothed, large ones trusted. The process noise Q_t (how far the true
-accuracy moves in a batch) is estimated from the recent innovations nu = y_t - C_t-,
-whose expected square is P_{t-1}+ + Q_t + R_t (Mehra's innovation-based estimate), and
-floored at ``process_noise_min``; a jump in accuracy shows as large innovations and
-raises the gain within a batch or two. ``python -m hadw_kernels.theory.anchor_tracking``
-measures every rule's tracking error (the README quotes it).
+The Kalman rule is an interacting-multiple-model (IMM) bank of Kalman filters on the
+state (level, slope) of the accuracy, mixed by how well each predicted the batches
+(docs/math.md, "The kalman rule"). y_t is a mean of B_t rewards, so its noise variance
+is known (R_t = phi_t c(1 - c) / B_t); what is not known is how the accuracy moves, so
+the bank holds trend models (the accuracy drifts at a slope) and level models (it jumps
+or wanders), each with a fixed process noise on a grid of decades, and the evidence
+(each model's likelihood of the innovation) decides which of them the belief follows.
+The update is vectorised over the models with small float64 numpy arrays.
+``python -m hadw_kernels.theory.anchor_tracking`` measures every rule's tracking error.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections import deque
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -39,9 +41,42 @@ DEFAULT_ETA = 50.0
 DEFAULT_WINDOW = 10
 DEFAULT_ETA_MIN = 0.05
 
-# The Kalman rule's floor on the process noise variance: the true accuracy is assumed
-# to move by at least ~0.003 a batch, so the gain never reaches 0 (the soft rule's freeze).
-DEFAULT_PROCESS_NOISE_MIN = 1e-5
+# The version of state_dict()'s layout. Version 1 (no "version" key) held the single
+# Kalman filter with an innovation-estimated process noise; version 2 holds the IMM bank.
+STATE_VERSION = 2
+
+# The IMM bank of the kalman rule (docs/math.md, "The kalman rule"): fixed grids, one
+# model per decade of process noise, none tuned to a trajectory.
+TREND_PROCESS_NOISE = tuple(10.0**k for k in range(-10, -4))  # qs: 1e-10 .. 1e-5
+LEVEL_PROCESS_NOISE = tuple(10.0**k for k in range(-9, 0))  # ql: 1e-9 .. 1e-1
+SWITCH_PROBABILITY = 0.005  # eps: the chance a batch switches from one model to another
+PHI_DECAY = 0.9  # lam: the forgetting factor of the pooled reward-variance ratio phi
+PHI_MIN = 1e-3
+SLOPE_PRIOR_VARIANCE = 1e-4  # the trend models' first slope variance
+MODEL_PROBABILITY_FLOOR = 1e-12  # keeps every model able to come back
+
+
+def _bank() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The bank's transition matrices F (M x 2 x 2), process noises Q (M x 2 x 2),
+    switching matrix pi (M x M, pi[i, j] = P(model j now | model i before)) and the
+    mask of trend models (M)."""
+    trend, level = len(TREND_PROCESS_NOISE), len(LEVEL_PROCESS_NOISE)
+    models = trend + level
+    transition = np.zeros((models, 2, 2))
+    transition[:trend] = [[1.0, 1.0], [0.0, 1.0]]  # level += slope; slope kept
+    transition[trend:] = [[1.0, 0.0], [0.0, 0.0]]  # level kept; no slope
+    noise = np.zeros((models, 2, 2))
+    # An integrated random walk: a slope noise qs per batch, integrated over one batch.
+    noise[:trend] = np.asarray(TREND_PROCESS_NOISE)[:, None, None] * np.array([[1 / 3, 1 / 2], [1 / 2, 1.0]])
+    noise[trend:, 0, 0] = LEVEL_PROCESS_NOISE
+    switching = np.full((models, models), SWITCH_PROBABILITY / (models - 1))
+    np.fill_diagonal(switching, 1.0 - SWITCH_PROBABILITY)
+    is_trend = np.arange(models) < trend
+    return transition, noise, switching, is_trend
+
+
+_TRANSITION, _PROCESS_NOISE, _SWITCHING, _IS_TREND = _bank()
+MODELS = len(_IS_TREND)
 
 
 class DifficultyAnchor:
@@ -49,16 +84,17 @@ class DifficultyAnchor:
 
     Args:
         rule: ``"soft"`` (Kalman-style, paper Eq. 4-7), ``"hard"`` (mean of the last
-            ``window`` observations, appendix F) or ``"kalman"`` (a Kalman filter with
-            the observation noise of a mean of B_t rewards, above).
+            ``window`` observations, appendix F) or ``"kalman"`` (an IMM bank of Kalman
+            filters on the accuracy's level and slope, with the observation noise of a
+            mean of B_t rewards: docs/math.md).
         eta: the soft rule's gain; eta_t = clamp(eta * sigma_t, eta_min, 1).
-        window: m for the soft rule (beliefs in sigma_t), h for the hard rule, the
-            innovations the Kalman rule estimates the process noise from.
+        window: m for the soft rule (beliefs in sigma_t), h for the hard rule; the kalman
+            rule does not use it.
         eta_min: floor of eta_t that keeps the soft rule from freezing; 0 is the paper.
-        process_noise_min: the Kalman rule's floor on the process noise variance Q_t.
-        belief: ``"prior"`` (C_t-, before y_t is folded in: the paper) or
-            ``"posterior"`` (C_t+: the authors' code).
-        initial: C_1-; default the first batch's mean reward.
+        belief: ``"prior"`` (C_t-, before y_t is folded in: the paper; for the kalman rule
+            the bank's one-step prediction) or ``"posterior"`` (C_t+: the authors' code).
+        initial: C_1-; default the first batch's mean reward. The kalman rule's bank
+            starts from the first batch's mean either way.
     """
 
     def __init__(
@@ -68,7 +104,6 @@ class DifficultyAnchor:
         eta: float = DEFAULT_ETA,
         window: int = DEFAULT_WINDOW,
         eta_min: float = DEFAULT_ETA_MIN,
-        process_noise_min: float = DEFAULT_PROCESS_NOISE_MIN,
         belief: str = "prior",
         initial: float | None = None,
     ) -> None:
@@ -82,15 +117,12 @@ class DifficultyAnchor:
             raise ValueError(f"eta_min must lie in [0, 1], got {eta_min!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
-        if not _is_number(process_noise_min) or not 0 < process_noise_min < math.inf:
-            raise ValueError(f"process_noise_min must be positive and finite, got {process_noise_min!r}")
         if initial is not None and (not _is_number(initial) or not 0 <= initial <= 1):
             raise ValueError(f"initial must lie in [0, 1] (a belief about an accuracy), got {initial!r}")
         self.rule = rule
         self.eta = float(eta)
         self.window = window
         self.eta_min = float(eta_min)
-        self.process_noise_min = float(process_noise_min)
         self.belief = belief
         self.initial = None if initial is None else float(initial)
         self.reset()
@@ -111,8 +143,14 @@ class DifficultyAnchor:
         self._observations: deque[float] = deque(maxlen=self.window)
         self._posteriors: deque[float] = deque(maxlen=self.window)
         self._warmup_sum = 0.0
-        self.variance: float | None = None  # the Kalman rule's P_t+
-        self._innovations: deque[float] = deque(maxlen=self.window)
+        # The kalman rule's bank (None before its first batch): model probabilities mu (M),
+        # states x (M x 2: level, slope), covariances P (M x 2 x 2), and the two decayed
+        # sums whose ratio is phi.
+        self._mu: np.ndarray | None = None
+        self._x: np.ndarray | None = None
+        self._P: np.ndarray | None = None
+        self._variance_sum = 0.0
+        self._bernoulli_sum = 0.0
 
     @property
     def value(self) -> float | None:
@@ -125,22 +163,7 @@ class DifficultyAnchor:
         Under torch.distributed the sums and the count of rewards are all-reduced, so
         every rank holds the same belief (never a mean of per-rank means).
         """
-        if not isinstance(rewards, torch.Tensor):
-            try:
-                rewards = torch.as_tensor(rewards, dtype=torch.float64)
-            except (TypeError, ValueError) as error:
-                raise TypeError(f"rewards must be a tensor or a sequence of numbers, got {type(rewards).__name__}") \
-                    from error
-        if rewards.is_complex():
-            raise TypeError(f"rewards must be real numbers, got {rewards.dtype}")
-        rewards = rewards.detach().to(torch.float64)
-        if not bool(torch.isfinite(rewards).all()):
-            raise ValueError("rewards must be finite: they contain NaN or inf")
-        if bool(((rewards < 0) | (rewards > 1)).any()):
-            raise ValueError(
-                "rewards must lie in [0, 1]: the anchor is a belief about an accuracy (the paper's y_t); "
-                "scale the rewards into [0, 1] first"
-            )
+        rewards = checked_rewards(rewards)
         mean, variance, count = batch_reward_statistics(rewards)
         self.observe(mean, count=count, variance=variance)
         return self.value
@@ -148,19 +171,28 @@ class DifficultyAnchor:
     def observe(self, y: float, *, count: int | None = None, variance: float | None = None) -> None:
         """One step of the belief given the batch accuracy y_t.
 
-        The Kalman rule also needs ``count`` (B_t, the rewards y_t is the mean of) and
-        takes ``variance``, their sample variance (default y(1-y): binary rewards).
+        The kalman rule also needs ``count`` (B_t, the rewards y_t is the mean of) and
+        takes ``variance``, their unbiased sample variance (default: binary rewards).
         """
-        if not math.isfinite(y):
-            raise ValueError(f"observation y_t must be finite, got {y}")
+        if isinstance(y, bool) or not isinstance(y, numbers.Real) or not math.isfinite(y):
+            raise ValueError(f"observation y_t must be a finite number, got {y!r}")
         if self.rule == "kalman":
-            if count is None or count < 1:
-                raise ValueError(f"the kalman rule needs the batch's reward count, got {count}")
-            if variance is not None and not (math.isfinite(variance) and variance >= 0):
-                raise ValueError(f"reward variance must be finite and non-negative, got {variance}")
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+                raise ValueError(f"the kalman rule needs the batch's reward count (a positive int), got {count!r}")
+            if not 0 <= y <= 1:
+                raise ValueError(f"the kalman rule's observation y_t must lie in [0, 1], got {y!r}")
+            if variance is not None and (isinstance(variance, bool) or not isinstance(variance, numbers.Real)
+                                         or not math.isfinite(variance) or variance < 0):
+                raise ValueError(f"reward variance must be finite and non-negative, got {variance!r}")
+            count = int(count)
+        y = float(y)
         self.step += 1
         self.observation = y
         self._observations.append(y)
+        if self.rule == "kalman":
+            self._imm_step(y, count, y * (1.0 - y) if variance is None else float(variance))
+            self._posteriors.append(self.posterior)
+            return
         if self.posterior is not None:
             self.prior = self.posterior  # C_{t-1}+ becomes C_t-
         elif self.prior is None:
@@ -169,8 +201,6 @@ class DifficultyAnchor:
         if self.rule == "hard":
             self.eta_t, self.sigma_t = None, None
             self.posterior = sum(self._observations) / len(self._observations)
-        elif self.rule == "kalman":
-            self._kalman_step(y, count, y * (1.0 - y) if variance is None else variance)
         elif len(self._posteriors) < self.window:
             # Warm-up: sigma_t needs m posterior beliefs; use the running mean.
             self._warmup_sum += y
@@ -183,30 +213,77 @@ class DifficultyAnchor:
             self.posterior = (1.0 - self.eta_t) * self.prior + self.eta_t * y
         self._posteriors.append(self.posterior)
 
-    def _kalman_step(self, y: float, count: int, variance: float) -> None:
-        if variance == 0.0:
-            # Every reward equal (all wrong, say) is not a noiseless observation: use the
-            # Bernoulli variance at the Jeffreys estimate (k + 1/2) / (B + 1) instead.
-            smoothed = (y * count + 0.5) / (count + 1)
-            variance = smoothed * (1.0 - smoothed)
-        noise = variance / count  # R_t: the variance of a mean of B_t rewards
-        if self.variance is None:  # the first batch: C_1+ = y_1, as uncertain as y_1
-            self.eta_t, self.variance, self.posterior = 1.0, noise, y
-        else:
-            innovation = y - self.prior
-            # E[nu^2] = P_{t-1}+ + Q_t + R_t: what is left over estimates Q_t.
-            self._innovations.append(innovation**2 - self.variance - noise)
-            process_noise = max(self.process_noise_min, sum(self._innovations) / len(self._innovations))
-            predicted = self.variance + process_noise
-            self.eta_t = predicted / (predicted + noise)
-            self.posterior = self.prior + self.eta_t * innovation
-            self.variance = (1.0 - self.eta_t) * predicted
-        self.sigma_t = math.sqrt(self.variance)
+    def _imm_step(self, y: float, count: int, variance: float) -> None:
+        """One batch of the IMM bank (docs/math.md, "The kalman rule"), over all models at once."""
+        # phi: the pooled ratio of the rewards' variance to a Bernoulli variance at their
+        # mean (1 for binary rewards, less for partial credit), decayed so it is steady.
+        self._variance_sum = PHI_DECAY * self._variance_sum + variance
+        self._bernoulli_sum = PHI_DECAY * self._bernoulli_sum + y * (1.0 - y)
+        phi = 1.0 if self._bernoulli_sum == 0.0 else min(max(self._variance_sum / self._bernoulli_sum, PHI_MIN), 1.0)
+
+        def observation_noise(belief: float) -> float:
+            # R_t, with the belief kept 0.5 / (B + 1) away from 0 and 1 so that R_t > 0.
+            edge = 0.5 / (count + 1)
+            clamped = min(max(belief, edge), 1.0 - edge)
+            return phi * clamped * (1.0 - clamped) / count
+
+        if self._mu is None:  # the first batch: every model at level y_1, slope 0
+            self._mu = np.full(MODELS, 1.0 / MODELS)
+            self._x = np.zeros((MODELS, 2))
+            self._x[:, 0] = y
+            self._P = np.zeros((MODELS, 2, 2))
+            self._P[:, 0, 0] = observation_noise(y)
+            self._P[_IS_TREND, 1, 1] = SLOPE_PRIOR_VARIANCE
+            if self.prior is None:
+                self.prior = y
+            self.posterior, self.eta_t = y, None
+            self.sigma_t = math.sqrt(self._P[0, 0, 0])
+            return
+
+        mu, x, P = self._mu, self._x, self._P
+        # 1. predicted model probabilities c_j and mixing weights w_ij = pi_ij mu_i / c_j.
+        joint = _SWITCHING * mu[:, None]
+        c = joint.sum(axis=0)
+        w = joint / c[None, :]
+        # 2. each model starts from the mixture of all models' states.
+        x0 = w.T @ x
+        spread = x[:, None, :] - x0[None, :, :]  # (i, j, 2)
+        P0 = np.einsum("ij,iab->jab", w, P) + np.einsum("ij,ija,ijb->jab", w, spread, spread)
+        # 3. predict.
+        xp = np.einsum("jab,jb->ja", _TRANSITION, x0)
+        Pp = _TRANSITION @ P0 @ _TRANSITION.transpose(0, 2, 1) + _PROCESS_NOISE
+        # 4. the prior belief: the bank's one-step prediction, before y_t.
+        prior = float(c @ xp[:, 0])
+        # 5. the observation noise at the prior belief.
+        noise = observation_noise(prior)
+        # 6. update each model with y_t.
+        innovation = y - xp[:, 0]
+        S = Pp[:, 0, 0] + noise
+        gain = Pp[:, :, 0] / S[:, None]
+        x_new = xp + gain * innovation[:, None]
+        P_new = Pp - gain[:, :, None] * Pp[:, None, 0, :]
+        # Symmetric to the bit, so that the three entries state_dict() keeps are the state.
+        P_new[:, 1, 0] = P_new[:, 0, 1]
+        # 7. model probabilities from each model's likelihood of the innovation (in logs,
+        # so no likelihood underflows), floored so that no model is ruled out for good.
+        log_likelihood = np.log(c) - 0.5 * innovation**2 / S - 0.5 * np.log(2.0 * math.pi * S)
+        likelihood = np.exp(log_likelihood - log_likelihood.max())
+        mu_new = np.maximum(likelihood / likelihood.sum(), MODEL_PROBABILITY_FLOOR)
+
+        self._mu, self._x, self._P = mu_new, x_new, P_new
+        levels = x_new[:, 0]
+        posterior = float(mu_new @ levels)
+        self.prior, self.posterior = prior, posterior
+        # eta_t: the gain the whole bank applied to the innovation, for the logs.
+        self.eta_t = (posterior - prior) / (y - prior) if y != prior else None
+        # sigma_t: the standard deviation of the level under the mixture.
+        self.sigma_t = math.sqrt(max(0.0, float(mu_new @ (P_new[:, 0, 0] + (levels - posterior) ** 2))))
 
     def figures(self) -> dict[str, float | None]:
         """The belief in use, y_t, C_t-, C_t+, eta_t and sigma_t of the last update, for
-        logging. For the Kalman rule eta_t is the gain K_t and sigma_t the belief's
-        standard deviation sqrt(P_t+)."""
+        logging. For the kalman rule eta_t is the bank's effective gain
+        (C_t+ - C_t-) / (y_t - C_t-) (None where y_t = C_t-) and sigma_t the standard
+        deviation of the level under the bank's mixture."""
         return {
             "anchor/step": self.step,
             "anchor/belief": self.value,
@@ -217,17 +294,30 @@ class DifficultyAnchor:
             "anchor/sigma": self.sigma_t,
         }
 
-    def state_dict(self) -> dict:
+    def _config(self) -> dict:
         return {
-            "config": {
-                "rule": self.rule,
-                "eta": self.eta,
-                "window": self.window,
-                "eta_min": self.eta_min,
-                "process_noise_min": self.process_noise_min,
-                "belief": self.belief,
-                "initial": self.initial,
-            },
+            "rule": self.rule,
+            "eta": self.eta,
+            "window": self.window,
+            "eta_min": self.eta_min,
+            "belief": self.belief,
+            "initial": self.initial,
+        }
+
+    def state_dict(self) -> dict:
+        """The whole state as plain Python numbers and lists (JSON-ready), versioned."""
+        bank = None
+        if self._mu is not None:
+            bank = {
+                "mu": self._mu.tolist(),
+                "x": self._x.tolist(),
+                "P": np.stack([self._P[:, 0, 0], self._P[:, 0, 1], self._P[:, 1, 1]], axis=1).tolist(),
+                "variance_sum": self._variance_sum,
+                "bernoulli_sum": self._bernoulli_sum,
+            }
+        return {
+            "version": STATE_VERSION,
+            "config": self._config(),
             "step": self.step,
             "prior": self.prior,
             "posterior": self.posterior,
@@ -237,28 +327,16 @@ class DifficultyAnchor:
             "observations": list(self._observations),
             "posteriors": list(self._posteriors),
             "warmup_sum": self._warmup_sum,
-            "variance": self.variance,
-            "innovations": list(self._innovations),
+            "bank": bank,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores a ``state_dict()``; checked whole first, so a bad state changes nothing."""
-        expected = self.state_dict()
-        if not isinstance(state, dict):
-            raise TypeError(f"anchor state must be a dict, got {type(state).__name__}")
-        missing, unknown = set(expected) - set(state), set(state) - set(expected)
-        if missing or unknown:
-            raise ValueError(f"anchor state has missing keys {sorted(missing)} and unknown keys {sorted(unknown)}")
-        if state["config"] != expected["config"]:
-            raise ValueError(
-                f"anchor state was saved with {state['config']}, this anchor has {expected['config']}"
-            )
-        for key in ("prior", "posterior", "observation"):
-            value = state[key]
-            if value is not None and (not _is_number(value) or not math.isfinite(value)):
-                raise ValueError(f"anchor state {key!r} must be a finite number or None, got {value!r}")
-        if not isinstance(state["step"], int) or state["step"] < 0:
-            raise ValueError(f"anchor state 'step' must be a non-negative int, got {state['step']!r}")
+        """Restores a ``state_dict()``. The whole state is checked (keys, types, shapes,
+        finiteness, ranges) before any of it is assigned, so a bad state changes nothing.
+
+        A soft or hard rule's state from before the versioned layout loads; the kalman
+        rule's state from before the IMM bank (one filter) is refused: start afresh."""
+        state = _checked_state(state, self._config())
         self.step = state["step"]
         self.prior = state["prior"]
         self.posterior = state["posterior"]
@@ -268,8 +346,17 @@ class DifficultyAnchor:
         self._observations = deque(state["observations"], maxlen=self.window)
         self._posteriors = deque(state["posteriors"], maxlen=self.window)
         self._warmup_sum = state["warmup_sum"]
-        self.variance = state["variance"]
-        self._innovations = deque(state["innovations"], maxlen=self.window)
+        bank = state["bank"]
+        if bank is None:
+            self._mu = self._x = self._P = None
+            self._variance_sum = self._bernoulli_sum = 0.0
+        else:
+            self._mu = np.array(bank["mu"], dtype=np.float64)
+            self._x = np.array(bank["x"], dtype=np.float64)
+            unique = np.array(bank["P"], dtype=np.float64)
+            self._P = np.stack([unique[:, [0, 1]], unique[:, [1, 2]]], axis=1)
+            self._variance_sum = bank["variance_sum"]
+            self._bernoulli_sum = bank["bernoulli_sum"]
 
     def __repr__(self) -> str:
         return (
@@ -282,12 +369,131 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def batch_reward_statistics(rewards: torch.Tensor) -> tuple[float, float, int]:
-    """y_t, the rewards' sample variance and their count over the whole rollout batch,
-    all-reduced across data-parallel ranks."""
+def _checked_state(state, config: dict) -> dict:
+    """The state to load, checked whole; version 1 soft/hard states are brought to version 2."""
+    if not isinstance(state, dict):
+        raise TypeError(f"anchor state must be a dict, got {type(state).__name__}")
+    saved_config = state.get("config")
+    if not isinstance(saved_config, dict):
+        raise ValueError(f"anchor state 'config' must be a dict, got {saved_config!r}")
+    if "version" not in state:
+        if saved_config.get("rule") == "kalman":
+            raise ValueError(
+                "this anchor state is the pre-IMM kalman state (one Kalman filter with an innovation-estimated "
+                "process noise, saved before the kalman rule became an IMM bank of filters); it cannot be resumed "
+                "by the IMM kalman rule: start the anchor afresh (drop the saved anchor state)"
+            )
+        # Version 1 of the soft and hard rules: the same state plus the old filter's unused fields.
+        state = dict(state)
+        saved_config = {key: value for key, value in saved_config.items() if key != "process_noise_min"}
+        state.update(version=STATE_VERSION, config=saved_config, bank=None)
+        for key in ("variance", "innovations"):
+            state.pop(key, None)
+    if state["version"] != STATE_VERSION:
+        raise ValueError(f"anchor state has version {state['version']!r}; this library reads version {STATE_VERSION}")
+    expected = {"version", "config", "step", "prior", "posterior", "observation", "eta_t", "sigma_t",
+                "observations", "posteriors", "warmup_sum", "bank"}
+    missing, unknown = expected - set(state), set(state) - expected
+    if missing or unknown:
+        raise ValueError(f"anchor state has missing keys {sorted(missing)} and unknown keys {sorted(unknown)}")
+    if saved_config != config:
+        raise ValueError(f"anchor state was saved with {saved_config}, this anchor has {config}")
+
+    def number(key, value, *, optional=False, low=-math.inf, high=math.inf):
+        if value is None and optional:
+            return
+        if not _is_number(value) or not math.isfinite(value) or not low <= value <= high:
+            what = "a finite number" + (f" in [{low}, {high}]" if (low, high) != (-math.inf, math.inf) else "")
+            raise ValueError(f"anchor state {key!r} must be {what}{' or None' if optional else ''}, got {value!r}")
+
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"anchor state 'step' must be a non-negative int, got {step!r}")
+    for key in ("prior", "posterior", "eta_t"):
+        number(key, state[key], optional=True)
+    number("observation", state["observation"], optional=True)
+    number("sigma_t", state["sigma_t"], optional=True, low=0.0)
+    number("warmup_sum", state["warmup_sum"])
+    window = config["window"]
+    for key in ("observations", "posteriors"):
+        values = state[key]
+        if not isinstance(values, list) or len(values) > window:
+            raise ValueError(f"anchor state {key!r} must be a list of at most {window} numbers, got {values!r}")
+        for value in values:
+            number(key, value)
+        if len(values) > step:
+            raise ValueError(f"anchor state {key!r} holds {len(values)} values after {step} steps")
+    if step > 0 and (state["posterior"] is None or state["observation"] is None):
+        raise ValueError(f"anchor state after {step} steps must hold a posterior and an observation")
+
+    bank = state["bank"]
+    if config["rule"] != "kalman" or step == 0:
+        if bank is not None:
+            raise ValueError(f"anchor state 'bank' must be None for the {config['rule']} rule at step {step}")
+        return state
+    if not isinstance(bank, dict) or set(bank) != {"mu", "x", "P", "variance_sum", "bernoulli_sum"}:
+        raise ValueError(
+            "anchor state 'bank' must be a dict of mu, x, P, variance_sum and bernoulli_sum, got "
+            f"{sorted(bank) if isinstance(bank, dict) else type(bank).__name__}"
+        )
+    arrays = {}
+    for key, shape in (("mu", (MODELS,)), ("x", (MODELS, 2)), ("P", (MODELS, 3))):
+        value = bank[key]
+        try:
+            array = np.array(value, dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"anchor state bank {key!r} must be numbers of shape {shape}: {error}") from error
+        if array.shape != shape or not _only_numbers(value):
+            raise ValueError(f"anchor state bank {key!r} must be numbers of shape {shape}, got shape {array.shape}")
+        if not np.isfinite(array).all():
+            raise ValueError(f"anchor state bank {key!r} must be finite")
+        arrays[key] = array
+    mu, P = arrays["mu"], arrays["P"]
+    if (mu < 0).any() or (mu > 1).any() or abs(mu.sum() - 1.0) > 1e-6:
+        raise ValueError("anchor state bank 'mu' must be probabilities in [0, 1] that sum to 1")
+    # Each P_j symmetric positive semi-definite: P00, P11 >= 0 and P01^2 <= P00 P11 (to rounding).
+    if (P[:, 0] < 0).any() or (P[:, 2] < 0).any() or (P[:, 1] ** 2 > P[:, 0] * P[:, 2] * (1 + 1e-6) + 1e-300).any():
+        raise ValueError("anchor state bank 'P' must hold positive semi-definite covariances (P00, P01, P11)")
+    number("bank variance_sum", bank["variance_sum"], low=0.0)
+    number("bank bernoulli_sum", bank["bernoulli_sum"], low=0.0)
+    return state
+
+
+def _only_numbers(value) -> bool:
+    """A nested list of plain numbers (no strings or bools numpy would convert)."""
+    if isinstance(value, (list, tuple)):
+        return all(_only_numbers(item) for item in value)
+    return _is_number(value)
+
+
+def checked_rewards(rewards) -> torch.Tensor:
+    """Rewards as a float64 tensor, refused unless real, finite and in [0, 1]."""
+    if not isinstance(rewards, torch.Tensor):
+        try:
+            rewards = torch.as_tensor(rewards, dtype=torch.float64)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"rewards must be a tensor or a sequence of numbers, got {type(rewards).__name__}") \
+                from error
+    if rewards.is_complex():
+        raise TypeError(f"rewards must be real numbers, got {rewards.dtype}")
+    rewards = rewards.detach().to(torch.float64)
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards must be finite: they contain NaN or inf")
+    if bool(((rewards < 0) | (rewards > 1)).any()):
+        raise ValueError(
+            "rewards must lie in [0, 1]: the anchor is a belief about an accuracy (the paper's y_t); "
+            "scale the rewards into [0, 1] first"
+        )
+    return rewards
+
+
+def batch_reward_statistics(rewards: torch.Tensor, *, all_reduce: bool = True) -> tuple[float, float, int]:
+    """y_t, the rewards' unbiased sample variance and their count over the whole rollout
+    batch, all-reduced across data-parallel ranks (``all_reduce=False``: rewards already
+    gathered from every rank, as TRL does)."""
     rewards = rewards.detach().reshape(-1).to(torch.float64)
     totals = torch.stack([rewards.sum(), rewards.square().sum(), rewards.new_tensor(float(rewards.numel()))])
-    if dist.is_available() and dist.is_initialized():
+    if all_reduce and dist.is_available() and dist.is_initialized():
         if dist.get_backend() == "nccl":
             totals = totals.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(totals)

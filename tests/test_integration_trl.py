@@ -129,6 +129,17 @@ def test_hadw_scales_trl_advantages_by_phi_for_three_steps(model_dir, tmp_path):
     assert "hadw/anchor" in steps[0] and "hadw/phi_mean" in steps[0]
 
 
+def test_the_kalman_anchor_rule_gets_each_batch_s_reward_count(model_dir, tmp_path):
+    """The kalman rule weighs y_t by B_t: the integration hands it the count (and the
+    variance) of the gathered rewards, and its beliefs are the library's."""
+    trainer = train(RecordingTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=3, hadw_anchor_rule="kalman")
+    assert len(trainer.generations) == 2 and trainer.anchor.step == 2
+    reference = DifficultyAnchor("kalman")
+    for generation in trainer.generations:
+        assert generation["belief"] == reference.update(generation["rewards"])
+    assert trainer.anchor.state_dict() == reference.state_dict()
+
+
 class ResumeProbe(HADWGRPOTrainer):
     """Keeps the anchor's state as TRL's resume leaves it, before any new batch."""
 

@@ -137,9 +137,10 @@ def test_estimator_without_hadw_equals_verl_grpo(normalize_std):
     assert hadw_verl._driver_anchor is None
 
 
-def test_estimator_with_hadw_folds_each_step_into_the_anchor_once():
-    config = OmegaConf.create({"hadw": {"lambda_scale": 1.5, "anchor": {"window": 3}}})
-    reference = DifficultyAnchor(window=3)
+@pytest.mark.parametrize("anchor", [{"window": 3}, {"rule": "kalman"}], ids=["soft", "kalman"])
+def test_estimator_with_hadw_folds_each_step_into_the_anchor_once(anchor):
+    config = OmegaConf.create({"hadw": {"lambda_scale": 1.5, "anchor": anchor}})
+    reference = DifficultyAnchor(**anchor)
     for step in range(4):
         token_level_rewards, mask, uids, rewards = outcome_batch(seed=10 + step)
         advantages, _ = core_algos.get_adv_estimator_fn("hadw")(

@@ -82,6 +82,13 @@ def test_impossible_batch_sizes(overrides, world_size, message):
     assert message in _error(overrides, world_size)
 
 
+@pytest.mark.parametrize("option", ["anchor_eta=10", "anchor_window=5", "anchor_eta_min=0.1"])
+def test_soft_rule_options_are_refused_with_the_kalman_preset(option):
+    # The kalman rule's IMM bank has no gain, window or floor to set.
+    assert "belong to the soft rule" in _error([f"algorithm.{option}"])
+    validate(load_config(None, ["algorithm.anchor_preset=paper", f"algorithm.{option}"]))
+
+
 def test_choices_and_vllm_head_dim():
     assert "algorithm.loss_type must be one of" in _error(["algorithm.loss_type=ppo"])
     assert "rollout.engine must be one of" in _error(["rollout.engine=tgi"])

@@ -111,7 +111,7 @@ class AlgorithmConfig:
     # belief, lambda 1.3; authors_code: hard h=10, posterior belief, lambda 1.5
     anchor_preset: str = "kalman"
     lambda_scale: float | None = None  # None: the preset's value
-    anchor_window: int | None = None  # None: the library's defaults (kalman and paper)
+    anchor_window: int | None = None  # the soft rule's m (paper preset only); None: the library's 10
     anchor_eta: float | None = None  # the soft rule's (paper preset only)
     anchor_eta_min: float | None = None
     epsilon_low: float | None = None  # None: the library's default for the loss type
@@ -332,8 +332,13 @@ def validate(config: Config, world_size: int = 1) -> None:
         v is not None for v in (algo.anchor_eta, algo.anchor_window, algo.anchor_eta_min)
     ):
         raise ConfigError("algorithm.anchor_eta/window/eta_min do not apply to the authors_code preset (hard rule, h=10)")
-    if algo.anchor_preset == "kalman" and (algo.anchor_eta is not None or algo.anchor_eta_min is not None):
-        raise ConfigError("algorithm.anchor_eta/eta_min belong to the soft rule: set algorithm.anchor_preset=paper")
+    if algo.anchor_preset == "kalman" and any(
+        v is not None for v in (algo.anchor_eta, algo.anchor_window, algo.anchor_eta_min)
+    ):
+        # The kalman rule's bank has fixed grids and no window (docs/math.md, section 3).
+        raise ConfigError(
+            "algorithm.anchor_eta/window/eta_min belong to the soft rule: set algorithm.anchor_preset=paper"
+        )
     if algo.anchor_window is not None:
         _positive("algorithm.anchor_window", algo.anchor_window)
     if config.reward.timeout_seconds < 0:

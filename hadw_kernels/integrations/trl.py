@@ -45,7 +45,7 @@ from trl.models.utils import _ForwardRedirection
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from ..advantage import hadw_weights
-from ..anchor import DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_WINDOW, DifficultyAnchor
+from ..anchor import DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_WINDOW, DifficultyAnchor, batch_reward_statistics
 from ..config import DEFAULT_LAMBDA_SCALE
 from ..loss import LINEAR_PATHS, fused_linear_hadw_grpo_loss
 from .rewards import require_unit_interval
@@ -88,7 +88,8 @@ class HADWGRPOConfig(GRPOConfig):
         hadw_lambda_scale (`float`, *optional*, defaults to `1.3`):
             Phi's scale lambda (the paper's best; the authors' code uses 1.5).
         hadw_anchor_rule (`str`, *optional*, defaults to `"soft"`):
-            `"soft"` (the paper's Kalman-style rule) or `"hard"` (mean of the last window batches).
+            `"soft"` (the paper's Kalman-style rule), `"hard"` (mean of the last window batches) or `"kalman"`
+            (an IMM bank of Kalman filters on the accuracy's level and slope; it ignores eta, eta_min and window).
         hadw_anchor_eta (`float`, *optional*, defaults to `50.0`):
             Gain of the soft rule.
         hadw_anchor_window (`int`, *optional*, defaults to `10`):
@@ -113,7 +114,7 @@ class HADWGRPOConfig(GRPOConfig):
 
     use_hadw: bool = field(default=True, metadata={"help": "Multiply the advantages by the HA-DW weight Phi."})
     hadw_lambda_scale: float = field(default=DEFAULT_LAMBDA_SCALE, metadata={"help": "Phi's scale lambda."})
-    hadw_anchor_rule: str = field(default="soft", metadata={"help": "Anchor rule: 'soft' or 'hard'."})
+    hadw_anchor_rule: str = field(default="soft", metadata={"help": "Anchor rule: 'soft', 'hard' or 'kalman'."})
     hadw_anchor_eta: float = field(default=DEFAULT_ETA, metadata={"help": "Gain of the soft anchor rule."})
     hadw_anchor_window: int = field(default=DEFAULT_WINDOW, metadata={"help": "Window of the anchor rules."})
     hadw_anchor_eta_min: float = field(default=DEFAULT_ETA_MIN, metadata={"help": "Floor of the soft rule's gain."})
@@ -216,8 +217,10 @@ class HADWGRPOTrainer(GRPOTrainer):
         )
         scored = rewards[~torch.isnan(rewards)]
         if mode == "train" and scored.numel() > 0:
-            # Once per generation batch, from every process's rewards (TRL gathered them).
-            self.anchor.observe(scored.double().mean().item())
+            # Once per generation batch, from every process's rewards (TRL gathered them, so
+            # no all-reduce here). The kalman rule weighs y_t by its count and variance.
+            mean, variance, count = batch_reward_statistics(scored, all_reduce=False)
+            self.anchor.observe(mean, count=count, variance=variance)
         belief = self.anchor.value
         if belief is None or group_size < 2:  # no belief yet, or no group to compare with it
             return output
