@@ -540,9 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         sizes = dict(cases=[
             Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", block_rows=(2048, 4096, 8192)),
             Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", padded=True),
-            Case("issue 14 shape", 8, 256, 512, 32768, "float32"),
-            Case("issue 14 shape", 8, 256, 512, 32768, "bfloat16"),
-            Case("issue 14 Qwen vocabulary", 4, 256, 1024, 151936, "float32"),
+            Case("small dense shape", 8, 256, 512, 32768, "float32"),
+            Case("small dense shape", 8, 256, 512, 32768, "bfloat16"),
+            Case("Qwen vocabulary", 4, 256, 1024, 151936, "float32"),
         ], surrogate=(256, 4096), paper=([8, 16, 32, 64], 4096, 2560, 151936), rounds=args.rounds)
     if not args.skip_bench:
         sections = {

@@ -6,7 +6,7 @@ Shapes are scaled to a 2-core, 24 GiB CPU machine shared with other work.
   G = 8..64, two threads: memory and time as G grows. Eager's three [B*T, V] fp32
   copies stay under 1 GB; Liger's chunks (one response each) re-touch the whole [V, H]
   LM-head gradient once per response, which this keeps affordable.
-- The dense on-policy cases of issue 14 (the first mini-batch of a GRPO step: ratio 1,
+- The dense on-policy cases (the first mini-batch of a GRPO step: ratio 1,
   no padding, every token with a gradient), where the GEMMs dominate and the bound is
   what counts: B = 8, T = 256, H = 512, V = 32768 and Qwen3's vocabulary, B = 4, T = 256,
   H = 1024, V = 151936, at one and two threads; and the first of them padded, beside.

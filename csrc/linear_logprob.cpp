@@ -1,4 +1,4 @@
-// CPU kernels of the linear ops (SPEC section 6): log-probs of the labels, and the
+// CPU kernels of the linear ops (docs/math.md, section 6): log-probs of the labels, and the
 // entropy, of softmax((h W^T + b) / temperature), and gradients, without [N, V] logits.
 //
 //   hadw_cpp::linear_logprob_forward    log-probs, entropy, lse, E_p[z] per row

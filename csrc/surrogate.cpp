@@ -1,4 +1,4 @@
-// CPU kernel of hadw_cpp::surrogate_loss (SPEC sections 2, 4 and 5): the clipped
+// CPU kernel of hadw_cpp::surrogate_loss (docs/math.md, sections 2, 4 and 5): the clipped
 // surrogate with HA-DW as config.LossConfig describes it (the options arrive resolved:
 // aggregation mode and KL estimator as their index in config.AGG_MODES /
 // config.KL_ESTIMATORS), in one pass over the tokens that writes the loss, its gradient

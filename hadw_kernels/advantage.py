@@ -1,4 +1,4 @@
-"""Group-relative advantages and the HA-DW weights Phi (SPEC sections 2 and 4).
+"""Group-relative advantages and the HA-DW weights Phi (docs/math.md, sections 2 and 4).
 
 Plain PyTorch: this is the reference that every kernel's advantage is tested against,
 and the building block for users who wire their own loss.

@@ -115,7 +115,7 @@ class LossPreset:
 LOSS_PRESETS = {
     "grpo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", sequence_level=False,
                        clip_range=(0.2, 0.2)),
-    # DAPO's decoupled clip (SPEC section 5).
+    # DAPO's decoupled clip (docs/math.md, section 5).
     "dapo": LossPreset(normalize_std=True, loss_agg_mode="token-mean", sequence_level=False, clip_range=(0.2, 0.28)),
     # GSPO's sequence-level ranges from the seed's Table 8.
     "gspo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", sequence_level=True,

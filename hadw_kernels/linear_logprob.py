@@ -1,4 +1,4 @@
-"""Log-probs (and entropy) of labels from hidden states and the LM head (SPEC section 6).
+"""Log-probs (and entropy) of labels from hidden states and the LM head (docs/math.md, section 6).
 
 ``token_logprobs_reference`` materialises the [N, V] logits, as eager trainers do: it
 is the reference the chunked and fused paths are tested against, never a fast path.

@@ -1,4 +1,4 @@
-"""The clipped surrogate with HA-DW (SPEC section 5), as :class:`LossConfig` describes it.
+"""The clipped surrogate with HA-DW (docs/math.md, section 5), as :class:`LossConfig` describes it.
 
 Plain PyTorch with autograd: the reference every fast path is tested against, and the
 "torch" backend. It computes in the inputs' dtype, as eager PyTorch code would.

@@ -64,7 +64,7 @@ def test_loss_and_gradient_by_hand(loss_type, with_hadw):
 
 def _independent_loss_and_grad(logprobs, old, rewards, mask, group_size, loss_type, anchor, lam,
                                eps_low, eps_high, beta=0.0, ref=None, dual_clip=None):
-    """Loops over Python floats with the gradient written out by hand (SPEC section 5)."""
+    """Loops over Python floats with the gradient written out by hand (docs/math.md, section 5)."""
     batch, width = logprobs.shape
     lp, od, msk = logprobs.tolist(), old.tolist(), mask.tolist()
     rw = rewards.tolist()

@@ -1,4 +1,4 @@
-"""The graded arithmetic word problems (issue 16): right answers, a fixed held-out set
+"""The graded arithmetic word problems: right answers, a fixed held-out set
 that training never draws, and the math-verify scorer on the answers a model writes."""
 
 import re

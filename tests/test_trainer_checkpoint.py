@@ -1,4 +1,4 @@
-"""Checkpoints and resume (issue 12, items 10 and 14): no pickle of the trainer's own is
+"""Checkpoints and resume: no pickle of the trainer's own is
 ever loaded, a damaged checkpoint is named and skipped for the newest intact one, a torn
 last line of metrics.jsonl is ignored, and resuming a run that does not exist fails.
 

@@ -1,4 +1,4 @@
-"""Pretrained models for model.path (issue 16): a GGUF file, written here from a tiny
+"""Pretrained models for model.path: a GGUF file, written here from a tiny
 random Llama with the gguf package, goes through the same conversion path as the
 packaged SmolLM2 and comes out as the same model; packaged names resolve or say how to
 install them; vLLM's head_dim limit is checked for model.path too."""
@@ -73,5 +73,5 @@ def test_model_path_errors_come_from_validation(tmp_path):
     (odd / "config.json").write_text(json.dumps({"hidden_size": 96, "num_attention_heads": 2}))
     validate(load_config(None, [f"model.path={odd}", "rollout.engine=hf"]))
     if pretrained.importlib.util.find_spec("vllm") is not None:
-        # The head_dim check ran only for the built-in tiny model before (issue 16).
+        # The head_dim check ran only for the built-in tiny model before.
         assert "has head_dim 48" in error(odd, engine="vllm")

@@ -28,7 +28,7 @@ def default_threads(config) -> int:
     The tiny model: one. vLLM pins the process's threads, and a second OpenMP thread
     spinning on the pinned core made a tiny-model step 30x slower on 2 busy cores (6.6 s
     against 0.22 s). A real model (model.path) has work enough for every core: one
-    thread cost SmolLM2-135M 1.6x per step against two on 2 cores (issue 16).
+    thread cost SmolLM2-135M 1.6x per step against two on 2 cores.
     """
     if not config.model.path:
         return 1

@@ -1,4 +1,4 @@
-"""Triton kernels of ``hadw::surrogate_loss``: the clipped surrogate with HA-DW (SPEC
+"""Triton kernels of ``hadw::surrogate_loss``: the clipped surrogate with HA-DW (docs/math.md
 sections 2, 4 and 5) as ``config.LossConfig`` describes it, loss and gradient in one
 pass over the tokens.
 
@@ -16,7 +16,7 @@ Launches, in stream order, none of which reads a value back to the host:
    (deterministic, unlike float atomics) into the loss and the metrics vector.
 
 The per-token formulas (``policy_term``, ``kl_term``, ``token_weight``) are shared with
-the gradients-in-forward linear kernels (``linear_surrogate.py``). All arithmetic is in
+the gradients-in-forward linear kernels (``linear_logprob.py``). All arithmetic is in
 the compute dtype (fp32, or fp64 for fp64 log-probs); bf16 and fp16 inputs are widened on
 load. Offsets are int64. Masked positions are never read, so padding may hold inf or
 NaN; a NaN at a valid position makes the loss NaN (maximum and minimum propagate NaN
@@ -106,7 +106,7 @@ def round_to_bfloat16(x):
 
 @triton.jit
 def sign(x):
-    # sgn(0) = 0 (SPEC section 4): Phi of a zero advantage is lambda_scale; sgn(NaN) = 0
+    # sgn(0) = 0 (docs/math.md, section 4): Phi of a zero advantage is lambda_scale; sgn(NaN) = 0
     # as torch.sign.
     return tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0)).to(x.dtype)
 

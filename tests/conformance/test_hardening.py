@@ -1,4 +1,4 @@
-"""What a hostile user found (issue 12), held on every backend: data is data, padding
+"""What a hostile user found, held on every backend: data is data, padding
 reaches nothing, NaN in gives NaN out, empty batches give an exact zero, unchecked bad
 labels give NaN rather than a wrong number, and the KL keeps its digits near on-policy."""
 
