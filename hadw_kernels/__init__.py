@@ -3,13 +3,12 @@
 from .advantage import group_advantages, hadw_advantages, hadw_weights
 from .anchor import DifficultyAnchor
 from .backends import BackendUnavailable, available_backends
-from .config import AGG_MODES, DEFAULT_CLIP_RANGE, KL_ESTIMATORS, LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES
+from .config import AGG_MODES, KL_ESTIMATORS, LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES
 from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from .module import HADWGRPOLoss, LinearHADWGRPOLoss
 
 __all__ = [
     "AGG_MODES",
-    "DEFAULT_CLIP_RANGE",
     "KL_ESTIMATORS",
     "LOSS_PRESETS",
     "LOSS_TYPES",

@@ -13,9 +13,7 @@ module (``setup.py``), so the metric order and the option codes exist once.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-
-LOSS_TYPES = ("grpo", "dapo", "gspo", "dr_grpo")
+from dataclasses import dataclass
 
 # How per-token values v_t of valid tokens become the loss, each as sum_t w_t v_t with
 # the weight w_t of a token of response i (T_i valid tokens, S responses in the call,
@@ -123,10 +121,7 @@ LOSS_PRESETS = {
     "dr_grpo": LossPreset(normalize_std=False, loss_agg_mode="seq-mean-token-sum-norm", sequence_level=False,
                           clip_range=(0.2, 0.2)),
 }
-assert tuple(LOSS_PRESETS) == LOSS_TYPES
-
-# Kept for callers of the first release: the clip range of each preset.
-DEFAULT_CLIP_RANGE = {name: preset.clip_range for name, preset in LOSS_PRESETS.items()}
+LOSS_TYPES = tuple(LOSS_PRESETS)
 
 
 def _finite_positive(name: str, value) -> None:
@@ -234,13 +229,6 @@ class LossConfig:
                 "loss_agg_mode='seq-mean-token-sum-norm' with a loss_normalizer (gradient accumulation) "
                 "needs max_response_length: the constant length every micro-batch divides by"
             )
-
-    def replace(self, **changes) -> "LossConfig":
-        values = {field.name: getattr(self, field.name) for field in fields(self)}
-        values.update(changes)
-        config = LossConfig(**values)
-        config.validate()
-        return config
 
     def kernel_options(self) -> dict:
         """The resolved options as the ops take them (``ops.schemas``): names of modes
