@@ -33,7 +33,6 @@
 namespace hadw {
 namespace {
 
-static_assert(config::kAggCount == 5, "config.AGG_MODES changed: teach response_weight (surrogate.cpp) the new mode");
 static_assert(config::kMetricCount == 8, "config.METRIC_NAMES changed: fill the new metric in surrogate.cpp");
 
 double sign(double value) { return static_cast<double>((value > 0) - (value < 0)); }
@@ -373,36 +372,40 @@ at::Tensor compute_copy(const at::Tensor& tensor, at::ScalarType compute) {
   return tensor.detach().to(compute).contiguous();
 }
 
-// w_i of config.AGG_MODES (hadw_kernels/surrogate.py: token_weights).
+// w_i of config.AGG_MODES, from the mode's row of config.AGGREGATIONS
+// (hadw_kernels/surrogate.py: token_weights).
 std::vector<double> response_weights(const std::vector<int64_t>& lengths, int64_t width, int64_t loss_agg_mode,
                                      std::optional<double> loss_normalizer, std::optional<int64_t> max_length) {
+  const config::Aggregation& rule = config::kAggregations[loss_agg_mode];
   const int64_t batch = static_cast<int64_t>(lengths.size());
-  int64_t tokens = 0;
-  for (int64_t length : lengths) {
-    tokens += length;
+  double count = 1.0;
+  switch (rule.denominator) {
+    case config::kDenominatorTokens: {
+      int64_t tokens = 0;
+      for (int64_t length : lengths) {
+        tokens += length;
+      }
+      count = static_cast<double>(std::max<int64_t>(tokens, 1));
+      break;
+    }
+    case config::kDenominatorResponses:
+      count = static_cast<double>(std::max<int64_t>(batch, 1));
+      break;
+    case config::kDenominatorOne:
+      count = 1.0;
+      break;
+    default:
+      TORCH_CHECK(false, "hadw_cpp::surrogate_loss: config.AGGREGATIONS names an unknown denominator ",
+                  rule.denominator);
   }
-  const double responses = loss_normalizer.value_or(static_cast<double>(std::max<int64_t>(batch, 1)));
+  double base = loss_normalizer.value_or(count);
+  if (rule.times_max_length) {
+    base *= static_cast<double>(max_length.value_or(std::max<int64_t>(width, 1)));
+  }
   std::vector<double> weights(batch);
   for (int64_t row = 0; row < batch; ++row) {
-    double weight;
-    switch (loss_agg_mode) {
-      case config::kAggTokenMean:
-        weight = 1.0 / loss_normalizer.value_or(static_cast<double>(std::max<int64_t>(tokens, 1)));
-        break;
-      case config::kAggTokenSum:
-        weight = 1.0 / loss_normalizer.value_or(1.0);
-        break;
-      case config::kAggSeqMeanTokenMean:
-        weight = 1.0 / (static_cast<double>(std::max<int64_t>(lengths[row], 1)) * responses);
-        break;
-      case config::kAggSeqMeanTokenSum:
-        weight = 1.0 / responses;
-        break;
-      default:  // seq-mean-token-sum-norm
-        weight = 1.0 / (static_cast<double>(max_length.value_or(std::max<int64_t>(width, 1))) * responses);
-        break;
-    }
-    weights[row] = weight;
+    weights[row] = rule.per_response_mean ? 1.0 / (static_cast<double>(std::max<int64_t>(lengths[row], 1)) * base)
+                                          : 1.0 / base;
   }
   return weights;
 }

@@ -15,16 +15,37 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# How per-token values v_t of valid tokens become the loss, each as sum_t w_t v_t with
-# the weight w_t of a token of response i (T_i valid tokens, S responses in the call,
-# N valid tokens in the call, L the constant max_response_length); a loss_normalizer
-# replaces S (seq-mean-*) or N (token-mean) by the whole rollout batch's count.
-#   token-mean               1 / N                   (DAPO, TRL's bnpo/dapo)
-#   seq-mean-token-mean      1 / (T_i S)             (GRPO)
-#   seq-mean-token-sum       1 / S
-#   seq-mean-token-sum-norm  1 / (L S)               (Dr.GRPO)
-#   token-sum                1                       (verl's token-sum)
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+@dataclass(frozen=True)
+class Aggregation:
+    """How an aggregation mode turns per-token values v of valid tokens into the loss:
+    sum_i w_i sum_t v_it, with each valid token of response i weighed
+
+        w_i = 1 / (count x (T_i if per_response_mean) x (L if times_max_length))
+
+    ``count`` names the call's own count that a ``loss_normalizer`` replaces by the
+    whole rollout batch's: "tokens" (N, the valid tokens), "responses" (S, the rows),
+    or "one" (1: no count; a normaliser still divides). T_i is response i's valid
+    tokens (at least 1), L the constant max_response_length (default: the mask width).
+    Every backend reads this table (docs/math.md, section 5b)."""
+
+    count: str
+    per_response_mean: bool = False
+    times_max_length: bool = False
+
+    def __post_init__(self) -> None:
+        if self.count not in AGGREGATION_COUNTS:
+            raise ValueError(f"an aggregation counts one of {AGGREGATION_COUNTS}, got {self.count!r}")
+
+
+AGGREGATION_COUNTS = ("tokens", "responses", "one")
+AGGREGATIONS = {
+    "token-mean": Aggregation(count="tokens"),  # DAPO, TRL's bnpo/dapo
+    "seq-mean-token-mean": Aggregation(count="responses", per_response_mean=True),  # GRPO
+    "seq-mean-token-sum": Aggregation(count="responses"),
+    "seq-mean-token-sum-norm": Aggregation(count="responses", times_max_length=True),  # Dr.GRPO
+    "token-sum": Aggregation(count="one"),  # verl's token-sum
+}
+AGG_MODES = tuple(AGGREGATIONS)
 
 # KL(pi || pi_ref) estimators from the token log-probs, as verl's kl_penalty (k3 is its
 # low_var_kl, with its clamps): x = logp - ref.

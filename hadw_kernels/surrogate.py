@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .advantage import group_advantages, hadw_weights
-from .config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LOG_RATIO_CLAMP, METRIC_NAMES, LossConfig
+from .config import AGGREGATIONS, K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LOG_RATIO_CLAMP, METRIC_NAMES, LossConfig
 
 
 def clipped_objective(ratio: torch.Tensor, advantage: torch.Tensor, config: LossConfig) -> torch.Tensor:
@@ -40,46 +40,32 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     return (torch.expm1(ref_delta) - ref_delta).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
 
 
-def response_count(batch: int, config: LossConfig) -> float:
-    """S of the seq-mean modes: the caller's normaliser, else the responses in the call."""
-    return config.loss_normalizer or max(batch, 1)
-
-
 def aggregate(values: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """Reduces per-token values [B, T] to the loss by ``config.loss_agg_mode``."""
-    masked = torch.where(mask, values, torch.zeros_like(values))
-    mode = config.loss_agg_mode
-    if mode == "token-mean":
-        return masked.sum() / (config.loss_normalizer or mask.sum().clamp(min=1))
-    if mode == "token-sum":
-        return masked.sum() / (config.loss_normalizer or 1)
-    responses = response_count(values.shape[0], config)
-    sums = masked.sum(dim=-1)
-    if mode == "seq-mean-token-mean":
-        return (sums / mask.sum(dim=-1).clamp(min=1)).sum() / responses
-    if mode == "seq-mean-token-sum":
-        return sums.sum() / responses
-    max_length = config.max_response_length or max(values.shape[1], 1)
-    return sums.sum() / (max_length * responses)
+    """Reduces per-token values [B, T] to the loss by ``config.loss_agg_mode``:
+    sum_i w_i sum_t v_it over the valid tokens, w from :func:`token_weights`."""
+    sums = torch.where(mask, values, torch.zeros_like(values)).sum(dim=-1)
+    return (sums * token_weights(mask, config).to(sums.dtype)).sum()
 
 
 def token_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """w_i [B]: the weight of each valid token of response i in :func:`aggregate`, so
-    that aggregate(v) = sum_i w_i sum_t v_it. Float64, for the kernels that take it."""
+    """w_i [B]: the weight of each valid token of response i, by the mode's row of
+    :data:`config.AGGREGATIONS`. Float64, for the kernels that take it."""
+    rule = AGGREGATIONS[config.loss_agg_mode]
     lengths = mask.sum(dim=-1).to(torch.float64)
-    mode = config.loss_agg_mode
-    if mode == "token-mean":
-        denominator = config.loss_normalizer or lengths.sum().clamp(min=1)
-        return torch.ones_like(lengths) / denominator
-    if mode == "token-sum":
-        return torch.ones_like(lengths) / (config.loss_normalizer or 1)
-    responses = response_count(mask.shape[0], config)
-    if mode == "seq-mean-token-mean":
-        return 1.0 / (lengths.clamp(min=1) * responses)
-    if mode == "seq-mean-token-sum":
-        return torch.full_like(lengths, 1.0 / responses)
-    max_length = config.max_response_length or max(mask.shape[1], 1)
-    return torch.full_like(lengths, 1.0 / (max_length * responses))
+    if rule.count == "tokens":
+        count = config.loss_normalizer or lengths.sum().clamp(min=1)
+    elif rule.count == "responses":
+        count = config.loss_normalizer or max(mask.shape[0], 1)
+    elif rule.count == "one":
+        count = config.loss_normalizer or 1
+    else:
+        raise ValueError(f"aggregation count {rule.count!r} has no meaning here")
+    weights = torch.ones_like(lengths) / count
+    if rule.per_response_mean:
+        weights = weights / lengths.clamp(min=1)
+    if rule.times_max_length:
+        weights = weights / (config.max_response_length or max(mask.shape[1], 1))
+    return weights
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

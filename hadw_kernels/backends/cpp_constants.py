@@ -27,6 +27,11 @@ def constants(config) -> dict:
     return {
         "metric_names": list(config["METRIC_NAMES"]),
         "agg_modes": list(config["AGG_MODES"]),
+        "aggregation_counts": list(config["AGGREGATION_COUNTS"]),
+        "aggregations": [
+            [config["AGGREGATION_COUNTS"].index(rule.count), int(rule.per_response_mean), int(rule.times_max_length)]
+            for rule in config["AGGREGATIONS"].values()
+        ],
         "kl_estimators": list(config["KL_ESTIMATORS"]),
         "log_ratio_clamp": float(config["LOG_RATIO_CLAMP"]),
         "k3_log_ratio_clamp": float(config["K3_LOG_RATIO_CLAMP"]),
@@ -59,6 +64,17 @@ def header(config) -> str:
     codes("Metric", values["metric_names"])
     codes("Agg", values["agg_modes"])
     codes("Kl", values["kl_estimators"])
+    codes("Denominator", values["aggregation_counts"])
+    lines.append("// Per aggregation mode (config.AGGREGATIONS): {denominator (a kDenominator code), per-response mean, times L}.")
+    lines.append("struct Aggregation {")
+    lines.append("  int64_t denominator;")
+    lines.append("  bool per_response_mean;")
+    lines.append("  bool times_max_length;")
+    lines.append("};")
+    rows = ", ".join(f"{{{count}, {bool(mean)!s:.5}, {bool(length)!s:.5}}}".lower()
+                     for count, mean, length in values["aggregations"])
+    lines.append(f"constexpr Aggregation kAggregations[kAggCount] = {{{rows}}};")
+    lines.append("")
     for key in ("log_ratio_clamp", "k3_log_ratio_clamp", "k3_value_clamp"):
         lines.append(f"constexpr double k{_identifier(key)} = {values[key]!r};")
     lines.append("// The CPU's default blocks of the linear loss (config.block_rows_for).")

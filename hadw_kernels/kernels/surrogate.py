@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ..config import (
     AGG_MODES,
+    AGGREGATIONS,
     K3_LOG_RATIO_CLAMP,
     K3_VALUE_CLAMP,
     KL_ESTIMATORS,
@@ -78,10 +79,6 @@ _RESPONSE_WEIGHTS = tl.constexpr(2)
 _KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
 _KL_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
 _KL_K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
-_TOKEN_MEAN = AGG_MODES.index("token-mean")
-_TOKEN_SUM = AGG_MODES.index("token-sum")
-_SEQ_MEAN_TOKEN_MEAN = AGG_MODES.index("seq-mean-token-mean")
-_SEQ_MEAN_TOKEN_SUM_NORM = AGG_MODES.index("seq-mean-token-sum-norm")
 
 _LOG_RATIO_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)
 _K3_LOG_RATIO_CLAMP = tl.constexpr(K3_LOG_RATIO_CLAMP)
@@ -496,17 +493,19 @@ def aggregation(
     loss_agg_mode: int, loss_normalizer: float | None, max_response_length: int | None, batch: int, width: int
 ) -> tuple[float, bool, bool]:
     """(denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of ``token_weight`` for an
-    aggregation mode (surrogate.token_weights)."""
-    if loss_agg_mode == _TOKEN_MEAN:
-        return (loss_normalizer or 1.0), False, loss_normalizer is None
-    if loss_agg_mode == _TOKEN_SUM:
-        return (loss_normalizer or 1.0), False, False
-    responses = loss_normalizer or float(max(batch, 1))
-    if loss_agg_mode == _SEQ_MEAN_TOKEN_MEAN:
-        return responses, True, False
-    if loss_agg_mode == _SEQ_MEAN_TOKEN_SUM_NORM:
-        return float(max_response_length or max(width, 1)) * responses, False, False
-    return responses, False, False
+    aggregation mode, from its row of config.AGGREGATIONS (surrogate.token_weights)."""
+    rule = AGGREGATIONS[AGG_MODES[loss_agg_mode]]
+    count_tokens = rule.count == "tokens" and loss_normalizer is None
+    if count_tokens and (rule.per_response_mean or rule.times_max_length):
+        # token_weight's device count stands alone: teach it the other factors first.
+        raise NotImplementedError(f"the Triton surrogate cannot weigh {AGG_MODES[loss_agg_mode]!r} yet")
+    if rule.count == "responses":
+        denominator = loss_normalizer or float(max(batch, 1))
+    else:  # "tokens" (counted on the device unless normalised) or "one"
+        denominator = loss_normalizer or 1.0
+    if rule.times_max_length:
+        denominator *= float(max_response_length or max(width, 1))
+    return denominator, rule.per_response_mean, count_tokens
 
 
 # --- the op's implementation ----------------------------------------------------------------

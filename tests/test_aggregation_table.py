@@ -1,0 +1,74 @@
+"""config.AGGREGATIONS is the one description of the aggregation modes: the reference
+and every backend read it. A mode's weights come out of the reference and the Triton
+host code as the table says, and the C++ build carries the table it was compiled with."""
+
+import json
+
+import pytest
+import torch
+
+from hadw_kernels import config
+from hadw_kernels.backends import cpp_constants
+from hadw_kernels.config import AGG_MODES, AGGREGATIONS, LossConfig
+from hadw_kernels.surrogate import aggregate, token_weights
+
+
+def _expected(rule, lengths, width, normalizer, max_length):
+    count = {"tokens": sum(lengths), "responses": len(lengths), "one": 1}[rule.count]
+    base = normalizer or max(count, 1)
+    if rule.times_max_length:
+        base *= max_length or width
+    return [1.0 / (base * (max(n, 1) if rule.per_response_mean else 1)) for n in lengths]
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("normalizer", [None, 7.0])
+def test_reference_weights_follow_the_table(mode, normalizer):
+    lengths = [3, 0, 5, 1]
+    mask = torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]
+    loss_config = LossConfig.build("grpo", None, loss_agg_mode=mode, loss_normalizer=normalizer,
+                                   max_response_length=9 if normalizer else None)
+    expected = _expected(AGGREGATIONS[mode], lengths, 6, normalizer, loss_config.max_response_length)
+    assert token_weights(mask, loss_config).tolist() == pytest.approx(expected, rel=1e-15)
+    values = torch.randn(4, 6, dtype=torch.float64)
+    direct = sum(w * float(values[i, :n].sum()) for i, (w, n) in enumerate(zip(expected, lengths)))
+    assert float(aggregate(values, mask, loss_config)) == pytest.approx(direct, rel=1e-12)
+
+
+def test_triton_host_code_follows_the_table():
+    surrogate = pytest.importorskip("hadw_kernels.kernels.surrogate", exc_type=ImportError)
+    for index, mode in enumerate(AGG_MODES):
+        rule = AGGREGATIONS[mode]
+        denominator, per_response_mean, count_tokens = surrogate.aggregation(index, None, 9, 4, 6)
+        assert per_response_mean == rule.per_response_mean
+        assert count_tokens == (rule.count == "tokens")
+        if not count_tokens:
+            count = {"responses": 4, "one": 1}[rule.count]
+            assert denominator == count * (9 if rule.times_max_length else 1)
+
+
+def test_a_new_row_reaches_every_backend(monkeypatch):
+    """A mode appended to the table is read by the reference and the Triton host code,
+    and changes the C++ header and fingerprint (a stale build is refused by the cpp
+    backend's fingerprint check, cpp_backend.py)."""
+    rows = dict(AGGREGATIONS, **{"seq-sum-norm-mean": config.Aggregation(count="responses", per_response_mean=True,
+                                                                         times_max_length=True)})
+    monkeypatch.setattr(config, "AGGREGATIONS", rows)
+    monkeypatch.setattr(config, "AGG_MODES", tuple(rows))
+    namespace = dict(vars(config))
+    header = cpp_constants.header(namespace)
+    assert "kAggCount = 6" in header and "{1, true, true}" in header
+    assert json.loads(json.dumps(cpp_constants.fingerprint(namespace)))["aggregations"][-1] == [1, 1, 1]
+    import hadw_kernels.surrogate as reference
+
+    monkeypatch.setattr(reference, "AGGREGATIONS", rows)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    loss_config = LossConfig(group_size=None, normalize_std=True, loss_agg_mode="token-mean", sequence_level=False,
+                             epsilon_low=0.2, epsilon_high=0.2, max_response_length=10)
+    object.__setattr__(loss_config, "loss_agg_mode", "seq-sum-norm-mean")
+    assert token_weights(mask, loss_config).tolist() == pytest.approx([1 / (2 * 10 * 2), 1 / (1 * 10 * 2)])
+
+
+def test_an_unknown_count_is_refused():
+    with pytest.raises(ValueError, match="aggregation counts one of"):
+        config.Aggregation(count="tokens-squared")
