@@ -200,8 +200,8 @@ def fused_linear_hadw_grpo_loss(
     # Padding is masked out of the loss; as ignored labels its rows enter no GEMM, and
     # labels there are never checked or read.
     labels = labels.masked_fill(~response_mask.bool(), ignore_index)
+    check_label_range(labels, lm_head_weight.shape[0], ignore_index)
     if check_values:
-        check_label_range(labels, lm_head_weight.shape[0], ignore_index)
         check_hidden_values(hidden_states, labels != ignore_index)
     implementation = resolve_backend(backend, hidden_states.device)
     path = _linear_path(linear_path, implementation, config, hidden_states.device)
@@ -294,11 +294,11 @@ def token_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, T] of ``labels`` under softmax(h W^T / temperature), without the
     logits: e.g. the old policy's log-probs before an update. Differentiable; returns
-    ``(logprobs, entropy)`` with ``with_entropy=True``. Ignored labels give 0, a label
-    outside the vocabulary NaN (an error with ``check_values``)."""
+    ``(logprobs, entropy)`` with ``with_entropy=True``. Ignored labels give 0; a label
+    outside the vocabulary is an error on every call (``check_values`` or not).
+    ``check_values`` is kept for symmetry with the losses; nothing else here reads values."""
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
-    if check_values:
-        check_label_range(labels, lm_head_weight.shape[0], ignore_index)
+    check_label_range(labels, lm_head_weight.shape[0], ignore_index)
     logprobs, entropy = _batched_token_logprobs(
         resolve_backend(backend, hidden_states.device),
         hidden_states,
