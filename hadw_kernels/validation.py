@@ -244,6 +244,13 @@ def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> No
         )
 
 
+def check_temperature(temperature) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}")
+
+
 def check_linear_inputs(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -282,10 +289,7 @@ def check_linear_inputs(
             raise ValueError(f"lm_head_bias must be [V] = [{lm_head_weight.shape[0]}], got {_shape(lm_head_bias)}")
         if lm_head_bias.dtype != lm_head_weight.dtype:
             raise TypeError(f"lm_head_bias ({lm_head_bias.dtype}) must share the LM head's dtype ({lm_head_weight.dtype})")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        math.isfinite(temperature) and temperature > 0
-    ):
-        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}")
+    check_temperature(temperature)
     devices = {hidden_states.device, lm_head_weight.device, labels.device}
     if len(devices) > 1:
         raise ValueError(f"hidden_states, lm_head_weight and labels must be on one device, got {devices}")
