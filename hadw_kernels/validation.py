@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .config import LossConfig
+from .config import LossConfig, _finite_positive
 from .ops import accumulate_dtype
 
 
@@ -156,6 +156,19 @@ def check_surrogate_inputs(
         )
 
 
+def check_advantage_options(rewards: torch.Tensor, anchor, lambda_scale, std_eps) -> None:
+    """``hadw_advantages``' checks: the fused loss's own on the same values (anchor a
+    finite belief in [0, 1], lambda_scale and std_eps finite and positive, finite
+    rewards, in [0, 1] with an anchor), with its messages. Values are always read: one
+    host sync on CUDA, once per rollout batch."""
+    _finite_positive("std_eps", std_eps)
+    _finite_positive("lambda_scale", lambda_scale)
+    check_anchor(anchor)
+    if isinstance(anchor, torch.Tensor):
+        anchor = anchor.to(rewards.device)  # (a 0-d CPU anchor with CUDA rewards is accepted)
+    _check_values(None, None, None, rewards, None, anchor, hadw=anchor is not None)
+
+
 def _check_group_index(group_index: torch.Tensor, group_size: int) -> None:
     """Rows come in contiguous, complete groups: a trainer that shuffled rows (TRL with
     steps_per_generation > 1, verl's balance_batch) would otherwise get wrong advantages."""
@@ -185,7 +198,7 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
     if isinstance(anchor, (int, float)) and not math.isfinite(anchor):
         raise ValueError(f"anchor must be finite, got {anchor}")
     probes = {}
-    if response_mask.dtype != torch.bool:
+    if response_mask is not None and response_mask.dtype != torch.bool:
         # m (1 - m) is 0 exactly for m in {0, 1} (NaN for NaN).
         probes["mask"] = (response_mask * (1 - response_mask)).any()
     per_token = [t for t in (logprobs, old_logprobs) if t is not None]

@@ -147,3 +147,44 @@ def test_rewards_path_checks_shuffled_rows_only_with_group_index():
         fused_hadw_grpo_loss(**shuffled, group_index=group_index[order])
     fused_hadw_grpo_loss(data["logprobs"], data["old"], data["rewards"], data["mask"], group_size=GROUP_SIZE,
                          group_index=group_index)
+
+
+@pytest.mark.parametrize("grouping", ["group_size", "group_index"])
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(anchor=7.0), r"anchor must lie in \[0, 1\]"),
+        (dict(anchor=float("nan")), r"anchor must lie in \[0, 1\]"),
+        (dict(anchor=torch.tensor(7.0)), r"anchor must be finite and in \[0, 1\]"),
+        (dict(anchor=torch.tensor(float("nan"))), r"anchor must be finite and in \[0, 1\]"),
+        (dict(anchor=0.5, lambda_scale=-1.0), "lambda_scale must be a finite positive number"),
+        (dict(lambda_scale=0.0), "lambda_scale must be a finite positive number"),
+        (dict(std_eps=float("inf")), "std_eps must be a finite positive number"),
+        (dict(anchor=0.5, rewards_scale=2.0), r"rewards must lie in \[0, 1\] with HA-DW"),
+        (dict(anchor=0.5, rewards_shift=-1.0), r"rewards must lie in \[0, 1\] with HA-DW"),
+        (dict(rewards_nan=True), "rewards contain NaN or inf"),
+    ],
+    ids=str,
+)
+def test_hadw_advantages_refuse_what_the_fused_loss_refuses(grouping, options, match):
+    """The same checks and messages as the fused loss: hadw_advantages accepted each of
+    these and returned finite (or NaN) advantages the loss itself would have refused."""
+    options = dict(options)
+    rewards = rollout_batch()["rewards"] * options.pop("rewards_scale", 1.0) + options.pop("rewards_shift", 0.0)
+    if options.pop("rewards_nan", False):
+        rewards = rewards.clone()
+        rewards[5] = float("nan")
+    grouping_kwargs = (dict(group_size=GROUP_SIZE) if grouping == "group_size"
+                       else dict(group_index=torch.arange(rewards.numel()) // GROUP_SIZE))
+    with pytest.raises(ValueError, match=match):
+        hadw_advantages(rewards, **grouping_kwargs, **options)
+    loss_options = {key: value for key, value in options.items() if key != "std_eps"}
+    with pytest.raises(ValueError, match=match):  # the fused loss's own message
+        batch = GROUPS * GROUP_SIZE
+        fused_hadw_grpo_loss(torch.zeros(batch, 2), None, rewards, torch.ones(batch, 2), group_size=GROUP_SIZE,
+                             std_eps=options.get("std_eps"), **loss_options)
+
+
+def test_hadw_advantages_accept_rewards_outside_the_unit_interval_without_anchor():
+    rewards = rollout_batch()["rewards"] * 3 - 1
+    assert torch.isfinite(hadw_advantages(rewards, group_size=GROUP_SIZE)).all()
