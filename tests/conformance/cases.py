@@ -205,6 +205,24 @@ def linear_batch(seed: int, batch: int = 8, width: int = 13, hidden: int = 24, v
     return data
 
 
+def mask_vocabulary(data: dict) -> dict:
+    """Vocabulary masking through the LM head's bias, as a trainer bans tokens: -inf at
+    the first 70 columns (a whole tile of the torch backend's 64) and at every 7th, the
+    valid labels moved to unmasked columns. Each row's logits then hold -inf next to a
+    finite max: the entropy's p log p and p (z - E[z]) must be 0 there, not NaN."""
+    data = dict(data)
+    vocab = data["lm_head_weight"].shape[0]
+    masked = torch.zeros(vocab, dtype=torch.bool)
+    masked[:70] = True
+    masked[::7] = True
+    data["lm_head_bias"] = data["lm_head_bias"].masked_fill(masked, float("-inf"))
+    allowed = (~masked).nonzero().flatten()
+    labels = data["labels"]
+    inside = (labels >= 0) & (labels < vocab)
+    data["labels"] = torch.where(inside, allowed[labels.clamp(0, vocab - 1) % allowed.numel()], labels)
+    return data
+
+
 def run_linear_loss(backend: str, hidden_states, lm_head_weight, labels, response_mask, kwargs, *,
                     lm_head_bias=None, linear_path="auto", upstream=UPSTREAM) -> Outputs:
     leaves = [hidden_states.detach().requires_grad_(), lm_head_weight.detach().requires_grad_()]
