@@ -81,9 +81,10 @@ def fused_hadw_grpo_loss(
         beta, kl_estimator, ref_logprobs: KL penalty to a reference policy, aggregated
             like the loss; estimators k1, k2, k3 (verl's low_var_kl), abs.
         dual_clip: c > 1 bounding the loss of negative advantages, or None.
-        importance_weights: detached rollout-engine correction, [B, T] or [B]. At
-            sequence level a [B, T] weight multiplies each token's share of the loss
-            (verl's rollout_is_weights).
+        importance_weights: detached rollout-engine correction, [B, T] or [B]. A
+            sequence-level loss (GSPO) takes [B] only: its ratio is per response, and
+            [B, T] is refused (verl's gspo multiplies each token's share by its own
+            weight; reduce per-token weights first, e.g. to their mean per response).
         loss_normalizer: the batch's count that replaces this call's in the aggregation
             (valid tokens for token-mean, responses for the seq-mean modes): pass the
             whole rollout batch's count to every micro-batch and their losses add up to

@@ -140,6 +140,14 @@ def check_surrogate_inputs(
             raise ValueError(
                 f"importance_weights must have shape {(batch,)} or {_shape(logprobs)}, got {_shape(importance_weights)}"
             )
+        if config.sequence_level and importance_weights.dim() == 2:
+            raise ValueError(
+                f"a sequence-level loss (GSPO) takes importance_weights [B] = [{batch}], one per response, got "
+                f"{_shape(importance_weights)}: its ratio is per response, and per-token weights would weigh each "
+                "token's share of one response's loss differently. Reduce them first (e.g. each response's mean "
+                "over its valid tokens, as TRL's sequence level does). Stricter than verl, whose GSPO multiplies "
+                "each token's loss by its own rollout_is_weights"
+            )
         tensors["importance_weights"] = importance_weights
     check_anchor(anchor)
     if isinstance(anchor, torch.Tensor):

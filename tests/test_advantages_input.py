@@ -42,6 +42,11 @@ def batch_advantages(data, loss_type, with_hadw):
     )
 
 
+def importance_weights(data, loss_type):
+    """Per token, or one per response for a sequence-level loss (which refuses [B, T])."""
+    return data["weights"][:, 0] if LOSS_PRESETS[loss_type].sequence_level else data["weights"]
+
+
 def loss_and_gradient(rows, data, advantages, loss_type, mode, **options):
     """The loss on the given rows, cut to their own width, and its gradient written
     back into a full [B, T] tensor."""
@@ -51,7 +56,8 @@ def loss_and_gradient(rows, data, advantages, loss_type, mode, **options):
     loss = fused_hadw_grpo_loss(
         logprobs, data["old"][rows, :width], response_mask=mask[:, :width], advantages=advantages[rows],
         loss_type=loss_type, loss_agg_mode=mode, beta=0.1, ref_logprobs=data["ref"][rows, :width],
-        importance_weights=data["weights"][rows, :width], **options,
+        importance_weights=weights[rows] if (weights := importance_weights(data, loss_type)).dim() == 1
+        else weights[rows, :width], **options,
     )
     loss.backward()
     gradient = torch.zeros_like(data["logprobs"])
@@ -71,7 +77,7 @@ def test_advantages_equal_the_rewards_path_on_whole_groups(loss_type, with_hadw)
         logprobs = data["logprobs"].clone().requires_grad_()
         loss = fused_hadw_grpo_loss(
             logprobs, data["old"], response_mask=data["mask"], loss_type=loss_type, lambda_scale=LAMBDA,
-            beta=0.1, ref_logprobs=data["ref"], importance_weights=data["weights"], **inputs,
+            beta=0.1, ref_logprobs=data["ref"], importance_weights=importance_weights(data, loss_type), **inputs,
         )
         loss.backward()
         results.append((loss.detach(), logprobs.grad))

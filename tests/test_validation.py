@@ -230,3 +230,17 @@ def test_modules_accept_good_options():
 
     HADWGRPOLoss(loss_type="dapo", group_size=4, beta=0.04, backend="torch")
     LinearHADWGRPOLoss(loss_type="gspo", temperature=0.7, block_rows=64, linear_path="recompute", entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("options", [dict(loss_type="gspo"), dict(loss_type="grpo", sequence_level=True)],
+                         ids=["gspo", "sequence_level"])
+def test_sequence_level_refuses_per_token_importance_weights(options):
+    """GSPO's ratio is per response: [B, T] importance weights are refused before any
+    backend runs (verl's gspo accepts them), [B] ones accepted."""
+    from hadw_kernels import fused_hadw_grpo_loss
+
+    logprobs = -torch.rand(4, 3, dtype=torch.float64)
+    call = dict(rewards=torch.tensor([0.0, 1.0, 1.0, 0.0]), response_mask=torch.ones(4, 3), group_size=2, **options)
+    with pytest.raises(ValueError, match=r"sequence-level loss \(GSPO\) takes importance_weights \[B\] = \[4\]"):
+        fused_hadw_grpo_loss(logprobs, logprobs - 0.1, importance_weights=torch.ones(4, 3), **call)
+    assert torch.isfinite(fused_hadw_grpo_loss(logprobs, logprobs - 0.1, importance_weights=torch.ones(4), **call))

@@ -15,7 +15,7 @@ import torch
 
 from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from hadw_kernels.backends import load_backend
-from hadw_kernels.config import LossConfig
+from hadw_kernels.config import LOSS_PRESETS, LossConfig
 from hadw_kernels.linear_logprob import token_logprobs_reference
 from hadw_kernels.surrogate import surrogate_loss as reference_surrogate
 
@@ -105,8 +105,12 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 def loss_kwargs(batch: dict, loss_type: str, variant: Variant) -> dict:
     """The keyword arguments of one call, batch tensors still in float64 on the CPU."""
     kwargs = dict(loss_type=loss_type, **variant.options)
+    sequence_level = kwargs.get("sequence_level", LOSS_PRESETS[loss_type].sequence_level)
     for name in variant.tensors:
-        if name == "token_weights":
+        if name == "token_weights" and sequence_level:
+            # A sequence-level loss takes one weight per response (per-token ones are refused).
+            kwargs["importance_weights"] = batch["response_weights"]
+        elif name == "token_weights":
             kwargs["importance_weights"] = batch["token_weights"]
         elif name == "response_weights":
             kwargs["importance_weights"] = batch["response_weights"]

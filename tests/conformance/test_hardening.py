@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cases import GROUP_SIZE, linear_batch, surrogate_batch
-from hadw_kernels import LOSS_TYPES, METRIC_NAMES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
+from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 
 
 def _clean_batch(device, dtype=torch.float32, seed=0):
@@ -28,10 +28,12 @@ def test_data_inputs_receive_no_gradient(backend, device, loss_type):
     the same policy gradient as detached ones, and no data tensor gets a gradient."""
     batch = _clean_batch(device)
     logprobs = batch["logprobs"].clone().requires_grad_()
-    data = {name: batch[name].clone().requires_grad_() for name in ("rewards", "ref_logprobs", "token_weights")}
+    # A sequence-level loss takes one weight per response.
+    weights = "response_weights" if LOSS_PRESETS[loss_type].sequence_level else "token_weights"
+    data = {name: batch[name].clone().requires_grad_() for name in ("rewards", "ref_logprobs", weights)}
     loss = fused_hadw_grpo_loss(
         logprobs, logprobs, data["rewards"], batch["response_mask"], group_size=GROUP_SIZE, loss_type=loss_type,
-        anchor=0.4, beta=0.1, ref_logprobs=data["ref_logprobs"], importance_weights=data["token_weights"],
+        anchor=0.4, beta=0.1, ref_logprobs=data["ref_logprobs"], importance_weights=data[weights],
         backend=backend,
     )
     loss.backward()
@@ -39,7 +41,7 @@ def test_data_inputs_receive_no_gradient(backend, device, loss_type):
     expected = fused_hadw_grpo_loss(
         detached, logprobs.detach(), batch["rewards"], batch["response_mask"], group_size=GROUP_SIZE,
         loss_type=loss_type, anchor=0.4, beta=0.1, ref_logprobs=batch["ref_logprobs"],
-        importance_weights=batch["token_weights"], backend=backend,
+        importance_weights=batch[weights], backend=backend,
     )
     expected.backward()
     torch.testing.assert_close(logprobs.grad, detached.grad)
