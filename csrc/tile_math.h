@@ -107,6 +107,14 @@ struct SoftmaxState {
   T entropy() const { return std::log(sum) - shifted / sum; }
 };
 
+// An offset z - shift, or 0 where it is -inf (a -inf logit: vocabulary masking), whose
+// weight exp(-inf) is 0: the entropy's p log p and p (z - E[z]) are then 0, not
+// 0 * -inf = NaN (docs/math.md, section 8, "Entropy"). A NaN stays NaN.
+template <typename T>
+HADW_ALWAYS_INLINE T finite_offset(T offset) {
+  return offset == -std::numeric_limits<T>::infinity() ? T(0) : offset;
+}
+
 // The sums of one row of logits z relative to `shift` (at least the row's largest):
 //   sum = sum exp(z - shift),  shifted = sum exp(z - shift) (z - shift),
 // and with keep_numerators, z[col] replaced by exp(z[col] - shift).
@@ -123,7 +131,7 @@ HADW_ALWAYS_INLINE void portable_row_sums(T* z, int64_t cols, T shift, bool keep
       const T offset = z[col] - shift;
       const T weight = vector_exp(offset);
       sum += weight;
-      shifted += weight * offset;
+      shifted += weight * finite_offset(offset);
       z[col] = weight;
     }
   } else {
@@ -132,7 +140,7 @@ HADW_ALWAYS_INLINE void portable_row_sums(T* z, int64_t cols, T shift, bool keep
       const T offset = z[col] - shift;
       const T weight = vector_exp(offset);
       sum += weight;
-      shifted += weight * offset;
+      shifted += weight * finite_offset(offset);
     }
   }
   *sum_out = sum;
@@ -171,6 +179,7 @@ __attribute__((target("avx512f"))) inline void avx512_row_sums(float* z, int64_t
                                                                bool keep_numerators, const float* next,
                                                                float* sum_out, float* shifted_out) {
   const __m512 shifts = _mm512_set1_ps(shift);
+  const __m512 minus_infinity = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 sum = _mm512_setzero_ps();
   __m512 shifted = _mm512_setzero_ps();
   for (int64_t col = 0; col < cols; col += 16) {
@@ -181,7 +190,9 @@ __attribute__((target("avx512f"))) inline void avx512_row_sums(float* z, int64_t
     const __m512 offset = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, z + col), shifts);
     const __m512 weight = _mm512_maskz_mov_ps(lanes, exp_avx512(offset));
     sum = _mm512_add_ps(sum, weight);
-    shifted = _mm512_mask3_fmadd_ps(weight, offset, shifted, lanes);
+    // finite_offset: a -inf offset adds nothing (NEQ_UQ keeps NaN lanes).
+    const __mmask16 finite = _mm512_mask_cmp_ps_mask(lanes, offset, minus_infinity, _CMP_NEQ_UQ);
+    shifted = _mm512_mask3_fmadd_ps(weight, offset, shifted, finite);
     if (keep_numerators) {
       _mm512_mask_storeu_ps(z + col, lanes, weight);
     }
@@ -230,6 +241,7 @@ __attribute__((target("avx2,fma"))) inline void avx2_row_sums(float* z, int64_t 
                                                               bool keep_numerators, const float* next,
                                                               float* sum_out, float* shifted_out) {
   const __m256 shifts = _mm256_set1_ps(shift);
+  const __m256 minus_infinity = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   __m256 shifted[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t col = 0;
@@ -241,7 +253,9 @@ __attribute__((target("avx2,fma"))) inline void avx2_row_sums(float* z, int64_t 
       const __m256 offset = _mm256_sub_ps(_mm256_loadu_ps(z + col + 8 * part), shifts);
       const __m256 weight = exp_avx2(offset);
       sum[part] = _mm256_add_ps(sum[part], weight);
-      shifted[part] = _mm256_fmadd_ps(weight, offset, shifted[part]);
+      // finite_offset: a -inf offset counts as 0 (NEQ_UQ keeps NaN lanes).
+      const __m256 finite = _mm256_and_ps(offset, _mm256_cmp_ps(offset, minus_infinity, _CMP_NEQ_UQ));
+      shifted[part] = _mm256_fmadd_ps(weight, finite, shifted[part]);
       if (keep_numerators) {
         _mm256_storeu_ps(z + col + 8 * part, weight);
       }
@@ -253,7 +267,8 @@ __attribute__((target("avx2,fma"))) inline void avx2_row_sums(float* z, int64_t 
                                         _mm256_castsi256_ps(lanes));
     const __m256 weight = _mm256_and_ps(exp_avx2(offset), _mm256_castsi256_ps(lanes));
     sum[0] = _mm256_add_ps(sum[0], weight);
-    shifted[0] = _mm256_fmadd_ps(weight, offset, shifted[0]);
+    const __m256 finite = _mm256_and_ps(offset, _mm256_cmp_ps(offset, minus_infinity, _CMP_NEQ_UQ));
+    shifted[0] = _mm256_fmadd_ps(weight, finite, shifted[0]);
     if (keep_numerators) {
       _mm256_maskstore_ps(z + col, lanes, weight);
     }
@@ -501,7 +516,9 @@ HADW_ALWAYS_INLINE void logit_gradient_rows(const T* z, int64_t z_ld, const int6
 #pragma omp simd
       for (int64_t col = 0; col < cols; ++col) {
         const T logit = logits[col];
-        grad[col] = -vector_exp(logit - row_lse) * (g + e * (logit - row_mean)) * scale;
+        // At a -inf logit p = 0 and the entropy term p (z - E[z]) is 0 (finite_offset).
+        const T centred = logit == -std::numeric_limits<T>::infinity() ? T(0) : logit - row_mean;
+        grad[col] = -vector_exp(logit - row_lse) * (g + e * centred) * scale;
       }
     }
     const int64_t label_column = labels[row] - first_column;

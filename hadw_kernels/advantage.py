@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS
+from .validation import check_advantage_options
 
 # Kept for callers of the first release.
 STD_EPS = DEFAULT_STD_EPS
@@ -120,12 +121,15 @@ def hadw_advantages(
     value of ``group_index`` [B] (integers, any order, groups of any size >= 2; verl's
     ``uid`` mapped to integers). ``anchor=None`` gives the plain group-relative
     advantage. A group whose rewards are all equal gets exactly 0. Float rewards in,
-    at least fp32 out; no gradient.
+    at least fp32 out; no gradient. The inputs are refused as the fused loss refuses
+    them: an anchor outside [0, 1] or not finite, lambda_scale or std_eps not finite and
+    positive, NaN or inf rewards, and rewards outside [0, 1] with an anchor.
     """
     if (group_size is None) == (group_index is None):
         raise ValueError("pass exactly one of group_size (contiguous groups) and group_index")
     if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
         raise TypeError("rewards must be a floating-point tensor")
+    check_advantage_options(rewards, anchor, lambda_scale, std_eps)
     if group_size is not None:
         advantage = group_advantages(rewards, group_size, normalize_std=normalize_std, std_eps=std_eps)
         if anchor is not None:

@@ -37,6 +37,10 @@ def token_logprobs_reference(
     logp = torch.where(valid, logp, torch.zeros_like(logp))
     entropy = None
     if with_entropy:
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        # p log p is 0 where p = 0 (a -inf logit: vocabulary masking), not 0 * -inf = NaN;
+        # log p is zeroed before the product so that its gradient is 0 there too
+        # (docs/math.md, section 8, "Entropy").
+        finite_log_probs = torch.where(log_probs == float("-inf"), torch.zeros_like(log_probs), log_probs)
+        entropy = -(log_probs.exp() * finite_log_probs).sum(-1)
         entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
     return logp, entropy

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .backends import resolve_backend
+import inspect
+
+from .backends import check_backend_name, resolve_backend
 from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig
 from .ops import attach_single_use_gradients
 from .surrogate import group_metrics, response_advantages, token_weights
@@ -13,6 +15,7 @@ from .validation import (
     check_label_range,
     check_linear_inputs,
     check_surrogate_inputs,
+    check_temperature,
 )
 
 Metrics = dict[str, torch.Tensor]
@@ -78,9 +81,10 @@ def fused_hadw_grpo_loss(
         beta, kl_estimator, ref_logprobs: KL penalty to a reference policy, aggregated
             like the loss; estimators k1, k2, k3 (verl's low_var_kl), abs.
         dual_clip: c > 1 bounding the loss of negative advantages, or None.
-        importance_weights: detached rollout-engine correction, [B, T] or [B]. At
-            sequence level a [B, T] weight multiplies each token's share of the loss
-            (verl's rollout_is_weights).
+        importance_weights: detached rollout-engine correction, [B, T] or [B]. A
+            sequence-level loss (GSPO) takes [B] only: its ratio is per response, and
+            [B, T] is refused (verl's gspo multiplies each token's share by its own
+            weight; reduce per-token weights first, e.g. to their mean per response).
         loss_normalizer: the batch's count that replaces this call's in the aggregation
             (valid tokens for token-mean, responses for the seq-mean modes): pass the
             whole rollout batch's count to every micro-batch and their losses add up to
@@ -96,11 +100,11 @@ def fused_hadw_grpo_loss(
     An empty batch (B = 0, or no response token) gives a loss of exactly 0 with zero
     metrics and zero gradients.
     """
-    config = LossConfig.build(
+    config = _loss_config(
         loss_type, group_size, normalize_std=normalize_std, loss_agg_mode=loss_agg_mode,
         sequence_level=sequence_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high, std_eps=std_eps,
         lambda_scale=lambda_scale, beta=beta, kl_estimator=kl_estimator, dual_clip=dual_clip,
-        loss_normalizer=loss_normalizer, max_response_length=max_response_length,
+        loss_normalizer=loss_normalizer, max_response_length=max_response_length, backend=backend,
     )
     if response_mask is None:
         raise ValueError("response_mask is required: [B, T], 1 on response tokens")
@@ -178,18 +182,16 @@ def fused_linear_hadw_grpo_loss(
     are held at once, a [block_rows, V] buffer (default: per backend and device,
     docs/fused-linear-logprob.md). Other arguments as in :func:`fused_hadw_grpo_loss`.
     """
-    config = LossConfig.build(
+    config = _loss_config(
         loss_type, group_size, normalize_std=normalize_std, loss_agg_mode=loss_agg_mode,
         sequence_level=sequence_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high, std_eps=std_eps,
         lambda_scale=lambda_scale, beta=beta, kl_estimator=kl_estimator, dual_clip=dual_clip,
         entropy_coef=entropy_coef, loss_normalizer=loss_normalizer, max_response_length=max_response_length,
+        backend=backend,
     )
+    _check_linear_options(linear_path=linear_path, block_rows=block_rows, temperature=temperature)
     if response_mask is None:
         raise ValueError("response_mask is required: [B, T], 1 on response tokens")
-    if linear_path not in LINEAR_PATHS:
-        raise ValueError(f"unknown linear_path {linear_path!r}; expected one of {LINEAR_PATHS}")
-    if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1):
-        raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
     batch, width, _ = hidden_states.shape
     check_surrogate_inputs(
@@ -200,8 +202,8 @@ def fused_linear_hadw_grpo_loss(
     # Padding is masked out of the loss; as ignored labels its rows enter no GEMM, and
     # labels there are never checked or read.
     labels = labels.masked_fill(~response_mask.bool(), ignore_index)
+    check_label_range(labels, lm_head_weight.shape[0], ignore_index)
     if check_values:
-        check_label_range(labels, lm_head_weight.shape[0], ignore_index)
         check_hidden_values(hidden_states, labels != ignore_index)
     implementation = resolve_backend(backend, hidden_states.device)
     path = _linear_path(linear_path, implementation, config, hidden_states.device)
@@ -221,6 +223,40 @@ def fused_linear_hadw_grpo_loss(
         old = logprobs.detach() if old_logprobs is None else old_logprobs
         loss, metrics = implementation.surrogate_loss(logprobs, old, response_mask, config, entropy=entropy, **data)
     return (loss, metrics) if return_metrics else loss
+
+
+def _loss_config(loss_type, group_size, *, backend, **options) -> LossConfig:
+    """The checked LossConfig of a call's options, and its backend's name checked."""
+    check_backend_name(backend)
+    return LossConfig.build(loss_type, group_size, **options)
+
+
+def _check_linear_options(*, linear_path, block_rows, temperature) -> None:
+    if linear_path not in LINEAR_PATHS:
+        raise ValueError(f"unknown linear_path {linear_path!r}; expected one of {LINEAR_PATHS}")
+    if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1):
+        raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
+    check_temperature(temperature)
+
+
+def check_options(function, **options) -> None:
+    """Every check of ``function``'s (one of the two losses) options that needs no
+    tensor, with its defaults for the options not given: the checks a call runs first,
+    run here without one (the modules call it when they are built)."""
+    values = {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()
+              if parameter.default is not inspect.Parameter.empty}
+    values.update(options)
+    config_options = {name: values[name] for name in _CONFIG_OPTIONS if name in values}
+    _loss_config(values["loss_type"], values["group_size"], backend=values["backend"], **config_options)
+    if function is fused_linear_hadw_grpo_loss:
+        _check_linear_options(**{name: values[name] for name in ("linear_path", "block_rows", "temperature")})
+
+
+# The options of the losses that LossConfig.build takes besides loss_type and group_size.
+_CONFIG_OPTIONS = (
+    "normalize_std", "loss_agg_mode", "sequence_level", "epsilon_low", "epsilon_high", "std_eps", "lambda_scale",
+    "beta", "kl_estimator", "dual_clip", "entropy_coef", "loss_normalizer", "max_response_length",
+)
 
 
 def _linear_path(requested: str, implementation, config: LossConfig, device: torch.device) -> str:
@@ -294,11 +330,11 @@ def token_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, T] of ``labels`` under softmax(h W^T / temperature), without the
     logits: e.g. the old policy's log-probs before an update. Differentiable; returns
-    ``(logprobs, entropy)`` with ``with_entropy=True``. Ignored labels give 0, a label
-    outside the vocabulary NaN (an error with ``check_values``)."""
+    ``(logprobs, entropy)`` with ``with_entropy=True``. Ignored labels give 0; a label
+    outside the vocabulary is an error on every call (``check_values`` or not).
+    ``check_values`` is kept for symmetry with the losses; nothing else here reads values."""
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
-    if check_values:
-        check_label_range(labels, lm_head_weight.shape[0], ignore_index)
+    check_label_range(labels, lm_head_weight.shape[0], ignore_index)
     logprobs, entropy = _batched_token_logprobs(
         resolve_backend(backend, hidden_states.device),
         hidden_states,

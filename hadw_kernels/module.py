@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from .loss import check_options, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
 
 # The per-call tensors; every other keyword of the functions is an option of the module.
 _TENSORS = {
@@ -25,6 +25,8 @@ class _HeldOptions(torch.nn.Module):
         unknown = set(options) - accepted
         if unknown:
             raise TypeError(f"{type(self).__name__}: unknown options {sorted(unknown)}; expected some of {sorted(accepted)}")
+        # The call's own option checks, run now: a bad option fails where it is written.
+        check_options(type(self)._function, **options)
         self.options = options
 
     def extra_repr(self) -> str:

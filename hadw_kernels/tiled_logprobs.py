@@ -38,14 +38,20 @@ class _TiledLinearLogprob(torch.autograd.Function):
         label_logit = torch.zeros_like(running_max)
         for tile_rows, columns, _, logits in _logit_tiles(hidden_rows, weight, bias, temperature):
             new_max = torch.maximum(running_max[tile_rows], logits.amax(dim=1))
-            rescale = torch.exp(running_max[tile_rows] - new_max)
-            shifted = torch.exp(logits - new_max[:, None])
+            # While every logit so far is -inf (a masked vocabulary's tile) the sums stay 0:
+            # shifting by 0 then forms no -inf - -inf.
+            shift = torch.where(new_max == float("-inf"), torch.zeros_like(new_max), new_max)
+            rescale = torch.exp(running_max[tile_rows] - shift)
+            shifted = torch.exp(logits - shift[:, None])
             if with_entropy:
                 max_moved = running_max[tile_rows] - new_max
                 previous = sum_exp[tile_rows]
                 carried = torch.where(previous > 0, max_moved * previous, torch.zeros_like(new_max))
+                # A -inf logit adds exp(-inf) (-inf) = 0 to the sum, not NaN
+                # (docs/math.md, section 8, "Entropy").
+                offsets = torch.where(logits == float("-inf"), torch.zeros_like(logits), logits - shift[:, None])
                 sum_exp_shifted[tile_rows] = rescale * (sum_exp_shifted[tile_rows] + carried) + (
-                    shifted * (logits - new_max[:, None])
+                    shifted * offsets
                 ).sum(dim=1)
             sum_exp[tile_rows] = sum_exp[tile_rows] * rescale + shifted.sum(dim=1)
             running_max[tile_rows] = new_max
@@ -85,7 +91,10 @@ class _TiledLinearLogprob(torch.autograd.Function):
             # d logp / d z = onehot - p ; d entropy / d z = -p (z - E_p[z])
             grad_logits = probs * -grad_logp[tile_rows, None]
             if grad_entropy is not None:
-                grad_logits -= grad_entropy[tile_rows, None] * probs * (logits - mean_logit[tile_rows, None])
+                # p (z - E_p[z]) is 0 at a -inf logit (p = 0), not NaN.
+                centred = logits - mean_logit[tile_rows, None]
+                centred = torch.where(logits == float("-inf"), torch.zeros_like(centred), centred)
+                grad_logits -= grad_entropy[tile_rows, None] * probs * centred
             in_tile, column = _label_columns(row_labels[tile_rows], columns)
             onehot_grad = torch.where(in_tile, grad_logp[tile_rows], torch.zeros_like(grad_logp[tile_rows]))
             grad_logits.scatter_add_(1, column, onehot_grad[:, None])

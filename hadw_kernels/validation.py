@@ -1,11 +1,11 @@
 """Input checks, run before any computation so a bad call fails with a clear message.
 
 Shape, dtype and device checks cost nothing. The value checks (finite log-probs at
-response tokens, finite rewards, rewards and anchor in [0, 1] under HA-DW, a 0/1 mask,
-labels in the vocabulary) read flags back from the device: on CUDA that is one host
-synchronisation, which ``check_values=False`` skips in a hot loop. Without them a NaN
-input gives a NaN loss on every backend, and a label outside the vocabulary a NaN
-log-prob: never a finite wrong number.
+response tokens, finite rewards, rewards and anchor in [0, 1] under HA-DW, a 0/1 mask)
+read flags back from the device: on CUDA that is one host synchronisation, which
+``check_values=False`` skips in a hot loop. Without them a NaN input gives a NaN loss on
+every backend: never a finite wrong number. Labels in the vocabulary are checked on every
+call (``check_label_range``: one min/max over int labels).
 
 Rewards outside [0, 1] are accepted without HA-DW (any real reward has a group-relative
 advantage). With HA-DW they are refused: the anchor is a belief about an accuracy (the
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .config import LossConfig
+from .config import LossConfig, _finite_positive
 from .ops import accumulate_dtype
 
 
@@ -140,6 +140,14 @@ def check_surrogate_inputs(
             raise ValueError(
                 f"importance_weights must have shape {(batch,)} or {_shape(logprobs)}, got {_shape(importance_weights)}"
             )
+        if config.sequence_level and importance_weights.dim() == 2:
+            raise ValueError(
+                f"a sequence-level loss (GSPO) takes importance_weights [B] = [{batch}], one per response, got "
+                f"{_shape(importance_weights)}: its ratio is per response, and per-token weights would weigh each "
+                "token's share of one response's loss differently. Reduce them first (e.g. each response's mean "
+                "over its valid tokens, as TRL's sequence level does). Stricter than verl, whose GSPO multiplies "
+                "each token's loss by its own rollout_is_weights"
+            )
         tensors["importance_weights"] = importance_weights
     check_anchor(anchor)
     if isinstance(anchor, torch.Tensor):
@@ -154,6 +162,19 @@ def check_surrogate_inputs(
             logprobs if logprobs_known else None, old_logprobs, response_mask, rewards, advantages, anchor,
             hadw=anchor is not None,
         )
+
+
+def check_advantage_options(rewards: torch.Tensor, anchor, lambda_scale, std_eps) -> None:
+    """``hadw_advantages``' checks: the fused loss's own on the same values (anchor a
+    finite belief in [0, 1], lambda_scale and std_eps finite and positive, finite
+    rewards, in [0, 1] with an anchor), with its messages. Values are always read: one
+    host sync on CUDA, once per rollout batch."""
+    _finite_positive("std_eps", std_eps)
+    _finite_positive("lambda_scale", lambda_scale)
+    check_anchor(anchor)
+    if isinstance(anchor, torch.Tensor):
+        anchor = anchor.to(rewards.device)  # (a 0-d CPU anchor with CUDA rewards is accepted)
+    _check_values(None, None, None, rewards, None, anchor, hadw=anchor is not None)
 
 
 def _check_group_index(group_index: torch.Tensor, group_size: int) -> None:
@@ -185,7 +206,7 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
     if isinstance(anchor, (int, float)) and not math.isfinite(anchor):
         raise ValueError(f"anchor must be finite, got {anchor}")
     probes = {}
-    if response_mask.dtype != torch.bool:
+    if response_mask is not None and response_mask.dtype != torch.bool:
         # m (1 - m) is 0 exactly for m in {0, 1} (NaN for NaN).
         probes["mask"] = (response_mask * (1 - response_mask)).any()
     per_token = [t for t in (logprobs, old_logprobs) if t is not None]
@@ -227,10 +248,28 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
 
 
 def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Labels index the vocabulary or equal ignore_index (one host sync on CUDA)."""
-    out_of_range = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
-    if bool(out_of_range.any()):
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index} at response tokens")
+    """Labels index the vocabulary or equal ignore_index. Run on every call, whatever
+    ``check_values`` says: an unchecked label outside the vocabulary gives a NaN
+    log-prob, and a NaN loss is a wrong answer too (verl and TRL gather without a
+    check). One min/max over the int labels, read in one host sync on CUDA."""
+    if labels.numel() == 0:
+        return
+    # ignore_index counts as 0 (a valid index), so one aminmax sees every other label.
+    low, high = torch.aminmax(labels.masked_fill(labels == ignore_index, 0))
+    low, high = torch.stack([low, high]).tolist()
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index} at response tokens, "
+            f"got labels from {low} to {high} (checked on every call, also with check_values=False: "
+            "stricter than verl and TRL, whose gather does not check)"
+        )
+
+
+def check_temperature(temperature) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}")
 
 
 def check_linear_inputs(
@@ -271,10 +310,7 @@ def check_linear_inputs(
             raise ValueError(f"lm_head_bias must be [V] = [{lm_head_weight.shape[0]}], got {_shape(lm_head_bias)}")
         if lm_head_bias.dtype != lm_head_weight.dtype:
             raise TypeError(f"lm_head_bias ({lm_head_bias.dtype}) must share the LM head's dtype ({lm_head_weight.dtype})")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        math.isfinite(temperature) and temperature > 0
-    ):
-        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}")
+    check_temperature(temperature)
     devices = {hidden_states.device, lm_head_weight.device, labels.device}
     if len(devices) > 1:
         raise ValueError(f"hidden_states, lm_head_weight and labels must be on one device, got {devices}")

@@ -42,6 +42,11 @@ def batch_advantages(data, loss_type, with_hadw):
     )
 
 
+def importance_weights(data, loss_type):
+    """Per token, or one per response for a sequence-level loss (which refuses [B, T])."""
+    return data["weights"][:, 0] if LOSS_PRESETS[loss_type].sequence_level else data["weights"]
+
+
 def loss_and_gradient(rows, data, advantages, loss_type, mode, **options):
     """The loss on the given rows, cut to their own width, and its gradient written
     back into a full [B, T] tensor."""
@@ -51,7 +56,8 @@ def loss_and_gradient(rows, data, advantages, loss_type, mode, **options):
     loss = fused_hadw_grpo_loss(
         logprobs, data["old"][rows, :width], response_mask=mask[:, :width], advantages=advantages[rows],
         loss_type=loss_type, loss_agg_mode=mode, beta=0.1, ref_logprobs=data["ref"][rows, :width],
-        importance_weights=data["weights"][rows, :width], **options,
+        importance_weights=weights[rows] if (weights := importance_weights(data, loss_type)).dim() == 1
+        else weights[rows, :width], **options,
     )
     loss.backward()
     gradient = torch.zeros_like(data["logprobs"])
@@ -71,7 +77,7 @@ def test_advantages_equal_the_rewards_path_on_whole_groups(loss_type, with_hadw)
         logprobs = data["logprobs"].clone().requires_grad_()
         loss = fused_hadw_grpo_loss(
             logprobs, data["old"], response_mask=data["mask"], loss_type=loss_type, lambda_scale=LAMBDA,
-            beta=0.1, ref_logprobs=data["ref"], importance_weights=data["weights"], **inputs,
+            beta=0.1, ref_logprobs=data["ref"], importance_weights=importance_weights(data, loss_type), **inputs,
         )
         loss.backward()
         results.append((loss.detach(), logprobs.grad))
@@ -147,3 +153,44 @@ def test_rewards_path_checks_shuffled_rows_only_with_group_index():
         fused_hadw_grpo_loss(**shuffled, group_index=group_index[order])
     fused_hadw_grpo_loss(data["logprobs"], data["old"], data["rewards"], data["mask"], group_size=GROUP_SIZE,
                          group_index=group_index)
+
+
+@pytest.mark.parametrize("grouping", ["group_size", "group_index"])
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(anchor=7.0), r"anchor must lie in \[0, 1\]"),
+        (dict(anchor=float("nan")), r"anchor must lie in \[0, 1\]"),
+        (dict(anchor=torch.tensor(7.0)), r"anchor must be finite and in \[0, 1\]"),
+        (dict(anchor=torch.tensor(float("nan"))), r"anchor must be finite and in \[0, 1\]"),
+        (dict(anchor=0.5, lambda_scale=-1.0), "lambda_scale must be a finite positive number"),
+        (dict(lambda_scale=0.0), "lambda_scale must be a finite positive number"),
+        (dict(std_eps=float("inf")), "std_eps must be a finite positive number"),
+        (dict(anchor=0.5, rewards_scale=2.0), r"rewards must lie in \[0, 1\] with HA-DW"),
+        (dict(anchor=0.5, rewards_shift=-1.0), r"rewards must lie in \[0, 1\] with HA-DW"),
+        (dict(rewards_nan=True), "rewards contain NaN or inf"),
+    ],
+    ids=str,
+)
+def test_hadw_advantages_refuse_what_the_fused_loss_refuses(grouping, options, match):
+    """The same checks and messages as the fused loss: hadw_advantages accepted each of
+    these and returned finite (or NaN) advantages the loss itself would have refused."""
+    options = dict(options)
+    rewards = rollout_batch()["rewards"] * options.pop("rewards_scale", 1.0) + options.pop("rewards_shift", 0.0)
+    if options.pop("rewards_nan", False):
+        rewards = rewards.clone()
+        rewards[5] = float("nan")
+    grouping_kwargs = (dict(group_size=GROUP_SIZE) if grouping == "group_size"
+                       else dict(group_index=torch.arange(rewards.numel()) // GROUP_SIZE))
+    with pytest.raises(ValueError, match=match):
+        hadw_advantages(rewards, **grouping_kwargs, **options)
+    loss_options = {key: value for key, value in options.items() if key != "std_eps"}
+    with pytest.raises(ValueError, match=match):  # the fused loss's own message
+        batch = GROUPS * GROUP_SIZE
+        fused_hadw_grpo_loss(torch.zeros(batch, 2), None, rewards, torch.ones(batch, 2), group_size=GROUP_SIZE,
+                             std_eps=options.get("std_eps"), **loss_options)
+
+
+def test_hadw_advantages_accept_rewards_outside_the_unit_interval_without_anchor():
+    rewards = rollout_batch()["rewards"] * 3 - 1
+    assert torch.isfinite(hadw_advantages(rewards, group_size=GROUP_SIZE)).all()

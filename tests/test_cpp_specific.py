@@ -514,3 +514,52 @@ def test_failing_compiler(source_tree, mode):
         assert "FAILED" in result.stderr
     else:
         assert result.returncode != 0
+
+
+def _available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (0 where there is none: the test is then skipped)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# An LM head of more than 2^31 elements in bf16 (4.4 GB): V x H = 2^20 x 2112.
+_BIG_VOCAB, _BIG_HIDDEN = 1 << 20, 2112
+_BIG_HEAD_BYTES = _BIG_VOCAB * _BIG_HIDDEN * 2
+
+
+@needs_extension
+@pytest.mark.skipif(
+    _available_memory_bytes() < 2 * _BIG_HEAD_BYTES,
+    reason=f"needs {2 * _BIG_HEAD_BYTES / 2**30:.1f} GiB of available memory (a 4.1 GiB LM head)",
+)
+def test_offsets_beyond_two_to_the_31_elements():
+    """Every offset into a tensor is 64-bit: the head's rows beyond element 2^31 (the last
+    one's offset is (V - 1) H > 2^31) give the log-prob and entropy of a reference that
+    forms the logits in chunks. An int product would wrap and read another row (or fault)."""
+    assert _BIG_VOCAB * _BIG_HIDDEN > 2**31
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.empty(_BIG_VOCAB, _BIG_HIDDEN, dtype=torch.bfloat16)
+    for chunk in weight.split(1 << 16):
+        chunk.normal_(generator=generator).mul_(_BIG_HIDDEN**-0.5)
+    hidden = torch.randn(1, 4, _BIG_HIDDEN, generator=generator).to(torch.bfloat16)
+    # The last row, one just past element 2^31, and one well before it.
+    past = 2**31 // _BIG_HIDDEN + 1
+    labels = torch.tensor([[_BIG_VOCAB - 1, past, 5, IGNORE]])
+    assert past * _BIG_HIDDEN > 2**31
+    logprobs, entropy = cpp_backend.BACKEND.token_logprobs(
+        hidden[0], weight, labels[0], lm_head_bias=None, temperature=1.0, ignore_index=IGNORE, with_entropy=True
+    )
+    rows = hidden[0, :3].double()
+    logits = torch.cat([rows @ chunk.double().T for chunk in weight.split(1 << 15)], dim=1)
+    log_probs = torch.log_softmax(logits, dim=1)
+    expected_logprobs = log_probs.gather(1, labels[0, :3, None]).squeeze(1)
+    expected_entropy = -(log_probs.exp() * log_probs).sum(dim=1)
+    torch.testing.assert_close(logprobs[:3].double(), expected_logprobs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(entropy[:3].double(), expected_entropy, rtol=1e-4, atol=1e-4)
+    assert logprobs[3] == 0 and entropy[3] == 0

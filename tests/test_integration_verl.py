@@ -47,9 +47,11 @@ def actor_config(batch_info: dict) -> ActorConfig:
     return config
 
 
-def policy_batch(with_is_weights: bool):
+def policy_batch(with_is_weights: bool, per_response_weights: bool = False):
     """fp64 [B, T] tensors with padding, one empty response, ratios wide enough to hit
-    both clips and the dual clip, and one advantage per response broadcast over tokens."""
+    both clips and the dual clip, and one advantage per response broadcast over tokens;
+    rollout weights per token, or one per response broadcast over its tokens (verl's
+    rollout_is="sequence", what GSPO takes)."""
     generator = torch.Generator().manual_seed(3)
     batch, width = 7, 9
     lengths = torch.tensor([9, 1, 5, 0, 7, 3, 8])
@@ -58,6 +60,8 @@ def policy_batch(with_is_weights: bool):
     logprob = (old + 0.8 * torch.randn(batch, width, generator=generator, dtype=torch.float64)).requires_grad_()
     advantages = torch.randn(batch, generator=generator, dtype=torch.float64)[:, None] * mask
     weights = torch.rand(batch, width, generator=generator, dtype=torch.float64) + 0.5 if with_is_weights else None
+    if weights is not None and per_response_weights:
+        weights = weights[:, :1].repeat(1, width)
     return old, logprob, advantages, mask, weights
 
 
@@ -80,7 +84,7 @@ def test_registries_return_the_integration():
 @pytest.mark.parametrize(("ours", "theirs"), [("hadw", "vanilla"), ("hadw_gspo", "gspo")])
 @pytest.mark.parametrize("with_is_weights", [False, True], ids=["no-is", "rollout-is"])
 def test_policy_loss_equals_verl(ours, theirs, mode, batch_info, with_is_weights):
-    old, logprob, advantages, mask, weights = policy_batch(with_is_weights)
+    old, logprob, advantages, mask, weights = policy_batch(with_is_weights, per_response_weights=ours == "hadw_gspo")
     expected = run_loss(core_algos.get_policy_loss_fn(theirs), old, logprob, advantages, mask, mode,
                         actor_config(BATCH_INFOS[batch_info]), weights)
     got = run_loss(core_algos.get_policy_loss_fn(ours), old, logprob, advantages, mask, mode,
@@ -100,6 +104,15 @@ def test_policy_loss_refuses_per_token_advantages():
     advantages = advantages + 0.01 * torch.arange(advantages.shape[1])
     with pytest.raises(ValueError, match=r"rows \[0, 2, 4, 5, 6\] vary over their valid tokens"):
         hadw_verl.compute_policy_loss_hadw(old, logprob, advantages, mask, config=actor_config({}))
+
+
+def test_gspo_refuses_per_token_rollout_weights():
+    """GSPO's ratio is per response: per-token rollout_is_weights (which verl's gspo takes)
+    are refused, one weight per response broadcast over its tokens is accepted."""
+    old, logprob, advantages, mask, weights = policy_batch(True)
+    with pytest.raises(ValueError, match=r"rollout_is_weights of rows \[0, 2, 4, 5, 6\] vary over their valid tokens"):
+        hadw_verl.compute_policy_loss_hadw_gspo(old, logprob, advantages, mask, config=actor_config({}),
+                                                rollout_is_weights=weights)
 
 
 def test_policy_loss_needs_global_counts_under_data_parallelism():

@@ -135,3 +135,25 @@ def test_public_token_logprobs_matches_reference():
     assert token_logprobs(h, w, labels, backend="torch").shape == (3, 5)
     with pytest.raises(ValueError, match="labels must lie"):
         token_logprobs(h, w, labels + 90, backend="torch")
+
+
+def test_reference_entropy_is_finite_with_masked_logits():
+    """A -inf logit (vocabulary masking through the bias) beside finite ones: p log p is 0
+    there, so the entropy and its gradient are finite and equal those of the unmasked
+    columns alone (a masked token is as if absent)."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 16, generator=generator, dtype=torch.float64)
+    weight = torch.randn(40, 16, generator=generator, dtype=torch.float64)
+    bias = torch.zeros(40, dtype=torch.float64)
+    bias[[0, 3, 17, 39]] = float("-inf")
+    keep = bias == 0
+    labels = torch.tensor([1, 2, 5, 20, 38])
+    grads = []
+    for w, b, y in ((weight, bias, labels), (weight[keep], bias[keep], keep.cumsum(0)[labels] - 1)):
+        h = hidden.clone().requires_grad_()
+        logp, entropy = token_logprobs_reference(h, w, y, lm_head_bias=b, with_entropy=True)
+        (logp.sum() + entropy.sum()).backward()
+        grads.append((logp.detach(), entropy.detach(), h.grad))
+    assert torch.isfinite(grads[0][1]).all() and torch.isfinite(grads[0][2]).all()
+    for masked, unmasked in zip(grads[0], grads[1]):
+        torch.testing.assert_close(masked, unmasked, rtol=1e-12, atol=1e-12)

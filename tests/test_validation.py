@@ -194,3 +194,53 @@ def test_finite_half_precision_inputs_pass_the_screen(monkeypatch):
                   old_logprobs=torch.zeros(4, 3000, dtype=torch.float16),
                   rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), response_mask=torch.ones(4, 3000, dtype=torch.bool))
     assert torch.isfinite(fused_hadw_grpo_loss(**inputs, group_size=2, backend="torch"))
+
+
+@pytest.mark.parametrize(
+    ("module", "options", "match"),
+    [
+        ("HADWGRPOLoss", dict(loss_type="ppo"), "unknown loss_type"),
+        ("HADWGRPOLoss", dict(loss_agg_mode="mean"), "unknown loss_agg_mode"),
+        ("HADWGRPOLoss", dict(kl_estimator="k4"), "unknown kl_estimator"),
+        ("HADWGRPOLoss", dict(lambda_scale=0.0), "lambda_scale"),
+        ("HADWGRPOLoss", dict(lambda_scale=-1.0), "lambda_scale"),
+        ("HADWGRPOLoss", dict(epsilon_low=1.0), "epsilon_low must be below 1"),
+        ("HADWGRPOLoss", dict(group_size=1), "group_size must be at least 2"),
+        ("HADWGRPOLoss", dict(backend="cuda"), "unknown backend"),
+        ("HADWGRPOLoss", dict(loss_normalizer=0.0), "loss_normalizer"),
+        ("LinearHADWGRPOLoss", dict(loss_type="ppo"), "unknown loss_type"),
+        ("LinearHADWGRPOLoss", dict(temperature=0.0), "temperature"),
+        ("LinearHADWGRPOLoss", dict(linear_path="fast"), "unknown linear_path"),
+        ("LinearHADWGRPOLoss", dict(block_rows=0), "block_rows"),
+        ("LinearHADWGRPOLoss", dict(entropy_coef=-0.1), "entropy_coef"),
+        ("LinearHADWGRPOLoss", dict(backend="gpu"), "unknown backend"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else None,
+)
+def test_modules_check_their_options_when_built(module, options, match):
+    """A bad option fails where the module is built, with the message a call would give."""
+    import hadw_kernels
+
+    with pytest.raises((ValueError, TypeError), match=match):
+        getattr(hadw_kernels, module)(**options)
+
+
+def test_modules_accept_good_options():
+    from hadw_kernels import HADWGRPOLoss, LinearHADWGRPOLoss
+
+    HADWGRPOLoss(loss_type="dapo", group_size=4, beta=0.04, backend="torch")
+    LinearHADWGRPOLoss(loss_type="gspo", temperature=0.7, block_rows=64, linear_path="recompute", entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("options", [dict(loss_type="gspo"), dict(loss_type="grpo", sequence_level=True)],
+                         ids=["gspo", "sequence_level"])
+def test_sequence_level_refuses_per_token_importance_weights(options):
+    """GSPO's ratio is per response: [B, T] importance weights are refused before any
+    backend runs (verl's gspo accepts them), [B] ones accepted."""
+    from hadw_kernels import fused_hadw_grpo_loss
+
+    logprobs = -torch.rand(4, 3, dtype=torch.float64)
+    call = dict(rewards=torch.tensor([0.0, 1.0, 1.0, 0.0]), response_mask=torch.ones(4, 3), group_size=2, **options)
+    with pytest.raises(ValueError, match=r"sequence-level loss \(GSPO\) takes importance_weights \[B\] = \[4\]"):
+        fused_hadw_grpo_loss(logprobs, logprobs - 0.1, importance_weights=torch.ones(4, 3), **call)
+    assert torch.isfinite(fused_hadw_grpo_loss(logprobs, logprobs - 0.1, importance_weights=torch.ones(4), **call))

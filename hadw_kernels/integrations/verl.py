@@ -128,22 +128,42 @@ def compute_hadw_outcome_advantage(
     return advantages, advantages
 
 
+def _per_response(values: torch.Tensor, response_mask: torch.Tensor, name: str, explain: str) -> torch.Tensor:
+    """[B, T] values constant over each response's valid tokens to one per response [B]
+    (0 for a response without valid tokens); ``explain`` follows the rows that vary."""
+    mask = response_mask.bool()
+    if values.shape != mask.shape:
+        raise ValueError(f"{name} have shape {tuple(values.shape)}, response_mask {tuple(mask.shape)}")
+    first_valid = values.gather(1, mask.to(torch.int8).argmax(dim=1, keepdim=True))
+    varies = (mask & (values != first_valid)).any(dim=1)
+    if bool(varies.any()):
+        rows = varies.nonzero().flatten()[:8].tolist()
+        raise ValueError(f"the {name} of rows {rows} vary over their valid tokens: {explain}")
+    return torch.where(mask.any(dim=1), first_valid.squeeze(1), torch.zeros_like(first_valid.squeeze(1)))
+
+
 def response_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] advantages, constant over each response's valid tokens (what verl's outcome
     estimators give), to one per response [B]; a response without valid tokens gets 0."""
-    mask = response_mask.bool()
-    if advantages.shape != mask.shape:
-        raise ValueError(f"advantages have shape {tuple(advantages.shape)}, response_mask {tuple(mask.shape)}")
-    first_valid = advantages.gather(1, mask.to(torch.int8).argmax(dim=1, keepdim=True))
-    varies = (mask & (advantages != first_valid)).any(dim=1)
-    if bool(varies.any()):
-        rows = varies.nonzero().flatten()[:8].tolist()
-        raise ValueError(
-            f"the {TOKEN_LEVEL_LOSS}/{SEQUENCE_LEVEL_LOSS} policy losses take one advantage per response, but the "
-            f"advantages of rows {rows} vary over their valid tokens: a per-token estimator (gae, ...) needs "
-            "verl's own losses; outcome estimators (grpo, hadw, rloo, ...) give one value per response"
-        )
-    return torch.where(mask.any(dim=1), first_valid.squeeze(1), torch.zeros_like(first_valid.squeeze(1)))
+    return _per_response(
+        advantages, response_mask, "advantages",
+        f"the {TOKEN_LEVEL_LOSS}/{SEQUENCE_LEVEL_LOSS} policy losses take one advantage per response; a per-token "
+        "estimator (gae, ...) needs verl's own losses; outcome estimators (grpo, hadw, rloo, ...) give one value "
+        "per response",
+    )
+
+
+def response_is_weights(rollout_is_weights: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's rollout_is_weights [B, T] to one per response [B]: verl's sequence-level
+    correction (``rollout_is="sequence"``) broadcasts one weight over each response's
+    tokens. Per-token weights are refused: GSPO's ratio is per response (verl's own gspo
+    multiplies each token's loss by its weight; the fused loss is stricter)."""
+    return _per_response(
+        rollout_is_weights, response_mask, "rollout_is_weights",
+        f"the {SEQUENCE_LEVEL_LOSS} policy loss (GSPO, a ratio per response) takes one rollout weight per "
+        "response (algorithm.rollout_correction with rollout_is='sequence'); per-token weights would weigh each "
+        "token's share of one response's loss differently. verl's own gspo accepts them; this loss is stricter",
+    )
 
 
 def batch_normalizer(
@@ -196,6 +216,8 @@ def _fused_policy_loss(
         raise ValueError("the hadw policy losses read the clip ratios from the actor config verl passes as config=")
     mask = response_mask.bool()
     per_response = response_advantages(advantages, mask)
+    if sequence_level and rollout_is_weights is not None and rollout_is_weights.dim() == 2:
+        rollout_is_weights = response_is_weights(rollout_is_weights, mask)
     clip_ratio = config.get("clip_ratio", 0.2)
     epsilon_low = config.get("clip_ratio_low", None)
     epsilon_high = config.get("clip_ratio_high", None)
@@ -258,7 +280,8 @@ def compute_policy_loss_hadw_gspo(
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's ``gspo`` loss (one ratio per response from its mean log-ratio, carried by
-    each token; no dual clip) by the fused surrogate."""
+    each token; no dual clip) by the fused surrogate. ``rollout_is_weights`` must be
+    constant over each response's valid tokens (``rollout_is="sequence"``)."""
     return _fused_policy_loss(
         old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
         sequence_level=True,

@@ -150,7 +150,9 @@ def _logit_gradient_kernel(
     grad = tl.where(cols == label, grad_logprobs, 0.0) - grad_logprobs * probs
     if HAS_GRAD_ENTROPY:
         grad_entropy = tl.load(grad_entropy_ptr + block_row * stride_grad_entropy).to(compute)
-        grad -= grad_entropy * probs * (z - tl.load(mean_logit_ptr + row))
+        # p (z - E_p[z]) is 0 at a -inf logit (p = 0), not 0 * -inf (docs/math.md, section 8, "Entropy").
+        centred = tl.where(z == float("-inf"), 0.0, z - tl.load(mean_logit_ptr + row))
+        grad -= grad_entropy * probs * centred
     grad = grad / temperature
     if ROUND_BF16_BY_HAND:
         grad = round_to_bfloat16(grad)

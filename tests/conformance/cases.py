@@ -15,7 +15,7 @@ import torch
 
 from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from hadw_kernels.backends import load_backend
-from hadw_kernels.config import IGNORE_INDEX, LossConfig
+from hadw_kernels.config import IGNORE_INDEX, LOSS_PRESETS, LossConfig
 from hadw_kernels.linear_logprob import token_logprobs_reference
 from hadw_kernels.surrogate import surrogate_loss as reference_surrogate
 
@@ -105,8 +105,12 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 def loss_kwargs(batch: dict, loss_type: str, variant: Variant) -> dict:
     """The keyword arguments of one call, batch tensors still in float64 on the CPU."""
     kwargs = dict(loss_type=loss_type, **variant.options)
+    sequence_level = kwargs.get("sequence_level", LOSS_PRESETS[loss_type].sequence_level)
     for name in variant.tensors:
-        if name == "token_weights":
+        if name == "token_weights" and sequence_level:
+            # A sequence-level loss takes one weight per response (per-token ones are refused).
+            kwargs["importance_weights"] = batch["response_weights"]
+        elif name == "token_weights":
             kwargs["importance_weights"] = batch["token_weights"]
         elif name == "response_weights":
             kwargs["importance_weights"] = batch["response_weights"]
@@ -202,6 +206,24 @@ def linear_batch(seed: int, batch: int = 8, width: int = 13, hidden: int = 24, v
     labels = torch.randint(0, vocab, (batch, width), generator=generator)
     # Labels at padding may be anything, an index outside the vocabulary included.
     data["labels"] = torch.where(mask, labels, torch.full_like(labels, vocab + 7))
+    return data
+
+
+def mask_vocabulary(data: dict) -> dict:
+    """Vocabulary masking through the LM head's bias, as a trainer bans tokens: -inf at
+    the first 70 columns (a whole tile of the torch backend's 64) and at every 7th, the
+    valid labels moved to unmasked columns. Each row's logits then hold -inf next to a
+    finite max: the entropy's p log p and p (z - E[z]) must be 0 there, not NaN."""
+    data = dict(data)
+    vocab = data["lm_head_weight"].shape[0]
+    masked = torch.zeros(vocab, dtype=torch.bool)
+    masked[:70] = True
+    masked[::7] = True
+    data["lm_head_bias"] = data["lm_head_bias"].masked_fill(masked, float("-inf"))
+    allowed = (~masked).nonzero().flatten()
+    labels = data["labels"]
+    inside = (labels >= 0) & (labels < vocab)
+    data["labels"] = torch.where(inside, allowed[labels.clamp(0, vocab - 1) % allowed.numel()], labels)
     return data
 
 

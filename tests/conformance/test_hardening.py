@@ -1,6 +1,6 @@
 """What a hostile user found, held on every backend: data is data, padding
-reaches nothing, NaN in gives NaN out, empty batches give an exact zero, unchecked bad
-labels give NaN rather than a wrong number, and the KL keeps its digits near on-policy."""
+reaches nothing, NaN in gives NaN out, empty batches give an exact zero, labels outside the
+vocabulary are refused on every call, and the KL keeps its digits near on-policy."""
 
 import math
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cases import GROUP_SIZE, linear_batch, surrogate_batch
-from hadw_kernels import LOSS_TYPES, METRIC_NAMES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
+from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 
 
 def _clean_batch(device, dtype=torch.float32, seed=0):
@@ -28,10 +28,12 @@ def test_data_inputs_receive_no_gradient(backend, device, loss_type):
     the same policy gradient as detached ones, and no data tensor gets a gradient."""
     batch = _clean_batch(device)
     logprobs = batch["logprobs"].clone().requires_grad_()
-    data = {name: batch[name].clone().requires_grad_() for name in ("rewards", "ref_logprobs", "token_weights")}
+    # A sequence-level loss takes one weight per response.
+    weights = "response_weights" if LOSS_PRESETS[loss_type].sequence_level else "token_weights"
+    data = {name: batch[name].clone().requires_grad_() for name in ("rewards", "ref_logprobs", weights)}
     loss = fused_hadw_grpo_loss(
         logprobs, logprobs, data["rewards"], batch["response_mask"], group_size=GROUP_SIZE, loss_type=loss_type,
-        anchor=0.4, beta=0.1, ref_logprobs=data["ref_logprobs"], importance_weights=data["token_weights"],
+        anchor=0.4, beta=0.1, ref_logprobs=data["ref_logprobs"], importance_weights=data[weights],
         backend=backend,
     )
     loss.backward()
@@ -39,7 +41,7 @@ def test_data_inputs_receive_no_gradient(backend, device, loss_type):
     expected = fused_hadw_grpo_loss(
         detached, logprobs.detach(), batch["rewards"], batch["response_mask"], group_size=GROUP_SIZE,
         loss_type=loss_type, anchor=0.4, beta=0.1, ref_logprobs=batch["ref_logprobs"],
-        importance_weights=batch["token_weights"], backend=backend,
+        importance_weights=batch[weights], backend=backend,
     )
     expected.backward()
     torch.testing.assert_close(logprobs.grad, detached.grad)
@@ -105,14 +107,21 @@ def test_poisoned_ignored_rows_leave_the_head_gradient_finite(backend, device):
     assert torch.all(hidden.grad[:, 3:] == 0)
 
 
-def test_labels_outside_the_vocabulary_give_nan_unless_checked(backend, device):
+@pytest.mark.parametrize("bad", [30, 31, -5, 2**40], ids=["V", "above-V", "negative", "huge"])
+@pytest.mark.parametrize("check_values", [True, False])
+def test_labels_outside_the_vocabulary_are_refused_on_every_call(backend, device, bad, check_values):
+    """A label equal to V, above V or negative (not ignore_index) is an error even with
+    check_values=False: unchecked it would give a NaN log-prob."""
     hidden = torch.randn(1, 4, 8, device=device)
     weight = torch.randn(30, 8, device=device)
-    labels = torch.tensor([[1, 30, 2, -5]], device=device)
-    logprobs = token_logprobs(hidden, weight, labels, backend=backend, check_values=False)
-    assert torch.isfinite(logprobs[0, [0, 2]]).all() and torch.isnan(logprobs[0, [1, 3]]).all()
-    with pytest.raises(ValueError, match="labels must lie"):
-        token_logprobs(hidden, weight, labels, backend=backend)
+    labels = torch.tensor([[1, bad, 2, -100]], device=device)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 30\)"):
+        token_logprobs(hidden, weight, labels, backend=backend, check_values=check_values)
+    mask = torch.ones(1, 4, dtype=torch.bool, device=device)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 30\)"):
+        fused_linear_hadw_grpo_loss(hidden.expand(2, 4, 8), weight, labels.expand(2, 4), None,
+                                    torch.tensor([0.0, 1.0], device=device), mask.expand(2, 4), group_size=2,
+                                    backend=backend, check_values=check_values)
 
 
 def test_labels_outside_the_vocabulary_at_padding_are_accepted(backend, device):

@@ -12,6 +12,7 @@ from cases import (
     Variant,
     cast,
     linear_batch,
+    mask_vocabulary,
     loss_kwargs,
     reference_linear_loss,
     rounded,
@@ -28,6 +29,8 @@ SHAPES = [
     pytest.param(3, 13, 32, 300, True, 0.7, 1.0, id="ragged_vocab-bias-temperature"),
     pytest.param(1, 1, 24, 200, False, 1.3, 1.0, id="one_token"),
     pytest.param(2, 12, 20, 150, True, 0.5, 5.0, id="large_logits"),
+    # -inf logits (mask_vocabulary) beside finite ones in every tile, and a whole tile of them.
+    pytest.param(3, 13, 32, 300, "masked", 0.7, 1.0, id="masked_vocab"),
 ]
 
 
@@ -36,6 +39,8 @@ SHAPES = [
 def test_token_logprobs_match_reference(backend, device, dtype, batch, width, hidden, vocab, bias, temperature,
                                         scale):
     data = linear_batch(7, batch=batch, width=width, hidden=hidden, vocab=vocab, scale=scale)
+    if bias == "masked":
+        data = mask_vocabulary(data)
     hidden_states = torch.randn(batch, width, hidden, dtype=torch.float64)
     labels = data["labels"].clamp(max=vocab - 1)
     if labels.numel() > 1:
@@ -68,6 +73,9 @@ LINEAR_VARIANTS = [
             ("old_logprobs", "rewards", "token_weights", "ref_logprobs")),
     Variant("advantages_on_policy", {"entropy_coef": 0.02, "loss_agg_mode": "seq-mean-token-sum"},
             ("advantages",)),
+    # A vocabulary masked through the bias (-inf logits), with the entropy's gradient.
+    Variant("masked_vocab_entropy", {"entropy_coef": 0.01, "anchor": 0.35},
+            ("old_logprobs", "rewards", "bias", "masked_vocab")),
 ]
 PATHS = ["gradients_in_forward", "recompute"]
 
@@ -84,7 +92,9 @@ def test_linear_loss_matches_reference(backend, device, loss_type, variant, dtyp
         if not load_backend(backend).has_gradients_in_forward(device):
             pytest.skip(f"backend {backend!r} has no gradients-in-forward path")
     data = linear_batch(11)
-    variant_tensors = tuple(name for name in variant.tensors if name != "bias")
+    if "masked_vocab" in variant.tensors:
+        data = mask_vocabulary(data)
+    variant_tensors = tuple(name for name in variant.tensors if name not in ("bias", "masked_vocab"))
     kwargs = loss_kwargs(data, loss_type, Variant(variant.name, variant.options, variant_tensors))
     mask, labels = data["response_mask"], data["labels"]
     bias = data["lm_head_bias"] if "bias" in variant.tensors else None
