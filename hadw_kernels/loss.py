@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from .backends import resolve_backend
-from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig
+from .config import (
+    DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, LINEAR_PATHS, METRIC_NAMES, LossConfig, check_block_rows, check_linear_path,
+)
 from .ops import attach_single_use_gradients
 from .surrogate import group_metrics, response_advantages, token_weights
 from .validation import (
@@ -16,7 +18,6 @@ from .validation import (
 )
 
 Metrics = dict[str, torch.Tensor]
-LINEAR_PATHS = ("auto", "gradients_in_forward", "recompute")
 
 
 def fused_hadw_grpo_loss(
@@ -186,10 +187,8 @@ def fused_linear_hadw_grpo_loss(
     )
     if response_mask is None:
         raise ValueError("response_mask is required: [B, T], 1 on response tokens")
-    if linear_path not in LINEAR_PATHS:
-        raise ValueError(f"unknown linear_path {linear_path!r}; expected one of {LINEAR_PATHS}")
-    if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1):
-        raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
+    check_linear_path(linear_path)
+    check_block_rows(block_rows)
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
     batch, width, _ = hidden_states.shape
     check_surrogate_inputs(

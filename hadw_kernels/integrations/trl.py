@@ -46,8 +46,9 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from ..advantage import hadw_weights
 from ..anchor import DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_WINDOW, DifficultyAnchor
-from ..config import DEFAULT_LAMBDA_SCALE
-from ..loss import LINEAR_PATHS, fused_linear_hadw_grpo_loss
+from ..backends import check_backend_name
+from ..config import DEFAULT_LAMBDA_SCALE, check_block_rows, check_finite_positive, check_linear_path
+from ..loss import fused_linear_hadw_grpo_loss
 from .rewards import require_unit_interval
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ class HADWGRPOConfig(GRPOConfig):
         hadw_lambda_scale (`float`, *optional*, defaults to `1.3`):
             Phi's scale lambda (the paper's best; the authors' code uses 1.5).
         hadw_anchor_rule (`str`, *optional*, defaults to `"soft"`):
-            `"soft"` (the paper's Kalman-style rule) or `"hard"` (mean of the last window batches).
+            `"soft"` (the paper's rule: a gain from the spread of recent beliefs), `"hard"` (mean of the last
+            window batches) or `"kalman"` (a bank of Kalman filters, mixed by their evidence).
         hadw_anchor_eta (`float`, *optional*, defaults to `50.0`):
             Gain of the soft rule.
         hadw_anchor_window (`int`, *optional*, defaults to `10`):
@@ -113,7 +115,7 @@ class HADWGRPOConfig(GRPOConfig):
 
     use_hadw: bool = field(default=True, metadata={"help": "Multiply the advantages by the HA-DW weight Phi."})
     hadw_lambda_scale: float = field(default=DEFAULT_LAMBDA_SCALE, metadata={"help": "Phi's scale lambda."})
-    hadw_anchor_rule: str = field(default="soft", metadata={"help": "Anchor rule: 'soft' or 'hard'."})
+    hadw_anchor_rule: str = field(default="soft", metadata={"help": "Anchor rule: 'soft', 'hard' or 'kalman'."})
     hadw_anchor_eta: float = field(default=DEFAULT_ETA, metadata={"help": "Gain of the soft anchor rule."})
     hadw_anchor_window: int = field(default=DEFAULT_WINDOW, metadata={"help": "Window of the anchor rules."})
     hadw_anchor_eta_min: float = field(default=DEFAULT_ETA_MIN, metadata={"help": "Floor of the soft rule's gain."})
@@ -130,8 +132,16 @@ class HADWGRPOConfig(GRPOConfig):
                 f"HADWGRPOTrainer runs loss_type in {sorted(AGGREGATION)} (GSPO: importance_sampling_level="
                 f"'sequence'), got {self.loss_type!r}"
             )
-        if self.hadw_linear_path not in LINEAR_PATHS:
-            raise ValueError(f"hadw_linear_path must be one of {LINEAR_PATHS}, got {self.hadw_linear_path!r}")
+        # The library's own checks, here so a bad value fails when the config is built
+        # rather than at the first loss (TRL checks none of these fields).
+        check_finite_positive("hadw_lambda_scale", self.hadw_lambda_scale)
+        check_backend_name(self.hadw_backend, "hadw_backend")
+        check_linear_path(self.hadw_linear_path, "hadw_linear_path")
+        check_block_rows(self.hadw_block_rows, "hadw_block_rows")
+        try:
+            self.anchor()  # DifficultyAnchor checks the rule, gains, window, belief, initial
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"hadw_anchor_*: {error}") from None
         refused = {
             "top_entropy_quantile < 1": self.top_entropy_quantile < 1.0,
             "entropy_coef != 0 or use_adaptive_entropy": self.entropy_coef != 0.0 or self.use_adaptive_entropy,
