@@ -35,6 +35,11 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from .versions import require_supported
+
+# Before trl itself is imported: an unsupported release fails here, naming the range.
+require_supported("trl")
+
 import torch
 from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor

@@ -32,6 +32,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .versions import require_supported
+
+# Before verl itself is imported: an unsupported release fails here, naming the range.
+require_supported("verl")
+
 import numpy as np
 import torch
 from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
