@@ -1,4 +1,5 @@
-"""HA-DW and the fused linear loss in TRL 1.16's ``GRPOTrainer``.
+"""HA-DW and the fused linear loss in TRL's ``GRPOTrainer`` (TRL 1.15 and 1.16, checked on
+import: versions.py).
 
     from hadw_kernels.integrations.trl import HADWGRPOConfig, HADWGRPOTrainer
 

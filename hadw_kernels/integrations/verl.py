@@ -1,4 +1,5 @@
-"""HA-DW and the fused surrogate in verl 0.9.1, through verl's own registries.
+"""HA-DW and the fused surrogate in verl (0.9.1 up to 0.10, checked on import: versions.py),
+through verl's own registries.
 
 Importing this module registers, in ``verl.trainer.ppo.core_algos``:
 
