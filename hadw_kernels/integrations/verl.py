@@ -75,7 +75,7 @@ def _refuse_string(key: str, value) -> None:
     # it is refused here, naming the key, rather than converted or failing deep inside.
     if isinstance(value, str):
         raise ValueError(f"{key} must be a number, got the string {value!r}: write it without quotes in the YAML "
-                         "or on the command line")
+                         "or on the command line (verl passes quoted values on as strings)")
 
 
 def hadw_options(algorithm_config: Mapping | None) -> dict[str, Any]:
@@ -150,7 +150,8 @@ def compute_hadw_outcome_advantage(
         # verl's own GRPO estimator would broadcast a mismatched mask; refused here.
         raise ValueError(
             f"token_level_rewards has shape {tuple(token_level_rewards.shape)} and response_mask "
-            f"{tuple(response_mask.shape)}: both must be the same [B, T]"
+            f"{tuple(response_mask.shape)}: both must be the same [B, T] (verl's grpo estimator would broadcast "
+            "one against the other; the hadw estimator refuses)"
         )
     scores = token_level_rewards.sum(dim=-1)
     uids = np.asarray(index).reshape(-1)
