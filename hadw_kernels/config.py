@@ -68,6 +68,9 @@ METRIC_NAMES = (
 # Metrics that describe the groups: unknown when the advantages come from the caller.
 GROUP_METRICS = ("phi_mean", "zero_std_frac")
 
+# How the linear loss forms its gradients (loss.fused_linear_hadw_grpo_loss).
+LINEAR_PATHS = ("auto", "gradients_in_forward", "recompute")
+
 IGNORE_INDEX = -100
 DEFAULT_STD_EPS = 1e-6
 DEFAULT_LAMBDA_SCALE = 1.3  # the paper's best value (Table 7)
@@ -145,9 +148,25 @@ LOSS_PRESETS = {
 LOSS_TYPES = tuple(LOSS_PRESETS)
 
 
-def _finite_positive(name: str, value) -> None:
+def check_finite_positive(name: str, value) -> None:
+    """``value`` is a finite positive real (lambda_scale, std_eps, ...): strings, bools,
+    NaN and non-positive values raise ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+
+
+_finite_positive = check_finite_positive
+
+
+def check_block_rows(block_rows, name: str = "block_rows") -> None:
+    """None (the backend's default) or a positive int."""
+    if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1):
+        raise ValueError(f"{name} must be a positive int, got {block_rows!r}")
+
+
+def check_linear_path(linear_path, name: str = "linear_path") -> None:
+    if linear_path not in LINEAR_PATHS:
+        raise ValueError(f"unknown {name} {linear_path!r}; expected one of {LINEAR_PATHS}")
 
 
 @dataclass(frozen=True)

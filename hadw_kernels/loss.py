@@ -7,7 +7,7 @@ import torch
 import inspect
 
 from .backends import check_backend_name, resolve_backend
-from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig
+from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig, check_block_rows, check_linear_path
 from .ops import attach_single_use_gradients
 from .surrogate import group_metrics, response_advantages, token_weights
 from .validation import (
@@ -19,7 +19,6 @@ from .validation import (
 )
 
 Metrics = dict[str, torch.Tensor]
-LINEAR_PATHS = ("auto", "gradients_in_forward", "recompute")
 
 
 def fused_hadw_grpo_loss(
@@ -232,10 +231,8 @@ def _loss_config(loss_type, group_size, *, backend, **options) -> LossConfig:
 
 
 def _check_linear_options(*, linear_path, block_rows, temperature) -> None:
-    if linear_path not in LINEAR_PATHS:
-        raise ValueError(f"unknown linear_path {linear_path!r}; expected one of {LINEAR_PATHS}")
-    if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1):
-        raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
+    check_linear_path(linear_path)
+    check_block_rows(block_rows)
     check_temperature(temperature)
 
 

@@ -194,6 +194,30 @@ def test_options_the_fused_loss_lacks_are_refused(options, message, tmp_path):
         HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, **options})
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(hadw_lambda_scale=-1.0), "hadw_lambda_scale must be a finite positive number"),
+        (dict(hadw_lambda_scale=0.0), "hadw_lambda_scale must be a finite positive number"),
+        (dict(hadw_lambda_scale="1.3"), "hadw_lambda_scale must be a finite positive number"),
+        (dict(hadw_backend="cuda-fast"), "unknown hadw_backend 'cuda-fast'"),
+        (dict(hadw_block_rows=0), "hadw_block_rows must be a positive int"),
+        (dict(hadw_linear_path="fast"), "unknown hadw_linear_path 'fast'"),
+        (dict(hadw_anchor_rule="median"), "hadw_anchor_\\*: unknown rule 'median'"),
+        (dict(hadw_anchor_initial=1.5), "hadw_anchor_\\*: initial must lie in"),
+    ],
+)
+def test_bad_hadw_fields_are_refused_when_the_config_is_built(options, message, tmp_path):
+    # Checked in __post_init__ with the library's own checks, not at the first loss.
+    with pytest.raises(ValueError, match=message):
+        HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "loss_type": "dapo", **options})
+
+
+def test_every_anchor_rule_builds(tmp_path):
+    for rule in ("soft", "hard", "kalman"):
+        assert HADWGRPOConfig(output_dir=str(tmp_path), **RUN, hadw_anchor_rule=rule).anchor().rule == rule
+
+
 @pytest.mark.parametrize("delta", [1.28, 2.0, 3.0])
 def test_trl_delta_is_the_dual_clip(delta):
     """TRL's delta caps the unclipped ratio (loss -min(min(r, delta) A, clip(r) A));

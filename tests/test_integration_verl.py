@@ -180,6 +180,41 @@ def test_estimator_refuses_rewards_outside_the_unit_interval():
         )
 
 
+@pytest.mark.parametrize(
+    ("hadw", "message"),
+    [
+        ({"lambda_scale": -1.0}, "algorithm.hadw.lambda_scale must be a finite positive number"),
+        ({"lambda_scale": 0}, "algorithm.hadw.lambda_scale must be a finite positive number"),
+        # A quoted YAML value: refused with the key named, not a TypeError deep inside.
+        ({"lambda_scale": "1.3"}, "algorithm.hadw.lambda_scale must be a number, got the string '1.3'"),
+        ({"std_eps": "1e-6"}, "algorithm.hadw.std_eps must be a number"),
+        ({"enable": "false"}, "algorithm.hadw.enable must be true or false"),
+        ({"anchor": {"window": "10"}}, "algorithm.hadw.anchor.window must be a number"),
+        ({"anchor": {"rule": "median"}}, "algorithm.hadw.anchor: unknown rule 'median'"),
+        ({"anchor": {"eta": -1.0}}, "algorithm.hadw.anchor: eta must be"),
+    ],
+)
+def test_estimator_refuses_bad_options_naming_the_key(hadw, message):
+    token_level_rewards, mask, uids, _ = outcome_batch(seed=2)
+    with pytest.raises(ValueError, match=message):
+        core_algos.get_adv_estimator_fn("hadw")(
+            token_level_rewards=token_level_rewards, response_mask=mask, index=uids,
+            config=OmegaConf.create({"hadw": hadw}),
+        )
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_estimator_refuses_a_mask_of_another_shape(enable):
+    # verl's GRPO estimator broadcasts a [B, 3] mask against [B, 5] rewards; this one refuses.
+    rewards = torch.zeros(4, 5)
+    rewards[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    with pytest.raises(ValueError, match=r"token_level_rewards has shape \(4, 5\) and response_mask \(4, 3\)"):
+        core_algos.get_adv_estimator_fn("hadw")(
+            token_level_rewards=rewards, response_mask=torch.ones(4, 3), index=np.array(["a", "a", "b", "b"]),
+            config=OmegaConf.create({"hadw": {"enable": enable}}),
+        )
+
+
 def trainer_config(checkpoints: Path, resume_mode: str = "auto") -> dict:
     return OmegaConf.create({
         "algorithm": {"adv_estimator": "hadw", "hadw": {"anchor": {"window": 2}}},

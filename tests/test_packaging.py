@@ -169,3 +169,56 @@ def test_package_installs_beside_a_real_torch_and_imports_without_triton(wheel, 
     assert Path(location).is_relative_to(site_packages(python))
     assert "triton" not in backends and "torch" in backends
     assert "triton" in reason and "not available" in reason
+
+
+def test_integration_extras_are_the_ranges_the_integrations_check():
+    # One range per peer: pyproject.toml's extras and integrations/versions.py agree;
+    # exact pins live in constraints/cpu-py311.txt only, inside the range.
+    import tomllib
+
+    from packaging.version import Version
+
+    from hadw_kernels.integrations.versions import SUPPORTED
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = dict(line.split("==") for line in (ROOT / "constraints" / "cpu-py311.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    for package, supported in SUPPORTED.items():
+        (requirement,) = [Requirement(text) for text in extras[package] if Requirement(text).name == package]
+        assert requirement.specifier == Requirement(f"{package}{supported}").specifier
+        assert not any(spec.operator == "==" for spec in requirement.specifier), requirement
+        assert requirement.specifier.contains(Version(pins[package]))
+
+
+@pytest.mark.parametrize(("package", "version"), [("trl", "1.14.2"), ("trl", "1.17.0"), ("verl", "0.9.0"),
+                                                  ("verl", "0.10.0")])
+def test_integration_import_refuses_a_release_outside_its_range(package, version):
+    # The check runs before the peer is imported, so this child process never loads it.
+    code = (
+        "import importlib.metadata as metadata\n"
+        "real = metadata.version\n"
+        f"metadata.version = lambda name: {version!r} if name == {package!r} else real(name)\n"
+        f"import hadw_kernels.integrations.{package}\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    from hadw_kernels.integrations.versions import SUPPORTED
+
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("ImportError: hadw_kernels.integrations.")
+    assert f"supports {package}{SUPPORTED[package]}, found {package} {version}" in message
+
+
+@pytest.mark.parametrize(("package", "version", "supported"), [
+    ("trl", "1.15.0", True), ("trl", "1.16.0", True), ("trl", "1.16.1", True), ("trl", "1.14.2", False),
+    ("verl", "0.9.1", True), ("verl", "0.9.2", True), ("verl", "0.9.0", False), ("verl", "0.8.0", False),
+])
+def test_supported_ranges(monkeypatch, package, version, supported):
+    from hadw_kernels.integrations import versions
+
+    monkeypatch.setattr(versions.importlib.metadata, "version", lambda name: version)
+    if supported:
+        assert versions.require_supported(package) == version
+    else:
+        with pytest.raises(ImportError, match=rf"supports {package}{re.escape(versions.SUPPORTED[package])}"):
+            versions.require_supported(package)

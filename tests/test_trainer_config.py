@@ -167,3 +167,46 @@ def test_a_token_budget_lifts_the_prompt_count_rule():
     config = load_config(None, ["train.mini_batch_prompts=8", "train.micro_batch_prompts=3",
                                 "train.micro_batch_tokens=64"])
     validate(config, world_size=1)
+
+
+def test_export_hf_refuses_a_directory_holding_the_users_files(tmp_path):
+    from trainer.checkpoint_files import HF_EXPORT_MARKER
+
+    overrides = [f"run.output_dir={tmp_path}", "run.name=run"]
+    export = tmp_path / "run" / "hf_model"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")  # a previous export (before the marker): replaced
+    validate(load_config(None, overrides))
+    (export / "notes.md").write_text("mine")
+    with pytest.raises(ConfigError, match=r"hf_model, which holds \['notes.md'\].*would delete"):
+        validate(load_config(None, overrides))
+    validate(load_config(None, overrides + ["run.export_hf=false"]))
+    (export / HF_EXPORT_MARKER).write_text("")  # the trainer's own export: replaced whole
+    validate(load_config(None, overrides))
+
+
+def test_export_hf_keeps_files_it_did_not_write(tmp_path):
+    import contextlib
+    import types
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.checkpoint_files import HF_EXPORT_MARKER
+    from trainer.policy import Policy
+    from trainer.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer(["[PAD]", "[BOS]", "[EOS]", "a", "b"])
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, head_dim=8))
+    policy = types.SimpleNamespace(module=model, _gathered=lambda parameters: contextlib.nullcontext())
+    export = tmp_path / "hf_model"
+    Policy.export_hf(policy, export, tokenizer)
+    assert (export / HF_EXPORT_MARKER).is_file() and (export / "config.json").is_file()
+    Policy.export_hf(policy, export, tokenizer)  # its own export is replaced
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.md").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"holds \['notes.md'\].*saved to .*\.partial-mine"):
+        Policy.export_hf(policy, tmp_path / "mine", tokenizer)
+    assert (tmp_path / "mine" / "notes.md").read_text() == "mine"
+    assert (tmp_path / ".partial-mine" / "config.json").is_file()

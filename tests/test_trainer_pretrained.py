@@ -75,3 +75,37 @@ def test_model_path_errors_come_from_validation(tmp_path):
     if pretrained.importlib.util.find_spec("vllm") is not None:
         # The head_dim check ran only for the built-in tiny model before.
         assert "has head_dim 48" in error(odd, engine="vllm")
+
+
+@pytest.fixture(scope="module")
+def gguf_bytes(tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_llama_gguf(path)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("kept", [0.01, 0.5, 0.999])
+def test_a_truncated_gguf_file_is_a_config_error_naming_it(gguf_bytes, tmp_path, engine, kept):
+    if engine == "vllm" and pretrained.importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_bytes[: int(len(gguf_bytes) * kept)])
+    with pytest.raises(ConfigError, match=r"cut\.gguf.*(not a readable GGUF file|is truncated)"):
+        validate(load_config(None, [f"model.path={cut}", f"rollout.engine={engine}"]))
+
+
+def test_a_damaged_cached_conversion_is_named_and_converted_again(gguf_bytes, tmp_path):
+    (tmp_path / "tiny.gguf").write_bytes(gguf_bytes)
+    source = pretrained.resolve_model_source(str(tmp_path / "tiny.gguf"))
+    converted = pretrained.ensure_converted(source, str(tmp_path / "cache"), log=lambda _: None)
+    weights = converted / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[: len(intact) // 2])  # a copy cut short, a full disk
+    assert "model.safetensors is unreadable" in pretrained.cache_damage(converted)
+
+    messages = []
+    assert pretrained.ensure_converted(source, str(tmp_path / "cache"), log=messages.append) == converted
+    assert str(converted) in messages[0] and "model.safetensors is unreadable" in messages[0]
+    assert "converting again" in messages[0]
+    assert pretrained.cache_damage(converted) is None and weights.read_bytes() == intact

@@ -96,3 +96,28 @@ def select_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
     if warnings:
         raise CheckpointError("no intact checkpoint to resume from:\n  " + "\n  ".join(warnings))
     return None, warnings
+
+
+# The Hugging Face export (run.export_hf): the marker the trainer writes into hf_model/,
+# and the names save_pretrained and a tokenizer's save_pretrained write, which an export
+# from before the marker holds. Anything else in hf_model/ is the user's.
+HF_EXPORT_MARKER = ".hadw-trainer-export"
+HF_EXPORT_NAMES = re.compile(
+    r"^(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab|chat_template)"
+    r"\.json$|^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$|^merges\.txt$"
+    r"|^tokenizer\.model$|^chat_template\.jinja$"
+)
+
+
+def hf_export_foreign_entries(directory: Path) -> list[str]:
+    """What in ``directory`` the trainer's HF export did not write (sorted names): empty
+    when it does not exist, is empty, or is a previous export. The export replaces the
+    whole directory, so anything listed would be deleted."""
+    if not directory.exists():
+        return []
+    if not directory.is_dir():
+        return [directory.name]
+    if (directory / HF_EXPORT_MARKER).is_file():
+        return []
+    return sorted(entry.name for entry in directory.iterdir()
+                  if not (entry.is_file() and HF_EXPORT_NAMES.match(entry.name)))

@@ -378,6 +378,16 @@ def validate(config: Config, world_size: int = 1) -> None:
     for key in ("threads", "log_samples"):
         if getattr(run, key) < 0:
             raise ConfigError(f"run.{key} must be non-negative, got {getattr(run, key)}")
+    if run.export_hf:
+        from .checkpoint_files import hf_export_foreign_entries
+
+        export = config.run_dir / "hf_model"
+        if foreign := hf_export_foreign_entries(export):
+            # The export replaces hf_model/ whole: refuse now rather than delete the user's files.
+            raise ConfigError(
+                f"run.export_hf writes {export}, which holds {foreign[:8]} that the trainer did not write and "
+                "would delete: move them elsewhere, or set run.export_hf=false"
+            )
 
 
 def _validate_batches(train: TrainConfig, world_size: int) -> None:
@@ -416,7 +426,7 @@ def task_levels(task: str) -> tuple[str, ...]:
 
 
 def _validate_model_path(path: str, engine: str) -> None:
-    from .pretrained import ModelSourceError, head_dim, resolve_model_source
+    from .pretrained import ModelSourceError, check_gguf, head_dim, resolve_model_source
 
     try:
         source = resolve_model_source(path)
@@ -424,6 +434,10 @@ def _validate_model_path(path: str, engine: str) -> None:
         raise ConfigError(str(error)) from None
     if source.is_gguf and importlib.util.find_spec("gguf") is None:
         raise ConfigError(f"model.path {path!r} is a GGUF file: install the smollm2 extra (gguf, accelerate)")
+    try:
+        check_gguf(source)  # a truncated file fails here, for either engine, naming it
+    except ModelSourceError as error:
+        raise ConfigError(f"model.path {path!r}: {error}") from None
     if engine == "vllm" and (dim := head_dim(source)) not in VLLM_HEAD_DIMS:
         raise ConfigError(f"model.path {path!r} has head_dim {dim}: vLLM's CPU attention needs one of "
                           f"{VLLM_HEAD_DIMS}; use rollout.engine=hf")

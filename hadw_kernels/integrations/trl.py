@@ -1,4 +1,5 @@
-"""HA-DW and the fused linear loss in TRL 1.16's ``GRPOTrainer``.
+"""HA-DW and the fused linear loss in TRL's ``GRPOTrainer`` (TRL 1.15 and 1.16, checked on
+import: versions.py).
 
     from hadw_kernels.integrations.trl import HADWGRPOConfig, HADWGRPOTrainer
 
@@ -35,6 +36,11 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from .versions import require_supported
+
+# Before trl itself is imported: an unsupported release fails here, naming the range.
+require_supported("trl")
+
 import torch
 from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
@@ -46,8 +52,9 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from ..advantage import hadw_weights
 from ..anchor import DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_WINDOW, DifficultyAnchor, batch_reward_statistics
-from ..config import DEFAULT_LAMBDA_SCALE
-from ..loss import LINEAR_PATHS, fused_linear_hadw_grpo_loss
+from ..backends import check_backend_name
+from ..config import DEFAULT_LAMBDA_SCALE, check_block_rows, check_finite_positive, check_linear_path
+from ..loss import fused_linear_hadw_grpo_loss
 from .rewards import require_unit_interval
 
 logger = logging.getLogger(__name__)
@@ -88,8 +95,9 @@ class HADWGRPOConfig(GRPOConfig):
         hadw_lambda_scale (`float`, *optional*, defaults to `1.3`):
             Phi's scale lambda (the paper's best; the authors' code uses 1.5).
         hadw_anchor_rule (`str`, *optional*, defaults to `"soft"`):
-            `"soft"` (the paper's Kalman-style rule), `"hard"` (mean of the last window batches) or `"kalman"`
-            (an IMM bank of Kalman filters on the accuracy's level and slope; it ignores eta, eta_min and window).
+            `"soft"` (the paper's rule: a gain from the spread of recent beliefs), `"hard"` (mean of the last
+            window batches) or `"kalman"` (an IMM bank of Kalman filters on the accuracy's level and slope, mixed
+            by their evidence; it ignores eta, eta_min and window).
         hadw_anchor_eta (`float`, *optional*, defaults to `50.0`):
             Gain of the soft rule.
         hadw_anchor_window (`int`, *optional*, defaults to `10`):
@@ -131,8 +139,16 @@ class HADWGRPOConfig(GRPOConfig):
                 f"HADWGRPOTrainer runs loss_type in {sorted(AGGREGATION)} (GSPO: importance_sampling_level="
                 f"'sequence'), got {self.loss_type!r}"
             )
-        if self.hadw_linear_path not in LINEAR_PATHS:
-            raise ValueError(f"hadw_linear_path must be one of {LINEAR_PATHS}, got {self.hadw_linear_path!r}")
+        # The library's own checks, here so a bad value fails when the config is built
+        # rather than at the first loss (TRL checks none of these fields).
+        check_finite_positive("hadw_lambda_scale", self.hadw_lambda_scale)
+        check_backend_name(self.hadw_backend, "hadw_backend")
+        check_linear_path(self.hadw_linear_path, "hadw_linear_path")
+        check_block_rows(self.hadw_block_rows, "hadw_block_rows")
+        try:
+            self.anchor()  # DifficultyAnchor checks the rule, gains, window, belief, initial
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"hadw_anchor_*: {error}") from None
         refused = {
             "top_entropy_quantile < 1": self.top_entropy_quantile < 1.0,
             "entropy_coef != 0 or use_adaptive_entropy": self.entropy_coef != 0.0 or self.use_adaptive_entropy,

@@ -1,4 +1,5 @@
-"""HA-DW and the fused surrogate in verl 0.9.1, through verl's own registries.
+"""HA-DW and the fused surrogate in verl (0.9.1 up to 0.10, checked on import: versions.py),
+through verl's own registries.
 
 Importing this module registers, in ``verl.trainer.ppo.core_algos``:
 
@@ -32,6 +33,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .versions import require_supported
+
+# Before verl itself is imported: an unsupported release fails here, naming the range.
+require_supported("verl")
+
 import numpy as np
 import torch
 from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
@@ -40,7 +46,7 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ..advantage import hadw_advantages
 from ..anchor import DifficultyAnchor
-from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP
+from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP, check_finite_positive
 from ..loss import fused_hadw_grpo_loss
 from .rewards import require_unit_interval
 
@@ -60,14 +66,44 @@ HADW_OPTIONS = {"enable": True, "lambda_scale": DEFAULT_LAMBDA_SCALE, "std_eps":
 _driver_anchor: DifficultyAnchor | None = None
 
 
+# The anchor's keys that take a word; the others take numbers.
+_ANCHOR_WORDS = ("rule", "belief")
+
+
+def _refuse_string(key: str, value) -> None:
+    # A quoted YAML value ("1.3") reaches us as a string. verl passes it on unchecked;
+    # it is refused here, naming the key, rather than converted or failing deep inside.
+    if isinstance(value, str):
+        raise ValueError(f"{key} must be a number, got the string {value!r}: write it without quotes in the YAML "
+                         "or on the command line (verl passes quoted values on as strings)")
+
+
 def hadw_options(algorithm_config: Mapping | None) -> dict[str, Any]:
-    """``algorithm.hadw`` merged over :data:`HADW_OPTIONS`; unknown keys are an error."""
+    """``algorithm.hadw`` merged over :data:`HADW_OPTIONS` and checked: unknown keys,
+    a non-bool ``enable``, a ``lambda_scale`` or ``std_eps`` that is not a finite
+    positive number (a string included) and anchor arguments DifficultyAnchor refuses
+    raise ValueError naming the key."""
     given = {} if algorithm_config is None else algorithm_config.get("hadw", None) or {}
     unknown = set(given) - set(HADW_OPTIONS)
     if unknown:
         raise ValueError(f"algorithm.hadw: unknown keys {sorted(unknown)}; expected some of {sorted(HADW_OPTIONS)}")
     options = {**HADW_OPTIONS, **{key: given[key] for key in given}}
-    options["anchor"] = dict(options["anchor"] or {})
+    if not isinstance(options["enable"], bool):
+        raise ValueError(f"algorithm.hadw.enable must be true or false, got {options['enable']!r}")
+    for key in ("lambda_scale", "std_eps"):
+        _refuse_string(f"algorithm.hadw.{key}", options[key])
+        check_finite_positive(f"algorithm.hadw.{key}", options[key])
+    anchor = options["anchor"] or {}
+    if not isinstance(anchor, Mapping):
+        raise ValueError(f"algorithm.hadw.anchor must be a mapping of DifficultyAnchor's arguments, got {anchor!r}")
+    options["anchor"] = dict(anchor)
+    for key, value in options["anchor"].items():
+        if key not in _ANCHOR_WORDS:
+            _refuse_string(f"algorithm.hadw.anchor.{key}", value)
+    try:
+        DifficultyAnchor(**options["anchor"])
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"algorithm.hadw.anchor: {error}") from None
     return options
 
 
@@ -110,6 +146,13 @@ def compute_hadw_outcome_advantage(
     if index is None:
         raise ValueError("the hadw advantage estimator groups responses by their uid, which verl passes as index=")
     options = hadw_options(config)
+    if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
+        # verl's own GRPO estimator would broadcast a mismatched mask; refused here.
+        raise ValueError(
+            f"token_level_rewards has shape {tuple(token_level_rewards.shape)} and response_mask "
+            f"{tuple(response_mask.shape)}: both must be the same [B, T] (verl's grpo estimator would broadcast "
+            "one against the other; the hadw estimator refuses)"
+        )
     scores = token_level_rewards.sum(dim=-1)
     uids = np.asarray(index).reshape(-1)
     if uids.shape[0] != scores.shape[0]:
