@@ -310,7 +310,7 @@ class Probe:
         self.rows = budget // self.sequence_tokens
         self.micro_batches = max(1, math.ceil(self.sequences / max(1, self.rows)))
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-        say(f"{self.parameters / 1e9:.3f}B parameters; DeepSpeed ZeRO-{args.zero_stage}")
+        say(f"{self.parameters:,} parameters; DeepSpeed ZeRO-{args.zero_stage}")
         self.policy = Policy(model, policy_config(args, self.micro_batches), world_size=1)
         self.meter = MemoryMeter(self.device)
         self.generator = torch.Generator().manual_seed(args.seed)
