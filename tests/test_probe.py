@@ -84,3 +84,36 @@ def test_the_cpu_bisection_needs_a_memory_limit():
 
     with pytest.raises(SystemExit):
         parse_args(["--device", "cpu", "--find-max-budget"])
+
+
+# A child process whose micro-step raises CUDA's out-of-memory error above 5 sequences, as
+# a GPU would: the bisection must count it as "does not fit" and go on with a new engine.
+FAKE_OUT_OF_MEMORY = """
+import sys, torch
+from trainer import probe
+real = probe.accumulate
+def accumulate(policy, batch, *args, **kwargs):
+    if batch.labels.shape[0] > 5:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
+    return real(policy, batch, *args, **kwargs)
+probe.accumulate = accumulate
+sys.exit(probe.main(sys.argv[1:]))
+"""
+
+
+def test_bisection_goes_on_after_out_of_memory(tmp_path):
+    out = tmp_path / "probe.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    completed = subprocess.run(
+        [sys.executable, "-c", FAKE_OUT_OF_MEMORY, "--preset", "tiny", "--device", "cpu", "-G", "4", "-L", "16",
+         "-P", "4", "--steps", "0", "--threads", "1", "--find-max-budget", "--memory-limit-gib", "64",
+         "--max-budget-tokens", "400", "--json", str(out)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["largest_budget_sequences"] == 5 and result["largest_budget_tokens"] == 100
+    failed = [trial for trial in result["budget_trials"] if not trial["fits"]]
+    assert failed and all("out of memory" in trial["note"] for trial in failed)
+    assert "rebuilding the engine" in completed.stderr

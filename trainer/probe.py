@@ -292,30 +292,56 @@ class Probe:
         import deepspeed
         import torch
 
-        from trainer.policy import Policy
-
         self.args = args
         self.torch = torch
         self.device = torch.device(args.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
-        dtype = getattr(torch, args.dtype)
         self.sequence_tokens = args.prompt_length + args.response_length
         self.sequences = args.prompts * args.group_size
-        say(f"building {args.preset} ({args.dtype}, random weights) on {self.device}")
-        model = build_model(args.preset, dtype, self.device, args.seed)
-        self.parameters = sum(p.numel() for p in model.parameters())
-        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.dtype = getattr(torch, args.dtype)
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         budget = args.micro_batch_tokens or self.sequences * self.sequence_tokens
         self.rows = budget // self.sequence_tokens
         self.micro_batches = max(1, math.ceil(self.sequences / max(1, self.rows)))
-        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-        say(f"{self.parameters:,} parameters; DeepSpeed ZeRO-{args.zero_stage}")
-        self.policy = Policy(model, policy_config(args, self.micro_batches), world_size=1)
+        self.policy = None
+        self.broken = False  # an out-of-memory error left the engine half-way through a step
+        self._build()
         self.meter = MemoryMeter(self.device)
         self.generator = torch.Generator().manual_seed(args.seed)
         # A loss_normalizer of the whole step's responses (GRPO's seq-mean over the mini-batch).
         self.normalizer = float(self.sequences)
+
+    def _build(self) -> None:
+        """The model and its DeepSpeed engine, from scratch (the same seed, the same weights)."""
+        import gc
+
+        from trainer.policy import Policy
+
+        args = self.args
+        if self.policy is not None:
+            # Its hooks and buffers would otherwise keep the old model alive beside the new.
+            self.policy.engine.destroy()
+            self.policy = None
+        gc.collect()
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+        say(f"building {args.preset} ({args.dtype}, random weights) on {self.device}")
+        model = build_model(args.preset, self.dtype, self.device, args.seed)
+        self.parameters = sum(p.numel() for p in model.parameters())
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        say(f"{self.parameters:,} parameters; DeepSpeed ZeRO-{args.zero_stage}")
+        self.policy = Policy(model, policy_config(args, self.micro_batches), world_size=1)
+        self.broken = False
+
+    def _ensure_usable(self) -> None:
+        """After an out-of-memory error, a new engine: ZeRO tracks which gradients a step
+        has reduced, and a step stopped inside backward leaves that state half-way (not
+        tried on a GPU yet), so the engine is rebuilt rather than patched. Called outside the ``except`` block, so that the
+        traceback's frames, and the tensors they hold, are gone first."""
+        if self.broken:
+            say("rebuilding the engine after an out-of-memory error")
+            self._build()
 
     def _inputs(self, rows: int):
         torch = self.torch
@@ -342,20 +368,13 @@ class Probe:
         return time.perf_counter() - started
 
     def _recover(self) -> None:
-        """After an out-of-memory error: drop the partial gradients and the cache."""
-        import gc
-
-        try:
-            self.policy.engine.zero_grad()
-        except Exception:  # noqa: BLE001 - best effort; the next trial says whether it worked
-            pass
-        gc.collect()
-        if self.device.type == "cuda":
-            self.torch.cuda.empty_cache()
+        """After an out-of-memory error: the engine is rebuilt before its next use."""
+        self.broken = True
 
     def fits(self, rows: int) -> dict:
         """One micro-batch of ``rows`` sequences: forward, backward, optimizer step."""
         limit = self.args.memory_limit_gib
+        self._ensure_usable()
         self.policy.engine.set_train_batch_size(1)  # one accumulation step: step every trial
         try:
             figures = self.meter.measure(lambda: self._one_micro_step(rows))
@@ -394,6 +413,7 @@ class Probe:
         if self.rows < 1:
             say(f"budget {args.micro_batch_tokens} holds no sequence of {self.sequence_tokens} tokens")
             return {"fits": False, "note": "the budget holds no whole sequence"}
+        self._ensure_usable()
         self.policy.engine.set_train_batch_size(self.micro_batches)
         seconds: list[float] = []
 
