@@ -10,7 +10,12 @@ machine (torch and Triton installed, no network), ``--dry-run`` on the CPU (CI).
 3. at the paper's scale (Qwen3-4B head, responses of 4096 tokens, G = 8..64, bf16)
    measures the loss step's peak memory for eager and this library, the largest G that
    fits, and the memory planner's loss part against the measurement;
-4. writes one markdown report (``--report``) and exits non-zero if a correctness test
+4. runs real train steps through the trainer (``python -m trainer.probe``: Qwen3-1.7B
+   with random weights, bf16, ZeRO-2, gradient checkpointing): G = 64 responses of 4096
+   tokens with the fused loss, the largest micro-batch token budget with each loss
+   (bisection, catching out-of-memory), and whether one 32k-token response fits with
+   each; the memory planner's budget beside them (dry run: the tiny preset on the CPU);
+5. writes one markdown report (``--report``) and exits non-zero if a correctness test
    failed.
 
 Progress goes to stdout as it happens.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import platform
@@ -415,7 +421,114 @@ def paper_scale(group_sizes: list[int], width: int, hidden: int, vocab: int) -> 
     return rows
 
 
-# --- 4. the report ------------------------------------------------------------------------
+# --- 4. train steps through the trainer (trainer.probe) ---------------------------------------
+
+
+@dataclass
+class ProbeRun:
+    label: str
+    arguments: list[str]
+    result: dict | None = None
+    error: str = ""
+
+
+def probe_runs(dry_run: bool) -> list[ProbeRun]:
+    """``python -m trainer.probe`` in child processes, one a question (a crash or an
+    out-of-memory error stays in its own process)."""
+    if dry_run:
+        common = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--zero-stage", "2", "-P", "4",
+                  "--threads", "1"]
+        # Two runs, one a loss, through the same code paths: steps, then the bisection.
+        runs = [(f"G=4 x 16 tokens and the largest budget, {loss}",
+                 ["--loss", loss, "-G", "4", "-L", "16", "--micro-batch-tokens", "40", "--find-max-budget",
+                  "--memory-limit-gib", "64", "--max-budget-tokens", "160"]) for loss in ("eager", "fused")]
+    else:
+        common = ["--preset", "Qwen3-1.7B", "--device", "cuda", "--dtype", "bfloat16", "--zero-stage", "2",
+                  "-P", "512"]
+        runs = [
+            *[(f"largest budget, {loss}", ["--loss", loss, "-L", "4096", "--steps", "0", "--find-max-budget"])
+              for loss in ("eager", "fused")],
+            # Eight sequences (36864 tokens) a micro-batch: eight micro-batches a step.
+            ("G=64 x 4096 tokens, fused", ["--loss", "fused", "-G", "64", "-L", "4096",
+                                           "--micro-batch-tokens", str(8 * (512 + 4096)), "--steps", "2"]),
+            *[(f"one 32768-token response, {loss}", ["--loss", loss, "-G", "1", "-L", "32768", "--steps", "1"])
+              for loss in ("eager", "fused")],
+        ]
+    environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    environment.pop("TRITON_INTERPRET", None)
+    out = []
+    for label, arguments in runs:
+        run = ProbeRun(label, [*common, *arguments])
+        json_path = ROOT / f".probe-{len(out)}.json"
+        command = [sys.executable, "-m", "trainer.probe", *run.arguments, "--json", str(json_path)]
+        say(f"probe {label}: {' '.join(command[3:-2])}")
+        completed = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True,
+                                   check=False, timeout=1800)
+        if completed.returncode == 0 and json_path.exists():
+            run.result = json.loads(json_path.read_text())
+            say(f"probe {label}: " + ", ".join(f"{key} {run.result[key]}" for key in (
+                "fits", "peak_memory_gib", "tokens_per_second", "largest_budget_tokens") if key in run.result))
+        else:
+            run.error = (completed.stderr or completed.stdout)[-1500:]
+            say(f"probe {label} FAILED (exit {completed.returncode}):\n{run.error}")
+        json_path.unlink(missing_ok=True)
+        out.append(run)
+    return out
+
+
+def _planned_budget(run: ProbeRun, gpu_gib: float | None) -> str:
+    """The planner's budget view for the probe's setting (one GPU, no fixed overhead:
+    max_memory_allocated counts no CUDA context), or n/a."""
+    from hadw_kernels import plan
+
+    result = run.result or {}
+    if result.get("preset") not in plan.PRESETS or gpu_gib is None:
+        return "n/a"
+    step = plan.MicroStep(group_size=1, prompts=1, response_length=result["response_length"],
+                          prompt_length=result["prompt_length"], gpus=1, zero_stage=result["zero_stage"],
+                          gradient_checkpointing=result["gradient_checkpointing"], overhead_gib=0.0)
+    return str(plan.largest_token_budget(plan.PRESETS[result["preset"]], step, fused=result["loss"] == "fused",
+                                         gpu_gib=gpu_gib))
+
+
+def probe_lines(runs: list[ProbeRun], dry_run: bool) -> list[str]:
+    gpu_gib = None
+    if not dry_run:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    model = "the tiny preset on the CPU" if dry_run else "Qwen3-1.7B (random weights), bf16, ZeRO-2, one GPU"
+    lines = ["## Train steps through the trainer: `python -m trainer.probe`", "",
+             f"{model}; gradient checkpointing; responses packed by tokens into micro-batches; forward, loss, "
+             "`engine.backward`, `engine.step` (AdamW). Peak: " +
+             ("process RSS (sampled)" if dry_run else "`max_memory_allocated`, model states included") +
+             "; tokens/s: prompt + response tokens over the median step after a warm-up one. Planner: "
+             "`hadw_kernels.plan.largest_token_budget` for the same setting (no fixed overhead).", "",
+             "| run | loss | budget tokens | fits | peak GiB | tokens/s | largest budget | planner budget |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for run in runs:
+        if run.result is None:
+            lines.append(f"| {run.label} | | | FAILED: {run.error.strip().splitlines()[-1][:150] if run.error else ''} "
+                         "| | | | |")
+            continue
+        result = run.result
+
+        def number(key, form):
+            return form.format(result[key]) if result.get(key) is not None else ""
+
+        fits = {True: "yes", False: "no (" + result.get("note", "over the limit")[:60] + ")"}.get(result.get("fits"), "")
+        planned = _planned_budget(run, gpu_gib) if "largest_budget_tokens" in result else ""
+        budget = result["micro_batch_tokens"] if "step_seconds" in result else ""  # steps 0: bisection only
+        lines.append(f"| {run.label} | {result['loss']} | {budget} | {fits} | "
+                     f"{number('peak_memory_gib', '{:.2f}')} | {number('tokens_per_second', '{:.0f}')} | "
+                     f"{number('largest_budget_tokens', '{}')} | {planned} |")
+    lines += ["", "A measured largest budget belongs in docs/measured-budgets.json (tests/test_plan.py holds the "
+              "planner to it within 10%)." if not dry_run else "Dry run: the figures mean nothing.", ""]
+    return lines
+
+
+# --- 5. the report ------------------------------------------------------------------------
 
 
 def environment_lines() -> list[str]:
@@ -448,7 +561,8 @@ def _ratio(value, reference) -> str:
     return f"{value / reference:.2f}x"
 
 
-def write_report(path: Path, tests: TestRun, bench, surrogate, paper, dry_run: bool, crashed: list[str]) -> None:
+def write_report(path: Path, tests: TestRun, bench, surrogate, paper, dry_run: bool, crashed: list[str],
+                 probes: list[ProbeRun] = ()) -> None:
     lines = ["# GPU check report", ""]
     if dry_run:
         lines += ["DRY RUN on the CPU (interpreter, tiny shapes): proves the command runs, measures nothing.", ""]
@@ -509,6 +623,8 @@ def write_report(path: Path, tests: TestRun, bench, surrogate, paper, dry_run: b
         eager_fits = [row["G"] for row in paper if row.get("eager") is not None]
         lines += ["", f"Largest G measured whose loss step fits: hadw {max(fits) if fits else 'none'}, "
                       f"eager {max(eager_fits) if eager_fits else 'none'} (of those tried).", ""]
+    if probes:
+        lines += probe_lines(list(probes), dry_run)
     path.write_text("\n".join(lines) + "\n")
     say(f"report written to {path}")
 
@@ -520,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--skip-probe", action="store_true", help="no train steps through the trainer")
     args = parser.parse_args(argv)
     if args.dry_run:
         # The Triton kernels on CPU tensors: the interpreter, before any kernel is defined.
@@ -559,8 +676,16 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"section {name} CRASHED:\n{crashed[-1]}")
                 outputs[name] = []
         bench, surrogate, paper = outputs["bench"], outputs["surrogate"], outputs["paper"]
-    write_report(args.report, tests, bench, surrogate, paper, args.dry_run, crashed)
-    return 1 if tests.failed or crashed else 0
+    probes: list[ProbeRun] = []
+    if not args.skip_probe:
+        try:
+            probes = probe_runs(args.dry_run)
+        except Exception:
+            crashed.append(f"probe: {traceback.format_exc()[-1500:]}")
+            say(f"section probe CRASHED:\n{crashed[-1]}")
+    write_report(args.report, tests, bench, surrogate, paper, args.dry_run, crashed, probes)
+    probe_failed = any(run.result is None for run in probes)
+    return 1 if tests.failed or crashed or probe_failed else 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,15 @@ with the largest group size G that fits a GPU. Example:
     python -m hadw_kernels.plan --model Qwen3-4B --group-size 8 --response-length 4096 \
         --gpus 8 --zero-stage 3
 
+``--budget`` speaks in token budgets instead: the largest number of tokens (prompt +
+response, whole sequences) one micro-batch can hold with each loss. A trainer that packs
+micro-batches by tokens rather than by whole groups (``python -m trainer.probe
+--micro-batch-tokens``) trains any G: a group of G responses becomes ceil(G / k)
+micro-batches of k sequences with their gradients accumulated, so the micro-step's
+memory no longer grows with G (only the number of micro-batches, hence the time, does).
+
+    python -m hadw_kernels.plan --budget --model Qwen3-1.7B --response-length 4096 --gpus 1 --zero-stage 2
+
 What is counted, per GPU, at the step's peak (the start of backward, when every saved
 activation and the loss's own buffers are alive at once):
 
@@ -108,6 +117,8 @@ class ModelShape:
 
 # From the models' config.json on the Hugging Face Hub.
 PRESETS = {
+    "Qwen3-0.6B": ModelShape("Qwen3-0.6B", 1024, 3072, 28, 16, 8, 128, 151936, tied_embeddings=True, qk_norm=True),
+    "Qwen3-1.7B": ModelShape("Qwen3-1.7B", 2048, 6144, 28, 16, 8, 128, 151936, tied_embeddings=True, qk_norm=True),
     "Qwen3-4B": ModelShape("Qwen3-4B", 2560, 9728, 36, 32, 8, 128, 151936, tied_embeddings=True, qk_norm=True),
     "Qwen3-8B": ModelShape("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936, tied_embeddings=False, qk_norm=True),
     "Llama-3.2-3B": ModelShape(
@@ -242,6 +253,49 @@ def largest_group_size(model: ModelShape, step: MicroStep, *, fused: bool, gpu_g
     return largest
 
 
+def largest_token_budget(model: ModelShape, step: MicroStep, *, fused: bool, gpu_gib: float) -> int:
+    """The largest micro-batch token budget that fits ``gpu_gib``: k whole sequences of
+    prompt + response tokens, k the largest that fits (0 if not even one response does).
+
+    ``step``'s group size and prompts are ignored: a micro-batch packed by tokens holds k
+    sequences whatever G is.
+    """
+    one_sequence = dataclasses.replace(step, prompts=1, group_size=1)
+    sequences = largest_group_size(model, one_sequence, fused=fused, gpu_gib=gpu_gib)
+    return sequences * (step.prompt_length + step.response_length)
+
+
+def format_budget_report(model: ModelShape, step: MicroStep, gpu_gib: float) -> str:
+    sequence = step.prompt_length + step.response_length
+    lines = [
+        f"ESTIMATE of the largest micro-batch token budget: {model.name} ({model.parameters / 1e9:.2f}B parameters), "
+        f"{step.gpus} GPUs, ZeRO-{step.zero_stage}, gradient checkpointing "
+        f"{'on' if step.gradient_checkpointing else 'off'}, {gpu_gib:g} GiB a GPU",
+        f"sequences of {step.prompt_length}+{step.response_length} = {sequence} tokens, packed whole into micro-batches",
+        "",
+    ]
+    budgets = {}
+    for label in ("eager", "fused"):
+        budget = largest_token_budget(model, step, fused=label == "fused", gpu_gib=gpu_gib)
+        budgets[label] = budget
+        if budget:
+            lines.append(f"{label}: largest budget {budget} tokens a micro-batch ({budget // sequence} sequences)")
+        else:
+            lines.append(f"{label}: not even one {sequence}-token sequence fits")
+    lines.append("")
+    if budgets["fused"]:
+        lines.append(
+            "Any G trains: micro-batches are packed by tokens, not whole groups, so a group of G responses "
+            f"runs as ceil(G / {budgets['fused'] // sequence}) fused micro-batches with accumulated gradients; "
+            "the memory no longer grows with G, the time does."
+            + (f" Eager: ceil(G / {budgets['eager'] // sequence}) micro-batches." if budgets["eager"] else
+               " Eager trains no G here: not one sequence fits.")
+        )
+    else:
+        lines.append("No G trains at this response length: one sequence does not fit with either loss.")
+    return "\n".join(lines)
+
+
 def _gib(nbytes: int) -> str:
     return f"{nbytes / GIB:8.2f}"
 
@@ -294,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--gpu-memory-gib", type=float, default=A100_80GB_GIB, help="default: an 80 GB A100")
     parser.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_GIB)
+    parser.add_argument("--budget", action="store_true",
+                        help="the token-budget view: the largest tokens a micro-batch holds with each loss (any G)")
     args = parser.parse_args(argv)
     step = MicroStep(
         group_size=args.group_size,
@@ -305,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         gradient_checkpointing=args.gradient_checkpointing,
         overhead_gib=args.overhead_gib,
     )
-    print(format_report(PRESETS[args.model], step, args.gpu_memory_gib))
+    report = format_budget_report if args.budget else format_report
+    print(report(PRESETS[args.model], step, args.gpu_memory_gib))
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@ def test_dry_run_writes_a_report(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = report.read_text()
     assert "DRY RUN" in text and "0 failed" in text
-    for section in ("## Loss step", "## The surrogate alone", "## The paper's scale"):
+    for section in ("## Loss step", "## The surrogate alone", "## The paper's scale",
+                    "## Train steps through the trainer"):
         assert section in text, section
     assert "bench: tiny" in result.stdout and "paper scale G=4" in result.stdout
+    assert "| G=4 x 16 tokens and the largest budget, fused | fused | 40 | yes |" in text
 
 
 def test_the_shell_entry_point_passes_its_flags(tmp_path):

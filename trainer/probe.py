@@ -1,0 +1,542 @@
+"""Peak memory and throughput of real train steps at a chosen token budget:
+``python -m trainer.probe``.
+
+A model is built from an architecture preset with random weights (nothing is
+downloaded): Qwen3-0.6B, Qwen3-1.7B, Qwen3-4B (their config.json's shapes, vocabulary
+151936, tied embeddings) or ``tiny`` (the trainer's tiny model). G responses of L random
+token ids follow each prompt of P random token ids (no rollout). Responses are packed
+into micro-batches of at most ``--micro-batch-tokens`` tokens through the model (prompt
++ response, whole responses: one is never split), and each step runs the trainer's own
+pieces: the model in ``Policy``'s DeepSpeed engine (gradient checkpointing, the chosen
+ZeRO stage, a torch AdamW), the loss, ``engine.backward``, ``engine.step``.
+
+``--loss fused``: ``fused_linear_hadw_grpo_loss`` on the hidden states (no logits).
+``--loss eager``: what a user without this library runs: the model's logits of the
+response positions (``logits_to_keep``, as TRL does), fp32 ``log_softmax``, ``gather``,
+and the library's pure-PyTorch reference surrogate (``fused_hadw_grpo_loss(...,
+backend="torch")``) on the per-token log-probs.
+
+Memory: on a GPU ``torch.cuda.max_memory_allocated`` over the step (absolute: model
+states included); a step that raises ``torch.cuda.OutOfMemoryError`` does not fit. On the
+CPU the process's resident set (psutil, sampled every 2 ms by a thread, after
+``malloc_trim``) : the peak above the pre-step baseline is reported, and a budget fits a
+``--memory-limit-gib`` when the absolute peak RSS stays under it (a sampled RSS can miss
+a spike shorter than 2 ms, and counts the allocator's cached pages: an estimate).
+
+``--find-max-budget`` bisects the micro-batch budget (in whole sequences of P + L
+tokens): each trial is one micro-batch's forward, backward and optimizer step on the
+same engine (the model states, Adam's included, are alive as in training).
+
+Advantages are random (as computed elsewhere over the whole rollout batch); old
+log-probs are -log V (what a random model gives, roughly), so the ratio is near 1.
+Progress goes to stderr; ``--json OUT`` writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# name: (hidden, intermediate, layers, heads, kv_heads, head_dim); Hugging Face config.json.
+QWEN3_SHAPES = {
+    "Qwen3-0.6B": (1024, 3072, 28, 16, 8, 128),
+    "Qwen3-1.7B": (2048, 6144, 28, 16, 8, 128),
+    "Qwen3-4B": (2560, 9728, 36, 32, 8, 128),
+}
+QWEN3_VOCAB = 151936
+PRESETS = (*QWEN3_SHAPES, "tiny")
+GIB = 1024**3
+
+
+def say(message: str) -> None:
+    print(f"[probe] {message}", file=sys.stderr, flush=True)
+
+
+# --- bisection (pure: unit-tested on a fake predicate) ----------------------------------
+
+
+def largest_fitting(fits: Callable[[int], bool], start: int = 1, limit: int = 1 << 20) -> int:
+    """The largest n in [start, limit] with ``fits(n)``, for a monotone predicate (true
+    up to some n, false beyond); ``start - 1`` if not even ``start`` fits.
+
+    Doubles from ``start`` until a failure (or ``limit``), then bisects between the last
+    fit and the first failure: O(log n) calls, none above twice the answer.
+    """
+    if start > limit or not fits(start):
+        return start - 1
+    good, bad = start, None
+    while bad is None:
+        trial = min(good * 2, limit)
+        if trial == good:
+            return good
+        if fits(trial):
+            good = trial
+        else:
+            bad = trial
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return good
+
+
+# --- memory --------------------------------------------------------------------------
+
+
+class RssSampler:
+    """Peak resident set of this process, sampled every ``interval`` seconds by a thread."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        import psutil
+
+        self.process = psutil.Process()
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def rss(self) -> int:
+        return self.process.memory_info().rss
+
+    def __enter__(self) -> "RssSampler":
+        self.peak = self.rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+
+def _trim_heap() -> None:
+    """Gives freed C heap back to the OS (glibc), so an earlier trial's pages do not count."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class MemoryMeter:
+    """One interface over CUDA's allocator statistics and the CPU's sampled RSS."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.torch = torch
+        self.cuda = device.type == "cuda"
+        self.method = ("torch.cuda.max_memory_allocated (absolute, model states included)" if self.cuda else
+                       "process RSS sampled every 2 ms by a psutil thread after malloc_trim (peak above the "
+                       "pre-step baseline; absolute peak against --memory-limit-gib)")
+
+    def measure(self, work: Callable[[], None]) -> dict:
+        torch = self.torch
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
+            work()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            return {"baseline_bytes": baseline, "peak_bytes": peak, "peak_above_baseline_bytes": peak - baseline}
+        _trim_heap()
+        with RssSampler() as sampler:
+            baseline = sampler.peak
+            work()
+        return {"baseline_bytes": baseline, "peak_bytes": sampler.peak,
+                "peak_above_baseline_bytes": sampler.peak - baseline}
+
+
+# --- the model and the batch ---------------------------------------------------------
+
+
+def build_model(preset: str, dtype, device, seed: int):
+    import torch
+
+    if preset == "tiny":
+        from trainer.config import ModelConfig
+        from trainer.synthetic_task import VOCABULARY
+        from trainer.tiny_model import build_tiny_model, build_tokenizer
+
+        model = build_tiny_model(ModelConfig(), build_tokenizer(VOCABULARY), seed)
+        return model.to(device=device, dtype=dtype)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hidden, intermediate, layers, heads, kv_heads, head_dim = QWEN3_SHAPES[preset]
+    config = Qwen3Config(
+        vocab_size=QWEN3_VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(dtype=dtype)
+
+
+def policy_config(args, micro_batches: int):
+    """The trainer's Config for ``Policy``: its DeepSpeed section counts one row per
+    micro-batch (micro batch 1, ``micro_batches`` accumulation steps); the probe packs
+    its own rows, so only the gradient accumulation count matters to the engine."""
+    from trainer.config import Config
+
+    config = Config()
+    config.model.dtype = args.dtype
+    config.model.gradient_checkpointing = args.gradient_checkpointing
+    config.rollout.group_size = 1
+    config.rollout.max_new_tokens = args.response_length
+    config.train.micro_batch_prompts = 1
+    config.train.mini_batch_prompts = micro_batches
+    config.train.prompts_per_step = micro_batches
+    config.train.zero_stage = args.zero_stage
+    config.train.learning_rate = 1e-6
+    config.train.warmup_steps = 0
+    config.algorithm.loss_backend = "auto"
+    return config
+
+
+def make_batch(rows: int, args, vocab: int, device, generator):
+    import torch
+
+    from trainer.policy import SequenceBatch
+
+    # Token ids from 1: 0 may be a pad id; every row is P + L long (no padding).
+    ids = torch.randint(1, vocab, (rows, args.prompt_length + args.response_length), generator=generator)
+    prompts = [row[:args.prompt_length].tolist() for row in ids]
+    responses = [row[args.prompt_length:].tolist() for row in ids]
+    return SequenceBatch.build(prompts, responses, pad_token_id=0, device=device)
+
+
+# --- one micro-step: swap for policy.accumulate once it takes advantages -------------------
+
+
+def accumulate(policy, batch, old_logprobs, advantages, *, loss_normalizer: float, loss: str) -> dict[str, float]:
+    """Forward, loss, ``engine.backward``, ``engine.step`` of one micro-batch: what
+    ``Policy.accumulate(batch, old_logprobs, advantages, loss_normalizer=...)`` will do
+    (the fused branch), and the eager path a user without this library runs."""
+    import torch
+
+    from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+
+    if loss == "fused":
+        hidden = policy.hidden_states(batch)
+        weight = policy._lm_head_weight()
+        with policy._gathered([weight]):
+            value = fused_linear_hadw_grpo_loss(
+                hidden, policy._lm_head_weight(), batch.labels, old_logprobs,
+                response_mask=batch.response_mask, advantages=advantages, loss_normalizer=loss_normalizer,
+                max_response_length=policy.config.rollout.max_new_tokens,
+                backend=policy.config.algorithm.loss_backend,
+            )
+            policy.engine.backward(value, scale_wrt_gas=False)
+    else:
+        width = batch.labels.shape[1]
+        # The logits of the response positions only (the last width + 1, as TRL asks).
+        logits = policy.engine(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+            use_cache=False, logits_to_keep=width + 1,
+        ).logits[:, :-1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        labels = batch.labels.clamp(min=0)
+        token_logprobs = logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        value = fused_hadw_grpo_loss(
+            token_logprobs, old_logprobs, None, batch.response_mask, advantages=advantages,
+            loss_normalizer=loss_normalizer, max_response_length=policy.config.rollout.max_new_tokens,
+            backend="torch",
+        )
+        policy.engine.backward(value, scale_wrt_gas=False)
+    policy.engine.step()
+    return {"loss": float(value.detach())}
+
+
+# --- the probe ----------------------------------------------------------------------
+
+
+def _out_of_memory_types():
+    import torch
+
+    types = [torch.cuda.OutOfMemoryError]
+    return tuple(types)
+
+
+class Probe:
+    def __init__(self, args) -> None:
+        import deepspeed
+        import torch
+
+        self.args = args
+        self.torch = torch
+        self.device = torch.device(args.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        self.sequence_tokens = args.prompt_length + args.response_length
+        self.sequences = args.prompts * args.group_size
+        self.dtype = getattr(torch, args.dtype)
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        budget = args.micro_batch_tokens or self.sequences * self.sequence_tokens
+        self.rows = budget // self.sequence_tokens
+        self.micro_batches = max(1, math.ceil(self.sequences / max(1, self.rows)))
+        self.policy = None
+        self.broken = False  # an out-of-memory error left the engine half-way through a step
+        self._build()
+        self.meter = MemoryMeter(self.device)
+        self.generator = torch.Generator().manual_seed(args.seed)
+        # A loss_normalizer of the whole step's responses (GRPO's seq-mean over the mini-batch).
+        self.normalizer = float(self.sequences)
+
+    def _build(self) -> None:
+        """The model and its DeepSpeed engine, from scratch (the same seed, the same weights)."""
+        import gc
+
+        from trainer.policy import Policy
+
+        args = self.args
+        if self.policy is not None:
+            # Its hooks and buffers would otherwise keep the old model alive beside the new.
+            self.policy.engine.destroy()
+            self.policy = None
+        gc.collect()
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+        say(f"building {args.preset} ({args.dtype}, random weights) on {self.device}")
+        model = build_model(args.preset, self.dtype, self.device, args.seed)
+        self.parameters = sum(p.numel() for p in model.parameters())
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        say(f"{self.parameters:,} parameters; DeepSpeed ZeRO-{args.zero_stage}")
+        self.policy = Policy(model, policy_config(args, self.micro_batches), world_size=1)
+        self.broken = False
+
+    def _ensure_usable(self) -> None:
+        """After an out-of-memory error, a new engine: ZeRO tracks which gradients a step
+        has reduced, and a step stopped inside backward leaves that state half-way (not
+        tried on a GPU yet), so the engine is rebuilt rather than patched. Called outside the ``except`` block, so that the
+        traceback's frames, and the tensors they hold, are gone first."""
+        if self.broken:
+            say("rebuilding the engine after an out-of-memory error")
+            self._build()
+
+    def _inputs(self, rows: int):
+        torch = self.torch
+        batch = make_batch(rows, self.args, self.vocab, self.device, self.generator)
+        old = torch.full(batch.labels.shape, -math.log(self.vocab), device=self.device)
+        advantages = torch.randn(rows, generator=self.generator).to(self.device)
+        return batch, old, advantages
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def train_step(self) -> float:
+        """One optimizer step over prompts x G responses in micro-batches; seconds."""
+        self._sync()
+        started = time.perf_counter()
+        remaining = self.sequences
+        while remaining:
+            rows = min(self.rows, remaining)
+            batch, old, advantages = self._inputs(rows)
+            accumulate(self.policy, batch, old, advantages, loss_normalizer=self.normalizer, loss=self.args.loss)
+            remaining -= rows
+        self._sync()
+        return time.perf_counter() - started
+
+    def _recover(self) -> None:
+        """After an out-of-memory error: the engine is rebuilt before its next use."""
+        self.broken = True
+
+    def fits(self, rows: int) -> dict:
+        """One micro-batch of ``rows`` sequences: forward, backward, optimizer step."""
+        limit = self.args.memory_limit_gib
+        self._ensure_usable()
+        self.policy.engine.set_train_batch_size(1)  # one accumulation step: step every trial
+        try:
+            figures = self.meter.measure(lambda: self._one_micro_step(rows))
+        except _out_of_memory_types() as error:
+            self._recover()
+            return {"rows": rows, "tokens": rows * self.sequence_tokens, "fits": False,
+                    "note": f"out of memory: {str(error).splitlines()[0][:200]}"}
+        fits = limit is None or figures["peak_bytes"] <= limit * GIB
+        return {"rows": rows, "tokens": rows * self.sequence_tokens, "fits": fits, **figures}
+
+    def _one_micro_step(self, rows: int) -> None:
+        batch, old, advantages = self._inputs(rows)
+        accumulate(self.policy, batch, old, advantages, loss_normalizer=float(rows), loss=self.args.loss)
+
+    def run(self) -> dict:
+        args = self.args
+        result = {
+            "preset": args.preset, "parameters": self.parameters, "vocab": self.vocab, "loss": args.loss,
+            "dtype": args.dtype, "device": str(self.device), "zero_stage": args.zero_stage,
+            "gradient_checkpointing": args.gradient_checkpointing, "group_size": args.group_size,
+            "prompts": args.prompts, "prompt_length": args.prompt_length, "response_length": args.response_length,
+            "micro_batch_tokens": self.rows * self.sequence_tokens, "sequences_per_micro_batch": self.rows,
+            "micro_batches_per_step": self.micro_batches, "memory_method": self.meter.method,
+            "memory_limit_gib": args.memory_limit_gib,
+        }
+        if self.device.type == "cuda":
+            result["device_name"] = self.torch.cuda.get_device_name(self.device)
+        if args.steps:
+            result.update(self._timed_steps())
+        if args.find_max_budget:
+            result.update(self._bisect())
+        return result
+
+    def _timed_steps(self) -> dict:
+        args = self.args
+        if self.rows < 1:
+            say(f"budget {args.micro_batch_tokens} holds no sequence of {self.sequence_tokens} tokens")
+            return {"fits": False, "note": "the budget holds no whole sequence"}
+        self._ensure_usable()
+        self.policy.engine.set_train_batch_size(self.micro_batches)
+        seconds: list[float] = []
+
+        def steps() -> None:
+            for index in range(args.steps):
+                seconds.append(self.train_step())
+                say(f"step {index + 1}/{args.steps}: {seconds[-1]:.2f} s")
+
+        try:
+            memory = self.meter.measure(steps)
+        except _out_of_memory_types() as error:
+            self._recover()
+            say("out of memory")
+            return {"fits": False, "note": f"out of memory: {str(error).splitlines()[0][:200]}"}
+        if args.memory_limit_gib is not None and memory["peak_bytes"] > args.memory_limit_gib * GIB:
+            fits = False
+        else:
+            fits = True
+        # The first step warms up (allocations, Adam's states, kernels): the median of the rest.
+        timed = seconds[1:] or seconds
+        step_seconds = statistics.median(timed)
+        tokens = self.sequences * self.sequence_tokens
+        figures = {
+            "fits": fits, "step_seconds": seconds, "median_step_seconds": step_seconds,
+            "tokens_per_step": tokens, "tokens_per_second": tokens / step_seconds,
+            "response_tokens_per_second": self.sequences * args.response_length / step_seconds,
+            "peak_memory_bytes": memory["peak_bytes"], "peak_memory_gib": memory["peak_bytes"] / GIB,
+            "peak_above_baseline_bytes": memory["peak_above_baseline_bytes"],
+            "baseline_memory_bytes": memory["baseline_bytes"],
+        }
+        say(f"{figures['tokens_per_second']:.0f} tokens/s; peak {figures['peak_memory_gib']:.2f} GiB "
+            f"({memory['peak_above_baseline_bytes'] / GIB:.2f} above the baseline)")
+        return figures
+
+    def _bisect(self) -> dict:
+        args = self.args
+        trials: list[dict] = []
+
+        def fits(rows: int) -> bool:
+            trial = self.fits(rows)
+            trials.append(trial)
+            say(f"budget {trial['tokens']} tokens ({rows} sequences): {'fits' if trial['fits'] else 'does not fit'}"
+                + (f", peak {trial['peak_bytes'] / GIB:.2f} GiB" if "peak_bytes" in trial else ""))
+            return trial["fits"]
+
+        limit_rows = max(1, args.max_budget_tokens // self.sequence_tokens)
+        rows = largest_fitting(fits, 1, limit_rows)
+        largest = rows * self.sequence_tokens
+        say(f"largest budget: {largest} tokens ({rows} sequences of {self.sequence_tokens})")
+        return {"largest_budget_tokens": largest, "largest_budget_sequences": rows,
+                "budget_search_limit_tokens": limit_rows * self.sequence_tokens, "budget_trials": trials}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--loss", choices=("fused", "eager"), default="fused")
+    parser.add_argument("--group-size", "-G", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=1, help="prompts per optimizer step")
+    parser.add_argument("--response-length", "-L", type=int, default=64)
+    parser.add_argument("--prompt-length", "-P", type=int, default=16)
+    parser.add_argument("--micro-batch-tokens", type=int, default=0,
+                        help="tokens (prompt + response) per forward; 0: all of a step's sequences in one")
+    parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (the first is a warm-up)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--device", default="cuda" if _cuda_visible() else "cpu")
+    parser.add_argument("--find-max-budget", action="store_true",
+                        help="bisect the largest micro-batch token budget that fits")
+    parser.add_argument("--memory-limit-gib", type=float, default=None,
+                        help="a budget fits when its peak stays under this (CPU: required for the bisection)")
+    parser.add_argument("--max-budget-tokens", type=int, default=1 << 21, help="the bisection's upper end")
+    parser.add_argument("--threads", type=int, default=0, help="OpenMP threads; 0: the environment's or all cores")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+    for name in ("group_size", "prompts", "response_length", "prompt_length"):
+        if getattr(args, name) < (0 if name == "prompt_length" else 1):
+            parser.error(f"--{name.replace('_', '-')} is too small")
+    if args.prompt_length < 1:
+        parser.error("--prompt-length must be at least 1 (a hidden state precedes the first response token)")
+    if args.find_max_budget and not args.device.startswith("cuda") and args.memory_limit_gib is None:
+        parser.error("--find-max-budget on the CPU needs --memory-limit-gib")
+    return args
+
+
+def _cuda_visible() -> bool:
+    # Without importing torch (the thread count must be set first).
+    return bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x")) and os.path.exists("/dev/nvidia0")
+
+
+def prepare(args) -> None:
+    """The environment the trainer's run sets up for one process (trainer/environment.py)."""
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+    from trainer.environment import DEFAULT_EXTENSIONS_DIR, _free_port
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+    if not args.device.startswith("cuda"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    prepare(args)
+    result = Probe(args).run()
+    text = json.dumps(result, indent=2)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+        say(f"figures written to {args.json}")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
