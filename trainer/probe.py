@@ -138,17 +138,37 @@ def _trim_heap() -> None:
         pass
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _kernel_peak_available() -> bool:
+    return os.access("/proc/self/clear_refs", os.W_OK) and os.path.exists("/proc/self/status")
+
+
 class MemoryMeter:
-    """One interface over CUDA's allocator statistics and the CPU's sampled RSS."""
+    """One interface over CUDA's allocator statistics and the CPU's resident set: the
+    kernel's exact high-water mark (VmHWM, reset through /proc/self/clear_refs) on Linux,
+    else RSS sampled by a thread (which can miss a short peak)."""
 
     def __init__(self, device) -> None:
         import torch
 
         self.torch = torch
         self.cuda = device.type == "cuda"
-        self.method = ("torch.cuda.max_memory_allocated (absolute, model states included)" if self.cuda else
-                       "process RSS sampled every 2 ms by a psutil thread after malloc_trim (peak above the "
-                       "pre-step baseline; absolute peak against --memory-limit-gib)")
+        self.kernel_peak = not self.cuda and _kernel_peak_available()
+        if self.cuda:
+            self.method = "torch.cuda.max_memory_allocated (absolute, model states included)"
+        elif self.kernel_peak:
+            self.method = ("process RSS high-water mark (VmHWM, reset after malloc_trim) (peak above the pre-step "
+                           "baseline; absolute peak against --memory-limit-gib)")
+        else:
+            self.method = ("process RSS sampled every 2 ms by a psutil thread after malloc_trim (peak above the "
+                           "pre-step baseline; absolute peak against --memory-limit-gib)")
 
     def measure(self, work: Callable[[], None]) -> dict:
         torch = self.torch
@@ -162,6 +182,13 @@ class MemoryMeter:
             peak = torch.cuda.max_memory_allocated()
             return {"baseline_bytes": baseline, "peak_bytes": peak, "peak_above_baseline_bytes": peak - baseline}
         _trim_heap()
+        if self.kernel_peak:
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")  # VmHWM := the resident set now
+            baseline = _status_bytes("VmRSS")
+            work()
+            peak = _status_bytes("VmHWM")
+            return {"baseline_bytes": baseline, "peak_bytes": peak, "peak_above_baseline_bytes": peak - baseline}
         with RssSampler() as sampler:
             baseline = sampler.peak
             work()
@@ -203,9 +230,8 @@ def build_model(preset: str, dtype, device, seed: int):
 
 
 def policy_config(args, micro_batches: int):
-    """The trainer's Config for ``Policy``: its DeepSpeed section counts one row per
-    micro-batch (micro batch 1, ``micro_batches`` accumulation steps); the probe packs
-    its own rows, so only the gradient accumulation count matters to the engine."""
+    """The trainer's Config for ``Policy``, one "prompt" a sequence; the probe packs its
+    own micro-batches and marks the last of a step, as the trainer does."""
     from trainer.config import Config
 
     config = Config()
@@ -235,44 +261,37 @@ def make_batch(rows: int, args, vocab: int, device, generator):
     return SequenceBatch.build(prompts, responses, pad_token_id=0, device=device)
 
 
-# --- one micro-step: swap for policy.accumulate once it takes advantages -------------------
+# --- one micro-step ----------------------------------------------------------------------
 
 
-def accumulate(policy, batch, old_logprobs, advantages, *, loss_normalizer: float, loss: str) -> dict[str, float]:
-    """Forward, loss, ``engine.backward``, ``engine.step`` of one micro-batch: what
-    ``Policy.accumulate(batch, old_logprobs, advantages, loss_normalizer=...)`` will do
-    (the fused branch), and the eager path a user without this library runs."""
+def accumulate(policy, batch, old_logprobs, advantages, *, loss_normalizer: float, last: bool,
+               loss: str) -> dict[str, float]:
+    """One micro-batch's forward, loss, backward and DeepSpeed step (the optimizer's after
+    the ``last``): the trainer's own ``Policy.accumulate`` for the fused loss, or the path
+    a user without this library runs (the response positions' logits, fp32 log-softmax,
+    gather, the PyTorch reference surrogate)."""
     import torch
 
-    from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+    from hadw_kernels import fused_hadw_grpo_loss
 
     if loss == "fused":
-        hidden = policy.hidden_states(batch)
-        weight = policy._lm_head_weight()
-        with policy._gathered([weight]):
-            value = fused_linear_hadw_grpo_loss(
-                hidden, policy._lm_head_weight(), batch.labels, old_logprobs,
-                response_mask=batch.response_mask, advantages=advantages, loss_normalizer=loss_normalizer,
-                max_response_length=policy.config.rollout.max_new_tokens,
-                backend=policy.config.algorithm.loss_backend,
-            )
-            policy.engine.backward(value, scale_wrt_gas=False)
-    else:
-        width = batch.labels.shape[1]
-        # The logits of the response positions only (the last width + 1, as TRL asks).
-        logits = policy.engine(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-            use_cache=False, logits_to_keep=width + 1,
-        ).logits[:, :-1]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        labels = batch.labels.clamp(min=0)
-        token_logprobs = logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        value = fused_hadw_grpo_loss(
-            token_logprobs, old_logprobs, None, batch.response_mask, advantages=advantages,
-            loss_normalizer=loss_normalizer, max_response_length=policy.config.rollout.max_new_tokens,
-            backend="torch",
-        )
-        policy.engine.backward(value, scale_wrt_gas=False)
+        return policy.accumulate(batch, old_logprobs, advantages, loss_normalizer=loss_normalizer, last=last)
+    policy.engine.set_gradient_accumulation_boundary(last)
+    width = batch.labels.shape[1]
+    # The logits of the response positions only (the last width + 1, as TRL asks).
+    logits = policy.engine(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+        use_cache=False, logits_to_keep=width + 1,
+    ).logits[:, :-1]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    labels = batch.labels.clamp(min=0)
+    token_logprobs = logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    value = fused_hadw_grpo_loss(
+        token_logprobs, old_logprobs, None, batch.response_mask, advantages=advantages,
+        loss_normalizer=loss_normalizer, max_response_length=policy.config.rollout.max_new_tokens,
+        backend="torch",
+    )
+    policy.engine.backward(value, scale_wrt_gas=False)
     policy.engine.step()
     return {"loss": float(value.detach())}
 
@@ -362,8 +381,9 @@ class Probe:
         while remaining:
             rows = min(self.rows, remaining)
             batch, old, advantages = self._inputs(rows)
-            accumulate(self.policy, batch, old, advantages, loss_normalizer=self.normalizer, loss=self.args.loss)
             remaining -= rows
+            accumulate(self.policy, batch, old, advantages, loss_normalizer=self.normalizer, last=remaining == 0,
+                       loss=self.args.loss)
         self._sync()
         return time.perf_counter() - started
 
@@ -375,7 +395,6 @@ class Probe:
         """One micro-batch of ``rows`` sequences: forward, backward, optimizer step."""
         limit = self.args.memory_limit_gib
         self._ensure_usable()
-        self.policy.engine.set_train_batch_size(1)  # one accumulation step: step every trial
         try:
             figures = self.meter.measure(lambda: self._one_micro_step(rows))
         except _out_of_memory_types() as error:
@@ -387,7 +406,7 @@ class Probe:
 
     def _one_micro_step(self, rows: int) -> None:
         batch, old, advantages = self._inputs(rows)
-        accumulate(self.policy, batch, old, advantages, loss_normalizer=float(rows), loss=self.args.loss)
+        accumulate(self.policy, batch, old, advantages, loss_normalizer=float(rows), last=True, loss=self.args.loss)
 
     def run(self) -> dict:
         args = self.args
@@ -414,7 +433,6 @@ class Probe:
             say(f"budget {args.micro_batch_tokens} holds no sequence of {self.sequence_tokens} tokens")
             return {"fits": False, "note": "the budget holds no whole sequence"}
         self._ensure_usable()
-        self.policy.engine.set_train_batch_size(self.micro_batches)
         seconds: list[float] = []
 
         def steps() -> None:
