@@ -9,9 +9,9 @@ from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig
 from .ops import attach_single_use_gradients
 from .surrogate import group_metrics, response_advantages, token_weights
 from .validation import (
-    check_hidden_values,
     check_label_range,
     check_linear_inputs,
+    check_linear_values,
     check_surrogate_inputs,
 )
 
@@ -104,6 +104,7 @@ def fused_hadw_grpo_loss(
     )
     if response_mask is None:
         raise ValueError("response_mask is required: [B, T], 1 on response tokens")
+    check_values = _checks_run(check_values)
     check_surrogate_inputs(
         logprobs, old_logprobs, response_mask, config, rewards=rewards, advantages=advantages,
         group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs, importance_weights=importance_weights,
@@ -195,14 +196,17 @@ def fused_linear_hadw_grpo_loss(
     check_surrogate_inputs(
         hidden_states.new_empty(batch, width), old_logprobs, response_mask, config, rewards=rewards,
         advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights, check_values=check_values, logprobs_known=False,
+        importance_weights=importance_weights, check_values=False, logprobs_known=False,
     )
     # Padding is masked out of the loss; as ignored labels its rows enter no GEMM, and
     # labels there are never checked or read.
     labels = labels.masked_fill(~response_mask.bool(), ignore_index)
-    if check_values:
-        check_label_range(labels, lm_head_weight.shape[0], ignore_index)
-        check_hidden_values(hidden_states, labels != ignore_index)
+    if _checks_run(check_values):
+        # Every value check of this call in one host read (docs/architecture.md).
+        check_linear_values(
+            hidden_states, labels, lm_head_weight.shape[0], ignore_index, old_logprobs, response_mask, rewards,
+            advantages, anchor,
+        )
     implementation = resolve_backend(backend, hidden_states.device)
     path = _linear_path(linear_path, implementation, config, hidden_states.device)
     with_entropy = entropy_coef > 0 or return_metrics
@@ -221,6 +225,14 @@ def fused_linear_hadw_grpo_loss(
         old = logprobs.detach() if old_logprobs is None else old_logprobs
         loss, metrics = implementation.surrogate_loss(logprobs, old, response_mask, config, entropy=entropy, **data)
     return (loss, metrics) if return_metrics else loss
+
+
+def _checks_run(check_values: bool) -> bool:
+    """Whether the value checks run: as asked, except under ``torch.compile``, which
+    cannot branch on a tensor's value. A compiled call checks shapes, dtypes and devices
+    (while tracing) but no values, as ``check_values=False`` (docs/architecture.md,
+    "torch.compile")."""
+    return check_values and not torch.compiler.is_compiling()
 
 
 def _linear_path(requested: str, implementation, config: LossConfig, device: torch.device) -> str:
@@ -297,7 +309,7 @@ def token_logprobs(
     ``(logprobs, entropy)`` with ``with_entropy=True``. Ignored labels give 0, a label
     outside the vocabulary NaN (an error with ``check_values``)."""
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
-    if check_values:
+    if _checks_run(check_values):
         check_label_range(labels, lm_head_weight.shape[0], ignore_index)
     logprobs, entropy = _batched_token_logprobs(
         resolve_backend(backend, hidden_states.device),

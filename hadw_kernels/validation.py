@@ -177,11 +177,26 @@ def _nonfinite_at(values: torch.Tensor, masked_out: torch.Tensor) -> torch.Tenso
     return (values * 0).masked_fill_(masked_out, 0).sum() != 0
 
 
+def check_linear_values(
+    hidden_states, labels, vocab: int, ignore_index: int, old_logprobs, response_mask, rewards, advantages, anchor,
+) -> None:
+    """The linear loss's value checks (those of :func:`check_surrogate_inputs`, labels in
+    the vocabulary, finite hidden states at response tokens) in one host read. ``labels``
+    are already ``ignore_index`` at padding."""
+    _check_values(
+        None, old_logprobs, response_mask, rewards, advantages, anchor, hadw=anchor is not None,
+        linear=(hidden_states, labels, vocab, ignore_index),
+    )
+
+
 @torch.no_grad()
-def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, anchor, *, hadw: bool) -> None:
+def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, anchor, *, hadw: bool,
+                  linear=None) -> None:
     """Every check from a few reductions read in one host synchronisation; a failure is
     then named by a precise check of its own. At 16k tokens on the CPU the checks cost as
-    much as the loss did: each reduction here is one op, or two passes over the tokens."""
+    much as the loss did: each reduction here is one op, or two passes over the tokens.
+    ``linear``: (hidden_states, labels, vocab, ignore_index) of the linear loss, whose
+    screens join the same read."""
     if isinstance(anchor, (int, float)) and not math.isfinite(anchor):
         raise ValueError(f"anchor must be finite, got {anchor}")
     probes = {}
@@ -203,6 +218,10 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
             probes[name + "_min"], probes[name + "_max"] = torch.aminmax(values)
     if isinstance(anchor, torch.Tensor):
         probes["anchor"] = anchor
+    if linear is not None:
+        hidden_states, labels, vocab, ignore_index = linear
+        probes["labels"] = _out_of_range(labels, vocab, ignore_index).any()
+        probes["hidden"] = hidden_states.sum(dtype=accumulate_dtype(hidden_states.dtype))
     if not probes:
         return
     # 0-d each; stack promotes them to the widest dtype, so no value is rounded.
@@ -224,13 +243,25 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
         )
     if "anchor" in read and not 0 <= read["anchor"] <= 1:
         raise ValueError(f"anchor must be finite and in [0, 1], got {anchor}")
+    if linear is not None:
+        if read["labels"] != 0:
+            _raise_label_range(vocab, ignore_index)
+        if not math.isfinite(read["hidden"]):
+            _check_hidden_at(hidden_states, labels != ignore_index)
+
+
+def _out_of_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    return ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+
+
+def _raise_label_range(vocab: int, ignore_index: int):
+    raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index} at response tokens")
 
 
 def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Labels index the vocabulary or equal ignore_index (one host sync on CUDA)."""
-    out_of_range = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
-    if bool(out_of_range.any()):
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index} at response tokens")
+    if bool(_out_of_range(labels, vocab, ignore_index).any()):
+        _raise_label_range(vocab, ignore_index)
 
 
 def check_linear_inputs(
@@ -285,7 +316,10 @@ def check_hidden_values(hidden_states: torch.Tensor, active: torch.Tensor) -> No
     """Finite hidden states at the rows that enter the loss (one host sync on CUDA). A sum
     over every row screens them in one pass; the masked check decides when it trips (a
     NaN in a padding row, or finite values overflowing the sum)."""
-    if math.isfinite(hidden_states.sum(dtype=accumulate_dtype(hidden_states.dtype))):
-        return
+    if not math.isfinite(hidden_states.sum(dtype=accumulate_dtype(hidden_states.dtype))):
+        _check_hidden_at(hidden_states, active)
+
+
+def _check_hidden_at(hidden_states: torch.Tensor, active: torch.Tensor) -> None:
     if bool(_nonfinite_at(hidden_states, ~active[..., None])):
         raise ValueError("hidden_states contain NaN or inf at response tokens")
