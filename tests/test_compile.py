@@ -111,3 +111,42 @@ def test_batch_size_changes_without_recompiling(loss, backend):
             leaves, others = _batch(loss, batch)
             _assert_same(_run(compiled, leaves, others, dynamic_batch=marked), _run(fn, leaves, others))
         assert counter.frame_count == frames, (marked, counter.frame_count)
+
+
+@pytest.mark.skipif("cpp" not in available_backends("cpu"), reason="no cpp backend here")
+@pytest.mark.parametrize("with_optional", [False, True], ids=["bare", "entropy-bias-kl"])
+def test_fake_kernels_match_the_cpp_ops(with_optional):
+    """Every output of every hadw:: op has a fake of the real kernel's shape, dtype and
+    strides, also with symbolic shapes (torch.library.opcheck)."""
+    from hadw_kernels.config import LossConfig
+    from hadw_kernels.ops import argument_names
+
+    def check(op, **arguments):
+        values = tuple(arguments[name] for name in argument_names(op))
+        torch.library.opcheck(getattr(torch.ops.hadw, op).default, values,
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+    config = LossConfig.build("grpo", 2, beta=0.04 if with_optional else 0.0, entropy_coef=0.01)
+    batch, rows = 4, 4 * WIDTH
+    logprobs = -torch.rand(batch, WIDTH)
+    check("surrogate_loss", logprobs=logprobs, old_logprobs=logprobs - 0.1,
+          response_mask=torch.ones(batch, WIDTH, dtype=torch.bool), rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]),
+          advantages=None, anchor=torch.tensor(0.4, dtype=torch.float64) if with_optional else None,
+          ref_logprobs=logprobs + 0.05 if with_optional else None, importance_weights=None,
+          entropy=torch.rand(batch, WIDTH) if with_optional else None, **config.kernel_options(), backend="cpp")
+    hidden, weight = torch.randn(rows, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    bias = torch.randn(VOCAB) if with_optional else None
+    labels = torch.randint(0, VOCAB, (rows,))
+    labels[::5] = -100
+    options = dict(temperature=0.7, ignore_index=-100)
+    check("linear_logprob_forward", hidden=hidden, weight=weight, bias=bias, labels=labels,
+          with_entropy=with_optional, backend="cpp", **options)
+    _, _, lse, mean_logit = torch.ops.hadw.linear_logprob_forward(hidden, weight, bias, labels, 0.7, -100, True, "cpp")
+    check("linear_logprob_backward", grad_logprobs=torch.randn(rows),
+          grad_entropy=torch.randn(rows) if with_optional else None, hidden=hidden, weight=weight, bias=bias,
+          labels=labels, lse=lse, mean_logit=mean_logit, backend="cpp", **options)
+    check("linear_surrogate_forward", hidden=hidden, weight=weight, bias=bias, labels=labels,
+          old_logprobs=-torch.rand(rows) - 2, advantages=torch.randn(rows),
+          token_weights=torch.full((rows,), 0.1, dtype=torch.float64),
+          ref_logprobs=-torch.rand(rows) - 2 if with_optional else None, importance_weights=None,
+          **config.token_options(), with_entropy=with_optional, block_rows=0, backend="cpp", **options)
