@@ -57,7 +57,9 @@ def check_anchor(anchor) -> None:
             raise ValueError(f"anchor must be a float or a 0-d tensor, got shape {_shape(anchor)}")
         if not anchor.is_floating_point():
             raise TypeError(f"anchor must be a floating-point tensor, got {anchor.dtype}")
-    elif not (math.isfinite(anchor) and 0 <= anchor <= 1):
+    # Compiled, a float argument is symbolic: its range is a value check, skipped as the
+    # others are (docs/architecture.md, "torch.compile").
+    elif not torch.compiler.is_compiling() and not (math.isfinite(anchor) and 0 <= anchor <= 1):
         raise ValueError(f"anchor must lie in [0, 1] (a belief about an accuracy), got {anchor}")
 
 

@@ -150,3 +150,23 @@ def test_fake_kernels_match_the_cpp_ops(with_optional):
           token_weights=torch.full((rows,), 0.1, dtype=torch.float64),
           ref_logprobs=-torch.rand(rows) - 2 if with_optional else None, importance_weights=None,
           **config.token_options(), with_entropy=with_optional, block_rows=0, backend="cpp", **options)
+
+
+@pytest.mark.skipif("cpp" not in available_backends("cpu"), reason="no cpp backend here")
+def test_moving_float_anchor_recompiles_once():
+    """The anchor moves every step (DifficultyAnchor.update). As a Python float it is a
+    symbolic float after one automatic-dynamic recompile; the cpp backend once filled a
+    tensor with float(anchor), which specialised every graph to one value."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    options = {key: value for key, value in OPTIONS.items() if key != "anchor"}
+
+    def fn(logprobs, old, rewards, mask, anchor):
+        return fused_hadw_grpo_loss(logprobs, old, rewards, mask, anchor=anchor, backend="cpp", **options)
+
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    leaves, others = _batch("surrogate", 4)
+    for anchor in (0.4, 0.5, 0.6, 0.7):
+        _assert_same(_run(lambda *t: compiled(*t, anchor), leaves, others),
+                     _run(lambda *t: fn(*t, anchor), leaves, others))
+    assert counter.frame_count == 2
