@@ -129,8 +129,18 @@ assert tuple(LOSS_PRESETS) == LOSS_TYPES
 DEFAULT_CLIP_RANGE = {name: preset.clip_range for name, preset in LOSS_PRESETS.items()}
 
 
+def _compiling() -> bool:
+    import torch  # (config.py is read by setup.py without torch)
+
+    return torch.compiler.is_compiling()
+
+
 def _finite_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+    # Under torch.compile a float argument is symbolic: its value is not checked
+    # (docs/architecture.md, "torch.compile").
+    if not _compiling() and not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
 
 

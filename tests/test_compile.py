@@ -170,3 +170,22 @@ def test_moving_float_anchor_recompiles_once():
         _assert_same(_run(lambda *t: compiled(*t, anchor), leaves, others),
                      _run(lambda *t: fn(*t, anchor), leaves, others))
     assert counter.frame_count == 2
+
+
+def test_moving_loss_normalizer_recompiles_once_on_torch():
+    """A per-step loss_normalizer (gradient accumulation) is a symbolic float on the torch
+    backend after one recompile. (The cpp and triton ops take it as a float argument, which
+    specialises: docs/architecture.md says how to keep one graph there.)"""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def fn(logprobs, old, rewards, mask, normalizer):
+        return fused_hadw_grpo_loss(logprobs, old, rewards, mask, group_size=2, loss_type="dapo",
+                                    loss_normalizer=normalizer, return_metrics=True, backend="torch")
+
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    leaves, others = _batch("surrogate", 4)
+    for normalizer in (30.0, 40.0, 50.0):
+        _assert_same(_run(lambda *t: compiled(*t, normalizer), leaves, others),
+                     _run(lambda *t: fn(*t, normalizer), leaves, others))
+    assert counter.frame_count == 2
