@@ -148,14 +148,22 @@ LOSS_PRESETS = {
 LOSS_TYPES = tuple(LOSS_PRESETS)
 
 
+def _compiling() -> bool:
+    import torch  # (config.py is read by setup.py without torch)
+
+    return torch.compiler.is_compiling()
+
+
 def check_finite_positive(name: str, value) -> None:
     """``value`` is a finite positive real (lambda_scale, std_eps, ...): strings, bools,
-    NaN and non-positive values raise ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+    NaN and non-positive values raise ValueError naming ``name``. Under torch.compile a
+    float argument is symbolic and its value is not checked (docs/architecture.md,
+    "torch.compile")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+    if not _compiling() and not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
 
-
-_finite_positive = check_finite_positive
 
 
 def check_block_rows(block_rows, name: str = "block_rows") -> None:
@@ -243,8 +251,8 @@ class LossConfig:
                 raise ValueError(f"{name} (clip range) must be a finite non-negative number, got {value!r}")
         if self.epsilon_low >= 1:
             raise ValueError(f"epsilon_low must be below 1 (the ratio is positive), got {self.epsilon_low}")
-        _finite_positive("std_eps", self.std_eps)
-        _finite_positive("lambda_scale", self.lambda_scale)
+        check_finite_positive("std_eps", self.std_eps)
+        check_finite_positive("lambda_scale", self.lambda_scale)
         if isinstance(self.beta, bool) or not (0 <= self.beta < math.inf):
             raise ValueError(f"beta (KL coefficient) must be finite and non-negative, got {self.beta!r}")
         if self.dual_clip is not None and not (1 < self.dual_clip < math.inf):
@@ -252,7 +260,7 @@ class LossConfig:
         if isinstance(self.entropy_coef, bool) or not (0 <= self.entropy_coef < math.inf):
             raise ValueError(f"entropy_coef must be finite and non-negative, got {self.entropy_coef!r}")
         if self.loss_normalizer is not None:
-            _finite_positive("loss_normalizer", self.loss_normalizer)
+            check_finite_positive("loss_normalizer", self.loss_normalizer)
         if self.max_response_length is not None:
             if isinstance(self.max_response_length, bool) or not isinstance(self.max_response_length, int):
                 raise TypeError(f"max_response_length must be an int, got {self.max_response_length!r}")

@@ -11,9 +11,10 @@ from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig
 from .ops import attach_single_use_gradients
 from .surrogate import group_metrics, response_advantages, token_weights
 from .validation import (
-    check_hidden_values,
+    assert_label_range,
     check_label_range,
     check_linear_inputs,
+    check_linear_values,
     check_surrogate_inputs,
     check_temperature,
 )
@@ -107,6 +108,7 @@ def fused_hadw_grpo_loss(
     )
     if response_mask is None:
         raise ValueError("response_mask is required: [B, T], 1 on response tokens")
+    check_values = _checks_run(check_values)
     check_surrogate_inputs(
         logprobs, old_logprobs, response_mask, config, rewards=rewards, advantages=advantages,
         group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs, importance_weights=importance_weights,
@@ -196,14 +198,19 @@ def fused_linear_hadw_grpo_loss(
     check_surrogate_inputs(
         hidden_states.new_empty(batch, width), old_logprobs, response_mask, config, rewards=rewards,
         advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights, check_values=check_values, logprobs_known=False,
+        importance_weights=importance_weights, check_values=False, logprobs_known=False,
     )
     # Padding is masked out of the loss; as ignored labels its rows enter no GEMM, and
     # labels there are never checked or read.
     labels = labels.masked_fill(~response_mask.bool(), ignore_index)
-    check_label_range(labels, lm_head_weight.shape[0], ignore_index)
-    if check_values:
-        check_hidden_values(hidden_states, labels != ignore_index)
+    if _checks_run(check_values):
+        # Every value check of this call in one host read (docs/architecture.md).
+        check_linear_values(
+            hidden_states, labels, lm_head_weight.shape[0], ignore_index, old_logprobs, response_mask, rewards,
+            advantages, anchor,
+        )
+    else:
+        assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
     implementation = resolve_backend(backend, hidden_states.device)
     path = _linear_path(linear_path, implementation, config, hidden_states.device)
     with_entropy = entropy_coef > 0 or return_metrics
@@ -254,6 +261,14 @@ _CONFIG_OPTIONS = (
     "normalize_std", "loss_agg_mode", "sequence_level", "epsilon_low", "epsilon_high", "std_eps", "lambda_scale",
     "beta", "kl_estimator", "dual_clip", "entropy_coef", "loss_normalizer", "max_response_length",
 )
+
+
+def _checks_run(check_values: bool) -> bool:
+    """Whether the value checks run: as asked, except under ``torch.compile``, which
+    cannot branch on a tensor's value. A compiled call checks shapes, dtypes and devices
+    (while tracing) but no values, as ``check_values=False`` (docs/architecture.md,
+    "torch.compile")."""
+    return check_values and not torch.compiler.is_compiling()
 
 
 def _linear_path(requested: str, implementation, config: LossConfig, device: torch.device) -> str:
@@ -331,7 +346,10 @@ def token_logprobs(
     outside the vocabulary is an error on every call (``check_values`` or not).
     ``check_values`` is kept for symmetry with the losses; nothing else here reads values."""
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
-    check_label_range(labels, lm_head_weight.shape[0], ignore_index)
+    if _checks_run(check_values):
+        check_label_range(labels, lm_head_weight.shape[0], ignore_index)
+    else:
+        assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
     logprobs, entropy = _batched_token_logprobs(
         resolve_backend(backend, hidden_states.device),
         hidden_states,

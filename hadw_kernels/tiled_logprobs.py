@@ -25,11 +25,9 @@ class _TiledLinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, with_entropy):
         num_tokens, vocab = hidden.shape[0], weight.shape[0]
-        rows = (labels != ignore_index).nonzero().flatten()
-        row_labels = labels[rows].long()
-        in_vocab = (row_labels >= 0) & (row_labels < vocab)
         accumulate = torch.promote_types(hidden.dtype, torch.float32)
-        hidden_rows = hidden[rows].to(accumulate)
+        rows, row_labels, hidden_rows, padding = _active_rows(hidden, labels, ignore_index, accumulate)
+        in_vocab = (row_labels >= 0) & (row_labels < vocab)
         running_max = torch.full((rows.numel(),), float("-inf"), device=hidden.device, dtype=accumulate)
         sum_exp = torch.zeros_like(running_max)
         # Entropy needs E_p[z]; summing exp(z - m) * (z - m) relative to the running max
@@ -60,23 +58,32 @@ class _TiledLinearLogprob(torch.autograd.Function):
             label_logit[tile_rows] = torch.where(in_tile, picked, label_logit[tile_rows])
         lse = running_max + torch.log(sum_exp)
         row_logp = torch.where(in_vocab, label_logit - lse, torch.full_like(lse, float("nan")))
+        if padding is not None:
+            row_logp = row_logp.masked_fill(padding, 0)
         logp = torch.zeros(num_tokens, device=hidden.device, dtype=accumulate).index_copy_(0, rows, row_logp)
         entropy = mean_logit = None
         if with_entropy:
             mean_shifted = sum_exp_shifted / sum_exp
             mean_logit = running_max + mean_shifted
-            entropy = torch.zeros_like(logp).index_copy_(0, rows, torch.log(sum_exp) - mean_shifted)
-        ctx.save_for_backward(hidden, weight, bias, rows, row_labels, lse, mean_logit)
+            row_entropy = torch.log(sum_exp) - mean_shifted
+            if padding is not None:
+                row_entropy = row_entropy.masked_fill(padding, 0)
+            entropy = torch.zeros_like(logp).index_copy_(0, rows, row_entropy)
+        ctx.save_for_backward(hidden, weight, bias, rows, row_labels, lse, mean_logit, padding)
         ctx.temperature = temperature
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, rows, row_labels, lse, mean_logit = ctx.saved_tensors
+        hidden, weight, bias, rows, row_labels, lse, mean_logit, padding = ctx.saved_tensors
         accumulate = lse.dtype
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp[rows].to(accumulate)
         grad_entropy = None if grad_entropy is None or mean_logit is None else grad_entropy[rows].to(accumulate)
         hidden_rows = hidden[rows].to(accumulate)
+        if padding is not None:
+            grad_logp = grad_logp.masked_fill(padding, 0)
+            grad_entropy = None if grad_entropy is None else grad_entropy.masked_fill(padding, 0)
+            hidden_rows = hidden_rows.masked_fill(padding[:, None], 0)
         grad_hidden_rows = torch.zeros_like(hidden_rows) if ctx.needs_input_grad[0] else None
         grad_weight = (
             torch.zeros(weight.shape, device=weight.device, dtype=accumulate) if ctx.needs_input_grad[1] else None
@@ -119,6 +126,21 @@ class _TiledLinearLogprob(torch.autograd.Function):
         )
 
 
+def _active_rows(hidden, labels, ignore_index, accumulate):
+    """(row index, their labels, their hidden states in ``accumulate``, padding mask or
+    None). Eagerly only the rows whose label is not ignored; under ``torch.compile``,
+    which cannot loop over a data-dependent count of rows, every row, the ignored ones
+    zeroed (label 0, hidden 0: finite whatever padding held) and masked out of the
+    outputs and gradients (docs/architecture.md, "torch.compile")."""
+    active = labels != ignore_index
+    if torch.compiler.is_compiling():
+        rows = torch.arange(labels.shape[0], device=labels.device)
+        padding = ~active
+        return rows, labels.long().masked_fill(padding, 0), hidden.to(accumulate).masked_fill(padding[:, None], 0), padding
+    rows = active.nonzero().flatten()
+    return rows, labels[rows].long(), hidden[rows].to(accumulate), None
+
+
 def _logit_tiles(hidden, weight, bias, temperature):
     """Yields (token slice, vocabulary slice, head tile, logits tile) over the [N, V] grid,
     vocabulary outermost so each head tile is cast to the accumulation dtype once."""
@@ -127,8 +149,11 @@ def _logit_tiles(hidden, weight, bias, temperature):
         columns = slice(v0, min(v0 + VOCAB_TILE, vocab))
         weight_tile = weight[columns].to(hidden.dtype)
         bias_tile = None if bias is None else bias[columns].to(hidden.dtype)
-        for n0 in range(0, num_tokens, TOKEN_TILE):
-            rows = slice(n0, min(n0 + TOKEN_TILE, num_tokens))
+        # Counted in tiles and sliced past the end (a slice stops there): under
+        # torch.compile with a dynamic token count this guards on the count of tiles,
+        # not on the exact count of tokens, as range(0, num_tokens, TOKEN_TILE) would.
+        for tile in range((num_tokens + TOKEN_TILE - 1) // TOKEN_TILE):
+            rows = slice(tile * TOKEN_TILE, (tile + 1) * TOKEN_TILE)
             logits = hidden[rows] @ weight_tile.T
             if bias_tile is not None:
                 logits += bias_tile

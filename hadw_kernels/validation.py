@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .config import LossConfig, _finite_positive
+from .config import LossConfig, check_finite_positive
 from .ops import accumulate_dtype
 
 
@@ -57,7 +57,9 @@ def check_anchor(anchor) -> None:
             raise ValueError(f"anchor must be a float or a 0-d tensor, got shape {_shape(anchor)}")
         if not anchor.is_floating_point():
             raise TypeError(f"anchor must be a floating-point tensor, got {anchor.dtype}")
-    elif not (math.isfinite(anchor) and 0 <= anchor <= 1):
+    # Compiled, a float argument is symbolic: its range is a value check, skipped as the
+    # others are (docs/architecture.md, "torch.compile").
+    elif not torch.compiler.is_compiling() and not (math.isfinite(anchor) and 0 <= anchor <= 1):
         raise ValueError(f"anchor must lie in [0, 1] (a belief about an accuracy), got {anchor}")
 
 
@@ -155,7 +157,7 @@ def check_surrogate_inputs(
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")
-    if group_index is not None:
+    if group_index is not None and not torch.compiler.is_compiling():  # a value check (docs/architecture.md)
         _check_group_index(group_index, config.group_size)
     if check_values:
         _check_values(
@@ -169,8 +171,8 @@ def check_advantage_options(rewards: torch.Tensor, anchor, lambda_scale, std_eps
     finite belief in [0, 1], lambda_scale and std_eps finite and positive, finite
     rewards, in [0, 1] with an anchor), with its messages. Values are always read: one
     host sync on CUDA, once per rollout batch."""
-    _finite_positive("std_eps", std_eps)
-    _finite_positive("lambda_scale", lambda_scale)
+    check_finite_positive("std_eps", std_eps)
+    check_finite_positive("lambda_scale", lambda_scale)
     check_anchor(anchor)
     if isinstance(anchor, torch.Tensor):
         anchor = anchor.to(rewards.device)  # (a 0-d CPU anchor with CUDA rewards is accepted)
@@ -181,9 +183,10 @@ def _check_group_index(group_index: torch.Tensor, group_size: int) -> None:
     """Rows come in contiguous, complete groups: a trainer that shuffled rows (TRL with
     steps_per_generation > 1, verl's balance_batch) would otherwise get wrong advantages."""
     blocks = group_index.view(-1, group_size)
-    uniform = bool((blocks == blocks[:, :1]).all())
-    distinct = torch.unique(blocks[:, 0]).numel() == blocks.shape[0]
-    if not (uniform and distinct):
+    uniform = (blocks == blocks[:, :1]).all()
+    firsts = blocks[:, 0].sort().values
+    distinct = (firsts[1:] != firsts[:-1]).all()
+    if not bool(uniform & distinct):  # one host read
         raise ValueError(
             f"group_index shows rows that are not in contiguous groups of {group_size}: the rows were reordered "
             "or split; compute the advantages over the whole batch (hadw_advantages(..., group_index=...)) "
@@ -198,11 +201,26 @@ def _nonfinite_at(values: torch.Tensor, masked_out: torch.Tensor) -> torch.Tenso
     return (values * 0).masked_fill_(masked_out, 0).sum() != 0
 
 
+def check_linear_values(
+    hidden_states, labels, vocab: int, ignore_index: int, old_logprobs, response_mask, rewards, advantages, anchor,
+) -> None:
+    """The linear loss's value checks (those of :func:`check_surrogate_inputs`, labels in
+    the vocabulary, finite hidden states at response tokens) in one host read. ``labels``
+    are already ``ignore_index`` at padding."""
+    _check_values(
+        None, old_logprobs, response_mask, rewards, advantages, anchor, hadw=anchor is not None,
+        linear=(hidden_states, labels, vocab, ignore_index),
+    )
+
+
 @torch.no_grad()
-def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, anchor, *, hadw: bool) -> None:
+def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, anchor, *, hadw: bool,
+                  linear=None) -> None:
     """Every check from a few reductions read in one host synchronisation; a failure is
     then named by a precise check of its own. At 16k tokens on the CPU the checks cost as
-    much as the loss did: each reduction here is one op, or two passes over the tokens."""
+    much as the loss did: each reduction here is one op, or two passes over the tokens.
+    ``linear``: (hidden_states, labels, vocab, ignore_index) of the linear loss, whose
+    screens join the same read."""
     if isinstance(anchor, (int, float)) and not math.isfinite(anchor):
         raise ValueError(f"anchor must be finite, got {anchor}")
     probes = {}
@@ -224,6 +242,10 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
             probes[name + "_min"], probes[name + "_max"] = torch.aminmax(values)
     if isinstance(anchor, torch.Tensor):
         probes["anchor"] = anchor
+    if linear is not None:
+        hidden_states, labels, vocab, ignore_index = linear
+        probes["labels"] = _out_of_range(labels, vocab, ignore_index).any()
+        probes["hidden"] = hidden_states.sum(dtype=accumulate_dtype(hidden_states.dtype))
     if not probes:
         return
     # 0-d each; stack promotes them to the widest dtype, so no value is rounded.
@@ -245,24 +267,44 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
         )
     if "anchor" in read and not 0 <= read["anchor"] <= 1:
         raise ValueError(f"anchor must be finite and in [0, 1], got {anchor}")
+    if linear is not None:
+        if read["labels"] != 0:
+            _raise_label_range(vocab, ignore_index)
+        if not math.isfinite(read["hidden"]):
+            _check_hidden_at(hidden_states, labels != ignore_index)
+
+
+def _out_of_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    return ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+
+
+def _raise_label_range(vocab: int, ignore_index: int):
+    raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index} at response tokens "
+                     "(checked on every call, also with check_values=False: stricter than verl and TRL, whose "
+                     "gather does not check)")
 
 
 def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Labels index the vocabulary or equal ignore_index. Run on every call, whatever
-    ``check_values`` says: an unchecked label outside the vocabulary gives a NaN
-    log-prob, and a NaN loss is a wrong answer too (verl and TRL gather without a
-    check). One min/max over the int labels, read in one host sync on CUDA."""
+    """Labels index the vocabulary or equal ignore_index (one host read: a sync on CUDA)."""
+    if bool(_out_of_range(labels, vocab, ignore_index).any()):
+        _raise_label_range(vocab, ignore_index)
+
+
+def assert_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """The label check of calls that read no value (``check_values=False``, compiled
+    calls): an asynchronous assert, which raises here on the CPU and as a device-side
+    assert at the GPU's next synchronisation. Always run: an unchecked label outside the
+    vocabulary gives a NaN log-prob (verl and TRL gather without a check)."""
     if labels.numel() == 0:
         return
-    # ignore_index counts as 0 (a valid index), so one aminmax sees every other label.
-    low, high = torch.aminmax(labels.masked_fill(labels == ignore_index, 0))
-    low, high = torch.stack([low, high]).tolist()
-    if low < 0 or high >= vocab:
-        raise ValueError(
-            f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index} at response tokens, "
-            f"got labels from {low} to {high} (checked on every call, also with check_values=False: "
-            "stricter than verl and TRL, whose gather does not check)"
-        )
+    valid = ~_out_of_range(labels, vocab, ignore_index).any()
+    if labels.device.type == "cpu" and not torch.compiler.is_compiling():
+        try:
+            torch._assert_async(valid, "labels outside the vocabulary")
+        except RuntimeError:
+            _raise_label_range(vocab, ignore_index)
+    else:
+        torch._assert_async(valid, f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
 
 
 def check_temperature(temperature) -> None:
@@ -321,7 +363,10 @@ def check_hidden_values(hidden_states: torch.Tensor, active: torch.Tensor) -> No
     """Finite hidden states at the rows that enter the loss (one host sync on CUDA). A sum
     over every row screens them in one pass; the masked check decides when it trips (a
     NaN in a padding row, or finite values overflowing the sum)."""
-    if math.isfinite(hidden_states.sum(dtype=accumulate_dtype(hidden_states.dtype))):
-        return
+    if not math.isfinite(hidden_states.sum(dtype=accumulate_dtype(hidden_states.dtype))):
+        _check_hidden_at(hidden_states, active)
+
+
+def _check_hidden_at(hidden_states: torch.Tensor, active: torch.Tensor) -> None:
     if bool(_nonfinite_at(hidden_states, ~active[..., None])):
         raise ValueError("hidden_states contain NaN or inf at response tokens")

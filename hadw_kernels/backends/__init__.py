@@ -10,6 +10,11 @@
 
 Adding a backend is a module and one line in ``_MODULES``. "auto" picks, for the
 tensors' device, the first backend of ``_PREFERRED`` that can serve it.
+
+A backend's module is imported once and its object kept in ``_LOADED``: the "torch"
+and "cpp" backends when this package is imported (cheap), "triton" on first use (it
+imports Triton). Under ``torch.compile`` the choice is then a dictionary lookup that
+Dynamo traces without a graph break (docs/architecture.md, "torch.compile").
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ _MODULES = {
 }
 BACKENDS = tuple(_MODULES)
 _PREFERRED = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}
+# name -> backend object, or the BackendUnavailable its import raised.
+_LOADED: dict[str, object] = {}
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(_MODULES[name]).BACKEND
+    except ImportError as error:
+        return BackendUnavailable(f"backend {name!r} is not available here: {error}")
 
 
 def check_backend_name(name, key: str = "backend") -> None:
@@ -44,11 +58,12 @@ def load_backend(name: str):
     if name == "auto":
         raise ValueError("load_backend needs a backend's name; 'auto' is resolve_backend's")
     check_backend_name(name)
-    try:
-        module = importlib.import_module(_MODULES[name])
-    except ImportError as error:
-        raise BackendUnavailable(f"backend {name!r} is not available here: {error}") from error
-    return module.BACKEND
+    if name not in _LOADED:
+        _LOADED[name] = _import(name)
+    backend = _LOADED[name]
+    if isinstance(backend, BackendUnavailable):
+        raise BackendUnavailable(*backend.args)
+    return backend
 
 
 def _serving(name: str, device: torch.device):
@@ -78,3 +93,9 @@ def resolve_backend(name: str, device: torch.device):
     if not backend.serves(device):
         raise BackendUnavailable(backend.unavailable_message(device))
     return backend
+
+
+# Imported now, so that a compiled call finds them loaded (the Triton backend is loaded
+# by its first call, or by ``available_backends("cuda")``).
+for _name in ("torch", "cpp"):
+    _LOADED[_name] = _import(_name)

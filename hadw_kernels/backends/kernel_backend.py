@@ -28,6 +28,10 @@ def anchor_tensor(anchor, device: torch.device) -> torch.Tensor | None:
         return anchor
     # torch.full, not torch.tensor: no blocking host-to-device copy on CUDA. float64: a
     # Python float is a double, and fp32 would round it for fp64 inputs.
+    if torch.compiler.is_compiling():
+        # A float argument is symbolic here; filling a tensor with it would specialise the
+        # graph to its value (a recompile each step as the anchor moves), adding it does not.
+        return torch.zeros((), dtype=torch.float64, device=device) + anchor
     return torch.full((), float(anchor), dtype=torch.float64, device=device)
 
 

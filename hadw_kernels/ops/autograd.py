@@ -57,11 +57,14 @@ def _multiply_in_place(gradient: torch.Tensor, grad_loss: torch.Tensor) -> torch
 
 
 class _AttachGradients(torch.autograd.Function):
+    # The inputs and their gradients come as one flat argument list (inputs first):
+    # Dynamo traces tensors passed one by one, not a tuple of them.
     @staticmethod
-    def forward(ctx, loss, gradients, scale_in_place, *inputs):
-        ctx.gradients = gradients
+    def forward(ctx, loss, scale_in_place, *inputs_and_gradients):
+        count = len(inputs_and_gradients) // 2
+        ctx.gradients = inputs_and_gradients[count:]
         ctx.scale_in_place = scale_in_place
-        ctx.dtypes = [None if t is None else t.dtype for t in inputs]
+        ctx.dtypes = [None if t is None else t.dtype for t in inputs_and_gradients[:count]]
         return loss.clone()
 
     @staticmethod
@@ -74,13 +77,17 @@ class _AttachGradients(torch.autograd.Function):
         if ctx.scale_in_place is None:  # kept (attach_gradients): scaled into new tensors
             scaled = [None if gradient is None else _scaled(gradient, grad_loss, dtype)
                       for gradient, dtype in zip(ctx.gradients, ctx.dtypes)]
-            return (None, None, None, *scaled)
+            return (None, None, *scaled, *[None] * len(scaled))
         # The stored gradients belong to this graph alone: scale them in place rather
         # than copying tensors the size of the LM head (5-15% of a step on the CPU). The
         # usual upstream gradient is exactly 1 (``loss.backward()``): on the CPU, where
         # reading it costs no device synchronisation, that pass over them is skipped; a
         # backend's own ``scale_in_place`` may skip it on its device (kernels/scale.py).
-        unit = grad_loss.device.type == "cpu" and grad_loss.numel() == 1 and grad_loss.item() == 1.0
+        # (Not under torch.compile, which cannot branch on a value: docs/architecture.md.)
+        unit = (
+            not torch.compiler.is_compiling() and grad_loss.device.type == "cpu" and grad_loss.numel() == 1
+            and grad_loss.item() == 1.0
+        )
         scaled = []
         for gradient, dtype in zip(ctx.gradients, ctx.dtypes):
             if gradient is None:
@@ -92,18 +99,18 @@ class _AttachGradients(torch.autograd.Function):
             else:
                 scaled.append(_scaled(gradient, grad_loss, dtype))
         ctx.gradients = None
-        return (None, None, None, *scaled)
+        return (None, None, *scaled, *[None] * len(scaled))
 
 
 def attach_gradients(loss: torch.Tensor, inputs, gradients) -> torch.Tensor:
     """``loss`` as a function of ``inputs`` whose gradients were formed in the forward:
     its backward returns ``gradients`` times the upstream scalar, as new tensors in the
     inputs' dtypes, as often as the graph is differentiated (``retain_graph``)."""
-    return _AttachGradients.apply(loss.detach(), tuple(gradients), None, *inputs)
+    return _AttachGradients.apply(loss.detach(), None, *inputs, *gradients)
 
 
 def attach_single_use_gradients(loss: torch.Tensor, inputs, gradients, scale_in_place=None) -> torch.Tensor:
     """The same for gradients too large to copy (the LM head's): one backward scales them
     in place with ``scale_in_place(gradient, grad_loss)`` (default: ``mul_``) and hands
     them over; a second backward of the graph is refused."""
-    return _AttachGradients.apply(loss.detach(), tuple(gradients), scale_in_place or _multiply_in_place, *inputs)
+    return _AttachGradients.apply(loss.detach(), scale_in_place or _multiply_in_place, *inputs, *gradients)

@@ -16,8 +16,6 @@ without the ``backend`` argument. Arguments are passed by name through
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..config import METRIC_NAMES
@@ -72,9 +70,17 @@ for _name in OPS:
     _kernels.define(_name + schema(_name, routed=False))
 
 
-@functools.cache  # the schemas never change; reading one builds every argument anew
+# Read once: the schemas never change, and reading one builds every argument anew. A
+# plain dict of strings is also what Dynamo traces without a graph break (it cannot
+# iterate a schema's arguments).
+_ARGUMENT_NAMES = {
+    _name: tuple(argument.name for argument in getattr(torch.ops.hadw, _name).default._schema.arguments)
+    for _name in OPS
+}
+
+
 def argument_names(name: str) -> tuple[str, ...]:
-    return tuple(argument.name for argument in getattr(torch.ops.hadw, name).default._schema.arguments)
+    return _ARGUMENT_NAMES[name]
 
 
 def call(name: str, **arguments):
