@@ -46,13 +46,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 # name: (hidden, intermediate, layers, heads, kv_heads, head_dim); Hugging Face config.json.
-QWEN3_SHAPES = {
-    "Qwen3-0.6B": (1024, 3072, 28, 16, 8, 128),
-    "Qwen3-1.7B": (2048, 6144, 28, 16, 8, 128),
-    "Qwen3-4B": (2560, 9728, 36, 32, 8, 128),
-}
-QWEN3_VOCAB = 151936
-PRESETS = (*QWEN3_SHAPES, "tiny")
+# The architectures are the planner's (one description of each model's shape).
+QWEN3_PRESETS = ("Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B")
+PRESETS = (*QWEN3_PRESETS, "tiny")
 GIB = 1024**3
 
 
@@ -211,11 +207,14 @@ def build_model(preset: str, dtype, device, seed: int):
         return model.to(device=device, dtype=dtype)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    hidden, intermediate, layers, heads, kv_heads, head_dim = QWEN3_SHAPES[preset]
+    from hadw_kernels.plan import PRESETS as SHAPES
+
+    shape = SHAPES[preset]
     config = Qwen3Config(
-        vocab_size=QWEN3_VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        tie_word_embeddings=shape.tied_embeddings,
     )
     config._attn_implementation = "sdpa"
     previous = torch.get_default_dtype()
