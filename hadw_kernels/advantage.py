@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS
+from .precision import accumulate_dtype
 from .validation import check_advantage_options
 
 # Kept for callers of the first release.
@@ -28,7 +29,7 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
             f"rewards of length {rewards.numel()} do not split into groups of {group_size}"
         )
     # Advantages are at least fp32: bf16 rewards would round k/G.
-    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    dtype = accumulate_dtype(rewards.dtype)
     return rewards.detach().to(dtype).view(-1, group_size)
 
 
@@ -139,7 +140,7 @@ def hadw_advantages(
         raise ValueError(f"group_index has shape {tuple(group_index.shape)}, rewards {tuple(rewards.shape)}")
     if group_index.device != rewards.device:
         raise ValueError(f"group_index is on {group_index.device}, rewards on {rewards.device}")
-    values = rewards.detach().to(torch.promote_types(rewards.dtype, torch.float32))
+    values = rewards.detach().to(accumulate_dtype(rewards.dtype))
     dense, groups = _contiguous_index(group_index)
     counts = torch.zeros(groups, dtype=values.dtype, device=values.device).index_add_(0, dense, torch.ones_like(values))
     if bool((counts < 2).any()):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import IGNORE_INDEX
+from .precision import accumulate_dtype
 
 
 def token_logprobs_reference(
@@ -29,7 +30,7 @@ def token_logprobs_reference(
     Positions whose label is ``ignore_index`` get 0 for both, and no gradient.
     """
     logits = F.linear(hidden_states, lm_head_weight, lm_head_bias)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logits = logits.to(accumulate_dtype(logits.dtype)) / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, torch.zeros_like(labels)).long()

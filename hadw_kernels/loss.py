@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import torch
-
 import inspect
+
+import torch
 
 from .backends import check_backend_name, resolve_backend
 from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig, check_block_rows, check_linear_path
 from .ops import attach_single_use_gradients
+from .precision import accumulate_dtype
 from .surrogate import group_metrics, response_advantages, token_weights
 from .validation import (
     assert_label_range,
@@ -296,7 +297,7 @@ def _gradients_in_forward(
     formed), and backward scales the stored gradients."""
     batch, width, hidden_size = hidden_states.shape
     mask = response_mask.bool()
-    accumulate = torch.promote_types(hidden_states.dtype, torch.float32)
+    accumulate = accumulate_dtype(hidden_states.dtype)
     advantage, phi = response_advantages(rewards, advantages, config, anchor)
 
     def per_token(values):

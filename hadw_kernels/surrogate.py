@@ -14,6 +14,7 @@ import torch
 
 from .advantage import group_advantages, hadw_weights
 from .config import AGGREGATIONS, K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LOG_RATIO_CLAMP, METRIC_NAMES, LossConfig
+from .precision import accumulate_dtype
 
 
 def clipped_objective(ratio: torch.Tensor, advantage: torch.Tensor, config: LossConfig) -> torch.Tensor:
@@ -81,7 +82,7 @@ def response_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(A [B], Phi [B] or None): the caller's advantages, or A_hat * Phi from rewards."""
     if advantages is not None:
-        return advantages.detach().to(torch.promote_types(advantages.dtype, torch.float32)), None
+        return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
     rewards = rewards.detach()
     advantage_hat = group_advantages(
         rewards, config.group_size, normalize_std=config.normalize_std, std_eps=config.std_eps

@@ -16,6 +16,7 @@ log-prob is.
 from __future__ import annotations
 
 import torch
+from .precision import accumulate_dtype
 
 TOKEN_TILE = 1024
 VOCAB_TILE = 4096
@@ -25,7 +26,7 @@ class _TiledLinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, with_entropy):
         num_tokens, vocab = hidden.shape[0], weight.shape[0]
-        accumulate = torch.promote_types(hidden.dtype, torch.float32)
+        accumulate = accumulate_dtype(hidden.dtype)
         rows, row_labels, hidden_rows, padding = _active_rows(hidden, labels, ignore_index, accumulate)
         in_vocab = (row_labels >= 0) & (row_labels < vocab)
         running_max = torch.full((rows.numel(),), float("-inf"), device=hidden.device, dtype=accumulate)

@@ -20,7 +20,7 @@ import math
 import torch
 
 from .config import LossConfig, check_finite_positive
-from .ops import accumulate_dtype
+from .precision import accumulate_dtype
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:

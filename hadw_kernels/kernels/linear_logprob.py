@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..config import block_rows_for, head_accumulator_bytes
+from ..precision import accumulate_dtype
 from .surrogate import INTERPRETING, device_guard, kl_term, policy_term, round_to_bfloat16
 
 __all__ = [
@@ -169,7 +170,7 @@ class _BlockSweep:
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels.contiguous()
         self.device = hidden.device
         self.vocab = weight.shape[0]
-        self.accumulate = torch.promote_types(hidden.dtype, torch.float32)
+        self.accumulate = accumulate_dtype(hidden.dtype)
         # One host synchronisation: the count of active rows sizes the blocks.
         self.rows = (self.labels != ignore_index).nonzero().flatten()
         count = self.rows.numel()

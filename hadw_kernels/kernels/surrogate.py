@@ -43,6 +43,7 @@ from ..config import (
     LOG_RATIO_CLAMP,
     METRIC_NAMES,
 )
+from ..precision import accumulate_dtype
 
 __all__ = ["surrogate_forward"]
 
@@ -524,7 +525,7 @@ def surrogate_forward(
     """
     batch, width = logprobs.shape
     device = logprobs.device
-    compute = torch.promote_types(logprobs.dtype, torch.float32)
+    compute = accumulate_dtype(logprobs.dtype)
     # The kernels write every element of the outputs (of an empty batch, there are none
     # but the loss and the metrics, zeros): no fill launches before them.
     allocate = torch.zeros if batch == 0 else torch.empty

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..config import METRIC_NAMES
+from ..precision import accumulate_dtype
 
 LIBRARY = "hadw"
 KERNEL_LIBRARY = "hadw_cpp"
@@ -91,11 +92,6 @@ def call(name: str, **arguments):
     if missing or unknown:
         raise TypeError(f"hadw::{name}: missing arguments {sorted(missing)}, unknown {sorted(unknown)}")
     return getattr(torch.ops.hadw, name)(*(arguments[key] for key in names))
-
-
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32, or fp64 for fp64 inputs: the dtype every kernel computes in."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _surrogate_fake(logprobs, old_logprobs, response_mask, rewards, advantages, anchor, ref_logprobs,
