@@ -210,3 +210,14 @@ def test_export_hf_keeps_files_it_did_not_write(tmp_path):
         Policy.export_hf(policy, tmp_path / "mine", tokenizer)
     assert (tmp_path / "mine" / "notes.md").read_text() == "mine"
     assert (tmp_path / ".partial-mine" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.lambda_scale=-1", "lambda_scale must be a finite positive number"),
+    ("algorithm.entropy_coef=-0.1", "entropy_coef must be finite and non-negative"),
+    ("algorithm.epsilon_low=1.5", "epsilon_low must be below 1"),
+    ("algorithm.loss_backend=cuda-fast", "unknown backend 'cuda-fast'"),
+])
+def test_the_loss_options_are_the_loss_checks(override, message):
+    error = _error([override])
+    assert "algorithm (the loss's options)" in error and message in error

@@ -324,10 +324,7 @@ def validate(config: Config, world_size: int = 1) -> None:
         raise ConfigError(f"rollout.top_p must lie in (0, 1], got {rollout.top_p}")
     _positive("rollout.max_new_tokens", rollout.max_new_tokens)
     _positive("rollout.vllm_cpu_kv_cache_gib", rollout.vllm_cpu_kv_cache_gib)
-    if algo.lambda_scale is not None:
-        _positive("algorithm.lambda_scale", algo.lambda_scale)
-    if algo.entropy_coef < 0:
-        raise ConfigError(f"algorithm.entropy_coef must be non-negative, got {algo.entropy_coef}")
+    _validate_loss_options(config)
     if algo.anchor_preset == "authors_code" and any(
         v is not None for v in (algo.anchor_eta, algo.anchor_window, algo.anchor_eta_min)
     ):
@@ -388,6 +385,23 @@ def validate(config: Config, world_size: int = 1) -> None:
                 f"run.export_hf writes {export}, which holds {foreign[:8]} that the trainer did not write and "
                 "would delete: move them elsewhere, or set run.export_hf=false"
             )
+
+
+def _validate_loss_options(config: Config) -> None:
+    """The loss's own checks of what the trainer passes it (clip range, lambda, entropy
+    coefficient, temperature, backend), run once here rather than at the first step."""
+    from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
+    from hadw_kernels.loss import check_options, fused_linear_hadw_grpo_loss
+
+    algo = config.algorithm
+    options = dict(loss_type=algo.loss_type, epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high,
+                   lambda_scale=DEFAULT_LAMBDA_SCALE if algo.lambda_scale is None else algo.lambda_scale,
+                   entropy_coef=algo.entropy_coef, backend=algo.loss_backend,
+                   temperature=config.rollout.temperature, max_response_length=config.rollout.max_new_tokens)
+    try:
+        check_options(fused_linear_hadw_grpo_loss, **options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"algorithm (the loss's options): {error}") from None
 
 
 def _validate_batches(train: TrainConfig, world_size: int) -> None:
