@@ -84,9 +84,8 @@ LOG_RATIO_CLAMP = 20.0
 # H100's block GEMMs run at full speed (docs/gpu-report.md). CPU (the C++ kernels, which
 # compile these values in through the generated header; Triton's interpreter uses them
 # too): 640 MiB and at most 1024 rows, since grad_W's GEMM reduces over a block's rows
-# and grad_W is read and written once per block: fewer rows measured 3-5% slower at
-# V = 32768, and at Qwen's V = 151936 512 rows were 5-9% slower than 1024 on one thread
-# (docs/cpp-backend.md).
+# and grad_W is read and written once per block, so fewer rows ran slower (measured in
+# docs/cpp-backend.md, "Linear kernels").
 LOGITS_BUFFER_BYTES = {"cuda": 1 << 30, "cpu": 640 << 20}
 MAX_BLOCK_ROWS = {"cuda": 1 << 30, "cpu": 1024}
 BLOCK_ROWS_GRANULE = {"cuda": 16, "cpu": 64}
