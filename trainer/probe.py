@@ -19,7 +19,8 @@ backend="torch")``) on the per-token log-probs.
 Memory: on a GPU ``torch.cuda.max_memory_allocated`` over the step (absolute: model
 states included); a step that raises ``torch.cuda.OutOfMemoryError`` does not fit. On the
 CPU the process's resident set (psutil, sampled every 2 ms by a thread, after
-``malloc_trim``) : the peak above the pre-step baseline is reported, and a budget fits a
+``malloc_trim``, with glibc's mmap threshold pinned so freed tensors leave the resident set):
+the peak above the pre-step baseline is reported, and a budget fits a
 ``--memory-limit-gib`` when the absolute peak RSS stays under it (a sampled RSS can miss
 a spike shorter than 2 ms, and counts the allocator's cached pages: an estimate).
 
@@ -134,6 +135,21 @@ def _trim_heap() -> None:
         pass
 
 
+def _pin_mmap_threshold() -> None:
+    """Large blocks always from mmap, returned to the OS when freed (glibc). By default
+    glibc raises its mmap threshold to the size of each mmapped block it frees, so later
+    tensors of that size come from the heap and their freed pages stay resident: the
+    high-water mark then depends on how often that happened (it varied from run to run
+    of one step), not only on what the step holds."""
+    try:
+        import ctypes
+
+        m_mmap_threshold = -3  # glibc's malloc.h
+        ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 128 * 1024)
+    except (OSError, AttributeError):
+        pass
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -157,11 +173,13 @@ class MemoryMeter:
         self.torch = torch
         self.cuda = device.type == "cuda"
         self.kernel_peak = not self.cuda and _kernel_peak_available()
+        if not self.cuda:
+            _pin_mmap_threshold()
         if self.cuda:
             self.method = "torch.cuda.max_memory_allocated (absolute, model states included)"
         elif self.kernel_peak:
-            self.method = ("process RSS high-water mark (VmHWM, reset after malloc_trim) (peak above the pre-step "
-                           "baseline; absolute peak against --memory-limit-gib)")
+            self.method = ("process RSS high-water mark (VmHWM, reset after malloc_trim; mmap threshold pinned) "
+                           "(peak above the pre-step baseline; absolute peak against --memory-limit-gib)")
         else:
             self.method = ("process RSS sampled every 2 ms by a psutil thread after malloc_trim (peak above the "
                            "pre-step baseline; absolute peak against --memory-limit-gib)")
