@@ -18,11 +18,11 @@ backend="torch")``) on the per-token log-probs.
 
 Memory: on a GPU ``torch.cuda.max_memory_allocated`` over the step (absolute: model
 states included); a step that raises ``torch.cuda.OutOfMemoryError`` does not fit. On the
-CPU the process's resident set (psutil, sampled every 2 ms by a thread, after
-``malloc_trim``, with glibc's mmap threshold pinned so freed tensors leave the resident set):
-the peak above the pre-step baseline is reported, and a budget fits a
-``--memory-limit-gib`` when the absolute peak RSS stays under it (a sampled RSS can miss
-a spike shorter than 2 ms, and counts the allocator's cached pages: an estimate).
+CPU the process's resident set, after ``malloc_trim`` and with glibc's mmap threshold
+pinned (so freed tensors leave it): the kernel's exact high-water mark (VmHWM) on Linux,
+else RSS sampled every 2 ms by a psutil thread (which can miss a shorter spike). The peak
+above the pre-step baseline is reported, and a budget fits a ``--memory-limit-gib`` when
+the absolute peak stays under it (it counts the allocator's cached pages: an estimate).
 
 ``--find-max-budget`` bisects the micro-batch budget (in whole sequences of P + L
 tokens): each trial is one micro-batch's forward, backward and optimizer step on the
