@@ -33,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_backward_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_surrogate_forward_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& labels, const std::optional<at::Tensor>& old_logprobs, const at::Tensor& advantages,
-    const at::Tensor& token_weights, const std::optional<at::Tensor>& ref_logprobs,
+    const at::Tensor& agg_weights, const std::optional<at::Tensor>& ref_logprobs,
     const std::optional<at::Tensor>& importance_weights, double temperature, int64_t ignore_index,
     double epsilon_low, double epsilon_high, std::optional<double> dual_clip, double beta, int64_t kl_estimator,
     double entropy_coef, bool with_entropy, int64_t block_rows);

@@ -764,7 +764,7 @@ template <typename T>
 struct TokenInputs {
   const T* old_logprobs;  // null: on-policy (old = the row's own log-prob)
   const T* advantages;
-  const T* token_weights;
+  const T* agg_weights;
   const T* ref_logprobs;  // null unless beta > 0
   const T* importance_weights;  // or null
   ClipOptions<T> clip;
@@ -851,7 +851,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
       logprob_data[position] = logprob;
       entropy_data[position] = total.entropy();
       const T old = tokens.old_logprobs == nullptr ? logprob : tokens.old_logprobs[position];
-      const T weight = tokens.token_weights[position];
+      const T agg_weight = tokens.agg_weights[position];
       T slope = policy_term(logprob - old, tokens.advantages[position], tokens.clip).slope;
       if (tokens.importance_weights != nullptr) {
         slope *= tokens.importance_weights[position];
@@ -859,8 +859,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
       if (tokens.ref_logprobs != nullptr) {
         slope += tokens.beta * kl_term(tokens.kl_estimator, logprob, tokens.ref_logprobs[position]).slope;
       }
-      const T g = slope * weight;
-      const T g_entropy = tokens.entropy_coef > 0 ? -tokens.entropy_coef * weight : T(0);
+      const T g = slope * agg_weight;
+      const T g_entropy = tokens.entropy_coef > 0 ? -tokens.entropy_coef * agg_weight : T(0);
       // Rows without a gradient (clipped tokens, zero advantages) enter no gradient GEMM.
       if (g != 0 || g_entropy != 0) {
         source[active] = row;
@@ -962,7 +962,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprob_backward_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_surrogate_forward_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& labels, const std::optional<at::Tensor>& old_logprobs, const at::Tensor& advantages,
-    const at::Tensor& token_weights, const std::optional<at::Tensor>& ref_logprobs,
+    const at::Tensor& agg_weights, const std::optional<at::Tensor>& ref_logprobs,
     const std::optional<at::Tensor>& importance_weights, double temperature, int64_t ignore_index,
     double epsilon_low, double epsilon_high, std::optional<double> dual_clip, double beta, int64_t kl_estimator,
     double entropy_coef, bool with_entropy, int64_t block_rows) {
@@ -977,7 +977,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_su
   const at::Tensor old = old_logprobs.has_value() ? per_row(op, "old_logprobs", *old_logprobs, rows, in.compute)
                                                   : at::Tensor();
   const at::Tensor advantage = per_row(op, "advantages", advantages, rows, in.compute);
-  const at::Tensor weights = per_row(op, "token_weights", token_weights, rows, in.compute);
+  const at::Tensor agg = per_row(op, "agg_weights", agg_weights, rows, in.compute);
   at::Tensor ref;
   if (beta > 0) {
     TORCH_CHECK(ref_logprobs.has_value(), op, ": beta > 0 needs ref_logprobs");
@@ -991,7 +991,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_su
     TokenInputs<T> tokens;
     tokens.old_logprobs = old.defined() ? old.const_data_ptr<T>() : nullptr;
     tokens.advantages = advantage.const_data_ptr<T>();
-    tokens.token_weights = weights.const_data_ptr<T>();
+    tokens.agg_weights = agg.const_data_ptr<T>();
     tokens.ref_logprobs = ref.defined() ? ref.const_data_ptr<T>() : nullptr;
     tokens.importance_weights = importance.defined() ? importance.const_data_ptr<T>() : nullptr;
     tokens.clip = {static_cast<T>(1.0 - epsilon_low), static_cast<T>(1.0 + epsilon_high), dual_clip.has_value(),

@@ -115,11 +115,11 @@ struct Problem {
   const T* old_logprobs;
   const uint8_t* mask;  // bool storage read as bytes
   const T* ref_logprobs;  // null unless beta > 0
-  const T* weights;       // importance weights [B, T] or [B], or null
-  bool per_token_weights;
+  const T* importance;    // importance weights [B, T] or [B], or null
+  bool per_token_importance;
   const T* entropy;       // or null
   const double* advantage;  // [B]
-  const double* token_weight;  // [B] w_i: a valid token's weight in the aggregate
+  const double* agg_weight;  // [B] w_i: a valid token's weight in the aggregate
   const int64_t* lengths;      // [B] valid tokens per response
   bool sequence_level;
   ClipOptions<T> clip;
@@ -211,7 +211,7 @@ HADW_ALWAYS_INLINE void sequence_pass(const T* logprobs, const T* old_logprobs, 
 }
 
 template <typename T>
-HADW_ALWAYS_INLINE void weight_pass(const T* weights, int64_t count, T* value, T* slope) {
+HADW_ALWAYS_INLINE void importance_pass(const T* weights, int64_t count, T* value, T* slope) {
 #pragma omp simd
   for (int64_t t = 0; t < count; ++t) {
     value[t] *= weights[t];
@@ -268,7 +268,7 @@ HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int6
   const T* old_logprobs = problem.old_logprobs + offset;
   const uint8_t* mask = problem.mask + offset;
   const int64_t length = problem.lengths[row];
-  const T weight = static_cast<T>(problem.token_weight[row]);
+  const T agg_weight = static_cast<T>(problem.agg_weight[row]);
   const T advantage = static_cast<T>(problem.advantage[row]);
   ResponseSums sums;
 
@@ -312,14 +312,14 @@ HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int6
       }
     }
     sums.approx_kl += masked_sum(scratch, chunk_mask, count);
-    if (problem.weights != nullptr) {
-      if (problem.per_token_weights) {
-        weight_pass(problem.weights + offset + start, count, value, slope);
+    if (problem.importance != nullptr) {
+      if (problem.per_token_importance) {
+        importance_pass(problem.importance + offset + start, count, value, slope);
       } else {
-        const T response_weight = problem.weights[row];
+        const T response_importance = problem.importance[row];
         for (int64_t t = 0; t < count; ++t) {
-          value[t] *= response_weight;
-          slope[t] *= response_weight;
+          value[t] *= response_importance;
+          slope[t] *= response_importance;
         }
       }
     }
@@ -344,13 +344,13 @@ HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int6
     if (problem.entropy != nullptr) {
       const T* entropy = problem.entropy + offset + start;
       sums.entropy += masked_sum(entropy, chunk_mask, count);
-      entropy_pass(entropy, chunk_mask, count, problem.entropy_coef, weight, value,
+      entropy_pass(entropy, chunk_mask, count, problem.entropy_coef, agg_weight, value,
                    problem.grad_entropy + offset + start);
     }
-    gradient_pass(chunk_mask, count, weight, slope, problem.grad_logprobs + offset + start);
+    gradient_pass(chunk_mask, count, agg_weight, slope, problem.grad_logprobs + offset + start);
     token_terms += masked_sum(value, chunk_mask, count);
   }
-  sums.loss = token_terms * problem.token_weight[row];
+  sums.loss = token_terms * problem.agg_weight[row];
   return sums;
 }
 
@@ -373,8 +373,8 @@ at::Tensor compute_copy(const at::Tensor& tensor, at::ScalarType compute) {
 }
 
 // w_i of config.AGG_MODES, from the mode's row of config.AGGREGATIONS
-// (hadw_kernels/surrogate.py: token_weights).
-std::vector<double> response_weights(const std::vector<int64_t>& lengths, int64_t width, int64_t loss_agg_mode,
+// (hadw_kernels/reference/surrogate.py: agg_weights).
+std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t width, int64_t loss_agg_mode,
                                      std::optional<double> loss_normalizer, std::optional<int64_t> max_length) {
   const config::Aggregation& rule = config::kAggregations[loss_agg_mode];
   const int64_t batch = static_cast<int64_t>(lengths.size());
@@ -444,7 +444,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   const at::Tensor mask = response_mask.scalar_type() == at::kBool ? response_mask.detach().contiguous()
                                                                    : at::ne(response_mask.detach(), 0).contiguous();
   const at::Tensor ref_logprobs = beta > 0 ? compute_copy(*ref_logprobs_in, compute) : at::Tensor();
-  const at::Tensor weights =
+  const at::Tensor importance =
       importance_weights_in.has_value() ? compute_copy(*importance_weights_in, compute) : at::Tensor();
   const at::Tensor entropy = entropy_in.has_value() ? compute_copy(*entropy_in, compute) : at::Tensor();
 
@@ -466,8 +466,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   for (int64_t length : lengths) {
     tokens += length;
   }
-  const std::vector<double> token_weight =
-      response_weights(lengths, width, loss_agg_mode, loss_normalizer, max_response_length);
+  const std::vector<double> agg_weight =
+      agg_weights(lengths, width, loss_agg_mode, loss_normalizer, max_response_length);
 
   Problem<T> problem;
   problem.width = width;
@@ -475,11 +475,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   problem.old_logprobs = old_logprobs.const_data_ptr<T>();
   problem.mask = mask_data;
   problem.ref_logprobs = ref_logprobs.defined() ? ref_logprobs.const_data_ptr<T>() : nullptr;
-  problem.weights = weights.defined() ? weights.const_data_ptr<T>() : nullptr;
-  problem.per_token_weights = weights.defined() && weights.dim() == 2;
+  problem.importance = importance.defined() ? importance.const_data_ptr<T>() : nullptr;
+  problem.per_token_importance = importance.defined() && importance.dim() == 2;
   problem.entropy = entropy.defined() ? entropy.const_data_ptr<T>() : nullptr;
   problem.advantage = advantages.advantage.data();
-  problem.token_weight = token_weight.data();
+  problem.agg_weight = agg_weight.data();
   problem.lengths = lengths.data();
   problem.sequence_level = sequence_level;
   problem.clip = {static_cast<T>(1.0 - epsilon_low), static_cast<T>(1.0 + epsilon_high), dual_clip.has_value(),
@@ -547,8 +547,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     check_same_shape("ref_logprobs", *ref_logprobs, logprobs);
   }
   if (importance_weights.has_value()) {
-    const bool per_response_weights = importance_weights->dim() == 1 && importance_weights->size(0) == batch;
-    TORCH_CHECK(per_response_weights || importance_weights->sizes() == logprobs.sizes(),
+    const bool per_response_importance = importance_weights->dim() == 1 && importance_weights->size(0) == batch;
+    TORCH_CHECK(per_response_importance || importance_weights->sizes() == logprobs.sizes(),
                 "hadw_cpp::surrogate_loss: importance_weights must be [B] or [B, T], got ",
                 importance_weights->sizes());
   }
@@ -556,25 +556,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     check_same_shape("entropy", *entropy, logprobs);
   }
 
-  Advantages response_advantages;
+  Advantages advantage_terms;
   if (rewards.has_value()) {
     TORCH_CHECK(group_size.has_value() && *group_size >= 2 && batch % *group_size == 0,
                 "hadw_cpp::surrogate_loss: rewards need a group_size >= 2 that divides the batch (", batch, "), got ",
                 group_size.has_value() ? std::to_string(*group_size) : std::string("None"));
-    response_advantages = group_advantages(*rewards, *group_size, normalize_std, std_eps, anchor, lambda_scale);
+    advantage_terms = group_advantages(*rewards, *group_size, normalize_std, std_eps, anchor, lambda_scale);
   } else {
     // The caller's advantages: no group metrics (they stay 0).
-    response_advantages.advantage = to_doubles(*advantages);
+    advantage_terms.advantage = to_doubles(*advantages);
   }
   const auto compute = at::promote_types(logprobs.scalar_type(), at::kFloat);
   if (compute == at::kDouble) {
     return surrogate_impl<double>(logprobs, old_logprobs, response_mask, ref_logprobs, importance_weights, entropy,
-                                  response_advantages, compute, loss_agg_mode, sequence_level, epsilon_low,
+                                  advantage_terms, compute, loss_agg_mode, sequence_level, epsilon_low,
                                   epsilon_high, dual_clip, beta, kl_estimator, entropy_coef, loss_normalizer,
                                   max_response_length);
   }
   return surrogate_impl<float>(logprobs, old_logprobs, response_mask, ref_logprobs, importance_weights, entropy,
-                               response_advantages, compute, loss_agg_mode, sequence_level, epsilon_low, epsilon_high,
+                               advantage_terms, compute, loss_agg_mode, sequence_level, epsilon_low, epsilon_high,
                                dual_clip, beta, kl_estimator, entropy_coef, loss_normalizer, max_response_length);
 }
 

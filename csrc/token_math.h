@@ -1,4 +1,4 @@
-// The per-token math of the clipped surrogate (hadw_kernels/surrogate.py), shared by the
+// The per-token math of the clipped surrogate (hadw_kernels/reference/surrogate.py), shared by the
 // surrogate kernel (surrogate.cpp) and the gradients-in-forward linear kernel
 // (linear_logprob.cpp): the policy term and its derivative, the KL estimators and theirs.
 //

@@ -5,7 +5,7 @@ A loss type (``grpo``, ``dapo``, ``gspo``, ``dr_grpo``) is a preset of four choi
 per-token values are aggregated into the batch loss (verl's ``loss_agg_mode``), whether
 the importance ratio is per token or per sequence, and the clip range. Every choice can
 be overridden one by one; :class:`LossConfig` holds the resolved values, and the
-reference (``surrogate.py``), the Triton kernels and the C++ kernels receive those
+reference (``reference/surrogate.py``), the Triton kernels and the C++ kernels receive those
 values, never the loss type's name. The C++ build generates its constants from this
 module (``setup.py``), so the metric order and the option codes exist once.
 """

@@ -10,7 +10,7 @@ from .backends import check_backend_name, resolve_backend
 from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig, check_block_rows, check_linear_path
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
-from .surrogate import group_metrics, response_advantages, token_weights
+from .reference.surrogate import group_metrics, weighted_advantages, agg_weights
 from .validation import (
     assert_label_range,
     check_label_range,
@@ -298,7 +298,7 @@ def _gradients_in_forward(
     batch, width, hidden_size = hidden_states.shape
     mask = response_mask.bool()
     accumulate = accumulate_dtype(hidden_states.dtype)
-    advantage, phi = response_advantages(rewards, advantages, config, anchor)
+    advantage, phi = weighted_advantages(rewards, advantages, config, anchor)
 
     def per_token(values):
         values = values if values.dim() == 2 else values[:, None]
@@ -309,7 +309,7 @@ def _gradients_in_forward(
         lm_head_bias=lm_head_bias,
         old_logprobs=None if old_logprobs is None else per_token(old_logprobs),
         advantages=per_token(advantage),
-        token_weights=per_token(token_weights(mask, config)),
+        agg_weights=per_token(agg_weights(mask, config)),
         ref_logprobs=per_token(ref_logprobs) if config.beta > 0 else None,
         importance_weights=None if importance_weights is None else per_token(importance_weights),
         config=config, temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,

@@ -14,8 +14,8 @@ import torch
 
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels.config import LossConfig
-from hadw_kernels.linear_logprob import token_logprobs_reference
-from hadw_kernels.surrogate import surrogate_loss
+from hadw_kernels.reference.linear_logprob import token_logprobs_reference
+from hadw_kernels.reference.surrogate import surrogate_loss
 
 
 def _status_bytes(field):

@@ -10,7 +10,7 @@ import torch
 from hadw_kernels import config
 from hadw_kernels.backends import cpp_constants
 from hadw_kernels.config import AGG_MODES, AGGREGATIONS, LossConfig
-from hadw_kernels.surrogate import aggregate, token_weights
+from hadw_kernels.reference.surrogate import aggregate, agg_weights
 
 
 def _expected(rule, lengths, width, normalizer, max_length):
@@ -29,14 +29,14 @@ def test_reference_weights_follow_the_table(mode, normalizer):
     loss_config = LossConfig.build("grpo", None, loss_agg_mode=mode, loss_normalizer=normalizer,
                                    max_response_length=9 if normalizer else None)
     expected = _expected(AGGREGATIONS[mode], lengths, 6, normalizer, loss_config.max_response_length)
-    assert token_weights(mask, loss_config).tolist() == pytest.approx(expected, rel=1e-15)
+    assert agg_weights(mask, loss_config).tolist() == pytest.approx(expected, rel=1e-15)
     values = torch.randn(4, 6, dtype=torch.float64)
     direct = sum(w * float(values[i, :n].sum()) for i, (w, n) in enumerate(zip(expected, lengths)))
     assert float(aggregate(values, mask, loss_config)) == pytest.approx(direct, rel=1e-12)
 
 
 def test_triton_host_code_follows_the_table():
-    surrogate = pytest.importorskip("hadw_kernels.kernels.surrogate", exc_type=ImportError)
+    surrogate = pytest.importorskip("hadw_kernels.triton.surrogate", exc_type=ImportError)
     for index, mode in enumerate(AGG_MODES):
         rule = AGGREGATIONS[mode]
         denominator, per_response_mean, count_tokens = surrogate.aggregation(index, None, 9, 4, 6)
@@ -59,14 +59,14 @@ def test_a_new_row_reaches_every_backend(monkeypatch):
     header = cpp_constants.header(namespace)
     assert "kAggCount = 6" in header and "{1, true, true}" in header
     assert json.loads(json.dumps(cpp_constants.fingerprint(namespace)))["aggregations"][-1] == [1, 1, 1]
-    import hadw_kernels.surrogate as reference
+    import hadw_kernels.reference.surrogate as reference
 
     monkeypatch.setattr(reference, "AGGREGATIONS", rows)
     mask = torch.tensor([[True, True, False], [True, False, False]])
     loss_config = LossConfig(group_size=None, normalize_std=True, loss_agg_mode="token-mean", sequence_level=False,
                              epsilon_low=0.2, epsilon_high=0.2, max_response_length=10)
     object.__setattr__(loss_config, "loss_agg_mode", "seq-sum-norm-mean")
-    assert token_weights(mask, loss_config).tolist() == pytest.approx([1 / (2 * 10 * 2), 1 / (1 * 10 * 2)])
+    assert agg_weights(mask, loss_config).tolist() == pytest.approx([1 / (2 * 10 * 2), 1 / (1 * 10 * 2)])
 
 
 def test_an_unknown_count_is_refused():

@@ -147,7 +147,7 @@ def test_fake_kernels_match_the_cpp_ops(with_optional):
           labels=labels, lse=lse, mean_logit=mean_logit, backend="cpp", **options)
     check("linear_surrogate_forward", hidden=hidden, weight=weight, bias=bias, labels=labels,
           old_logprobs=-torch.rand(rows) - 2, advantages=torch.randn(rows),
-          token_weights=torch.full((rows,), 0.1, dtype=torch.float64),
+          agg_weights=torch.full((rows,), 0.1, dtype=torch.float64),
           ref_logprobs=-torch.rand(rows) - 2 if with_optional else None, importance_weights=None,
           **config.token_options(), with_entropy=with_optional, block_rows=0, backend="cpp", **options)
 

@@ -87,10 +87,10 @@ def _linear_surrogate_args(rows, hidden, vocab, dtype=torch.float32, *, entropy_
     old = -torch.rand(rows, dtype=accumulate) * 8
     advantages = torch.randn(rows, dtype=accumulate)
     advantages[::3] = 0.0
-    token_weights = torch.full((rows,), 1.0 / rows, dtype=accumulate)
+    agg_weights = torch.full((rows,), 1.0 / rows, dtype=accumulate)
     ref = old + 0.1 * torch.randn_like(old) if options else None
     weights = torch.rand(rows, dtype=accumulate) + 0.5 if options else None
-    return (h, w, b, labels, old if options else None, advantages, token_weights, ref, weights, 0.8, IGNORE,
+    return (h, w, b, labels, old if options else None, advantages, agg_weights, ref, weights, 0.8, IGNORE,
             0.2, 0.28, 2.0 if options else None, 0.05 if options else 0.0, config.KL_ESTIMATORS.index("k2"),
             entropy_coef, True, block_rows)
 

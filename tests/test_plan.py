@@ -87,7 +87,7 @@ def test_planned_block_is_the_kernels_block():
     """The planner sizes the logits buffer as the Triton path does (even blocks of at
     most the default budget), checked on the kernels' own sweep on CPU tensors."""
     pytest.importorskip("triton")
-    from hadw_kernels.kernels.linear_logprob import _BlockSweep
+    from hadw_kernels.triton.linear_logprob import _BlockSweep
 
     for tokens in (100, 8192, 32768):
         hidden = torch.zeros(tokens, 8, dtype=torch.bfloat16)

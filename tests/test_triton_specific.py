@@ -16,9 +16,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from hadw_kernels import fused_hadw_grpo_loss  # noqa: E402
-from hadw_kernels.kernels import surrogate as triton_surrogate  # noqa: E402
-from hadw_kernels.kernels import scale as scale_module  # noqa: E402
-from hadw_kernels.kernels.scale import scale_in_place_  # noqa: E402
+from hadw_kernels.triton import surrogate as triton_surrogate  # noqa: E402
+from hadw_kernels.triton import scale as scale_module  # noqa: E402
+from hadw_kernels.triton.scale import scale_in_place_  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs Triton's interpreter or a GPU")
@@ -168,7 +168,7 @@ def test_dual_clip_tie_halves_the_slope():
     _objective_kernel[(1,)](ratio, advantage, objective, slope, 3.0, BLOCK=4)
     reference_ratio = ratio.clone().requires_grad_()
     from hadw_kernels.config import LossConfig
-    from hadw_kernels.surrogate import clipped_objective
+    from hadw_kernels.reference.surrogate import clipped_objective
 
     config = LossConfig.build("grpo", 2, dual_clip=3.0)
     reference = clipped_objective(reference_ratio, advantage, config)

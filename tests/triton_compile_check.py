@@ -11,7 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, mangle_type
 
-from hadw_kernels.kernels import linear_logprob, scale, surrogate
+from hadw_kernels.triton import linear_logprob, scale, surrogate
 
 launches = []
 

@@ -1,12 +1,6 @@
-"""The backends: one module per implementation, each exposing ``BACKEND`` with
-
-    surrogate_loss(logprobs, old_logprobs, response_mask, config, *, rewards, advantages,
-                   anchor, ref_logprobs, importance_weights, entropy) -> (loss, metrics)
-    token_logprobs(hidden [N, H], weight [V, H], labels [N], *, lm_head_bias,
-                   temperature, ignore_index, with_entropy) -> (logp [N], entropy [N] | None)
-    linear_surrogate(...)   the gradients-in-forward linear loss, or None where the
-                            backend has no such path (``kernel_backend.KernelBackend``)
-    serves(device) / unavailable_message(device)
+"""The backends: one module per implementation, each exposing ``BACKEND``, an object
+that satisfies ``protocol.Backend`` (the surrogate loss, the log-probs from hidden
+states, the gradients-in-forward linear loss or None, and which devices it serves).
 
 Adding a backend is a module and one line in ``_MODULES``. "auto" picks, for the
 tensors' device, the first backend of ``_PREFERRED`` that can serve it.
@@ -24,9 +18,10 @@ import importlib
 import torch
 
 from ..ops import BackendUnavailable
+from .protocol import Backend
 
 __all__ = [
-    "BACKENDS", "BackendUnavailable", "available_backends", "check_backend_name", "load_backend", "resolve_backend",
+    "BACKENDS", "Backend", "BackendUnavailable", "available_backends", "check_backend_name", "load_backend", "resolve_backend",
 ]
 
 _MODULES = {
@@ -37,10 +32,10 @@ _MODULES = {
 BACKENDS = tuple(_MODULES)
 _PREFERRED = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}
 # name -> backend object, or the BackendUnavailable its import raised.
-_LOADED: dict[str, object] = {}
+_LOADED: dict[str, Backend | BackendUnavailable] = {}
 
 
-def _import(name: str):
+def _import(name: str) -> Backend | BackendUnavailable:
     try:
         return importlib.import_module(_MODULES[name]).BACKEND
     except ImportError as error:
@@ -53,7 +48,7 @@ def check_backend_name(name, key: str = "backend") -> None:
         raise ValueError(f"unknown {key} {name!r}; expected 'auto' or one of {BACKENDS}")
 
 
-def load_backend(name: str):
+def load_backend(name: str) -> Backend:
     """The backend object of ``name``; BackendUnavailable if its module cannot load."""
     if name == "auto":
         raise ValueError("load_backend needs a backend's name; 'auto' is resolve_backend's")
@@ -80,7 +75,7 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return [name for name in BACKENDS if _serving(name, device) is not None]
 
 
-def resolve_backend(name: str, device: torch.device):
+def resolve_backend(name: str, device: torch.device) -> Backend:
     """The backend object for ``name`` ("auto" or one of BACKENDS) on ``device``; a
     named backend that cannot serve the device raises BackendUnavailable saying why."""
     if name == "auto":

@@ -91,7 +91,7 @@ class KernelBackend:
         return logprobs, entropy if with_entropy else None
 
     def linear_surrogate(self, hidden_states, lm_head_weight, labels, *, lm_head_bias, old_logprobs, advantages,
-                         token_weights, ref_logprobs, importance_weights, config: LossConfig, temperature,
+                         agg_weights, ref_logprobs, importance_weights, config: LossConfig, temperature,
                          ignore_index, with_entropy, block_rows):
         """Per-row log-probs, entropy and the gradients of the token-level surrogate
         with respect to the hidden states, the head and the bias, in one sweep."""
@@ -99,7 +99,7 @@ class KernelBackend:
             "linear_surrogate_forward",
             hidden=hidden_states.detach(), weight=lm_head_weight.detach(),
             bias=None if lm_head_bias is None else lm_head_bias.detach(),
-            labels=labels, old_logprobs=old_logprobs, advantages=advantages, token_weights=token_weights,
+            labels=labels, old_logprobs=old_logprobs, advantages=advantages, agg_weights=agg_weights,
             ref_logprobs=ref_logprobs, importance_weights=importance_weights,
             temperature=float(temperature), ignore_index=ignore_index,
             **config.token_options(),

@@ -1,6 +1,6 @@
 """The "torch" backend: runs anywhere PyTorch does, with autograd.
 
-The surrogate is the reference itself (``surrogate.py``); the log-probs from hidden
+The surrogate is the reference itself (``reference/surrogate.py``); the log-probs from hidden
 states come from the tiled online log-sum-exp (``tiled_logprobs.py``), so no [N, V]
 tensor exists. It has no gradients-in-forward linear path: the linear loss runs the
 log-probs and then the surrogate, and backward recomputes the logits tiles.
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from ..surrogate import surrogate_loss
+from ..reference.surrogate import surrogate_loss
 from ..tiled_logprobs import tiled_token_logprobs
 
 
 class TorchBackend:
     name = "torch"
     linear_surrogate = None
+    scale_in_place = None
 
     def serves(self, device: torch.device) -> bool:
         return True

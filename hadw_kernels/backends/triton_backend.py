@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..kernels.linear_logprob import linear_logprob_backward, linear_logprob_forward, linear_surrogate_forward
-from ..kernels.scale import scale_in_place_
-from ..kernels.surrogate import INTERPRETING, surrogate_forward
+from ..triton.linear_logprob import linear_logprob_backward, linear_logprob_forward, linear_surrogate_forward
+from ..triton.scale import scale_in_place_
+from ..triton.surrogate import INTERPRETING, surrogate_forward
 from .kernel_backend import KernelBackend
 
 NAME = "triton"

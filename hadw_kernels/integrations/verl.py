@@ -185,7 +185,7 @@ def _per_response(values: torch.Tensor, response_mask: torch.Tensor, name: str, 
     return torch.where(mask.any(dim=1), first_valid.squeeze(1), torch.zeros_like(first_valid.squeeze(1)))
 
 
-def response_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def advantage_per_response(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] advantages, constant over each response's valid tokens (what verl's outcome
     estimators give), to one per response [B]; a response without valid tokens gets 0."""
     return _per_response(
@@ -258,7 +258,7 @@ def _fused_policy_loss(
     if config is None:
         raise ValueError("the hadw policy losses read the clip ratios from the actor config verl passes as config=")
     mask = response_mask.bool()
-    per_response = response_advantages(advantages, mask)
+    per_response = advantage_per_response(advantages, mask)
     if sequence_level and rollout_is_weights is not None and rollout_is_weights.dim() == 2:
         rollout_is_weights = response_is_weights(rollout_is_weights, mask)
     clip_ratio = config.get("clip_ratio", 0.2)

@@ -82,7 +82,7 @@ class _AttachGradients(torch.autograd.Function):
         # than copying tensors the size of the LM head (docs/cpp-backend.md). The
         # usual upstream gradient is exactly 1 (``loss.backward()``): on the CPU, where
         # reading it costs no device synchronisation, that pass over them is skipped; a
-        # backend's own ``scale_in_place`` may skip it on its device (kernels/scale.py).
+        # backend's own ``scale_in_place`` may skip it on its device (triton/scale.py).
         # (Not under torch.compile, which cannot branch on a value: docs/architecture.md.)
         unit = (
             not torch.compiler.is_compiling() and grad_loss.device.type == "cpu" and grad_loss.numel() == 1

@@ -47,7 +47,7 @@ SIGNATURES = {
     ),
     "linear_surrogate_forward": (
         "(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor? old_logprobs, Tensor advantages, "
-        "Tensor token_weights, Tensor? ref_logprobs, Tensor? importance_weights, float temperature, "
+        "Tensor agg_weights, Tensor? ref_logprobs, Tensor? importance_weights, float temperature, "
         f"int ignore_index, {_PER_TOKEN_OPTIONS}, bool with_entropy, int block_rows)",
         "(Tensor logprobs, Tensor entropy, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)",
     ),

@@ -16,8 +16,8 @@ import torch
 from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from hadw_kernels.backends import load_backend
 from hadw_kernels.config import IGNORE_INDEX, LOSS_PRESETS, LossConfig
-from hadw_kernels.linear_logprob import token_logprobs_reference
-from hadw_kernels.surrogate import surrogate_loss as reference_surrogate
+from hadw_kernels.reference.linear_logprob import token_logprobs_reference
+from hadw_kernels.reference.surrogate import surrogate_loss as reference_surrogate
 
 GROUP_SIZE = 4
 IGNORE = IGNORE_INDEX
@@ -50,14 +50,14 @@ def surrogate_batch(seed: int, batch: int = 12, width: int = 37, drift: float = 
         rewards[GROUP_SIZE] = 0.0
         rewards[GROUP_SIZE + 1] = 1.0
     entropy = torch.rand(batch, width, generator=generator, dtype=torch.float64) * 4
-    token_weights = 0.5 + torch.rand(batch, width, generator=generator, dtype=torch.float64)
+    token_importance_weights = 0.5 + torch.rand(batch, width, generator=generator, dtype=torch.float64)
     return dict(
         logprobs=_poison(logprobs, mask),
         old_logprobs=_poison(old, mask),
         ref_logprobs=_poison(ref, mask),
         entropy=_poison(entropy, mask),
-        token_weights=_poison(token_weights, mask),
-        response_weights=0.5 + torch.rand(batch, generator=generator, dtype=torch.float64),
+        token_importance_weights=_poison(token_importance_weights, mask),
+        response_importance_weights=0.5 + torch.rand(batch, generator=generator, dtype=torch.float64),
         rewards=rewards,
         advantages=torch.randn(batch, generator=generator, dtype=torch.float64),
         response_mask=mask,
@@ -88,8 +88,8 @@ SURROGATE_VARIANTS = [
             ("old_logprobs", "rewards", "ref_logprobs")),
     Variant("kl_abs_no_std", {"beta": 0.05, "kl_estimator": "abs", "normalize_std": False},
             ("old_logprobs", "rewards", "ref_logprobs")),
-    Variant("token_weights", {"anchor": 0.35}, ("old_logprobs", "rewards", "token_weights")),
-    Variant("response_weights", {}, ("old_logprobs", "rewards", "response_weights")),
+    Variant("token_importance_weights", {"anchor": 0.35}, ("old_logprobs", "rewards", "token_importance_weights")),
+    Variant("response_importance_weights", {}, ("old_logprobs", "rewards", "response_importance_weights")),
     Variant("normalizer", {"loss_normalizer": 50.0, "max_response_length": 40}),
     Variant("advantages", {}, ("old_logprobs", "advantages")),
     Variant("on_policy", {"anchor": 0.35}, ("rewards",)),
@@ -107,13 +107,13 @@ def loss_kwargs(batch: dict, loss_type: str, variant: Variant) -> dict:
     kwargs = dict(loss_type=loss_type, **variant.options)
     sequence_level = kwargs.get("sequence_level", LOSS_PRESETS[loss_type].sequence_level)
     for name in variant.tensors:
-        if name == "token_weights" and sequence_level:
+        if name == "token_importance_weights" and sequence_level:
             # A sequence-level loss takes one weight per response (per-token ones are refused).
-            kwargs["importance_weights"] = batch["response_weights"]
-        elif name == "token_weights":
-            kwargs["importance_weights"] = batch["token_weights"]
-        elif name == "response_weights":
-            kwargs["importance_weights"] = batch["response_weights"]
+            kwargs["importance_weights"] = batch["response_importance_weights"]
+        elif name == "token_importance_weights":
+            kwargs["importance_weights"] = batch["token_importance_weights"]
+        elif name == "response_importance_weights":
+            kwargs["importance_weights"] = batch["response_importance_weights"]
         else:
             kwargs[name] = batch[name]
     if "rewards" in kwargs:

@@ -2,8 +2,7 @@
 
 A backend that cannot serve the test device here is skipped with its reason, unless
 HADW_REQUIRE_BACKENDS names it (CI: "cpp,triton"), which turns the skip into a failure.
-Marks: ``cpp`` (needs the C++ extension), ``triton`` (Triton: interpreter on the CPU,
-compiled on CUDA); select with ``-m``.
+Marks (declared in pyproject.toml): ``cpp``, ``triton``; select with ``-m``.
 """
 
 import os
@@ -44,11 +43,6 @@ def backend(request):
 @pytest.fixture
 def device():
     return DEVICE
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cpp: needs the C++ extension (csrc/)")
-    config.addinivalue_line("markers", "triton: Triton kernels (interpreter on the CPU, compiled on CUDA)")
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """One dispatch: the device key picks the kernel, the backend name picks whose, and a
 backend that cannot serve the tensors' device says so instead of running other code."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from hadw_kernels import BackendUnavailable, available_backends, fused_hadw_grpo_loss
-from hadw_kernels.backends import BACKENDS, load_backend, resolve_backend
+from hadw_kernels.backends import BACKENDS, Backend, load_backend, resolve_backend
+from hadw_kernels.backends.protocol import LinearSurrogate
 
 # What each backend serves when everything it needs is present.
 SERVES = {"torch": {"cpu", "cuda"}, "triton": {"cuda"}, "cpp": {"cpu"}}
@@ -17,6 +19,22 @@ SERVES = {"torch": {"cpu", "cuda"}, "triton": {"cuda"}, "cpp": {"cpu"}}
 
 def test_every_backend_declares_its_devices():
     assert set(SERVES) == set(BACKENDS)
+
+
+def _parameters(function) -> list[tuple[str, object]]:
+    return [(p.name, p.kind) for p in inspect.signature(function).parameters.values() if p.name != "self"]
+
+
+def test_backend_satisfies_the_protocol(backend):
+    """Every member of ``Backend``, with the Protocol's parameter names and kinds (a
+    runtime-checkable Protocol checks only that the members exist)."""
+    implementation = load_backend(backend)
+    assert isinstance(implementation, Backend)
+    for member in ("serves", "unavailable_message", "has_gradients_in_forward", "surrogate_loss", "token_logprobs"):
+        assert _parameters(getattr(implementation, member)) == _parameters(getattr(Backend, member)), member
+    linear = implementation.linear_surrogate
+    if linear is not None:
+        assert _parameters(linear) == _parameters(LinearSurrogate.__call__)
 
 
 @pytest.mark.parametrize("name", [name for name in BACKENDS if name != "torch"])
@@ -96,7 +114,7 @@ def test_outputs_match_the_fake_implementation(backend, device):
                                             bias=None, labels=labels, lse=rows, mean_logit=rows, temperature=1.0,
                                             ignore_index=-100),
             "linear_surrogate_forward": dict(hidden=hidden, weight=weight, bias=None, labels=labels, old_logprobs=None,
-                                             advantages=rows, token_weights=rows, ref_logprobs=None,
+                                             advantages=rows, agg_weights=rows, ref_logprobs=None,
                                              importance_weights=None, temperature=1.0, ignore_index=-100,
                                              **config.token_options(), with_entropy=True, block_rows=0),
         }

@@ -29,7 +29,7 @@ def test_data_inputs_receive_no_gradient(backend, device, loss_type):
     batch = _clean_batch(device)
     logprobs = batch["logprobs"].clone().requires_grad_()
     # A sequence-level loss takes one weight per response.
-    weights = "response_weights" if LOSS_PRESETS[loss_type].sequence_level else "token_weights"
+    weights = "response_importance_weights" if LOSS_PRESETS[loss_type].sequence_level else "token_importance_weights"
     data = {name: batch[name].clone().requires_grad_() for name in ("rewards", "ref_logprobs", weights)}
     loss = fused_hadw_grpo_loss(
         logprobs, logprobs, data["rewards"], batch["response_mask"], group_size=GROUP_SIZE, loss_type=loss_type,

@@ -68,9 +68,9 @@ LINEAR_VARIANTS = [
     Variant("hadw_kl_entropy_bias_temperature", {"anchor": 0.35, "beta": 0.05, "entropy_coef": 0.01,
                                                  "temperature": 0.7, "dual_clip": 3.0},
             ("old_logprobs", "rewards", "ref_logprobs", "bias")),
-    Variant("token_weights_normalizer", {"loss_normalizer": 40.0, "max_response_length": 16,
+    Variant("importance_weights_normalizer", {"loss_normalizer": 40.0, "max_response_length": 16,
                                          "kl_estimator": "k2", "beta": 0.02},
-            ("old_logprobs", "rewards", "token_weights", "ref_logprobs")),
+            ("old_logprobs", "rewards", "token_importance_weights", "ref_logprobs")),
     Variant("advantages_on_policy", {"entropy_coef": 0.02, "loss_agg_mode": "seq-mean-token-sum"},
             ("advantages",)),
     # A vocabulary masked through the bias (-inf logits), with the entropy's gradient.

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .advantage import group_advantages, hadw_weights
-from .config import AGGREGATIONS, K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LOG_RATIO_CLAMP, METRIC_NAMES, LossConfig
-from .precision import accumulate_dtype
+from ..advantage import group_advantages, hadw_weights
+from ..config import AGGREGATIONS, K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LOG_RATIO_CLAMP, METRIC_NAMES, LossConfig
+from ..precision import accumulate_dtype
 
 
 def clipped_objective(ratio: torch.Tensor, advantage: torch.Tensor, config: LossConfig) -> torch.Tensor:
@@ -43,12 +43,12 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """Reduces per-token values [B, T] to the loss by ``config.loss_agg_mode``:
-    sum_i w_i sum_t v_it over the valid tokens, w from :func:`token_weights`."""
+    sum_i w_i sum_t v_it over the valid tokens, w from :func:`agg_weights`."""
     sums = torch.where(mask, values, torch.zeros_like(values)).sum(dim=-1)
-    return (sums * token_weights(mask, config).to(sums.dtype)).sum()
+    return (sums * agg_weights(mask, config).to(sums.dtype)).sum()
 
 
-def token_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
+def agg_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """w_i [B]: the weight of each valid token of response i, by the mode's row of
     :data:`config.AGGREGATIONS`. Float64, for the kernels that take it."""
     rule = AGGREGATIONS[config.loss_agg_mode]
@@ -74,7 +74,7 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
 
 
-def response_advantages(
+def weighted_advantages(
     rewards: torch.Tensor | None,
     advantages: torch.Tensor | None,
     config: LossConfig,
@@ -121,7 +121,7 @@ def surrogate_loss(
     """
     mask = response_mask.bool()
     old_logprobs = old_logprobs.detach()
-    advantage, phi = response_advantages(rewards, advantages, config, anchor)
+    advantage, phi = weighted_advantages(rewards, advantages, config, anchor)
     advantage = advantage.to(torch.promote_types(advantage.dtype, logprobs.dtype))
     weights = None
     if importance_weights is not None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import IGNORE_INDEX
-from .precision import accumulate_dtype
+from ..config import IGNORE_INDEX
+from ..precision import accumulate_dtype
 
 
 def token_logprobs_reference(

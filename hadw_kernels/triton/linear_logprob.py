@@ -93,13 +93,13 @@ def _row_stats_kernel(
 
 @triton.jit
 def _token_gradient_kernel(
-    rows_ptr, logprobs_ptr, old_ptr, ref_ptr, weights_ptr, advantage_ptr, token_weight_ptr,
+    rows_ptr, logprobs_ptr, old_ptr, ref_ptr, importance_ptr, advantage_ptr, agg_weight_ptr,
     grad_logprobs_ptr, grad_entropy_ptr,
     count,
     ratio_low: tl.float64, ratio_high: tl.float64, beta: tl.float64, dual_clip: tl.float64,
     entropy_coef: tl.float64,
     ON_POLICY: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_IMPORTANCE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """d loss / d logp and d loss / d entropy of the block's tokens for a token-level
     surrogate: w (iw * d policy_term + beta * d kl_term) and -entropy_coef * w, with the
@@ -114,17 +114,17 @@ def _token_gradient_kernel(
     else:
         old = tl.load(old_ptr + rows, mask=inside, other=0.0).to(compute)
     advantage = tl.load(advantage_ptr + rows, mask=inside, other=0.0).to(compute)
-    weight = tl.load(token_weight_ptr + rows, mask=inside, other=0.0).to(compute)
+    agg_weight = tl.load(agg_weight_ptr + rows, mask=inside, other=0.0).to(compute)
     _, grad, _ = policy_term(logprobs - old, advantage, tl.full([], ratio_low, compute),
                              tl.full([], ratio_high, compute), tl.full([], dual_clip, compute), HAS_DUAL_CLIP)
-    if HAS_WEIGHTS:
-        grad *= tl.load(weights_ptr + rows, mask=inside, other=0.0).to(compute)
+    if HAS_IMPORTANCE:
+        grad *= tl.load(importance_ptr + rows, mask=inside, other=0.0).to(compute)
     if HAS_KL:
         ref = tl.load(ref_ptr + rows, mask=inside, other=0.0).to(compute)
         _, kl_slope = kl_term(logprobs, ref, KL_ESTIMATOR)
         grad += tl.full([], beta, compute) * kl_slope
-    tl.store(grad_logprobs_ptr + index, grad * weight, mask=inside)
-    tl.store(grad_entropy_ptr + index, -tl.full([], entropy_coef, compute) * weight, mask=inside)
+    tl.store(grad_logprobs_ptr + index, grad * agg_weight, mask=inside)
+    tl.store(grad_entropy_ptr + index, -tl.full([], entropy_coef, compute) * agg_weight, mask=inside)
 
 
 @triton.jit
@@ -335,7 +335,7 @@ def linear_logprob_backward(grad_logprobs, grad_entropy, hidden, weight, bias, l
 
 
 def linear_surrogate_forward(
-    hidden, weight, bias, labels, old_logprobs, advantages, token_weights, ref_logprobs, importance_weights,
+    hidden, weight, bias, labels, old_logprobs, advantages, agg_weights, ref_logprobs, importance_weights,
     temperature, ignore_index, epsilon_low, epsilon_high, dual_clip, beta, kl_estimator, entropy_coef,
     with_entropy, block_rows,
 ):
@@ -357,11 +357,11 @@ def linear_surrogate_forward(
             _token_gradient_kernel[(triton.cdiv(count, _TOKEN_BLOCK),)](
                 rows, logprobs, logprobs if old_logprobs is None else old_logprobs,
                 ref_logprobs if has_kl else logprobs, importance_weights if importance_weights is not None else logprobs,
-                advantages, token_weights, grad_logprobs, grad_entropy, count,
+                advantages, agg_weights, grad_logprobs, grad_entropy, count,
                 ratio_low=1.0 - epsilon_low, ratio_high=1.0 + epsilon_high, beta=float(beta),
                 dual_clip=float(dual_clip) if dual_clip is not None else 0.0, entropy_coef=float(entropy_coef),
                 ON_POLICY=old_logprobs is None, HAS_DUAL_CLIP=dual_clip is not None, HAS_KL=has_kl,
-                KL_ESTIMATOR=kl_estimator, HAS_WEIGHTS=importance_weights is not None, BLOCK=_TOKEN_BLOCK,
+                KL_ESTIMATOR=kl_estimator, HAS_IMPORTANCE=importance_weights is not None, BLOCK=_TOKEN_BLOCK,
                 num_warps=4,
             )
             sweep.logit_gradient(

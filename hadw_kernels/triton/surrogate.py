@@ -15,7 +15,7 @@ Launches, in stream order, none of which reads a value back to the host:
 4. ``_finish_kernel``, one program: sums the per-response partials in a fixed order
    (deterministic, unlike float atomics) into the loss and the metrics vector.
 
-The per-token formulas (``policy_term``, ``kl_term``, ``token_weight``) are shared with
+The per-token formulas (``policy_term``, ``kl_term``, ``aggregation_weight``) are shared with
 the gradients-in-forward linear kernels (``linear_logprob.py``). All arithmetic is in
 the compute dtype (fp32, or fp64 for fp64 log-probs); bf16 and fp16 inputs are widened on
 load. Offsets are int64. Masked positions are never read, so padding may hold inf or
@@ -73,9 +73,9 @@ _M_REF_KL = _METRIC["ref_kl"]
 _M_ENTROPY = _METRIC["entropy_mean"]
 
 # Importance weights: none, [B, T] or [B].
-_NO_WEIGHTS = tl.constexpr(0)
-_TOKEN_WEIGHTS = tl.constexpr(1)
-_RESPONSE_WEIGHTS = tl.constexpr(2)
+_NO_IMPORTANCE = tl.constexpr(0)
+_TOKEN_IMPORTANCE = tl.constexpr(1)
+_RESPONSE_IMPORTANCE = tl.constexpr(2)
 
 _KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
 _KL_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
@@ -198,8 +198,8 @@ def kl_term(logprobs, ref, ESTIMATOR: tl.constexpr):
 
 
 @triton.jit
-def token_weight(length, token_count_ptr, denominator, PER_RESPONSE_MEAN: tl.constexpr, COUNT_TOKENS: tl.constexpr):
-    """w of a valid token (surrogate.token_weights): 1 / (T_i * denominator) for
+def aggregation_weight(length, token_count_ptr, denominator, PER_RESPONSE_MEAN: tl.constexpr, COUNT_TOKENS: tl.constexpr):
+    """w of a valid token (reference.surrogate.agg_weights): 1 / (T_i * denominator) for
     seq-mean-token-mean, 1 / N_tok counted on the device for token-mean without a
     normaliser, else 1 / denominator (set by _aggregation on the host)."""
     if PER_RESPONSE_MEAN:
@@ -273,7 +273,7 @@ def _surrogate_kernel(
     old_ptr, stride_old_row, stride_old_col,
     mask_ptr, stride_mask_row, stride_mask_col,
     ref_ptr, stride_ref_row, stride_ref_col,
-    weights_ptr, stride_weights_row, stride_weights_col,
+    importance_ptr, stride_importance_row, stride_importance_col,
     entropy_ptr, stride_entropy_row, stride_entropy_col,
     advantage_ptr, stride_advantage, length_ptr, token_count_ptr,
     grad_logprobs_ptr, grad_entropy_ptr, partials_ptr,
@@ -286,7 +286,7 @@ def _surrogate_kernel(
     HAS_DUAL_CLIP: tl.constexpr,
     HAS_KL: tl.constexpr,
     KL_ESTIMATOR: tl.constexpr,
-    WEIGHTS: tl.constexpr,
+    IMPORTANCE: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -304,10 +304,10 @@ def _surrogate_kernel(
     # when broadcasting it in `&`, so (advantage < 0) must already be a block.
     advantage = tl.zeros([BLOCK_T], compute) + tl.load(advantage_ptr + row * stride_advantage).to(compute)
     length = tl.load(length_ptr + row)
-    weight = token_weight(length, token_count_ptr, tl.full([], denominator, compute), PER_RESPONSE_MEAN,
+    agg_weight = aggregation_weight(length, token_count_ptr, tl.full([], denominator, compute), PER_RESPONSE_MEAN,
                           COUNT_TOKENS)
-    if WEIGHTS == _RESPONSE_WEIGHTS:
-        response_weight = tl.load(weights_ptr + row * stride_weights_row).to(compute)
+    if IMPORTANCE == _RESPONSE_IMPORTANCE:
+        response_importance = tl.load(importance_ptr + row * stride_importance_row).to(compute)
     row_logprobs = logprobs_ptr + row * stride_logprobs_row
     row_old = old_ptr + row * stride_old_row
     row_mask = mask_ptr + row * stride_mask_row
@@ -355,15 +355,15 @@ def _surrogate_kernel(
             clip_low += (valid & (ratio < ratio_low) & (advantage < 0)).to(compute)
             clip_high += (valid & (ratio > ratio_high) & (advantage > 0)).to(compute)
             ratio_sum += tl.where(valid, ratio, 0.0)
-        if WEIGHTS == _TOKEN_WEIGHTS:
-            token_weights = tl.load(
-                weights_ptr + row * stride_weights_row + cols * stride_weights_col, mask=valid, other=0.0
+        if IMPORTANCE == _TOKEN_IMPORTANCE:
+            token_importance = tl.load(
+                importance_ptr + row * stride_importance_row + cols * stride_importance_col, mask=valid, other=0.0
             ).to(compute)
-            objective *= token_weights
-            grad *= token_weights
-        elif WEIGHTS == _RESPONSE_WEIGHTS:
-            objective *= response_weight
-            grad *= response_weight
+            objective *= token_importance
+            grad *= token_importance
+        elif IMPORTANCE == _RESPONSE_IMPORTANCE:
+            objective *= response_importance
+            grad *= response_importance
         if HAS_KL:
             ref = tl.load(ref_ptr + row * stride_ref_row + cols * stride_ref_col, mask=valid, other=0.0).to(compute)
             kl, kl_slope = kl_term(logprobs, ref, KL_ESTIMATOR)
@@ -376,13 +376,13 @@ def _surrogate_kernel(
             ).to(compute)
             objective -= entropy_coef * entropy
             entropy_sum += tl.where(valid, entropy, 0.0)
-            tl.store(grad_entropy_ptr + row * width + cols, tl.where(valid, -entropy_coef * weight, 0.0), mask=inside)
-        tl.store(grad_logprobs_ptr + row * width + cols, tl.where(valid, grad * weight, 0.0), mask=inside)
+            tl.store(grad_entropy_ptr + row * width + cols, tl.where(valid, -entropy_coef * agg_weight, 0.0), mask=inside)
+        tl.store(grad_logprobs_ptr + row * width + cols, tl.where(valid, grad * agg_weight, 0.0), mask=inside)
         objective_sum += tl.where(valid, objective, 0.0)
 
     partials = partials_ptr + row * _PARTIALS_WIDTH
     token_total = length.to(compute)
-    tl.store(partials + _LOSS, tl.sum(objective_sum, axis=0) * weight)
+    tl.store(partials + _LOSS, tl.sum(objective_sum, axis=0) * agg_weight)
     if SEQUENCE_LEVEL:
         # One ratio per non-empty response: clip fractions and the mean ratio count
         # responses.
@@ -493,12 +493,12 @@ def device_guard(device: torch.device):
 def aggregation(
     loss_agg_mode: int, loss_normalizer: float | None, max_response_length: int | None, batch: int, width: int
 ) -> tuple[float, bool, bool]:
-    """(denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of ``token_weight`` for an
-    aggregation mode, from its row of config.AGGREGATIONS (surrogate.token_weights)."""
+    """(denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of ``aggregation_weight`` for an
+    aggregation mode, from its row of config.AGGREGATIONS (reference.surrogate.agg_weights)."""
     rule = AGGREGATIONS[AGG_MODES[loss_agg_mode]]
     count_tokens = rule.count == "tokens" and loss_normalizer is None
     if count_tokens and (rule.per_response_mean or rule.times_max_length):
-        # token_weight's device count stands alone: teach it the other factors first.
+        # aggregation_weight's device count stands alone: teach it the other factors first.
         raise NotImplementedError(f"the Triton surrogate cannot weigh {AGG_MODES[loss_agg_mode]!r} yet")
     if rule.count == "responses":
         denominator = loss_normalizer or float(max(batch, 1))
@@ -552,11 +552,11 @@ def surrogate_forward(
         # At least the compute dtype: float64 log-probs with float32 rewards get float64 advantages.
         advantages = torch.empty(batch, dtype=torch.promote_types(rewards.dtype, compute), device=device)
     if importance_weights is None:
-        weights_layout, weight_strides = _NO_WEIGHTS, (0, 0)
+        importance_layout, importance_strides = _NO_IMPORTANCE, (0, 0)
     elif importance_weights.dim() == 2:
-        weights_layout, weight_strides = _TOKEN_WEIGHTS, _strides_2d(importance_weights)
+        importance_layout, importance_strides = _TOKEN_IMPORTANCE, _strides_2d(importance_weights)
     else:
-        weights_layout, weight_strides = _RESPONSE_WEIGHTS, (importance_weights.stride(0), 0)
+        importance_layout, importance_strides = _RESPONSE_IMPORTANCE, (importance_weights.stride(0), 0)
     block_t, num_warps = _token_launch(width, device)
 
     with device_guard(device):
@@ -575,7 +575,7 @@ def surrogate_forward(
             old_logprobs, *_strides_2d(old_logprobs),
             mask, *_strides_2d(mask),
             ref_logprobs if has_kl else None, *_strides_2d(ref_logprobs if has_kl else None),
-            importance_weights, *weight_strides,
+            importance_weights, *importance_strides,
             entropy, *_strides_2d(entropy),
             advantages, advantages.stride(0), lengths, token_count,
             grad_logprobs, grad_entropy, partials,
@@ -592,7 +592,7 @@ def surrogate_forward(
             HAS_DUAL_CLIP=dual_clip is not None,
             HAS_KL=has_kl,
             KL_ESTIMATOR=kl_estimator,
-            WEIGHTS=weights_layout,
+            IMPORTANCE=importance_layout,
             HAS_ENTROPY=entropy is not None,
             BLOCK_T=block_t,
             num_warps=num_warps,

@@ -1,0 +1,70 @@
+"""What a backend is: the contract every module in ``backends/`` satisfies with its
+``BACKEND`` object, and the losses (``loss.py``) rely on. A static description
+(``typing.Protocol``): tests/conformance checks each registered backend against it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..config import LossConfig
+
+# (loss, metrics by name): the metrics that apply to the call, ``config.METRIC_NAMES`` order.
+LossAndMetrics = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+class LinearSurrogate(Protocol):
+    """The gradients-in-forward linear loss of a token-level surrogate: per-row log-probs
+    [N], entropy [N], and the gradients with respect to the hidden states, the head and
+    the bias, from one sweep over blocks of rows (docs/architecture.md, "The linear loss").
+    Per-token data are [N]; ``agg_weights`` is each token's aggregation weight."""
+
+    def __call__(
+        self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, *,
+        lm_head_bias: torch.Tensor | None, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+        agg_weights: torch.Tensor, ref_logprobs: torch.Tensor | None, importance_weights: torch.Tensor | None,
+        config: LossConfig, temperature: float, ignore_index: int, with_entropy: bool, block_rows: int,
+    ) -> tuple[torch.Tensor, ...]: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    # The gradients-in-forward linear loss, or None where the backend has none.
+    linear_surrogate: LinearSurrogate | None
+    # How gradients formed in the forward are scaled in place by the upstream gradient
+    # (``ops.attach_single_use_gradients``); None: ``Tensor.mul_``.
+    scale_in_place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+
+    def serves(self, device: torch.device) -> bool:
+        """Whether this backend runs on tensors of ``device`` here."""
+        ...
+
+    def unavailable_message(self, device: torch.device) -> str:
+        """Why it does not (for ``BackendUnavailable``)."""
+        ...
+
+    def has_gradients_in_forward(self, device: torch.device) -> bool:
+        """Whether ``linear_surrogate`` runs on ``device``."""
+        ...
+
+    def surrogate_loss(
+        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor, config: LossConfig,
+        *, rewards: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
+        anchor: float | torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
+        importance_weights: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+    ) -> LossAndMetrics:
+        """The clipped surrogate of ``config`` on per-token log-probs [B, T], differentiable
+        with respect to ``logprobs`` and ``entropy``; inputs are already validated."""
+        ...
+
+    def token_logprobs(
+        self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, *,
+        lm_head_bias: torch.Tensor | None, temperature: float, ignore_index: int, with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs [N], entropy [N] or None) of ``labels`` under softmax(h W^T + b) / T,
+        differentiable with respect to the hidden states, the head and the bias, without a
+        [N, V] tensor."""
+        ...
