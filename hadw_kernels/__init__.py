@@ -3,7 +3,7 @@
 from .advantage import group_advantages, hadw_advantages, hadw_weights
 from .anchor import DifficultyAnchor
 from .backends import BackendUnavailable, available_backends
-from .config import AGG_MODES, KL_ESTIMATORS, LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES
+from .config import AGG_MODES, KL_ESTIMATORS, LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, LossConfig
 from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from .module import HADWGRPOLoss, LinearHADWGRPOLoss
 
@@ -17,6 +17,7 @@ __all__ = [
     "DifficultyAnchor",
     "HADWGRPOLoss",
     "LinearHADWGRPOLoss",
+    "LossConfig",
     "available_backends",
     "fused_hadw_grpo_loss",
     "fused_linear_hadw_grpo_loss",

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
 
 from .backends import check_backend_name, resolve_backend
-from .config import DEFAULT_LAMBDA_SCALE, IGNORE_INDEX, METRIC_NAMES, LossConfig, check_block_rows, check_linear_path
+from .config import IGNORE_INDEX, METRIC_NAMES, LossConfig, check_block_rows, check_linear_path
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
-from .reference.surrogate import group_metrics, weighted_advantages, agg_weights
+from .reference.surrogate import agg_weights, group_metrics, weighted_advantages
 from .validation import (
     assert_label_range,
     check_label_range,
+    check_batch_inputs,
     check_linear_inputs,
     check_linear_values,
     check_surrogate_inputs,
@@ -25,24 +27,25 @@ Metrics = dict[str, torch.Tensor]
 
 def fused_hadw_grpo_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor | None = None,
-    rewards: torch.Tensor | None = None,
-    response_mask: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None,
+    rewards: torch.Tensor | None,
+    response_mask: torch.Tensor,
     *,
+    config: LossConfig | None = None,
     group_size: int | None = None,
     advantages: torch.Tensor | None = None,
     group_index: torch.Tensor | None = None,
-    loss_type: str = "grpo",
+    loss_type: str | None = None,
     loss_agg_mode: str | None = None,
     normalize_std: bool | None = None,
     std_eps: float | None = None,
     sequence_level: bool | None = None,
     anchor: float | torch.Tensor | None = None,
-    lambda_scale: float = DEFAULT_LAMBDA_SCALE,
+    lambda_scale: float | None = None,
     epsilon_low: float | None = None,
     epsilon_high: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
+    beta: float | None = None,
+    kl_estimator: str | None = None,
     ref_logprobs: torch.Tensor | None = None,
     dual_clip: float | None = None,
     importance_weights: torch.Tensor | None = None,
@@ -54,33 +57,40 @@ def fused_hadw_grpo_loss(
 ) -> torch.Tensor | tuple[torch.Tensor, Metrics]:
     """The group-relative clipped surrogate with HA-DW, from per-token log-probs.
 
+    The loss's options come either from ``config`` (a :class:`LossConfig`, e.g.
+    ``LossConfig.build("dapo", group_size=8, beta=0.04)``, built once) or from the
+    keywords ``loss_type`` to ``max_response_length`` (None: the preset's or the
+    default), never both.
+
     Args:
         logprobs: [B, T] log-probs of the sampled tokens under the current policy.
         old_logprobs: [B, T] the same under the behaviour policy; None means on-policy
             (the detached current log-probs: ratio 1, as TRL's and Liger's default).
         rewards: [B] with ``group_size``, each group's responses contiguous: the fused
-            path computes A_hat (and Phi with ``anchor``) in the kernel. A call that
-            cannot guarantee contiguous, complete groups (rows shuffled or split into
-            micro-batches, as TRL and verl do) must pass ``advantages`` instead, or
-            ``group_index`` to have the grouping checked.
+            path computes A_hat (and Phi with ``anchor``) in the kernel; None when
+            ``advantages`` are given. A call that cannot guarantee contiguous, complete
+            groups (rows shuffled or split into micro-batches, as TRL and verl do) must
+            pass ``advantages`` instead, or ``group_index`` to have the grouping checked.
         response_mask: [B, T], 1 on response tokens, 0 on padding (bool or 0/1).
+        config: the resolved options, instead of the option keywords.
         advantages: [B] per-response advantages computed elsewhere, e.g. by
             :func:`hadw_advantages` over the whole rollout batch; rows may then come in
             any order and any split.
         group_index: [B] group id of each row (verl's uid as integers): checks that the
             rows of each group are contiguous and complete.
-        loss_type: a preset (``config.LOSS_PRESETS``): "grpo", "dapo", "gspo" or
-            "dr_grpo"; each of its choices can be overridden below.
+        loss_type: a preset (``LOSS_PRESETS``): "grpo" (the default), "dapo", "gspo"
+            or "dr_grpo"; each of its choices can be overridden below.
         loss_agg_mode: verl's aggregation ("token-mean", "seq-mean-token-mean",
             "seq-mean-token-sum", "seq-mean-token-sum-norm") or "token-sum".
         normalize_std, std_eps: divide A by the group's std (+ std_eps; TRL uses 1e-4).
         sequence_level: one importance ratio per response (GSPO), as verl computes it.
         anchor: the difficulty belief C in [0, 1] (a float or 0-d tensor, e.g. from
             ``DifficultyAnchor.update``); None runs the plain algorithm without HA-DW.
-        lambda_scale: Phi's scale (paper: 1.3; the authors' code: 1.5).
+        lambda_scale: Phi's scale (default and paper: 1.3; the authors' code: 1.5).
         epsilon_low, epsilon_high: clip range; default by loss type.
-        beta, kl_estimator, ref_logprobs: KL penalty to a reference policy, aggregated
-            like the loss; estimators k1, k2, k3 (verl's low_var_kl), abs.
+        beta, kl_estimator, ref_logprobs: KL penalty to a reference policy (default
+            beta 0: none), aggregated like the loss; estimators k1, k2, k3 (the default,
+            verl's low_var_kl), abs.
         dual_clip: c > 1 bounding the loss of negative advantages, or None.
         importance_weights: detached rollout-engine correction, [B, T] or [B]. A
             sequence-level loss (GSPO) takes [B] only: its ratio is per response, and
@@ -101,14 +111,7 @@ def fused_hadw_grpo_loss(
     An empty batch (B = 0, or no response token) gives a loss of exactly 0 with zero
     metrics and zero gradients.
     """
-    config = _loss_config(
-        loss_type, group_size, normalize_std=normalize_std, loss_agg_mode=loss_agg_mode,
-        sequence_level=sequence_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high, std_eps=std_eps,
-        lambda_scale=lambda_scale, beta=beta, kl_estimator=kl_estimator, dual_clip=dual_clip,
-        loss_normalizer=loss_normalizer, max_response_length=max_response_length, backend=backend,
-    )
-    if response_mask is None:
-        raise ValueError("response_mask is required: [B, T], 1 on response tokens")
+    config = _call_config(locals())
     check_values = _checks_run(check_values)
     check_surrogate_inputs(
         logprobs, old_logprobs, response_mask, config, rewards=rewards, advantages=advantages,
@@ -135,28 +138,29 @@ def fused_linear_hadw_grpo_loss(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
-    old_logprobs: torch.Tensor | None = None,
-    rewards: torch.Tensor | None = None,
-    response_mask: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None,
+    rewards: torch.Tensor | None,
+    response_mask: torch.Tensor,
     *,
+    config: LossConfig | None = None,
     group_size: int | None = None,
     advantages: torch.Tensor | None = None,
     group_index: torch.Tensor | None = None,
-    loss_type: str = "grpo",
+    loss_type: str | None = None,
     loss_agg_mode: str | None = None,
     normalize_std: bool | None = None,
     std_eps: float | None = None,
     sequence_level: bool | None = None,
     anchor: float | torch.Tensor | None = None,
-    lambda_scale: float = DEFAULT_LAMBDA_SCALE,
+    lambda_scale: float | None = None,
     epsilon_low: float | None = None,
     epsilon_high: float | None = None,
     temperature: float = 1.0,
     lm_head_bias: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
-    entropy_coef: float = 0.0,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
+    entropy_coef: float | None = None,
+    beta: float | None = None,
+    kl_estimator: str | None = None,
     ref_logprobs: torch.Tensor | None = None,
     dual_clip: float | None = None,
     importance_weights: torch.Tensor | None = None,
@@ -172,8 +176,8 @@ def fused_linear_hadw_grpo_loss(
 
     ``labels`` [B, T] are the sampled tokens (already shifted: hidden state t predicts
     label t). The log-probs of the labels are formed block by block, never as [B*T, V]
-    logits; padding rows enter no GEMM. ``entropy_coef`` subtracts the aggregated entropy
-    of the token distribution (an exploration bonus). Under DeepSpeed ZeRO-3 pass the
+    logits; padding rows enter no GEMM. ``entropy_coef`` (an option of ``config``; default
+    0) subtracts the aggregated entropy of the token distribution (an exploration bonus). Under DeepSpeed ZeRO-3 pass the
     gathered LM head (``GatheredParameters``), see docs/fused-linear-logprob.md.
 
     ``linear_path``: "gradients_in_forward" forms the gradients with respect to the
@@ -184,22 +188,13 @@ def fused_linear_hadw_grpo_loss(
     are held at once, a [block_rows, V] buffer (default: per backend and device,
     docs/fused-linear-logprob.md). Other arguments as in :func:`fused_hadw_grpo_loss`.
     """
-    config = _loss_config(
-        loss_type, group_size, normalize_std=normalize_std, loss_agg_mode=loss_agg_mode,
-        sequence_level=sequence_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high, std_eps=std_eps,
-        lambda_scale=lambda_scale, beta=beta, kl_estimator=kl_estimator, dual_clip=dual_clip,
-        entropy_coef=entropy_coef, loss_normalizer=loss_normalizer, max_response_length=max_response_length,
-        backend=backend,
-    )
+    config = _call_config(locals())
     _check_linear_options(linear_path=linear_path, block_rows=block_rows, temperature=temperature)
-    if response_mask is None:
-        raise ValueError("response_mask is required: [B, T], 1 on response tokens")
-    check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
-    batch, width, _ = hidden_states.shape
-    check_surrogate_inputs(
-        hidden_states.new_empty(batch, width), old_logprobs, response_mask, config, rewards=rewards,
+    check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature, response_mask)
+    check_batch_inputs(
+        response_mask, old_logprobs, config, inputs={"hidden_states": hidden_states}, rewards=rewards,
         advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights, check_values=False, logprobs_known=False,
+        importance_weights=importance_weights,
     )
     # Padding is masked out of the loss; as ignored labels its rows enter no GEMM, and
     # labels there are never checked or read.
@@ -214,7 +209,7 @@ def fused_linear_hadw_grpo_loss(
         assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
     implementation = resolve_backend(backend, hidden_states.device)
     path = _linear_path(linear_path, implementation, config, hidden_states.device)
-    with_entropy = entropy_coef > 0 or return_metrics
+    with_entropy = config.entropy_coef > 0 or return_metrics
     data = dict(rewards=rewards, advantages=advantages, anchor=anchor, ref_logprobs=ref_logprobs,
                 importance_weights=importance_weights)
     options = dict(lm_head_bias=lm_head_bias, temperature=temperature, ignore_index=ignore_index)
@@ -232,10 +227,26 @@ def fused_linear_hadw_grpo_loss(
     return (loss, metrics) if return_metrics else loss
 
 
-def _loss_config(loss_type, group_size, *, backend, **options) -> LossConfig:
-    """The checked LossConfig of a call's options, and its backend's name checked."""
-    check_backend_name(backend)
-    return LossConfig.build(loss_type, group_size, **options)
+# The options a LossConfig holds, each a keyword of the losses (entropy_coef: the linear one's).
+_CONFIG_OPTIONS = tuple(field.name for field in dataclasses.fields(LossConfig))
+
+
+def _call_config(arguments: dict) -> LossConfig:
+    """The LossConfig of a call (``arguments``: its parameters by name): ``config`` as
+    given, or the preset of ``loss_type`` with the option keywords given (not None)
+    overriding it; and the backend's name checked."""
+    check_backend_name(arguments["backend"])
+    config = arguments["config"]
+    given = sorted(name for name in ("loss_type", *_CONFIG_OPTIONS) if arguments.get(name) is not None)
+    if config is None:
+        options = {name: arguments[name] for name in _CONFIG_OPTIONS if name in arguments}
+        return LossConfig.build(arguments["loss_type"] or "grpo", **options)
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a LossConfig (LossConfig.build(loss_type, ...)), got {type(config).__name__}")
+    if given:
+        raise TypeError(f"pass the loss's options either as config= or as keywords, not both: got config and {given}")
+    config.validate()
+    return config
 
 
 def _check_linear_options(*, linear_path, block_rows, temperature) -> None:
@@ -251,17 +262,9 @@ def check_options(function, **options) -> None:
     values = {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()
               if parameter.default is not inspect.Parameter.empty}
     values.update(options)
-    config_options = {name: values[name] for name in _CONFIG_OPTIONS if name in values}
-    _loss_config(values["loss_type"], values["group_size"], backend=values["backend"], **config_options)
+    _call_config(values)
     if function is fused_linear_hadw_grpo_loss:
         _check_linear_options(**{name: values[name] for name in ("linear_path", "block_rows", "temperature")})
-
-
-# The options of the losses that LossConfig.build takes besides loss_type and group_size.
-_CONFIG_OPTIONS = (
-    "normalize_std", "loss_agg_mode", "sequence_level", "epsilon_low", "epsilon_high", "std_eps", "lambda_scale",
-    "beta", "kl_estimator", "dual_clip", "entropy_coef", "loss_normalizer", "max_response_length",
-)
 
 
 def _checks_run(check_values: bool) -> bool:

@@ -9,11 +9,12 @@ import torch
 
 from .loss import check_options, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
 
-# The per-call tensors; every other keyword of the functions is an option of the module.
-_TENSORS = {
-    "logprobs", "hidden_states", "lm_head_weight", "labels", "old_logprobs", "rewards", "response_mask",
-    "advantages", "group_index", "anchor", "ref_logprobs", "importance_weights", "lm_head_bias",
-}
+
+def _per_call(function) -> set[str]:
+    """The parameters of ``function`` that take a tensor (the batch's, passed per call);
+    every other keyword is an option the module holds."""
+    return {name for name, parameter in inspect.signature(function).parameters.items()
+            if "Tensor" in str(parameter.annotation)}
 
 
 class _HeldOptions(torch.nn.Module):
@@ -21,7 +22,7 @@ class _HeldOptions(torch.nn.Module):
 
     def __init__(self, **options) -> None:
         super().__init__()
-        accepted = set(inspect.signature(type(self)._function).parameters) - _TENSORS
+        accepted = set(inspect.signature(type(self)._function).parameters) - _per_call(type(self)._function)
         unknown = set(options) - accepted
         if unknown:
             raise TypeError(f"{type(self).__name__}: unknown options {sorted(unknown)}; expected some of {sorted(accepted)}")
@@ -34,12 +35,13 @@ class _HeldOptions(torch.nn.Module):
 
 
 class HADWGRPOLoss(_HeldOptions):
-    """``HADWGRPOLoss(loss_type="dapo", beta=0.04)(logprobs, old_logprobs,
-    response_mask=mask, advantages=adv)``: :func:`fused_hadw_grpo_loss` with held options."""
+    """``HADWGRPOLoss(loss_type="dapo", beta=0.04)(logprobs, old_logprobs, None, mask,
+    advantages=adv)``: :func:`fused_hadw_grpo_loss` with held options (or a held
+    ``config=LossConfig.build(...)``)."""
 
     _function = staticmethod(fused_hadw_grpo_loss)
 
-    def forward(self, logprobs, old_logprobs=None, rewards=None, response_mask=None, **tensors):
+    def forward(self, logprobs, old_logprobs, rewards, response_mask, **tensors):
         return fused_hadw_grpo_loss(logprobs, old_logprobs, rewards, response_mask, **tensors, **self.options)
 
 
@@ -49,8 +51,7 @@ class LinearHADWGRPOLoss(_HeldOptions):
 
     _function = staticmethod(fused_linear_hadw_grpo_loss)
 
-    def forward(self, hidden_states, lm_head_weight, labels, old_logprobs=None, rewards=None, response_mask=None,
-                **tensors):
+    def forward(self, hidden_states, lm_head_weight, labels, old_logprobs, rewards, response_mask, **tensors):
         return fused_linear_hadw_grpo_loss(
             hidden_states, lm_head_weight, labels, old_logprobs, rewards, response_mask, **tensors, **self.options
         )

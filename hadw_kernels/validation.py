@@ -38,12 +38,12 @@ def _require_float(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
 
 
-def _require_like_logprobs(name: str, tensor, logprobs: torch.Tensor) -> None:
-    """A floating-point [B, T] tensor of the log-probs' shape."""
+def _require_per_token(name: str, tensor, response_mask: torch.Tensor) -> None:
+    """A floating-point [B, T] tensor of the response mask's shape."""
     _require_tensor(name, tensor)
     _require_float(name, tensor)
-    if _shape(tensor) != _shape(logprobs):
-        raise ValueError(f"{name} has shape {_shape(tensor)}, logprobs {_shape(logprobs)}: they must match")
+    if _shape(tensor) != _shape(response_mask):
+        raise ValueError(f"{name} has shape {_shape(tensor)}, response_mask {_shape(response_mask)}: they must match")
 
 
 def check_anchor(anchor) -> None:
@@ -69,30 +69,49 @@ def check_surrogate_inputs(
     response_mask: torch.Tensor,
     config: LossConfig,
     *,
+    check_values: bool = True,
+    **batch,
+) -> None:
+    """The per-token log-probs [B, T], then the batch's other tensors
+    (:func:`check_batch_inputs`, whose keywords ``batch`` are)."""
+    _require_tensor("logprobs", logprobs)
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {_shape(logprobs)}")
+    _require_float("logprobs", logprobs)
+    _require_tensor("response_mask", response_mask)
+    if _shape(response_mask) != _shape(logprobs):
+        raise ValueError(
+            f"response_mask has shape {_shape(response_mask)}, logprobs {_shape(logprobs)}: they must match"
+        )
+    check_batch_inputs(response_mask, old_logprobs, config, inputs={"logprobs": logprobs}, **batch)
+    if check_values:
+        _check_values(logprobs, old_logprobs, response_mask, batch.get("rewards"), batch.get("advantages"),
+                      batch.get("anchor"), hadw=batch.get("anchor") is not None)
+
+
+def check_batch_inputs(
+    response_mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    config: LossConfig,
+    *,
+    inputs: dict[str, torch.Tensor],
     rewards: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     group_index: torch.Tensor | None = None,
     anchor=None,
     ref_logprobs: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
-    check_values: bool = True,
-    logprobs_known: bool = True,
 ) -> None:
-    """``logprobs_known=False``: ``logprobs`` only stands for their shape, device and
-    dtype (the linear loss, whose log-probs do not exist yet)."""
-    _require_tensor("logprobs", logprobs)
+    """Shapes, dtypes and devices of a batch's tensors besides what the loss is computed
+    from (``inputs``: the log-probs, or the hidden states; only their device is read
+    here), with the response mask [B, T] as the shape every per-token tensor matches."""
     _require_tensor("response_mask", response_mask)
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, T], got shape {_shape(logprobs)}")
-    batch = logprobs.shape[0]
-    _require_float("logprobs", logprobs)
-    if _shape(response_mask) != _shape(logprobs):
-        raise ValueError(
-            f"response_mask has shape {_shape(response_mask)}, logprobs {_shape(logprobs)}: they must match"
-        )
-    tensors = {"logprobs": logprobs, "response_mask": response_mask}
+    if response_mask.dim() != 2:
+        raise ValueError(f"response_mask must be [B, T], got shape {_shape(response_mask)}")
+    batch = response_mask.shape[0]
+    tensors = {**inputs, "response_mask": response_mask}
     if old_logprobs is not None:
-        _require_like_logprobs("old_logprobs", old_logprobs, logprobs)
+        _require_per_token("old_logprobs", old_logprobs, response_mask)
         tensors["old_logprobs"] = old_logprobs
     if (rewards is None) == (advantages is None):
         raise ValueError(
@@ -133,14 +152,15 @@ def check_surrogate_inputs(
     if config.beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs (the reference policy's log-probs)")
     if ref_logprobs is not None:
-        _require_like_logprobs("ref_logprobs", ref_logprobs, logprobs)
+        _require_per_token("ref_logprobs", ref_logprobs, response_mask)
         tensors["ref_logprobs"] = ref_logprobs
     if importance_weights is not None:
         _require_tensor("importance_weights", importance_weights)
         _require_float("importance_weights", importance_weights)
-        if _shape(importance_weights) not in [(batch,), _shape(logprobs)]:
+        if _shape(importance_weights) not in [(batch,), _shape(response_mask)]:
             raise ValueError(
-                f"importance_weights must have shape {(batch,)} or {_shape(logprobs)}, got {_shape(importance_weights)}"
+                f"importance_weights must have shape {(batch,)} or {_shape(response_mask)}, got "
+                f"{_shape(importance_weights)}"
             )
         if config.sequence_level and importance_weights.dim() == 2:
             raise ValueError(
@@ -159,11 +179,6 @@ def check_surrogate_inputs(
         raise ValueError(f"all tensors must be on one device, got {devices}")
     if group_index is not None and not torch.compiler.is_compiling():  # a value check (docs/architecture.md)
         _check_group_index(group_index, config.group_size)
-    if check_values:
-        _check_values(
-            logprobs if logprobs_known else None, old_logprobs, response_mask, rewards, advantages, anchor,
-            hadw=anchor is not None,
-        )
 
 
 def check_advantage_options(rewards: torch.Tensor, anchor, lambda_scale, std_eps) -> None:
@@ -320,7 +335,10 @@ def check_linear_inputs(
     labels: torch.Tensor,
     lm_head_bias: torch.Tensor | None,
     temperature: float,
+    response_mask: torch.Tensor | None = None,
 ) -> None:
+    """The linear inputs, and the response mask [B, T] of the hidden states' batch when
+    given (the losses'; the log-probs alone take none)."""
     _require_tensor("hidden_states", hidden_states)
     _require_tensor("lm_head_weight", lm_head_weight)
     _require_tensor("labels", labels)
@@ -344,6 +362,13 @@ def check_linear_inputs(
         )
     if _shape(labels) != _shape(hidden_states)[:2]:
         raise ValueError(f"labels must be [B, T] = {_shape(hidden_states)[:2]}, got {_shape(labels)}")
+    if response_mask is not None:
+        _require_tensor("response_mask", response_mask)
+        if _shape(response_mask) != _shape(hidden_states)[:2]:
+            raise ValueError(
+                f"response_mask must be [B, T] = {_shape(hidden_states)[:2]} (hidden_states' batch), got "
+                f"{_shape(response_mask)}"
+            )
     if labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"labels must be int64 or int32, got {labels.dtype}")
     if lm_head_bias is not None:

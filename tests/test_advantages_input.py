@@ -54,7 +54,7 @@ def loss_and_gradient(rows, data, advantages, loss_type, mode, **options):
     width = max(int(mask.sum(dim=1).max()), 1)
     logprobs = data["logprobs"][rows, :width].clone().requires_grad_()
     loss = fused_hadw_grpo_loss(
-        logprobs, data["old"][rows, :width], response_mask=mask[:, :width], advantages=advantages[rows],
+        logprobs, data["old"][rows, :width], None, mask[:, :width], advantages=advantages[rows],
         loss_type=loss_type, loss_agg_mode=mode, beta=0.1, ref_logprobs=data["ref"][rows, :width],
         importance_weights=weights[rows] if (weights := importance_weights(data, loss_type)).dim() == 1
         else weights[rows, :width], **options,
@@ -72,7 +72,7 @@ def test_advantages_equal_the_rewards_path_on_whole_groups(loss_type, with_hadw)
     results = []
     for inputs in (
         dict(rewards=data["rewards"], group_size=GROUP_SIZE, anchor=ANCHOR if with_hadw else None),
-        dict(advantages=batch_advantages(data, loss_type, with_hadw)),
+        dict(rewards=None, advantages=batch_advantages(data, loss_type, with_hadw)),
     ):
         logprobs = data["logprobs"].clone().requires_grad_()
         loss = fused_hadw_grpo_loss(
@@ -126,7 +126,7 @@ def test_linear_loss_micro_batches_add_up():
 
     def loss_on(rows):
         return fused_linear_hadw_grpo_loss(
-            hidden_states[rows], head, labels[rows], data["old"][rows], response_mask=data["mask"][rows],
+            hidden_states[rows], head, labels[rows], data["old"][rows], None, data["mask"][rows],
             advantages=advantages[rows], loss_type="dapo", loss_normalizer=tokens,
         )
 

@@ -120,7 +120,7 @@ def test_triton_surrogate_launches(monkeypatch):
     common = dict(backend="triton", check_values=False, beta=0.04, ref_logprobs=logprobs.detach())
     for loss_type in ("grpo", "gspo"):
         for data, expected in ((dict(rewards=torch.tensor([1.0, 0.0] * 4), group_size=2, anchor=0.3), 4),
-                               (dict(advantages=torch.randn(8)), 3)):
+                               (dict(rewards=None, advantages=torch.randn(8)), 3)):
             launches.clear()
             loss = fused_hadw_grpo_loss(logprobs, logprobs.detach() + 0.1, response_mask=mask,
                                         loss_type=loss_type, **data, **common)

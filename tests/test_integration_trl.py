@@ -237,7 +237,7 @@ def test_trl_delta_is_the_dual_clip(delta):
             clipped = torch.clamp(ratio, 1 - 0.2, 1 + 0.28) * advantages[:, None]
             loss = -torch.min(capped, clipped).mean()
         else:
-            loss = fused_hadw_grpo_loss(logprobs, old, response_mask=mask, advantages=advantages, loss_type="dapo",
+            loss = fused_hadw_grpo_loss(logprobs, old, None, mask, advantages=advantages, loss_type="dapo",
                                         dual_clip=dual_clip)
         loss.backward()
         results.append((loss.detach(), logprobs.grad))

@@ -293,8 +293,8 @@ class HADWGRPOTrainer(GRPOTrainer):
             linear_path = "gradients_in_forward"
         with torch.autocast(weight.device.type, enabled=False), maybe_gather_lm_head_ctx(weight, bias):
             loss, metrics = fused_linear_hadw_grpo_loss(
-                hidden_states, weight, completion_ids, inputs.get("old_per_token_logps"),
-                response_mask=mask, advantages=inputs["advantages"], lm_head_bias=bias,
+                hidden_states, weight, completion_ids, inputs.get("old_per_token_logps"), None, mask,
+                advantages=inputs["advantages"], lm_head_bias=bias,
                 temperature=self.temperature, ref_logprobs=inputs.get("ref_per_token_logps"),
                 importance_weights=self._importance_weights(inputs, mask), return_metrics=True,
                 backend=self.args.hadw_backend, linear_path=linear_path, block_rows=self.args.hadw_block_rows,

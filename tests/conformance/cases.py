@@ -118,6 +118,9 @@ def loss_kwargs(batch: dict, loss_type: str, variant: Variant) -> dict:
             kwargs[name] = batch[name]
     if "rewards" in kwargs:
         kwargs["group_size"] = GROUP_SIZE
+    # The losses' required positions: None is on-policy, and goes with advantages=.
+    kwargs.setdefault("old_logprobs", None)
+    kwargs.setdefault("rewards", None)
     return kwargs
 
 

@@ -53,7 +53,7 @@ def test_advantages_receive_no_gradient(backend, device):
     batch = _clean_batch(device)
     advantages = batch["advantages"].clone().requires_grad_()
     logprobs = batch["logprobs"].clone().requires_grad_()
-    fused_hadw_grpo_loss(logprobs, batch["old_logprobs"], response_mask=batch["response_mask"],
+    fused_hadw_grpo_loss(logprobs, batch["old_logprobs"], None, batch["response_mask"],
                          advantages=advantages, backend=backend).backward()
     assert advantages.grad is None and torch.any(logprobs.grad != 0)
 
@@ -179,7 +179,7 @@ def test_kl_keeps_its_precision_near_on_policy(backend, device, estimator):
     batch = _clean_batch(device)
     logprobs = batch["logprobs"]
     ref = logprobs + 1e-4 * torch.sign(torch.randn_like(logprobs))
-    kwargs = dict(advantages=torch.zeros_like(batch["advantages"]), beta=1.0, kl_estimator=estimator)
+    kwargs = dict(rewards=None, advantages=torch.zeros_like(batch["advantages"]), beta=1.0, kl_estimator=estimator)
     _, metrics = fused_hadw_grpo_loss(logprobs, logprobs, response_mask=batch["response_mask"], ref_logprobs=ref,
                                       return_metrics=True, backend=backend, **kwargs)
     _, exact = fused_hadw_grpo_loss(logprobs.double().cpu(), logprobs.double().cpu(),

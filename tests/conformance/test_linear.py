@@ -137,8 +137,8 @@ def test_gradients_formed_in_forward_serve_one_backward(backend, device):
     data = linear_batch(5)
     hidden = data["hidden_states"].float().to(device).requires_grad_()
     loss = fused_linear_hadw_grpo_loss(
-        hidden, data["lm_head_weight"].float().to(device), data["labels"].to(device), response_mask=data[
-            "response_mask"].to(device), advantages=data["advantages"].float().to(device), backend=backend,
+        hidden, data["lm_head_weight"].float().to(device), data["labels"].to(device), None, None,
+        data["response_mask"].to(device), advantages=data["advantages"].float().to(device), backend=backend,
         linear_path="gradients_in_forward",
     )
     (first,) = torch.autograd.grad(loss, hidden, retain_graph=True)

@@ -1,0 +1,120 @@
+"""The loss's options as one object: ``config=LossConfig`` and the keywords build the same
+loss, never together; the batch's required positions; the linear loss's shape checks
+without log-probs."""
+
+import pytest
+import torch
+
+from hadw_kernels import (
+    HADWGRPOLoss,
+    LinearHADWGRPOLoss,
+    LossConfig,
+    fused_hadw_grpo_loss,
+    fused_linear_hadw_grpo_loss,
+)
+
+OPTIONS = dict(group_size=2, beta=0.04, kl_estimator="k2", dual_clip=3.0, epsilon_high=0.28, lambda_scale=1.5)
+
+
+def _batch(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    batch, width, hidden, vocab = 4, 5, 8, 16
+    mask = torch.ones(batch, width, dtype=torch.bool)
+    mask[1, 3:] = False
+    return dict(
+        logprobs=-torch.rand(batch, width, generator=generator, dtype=torch.float64) - 0.5,
+        old=-torch.rand(batch, width, generator=generator, dtype=torch.float64) - 0.5,
+        ref=-torch.rand(batch, width, generator=generator, dtype=torch.float64) - 0.5,
+        rewards=torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64),
+        mask=mask,
+        hidden=torch.randn(batch, width, hidden, generator=generator, dtype=torch.float64),
+        weight=torch.randn(vocab, hidden, generator=generator, dtype=torch.float64) / 3,
+        labels=torch.randint(0, vocab, (batch, width), generator=generator),
+    )
+
+
+def _surrogate(data, **options):
+    logprobs = data["logprobs"].clone().requires_grad_()
+    loss, metrics = fused_hadw_grpo_loss(logprobs, data["old"], data["rewards"], data["mask"], anchor=0.4,
+                                         ref_logprobs=data["ref"], return_metrics=True, backend="torch", **options)
+    loss.backward()
+    return loss.detach(), logprobs.grad, metrics
+
+
+def _linear(data, **options):
+    hidden = data["hidden"].clone().requires_grad_()
+    weight = data["weight"].clone().requires_grad_()
+    loss = fused_linear_hadw_grpo_loss(hidden, weight, data["labels"], data["old"], data["rewards"], data["mask"],
+                                       anchor=0.4, ref_logprobs=data["ref"], backend="torch", **options)
+    loss.backward()
+    return loss.detach(), hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "gspo", "dr_grpo"])
+def test_config_and_keywords_build_the_same_loss(loss_type):
+    data = _batch()
+    by_keywords = _surrogate(data, loss_type=loss_type, **OPTIONS)
+    by_config = _surrogate(data, config=LossConfig.build(loss_type, **OPTIONS))
+    assert torch.equal(by_keywords[0], by_config[0]) and torch.equal(by_keywords[1], by_config[1])
+    assert by_keywords[2].keys() == by_config[2].keys()
+    assert all(torch.equal(by_keywords[2][name], by_config[2][name]) for name in by_keywords[2])
+    # A different config gives a different loss: the config is really what is used.
+    assert not torch.equal(_surrogate(data, config=LossConfig.build(loss_type, group_size=2))[0], by_config[0])
+
+
+def test_linear_loss_takes_the_config_with_its_entropy_coefficient():
+    data = _batch(1)
+    options = dict(OPTIONS, entropy_coef=0.01)
+    by_keywords = _linear(data, loss_type="dapo", **options)
+    by_config = _linear(data, config=LossConfig.build("dapo", **options))
+    assert all(torch.equal(a, b) for a, b in zip(by_keywords, by_config))
+    assert not torch.equal(_linear(data, config=LossConfig.build("dapo", **OPTIONS))[0], by_config[0])
+
+
+def test_modules_hold_a_config():
+    data = _batch(2)
+    config = LossConfig.build("grpo", **OPTIONS)
+    module = HADWGRPOLoss(config=config, backend="torch")
+    loss = module(data["logprobs"], data["old"], data["rewards"], data["mask"], anchor=0.4, ref_logprobs=data["ref"])
+    assert torch.equal(loss, _surrogate(data, config=config)[0])
+    assert "config=LossConfig(" in repr(module)
+    with pytest.raises(TypeError, match="not both"):
+        LinearHADWGRPOLoss(config=config, beta=0.1)
+
+
+@pytest.mark.parametrize("keyword", [dict(loss_type="dapo"), dict(beta=0.0), dict(group_size=2), dict(dual_clip=2.0)])
+def test_config_and_an_option_keyword_together_are_refused(keyword):
+    data = _batch()
+    with pytest.raises(TypeError, match=rf"not both: got config and \['{next(iter(keyword))}'\]"):
+        _surrogate(data, config=LossConfig.build("grpo", group_size=2), **keyword)
+
+
+def test_a_config_that_is_not_a_loss_config_is_refused():
+    with pytest.raises(TypeError, match="config must be a LossConfig"):
+        _surrogate(_batch(), config={"loss_type": "grpo"})
+
+
+def test_a_hand_built_config_is_validated():
+    config = LossConfig(group_size=2, normalize_std=True, loss_agg_mode="token-average", sequence_level=False,
+                        epsilon_low=0.2, epsilon_high=0.2)
+    with pytest.raises(ValueError, match="unknown loss_agg_mode 'token-average'"):
+        _surrogate(_batch(), config=config)
+
+
+def test_response_mask_is_a_required_position():
+    data = _batch()
+    with pytest.raises(TypeError, match="response_mask"):
+        fused_hadw_grpo_loss(data["logprobs"], data["old"], data["rewards"], group_size=2)
+    with pytest.raises(TypeError, match="response_mask"):
+        fused_linear_hadw_grpo_loss(data["hidden"], data["weight"], data["labels"], data["old"], data["rewards"],
+                                    group_size=2)
+
+
+def test_linear_loss_checks_the_batch_against_the_hidden_states():
+    data = _batch()
+    with pytest.raises(ValueError, match=r"response_mask must be \[B, T\] = \(4, 5\) \(hidden_states' batch\)"):
+        _linear(dict(data, mask=data["mask"][:, :4]), group_size=2)
+    with pytest.raises(ValueError, match=r"old_logprobs has shape \(4, 4\), response_mask \(4, 5\)"):
+        _linear(dict(data, old=data["old"][:, :4]), group_size=2)
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        _linear(dict(data, rewards=data["rewards"].to("meta")), group_size=2)
