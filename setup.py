@@ -3,9 +3,10 @@
 Everything else about the package (name, version, dependencies) is in pyproject.toml.
 
 The kernels take their constants (metric order, option codes, clamps) from
-hadw_kernels/config.py: before compiling, this file writes them into
-build/generated/hadw_config.h (hadw_kernels/backends/cpp_constants.py), which csrc/
-includes.
+hadw_kernels/config.py and their declarations from the ops' signatures
+(hadw_kernels/ops/signatures.py): before compiling, this file writes them into
+build/generated/hadw_config.h and build/generated/kernels.h
+(hadw_kernels/backends/cpp_constants.py, cpp_declarations.py), which csrc/ includes.
 
 The extension is optional: without torch at build time, without a C++ compiler, or if
 compiling fails, the install still succeeds, says why on stderr, and the "torch"
@@ -62,13 +63,26 @@ def _compiler() -> str | None:
     return shutil.which(shlex.split(command)[0])
 
 
-def generate_config_header(directory: str = GENERATED_DIR) -> str:
-    """Writes hadw_config.h from config.py into ``directory`` (only if its text changed,
-    so an unchanged config does not trigger a rebuild); returns its path."""
-    config = runpy.run_path(os.path.join(ROOT, "hadw_kernels", "config.py"))
-    generator = runpy.run_path(os.path.join(ROOT, "hadw_kernels", "backends", "cpp_constants.py"))
-    text = generator["header"](config)
-    path = os.path.join(directory, generator["HEADER_NAME"])
+def _package_file(*parts: str) -> dict:
+    return runpy.run_path(os.path.join(ROOT, "hadw_kernels", *parts))
+
+
+def generate_headers(directory: str = GENERATED_DIR) -> list[str]:
+    """Writes hadw_config.h (from config.py) and kernels.h (from the ops' signatures)
+    into ``directory``; returns their paths."""
+    config_header = _package_file("backends", "cpp_constants.py")
+    declarations = _package_file("backends", "cpp_declarations.py")
+    return [
+        _write_if_changed(directory, config_header["HEADER_NAME"],
+                          config_header["header"](_package_file("config.py"))),
+        _write_if_changed(directory, declarations["HEADER_NAME"],
+                          declarations["header"](_package_file("ops", "signatures.py")["SIGNATURES"])),
+    ]
+
+
+def _write_if_changed(directory: str, name: str, text: str) -> str:
+    """Only a changed text is written, so an unchanged header does not trigger a rebuild."""
+    path = os.path.join(directory, name)
     os.makedirs(directory, exist_ok=True)
     try:
         with open(path) as existing:
@@ -112,12 +126,12 @@ def _extensions() -> tuple[list, dict]:
                 self.extensions = []
                 self.distribution.ext_modules = []
 
-    header = generate_config_header()
+    headers = generate_headers()
     extension = CppExtension(
         EXTENSION_NAME,
         SOURCES,
         include_dirs=[GENERATED_DIR],
-        depends=["csrc/kernels.h", "csrc/tile_math.h", "csrc/token_math.h", header],
+        depends=["csrc/tile_math.h", "csrc/token_math.h", *headers],
         extra_compile_args={"cxx": COMPILE_ARGS},
         extra_link_args=LINK_ARGS,
         py_limited_api=True,

@@ -464,14 +464,8 @@ struct Block {
 // The active rows, cut into blocks of at most `block_rows`.
 class RowBlocks {
  public:
-  // `block_rows` as given, or (0) from default_rows(active row count).
-  template <typename Default>
-  RowBlocks(const at::Tensor& active, int64_t block_rows, const Default& default_rows)
-      : rows_(active.nonzero().flatten()) {
-    const int64_t rows = block_rows > 0 ? block_rows : default_rows(rows_.size(0));
-    block_rows_ = std::max<int64_t>(1, std::min(rows, rows_.size(0)));
-  }
-  RowBlocks(const at::Tensor& active, int64_t block_rows) : RowBlocks(active, block_rows, [](int64_t) { return 1; }) {}
+  RowBlocks(const at::Tensor& active, int64_t block_rows)
+      : rows_(active.nonzero().flatten()), block_rows_(std::max<int64_t>(1, std::min(block_rows, rows_.size(0)))) {}
   int64_t count() const { return rows_.size(0); }
   int64_t block_rows() const { return block_rows_; }
 
@@ -773,20 +767,6 @@ struct TokenInputs {
   T entropy_coef;
 };
 
-// Default of linear_surrogate_forward's block_rows: config.block_rows_for on "cpu", whose
-// constants the generated header holds (at most 1024 rows and 640 MiB of logits, 2048
-// rows run as 2 x 1024, 1300 as 2 x 704: a short last block's grad_W GEMM reduces over
-// few rows).
-int64_t default_block_rows(int64_t rows, int64_t vocab, int64_t element_size) {
-  using namespace hadw::config;
-  const int64_t by_budget = kLogitsBufferBytes / std::max<int64_t>(vocab * element_size, 1);
-  const int64_t largest =
-      std::max(kBlockRowsGranule, std::min(kMaxBlockRows, by_budget) / kBlockRowsGranule * kBlockRowsGranule);
-  const int64_t blocks = std::max<int64_t>(1, (rows + largest - 1) / largest);
-  const int64_t even = (rows + blocks - 1) / blocks;
-  return std::max(kBlockRowsGranule, (even + kBlockRowsGranule - 1) / kBlockRowsGranule * kBlockRowsGranule);
-}
-
 template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
     const LinearInputs& in, const at::Tensor& hidden_in, const at::Tensor& weight_in,
@@ -802,8 +782,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
   T* entropy_data = entropy.data_ptr<T>();
   T* grad_bias = data_or_null<T>(outputs.grad_bias);
 
-  const RowBlocks blocks(at::ne(in.labels, ignore_index), block_rows,
-                         [&](int64_t rows) { return default_block_rows(rows, in.vocab, sizeof(T)); });
+  const RowBlocks blocks(at::ne(in.labels, ignore_index), block_rows);
   const int64_t capacity = blocks.block_rows();
   const T scale = static_cast<T>(1.0 / temperature);
   WeightTiles<T> weight_tiles(in);
@@ -971,7 +950,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_su
   const LinearInputs in = prepare_inputs(op, hidden, weight, bias, labels, temperature, kSurrogateTile);
   TORCH_CHECK(kl_estimator >= 0 && kl_estimator < config::kKlCount, op,
               ": kl_estimator must index config.KL_ESTIMATORS, got ", kl_estimator);
-  TORCH_CHECK(block_rows >= 0, op, ": block_rows must be positive (0: the default), got ", block_rows);
+  // The default (0 at the hadw:: op) is config.block_rows_for's, resolved by the backend
+  // in Python (hadw_kernels/backends/cpp_backend.py): one formula.
+  TORCH_CHECK(block_rows > 0, op, ": block_rows must be positive, got ", block_rows);
   const int64_t rows = in.hidden.size(0);
   // Kept alive for the pointers below.
   const at::Tensor old = old_logprobs.has_value() ? per_row(op, "old_logprobs", *old_logprobs, rows, in.compute)

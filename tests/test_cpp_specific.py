@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from hadw_kernels import config
-from hadw_kernels.backends import cpp_backend, cpp_constants
+from hadw_kernels.backends import cpp_backend, cpp_constants, cpp_declarations
+from hadw_kernels.ops import signatures
 
 ROOT = Path(__file__).resolve().parents[1]
 IGNORE = config.IGNORE_INDEX
@@ -95,6 +96,12 @@ def _linear_surrogate_args(rows, hidden, vocab, dtype=torch.float32, *, entropy_
             entropy_coef, True, block_rows)
 
 
+def _linear_surrogate(*args):
+    """The C++ kernel through the routed op: block_rows 0 is resolved to the default
+    there (config.block_rows_for, backends/cpp_backend.py)."""
+    return torch.ops.hadw.linear_surrogate_forward(*args, "cpp")
+
+
 def _outputs(result):
     return result if isinstance(result, tuple) else (result,)
 
@@ -139,32 +146,40 @@ def test_linear_surrogate_does_not_depend_on_thread_count(at_one_and_two_threads
     """9000 columns: 5 tiles of the gradients-in-forward path; block_rows 128: 5 blocks,
     each with clipped rows compacted out of the gradient GEMMs."""
     args = _linear_surrogate_args(600, 32, 9000, entropy_coef=entropy_coef, block_rows=128)
-    _assert_bit_identical(*at_one_and_two_threads(lambda: torch.ops.hadw_cpp.linear_surrogate_forward(*args)))
+    _assert_bit_identical(*at_one_and_two_threads(lambda: _linear_surrogate(*args)))
 
 
 @needs_extension
 def test_block_rows_only_round_differently():
     """The block size changes which rows share a grad_weight GEMM, so only rounding."""
     args = _linear_surrogate_args(300, 16, 3000, block_rows=7)
-    small = torch.ops.hadw_cpp.linear_surrogate_forward(*args)
-    default = torch.ops.hadw_cpp.linear_surrogate_forward(*args[:-1], 0)
+    small = _linear_surrogate(*args)
+    default = _linear_surrogate(*args[:-1], 0)
     for a, b in zip(small, default):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @needs_extension
 def test_default_blocks_are_config_block_rows_for():
-    """The kernel's default blocks follow config.block_rows_for on "cpu" (its constants
-    come from the generated header): 1500 rows, 1285 of them active, run as 2 x 704.
-    Other block sizes round grad_weight differently, so bit-identity pins the choice."""
+    """The default blocks are config.block_rows_for's on "cpu", resolved in Python and
+    passed to the kernel: 1500 rows, 1285 of them active, run as 2 x 704. Other block
+    sizes round grad_weight differently, so bit-identity pins the choice."""
     args = _linear_surrogate_args(1500, 16, 300)
     active = int((args[3] != IGNORE).sum())
     expected = config.block_rows_for(active, 300, 4, "cpu")
     assert expected == 704
-    default = torch.ops.hadw_cpp.linear_surrogate_forward(*args)
-    _assert_bit_identical(default, torch.ops.hadw_cpp.linear_surrogate_forward(*args[:-1], expected))
-    largest = torch.ops.hadw_cpp.linear_surrogate_forward(*args[:-1], config.MAX_BLOCK_ROWS["cpu"])
+    default = _linear_surrogate(*args)
+    _assert_bit_identical(default, _linear_surrogate(*args[:-1], expected))
+    largest = _linear_surrogate(*args[:-1], config.MAX_BLOCK_ROWS["cpu"])
     assert not torch.equal(default[3], largest[3])
+
+
+@needs_extension
+def test_the_kernel_takes_its_blocks_from_python():
+    """The C++ kernel has no default of its own (one formula, in config.py)."""
+    with pytest.raises(RuntimeError, match="block_rows must be positive, got 0"):
+        torch.ops.hadw_cpp.linear_surrogate_forward(*_linear_surrogate_args(30, 16, 300))
+
 
 # --- the shared logits buffer -----------------------------------------------------------------
 
@@ -175,12 +190,12 @@ def test_concurrent_calls_give_the_serial_results():
     finds it lent takes its own."""
     cases = [_linear_surrogate_args(200, 16, 5000 + 500 * index, entropy_coef=0.01 * (index % 2))
              for index in range(4)]
-    serial = [torch.ops.hadw_cpp.linear_surrogate_forward(*args) for args in cases]
+    serial = [_linear_surrogate(*args) for args in cases]
     concurrent = [None] * len(cases)
 
     def run(index):
         for _ in range(3):
-            concurrent[index] = torch.ops.hadw_cpp.linear_surrogate_forward(*cases[index])
+            concurrent[index] = _linear_surrogate(*cases[index])
 
     workers = [threading.Thread(target=run, args=(index,)) for index in range(len(cases))]
     for worker in workers:
@@ -216,7 +231,7 @@ def test_kept_gradient_memory_is_rewritten_whole(nothing_active):
     args = list(_linear_surrogate_args(60, 16, 700, options=not nothing_active))
     if nothing_active:
         args[5] = torch.zeros_like(args[5])  # zero advantages, no KL, no entropy term
-    result = _rewrites_a_stale_block(lambda: torch.ops.hadw_cpp.linear_surrogate_forward(*args), 3)
+    result = _rewrites_a_stale_block(lambda: _linear_surrogate(*args), 3)
     if nothing_active:
         assert not result[3].any()
 
@@ -233,9 +248,9 @@ def test_profiler_sees_the_kept_gradient_live():
     """The profiler's memory view counts grad_weight while it lives, as it would a tensor
     of the CPU allocator's, though its memory was kept from an earlier call."""
     args = _linear_surrogate_args(60, 16, 700)
-    torch.ops.hadw_cpp.linear_surrogate_forward(*args)  # a block of this size is kept
+    _linear_surrogate(*args)  # a block of this size is kept
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
-        grad_weight = torch.ops.hadw_cpp.linear_surrogate_forward(*args)[3]
+        grad_weight = _linear_surrogate(*args)[3]
         del grad_weight
     sizes = [event.nbytes() for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
     nbytes = 700 * 16 * 4
@@ -304,7 +319,7 @@ def test_strided_hidden_gets_a_gradient_of_its_layout():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     args = list(_linear_surrogate_args(30, 16, 300))
     args[0] = args[0].t().contiguous().t()
-    assert torch.ops.hadw_cpp.linear_surrogate_forward(*args)[2].stride() == args[0].stride()
+    assert _linear_surrogate(*args)[2].stride() == args[0].stride()
 
 
 @needs_extension
@@ -321,7 +336,7 @@ def test_a_tile_of_minus_infinity_logits():
     valid = labels != IGNORE
     torch.testing.assert_close(logprobs[valid], reference[valid])
     rows = torch.ones(40)
-    result = torch.ops.hadw_cpp.linear_surrogate_forward(h, w, bias, labels, None, rows, rows / 40, None, None, 1.0,
+    result = _linear_surrogate(h, w, bias, labels, None, rows, rows / 40, None, None, 1.0,
                                                          IGNORE, 0.2, 0.2, None, 0.0, 0, 0.0, True, 16)
     torch.testing.assert_close(result[0][valid], reference[valid])
     assert torch.isfinite(result[2]).all() and torch.isfinite(result[3]).all()
@@ -406,17 +421,30 @@ def test_generated_header_holds_config_values():
     assert constants["kLogRatioClamp"] == config.LOG_RATIO_CLAMP
     assert constants["kK3LogRatioClamp"] == config.K3_LOG_RATIO_CLAMP
     assert constants["kK3ValueClamp"] == config.K3_VALUE_CLAMP
-    assert constants["kLogitsBufferBytes"] == config.LOGITS_BUFFER_BYTES["cpu"]
-    assert constants["kMaxBlockRows"] == config.MAX_BLOCK_ROWS["cpu"]
-    assert constants["kBlockRowsGranule"] == config.BLOCK_ROWS_GRANULE["cpu"]
 
 
-def test_header_in_the_build_tree_is_current():
-    """setup.py's header (where this checkout was built) is the one config.py gives now."""
-    built = ROOT / "build" / "generated" / cpp_constants.HEADER_NAME
+@pytest.mark.parametrize("generator", [cpp_constants, cpp_declarations], ids=["constants", "declarations"])
+def test_headers_in_the_build_tree_are_current(generator):
+    """setup.py's headers (where this checkout was built) are the ones config.py and the
+    ops' signatures give now."""
+    built = ROOT / "build" / "generated" / generator.HEADER_NAME
     if not built.exists():
         pytest.skip("the extension was not built in this checkout")
-    assert built.read_text() == cpp_constants.header(vars(config))
+    source = vars(config) if generator is cpp_constants else signatures.SIGNATURES
+    assert built.read_text() == generator.header(source)
+
+
+def test_declarations_follow_the_schemas():
+    """Each kernel's generated declaration takes the schema's arguments, in its order,
+    with the C++ type of each schema type."""
+    text = cpp_declarations.header(signatures.SIGNATURES)
+    for op, (arguments, _) in signatures.SIGNATURES.items():
+        declared = text.split(f" {op}_cpu(", 1)[1].split(");", 1)[0]
+        names = [part.split()[-1] for part in declared.split(",")]
+        assert names == [name for _, name in cpp_declarations.parse(arguments)], op
+    assert "const std::optional<at::Tensor>& rewards" in text and "std::optional<double> dual_clip" in text
+    with pytest.raises(ValueError, match=r"no C\+\+ type for the schema type 'str'"):
+        cpp_declarations.parse("(Tensor a, str backend)")
 
 
 @needs_extension

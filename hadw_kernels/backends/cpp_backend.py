@@ -17,6 +17,7 @@ import json
 import torch
 
 from .. import config, ops
+from ..precision import accumulate_dtype
 from .cpp_constants import fingerprint
 from .kernel_backend import KernelBackend
 
@@ -49,6 +50,25 @@ def _load_extension() -> str | None:
     return None
 
 
+def _with_default_blocks(kernel):
+    """The C++ linear surrogate, its default blocks (``block_rows`` 0) resolved here by
+    ``config.block_rows_for`` on the CPU, the one formula every backend uses: over the
+    active rows, with the kernel's buffer in its compute type. Inside the op, so a
+    compiled graph does not see the count of active rows."""
+    names = [name for name in ops.argument_names("linear_surrogate_forward") if name != "backend"]
+
+    def linear_surrogate_forward(*arguments):
+        named = dict(zip(names, arguments))
+        if named["block_rows"] == 0:
+            hidden, labels = named["hidden"], named["labels"]
+            buffer_element = torch.empty((), dtype=accumulate_dtype(hidden.dtype)).element_size()
+            active = int((labels != named["ignore_index"]).sum())
+            named["block_rows"] = config.block_rows_for(active, named["weight"].shape[0], buffer_element, "cpu")
+        return kernel(*named.values())
+
+    return linear_surrogate_forward
+
+
 def _has_cpu_kernel(op: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"{ops.KERNEL_LIBRARY}::{op}", "CPU")
 
@@ -60,6 +80,9 @@ if _UNAVAILABLE is not None:
 else:
     for _op in ops.OPS:
         if _has_cpu_kernel(_op):
-            ops.register_kernel(_op, NAME, "cpu", getattr(torch.ops.hadw_cpp, _op))
+            _kernel = getattr(torch.ops.hadw_cpp, _op)
+            if _op == "linear_surrogate_forward":
+                _kernel = _with_default_blocks(_kernel)
+            ops.register_kernel(_op, NAME, "cpu", _kernel)
 
 BACKEND = KernelBackend(NAME)

@@ -2,7 +2,7 @@
 
 setup.py runs this file (with ``runpy``, before the package is importable) to write
 ``build/generated/hadw_config.h``; the kernels include it, so the metric order, the
-option codes, the clamps and the CPU's block sizes exist only in ``config.py``. The
+option codes and the clamps exist only in ``config.py``. The
 header also holds the same values as a JSON string, which the compiled module exposes as ``CONFIG``: the "cpp"
 backend compares it with the running ``config.py`` and refuses a stale build.
 
@@ -36,9 +36,6 @@ def constants(config) -> dict:
         "log_ratio_clamp": float(config["LOG_RATIO_CLAMP"]),
         "k3_log_ratio_clamp": float(config["K3_LOG_RATIO_CLAMP"]),
         "k3_value_clamp": float(config["K3_VALUE_CLAMP"]),
-        "logits_buffer_bytes": int(config["LOGITS_BUFFER_BYTES"]["cpu"]),
-        "max_block_rows": int(config["MAX_BLOCK_ROWS"]["cpu"]),
-        "block_rows_granule": int(config["BLOCK_ROWS_GRANULE"]["cpu"]),
     }
 
 
@@ -77,9 +74,6 @@ def header(config) -> str:
     lines.append("")
     for key in ("log_ratio_clamp", "k3_log_ratio_clamp", "k3_value_clamp"):
         lines.append(f"constexpr double k{_identifier(key)} = {values[key]!r};")
-    lines.append("// The CPU's default blocks of the linear loss (config.block_rows_for).")
-    for key in ("logits_buffer_bytes", "max_block_rows", "block_rows_granule"):
-        lines.append(f"constexpr int64_t k{_identifier(key)} = {values[key]};")
     fingerprint = json.dumps(values, sort_keys=True)
     lines += [
         "",

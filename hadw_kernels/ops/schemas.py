@@ -10,8 +10,9 @@
 Each public op takes a trailing ``backend`` argument and is routed by the dispatcher's
 device key to that backend's kernel for the tensors' device (``routing``). The C++
 extension registers its CPU kernels for the same schemas in the ``hadw_cpp`` namespace,
-without the ``backend`` argument. Arguments are passed by name through
-:func:`call`, so no caller depends on their order.
+without the ``backend`` argument (its C++ declarations are generated from the same
+``signatures.SIGNATURES``). Arguments are passed by name through :func:`call`, so no
+caller depends on their order.
 """
 
 from __future__ import annotations
@@ -20,39 +21,11 @@ import torch
 
 from ..config import METRIC_NAMES
 from ..precision import accumulate_dtype
+from .signatures import OPS, SIGNATURES
 
 LIBRARY = "hadw"
 KERNEL_LIBRARY = "hadw_cpp"
 
-_PER_TOKEN_OPTIONS = (
-    "float epsilon_low, float epsilon_high, float? dual_clip, float beta, int kl_estimator, float entropy_coef"
-)
-SIGNATURES = {
-    "surrogate_loss": (
-        "(Tensor logprobs, Tensor old_logprobs, Tensor response_mask, Tensor? rewards, Tensor? advantages, "
-        "Tensor? anchor, Tensor? ref_logprobs, Tensor? importance_weights, Tensor? entropy, int? group_size, "
-        "bool normalize_std, float std_eps, float lambda_scale, int loss_agg_mode, bool sequence_level, "
-        f"{_PER_TOKEN_OPTIONS}, float? loss_normalizer, int? max_response_length)",
-        "(Tensor loss, Tensor grad_logprobs, Tensor grad_entropy, Tensor metrics)",
-    ),
-    "linear_logprob_forward": (
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, float temperature, int ignore_index, "
-        "bool with_entropy)",
-        "(Tensor logprobs, Tensor entropy, Tensor lse, Tensor mean_logit)",
-    ),
-    "linear_logprob_backward": (
-        "(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, "
-        "Tensor lse, Tensor mean_logit, float temperature, int ignore_index)",
-        "(Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)",
-    ),
-    "linear_surrogate_forward": (
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor? old_logprobs, Tensor advantages, "
-        "Tensor agg_weights, Tensor? ref_logprobs, Tensor? importance_weights, float temperature, "
-        f"int ignore_index, {_PER_TOKEN_OPTIONS}, bool with_entropy, int block_rows)",
-        "(Tensor logprobs, Tensor entropy, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)",
-    ),
-}
-OPS = tuple(SIGNATURES)
 
 
 def _with_backend(arguments: str) -> str:

@@ -118,10 +118,13 @@ def loss_kwargs(batch: dict, loss_type: str, variant: Variant) -> dict:
             kwargs[name] = batch[name]
     if "rewards" in kwargs:
         kwargs["group_size"] = GROUP_SIZE
-    # The losses' required positions: None is on-policy, and goes with advantages=.
-    kwargs.setdefault("old_logprobs", None)
-    kwargs.setdefault("rewards", None)
     return kwargs
+
+
+def with_required(kwargs: dict) -> dict:
+    """A call's keywords with the losses' required positions filled: None is on-policy,
+    and goes with advantages=."""
+    return {"old_logprobs": None, "rewards": None, **kwargs}
 
 
 def cast(kwargs: dict, dtype: torch.dtype, device: torch.device) -> dict:
@@ -158,7 +161,8 @@ def run_surrogate(backend: str, logprobs, response_mask, kwargs) -> Outputs:
     """The public loss from log-probs: loss, d loss / d logprobs (upstream 0.7), metrics."""
     logprobs = logprobs.detach().requires_grad_()
     loss, metrics = fused_hadw_grpo_loss(
-        logprobs, response_mask=response_mask, return_metrics=True, backend=backend, check_values=False, **kwargs
+        logprobs, response_mask=response_mask, return_metrics=True, backend=backend, check_values=False,
+        **with_required(kwargs)
     )
     (loss * UPSTREAM).backward()
     return Outputs({"loss": loss.detach(), "grad_logprobs": logprobs.grad}, metrics)
@@ -238,7 +242,7 @@ def run_linear_loss(backend: str, hidden_states, lm_head_weight, labels, respons
     loss, metrics = fused_linear_hadw_grpo_loss(
         leaves[0], leaves[1], labels, response_mask=response_mask, lm_head_bias=leaves[2] if lm_head_bias is not None
         else None, return_metrics=True, backend=backend, linear_path=linear_path, block_rows=BLOCK_ROWS, check_values=False,
-        **kwargs,
+        **with_required(kwargs),
     )
     (loss if upstream == 1 else loss * upstream).backward()
     values = {"loss": loss.detach(), "grad_hidden": leaves[0].grad, "grad_weight": leaves[1].grad}

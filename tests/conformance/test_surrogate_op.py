@@ -15,6 +15,7 @@ from cases import (
     run_surrogate,
     run_surrogate_op_with_entropy,
     surrogate_batch,
+    with_required,
 )
 from check import assert_conforms
 from hadw_kernels import LOSS_TYPES, fused_hadw_grpo_loss
@@ -79,7 +80,7 @@ def test_a_retained_graph_gives_the_same_gradient_again(backend, device):
     batch = surrogate_batch(5)
     kwargs = cast(loss_kwargs(batch, "grpo", Variant("hadw", {"anchor": 0.4})), torch.float32, device)
     logprobs = batch["logprobs"].float().to(device).requires_grad_()
-    loss = fused_hadw_grpo_loss(logprobs, response_mask=batch["response_mask"].to(device), backend=backend, **kwargs)
+    loss = fused_hadw_grpo_loss(logprobs, response_mask=batch["response_mask"].to(device), backend=backend, **with_required(kwargs))
     (first,) = torch.autograd.grad(loss, logprobs, retain_graph=True)
     (second,) = torch.autograd.grad(loss * 2, logprobs)
     torch.testing.assert_close(second, 2 * first, rtol=0, atol=0)
