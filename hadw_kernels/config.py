@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 @dataclass(frozen=True)
 class Aggregation:
@@ -206,7 +207,7 @@ class LossConfig:
     def build(
         cls,
         loss_type: str,
-        group_size: int | None,
+        group_size: int | None = None,
         *,
         normalize_std: bool | None = None,
         loss_agg_mode: str | None = None,
@@ -302,3 +303,26 @@ class LossConfig:
             kl_estimator=KL_ESTIMATORS.index(self.kl_estimator),
             entropy_coef=float(self.entropy_coef),
         )
+
+
+class LossOptions(TypedDict, total=False):
+    """The loss's options as keywords of the two losses (their ``**options``):
+    ``loss_type`` (default "grpo") and the fields of :class:`LossConfig`. Left out or
+    None: the preset's value, or LossConfig's default; ``entropy_coef`` is the linear
+    loss's only."""
+
+    loss_type: str | None
+    group_size: int | None
+    normalize_std: bool | None
+    loss_agg_mode: str | None
+    sequence_level: bool | None
+    epsilon_low: float | None
+    epsilon_high: float | None
+    std_eps: float | None
+    lambda_scale: float | None
+    beta: float | None
+    kl_estimator: str | None
+    dual_clip: float | None
+    entropy_coef: float | None
+    loss_normalizer: float | None
+    max_response_length: int | None

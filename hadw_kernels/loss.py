@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
 
 from .backends import check_backend_name, resolve_backend
-from .config import IGNORE_INDEX, METRIC_NAMES, LossConfig, check_block_rows, check_linear_path
+from .config import IGNORE_INDEX, METRIC_NAMES, LossConfig, LossOptions, check_block_rows, check_linear_path
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
 from .reference.surrogate import agg_weights, group_metrics, weighted_advantages
@@ -22,6 +22,9 @@ from .validation import (
     check_temperature,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 Metrics = dict[str, torch.Tensor]
 
 
@@ -32,35 +35,22 @@ def fused_hadw_grpo_loss(
     response_mask: torch.Tensor,
     *,
     config: LossConfig | None = None,
-    group_size: int | None = None,
     advantages: torch.Tensor | None = None,
     group_index: torch.Tensor | None = None,
-    loss_type: str | None = None,
-    loss_agg_mode: str | None = None,
-    normalize_std: bool | None = None,
-    std_eps: float | None = None,
-    sequence_level: bool | None = None,
     anchor: float | torch.Tensor | None = None,
-    lambda_scale: float | None = None,
-    epsilon_low: float | None = None,
-    epsilon_high: float | None = None,
-    beta: float | None = None,
-    kl_estimator: str | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    dual_clip: float | None = None,
     importance_weights: torch.Tensor | None = None,
-    loss_normalizer: float | None = None,
-    max_response_length: int | None = None,
     return_metrics: bool = False,
     backend: str = "auto",
     check_values: bool = True,
+    **options: Unpack[LossOptions],
 ) -> torch.Tensor | tuple[torch.Tensor, Metrics]:
     """The group-relative clipped surrogate with HA-DW, from per-token log-probs.
 
     The loss's options come either from ``config`` (a :class:`LossConfig`, e.g.
     ``LossConfig.build("dapo", group_size=8, beta=0.04)``, built once) or from the
-    keywords ``loss_type`` to ``max_response_length`` (None: the preset's or the
-    default), never both.
+    keywords of :class:`LossOptions` (``loss_type``, ``group_size``, ... below; None or
+    left out: the preset's value or the default), never both.
 
     Args:
         logprobs: [B, T] log-probs of the sampled tokens under the current policy.
@@ -111,7 +101,7 @@ def fused_hadw_grpo_loss(
     An empty batch (B = 0, or no response token) gives a loss of exactly 0 with zero
     metrics and zero gradients.
     """
-    config = _call_config(locals())
+    config = _call_config(config, options, backend, linear=False)
     check_values = _checks_run(check_values)
     check_surrogate_inputs(
         logprobs, old_logprobs, response_mask, config, rewards=rewards, advantages=advantages,
@@ -143,34 +133,20 @@ def fused_linear_hadw_grpo_loss(
     response_mask: torch.Tensor,
     *,
     config: LossConfig | None = None,
-    group_size: int | None = None,
+    lm_head_bias: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     group_index: torch.Tensor | None = None,
-    loss_type: str | None = None,
-    loss_agg_mode: str | None = None,
-    normalize_std: bool | None = None,
-    std_eps: float | None = None,
-    sequence_level: bool | None = None,
     anchor: float | torch.Tensor | None = None,
-    lambda_scale: float | None = None,
-    epsilon_low: float | None = None,
-    epsilon_high: float | None = None,
-    temperature: float = 1.0,
-    lm_head_bias: torch.Tensor | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    entropy_coef: float | None = None,
-    beta: float | None = None,
-    kl_estimator: str | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    dual_clip: float | None = None,
     importance_weights: torch.Tensor | None = None,
-    loss_normalizer: float | None = None,
-    max_response_length: int | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = IGNORE_INDEX,
     block_rows: int | None = None,
     linear_path: str = "auto",
     return_metrics: bool = False,
     backend: str = "auto",
     check_values: bool = True,
+    **options: Unpack[LossOptions],
 ) -> torch.Tensor | tuple[torch.Tensor, Metrics]:
     """The same loss from hidden states [B, T, H] and the LM head [V, H].
 
@@ -188,7 +164,7 @@ def fused_linear_hadw_grpo_loss(
     are held at once, a [block_rows, V] buffer (default: per backend and device,
     docs/fused-linear-logprob.md). Other arguments as in :func:`fused_hadw_grpo_loss`.
     """
-    config = _call_config(locals())
+    config = _call_config(config, options, backend, linear=True)
     _check_linear_options(linear_path=linear_path, block_rows=block_rows, temperature=temperature)
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature, response_mask)
     check_batch_inputs(
@@ -227,20 +203,18 @@ def fused_linear_hadw_grpo_loss(
     return (loss, metrics) if return_metrics else loss
 
 
-# The options a LossConfig holds, each a keyword of the losses (entropy_coef: the linear one's).
-_CONFIG_OPTIONS = tuple(field.name for field in dataclasses.fields(LossConfig))
-
-
-def _call_config(arguments: dict) -> LossConfig:
-    """The LossConfig of a call (``arguments``: its parameters by name): ``config`` as
-    given, or the preset of ``loss_type`` with the option keywords given (not None)
-    overriding it; and the backend's name checked."""
-    check_backend_name(arguments["backend"])
-    config = arguments["config"]
-    given = sorted(name for name in ("loss_type", *_CONFIG_OPTIONS) if arguments.get(name) is not None)
+def _call_config(config: LossConfig | None, options: dict, backend: str, *, linear: bool) -> LossConfig:
+    """The LossConfig of a call: ``config`` as given, or the preset of ``loss_type`` with
+    the option keywords given (not None) overriding it; and the backend's name checked."""
+    check_backend_name(backend)
+    unknown = sorted(set(options) - set(LossOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"unknown options {unknown}; the loss's options are {sorted(LossOptions.__annotations__)}")
+    if not linear and options.get("entropy_coef") is not None:
+        raise TypeError("entropy_coef needs the entropy of the token distribution: use fused_linear_hadw_grpo_loss")
+    given = sorted(name for name, value in options.items() if value is not None)
     if config is None:
-        options = {name: arguments[name] for name in _CONFIG_OPTIONS if name in arguments}
-        return LossConfig.build(arguments["loss_type"] or "grpo", **options)
+        return LossConfig.build(options.pop("loss_type", None) or "grpo", **options)
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a LossConfig (LossConfig.build(loss_type, ...)), got {type(config).__name__}")
     if given:
@@ -255,15 +229,29 @@ def _check_linear_options(*, linear_path, block_rows, temperature) -> None:
     check_temperature(temperature)
 
 
+def call_options(function) -> set[str]:
+    """Every keyword option of ``function`` (one of the two losses): its keyword-only
+    parameters and the loss's options (:class:`LossOptions`)."""
+    parameters = inspect.signature(function).parameters
+    named = {name for name, parameter in parameters.items() if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+    loss_options = set(LossOptions.__annotations__)
+    if function is not fused_linear_hadw_grpo_loss:
+        loss_options.discard("entropy_coef")
+    return named | loss_options
+
+
 def check_options(function, **options) -> None:
     """Every check of ``function``'s (one of the two losses) options that needs no
     tensor, with its defaults for the options not given: the checks a call runs first,
     run here without one (the modules call it when they are built)."""
-    values = {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()
-              if parameter.default is not inspect.Parameter.empty}
-    values.update(options)
-    _call_config(values)
-    if function is fused_linear_hadw_grpo_loss:
+    parameters = inspect.signature(function).parameters
+    values = {name: parameter.default for name, parameter in parameters.items()
+              if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+    values.update((name, value) for name, value in options.items() if name in values)
+    loss_options = {name: value for name, value in options.items() if name not in values}
+    linear = function is fused_linear_hadw_grpo_loss
+    _call_config(values["config"], loss_options, values["backend"], linear=linear)
+    if linear:
         _check_linear_options(**{name: values[name] for name in ("linear_path", "block_rows", "temperature")})
 
 

@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from .loss import check_options, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from .loss import call_options, check_options, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
 
 
 def _per_call(function) -> set[str]:
@@ -22,7 +22,7 @@ class _HeldOptions(torch.nn.Module):
 
     def __init__(self, **options) -> None:
         super().__init__()
-        accepted = set(inspect.signature(type(self)._function).parameters) - _per_call(type(self)._function)
+        accepted = call_options(type(self)._function) - _per_call(type(self)._function)
         unknown = set(options) - accepted
         if unknown:
             raise TypeError(f"{type(self).__name__}: unknown options {sorted(unknown)}; expected some of {sorted(accepted)}")

@@ -118,3 +118,26 @@ def test_linear_loss_checks_the_batch_against_the_hidden_states():
         _linear(dict(data, old=data["old"][:, :4]), group_size=2)
     with pytest.raises(ValueError, match="all tensors must be on one device"):
         _linear(dict(data, rewards=data["rewards"].to("meta")), group_size=2)
+
+
+def test_the_option_keywords_are_the_config_fields():
+    import dataclasses
+
+    from hadw_kernels.config import LossOptions
+
+    assert set(LossOptions.__annotations__) == {"loss_type"} | {f.name for f in dataclasses.fields(LossConfig)}
+
+
+def test_an_unknown_option_keyword_is_refused():
+    with pytest.raises(TypeError, match=r"unknown options \['loss_typ'\]"):
+        _surrogate(_batch(), loss_typ="dapo", group_size=2)
+    with pytest.raises(TypeError, match=r"unknown options \['block_row'\]"):
+        LinearHADWGRPOLoss(block_row=64)
+
+
+def test_the_entropy_bonus_is_the_linear_loss_s_only():
+    with pytest.raises(TypeError, match="entropy_coef needs the entropy"):
+        _surrogate(_batch(), group_size=2, entropy_coef=0.01)
+    with pytest.raises(TypeError, match="unknown options"):
+        HADWGRPOLoss(entropy_coef=0.01)
+    LinearHADWGRPOLoss(entropy_coef=0.01)

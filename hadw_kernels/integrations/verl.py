@@ -293,42 +293,41 @@ def _fused_policy_loss(
     }
 
 
-@register_policy_loss(TOKEN_LEVEL_LOSS)
-def compute_policy_loss_hadw(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config=None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl's ``vanilla`` PPO loss (token ratio, clip_ratio_low/high, dual clip at
+def _policy_loss(name: str, sequence_level: bool, default_agg_mode: str, doc: str):
+    """A verl policy loss with verl's signature (``get_policy_loss_fn``'s), by the fused
+    surrogate at token or sequence level."""
+
+    def policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = default_agg_mode,
+        config=None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        return _fused_policy_loss(
+            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+            sequence_level=sequence_level,
+        )
+
+    policy_loss.__name__ = policy_loss.__qualname__ = name
+    policy_loss.__doc__ = doc
+    return policy_loss
+
+
+compute_policy_loss_hadw = register_policy_loss(TOKEN_LEVEL_LOSS)(_policy_loss(
+    "compute_policy_loss_hadw", sequence_level=False, default_agg_mode="token-mean",
+    doc="""verl's ``vanilla`` PPO loss (token ratio, clip_ratio_low/high, dual clip at
     clip_ratio_c, rollout_is_weights, loss_agg_mode, global_batch_info) by the fused
-    surrogate. ``advantages`` must be constant over each response's valid tokens."""
-    return _fused_policy_loss(
-        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-        sequence_level=False,
-    )
-
-
-@register_policy_loss(SEQUENCE_LEVEL_LOSS)
-def compute_policy_loss_hadw_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config=None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl's ``gspo`` loss (one ratio per response from its mean log-ratio, carried by
+    surrogate. ``advantages`` must be constant over each response's valid tokens.""",
+))
+compute_policy_loss_hadw_gspo = register_policy_loss(SEQUENCE_LEVEL_LOSS)(_policy_loss(
+    "compute_policy_loss_hadw_gspo", sequence_level=True, default_agg_mode="seq-mean-token-mean",
+    doc="""verl's ``gspo`` loss (one ratio per response from its mean log-ratio, carried by
     each token; no dual clip) by the fused surrogate. ``rollout_is_weights`` must be
-    constant over each response's valid tokens (``rollout_is="sequence"``)."""
-    return _fused_policy_loss(
-        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-        sequence_level=True,
-    )
+    constant over each response's valid tokens (``rollout_is="sequence"``).""",
+))
 
 
 def resume_folder(trainer_config: Mapping) -> str | None:
