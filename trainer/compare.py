@@ -17,10 +17,12 @@ up where it stopped. The PNG (``<name>/comparison.png`` unless ``--plot``) shows
 task has a held-out set (eval.every > 0), the held-out greedy accuracy of each level
 (otherwise the training accuracy per level): the mean over seeds with the min-max band.
 
-HA-DW multiplies every advantage by Phi, whose mean is above 1, so it also takes larger
-steps. "GRPO (lr x mean Phi)" separates that from the reweighting: GRPO at the learning
-rate times HA-DW's mean Phi, by default the mean of ``phi_mean`` over the steps and seeds
-of this call's "GRPO+HA-DW (kalman)" runs (which then run first), or ``--lr-scale``.
+"GRPO (lr x mean Phi)" is GRPO at the learning rate times HA-DW's mean Phi: by default the
+mean of ``phi_mean`` over the steps and seeds of this call's "GRPO+HA-DW (kalman)" runs
+(which then run first), or ``--lr-scale``. HA-DW multiplies every advantage by Phi, whose
+mean is above 1; under AdamW that constant part cancels in the update, so this variant
+takes a larger step than HA-DW does and measures the task's sensitivity to the learning
+rate (docs/trainer.md).
 """
 
 from __future__ import annotations
