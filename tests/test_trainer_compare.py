@@ -11,12 +11,14 @@ pytest.importorskip("matplotlib", reason="the trainer extra is not installed (sc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer.compare import VARIANTS, results_table, run_name  # noqa: E402
+from trainer.compare import LR_SCALED, VARIANTS, collapsed, main, mean_phi, results_table, run_name  # noqa: E402
 from trainer.plotting import plot_comparison  # noqa: E402
 
 
-def _seed(start, end, reward):
-    metrics = [{"step": s, "reward/mean": reward, "time/step": 30.0} for s in range(1, 11)]
+def _seed(start, end, reward, entropy=0.3, lr=1e-3):
+    metrics = [{"step": s, "reward/mean": reward, "acc/copy": reward + 0.1, "acc/add": None if s == 10 else s / 10,
+                "entropy_mean": entropy, "phi_mean": 1.2 + s / 100, "lr": lr, "time/step": 30.0}
+               for s in range(1, 11)]
     evaluations = [{"step": s, "eval/easy": start + (end - start) * s / 10, "eval/hard": start / 2,
                     "eval/mean": start, "time/eval": 60.0} for s in (0, 5, 10)]
     return {"metrics": metrics, "eval": evaluations}
@@ -25,14 +27,58 @@ def _seed(start, end, reward):
 def test_table_and_plot_of_three_variants(tmp_path):
     runs = {label: [_seed(0.5, 0.7 + 0.1 * i, 0.2 * (i + 1)), _seed(0.5, 0.9, 0.4)] for i, label in enumerate(VARIANTS)}
     table = results_table(runs, steps=10).splitlines()
-    assert table[0] == ("| variant | held-out easy: start -> end | held-out hard: start -> end | "
-                        "held-out mean: start -> end | train reward, last 2 steps | minutes a run |")
-    assert table[2] == "| GRPO | 0.50 -> 0.80 (0.70, 0.90) | 0.25 -> 0.25 (0.25, 0.25) | 0.50 -> 0.50 (0.50, 0.50) | 0.300 (0.200, 0.400) | 8.0 |"
+    assert table[0] == ("| variant | learning rate | held-out easy: start -> end | held-out hard: start -> end | "
+                        "held-out mean: start -> end | train reward, last 2 steps | train copy | train add | entropy | "
+                        "collapsed (entropy < 0.2, reward < 0.5) | minutes a run |")
+    # acc/add over the last 2 steps: step 9's 0.9 (step 10 drew no add prompt, logged None)
+    assert table[2] == ("| GRPO | 0.001 | 0.50 -> 0.80 (0.70, 0.90) | 0.25 -> 0.25 (0.25, 0.25) | 0.50 -> 0.50 (0.50, 0.50) "
+                        "| 0.300 ± 0.141 (0.20-0.40) | 0.400 ± 0.141 (0.30-0.50) | 0.900 ± 0.000 (0.90-0.90) "
+                        "| 0.300 ± 0.000 (0.30-0.30) | 0 of 2 | 8.0 |")
     assert len(table) == 2 + len(VARIANTS)
     plot_comparison(runs, tmp_path / "comparison.png", "test")
     assert (tmp_path / "comparison.png").stat().st_size > 10_000
 
 
+def test_collapse_needs_both_low_entropy_and_low_reward_over_the_last_fifth():
+    assert collapsed(_seed(0.5, 0.5, reward=0.45, entropy=0.1)["metrics"], steps=10)
+    assert not collapsed(_seed(0.5, 0.5, reward=0.8, entropy=0.1)["metrics"], steps=10)  # sure and right
+    assert not collapsed(_seed(0.5, 0.5, reward=0.45, entropy=0.5)["metrics"], steps=10)  # still exploring
+    rows = _seed(0.5, 0.5, reward=0.45, entropy=0.1)["metrics"]
+    for row in rows[:8]:
+        row["entropy_mean"] = 2.0  # only the last 2 of 10 steps count
+    assert collapsed(rows, steps=10)
+    rows[-1]["entropy_mean"] = 0.5
+    assert not collapsed(rows, steps=10)  # window mean 0.3
+
+
+def test_collapses_are_counted_per_variant():
+    runs = {"GRPO": [_seed(0.5, 0.5, 0.7), _seed(0.5, 0.5, 0.7)],
+            "HA-DW": [_seed(0.5, 0.5, 0.7), _seed(0.5, 0.5, 0.4, entropy=0.1), _seed(0.5, 0.5, 0.45, entropy=0.15)]}
+    table = results_table(runs, steps=10).splitlines()
+    assert [line.split(" | ")[-2] for line in table[2:]] == ["0 of 2", "2 of 3"]
+
+
+def test_mean_phi_is_over_every_step_then_the_seeds():
+    seeds = [_seed(0.5, 0.5, 0.5), _seed(0.5, 0.5, 0.5)]
+    seeds[1]["metrics"] = [{**row, "phi_mean": 1.4} for row in seeds[1]["metrics"]]
+    seeds[1]["metrics"][0].pop("phi_mean")  # a skipped update logs no Phi
+    assert mean_phi(seeds) == pytest.approx(((1.2 + 0.055) + 1.4) / 2)
+
+
+def test_scaled_variant_is_not_reused_at_another_learning_rate(tmp_path):
+    run_dir = tmp_path / "compare" / run_name("compare", LR_SCALED, 0).split("/", 1)[1]
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("train:\n  learning_rate: 0.0013\n")
+    with pytest.raises(SystemExit, match="ran at learning rate 0.0013, this call asks for 0.0012"):
+        main(["--variants", LR_SCALED, "--lr-scale", "1.2", "--seeds", "0", "--set", f"run.output_dir={tmp_path}"])
+
+
+def test_scaled_variant_needs_a_factor_or_the_kalman_runs():
+    with pytest.raises(SystemExit):
+        main(["--variants", LR_SCALED, "--seeds", "0"])
+
+
 def test_run_names_are_plain_paths():
     assert [run_name("compare", label, 1) for label in VARIANTS] == [
-        "compare/grpo-seed1", "compare/grpo-ha-dw-kalman-seed1", "compare/grpo-ha-dw-authors-seed1"]
+        "compare/grpo-seed1", "compare/grpo-lr-x-mean-phi-seed1", "compare/grpo-ha-dw-kalman-seed1",
+        "compare/grpo-ha-dw-authors-seed1"]
