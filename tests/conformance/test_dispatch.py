@@ -146,3 +146,17 @@ def test_loss_compiles_with_torch_compile(backend, device):
     (grad_eager,) = torch.autograd.grad(eager, logprobs)
     (grad_compiled,) = torch.autograd.grad(compiled, logprobs)
     torch.testing.assert_close(grad_compiled, grad_eager)
+
+
+def test_triton_launchers_take_the_schema_arguments_in_order():
+    """The Triton kernels are called positionally in the schema's order (ops/routing.py):
+    each launcher's parameters are the op's arguments, by name, so a signature change in
+    ops/signatures.py that the launcher does not follow fails here, not as a wrong
+    argument bound at run time. (The C++ declarations are generated from the same
+    signatures.)"""
+    triton_backend = pytest.importorskip("hadw_kernels.backends.triton_backend", exc_type=ImportError)
+    from hadw_kernels.ops import argument_names
+
+    for op, launcher in triton_backend._IMPLEMENTATIONS.items():
+        expected = [name for name in argument_names(op) if name != "backend"]
+        assert list(inspect.signature(launcher).parameters) == expected, op
