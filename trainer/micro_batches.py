@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hadw_kernels.config import AGGREGATIONS
+
 
 def padded_tokens(rows: Sequence[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int]) -> int:
     """Tokens of the rows as fed to the model: every row padded to the widest prompt and
@@ -82,13 +84,17 @@ def loss_normalizer(loss_agg_mode: str, *, batch_tokens: float, mini_batches: in
                     world_size: int) -> float:
     """The ``loss_normalizer`` every micro-batch of a mini-batch passes, so that the
     micro-batches' gradients add up to the mini-batch's however it is cut, and the ranks'
-    (which DeepSpeed averages) to the whole mini-batch's over all ranks."""
-    if loss_agg_mode == "token-mean":
+    (which DeepSpeed averages) to the whole mini-batch's over all ranks. It replaces the
+    count the mode divides by (its row of ``config.AGGREGATIONS``)."""
+    if loss_agg_mode not in AGGREGATIONS:
+        raise ValueError(f"no micro-batch normaliser for loss_agg_mode {loss_agg_mode!r}")
+    count = AGGREGATIONS[loss_agg_mode].count
+    if count == "tokens":
         # Every token of the rollout batch (over all ranks) weighs the same in every
         # optimizer step: its tokens shared out over the mini-batches.
         return batch_tokens / (mini_batches * world_size)
-    if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+    if count == "responses":
         return float(responses_per_rank)
-    if loss_agg_mode == "token-sum":
+    if count == "one":
         return 1.0 / world_size
-    raise ValueError(f"no micro-batch normaliser for loss_agg_mode {loss_agg_mode!r}")
+    raise ValueError(f"no micro-batch normaliser for the aggregation count {count!r}")
