@@ -323,10 +323,7 @@ def assert_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> N
 
 
 def check_temperature(temperature) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        math.isfinite(temperature) and temperature > 0
-    ):
-        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}")
+    check_finite_positive("temperature", temperature)
 
 
 def check_linear_inputs(
@@ -381,15 +378,6 @@ def check_linear_inputs(
     devices = {hidden_states.device, lm_head_weight.device, labels.device}
     if len(devices) > 1:
         raise ValueError(f"hidden_states, lm_head_weight and labels must be on one device, got {devices}")
-
-
-@torch.no_grad()
-def check_hidden_values(hidden_states: torch.Tensor, active: torch.Tensor) -> None:
-    """Finite hidden states at the rows that enter the loss (one host sync on CUDA). A sum
-    over every row screens them in one pass; the masked check decides when it trips (a
-    NaN in a padding row, or finite values overflowing the sum)."""
-    if not math.isfinite(hidden_states.sum(dtype=accumulate_dtype(hidden_states.dtype))):
-        _check_hidden_at(hidden_states, active)
 
 
 def _check_hidden_at(hidden_states: torch.Tensor, active: torch.Tensor) -> None:
