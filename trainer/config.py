@@ -390,12 +390,11 @@ def validate(config: Config, world_size: int = 1) -> None:
 def _validate_loss_options(config: Config) -> None:
     """The loss's own checks of what the trainer passes it (clip range, lambda, entropy
     coefficient, temperature, backend), run once here rather than at the first step."""
-    from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
     from hadw_kernels.loss import check_options, fused_linear_hadw_grpo_loss
 
     algo = config.algorithm
     options = dict(loss_type=algo.loss_type, epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high,
-                   lambda_scale=DEFAULT_LAMBDA_SCALE if algo.lambda_scale is None else algo.lambda_scale,
+                   lambda_scale=algo.lambda_scale,
                    entropy_coef=algo.entropy_coef, backend=algo.loss_backend,
                    temperature=config.rollout.temperature, max_response_length=config.rollout.max_new_tokens)
     try:

@@ -72,17 +72,10 @@ def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale:
     return advantages, {"phi_mean": float(phi.mean()), "zero_std_frac": float(degenerate.mean())}
 
 
-def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+def _all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         values = values.clone()
-        dist.all_reduce(values)
-    return values
-
-
-def _all_reduce_max(values: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        dist.all_reduce(values, op=op)
     return values
 
 
@@ -313,7 +306,7 @@ class Trainer:
         values[-3] = errors
         values[-2] = float((groups.amax(dim=1) == groups.amin(dim=1)).sum())
         values[-1] = groups.shape[0]
-        values = _all_reduce_sum(values).tolist()
+        values = _all_reduce(values).tolist()
         return {"level_sums": values[:levels], "level_counts": values[levels:2 * levels],
                 "tokens": values[-4], "errors": int(values[-3]), "degenerate_groups": int(values[-2]),
                 "groups": int(values[-1])}
@@ -357,7 +350,7 @@ class Trainer:
             index = self.levels.index(problem.level)
             values[index] += reward
             values[levels + index] += 1
-        values = _all_reduce_sum(values).tolist()
+        values = _all_reduce(values).tolist()
         row = {"step": step}
         for index, level in enumerate(self.levels):
             row[f"eval/{level}"] = values[index] / values[levels + index]
@@ -382,7 +375,7 @@ class Trainer:
                 f"note: a response of {longest} prompt+response tokens exceeds train.micro_batch_tokens="
                 f"{train.micro_batch_tokens}; such responses get a micro-batch of their own (said once)"
             )
-        count = int(_all_reduce_max(torch.tensor([len(micro_batches)], dtype=torch.float64))[0])
+        count = int(_all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
         return split_to_count(micro_batches, count, prompt_lengths, response_lengths)
 
     def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, belief, tallies) -> dict:
