@@ -373,21 +373,17 @@ at::Tensor compute_copy(const at::Tensor& tensor, at::ScalarType compute) {
 }
 
 // w_i of config.AGG_MODES, from the mode's row of config.AGGREGATIONS
-// (hadw_kernels/reference/surrogate.py: agg_weights).
-std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t width, int64_t loss_agg_mode,
-                                     std::optional<double> loss_normalizer, std::optional<int64_t> max_length) {
+// (hadw_kernels/reference/surrogate.py: agg_weights). `tokens`: the valid tokens of the call.
+std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t tokens, int64_t width,
+                                int64_t loss_agg_mode, std::optional<double> loss_normalizer,
+                                std::optional<int64_t> max_length) {
   const config::Aggregation& rule = config::kAggregations[loss_agg_mode];
   const int64_t batch = static_cast<int64_t>(lengths.size());
   double count = 1.0;
   switch (rule.denominator) {
-    case config::kDenominatorTokens: {
-      int64_t tokens = 0;
-      for (int64_t length : lengths) {
-        tokens += length;
-      }
+    case config::kDenominatorTokens:
       count = static_cast<double>(std::max<int64_t>(tokens, 1));
       break;
-    }
     case config::kDenominatorResponses:
       count = static_cast<double>(std::max<int64_t>(batch, 1));
       break;
@@ -467,7 +463,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
     tokens += length;
   }
   const std::vector<double> agg_weight =
-      agg_weights(lengths, width, loss_agg_mode, loss_normalizer, max_response_length);
+      agg_weights(lengths, tokens, width, loss_agg_mode, loss_normalizer, max_response_length);
 
   Problem<T> problem;
   problem.width = width;

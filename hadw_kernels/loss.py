@@ -203,6 +203,10 @@ def fused_linear_hadw_grpo_loss(
     return (loss, metrics) if return_metrics else loss
 
 
+# The loss options that only the linear loss takes (it forms the entropy from the logits).
+_LINEAR_ONLY_OPTIONS = ("entropy_coef",)
+
+
 def _call_config(config: LossConfig | None, options: dict, backend: str, *, linear: bool) -> LossConfig:
     """The LossConfig of a call: ``config`` as given, or the preset of ``loss_type`` with
     the option keywords given (not None) overriding it; and the backend's name checked."""
@@ -210,8 +214,9 @@ def _call_config(config: LossConfig | None, options: dict, backend: str, *, line
     unknown = sorted(set(options) - set(LossOptions.__annotations__))
     if unknown:
         raise TypeError(f"unknown options {unknown}; the loss's options are {sorted(LossOptions.__annotations__)}")
-    if not linear and options.get("entropy_coef") is not None:
-        raise TypeError("entropy_coef needs the entropy of the token distribution: use fused_linear_hadw_grpo_loss")
+    for name in () if linear else _LINEAR_ONLY_OPTIONS:
+        if options.get(name) is not None:
+            raise TypeError(f"{name} needs the entropy of the token distribution: use fused_linear_hadw_grpo_loss")
     given = sorted(name for name, value in options.items() if value is not None)
     if config is None:
         return LossConfig.build(options.pop("loss_type", None) or "grpo", **options)
@@ -236,7 +241,7 @@ def call_options(function) -> set[str]:
     named = {name for name, parameter in parameters.items() if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
     loss_options = set(LossOptions.__annotations__)
     if function is not fused_linear_hadw_grpo_loss:
-        loss_options.discard("entropy_coef")
+        loss_options -= set(_LINEAR_ONLY_OPTIONS)
     return named | loss_options
 
 

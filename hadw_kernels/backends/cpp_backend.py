@@ -61,7 +61,7 @@ def _with_default_blocks(kernel):
         named = dict(zip(names, arguments))
         if named["block_rows"] == 0:
             hidden, labels = named["hidden"], named["labels"]
-            buffer_element = torch.empty((), dtype=accumulate_dtype(hidden.dtype)).element_size()
+            buffer_element = accumulate_dtype(hidden.dtype).itemsize
             # The active rows as the kernel finds them (nonzero): a shape, not a value read
             # back (the backend's host reads are tests/test_host_sync.py's to count).
             active = (labels != named["ignore_index"]).nonzero().shape[0]
