@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import TypedDict
 
+
 @dataclass(frozen=True)
 class Aggregation:
     """How an aggregation mode turns per-token values v of valid tokens into the loss:
@@ -163,7 +164,6 @@ def check_finite_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
     if not _compiling() and not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-
 
 
 def check_block_rows(block_rows, name: str = "block_rows") -> None:

@@ -16,6 +16,7 @@ log-prob is.
 from __future__ import annotations
 
 import torch
+
 from .precision import accumulate_dtype
 
 TOKEN_TILE = 1024

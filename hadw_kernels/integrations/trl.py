@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 ANCHOR_FILE = "hadw_anchor.json"
 
+
 class TrlLossType(NamedTuple):
     """A TRL loss type as the fused loss's aggregation mode, and the count TRL divides a
     micro-batch's loss by: "responses" (its rows), "tokens" (its valid tokens) or

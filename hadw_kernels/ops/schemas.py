@@ -27,7 +27,6 @@ LIBRARY = "hadw"
 KERNEL_LIBRARY = "hadw_cpp"
 
 
-
 def _with_backend(arguments: str) -> str:
     return arguments[:-1] + ", str backend)"
 

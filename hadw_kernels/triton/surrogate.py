@@ -305,7 +305,7 @@ def _surrogate_kernel(
     advantage = tl.zeros([BLOCK_T], compute) + tl.load(advantage_ptr + row * stride_advantage).to(compute)
     length = tl.load(length_ptr + row)
     agg_weight = aggregation_weight(length, token_count_ptr, tl.full([], denominator, compute), PER_RESPONSE_MEAN,
-                          COUNT_TOKENS)
+                                    COUNT_TOKENS)
     if IMPORTANCE == _RESPONSE_IMPORTANCE:
         response_importance = tl.load(importance_ptr + row * stride_importance_row).to(compute)
     row_logprobs = logprobs_ptr + row * stride_logprobs_row
@@ -376,7 +376,8 @@ def _surrogate_kernel(
             ).to(compute)
             objective -= entropy_coef * entropy
             entropy_sum += tl.where(valid, entropy, 0.0)
-            tl.store(grad_entropy_ptr + row * width + cols, tl.where(valid, -entropy_coef * agg_weight, 0.0), mask=inside)
+            tl.store(grad_entropy_ptr + row * width + cols, tl.where(valid, -entropy_coef * agg_weight, 0.0),
+                     mask=inside)
         tl.store(grad_logprobs_ptr + row * width + cols, tl.where(valid, grad * agg_weight, 0.0), mask=inside)
         objective_sum += tl.where(valid, objective, 0.0)
 
