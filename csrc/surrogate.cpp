@@ -3,7 +3,9 @@
 // aggregation mode and KL estimator as their index in config.AGG_MODES /
 // config.KL_ESTIMATORS), in one pass over the tokens that writes the loss, its gradient
 // with respect to the log-probs and the entropy, and the metrics (config.METRIC_NAMES,
-// indexed by name through the generated header).
+// indexed by name through the generated header). The tokens come flat, [N], in segments
+// of one response each (cu_seqlens, hadw_kernels/layout.py): a padded [B, T] batch is B
+// segments of T tokens.
 //
 // The loss is the end of the graph, so its gradient is formed here and autograd only
 // scales it by the upstream scalar (hadw_kernels/ops/autograd.py). Per-token math
@@ -107,20 +109,20 @@ Advantages group_advantages(const at::Tensor& rewards, int64_t group_size, bool 
   return result;
 }
 
-// Inputs of the token loop: [B, T] contiguous in the compute type unless noted.
+// Inputs of the token loop: [N] contiguous in the compute type unless noted, in S
+// segments (hadw_kernels/layout.py): segment i is tokens offsets[i] .. offsets[i+1].
 template <typename T>
 struct Problem {
-  int64_t width;
+  const int64_t* offsets;  // [S+1]
   const T* logprobs;
   const T* old_logprobs;
   const uint8_t* mask;  // bool storage read as bytes
   const T* ref_logprobs;  // null unless beta > 0
-  const T* importance;    // importance weights [B, T] or [B], or null
-  bool per_token_importance;
+  const T* importance;    // importance weights per token, or null
   const T* entropy;       // or null
-  const double* advantage;  // [B]
-  const double* agg_weight;  // [B] w_i: a valid token's weight in the aggregate
-  const int64_t* lengths;      // [B] valid tokens per response
+  const double* advantage;  // [S]
+  const double* agg_weight;  // [S] w_i: a valid token's weight in the aggregate
+  const int64_t* lengths;      // [S] valid tokens per response
   bool sequence_level;
   ClipOptions<T> clip;
   T beta;
@@ -262,8 +264,8 @@ HADW_ALWAYS_INLINE void gradient_pass(const uint8_t* mask, int64_t count, T weig
 // Inlined into process_rows, so that each instruction-set clone has its own copy.
 template <typename T>
 HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int64_t row) {
-  const int64_t width = problem.width;
-  const int64_t offset = row * width;
+  const int64_t offset = problem.offsets[row];
+  const int64_t width = problem.offsets[row + 1] - offset;
   const T* logprobs = problem.logprobs + offset;
   const T* old_logprobs = problem.old_logprobs + offset;
   const uint8_t* mask = problem.mask + offset;
@@ -313,15 +315,7 @@ HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int6
     }
     sums.approx_kl += masked_sum(scratch, chunk_mask, count);
     if (problem.importance != nullptr) {
-      if (problem.per_token_importance) {
-        importance_pass(problem.importance + offset + start, count, value, slope);
-      } else {
-        const T response_importance = problem.importance[row];
-        for (int64_t t = 0; t < count; ++t) {
-          value[t] *= response_importance;
-          slope[t] *= response_importance;
-        }
-      }
+      importance_pass(problem.importance + offset + start, count, value, slope);
     }
     if (problem.ref_logprobs != nullptr) {
       const T* ref_logprobs = problem.ref_logprobs + offset + start;
@@ -374,9 +368,10 @@ at::Tensor compute_copy(const at::Tensor& tensor, at::ScalarType compute) {
 
 // w_i of config.AGG_MODES, from the mode's row of config.AGGREGATIONS
 // (hadw_kernels/reference/surrogate.py: agg_weights). `tokens`: the valid tokens of the call.
-std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t tokens, int64_t width,
-                                int64_t loss_agg_mode, std::optional<double> loss_normalizer,
-                                std::optional<int64_t> max_length) {
+// The constant L of times_max_length arrives resolved (the losses default it to a padded
+// batch's width).
+std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t tokens, int64_t loss_agg_mode,
+                                std::optional<double> loss_normalizer, std::optional<int64_t> max_length) {
   const config::Aggregation& rule = config::kAggregations[loss_agg_mode];
   const int64_t batch = static_cast<int64_t>(lengths.size());
   double count = 1.0;
@@ -396,7 +391,9 @@ std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t tok
   }
   double base = loss_normalizer.value_or(count);
   if (rule.times_max_length) {
-    base *= static_cast<double>(max_length.value_or(std::max<int64_t>(width, 1)));
+    TORCH_CHECK(max_length.has_value() && *max_length >= 1, "hadw_cpp::surrogate_loss: loss_agg_mode ",
+                loss_agg_mode, " needs max_response_length (the constant L it divides by)");
+    base *= static_cast<double>(*max_length);
   }
   std::vector<double> weights(batch);
   for (int64_t row = 0; row < batch; ++row) {
@@ -406,30 +403,33 @@ std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t tok
   return weights;
 }
 
-// Rows per task of the parallel loops: about 16k tokens.
-int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+// Segments per task of the parallel loops: about 16k tokens at the mean segment length.
+int64_t segment_grain(int64_t tokens, int64_t segments) {
+  const int64_t mean_length = tokens / std::max<int64_t>(segments, 1);
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(mean_length, 1));
+}
 
 template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
     const at::Tensor& logprobs_in, const at::Tensor& old_logprobs_in, const at::Tensor& response_mask,
-    const std::optional<at::Tensor>& ref_logprobs_in, const std::optional<at::Tensor>& importance_weights_in,
-    const std::optional<at::Tensor>& entropy_in, const Advantages& advantages, at::ScalarType compute,
-    int64_t loss_agg_mode, bool sequence_level, double epsilon_low, double epsilon_high,
-    std::optional<double> dual_clip, double beta, int64_t kl_estimator, double entropy_coef,
-    std::optional<double> loss_normalizer, std::optional<int64_t> max_response_length) {
-  const int64_t batch = logprobs_in.size(0);
-  const int64_t width = logprobs_in.size(1);
+    const std::vector<int64_t>& offsets, const std::optional<at::Tensor>& ref_logprobs_in,
+    const std::optional<at::Tensor>& importance_weights_in, const std::optional<at::Tensor>& entropy_in,
+    const Advantages& advantages, at::ScalarType compute, int64_t loss_agg_mode, bool sequence_level,
+    double epsilon_low, double epsilon_high, std::optional<double> dual_clip, double beta, int64_t kl_estimator,
+    double entropy_coef, std::optional<double> loss_normalizer, std::optional<int64_t> max_response_length) {
+  const int64_t tokens_in = logprobs_in.size(0);
+  const int64_t segments = static_cast<int64_t>(offsets.size()) - 1;
   const auto options = logprobs_in.options().dtype(compute);
-  at::Tensor grad_logprobs = at::empty({batch, width}, options);
+  at::Tensor grad_logprobs = at::empty({tokens_in}, options);
   at::Tensor grad_entropy = entropy_in.has_value() ? at::empty(entropy_in->sizes(), options) : at::empty({0}, options);
   at::Tensor metrics = at::zeros({config::kMetricCount}, logprobs_in.options().dtype(at::kFloat));
   float* metric = metrics.data_ptr<float>();
   if (advantages.has_groups) {
-    metric[config::kMetricPhiMean] = static_cast<float>(advantages.phi_sum / std::max<int64_t>(batch, 1));
+    metric[config::kMetricPhiMean] = static_cast<float>(advantages.phi_sum / std::max<int64_t>(segments, 1));
     metric[config::kMetricZeroStdFrac] = static_cast<float>(
         static_cast<double>(advantages.degenerate_groups) / std::max<int64_t>(advantages.groups, 1));
   }
-  if (batch == 0 || width == 0) {
+  if (segments == 0 || tokens_in == 0) {
     grad_logprobs.zero_();
     grad_entropy.zero_();
     return {at::zeros({}, options), grad_logprobs, grad_entropy, metrics};
@@ -447,13 +447,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   // Valid tokens per response, first: token-mean's weight needs the batch's count.
   // Read as bytes (0 or 1): loops over bool do not vectorise.
   const uint8_t* mask_data = reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>());
-  std::vector<int64_t> lengths(batch);
-  at::parallel_for(0, batch, row_grain(width), [&](int64_t first, int64_t last) {
+  const int64_t grain = segment_grain(tokens_in, segments);
+  std::vector<int64_t> lengths(segments);
+  at::parallel_for(0, segments, grain, [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
-      const uint8_t* row_mask = mask_data + row * width;
       int64_t length = 0;
-      for (int64_t t = 0; t < width; ++t) {
-        length += row_mask[t];
+      for (int64_t t = offsets[row]; t < offsets[row + 1]; ++t) {
+        length += mask_data[t];
       }
       lengths[row] = length;
     }
@@ -463,16 +463,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
     tokens += length;
   }
   const std::vector<double> agg_weight =
-      agg_weights(lengths, tokens, width, loss_agg_mode, loss_normalizer, max_response_length);
+      agg_weights(lengths, tokens, loss_agg_mode, loss_normalizer, max_response_length);
 
   Problem<T> problem;
-  problem.width = width;
+  problem.offsets = offsets.data();
   problem.logprobs = logprobs.const_data_ptr<T>();
   problem.old_logprobs = old_logprobs.const_data_ptr<T>();
   problem.mask = mask_data;
   problem.ref_logprobs = ref_logprobs.defined() ? ref_logprobs.const_data_ptr<T>() : nullptr;
   problem.importance = importance.defined() ? importance.const_data_ptr<T>() : nullptr;
-  problem.per_token_importance = importance.defined() && importance.dim() == 2;
   problem.entropy = entropy.defined() ? entropy.const_data_ptr<T>() : nullptr;
   problem.advantage = advantages.advantage.data();
   problem.agg_weight = agg_weight.data();
@@ -486,8 +485,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   problem.grad_logprobs = grad_logprobs.data_ptr<T>();
   problem.grad_entropy = entropy.defined() ? grad_entropy.data_ptr<T>() : nullptr;
 
-  std::vector<ResponseSums> responses(batch);
-  at::parallel_for(0, batch, row_grain(width), [&](int64_t first, int64_t last) {
+  std::vector<ResponseSums> responses(segments);
+  at::parallel_for(0, segments, grain, [&](int64_t first, int64_t last) {
     process_rows(problem, first, last, responses.data());
   });
   ResponseSums total;
@@ -511,28 +510,46 @@ void check_same_shape(const char* name, const at::Tensor& tensor, const at::Tens
               "logprobs ", logprobs.sizes(), ", got ", tensor.sizes());
 }
 
+// The segment offsets as int64 on the host, checked: the token loops index with them.
+std::vector<int64_t> checked_offsets(const at::Tensor& cu_seqlens, int64_t tokens) {
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1 &&
+                  (cu_seqlens.scalar_type() == at::kLong || cu_seqlens.scalar_type() == at::kInt),
+              "hadw_cpp::surrogate_loss: cu_seqlens must be int32 or int64 [S+1], got ", cu_seqlens.scalar_type(),
+              " ", cu_seqlens.sizes());
+  const at::Tensor values = cu_seqlens.detach().to(at::kLong).contiguous();
+  const int64_t* data = values.const_data_ptr<int64_t>();
+  std::vector<int64_t> offsets(data, data + values.numel());
+  TORCH_CHECK(offsets.front() == 0 && offsets.back() == tokens, "hadw_cpp::surrogate_loss: cu_seqlens must start "
+              "at 0 and end at N = ", tokens, ", got ", offsets.front(), " and ", offsets.back());
+  for (size_t i = 1; i < offsets.size(); ++i) {
+    TORCH_CHECK(offsets[i] >= offsets[i - 1], "hadw_cpp::surrogate_loss: cu_seqlens decreases at ", i);
+  }
+  return offsets;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& response_mask,
-    const std::optional<at::Tensor>& rewards, const std::optional<at::Tensor>& advantages,
-    const std::optional<at::Tensor>& anchor, const std::optional<at::Tensor>& ref_logprobs,
-    const std::optional<at::Tensor>& importance_weights, const std::optional<at::Tensor>& entropy,
-    std::optional<int64_t> group_size, bool normalize_std, double std_eps, double lambda_scale, int64_t loss_agg_mode,
-    bool sequence_level, double epsilon_low, double epsilon_high, std::optional<double> dual_clip, double beta,
-    int64_t kl_estimator, double entropy_coef, std::optional<double> loss_normalizer,
-    std::optional<int64_t> max_response_length) {
-  TORCH_CHECK(logprobs.dim() == 2, "hadw_cpp::surrogate_loss: logprobs must be [B, T], got ", logprobs.sizes());
+    const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& rewards,
+    const std::optional<at::Tensor>& advantages, const std::optional<at::Tensor>& anchor,
+    const std::optional<at::Tensor>& ref_logprobs, const std::optional<at::Tensor>& importance_weights,
+    const std::optional<at::Tensor>& entropy, std::optional<int64_t> group_size, bool normalize_std, double std_eps,
+    double lambda_scale, int64_t loss_agg_mode, bool sequence_level, double epsilon_low, double epsilon_high,
+    std::optional<double> dual_clip, double beta, int64_t kl_estimator, double entropy_coef,
+    std::optional<double> loss_normalizer, std::optional<int64_t> max_response_length) {
+  TORCH_CHECK(logprobs.dim() == 1, "hadw_cpp::surrogate_loss: logprobs must be [N], got ", logprobs.sizes());
   TORCH_CHECK(at::isFloatingType(logprobs.scalar_type()), "hadw_cpp::surrogate_loss: logprobs must be floating "
               "point, got ", logprobs.scalar_type());
-  const int64_t batch = logprobs.size(0);
+  const std::vector<int64_t> offsets = checked_offsets(cu_seqlens, logprobs.size(0));
+  const int64_t segments = static_cast<int64_t>(offsets.size()) - 1;
   check_same_shape("old_logprobs", old_logprobs, logprobs);
   check_same_shape("response_mask", response_mask, logprobs);
   TORCH_CHECK(rewards.has_value() != advantages.has_value(),
               "hadw_cpp::surrogate_loss: pass exactly one of rewards and advantages");
   const at::Tensor& per_response = rewards.has_value() ? *rewards : *advantages;
-  TORCH_CHECK(per_response.dim() == 1 && per_response.size(0) == batch, "hadw_cpp::surrogate_loss: ",
-              rewards.has_value() ? "rewards" : "advantages", " must be [B] = [", batch, "], got ",
+  TORCH_CHECK(per_response.dim() == 1 && per_response.size(0) == segments, "hadw_cpp::surrogate_loss: ",
+              rewards.has_value() ? "rewards" : "advantages", " must be [S] = [", segments, "], got ",
               per_response.sizes());
   TORCH_CHECK(loss_agg_mode >= 0 && loss_agg_mode < config::kAggCount,
               "hadw_cpp::surrogate_loss: loss_agg_mode must index config.AGG_MODES, got ", loss_agg_mode);
@@ -543,10 +560,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     check_same_shape("ref_logprobs", *ref_logprobs, logprobs);
   }
   if (importance_weights.has_value()) {
-    const bool per_response_importance = importance_weights->dim() == 1 && importance_weights->size(0) == batch;
-    TORCH_CHECK(per_response_importance || importance_weights->sizes() == logprobs.sizes(),
-                "hadw_cpp::surrogate_loss: importance_weights must be [B] or [B, T], got ",
-                importance_weights->sizes());
+    check_same_shape("importance_weights", *importance_weights, logprobs);
   }
   if (entropy.has_value()) {
     check_same_shape("entropy", *entropy, logprobs);
@@ -554,9 +568,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
 
   Advantages advantage_terms;
   if (rewards.has_value()) {
-    TORCH_CHECK(group_size.has_value() && *group_size >= 2 && batch % *group_size == 0,
-                "hadw_cpp::surrogate_loss: rewards need a group_size >= 2 that divides the batch (", batch, "), got ",
-                group_size.has_value() ? std::to_string(*group_size) : std::string("None"));
+    TORCH_CHECK(group_size.has_value() && *group_size >= 2 && segments % *group_size == 0,
+                "hadw_cpp::surrogate_loss: rewards need a group_size >= 2 that divides the segments (", segments,
+                "), got ", group_size.has_value() ? std::to_string(*group_size) : std::string("None"));
     advantage_terms = group_advantages(*rewards, *group_size, normalize_std, std_eps, anchor, lambda_scale);
   } else {
     // The caller's advantages: no group metrics (they stay 0).
@@ -564,14 +578,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
   }
   const auto compute = at::promote_types(logprobs.scalar_type(), at::kFloat);
   if (compute == at::kDouble) {
-    return surrogate_impl<double>(logprobs, old_logprobs, response_mask, ref_logprobs, importance_weights, entropy,
-                                  advantage_terms, compute, loss_agg_mode, sequence_level, epsilon_low,
+    return surrogate_impl<double>(logprobs, old_logprobs, response_mask, offsets, ref_logprobs, importance_weights,
+                                  entropy, advantage_terms, compute, loss_agg_mode, sequence_level, epsilon_low,
                                   epsilon_high, dual_clip, beta, kl_estimator, entropy_coef, loss_normalizer,
                                   max_response_length);
   }
-  return surrogate_impl<float>(logprobs, old_logprobs, response_mask, ref_logprobs, importance_weights, entropy,
-                               advantage_terms, compute, loss_agg_mode, sequence_level, epsilon_low, epsilon_high,
-                               dual_clip, beta, kl_estimator, entropy_coef, loss_normalizer, max_response_length);
+  return surrogate_impl<float>(logprobs, old_logprobs, response_mask, offsets, ref_logprobs, importance_weights,
+                               entropy, advantage_terms, compute, loss_agg_mode, sequence_level, epsilon_low,
+                               epsilon_high, dual_clip, beta, kl_estimator, entropy_coef, loss_normalizer,
+                               max_response_length);
 }
 
 }  // namespace hadw

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import TYPE_CHECKING
 
 import torch
 
 from .backends import check_backend_name, resolve_backend
-from .config import IGNORE_INDEX, METRIC_NAMES, LossConfig, LossOptions, check_block_rows, check_linear_path
+from .config import (
+    AGGREGATIONS,
+    IGNORE_INDEX,
+    METRIC_NAMES,
+    LossConfig,
+    LossOptions,
+    check_block_rows,
+    check_linear_path,
+)
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
 from .reference.surrogate import agg_weights, group_metrics, weighted_advantages
+from .layout import TokenLayout
 from .validation import (
+    assert_cu_seqlens,
     assert_label_range,
-    check_label_range,
+    batch_layout,
     check_batch_inputs,
+    check_label_range,
     check_linear_inputs,
     check_linear_values,
     check_surrogate_inputs,
@@ -35,6 +47,7 @@ def fused_hadw_grpo_loss(
     response_mask: torch.Tensor,
     *,
     config: LossConfig | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     group_index: torch.Tensor | None = None,
     anchor: float | torch.Tensor | None = None,
@@ -52,6 +65,11 @@ def fused_hadw_grpo_loss(
     keywords of :class:`LossOptions` (``loss_type``, ``group_size``, ... below; None or
     left out: the preset's value or the default), never both.
 
+    A batch comes padded (per-token tensors [B, T], one response per row) or packed
+    (padding-free: per-token tensors [N] or [1, N] and ``cu_seqlens``, one response per
+    segment; docs/options.md, "Packed batches"). Below, [B] is one value per response:
+    per segment, [S], when packed.
+
     Args:
         logprobs: [B, T] log-probs of the sampled tokens under the current policy.
         old_logprobs: [B, T] the same under the behaviour policy; None means on-policy
@@ -63,6 +81,10 @@ def fused_hadw_grpo_loss(
             pass ``advantages`` instead, or ``group_index`` to have the grouping checked.
         response_mask: [B, T], 1 on response tokens, 0 on padding (bool or 0/1).
         config: the resolved options, instead of the option keywords.
+        cu_seqlens: [S+1] int32 or int64 offsets of a packed batch's segments
+            (flash-attention's: 0 first, N last, non-decreasing; segment i is tokens
+            cu_seqlens[i]:cu_seqlens[i+1]); None for a padded batch. A segment may hold
+            its prompt too (masked out); one with no counted token is an empty response.
         advantages: [B] per-response advantages computed elsewhere, e.g. by
             :func:`hadw_advantages` over the whole rollout batch; rows may then come in
             any order and any split.
@@ -82,7 +104,8 @@ def fused_hadw_grpo_loss(
             beta 0: none), aggregated like the loss; estimators k1, k2, k3 (the default,
             verl's low_var_kl), abs.
         dual_clip: c > 1 bounding the loss of negative advantages, or None.
-        importance_weights: detached rollout-engine correction, [B, T] or [B]. A
+        importance_weights: detached rollout-engine correction, [B, T] or [B] (packed:
+            [N] or [1, N], or [S]; a 1-D tensor of length S is per response). A
             sequence-level loss (GSPO) takes [B] only: its ratio is per response, and
             [B, T] is refused (verl's gspo multiplies each token's share by its own
             weight; reduce per-token weights first, e.g. to their mean per response).
@@ -91,7 +114,7 @@ def fused_hadw_grpo_loss(
             whole rollout batch's count to every micro-batch and their losses add up to
             the big-batch loss.
         max_response_length: L of seq-mean-token-sum-norm (Dr.GRPO; default: T;
-            required with ``loss_normalizer``).
+            required with ``loss_normalizer`` and in a packed batch, which has no width).
         return_metrics: also return a dict of 0-d tensors (config.METRIC_NAMES).
         backend: "auto", "torch", "triton" or "cpp".
         check_values: check finite inputs at response tokens, a 0/1 mask, rewards and
@@ -102,23 +125,25 @@ def fused_hadw_grpo_loss(
     metrics and zero gradients.
     """
     config = _call_config(config, options, backend, linear=False)
-    check_values = _checks_run(check_values)
-    check_surrogate_inputs(
-        logprobs, old_logprobs, response_mask, config, rewards=rewards, advantages=advantages,
-        group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs, importance_weights=importance_weights,
-        check_values=check_values,
+    layout = check_surrogate_inputs(
+        logprobs, old_logprobs, response_mask, config, cu_seqlens=cu_seqlens, rewards=rewards,
+        advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
+        importance_weights=importance_weights, check_values=_checks_run(check_values),
     )
+    config = _with_layout_length(config, layout)
     implementation = resolve_backend(backend, logprobs.device)
+    flat_logprobs = layout.flat(logprobs)
     loss, metrics = implementation.surrogate_loss(
-        logprobs,
-        logprobs.detach() if old_logprobs is None else old_logprobs,
-        response_mask,
+        flat_logprobs,
+        flat_logprobs.detach() if old_logprobs is None else layout.flat(old_logprobs),
+        layout.flat(response_mask),
+        layout,
         config,
         rewards=rewards,
         advantages=advantages,
         anchor=anchor,
-        ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights,
+        ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
+        importance_weights=layout.per_token(importance_weights),
         entropy=None,
     )
     return (loss, metrics) if return_metrics else loss
@@ -133,6 +158,7 @@ def fused_linear_hadw_grpo_loss(
     response_mask: torch.Tensor,
     *,
     config: LossConfig | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     lm_head_bias: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     group_index: torch.Tensor | None = None,
@@ -151,7 +177,8 @@ def fused_linear_hadw_grpo_loss(
     """The same loss from hidden states [B, T, H] and the LM head [V, H].
 
     ``labels`` [B, T] are the sampled tokens (already shifted: hidden state t predicts
-    label t). The log-probs of the labels are formed block by block, never as [B*T, V]
+    label t). Packed (``cu_seqlens`` given): hidden states [N, H] or [1, N, H] and labels
+    and the other per-token tensors [N] or [1, N]. The log-probs of the labels are formed block by block, never as [B*T, V]
     logits; padding rows enter no GEMM. ``entropy_coef`` (an option of ``config``; default
     0) subtracts the aggregated entropy of the token distribution (an exploration bonus). Under DeepSpeed ZeRO-3 pass the
     gathered LM head (``GatheredParameters``), see docs/fused-linear-logprob.md.
@@ -166,41 +193,56 @@ def fused_linear_hadw_grpo_loss(
     """
     config = _call_config(config, options, backend, linear=True)
     _check_linear_options(linear_path=linear_path, block_rows=block_rows, temperature=temperature)
-    check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature, response_mask)
+    layout = batch_layout(response_mask, cu_seqlens)
+    check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature, layout)
     check_batch_inputs(
-        response_mask, old_logprobs, config, inputs={"hidden_states": hidden_states}, rewards=rewards,
+        layout, response_mask, old_logprobs, config, inputs={"hidden_states": hidden_states}, rewards=rewards,
         advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
         importance_weights=importance_weights,
     )
+    config = _with_layout_length(config, layout)
+    mask = layout.flat(response_mask)
+    hidden = layout.flat_rows(hidden_states)
+    old = layout.flat(old_logprobs)
     # Padding is masked out of the loss; as ignored labels its rows enter no GEMM, and
     # labels there are never checked or read.
-    labels = labels.masked_fill(~response_mask.bool(), ignore_index)
+    labels = layout.flat(labels).masked_fill(~mask.bool(), ignore_index)
     if _checks_run(check_values):
         # Every value check of this call in one host read (docs/architecture.md).
         check_linear_values(
-            hidden_states, labels, lm_head_weight.shape[0], ignore_index, old_logprobs, response_mask, rewards,
-            advantages, anchor,
+            layout, hidden, labels, lm_head_weight.shape[0], ignore_index, old, mask, rewards, advantages, anchor,
         )
     else:
         assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
+        assert_cu_seqlens(layout)
     implementation = resolve_backend(backend, hidden_states.device)
     path = _linear_path(linear_path, implementation, config, hidden_states.device)
     with_entropy = config.entropy_coef > 0 or return_metrics
-    data = dict(rewards=rewards, advantages=advantages, anchor=anchor, ref_logprobs=ref_logprobs,
-                importance_weights=importance_weights)
+    data = dict(rewards=rewards, advantages=advantages, anchor=anchor,
+                ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
+                importance_weights=layout.per_token(importance_weights))
     options = dict(lm_head_bias=lm_head_bias, temperature=temperature, ignore_index=ignore_index)
     if path == "gradients_in_forward":
         loss, metrics = _gradients_in_forward(
-            implementation, hidden_states, lm_head_weight, labels, old_logprobs, response_mask, config,
+            implementation, hidden_states, hidden, lm_head_weight, labels, old, mask, layout, config,
             with_entropy=with_entropy, block_rows=block_rows or 0, **data, **options,
         )
     else:
-        logprobs, entropy = _batched_token_logprobs(
-            implementation, hidden_states, lm_head_weight, labels, with_entropy=with_entropy, **options
+        logprobs, entropy = implementation.token_logprobs(
+            hidden, lm_head_weight, labels, with_entropy=with_entropy, **options
         )
-        old = logprobs.detach() if old_logprobs is None else old_logprobs
-        loss, metrics = implementation.surrogate_loss(logprobs, old, response_mask, config, entropy=entropy, **data)
+        old = logprobs.detach() if old is None else old
+        loss, metrics = implementation.surrogate_loss(logprobs, old, mask, layout, config, entropy=entropy, **data)
     return (loss, metrics) if return_metrics else loss
+
+
+def _with_layout_length(config: LossConfig, layout: TokenLayout) -> LossConfig:
+    """``config`` with the constant L of a ``times_max_length`` aggregation resolved: a
+    padded batch's default is its width (a packed one has none: validation asks for L),
+    so the kernels, which see flat tokens, always receive it."""
+    if config.max_response_length is not None or not AGGREGATIONS[config.loss_agg_mode].times_max_length:
+        return config
+    return dataclasses.replace(config, max_response_length=max(layout.padded_width, 1))
 
 
 # The loss options that only the linear loss takes (it forms the entropy from the logits).
@@ -284,38 +326,36 @@ def _linear_path(requested: str, implementation, config: LossConfig, device: tor
 
 
 def _gradients_in_forward(
-    implementation, hidden_states, lm_head_weight, labels, old_logprobs, response_mask, config, *, rewards,
-    advantages, anchor, ref_logprobs, importance_weights, lm_head_bias, temperature, ignore_index, with_entropy,
-    block_rows,
+    implementation, hidden_states, hidden, lm_head_weight, labels, old_logprobs, response_mask, layout, config, *,
+    rewards, advantages, anchor, ref_logprobs, importance_weights, lm_head_bias, temperature, ignore_index,
+    with_entropy, block_rows,
 ):
     """One sweep forms the log-probs and the gradients; the surrogate op then gives the
     loss value and the metrics from the log-probs (its gradient is the one already
-    formed), and backward scales the stored gradients."""
-    batch, width, hidden_size = hidden_states.shape
-    mask = response_mask.bool()
-    accumulate = accumulate_dtype(hidden_states.dtype)
+    formed), and backward scales the stored gradients. ``hidden`` is ``hidden_states``
+    as rows [N, H]; every per-token tensor is [N]."""
+    accumulate = accumulate_dtype(hidden.dtype)
     advantage, phi = weighted_advantages(rewards, advantages, config, anchor)
 
     def per_token(values):
-        values = values if values.dim() == 2 else values[:, None]
-        return values.detach().to(accumulate).expand(batch, width).reshape(-1)
+        # Contiguous: the kernels index the active rows' entries directly.
+        return None if values is None else values.detach().to(accumulate).contiguous()
 
     logprobs, entropy, grad_hidden, grad_weight, grad_bias = implementation.linear_surrogate(
-        hidden_states.reshape(batch * width, hidden_size), lm_head_weight, labels.reshape(-1),
+        hidden, lm_head_weight, labels,
         lm_head_bias=lm_head_bias,
-        old_logprobs=None if old_logprobs is None else per_token(old_logprobs),
-        advantages=per_token(advantage),
-        agg_weights=per_token(agg_weights(mask, config)),
-        ref_logprobs=per_token(ref_logprobs) if config.beta > 0 else None,
-        importance_weights=None if importance_weights is None else per_token(importance_weights),
+        old_logprobs=per_token(old_logprobs),
+        advantages=per_token(layout.expand(advantage)),
+        agg_weights=per_token(layout.expand(agg_weights(response_mask.bool(), layout, config))),
+        ref_logprobs=per_token(ref_logprobs),
+        importance_weights=per_token(importance_weights),
         config=config, temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
         block_rows=block_rows,
     )
-    logprobs = logprobs.view(batch, width)
-    entropy = entropy.view(batch, width) if with_entropy else None
     loss, metrics = implementation.surrogate_loss(
-        logprobs, logprobs if old_logprobs is None else old_logprobs, response_mask, config,
-        advantages=advantage, ref_logprobs=ref_logprobs, importance_weights=importance_weights, entropy=entropy,
+        logprobs, logprobs if old_logprobs is None else old_logprobs, response_mask, layout, config,
+        advantages=advantage, ref_logprobs=ref_logprobs, importance_weights=importance_weights,
+        entropy=entropy if with_entropy else None,
     )
     if phi is not None:
         metrics.update(group_metrics(rewards, phi, config.group_size))
@@ -337,33 +377,26 @@ def token_logprobs(
     backend: str = "auto",
     check_values: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs [B, T] of ``labels`` under softmax(h W^T / temperature), without the
-    logits: e.g. the old policy's log-probs before an update. Differentiable; returns
-    ``(logprobs, entropy)`` with ``with_entropy=True``. Ignored labels give 0; a label
-    outside the vocabulary is an error on every call (``check_values`` or not).
-    ``check_values`` is kept for symmetry with the losses; nothing else here reads values."""
+    """Log-probs of ``labels`` under softmax(h W^T / temperature), without the logits:
+    e.g. the old policy's log-probs before an update. ``hidden_states`` [..., H] (padded
+    [B, T, H], packed [N, H] or [1, N, H]) and ``labels`` of the same leading shape, which
+    the log-probs take. Differentiable; returns ``(logprobs, entropy)`` with
+    ``with_entropy=True``. Ignored labels give 0; a label outside the vocabulary is an
+    error on every call (``check_values`` or not). ``check_values`` is kept for symmetry
+    with the losses; nothing else here reads values."""
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
     if _checks_run(check_values):
         check_label_range(labels, lm_head_weight.shape[0], ignore_index)
     else:
         assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
-    logprobs, entropy = _batched_token_logprobs(
-        resolve_backend(backend, hidden_states.device),
-        hidden_states,
+    logprobs, entropy = resolve_backend(backend, hidden_states.device).token_logprobs(
+        hidden_states.reshape(-1, hidden_states.shape[-1]),
         lm_head_weight,
-        labels,
+        labels.reshape(-1),
         lm_head_bias=lm_head_bias,
         temperature=temperature,
         ignore_index=ignore_index,
         with_entropy=with_entropy,
     )
-    return (logprobs, entropy) if with_entropy else logprobs
-
-
-def _batched_token_logprobs(implementation, hidden_states, lm_head_weight, labels, **options):
-    """The backend's token_logprobs on [B, T, H] flattened to rows, reshaped to [B, T]."""
-    batch, width, hidden_size = hidden_states.shape
-    logprobs, entropy = implementation.token_logprobs(
-        hidden_states.reshape(batch * width, hidden_size), lm_head_weight, labels.reshape(-1), **options
-    )
-    return logprobs.view(batch, width), None if entropy is None else entropy.view(batch, width)
+    logprobs = logprobs.view(labels.shape)
+    return (logprobs, entropy.view(labels.shape)) if with_entropy else logprobs

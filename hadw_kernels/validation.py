@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from .config import LossConfig, check_finite_positive
+from .config import AGGREGATIONS, LossConfig, check_finite_positive
+from .layout import TokenLayout
 from .precision import accumulate_dtype
 
 
@@ -38,12 +39,92 @@ def _require_float(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
 
 
-def _require_per_token(name: str, tensor, response_mask: torch.Tensor) -> None:
-    """A floating-point [B, T] tensor of the response mask's shape."""
+def _require_per_token(name: str, tensor, layout: TokenLayout) -> None:
+    """A floating-point per-token tensor of the batch's layout."""
     _require_tensor(name, tensor)
     _require_float(name, tensor)
-    if _shape(tensor) != _shape(response_mask):
-        raise ValueError(f"{name} has shape {_shape(tensor)}, response_mask {_shape(response_mask)}: they must match")
+    _require_layout_shape(name, tensor, layout)
+
+
+def _require_layout_shape(name: str, tensor: torch.Tensor, layout: TokenLayout) -> None:
+    """A padded batch's per-token tensors are [B, T], the response mask's shape; a packed
+    batch's are [N] or [1, N], whatever form the mask came in."""
+    if not layout.is_packed:
+        if _shape(tensor) != layout.shape:
+            raise ValueError(f"{name} has shape {_shape(tensor)}, response_mask {layout.shape}: they must match")
+    elif _shape(tensor) not in ((layout.tokens,), (1, layout.tokens)):
+        raise ValueError(
+            f"{name} has shape {_shape(tensor)}, but this call is packed (cu_seqlens given): per-token tensors are "
+            f"[N] = [{layout.tokens}] or [1, N]; a padded [B, T] batch takes no cu_seqlens"
+        )
+
+
+def _require_per_segment(name: str, tensor: torch.Tensor, layout: TokenLayout) -> None:
+    if _shape(tensor) != (layout.segments,):
+        what = "segment (len(cu_seqlens) - 1)" if layout.is_packed else "response"
+        unit = "S" if layout.is_packed else "B"
+        raise ValueError(f"{name} must be [{unit}] = [{layout.segments}], one per {what}, got shape {_shape(tensor)}")
+
+
+def batch_layout(response_mask, cu_seqlens) -> TokenLayout:
+    """The batch's layout from the response mask and ``cu_seqlens``: padded ([B, T] mask,
+    no offsets) or packed ([N] or [1, N] mask, offsets [S+1], int32 or int64, on the
+    mask's device). The offsets' values (0 first, N last, non-decreasing) are checked with
+    the other values (:func:`_check_values`), or by :func:`assert_cu_seqlens`."""
+    _require_tensor("response_mask", response_mask)
+    if cu_seqlens is None:
+        if response_mask.dim() != 2:
+            hint = ": a packed batch passes cu_seqlens" if response_mask.dim() == 1 else ""
+            raise ValueError(f"response_mask must be [B, T], got shape {_shape(response_mask)}{hint}")
+        return TokenLayout.padded(*response_mask.shape, response_mask.device)
+    _require_tensor("cu_seqlens", cu_seqlens)
+    if response_mask.dim() not in (1, 2) or (response_mask.dim() == 2 and response_mask.shape[0] != 1):
+        raise ValueError(
+            f"response_mask has shape {_shape(response_mask)}, but this call is packed (cu_seqlens given): per-token "
+            "tensors are [N] or [1, N]; a padded [B, T] batch takes no cu_seqlens"
+        )
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64 (flash-attention's offsets), got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be [S+1] (0 first, N last), got shape {_shape(cu_seqlens)}")
+    if cu_seqlens.device != response_mask.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, response_mask on {response_mask.device}: "
+                         "they must be on one device")
+    return TokenLayout.packed(cu_seqlens, _shape(response_mask))
+
+
+def _cu_seqlens_faults(cu_seqlens: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:
+    """0-d flags, true where ``cu_seqlens`` breaks a rule."""
+    return {
+        "does not start at 0": cu_seqlens[0] != 0,
+        f"does not end at N = {tokens} (the per-token tensors' length)": cu_seqlens[-1] != tokens,
+        "decreases (segments must not overlap)": (cu_seqlens[1:] < cu_seqlens[:-1]).any(),
+    }
+
+
+def _raise_cu_seqlens(cu_seqlens: torch.Tensor, tokens: int) -> None:
+    for fault, flag in _cu_seqlens_faults(cu_seqlens, tokens).items():
+        if bool(flag):
+            shown = cu_seqlens.tolist()
+            shown = shown if len(shown) <= 12 else shown[:6] + ["..."] + shown[-6:]
+            raise ValueError(f"cu_seqlens {fault}: {shown}")
+
+
+def assert_cu_seqlens(layout: TokenLayout) -> None:
+    """The offsets' check of calls that read no value (``check_values=False``, compiled
+    calls), as :func:`assert_label_range`: offsets outside [0, N] would make the kernels
+    read outside the tensors, so they are checked on every call."""
+    if not layout.is_packed:
+        return
+    cu_seqlens = layout.cu_seqlens
+    valid = ~torch.stack(list(_cu_seqlens_faults(cu_seqlens, layout.tokens).values())).any()
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        try:
+            torch._assert_async(valid, "cu_seqlens")
+        except RuntimeError:
+            _raise_cu_seqlens(cu_seqlens, layout.tokens)
+    else:
+        torch._assert_async(valid, f"cu_seqlens must start at 0, end at N = {layout.tokens} and never decrease")
 
 
 def check_anchor(anchor) -> None:
@@ -69,27 +150,27 @@ def check_surrogate_inputs(
     response_mask: torch.Tensor,
     config: LossConfig,
     *,
+    cu_seqlens: torch.Tensor | None = None,
     check_values: bool = True,
     **batch,
-) -> None:
-    """The per-token log-probs [B, T], then the batch's other tensors
-    (:func:`check_batch_inputs`, whose keywords ``batch`` are)."""
+) -> TokenLayout:
+    """The per-token log-probs, then the batch's other tensors (:func:`check_batch_inputs`,
+    whose keywords ``batch`` are); returns the batch's layout."""
     _require_tensor("logprobs", logprobs)
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, T], got shape {_shape(logprobs)}")
+    layout = batch_layout(response_mask, cu_seqlens)
     _require_float("logprobs", logprobs)
-    _require_tensor("response_mask", response_mask)
-    if _shape(response_mask) != _shape(logprobs):
-        raise ValueError(
-            f"response_mask has shape {_shape(response_mask)}, logprobs {_shape(logprobs)}: they must match"
-        )
-    check_batch_inputs(response_mask, old_logprobs, config, inputs={"logprobs": logprobs}, **batch)
+    _require_layout_shape("logprobs", logprobs, layout)
+    check_batch_inputs(layout, response_mask, old_logprobs, config, inputs={"logprobs": logprobs}, **batch)
     if check_values:
-        _check_values(logprobs, old_logprobs, response_mask, batch.get("rewards"), batch.get("advantages"),
+        _check_values(layout, logprobs, old_logprobs, response_mask, batch.get("rewards"), batch.get("advantages"),
                       batch.get("anchor"), hadw=batch.get("anchor") is not None)
+    else:
+        assert_cu_seqlens(layout)
+    return layout
 
 
 def check_batch_inputs(
+    layout: TokenLayout,
     response_mask: torch.Tensor,
     old_logprobs: torch.Tensor | None,
     config: LossConfig,
@@ -104,15 +185,21 @@ def check_batch_inputs(
 ) -> None:
     """Shapes, dtypes and devices of a batch's tensors besides what the loss is computed
     from (``inputs``: the log-probs, or the hidden states; only their device is read
-    here), with the response mask [B, T] as the shape every per-token tensor matches."""
-    _require_tensor("response_mask", response_mask)
-    if response_mask.dim() != 2:
-        raise ValueError(f"response_mask must be [B, T], got shape {_shape(response_mask)}")
-    batch = response_mask.shape[0]
+    here), against the batch's ``layout`` (:func:`batch_layout`): per-token tensors in
+    its shape, per-response ones [S]. Options that need a layout's width are checked
+    here too."""
+    batch = layout.segments
     tensors = {**inputs, "response_mask": response_mask}
+    if layout.is_packed:
+        tensors["cu_seqlens"] = layout.cu_seqlens
     if old_logprobs is not None:
-        _require_per_token("old_logprobs", old_logprobs, response_mask)
+        _require_per_token("old_logprobs", old_logprobs, layout)
         tensors["old_logprobs"] = old_logprobs
+    if layout.is_packed and AGGREGATIONS[config.loss_agg_mode].times_max_length and config.max_response_length is None:
+        raise ValueError(
+            f"loss_agg_mode={config.loss_agg_mode!r} divides by a constant length L, which a packed batch does not "
+            "have (a padded one defaults to its width): pass max_response_length (e.g. the generation budget)"
+        )
     if (rewards is None) == (advantages is None):
         raise ValueError(
             "pass exactly one of rewards (the advantages are computed per group, groups contiguous) "
@@ -121,8 +208,7 @@ def check_batch_inputs(
     if rewards is not None:
         _require_tensor("rewards", rewards)
         _require_float("rewards", rewards)
-        if _shape(rewards) != (batch,):
-            raise ValueError(f"rewards must be [B] = [{batch}], got shape {_shape(rewards)}")
+        _require_per_segment("rewards", rewards, layout)
         if config.group_size is None:
             raise ValueError("rewards need group_size (responses per prompt, each group's rows contiguous)")
         if batch % config.group_size != 0:
@@ -134,8 +220,7 @@ def check_batch_inputs(
     else:
         _require_tensor("advantages", advantages)
         _require_float("advantages", advantages)
-        if _shape(advantages) != (batch,):
-            raise ValueError(f"advantages must be [B] = [{batch}] (one per response), got {_shape(advantages)}")
+        _require_per_segment("advantages", advantages, layout)
         if anchor is not None:
             raise ValueError(
                 "anchor applies HA-DW to advantages computed from rewards; with advantages=, fold Phi in "
@@ -146,25 +231,27 @@ def check_batch_inputs(
         tensors["advantages"] = advantages
     if group_index is not None:
         _require_tensor("group_index", group_index)
-        if _shape(group_index) != (batch,):
-            raise ValueError(f"group_index must be [B] = [{batch}], got shape {_shape(group_index)}")
+        _require_per_segment("group_index", group_index, layout)
         tensors["group_index"] = group_index
     if config.beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs (the reference policy's log-probs)")
     if ref_logprobs is not None:
-        _require_per_token("ref_logprobs", ref_logprobs, response_mask)
+        _require_per_token("ref_logprobs", ref_logprobs, layout)
         tensors["ref_logprobs"] = ref_logprobs
     if importance_weights is not None:
         _require_tensor("importance_weights", importance_weights)
         _require_float("importance_weights", importance_weights)
-        if _shape(importance_weights) not in [(batch,), _shape(response_mask)]:
+        per_response = _shape(importance_weights) == (batch,)
+        if not per_response:
+            try:
+                _require_layout_shape("importance_weights", importance_weights, layout)
+            except ValueError as error:
+                raise ValueError(f"{error}; or one weight per response, [{batch}]") from None
+        # (A packed batch of one-token segments has N = S: both readings are the same weights.)
+        if config.sequence_level and not per_response:
+            unit = "S" if layout.is_packed else "B"
             raise ValueError(
-                f"importance_weights must have shape {(batch,)} or {_shape(response_mask)}, got "
-                f"{_shape(importance_weights)}"
-            )
-        if config.sequence_level and importance_weights.dim() == 2:
-            raise ValueError(
-                f"a sequence-level loss (GSPO) takes importance_weights [B] = [{batch}], one per response, got "
+                f"a sequence-level loss (GSPO) takes importance_weights [{unit}] = [{batch}], one per response, got "
                 f"{_shape(importance_weights)}: its ratio is per response, and per-token weights would weigh each "
                 "token's share of one response's loss differently. Reduce them first (e.g. each response's mean "
                 "over its valid tokens, as TRL's sequence level does). Stricter than verl, whose GSPO multiplies "
@@ -191,7 +278,7 @@ def check_advantage_options(rewards: torch.Tensor, anchor, lambda_scale, std_eps
     check_anchor(anchor)
     if isinstance(anchor, torch.Tensor):
         anchor = anchor.to(rewards.device)  # (a 0-d CPU anchor with CUDA rewards is accepted)
-    _check_values(None, None, None, rewards, None, anchor, hadw=anchor is not None)
+    _check_values(None, None, None, None, rewards, None, anchor, hadw=anchor is not None)
 
 
 def _check_group_index(group_index: torch.Tensor, group_size: int) -> None:
@@ -217,25 +304,31 @@ def _nonfinite_at(values: torch.Tensor, masked_out: torch.Tensor) -> torch.Tenso
 
 
 def check_linear_values(
-    hidden_states, labels, vocab: int, ignore_index: int, old_logprobs, response_mask, rewards, advantages, anchor,
+    layout: TokenLayout, hidden_states, labels, vocab: int, ignore_index: int, old_logprobs, response_mask, rewards,
+    advantages, anchor,
 ) -> None:
     """The linear loss's value checks (those of :func:`check_surrogate_inputs`, labels in
-    the vocabulary, finite hidden states at response tokens) in one host read. ``labels``
-    are already ``ignore_index`` at padding."""
+    the vocabulary, finite hidden states at response tokens) in one host read.
+    ``hidden_states`` [N, H] and ``labels`` [N] are flat, the labels already
+    ``ignore_index`` at padding."""
     _check_values(
-        None, old_logprobs, response_mask, rewards, advantages, anchor, hadw=anchor is not None,
+        layout, None, old_logprobs, response_mask, rewards, advantages, anchor, hadw=anchor is not None,
         linear=(hidden_states, labels, vocab, ignore_index),
     )
 
 
 @torch.no_grad()
-def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, anchor, *, hadw: bool,
-                  linear=None) -> None:
+def _check_values(layout: TokenLayout | None, logprobs, old_logprobs, response_mask, rewards, advantages, anchor, *,
+                  hadw: bool, linear=None) -> None:
     """Every check from a few reductions read in one host synchronisation; a failure is
     then named by a precise check of its own. At 16k tokens on the CPU the checks cost as
     much as the loss did: each reduction here is one op, or two passes over the tokens.
-    ``linear``: (hidden_states, labels, vocab, ignore_index) of the linear loss, whose
-    screens join the same read."""
+    ``layout``: the batch's (its offsets join the read when packed), None without
+    per-token tensors. ``linear``: (hidden_states, labels, vocab, ignore_index) of the
+    linear loss, whose screens join the same read."""
+    if layout is not None and layout.is_packed:
+        # [N] and [1, N] may come mixed: one form for the masked checks below.
+        logprobs, old_logprobs, response_mask = (layout.flat(t) for t in (logprobs, old_logprobs, response_mask))
     if isinstance(anchor, (int, float)) and not math.isfinite(anchor):
         raise ValueError(f"anchor must be finite, got {anchor}")
     probes = {}
@@ -257,6 +350,8 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
             probes[name + "_min"], probes[name + "_max"] = torch.aminmax(values)
     if isinstance(anchor, torch.Tensor):
         probes["anchor"] = anchor
+    if layout is not None and layout.is_packed:
+        probes["cu_seqlens"] = torch.stack(list(_cu_seqlens_faults(layout.cu_seqlens, layout.tokens).values())).any()
     if linear is not None:
         hidden_states, labels, vocab, ignore_index = linear
         probes["labels"] = _out_of_range(labels, vocab, ignore_index).any()
@@ -265,6 +360,8 @@ def _check_values(logprobs, old_logprobs, response_mask, rewards, advantages, an
         return
     # 0-d each; stack promotes them to the widest dtype, so no value is rounded.
     read = dict(zip(probes, torch.stack(list(probes.values())).tolist()))
+    if read.get("cu_seqlens", 0) != 0:
+        _raise_cu_seqlens(layout.cu_seqlens, layout.tokens)
     if read.get("mask", 0) != 0:
         raise ValueError("response_mask must contain only 0 and 1")
     if not math.isfinite(read.get("tokens", 0)):
@@ -332,40 +429,48 @@ def check_linear_inputs(
     labels: torch.Tensor,
     lm_head_bias: torch.Tensor | None,
     temperature: float,
-    response_mask: torch.Tensor | None = None,
+    layout: TokenLayout | None = None,
 ) -> None:
-    """The linear inputs, and the response mask [B, T] of the hidden states' batch when
-    given (the losses'; the log-probs alone take none)."""
+    """The linear inputs: hidden states [..., H] with a label each. With the losses'
+    ``layout`` (:func:`batch_layout`) they follow its per-token shape: [B, T, H] padded,
+    [N, H] or [1, N, H] packed; the log-probs alone take any leading shape."""
     _require_tensor("hidden_states", hidden_states)
     _require_tensor("lm_head_weight", lm_head_weight)
     _require_tensor("labels", labels)
-    if hidden_states.dim() != 3:
-        raise ValueError(f"hidden_states must be [B, T, H], got shape {_shape(hidden_states)}")
+    if layout is None:
+        if hidden_states.dim() < 2:
+            raise ValueError(f"hidden_states must be [..., H] (e.g. [B, T, H] or [N, H]), got {_shape(hidden_states)}")
+        if _shape(labels) != _shape(hidden_states)[:-1]:
+            raise ValueError(f"labels must be hidden_states' shape without H, {_shape(hidden_states)[:-1]}, got "
+                             f"{_shape(labels)}")
+    elif not layout.is_packed:
+        if _shape(hidden_states)[:-1] != layout.shape or hidden_states.dim() != 3:
+            raise ValueError(f"hidden_states must be [B, T, H] with [B, T] = {layout.shape} (response_mask's "
+                             f"shape), got {_shape(hidden_states)}")
+        _require_layout_shape("labels", labels, layout)
+    else:
+        if hidden_states.dim() not in (2, 3) or _shape(hidden_states)[:-1] not in ((layout.tokens,), (1, layout.tokens)):
+            raise ValueError(
+                f"hidden_states has shape {_shape(hidden_states)}, but this call is packed (cu_seqlens given): "
+                f"they are [N, H] or [1, N, H] with N = {layout.tokens}"
+            )
+        _require_layout_shape("labels", labels, layout)
     if lm_head_weight.dim() != 2:
         raise ValueError(f"lm_head_weight must be [V, H], got shape {_shape(lm_head_weight)}")
     if lm_head_weight.shape[0] == 0:
         raise ValueError("lm_head_weight has an empty vocabulary")
     _require_float("hidden_states", hidden_states)
     _require_float("lm_head_weight", lm_head_weight)
-    if lm_head_weight.shape[1] != hidden_states.shape[2]:
+    if lm_head_weight.shape[1] != hidden_states.shape[-1]:
         raise ValueError(
             f"lm_head_weight is [V, H] = {_shape(lm_head_weight)} but hidden_states have "
-            f"H = {hidden_states.shape[2]}"
+            f"H = {hidden_states.shape[-1]}"
         )
     if hidden_states.dtype != lm_head_weight.dtype:
         raise TypeError(
             f"hidden_states ({hidden_states.dtype}) and lm_head_weight ({lm_head_weight.dtype}) "
             "must share a dtype"
         )
-    if _shape(labels) != _shape(hidden_states)[:2]:
-        raise ValueError(f"labels must be [B, T] = {_shape(hidden_states)[:2]}, got {_shape(labels)}")
-    if response_mask is not None:
-        _require_tensor("response_mask", response_mask)
-        if _shape(response_mask) != _shape(hidden_states)[:2]:
-            raise ValueError(
-                f"response_mask must be [B, T] = {_shape(hidden_states)[:2]} (hidden_states' batch), got "
-                f"{_shape(response_mask)}"
-            )
     if labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"labels must be int64 or int32, got {labels.dtype}")
     if lm_head_bias is not None:
@@ -381,5 +486,6 @@ def check_linear_inputs(
 
 
 def _check_hidden_at(hidden_states: torch.Tensor, active: torch.Tensor) -> None:
-    if bool(_nonfinite_at(hidden_states, ~active[..., None])):
+    """``hidden_states`` [N, H] finite at the ``active`` [N] rows."""
+    if bool(_nonfinite_at(hidden_states, ~active[:, None])):
         raise ValueError("hidden_states contain NaN or inf at response tokens")

@@ -15,6 +15,7 @@ import torch
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels.config import LossConfig
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
+from hadw_kernels.layout import TokenLayout
 from hadw_kernels.reference.surrogate import surrogate_loss
 
 
@@ -42,8 +43,9 @@ def main():
     baseline = _status_bytes("VmRSS")
     if path == "eager":
         logp, _ = token_logprobs_reference(h.view(-1, hidden), w, labels.view(-1))
-        loss, _ = surrogate_loss(logp.view(batch, width), old, mask, LossConfig.build("grpo", group), rewards=rewards,
-                                 anchor=0.5)
+        layout = TokenLayout.padded(batch, width, mask.device)
+        loss, _ = surrogate_loss(logp, old.view(-1), mask.view(-1), layout, LossConfig.build("grpo", group),
+                                 rewards=rewards, anchor=0.5)
     else:
         loss = fused_linear_hadw_grpo_loss(h, w, labels, old, rewards, mask, group_size=group, anchor=0.5, backend="torch")
     loss.backward()

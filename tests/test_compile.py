@@ -127,13 +127,16 @@ def test_fake_kernels_match_the_cpp_ops(with_optional):
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
     config = LossConfig.build("grpo", 2, beta=0.04 if with_optional else 0.0, entropy_coef=0.01)
-    batch, rows = 4, 4 * WIDTH
-    logprobs = -torch.rand(batch, WIDTH)
+    rows = 4 * WIDTH
+    # Four segments of uneven lengths, one empty (the ops' one layout, hadw_kernels/layout.py).
+    cu_seqlens = torch.tensor([0, WIDTH - 3, WIDTH - 3, 3 * WIDTH, rows])
+    logprobs = -torch.rand(rows)
     check("surrogate_loss", logprobs=logprobs, old_logprobs=logprobs - 0.1,
-          response_mask=torch.ones(batch, WIDTH, dtype=torch.bool), rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]),
+          response_mask=torch.rand(rows) > 0.2, cu_seqlens=cu_seqlens, rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]),
           advantages=None, anchor=torch.tensor(0.4, dtype=torch.float64) if with_optional else None,
-          ref_logprobs=logprobs + 0.05 if with_optional else None, importance_weights=None,
-          entropy=torch.rand(batch, WIDTH) if with_optional else None, **config.kernel_options(), backend="cpp")
+          ref_logprobs=logprobs + 0.05 if with_optional else None,
+          importance_weights=torch.rand(rows) + 0.5 if with_optional else None,
+          entropy=torch.rand(rows) if with_optional else None, **config.kernel_options(), backend="cpp")
     hidden, weight = torch.randn(rows, HIDDEN), torch.randn(VOCAB, HIDDEN)
     bias = torch.randn(VOCAB) if with_optional else None
     labels = torch.randint(0, VOCAB, (rows,))

@@ -51,19 +51,23 @@ def at_one_and_two_threads():
 
 def _surrogate_args(dtype=torch.float32, *, batch=16, width=300, advantages=False, sequence_level=False,
                     options=True):
-    """hadw_cpp::surrogate_loss arguments: padding, an empty response, KL, per-token
-    importance weights, entropy (options=True)."""
-    logprobs = -torch.rand(batch, width, dtype=torch.float64) * 3
-    mask = torch.rand(batch, width) > 0.2
-    mask[1] = False
+    """hadw_cpp::surrogate_loss arguments: ``batch`` segments of 0 to 2 x ``width``
+    tokens (one empty), masked tokens, KL, per-token importance weights, entropy
+    (options=True)."""
+    lengths = torch.randint(0, 2 * width + 1, (batch,))
+    lengths[1] = 0
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    tokens = int(cu_seqlens[-1])
+    logprobs = -torch.rand(tokens, dtype=torch.float64) * 3
+    mask = torch.rand(tokens) > 0.2
     rewards = torch.randint(0, 2, (batch,)).float()
     return (
-        logprobs.to(dtype), (logprobs + 0.3 * torch.randn_like(logprobs)).to(dtype), mask,
+        logprobs.to(dtype), (logprobs + 0.3 * torch.randn_like(logprobs)).to(dtype), mask, cu_seqlens,
         None if advantages else rewards, torch.randn(batch) if advantages else None,
         None if advantages else torch.tensor(0.4, dtype=torch.float64),
         (logprobs + 0.1 * torch.randn_like(logprobs)).to(dtype) if options else None,
-        (torch.rand(batch, width) + 0.5).to(dtype) if options else None,
-        torch.rand(batch, width).to(dtype) if options else None,
+        (torch.rand(tokens) + 0.5).to(dtype) if options else None,
+        torch.rand(tokens).to(dtype) if options else None,
         None if advantages else 4, True, 1e-6, 1.3,
         config.AGG_MODES.index("token-mean"), sequence_level, 0.2, 0.28, 3.0 if options else None,
         0.05 if options else 0.0, config.KL_ESTIMATORS.index("k3"), 0.01 if options else 0.0, None, None,

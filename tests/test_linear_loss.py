@@ -12,6 +12,7 @@ import torch
 from hadw_kernels import fused_linear_hadw_grpo_loss, tiled_logprobs
 from hadw_kernels.config import LossConfig
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
+from hadw_kernels.layout import TokenLayout
 from hadw_kernels.reference.surrogate import surrogate_loss
 
 
@@ -50,8 +51,8 @@ def _reference_linear_loss(h, w, labels, old, rewards, mask, config, anchor):
     batch, width, hidden = h.shape
     logp, entropy = token_logprobs_reference(h.reshape(-1, hidden), w, labels.reshape(-1), with_entropy=True)
     loss, _ = surrogate_loss(
-        logp.view(batch, width), old.to(logp.dtype), mask, config, rewards=rewards.to(logp.dtype),
-        anchor=anchor, entropy=entropy.view(batch, width),
+        logp, old.to(logp.dtype).reshape(-1), mask.reshape(-1), TokenLayout.padded(batch, width, mask.device), config,
+        rewards=rewards.to(logp.dtype), anchor=anchor, entropy=entropy,
     )
     return loss
 

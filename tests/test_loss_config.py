@@ -112,7 +112,7 @@ def test_response_mask_is_a_required_position():
 
 def test_linear_loss_checks_the_batch_against_the_hidden_states():
     data = _batch()
-    with pytest.raises(ValueError, match=r"response_mask must be \[B, T\] = \(4, 5\) \(hidden_states' batch\)"):
+    with pytest.raises(ValueError, match=r"hidden_states must be \[B, T, H\] with \[B, T\] = \(4, 4\) \(response_mask's shape\)"):
         _linear(dict(data, mask=data["mask"][:, :4]), group_size=2)
     with pytest.raises(ValueError, match=r"old_logprobs has shape \(4, 4\), response_mask \(4, 5\)"):
         _linear(dict(data, old=data["old"][:, :4]), group_size=2)

@@ -57,11 +57,12 @@ def test_outputs_do_not_depend_on_recycled_memory():
     entropy = torch.rand(8, 37, device=DEVICE)
     mask[1, 20:] = False
     mask[2] = False
+    cu_seqlens = torch.arange(9, device=DEVICE) * 37
 
     def call():
         return triton_surrogate.surrogate_forward(
-            logprobs, old, mask, rewards, None, None, None, None, entropy, 4, True, 1e-6, 1.5, 0, False,
-            0.2, 0.2, None, 0.0, 0, 0.01, None, None,
+            logprobs.view(-1), old.view(-1), mask.view(-1), cu_seqlens, rewards, None, None, None, None,
+            entropy.view(-1), 4, True, 1e-6, 1.5, 0, False, 0.2, 0.2, None, 0.0, 0, 0.01, None, None,
         )
 
     clean = call()
@@ -117,25 +118,27 @@ def test_rows_are_on_grid_axis_0(monkeypatch):
     assert recorders["_finish_kernel"].grids == [(1,), (1,)]
 
 
-def test_row_offsets_beyond_int32():
-    """Rows 2^30 + 7 elements apart: the last row starts past 2^31, where an int32
-    row * stride would wrap. Buffers are allocated lazily: only touched pages count."""
+def test_token_offsets_beyond_int32():
+    """Packed tokens 2^30 + 7 elements apart (a strided [N] view, which the loss takes
+    without a copy): the last token lies past 2^31, where an int32 token * stride would
+    wrap. Buffers are allocated lazily: only touched pages count."""
     if DEVICE != "cpu":
         pytest.skip("the lazily allocated 8 GiB buffer is a CPU trick")
-    batch, width, row_stride = 3, 5, 2**30 + 7
-    logprobs = -torch.rand(batch, width)
-    old = logprobs + 0.1 * torch.randn(batch, width)
-    mask = torch.rand(batch, width) > 0.3
+    tokens, stride = 3, 2**30 + 7
+    logprobs = -torch.rand(tokens)
+    old = logprobs + 0.1 * torch.randn(tokens)
+    mask = torch.tensor([True, False, True])
     rewards = torch.tensor([1.0, 0.0, 0.5])
-    values = torch.empty((batch - 1) * row_stride + 2 * width)
-    flags = torch.empty((batch - 1) * row_stride + width, dtype=torch.bool)
-    spread_logprobs = values.as_strided((batch, width), (row_stride, 1), 0)
-    spread_old = values.as_strided((batch, width), (row_stride, 1), width)
-    spread_mask = flags.as_strided((batch, width), (row_stride, 1))
+    values = torch.empty((tokens - 1) * stride + 2)
+    flags = torch.empty((tokens - 1) * stride + 1, dtype=torch.bool)
+    spread_logprobs = values.as_strided((tokens,), (stride,), 0)
+    spread_old = values.as_strided((tokens,), (stride,), 1)
+    spread_mask = flags.as_strided((tokens,), (stride,))
     spread_logprobs.copy_(logprobs)
     spread_old.copy_(old)
     spread_mask.copy_(mask)
-    kwargs = dict(group_size=3, anchor=0.2, backend="triton", return_metrics=True)
+    kwargs = dict(group_size=3, anchor=0.2, backend="triton", return_metrics=True,
+                  cu_seqlens=torch.arange(tokens + 1))
     dense = logprobs.clone().requires_grad_()
     spread = spread_logprobs.requires_grad_()
     expected, expected_metrics = fused_hadw_grpo_loss(dense, old, rewards, mask, **kwargs)

@@ -31,17 +31,19 @@ for module in (surrogate, linear_logprob, scale):
             setattr(module, name, Recorder(value))
 
 batch, width = 8, 64
-mask = torch.ones(batch, width, dtype=torch.bool)
+mask = torch.ones(batch * width, dtype=torch.bool)
+cu_seqlens = torch.arange(batch + 1) * width
 for dtype in (torch.bfloat16, torch.float32):
-    values = lambda: torch.zeros(batch, width, dtype=dtype)  # noqa: E731
-    for sequence_level, weights, agg_mode in ((False, torch.ones(batch, width), 0), (True, torch.ones(batch), 1),
+    values = lambda: torch.zeros(batch * width, dtype=dtype)  # noqa: E731
+    for sequence_level, weights, agg_mode in ((False, torch.ones(batch * width), 0), (True, None, 1),
                                               (False, None, 3)):
         for kl_estimator in range(4):
             surrogate.surrogate_forward(
-                values(), values(), mask, torch.zeros(batch), None, torch.tensor(0.5), values(), weights, values(),
-                4, True, 1e-6, 1.3, agg_mode, sequence_level, 0.2, 0.28, 3.0, 0.1, kl_estimator, 0.01, None, None)
+                values(), values(), mask, cu_seqlens, torch.zeros(batch), None, torch.tensor(0.5), values(), weights,
+                values(), 4, True, 1e-6, 1.3, agg_mode, sequence_level, 0.2, 0.28, 3.0, 0.1, kl_estimator, 0.01,
+                None, width)
     surrogate.surrogate_forward(
-        values(), values(), mask, None, torch.zeros(batch), None, None, None, None,
+        values(), values(), mask, cu_seqlens, None, torch.zeros(batch), None, None, None, None,
         None, False, 1e-6, 1.3, 2, False, 0.2, 0.28, None, 0.0, 2, 0.0, 10.0, 64)
     hidden = torch.zeros(batch * width, 32, dtype=dtype)
     weight = torch.zeros(100, 32, dtype=dtype)

@@ -7,6 +7,7 @@ import torch
 
 from .. import ops
 from ..config import GROUP_METRICS, METRIC_NAMES, LossConfig
+from ..layout import TokenLayout
 
 
 def name_metrics(metrics: torch.Tensor, *, with_groups: bool, with_kl: bool, with_entropy: bool) -> dict:
@@ -54,8 +55,8 @@ class KernelBackend:
         return ops.has_kernel("linear_surrogate_forward", self.name, torch.device(device).type)
 
     def surrogate_loss(
-        self, logprobs, old_logprobs, response_mask, config: LossConfig, *, rewards=None, advantages=None,
-        anchor=None, ref_logprobs=None, importance_weights=None, entropy=None,
+        self, logprobs, old_logprobs, response_mask, layout: TokenLayout, config: LossConfig, *, rewards=None,
+        advantages=None, anchor=None, ref_logprobs=None, importance_weights=None, entropy=None,
     ):
         loss, grad_logprobs, grad_entropy, metrics = ops.call(
             "surrogate_loss",
@@ -64,6 +65,7 @@ class KernelBackend:
             logprobs=logprobs.detach(),
             old_logprobs=old_logprobs.detach(),
             response_mask=response_mask,
+            cu_seqlens=layout.cu_seqlens,
             rewards=None if rewards is None else rewards.detach(),
             advantages=None if advantages is None else advantages.detach(),
             anchor=anchor_tensor(anchor, logprobs.device),

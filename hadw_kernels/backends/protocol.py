@@ -10,6 +10,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..config import LossConfig
+from ..layout import TokenLayout
 
 # (loss, metrics by name): the metrics that apply to the call, ``config.METRIC_NAMES`` order.
 LossAndMetrics = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -51,13 +52,15 @@ class Backend(Protocol):
         ...
 
     def surrogate_loss(
-        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor, config: LossConfig,
-        *, rewards: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
+        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor, layout: TokenLayout,
+        config: LossConfig, *, rewards: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
         anchor: float | torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
         importance_weights: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
     ) -> LossAndMetrics:
-        """The clipped surrogate of ``config`` on per-token log-probs [B, T], differentiable
-        with respect to ``logprobs`` and ``entropy``; inputs are already validated."""
+        """The clipped surrogate of ``config`` on per-token log-probs [N] in ``layout``'s
+        segments (per-token tensors [N], importance weights per token, rewards and
+        advantages [S]), differentiable with respect to ``logprobs`` and ``entropy``;
+        inputs are already validated."""
         ...
 
     def token_logprobs(

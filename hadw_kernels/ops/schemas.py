@@ -1,6 +1,7 @@
 """The op schemas, defined once, and their fake (meta) implementations.
 
-    hadw::surrogate_loss             the clipped surrogate from log-probs: loss, its
+    hadw::surrogate_loss             the clipped surrogate from log-probs [N] in segments
+                                     (cu_seqlens, hadw_kernels/layout.py): loss, its
                                      gradient (formed in the forward), metrics
     hadw::linear_logprob_forward     log-probs (and entropy) from hidden states and the
     hadw::linear_logprob_backward    LM head, tile by tile; backward recomputes the logits
@@ -66,7 +67,7 @@ def call(name: str, **arguments):
     return getattr(torch.ops.hadw, name)(*(arguments[key] for key in names))
 
 
-def _surrogate_fake(logprobs, old_logprobs, response_mask, rewards, advantages, anchor, ref_logprobs,
+def _surrogate_fake(logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, anchor, ref_logprobs,
                     importance_weights, entropy, *_options):
     accumulate = accumulate_dtype(logprobs.dtype)
     return (

@@ -8,7 +8,8 @@ _PER_TOKEN_OPTIONS = (
 )
 SIGNATURES = {
     "surrogate_loss": (
-        "(Tensor logprobs, Tensor old_logprobs, Tensor response_mask, Tensor? rewards, Tensor? advantages, "
+        "(Tensor logprobs, Tensor old_logprobs, Tensor response_mask, Tensor cu_seqlens, Tensor? rewards, "
+        "Tensor? advantages, "
         "Tensor? anchor, Tensor? ref_logprobs, Tensor? importance_weights, Tensor? entropy, int? group_size, "
         "bool normalize_std, float std_eps, float lambda_scale, int loss_agg_mode, bool sequence_level, "
         f"{_PER_TOKEN_OPTIONS}, float? loss_normalizer, int? max_response_length)",

@@ -14,6 +14,7 @@ import torch
 
 from ..advantage import group_advantages, hadw_weights
 from ..config import AGGREGATIONS, K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LOG_RATIO_CLAMP, METRIC_NAMES, LossConfig
+from ..layout import TokenLayout
 from ..precision import accumulate_dtype
 
 
@@ -41,22 +42,24 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     return (torch.expm1(ref_delta) - ref_delta).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """Reduces per-token values [B, T] to the loss by ``config.loss_agg_mode``:
-    sum_i w_i sum_t v_it over the valid tokens, w from :func:`agg_weights`."""
-    sums = torch.where(mask, values, torch.zeros_like(values)).sum(dim=-1)
-    return (sums * agg_weights(mask, config).to(sums.dtype)).sum()
+def aggregate(values: torch.Tensor, mask: torch.Tensor, layout: TokenLayout, config: LossConfig) -> torch.Tensor:
+    """Reduces per-token values [N] to the loss by ``config.loss_agg_mode``:
+    sum_i w_i sum_t v_it over the valid tokens of each segment, w from :func:`agg_weights`."""
+    sums = layout.segment_sum(torch.where(mask, values, torch.zeros_like(values)))
+    return (sums * agg_weights(mask, layout, config).to(sums.dtype)).sum()
 
 
-def agg_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """w_i [B]: the weight of each valid token of response i, by the mode's row of
-    :data:`config.AGGREGATIONS`. Float64, for the kernels that take it."""
+def agg_weights(mask: torch.Tensor, layout: TokenLayout, config: LossConfig) -> torch.Tensor:
+    """w_i [S]: the weight of each valid token of response i, by the mode's row of
+    :data:`config.AGGREGATIONS`. Float64, for the kernels that take it. The constant L of
+    ``times_max_length`` is ``config.max_response_length``, which the losses resolve
+    (the mask width of a padded batch by default)."""
     rule = AGGREGATIONS[config.loss_agg_mode]
-    lengths = mask.sum(dim=-1).to(torch.float64)
+    lengths = layout.segment_sum(mask).to(torch.float64)
     if rule.count == "tokens":
         count = config.loss_normalizer or lengths.sum().clamp(min=1)
     elif rule.count == "responses":
-        count = config.loss_normalizer or max(mask.shape[0], 1)
+        count = config.loss_normalizer or max(layout.segments, 1)
     elif rule.count == "one":
         count = config.loss_normalizer or 1
     else:
@@ -65,7 +68,7 @@ def agg_weights(mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
     if rule.per_response_mean:
         weights = weights / lengths.clamp(min=1)
     if rule.times_max_length:
-        weights = weights / (config.max_response_length or max(mask.shape[1], 1))
+        weights = weights / config.max_response_length
     return weights
 
 
@@ -98,6 +101,7 @@ def surrogate_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     response_mask: torch.Tensor,
+    layout: TokenLayout,
     config: LossConfig,
     *,
     rewards: torch.Tensor | None = None,
@@ -109,10 +113,11 @@ def surrogate_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and its metrics. Inputs are assumed validated (see ``validation``).
 
-    Exactly one of ``rewards`` (each group's ``config.group_size`` responses
-    contiguous) and ``advantages`` [B] is given. ``importance_weights`` are the rollout
-    engine's correction, [B, T] per token or [B] per response; ``entropy`` [B, T] enters
-    as ``- entropy_coef * aggregate(entropy)``.
+    Per-token tensors are [N] in ``layout``'s segments (one response each); exactly one
+    of ``rewards`` [S] (each group's ``config.group_size`` segments contiguous) and
+    ``advantages`` [S] is given. ``importance_weights`` [N] are the rollout engine's
+    correction per token (a per-response weight repeated over its tokens); ``entropy``
+    [N] enters as ``- entropy_coef * aggregate(entropy)``.
 
     Sequence level (GSPO) follows verl: every token carries the response's ratio
     s_i = exp(mean log-ratio), and its gradient flows through that token's own log-prob
@@ -123,18 +128,15 @@ def surrogate_loss(
     old_logprobs = old_logprobs.detach()
     advantage, phi = weighted_advantages(rewards, advantages, config, anchor)
     advantage = advantage.to(torch.promote_types(advantage.dtype, logprobs.dtype))
-    weights = None
-    if importance_weights is not None:
-        weights = importance_weights.detach()
-        weights = weights if weights.dim() == 2 else weights[:, None]
+    token_advantage = layout.expand(advantage)
 
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
     token_log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    lengths = mask.sum(dim=-1)
     if config.sequence_level:
-        sequence_log_ratio = log_ratio.sum(dim=-1) / lengths.clamp(min=1)
+        lengths = layout.segment_sum(mask)
+        sequence_log_ratio = layout.segment_sum(log_ratio) / lengths.clamp(min=1)
         own_token = torch.where(mask, logprobs - logprobs.detach(), torch.zeros_like(logprobs))
-        carried = (own_token + sequence_log_ratio.detach()[:, None]).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        carried = (own_token + layout.expand(sequence_log_ratio.detach())).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = torch.exp(carried)
         ratio_mask = lengths > 0
         metric_ratio = torch.exp(sequence_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -143,11 +145,11 @@ def surrogate_loss(
         ratio = torch.exp(token_log_ratio)
         ratio_mask = mask
         metric_ratio = ratio.detach()
-        signed_advantage = advantage[:, None].expand_as(ratio)
-    per_token = clipped_objective(ratio, advantage[:, None], config)
-    if weights is not None:
-        per_token = per_token * weights
-    loss = aggregate(per_token, mask, config)
+        signed_advantage = token_advantage
+    per_token = clipped_objective(ratio, token_advantage, config)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights.detach()
+    loss = aggregate(per_token, mask, layout, config)
 
     metrics: dict[str, torch.Tensor] = {}
     if config.beta > 0:
@@ -156,11 +158,11 @@ def surrogate_loss(
         ref_kl = kl_estimate(
             torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs.detach(), zero), config.kl_estimator
         )
-        loss = loss + config.beta * aggregate(ref_kl, mask, config)
+        loss = loss + config.beta * aggregate(ref_kl, mask, layout, config)
         metrics["ref_kl"] = _masked_mean(ref_kl.detach(), mask)
     if entropy is not None:
         if config.entropy_coef > 0:
-            loss = loss - config.entropy_coef * aggregate(entropy, mask, config)
+            loss = loss - config.entropy_coef * aggregate(entropy, mask, layout, config)
         metrics["entropy_mean"] = _masked_mean(entropy.detach(), mask)
 
     with torch.no_grad():

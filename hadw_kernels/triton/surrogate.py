@@ -4,16 +4,20 @@ pass over the tokens.
 
 Launches, in stream order, none of which reads a value back to the host:
 
-1. ``_lengths_kernel``, one program per response: its valid-token count, and the call's
-   token count (an exact int64 atomic) that ``token-mean`` divides by.
+1. ``_lengths_kernel``, one program per response (segment): its valid-token count, and
+   the call's token count (an exact int64 atomic) that ``token-mean`` divides by.
 2. ``_group_kernel`` (advantages from rewards only), one program per group: mean and
    unbiased std, A_hat, Phi from the anchor (read from device memory), A = A_hat * Phi.
-3. ``_surrogate_kernel``, one program per response on grid axis 0 (2^31 - 1 programs):
+3. ``_surrogate_kernel``, one program per segment on grid axis 0 (2^31 - 1 programs):
    each token's contribution to the loss, d loss / d logprobs and d loss / d entropy,
    and the response's metric partial sums. Sequence level (GSPO) first reads the
    response once for its mean log-ratio.
 4. ``_finish_kernel``, one program: sums the per-response partials in a fixed order
    (deterministic, unlike float atomics) into the loss and the metrics vector.
+
+The tokens come flat, [N], in segments of one response each (``cu_seqlens``,
+hadw_kernels/layout.py): a program streams its segment's tokens, so a padded [B, T] batch
+(B segments of T) and a packed one run the same kernels.
 
 The per-token formulas (``policy_term``, ``kl_term``, ``aggregation_weight``) are shared with
 the gradients-in-forward linear kernels (``linear_logprob.py``). All arithmetic is in
@@ -71,11 +75,6 @@ _M_PHI = _METRIC["phi_mean"]
 _M_ZERO_STD = _METRIC["zero_std_frac"]
 _M_REF_KL = _METRIC["ref_kl"]
 _M_ENTROPY = _METRIC["entropy_mean"]
-
-# Importance weights: none, [B, T] or [B].
-_NO_IMPORTANCE = tl.constexpr(0)
-_TOKEN_IMPORTANCE = tl.constexpr(1)
-_RESPONSE_IMPORTANCE = tl.constexpr(2)
 
 _KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
 _KL_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
@@ -216,15 +215,14 @@ def aggregation_weight(length, token_count_ptr, denominator, PER_RESPONSE_MEAN: 
 
 
 @triton.jit
-def _lengths_kernel(
-    mask_ptr, stride_mask_row, stride_mask_col, length_ptr, token_count_ptr, width, BLOCK_T: tl.constexpr,
-):
+def _lengths_kernel(mask_ptr, stride_mask, offsets_ptr, length_ptr, token_count_ptr, BLOCK_T: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    first = tl.load(offsets_ptr + row)
+    end = tl.load(offsets_ptr + row + 1)
     count = tl.zeros([BLOCK_T], dtype=tl.int32)
-    for start in range(0, width, BLOCK_T):
-        cols = start + tl.arange(0, BLOCK_T)
-        valid = tl.load(mask_ptr + row * stride_mask_row + cols.to(tl.int64) * stride_mask_col, mask=cols < width,
-                        other=0) != 0
+    for start in range(first, end, BLOCK_T):
+        tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
+        valid = tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0
         count += valid.to(tl.int32)
     length = tl.sum(count, axis=0)
     tl.store(length_ptr + row, length)
@@ -269,15 +267,15 @@ def _group_kernel(
 
 @triton.jit
 def _surrogate_kernel(
-    logprobs_ptr, stride_logprobs_row, stride_logprobs_col,
-    old_ptr, stride_old_row, stride_old_col,
-    mask_ptr, stride_mask_row, stride_mask_col,
-    ref_ptr, stride_ref_row, stride_ref_col,
-    importance_ptr, stride_importance_row, stride_importance_col,
-    entropy_ptr, stride_entropy_row, stride_entropy_col,
+    logprobs_ptr, stride_logprobs,
+    old_ptr, stride_old,
+    mask_ptr, stride_mask,
+    ref_ptr, stride_ref,
+    importance_ptr, stride_importance,
+    entropy_ptr, stride_entropy,
+    offsets_ptr,
     advantage_ptr, stride_advantage, length_ptr, token_count_ptr,
     grad_logprobs_ptr, grad_entropy_ptr, partials_ptr,
-    width,
     ratio_low: tl.float64, ratio_high: tl.float64, beta: tl.float64, dual_clip: tl.float64,
     entropy_coef: tl.float64, denominator: tl.float64,
     SEQUENCE_LEVEL: tl.constexpr,
@@ -286,14 +284,16 @@ def _surrogate_kernel(
     HAS_DUAL_CLIP: tl.constexpr,
     HAS_KL: tl.constexpr,
     KL_ESTIMATOR: tl.constexpr,
-    IMPORTANCE: tl.constexpr,
+    HAS_IMPORTANCE: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """One response. Sequence level (verl's GSPO): every token carries the response's
-    ratio s_i and the gradient through its own log-prob, d s_it / d logp_t = s_i, so a
-    token's gradient has the token-level form with rho = s_i."""
+    """One response: the tokens of its segment. Sequence level (verl's GSPO): every token
+    carries the response's ratio s_i and the gradient through its own log-prob,
+    d s_it / d logp_t = s_i, so a token's gradient has the token-level form with rho = s_i."""
     row = tl.program_id(0).to(tl.int64)
+    first = tl.load(offsets_ptr + row)
+    end = tl.load(offsets_ptr + row + 1)
     compute = grad_logprobs_ptr.dtype.element_ty
     ratio_low = tl.full([], ratio_low, compute)
     ratio_high = tl.full([], ratio_high, compute)
@@ -306,20 +306,15 @@ def _surrogate_kernel(
     length = tl.load(length_ptr + row)
     agg_weight = aggregation_weight(length, token_count_ptr, tl.full([], denominator, compute), PER_RESPONSE_MEAN,
                                     COUNT_TOKENS)
-    if IMPORTANCE == _RESPONSE_IMPORTANCE:
-        response_importance = tl.load(importance_ptr + row * stride_importance_row).to(compute)
-    row_logprobs = logprobs_ptr + row * stride_logprobs_row
-    row_old = old_ptr + row * stride_old_row
-    row_mask = mask_ptr + row * stride_mask_row
 
     approx_kl = tl.zeros([BLOCK_T], compute)
     if SEQUENCE_LEVEL:
         log_ratio_sum = tl.zeros([BLOCK_T], compute)
-        for start in range(0, width, BLOCK_T):
-            cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
-            valid = tl.load(row_mask + cols * stride_mask_col, mask=cols < width, other=0) != 0
-            logprobs = tl.load(row_logprobs + cols * stride_logprobs_col, mask=valid, other=0.0).to(compute)
-            old = tl.load(row_old + cols * stride_old_col, mask=valid, other=0.0).to(compute)
+        for start in range(first, end, BLOCK_T):
+            tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
+            valid = tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0
+            logprobs = tl.load(logprobs_ptr + tokens * stride_logprobs, mask=valid, other=0.0).to(compute)
+            old = tl.load(old_ptr + tokens * stride_old, mask=valid, other=0.0).to(compute)
             log_ratio = logprobs - old
             log_ratio_sum += log_ratio
             approx_kl += tl.where(valid, exp_minus_one_minus_x(clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)),
@@ -335,18 +330,18 @@ def _surrogate_kernel(
     ratio_sum = tl.zeros([BLOCK_T], compute)
     ref_kl = tl.zeros([BLOCK_T], compute)
     entropy_sum = tl.zeros([BLOCK_T], compute)
-    for start in range(0, width, BLOCK_T):
-        cols = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
-        inside = cols < width
-        valid = tl.load(row_mask + cols * stride_mask_col, mask=inside, other=0) != 0
+    for start in range(first, end, BLOCK_T):
+        tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
+        inside = tokens < end
+        valid = tl.load(mask_ptr + tokens * stride_mask, mask=inside, other=0) != 0
         if SEQUENCE_LEVEL:
             objective = sequence_objective
             grad = sequence_grad
             if HAS_KL:
-                logprobs = tl.load(row_logprobs + cols * stride_logprobs_col, mask=valid, other=0.0).to(compute)
+                logprobs = tl.load(logprobs_ptr + tokens * stride_logprobs, mask=valid, other=0.0).to(compute)
         else:
-            logprobs = tl.load(row_logprobs + cols * stride_logprobs_col, mask=valid, other=0.0).to(compute)
-            old = tl.load(row_old + cols * stride_old_col, mask=valid, other=0.0).to(compute)
+            logprobs = tl.load(logprobs_ptr + tokens * stride_logprobs, mask=valid, other=0.0).to(compute)
+            old = tl.load(old_ptr + tokens * stride_old, mask=valid, other=0.0).to(compute)
             log_ratio = logprobs - old
             objective, grad, ratio = policy_term(log_ratio, advantage, ratio_low, ratio_high, dual_clip,
                                                  HAS_DUAL_CLIP)
@@ -355,30 +350,22 @@ def _surrogate_kernel(
             clip_low += (valid & (ratio < ratio_low) & (advantage < 0)).to(compute)
             clip_high += (valid & (ratio > ratio_high) & (advantage > 0)).to(compute)
             ratio_sum += tl.where(valid, ratio, 0.0)
-        if IMPORTANCE == _TOKEN_IMPORTANCE:
-            token_importance = tl.load(
-                importance_ptr + row * stride_importance_row + cols * stride_importance_col, mask=valid, other=0.0
-            ).to(compute)
+        if HAS_IMPORTANCE:
+            token_importance = tl.load(importance_ptr + tokens * stride_importance, mask=valid, other=0.0).to(compute)
             objective *= token_importance
             grad *= token_importance
-        elif IMPORTANCE == _RESPONSE_IMPORTANCE:
-            objective *= response_importance
-            grad *= response_importance
         if HAS_KL:
-            ref = tl.load(ref_ptr + row * stride_ref_row + cols * stride_ref_col, mask=valid, other=0.0).to(compute)
+            ref = tl.load(ref_ptr + tokens * stride_ref, mask=valid, other=0.0).to(compute)
             kl, kl_slope = kl_term(logprobs, ref, KL_ESTIMATOR)
             objective += beta * kl
             grad += beta * kl_slope
             ref_kl += tl.where(valid, kl, 0.0)
         if HAS_ENTROPY:
-            entropy = tl.load(
-                entropy_ptr + row * stride_entropy_row + cols * stride_entropy_col, mask=valid, other=0.0
-            ).to(compute)
+            entropy = tl.load(entropy_ptr + tokens * stride_entropy, mask=valid, other=0.0).to(compute)
             objective -= entropy_coef * entropy
             entropy_sum += tl.where(valid, entropy, 0.0)
-            tl.store(grad_entropy_ptr + row * width + cols, tl.where(valid, -entropy_coef * agg_weight, 0.0),
-                     mask=inside)
-        tl.store(grad_logprobs_ptr + row * width + cols, tl.where(valid, grad * agg_weight, 0.0), mask=inside)
+            tl.store(grad_entropy_ptr + tokens, tl.where(valid, -entropy_coef * agg_weight, 0.0), mask=inside)
+        tl.store(grad_logprobs_ptr + tokens, tl.where(valid, grad * agg_weight, 0.0), mask=inside)
         objective_sum += tl.where(valid, objective, 0.0)
 
     partials = partials_ptr + row * _PARTIALS_WIDTH
@@ -468,7 +455,8 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
 
 
 def _token_launch(width: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_T, num_warps) for the per-response kernels (docs/triton-surrogate.md).
+    """(BLOCK_T, num_warps) for the per-response kernels (docs/triton-surrogate.md), for
+    segments of ``width`` tokens on average (a padded batch's: its width).
 
     One program streams one response. Hopper (sm_90) needs about twice Ampere's bytes
     in flight per SM to cover its bandwidth, so its tile is twice as wide. Four tokens
@@ -482,31 +470,31 @@ def _token_launch(width: int, device: torch.device) -> tuple[int, int]:
 _FINISH_BLOCK_ROWS = 256
 
 
-def _strides_2d(tensor: torch.Tensor | None) -> tuple[int, int]:
-    return (0, 0) if tensor is None else (tensor.stride(0), tensor.stride(1))
-
-
 def device_guard(device: torch.device):
     # Triton launches on the current CUDA device: make it the tensors' one.
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def aggregation(
-    loss_agg_mode: int, loss_normalizer: float | None, max_response_length: int | None, batch: int, width: int
+    loss_agg_mode: int, loss_normalizer: float | None, max_response_length: int | None, segments: int
 ) -> tuple[float, bool, bool]:
     """(denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of ``aggregation_weight`` for an
-    aggregation mode, from its row of config.AGGREGATIONS (reference.surrogate.agg_weights)."""
+    aggregation mode, from its row of config.AGGREGATIONS (reference.surrogate.agg_weights).
+    The constant L of ``times_max_length`` arrives resolved (the losses default it to a
+    padded batch's width)."""
     rule = AGGREGATIONS[AGG_MODES[loss_agg_mode]]
     count_tokens = rule.count == "tokens" and loss_normalizer is None
     if count_tokens and (rule.per_response_mean or rule.times_max_length):
         # aggregation_weight's device count stands alone: teach it the other factors first.
         raise NotImplementedError(f"the Triton surrogate cannot weigh {AGG_MODES[loss_agg_mode]!r} yet")
     if rule.count == "responses":
-        denominator = loss_normalizer or float(max(batch, 1))
+        denominator = loss_normalizer or float(max(segments, 1))
     else:  # "tokens" (counted on the device unless normalised) or "one"
         denominator = loss_normalizer or 1.0
     if rule.times_max_length:
-        denominator *= float(max_response_length or max(width, 1))
+        if max_response_length is None:
+            raise ValueError(f"loss_agg_mode {AGG_MODES[loss_agg_mode]!r} needs max_response_length")
+        denominator *= float(max_response_length)
     return denominator, rule.per_response_mean, count_tokens
 
 
@@ -514,55 +502,55 @@ def aggregation(
 
 
 def surrogate_forward(
-    logprobs, old_logprobs, response_mask, rewards, advantages, anchor, ref_logprobs, importance_weights, entropy,
-    group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, sequence_level,
+    logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, anchor, ref_logprobs, importance_weights,
+    entropy, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, sequence_level,
     epsilon_low, epsilon_high, dual_clip, beta, kl_estimator, entropy_coef, loss_normalizer, max_response_length,
 ):
     """``hadw::surrogate_loss`` (schema in ``ops.schemas``): the loss, its gradient with
     respect to the log-probs and the entropy, and the metrics in METRIC_NAMES order.
 
-    Inputs are assumed validated (``validation``). Only shapes and Python scalars steer
-    the launches; no tensor value reaches the host.
+    Inputs are assumed validated (``validation``): per-token tensors [N] in the segments
+    of ``cu_seqlens`` [S+1], rewards or advantages [S]. Only shapes and Python scalars
+    steer the launches; no tensor value reaches the host.
     """
-    batch, width = logprobs.shape
+    (tokens,) = logprobs.shape
+    segments = cu_seqlens.shape[0] - 1
     device = logprobs.device
     compute = accumulate_dtype(logprobs.dtype)
-    # The kernels write every element of the outputs (of an empty batch, there are none
+    # The kernels write every element of the outputs (without segments, there are none
     # but the loss and the metrics, zeros): no fill launches before them.
-    allocate = torch.zeros if batch == 0 else torch.empty
-    grad_logprobs = allocate((batch, width), dtype=compute, device=device)
-    grad_entropy = allocate((batch, width) if entropy is not None else (0,), dtype=compute, device=device)
+    allocate = torch.zeros if segments == 0 else torch.empty
+    grad_logprobs = allocate((tokens,), dtype=compute, device=device)
+    grad_entropy = allocate((tokens,) if entropy is not None else (0,), dtype=compute, device=device)
     loss = allocate((), dtype=compute, device=device)
     metrics = allocate(len(METRIC_NAMES), dtype=torch.float32, device=device)
-    if batch == 0:
+    has_groups = advantages is None
+    groups = segments // group_size if has_groups else 0
+    group_stats = torch.empty((max(groups, 1), 2), dtype=torch.float32, device=device)
+    if has_groups:
+        # At least the compute dtype: float64 log-probs with float32 rewards get float64 advantages.
+        advantages = torch.empty(segments, dtype=torch.promote_types(rewards.dtype, compute), device=device)
+    if segments == 0:
         return loss, grad_logprobs, grad_entropy, metrics
 
     # bool storage read as bytes: one byte per token, and any dtype works through `!= 0`.
     mask = response_mask.view(torch.uint8) if response_mask.dtype == torch.bool else response_mask
+    offsets = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
     denominator, per_response_mean, count_tokens = aggregation(
-        loss_agg_mode, loss_normalizer, max_response_length, batch, width
+        loss_agg_mode, loss_normalizer, max_response_length, segments
     )
     has_kl = beta > 0
-    lengths = torch.empty(batch, dtype=torch.int32, device=device)
+    lengths = torch.empty(segments, dtype=torch.int32, device=device)
     token_count = torch.zeros((), dtype=torch.int64, device=device)
-    partials = torch.empty((batch, _PARTIALS_WIDTH.value), dtype=compute, device=device)
-    has_groups = advantages is None
-    groups = batch // group_size if has_groups else 0
-    group_stats = torch.empty((max(groups, 1), 2), dtype=torch.float32, device=device)
-    if has_groups:
-        # At least the compute dtype: float64 log-probs with float32 rewards get float64 advantages.
-        advantages = torch.empty(batch, dtype=torch.promote_types(rewards.dtype, compute), device=device)
-    if importance_weights is None:
-        importance_layout, importance_strides = _NO_IMPORTANCE, (0, 0)
-    elif importance_weights.dim() == 2:
-        importance_layout, importance_strides = _TOKEN_IMPORTANCE, _strides_2d(importance_weights)
-    else:
-        importance_layout, importance_strides = _RESPONSE_IMPORTANCE, (importance_weights.stride(0), 0)
-    block_t, num_warps = _token_launch(width, device)
+    partials = torch.empty((segments, _PARTIALS_WIDTH.value), dtype=compute, device=device)
+    block_t, num_warps = _token_launch(-(-tokens // max(segments, 1)), device)
+
+    def stride(tensor):
+        return 0 if tensor is None else tensor.stride(0)
 
     with device_guard(device):
-        _lengths_kernel[(batch,)](
-            mask, *_strides_2d(mask), lengths, token_count, width, BLOCK_T=block_t, num_warps=num_warps,
+        _lengths_kernel[(segments,)](
+            mask, stride(mask), offsets, lengths, token_count, BLOCK_T=block_t, num_warps=num_warps,
         )
         if has_groups:
             _group_kernel[(groups,)](
@@ -571,16 +559,16 @@ def surrogate_forward(
                 NORMALIZE_STD=normalize_std, HAS_ANCHOR=anchor is not None,
                 BLOCK_G=triton.next_power_of_2(group_size), num_warps=4,
             )
-        _surrogate_kernel[(batch,)](
-            logprobs, *_strides_2d(logprobs),
-            old_logprobs, *_strides_2d(old_logprobs),
-            mask, *_strides_2d(mask),
-            ref_logprobs if has_kl else None, *_strides_2d(ref_logprobs if has_kl else None),
-            importance_weights, *importance_strides,
-            entropy, *_strides_2d(entropy),
+        _surrogate_kernel[(segments,)](
+            logprobs, stride(logprobs),
+            old_logprobs, stride(old_logprobs),
+            mask, stride(mask),
+            ref_logprobs if has_kl else None, stride(ref_logprobs if has_kl else None),
+            importance_weights, stride(importance_weights),
+            entropy, stride(entropy),
+            offsets,
             advantages, advantages.stride(0), lengths, token_count,
             grad_logprobs, grad_entropy, partials,
-            width,
             ratio_low=1.0 - epsilon_low,
             ratio_high=1.0 + epsilon_high,
             beta=float(beta),
@@ -593,14 +581,14 @@ def surrogate_forward(
             HAS_DUAL_CLIP=dual_clip is not None,
             HAS_KL=has_kl,
             KL_ESTIMATOR=kl_estimator,
-            IMPORTANCE=importance_layout,
+            HAS_IMPORTANCE=importance_weights is not None,
             HAS_ENTROPY=entropy is not None,
             BLOCK_T=block_t,
             num_warps=num_warps,
         )
         _finish_kernel[(1,)](
             partials, group_stats, loss, metrics,
-            batch, groups,
+            segments, groups,
             HAS_GROUPS=has_groups, BLOCK_ROWS=_FINISH_BLOCK_ROWS, num_warps=4,
         )
     return loss, grad_logprobs, grad_entropy, metrics

@@ -8,6 +8,7 @@ every per-token input (masked positions must never reach an output).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -15,7 +16,8 @@ import torch
 
 from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from hadw_kernels.backends import load_backend
-from hadw_kernels.config import IGNORE_INDEX, LOSS_PRESETS, LossConfig
+from hadw_kernels.config import AGGREGATIONS, IGNORE_INDEX, LOSS_PRESETS, LossConfig
+from hadw_kernels.layout import TokenLayout
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
 from hadw_kernels.reference.surrogate import surrogate_loss as reference_surrogate
 
@@ -178,16 +180,28 @@ def run_surrogate_op_with_entropy(backend: str, logprobs, entropy, response_mask
     )
     logprobs = logprobs.detach().requires_grad_()
     entropy = entropy.detach().requires_grad_()
-    old = kwargs.pop("old_logprobs", None)
     run = reference_surrogate if backend == "reference" else load_backend(backend).surrogate_loss
-    loss, metrics = run(
-        logprobs, logprobs.detach() if old is None else old, response_mask, config, entropy=entropy, **kwargs
-    )
+    loss, metrics = run_padded_op(run, logprobs, response_mask, config, entropy=entropy, **kwargs)
     (loss * UPSTREAM).backward()
     return Outputs({"loss": loss.detach(), "grad_logprobs": logprobs.grad, "grad_entropy": entropy.grad}, metrics)
 
 
 _TENSOR_KEYS = {"old_logprobs", "rewards", "advantages", "anchor", "ref_logprobs", "importance_weights"}
+
+
+def run_padded_op(run, logprobs, response_mask, config, *, entropy=None, old_logprobs=None, ref_logprobs=None,
+                  importance_weights=None, **per_response):
+    """A backend's (or the reference's) surrogate on a padded [B, T] batch, flattened onto
+    its token layout as the losses do; ``config``'s L resolved to the width."""
+    layout = TokenLayout.padded(*response_mask.shape, response_mask.device)
+    if AGGREGATIONS[config.loss_agg_mode].times_max_length and config.max_response_length is None:
+        config = dataclasses.replace(config, max_response_length=max(response_mask.shape[1], 1))
+    flat = layout.flat
+    return run(
+        flat(logprobs), flat(logprobs.detach() if old_logprobs is None else old_logprobs), flat(response_mask),
+        layout, config, entropy=flat(entropy), ref_logprobs=flat(ref_logprobs),
+        importance_weights=layout.per_token(importance_weights), **per_response,
+    )
 
 
 # --- linear -------------------------------------------------------------------------------
@@ -235,14 +249,14 @@ def mask_vocabulary(data: dict) -> dict:
 
 
 def run_linear_loss(backend: str, hidden_states, lm_head_weight, labels, response_mask, kwargs, *,
-                    lm_head_bias=None, linear_path="auto", upstream=UPSTREAM) -> Outputs:
+                    lm_head_bias=None, linear_path="auto", upstream=UPSTREAM, cu_seqlens=None) -> Outputs:
     leaves = [hidden_states.detach().requires_grad_(), lm_head_weight.detach().requires_grad_()]
     if lm_head_bias is not None:
         leaves.append(lm_head_bias.detach().requires_grad_())
     loss, metrics = fused_linear_hadw_grpo_loss(
         leaves[0], leaves[1], labels, response_mask=response_mask, lm_head_bias=leaves[2] if lm_head_bias is not None
         else None, return_metrics=True, backend=backend, linear_path=linear_path, block_rows=BLOCK_ROWS, check_values=False,
-        **with_required(kwargs),
+        cu_seqlens=cu_seqlens, **with_required(kwargs),
     )
     (loss if upstream == 1 else loss * upstream).backward()
     values = {"loss": loss.detach(), "grad_hidden": leaves[0].grad, "grad_weight": leaves[1].grad}
@@ -279,10 +293,7 @@ def reference_linear_loss(hidden_states, lm_head_weight, labels, response_mask, 
         loss_type, kwargs.pop("group_size", None), entropy_coef=entropy_coef,
         **{key: kwargs.pop(key) for key in list(kwargs) if key not in _TENSOR_KEYS},
     )
-    old = kwargs.pop("old_logprobs", None)
-    loss, metrics = reference_surrogate(
-        logprobs, logprobs.detach() if old is None else old, mask, config, entropy=entropy, **kwargs
-    )
+    loss, metrics = run_padded_op(reference_surrogate, logprobs, mask, config, entropy=entropy, **kwargs)
     (loss * UPSTREAM).backward()
     values = {"loss": loss.detach(), "grad_hidden": leaves[0].grad, "grad_weight": leaves[1].grad}
     if bias is not None:
@@ -314,3 +325,69 @@ def run_token_logprobs(backend: str, hidden_states, lm_head_weight, labels, upst
     names = ["grad_hidden", "grad_weight", "grad_bias"]
     values = {"logprobs": logprobs.detach(), "entropy": entropy.detach(), **dict(zip(names, grads))}
     return Outputs(values, {})
+
+
+# --- packed (padding-free) ------------------------------------------------------------------
+
+PER_TOKEN_KEYS = ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "token_importance_weights", "response_mask")
+
+
+@dataclass
+class PackedBatch:
+    """A padded batch's responses packed into segments: per-token tensors [N] (the
+    padded ones' valid tokens, each segment led by a prompt of masked tokens that holds
+    NaN and inf), ``cu_seqlens`` [S+1] (int64), per-response tensors unchanged, and
+    where each padded position went (``padded_index`` [N], -1 for a prompt token)."""
+
+    tensors: dict
+    cu_seqlens: torch.Tensor
+    padded_index: torch.Tensor
+
+    def unpack(self, per_token: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """A packed per-token output [N] at the padded positions ([B, T], zero elsewhere)."""
+        out = torch.zeros(shape[0] * shape[1], dtype=per_token.dtype, device=per_token.device)
+        taken = self.padded_index >= 0
+        out[self.padded_index[taken].to(out.device)] = per_token[taken.to(per_token.device)]
+        return out.view(shape)
+
+
+def pack(batch: dict, seed: int, *, empty_segments: str = "prompt_only") -> PackedBatch:
+    """``batch`` (from :func:`surrogate_batch`) packed row by row: segment i is a prompt
+    of 0 to 3 masked tokens, then row i's valid tokens. A response with no token is a
+    segment of its prompt alone (``empty_segments="prompt_only"``) or of no token at all
+    (``"zero_length"``)."""
+    generator = torch.Generator().manual_seed(1000 + seed)
+    mask = batch["response_mask"]
+    rows, width = mask.shape
+    pieces = {key: [] for key in PER_TOKEN_KEYS}
+    index, lengths = [], []
+    for row in range(rows):
+        valid = mask[row].nonzero().flatten()
+        prompt = int(torch.randint(0, 4, (), generator=generator))
+        if valid.numel() == 0 and empty_segments == "zero_length":
+            prompt = 0
+        for key in PER_TOKEN_KEYS:
+            values = batch[key][row]
+            if key == "response_mask":
+                pieces[key].append(torch.cat([torch.zeros(prompt, dtype=torch.bool), values[valid]]))
+            else:
+                poison = torch.full((prompt,), float("nan"), dtype=values.dtype)
+                poison[::2] = float("inf")
+                pieces[key].append(torch.cat([poison, values[valid]]))
+        index.append(torch.cat([torch.full((prompt,), -1), row * width + valid]))
+        lengths.append(prompt + valid.numel())
+    tensors = {key: torch.cat(value) for key, value in pieces.items()}
+    tensors.update({key: value for key, value in batch.items() if key not in PER_TOKEN_KEYS})
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(lengths).cumsum(0)])
+    return PackedBatch(tensors, cu_seqlens, torch.cat(index))
+
+
+def run_surrogate_packed(backend: str, packed: PackedBatch, logprobs, response_mask, kwargs) -> Outputs:
+    """The public loss on a packed batch: as :func:`run_surrogate`, with ``cu_seqlens``."""
+    logprobs = logprobs.detach().requires_grad_()
+    loss, metrics = fused_hadw_grpo_loss(
+        logprobs, response_mask=response_mask, cu_seqlens=packed.cu_seqlens.to(logprobs.device),
+        return_metrics=True, backend=backend, check_values=False, **with_required(kwargs)
+    )
+    (loss * UPSTREAM).backward()
+    return Outputs({"loss": loss.detach(), "grad_logprobs": logprobs.grad}, metrics)

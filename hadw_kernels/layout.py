@@ -1,0 +1,100 @@
+"""The one layout every backend computes on: N tokens in S segments.
+
+A batch reaches the losses in one of two layouts (docs/options.md, "Packed batches"):
+
+- **padded**: per-token tensors [B, T], one response per row, ``response_mask`` marking
+  its tokens;
+- **packed** (padding-free): per-token tensors [N] (or [1, N], the model's packed output
+  as it comes) and ``cu_seqlens`` [S+1], flash-attention's offsets of S segments, one
+  response per segment, ``response_mask`` marking which tokens of a segment count (a
+  segment may hold its prompt too).
+
+Both become the same thing here: flat per-token tensors [N] and segment offsets
+``cu_seqlens`` [S+1] (a padded batch is S = B segments of T tokens, its tensors flattened
+without a copy when their rows are contiguous). Per-response tensors (rewards,
+advantages, group ids, sequence-level importance weights) are [S]. The reference and
+every kernel take this one form, so a feature is written once for both layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenLayout:
+    """S segments over N tokens: ``cu_seqlens`` [S+1] (int64, on the tokens' device), and
+    what a padded batch adds: its width T (``padded_width``; None when packed)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, tokens: int, *, padded_width: int | None = None,
+                 shape: tuple[int, ...] | None = None) -> None:
+        self.cu_seqlens = cu_seqlens
+        self.segments = cu_seqlens.shape[0] - 1
+        self.tokens = tokens
+        self.padded_width = padded_width
+        # The caller's per-token shape ([B, T], [N] or [1, N]): outputs go back to it.
+        self.shape = (tokens,) if shape is None else tuple(shape)
+        self._token_segment = None
+
+    @classmethod
+    def padded(cls, batch: int, width: int, device: torch.device) -> "TokenLayout":
+        cu_seqlens = torch.arange(batch + 1, dtype=torch.int64, device=device) * width
+        return cls(cu_seqlens, batch * width, padded_width=width, shape=(batch, width))
+
+    @classmethod
+    def packed(cls, cu_seqlens: torch.Tensor, shape: tuple[int, ...]) -> "TokenLayout":
+        tokens = shape[-1] if shape else 0
+        return cls(cu_seqlens.to(torch.int64), tokens, shape=shape)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.padded_width is None
+
+    def flat(self, values: torch.Tensor | None) -> torch.Tensor | None:
+        """A per-token tensor in the caller's shape as [N] (a view when it can be)."""
+        return None if values is None else values.reshape(self.tokens)
+
+    def per_token(self, values: torch.Tensor | None) -> torch.Tensor | None:
+        """Values per token or per response (importance weights) as [N]: a tensor of one
+        value per response ([B], or [S] when packed; a 1-D tensor of length S is read so)
+        repeated over its segment's tokens, a per-token one flattened."""
+        if values is None:
+            return None
+        if values.dim() == 1 and values.shape[0] == self.segments:
+            return self.expand(values)
+        return self.flat(values)
+
+    def flat_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token rows ([B, T, H], [N, H] or [1, N, H]) as [N, H]."""
+        return values.reshape(self.tokens, values.shape[-1])
+
+    def restore(self, values: torch.Tensor) -> torch.Tensor:
+        """A flat per-token output [N] in the caller's shape."""
+        return values.view(self.shape)
+
+    @property
+    def token_segment(self) -> torch.Tensor:
+        """[N] int64: the segment of each token."""
+        if self._token_segment is None:
+            device = self.cu_seqlens.device
+            if self.padded_width is not None:
+                self._token_segment = torch.arange(self.segments, device=device).repeat_interleave(self.padded_width)
+            else:
+                tokens = torch.arange(self.tokens, dtype=torch.int64, device=device)
+                self._token_segment = torch.searchsorted(self.cu_seqlens[1:], tokens, right=True)
+        return self._token_segment
+
+    def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
+        """[S] -> [N]: each token takes its segment's value."""
+        return per_segment[self.token_segment]
+
+    def segment_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """[N] -> [S]: each segment's sum, accumulated as eager PyTorch's ``sum`` does (at
+        least fp32 for 16-bit floats, then rounded to the values' dtype), differentiable."""
+        if self.padded_width is not None:
+            return values.view(self.segments, self.padded_width).sum(dim=-1)
+        if values.is_floating_point():
+            accumulate = torch.promote_types(values.dtype, torch.float32)
+            sums = torch.zeros(self.segments, dtype=accumulate, device=values.device)
+            return sums.index_add(0, self.token_segment, values.to(accumulate)).to(values.dtype)
+        sums = torch.zeros(self.segments, dtype=torch.int64, device=values.device)
+        return sums.index_add(0, self.token_segment, values.to(torch.int64))

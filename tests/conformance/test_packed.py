@@ -1,0 +1,270 @@
+"""The packed (padding-free) layout on every backend: the same responses packed into
+segments (each led by a masked prompt that holds NaN and inf) give the padded batch's
+loss, every gradient and every metric, against the padded reference (docs/options.md,
+"Packed batches").
+
+The padded layout runs the whole matrix (test_surrogate_op.py, test_linear.py); the
+packed one runs every pair of (loss type, option variant, dtype): a Latin square over the
+product, so every value of each axis meets every value of the others, and the suite
+grows by a quarter rather than doubling.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cases import (
+    BLOCK_ROWS,
+    DTYPES,
+    GROUP_SIZE,
+    SURROGATE_VARIANTS,
+    UPSTREAM,
+    Outputs,
+    Variant,
+    cast,
+    linear_batch,
+    loss_kwargs,
+    pack,
+    reference_linear_loss,
+    rounded,
+    run_linear_loss,
+    run_surrogate,
+    run_surrogate_packed,
+    surrogate_batch,
+    with_required,
+)
+from check import assert_conforms
+from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from hadw_kernels.backends import load_backend
+from hadw_kernels.config import AGGREGATIONS
+
+WIDTH = 37
+
+
+def _pairwise_cases():
+    """(loss type, variant, dtype) with every pair of values present: the dtype of
+    (loss type l, variant v) is DTYPES[(l + v) % 4], a Latin square."""
+    for l_index, loss_type in enumerate(LOSS_TYPES):
+        for v_index, variant in enumerate(SURROGATE_VARIANTS):
+            dtype = DTYPES[(l_index + v_index) % len(DTYPES)]
+            yield pytest.param(loss_type, variant, dtype, id=f"{loss_type}-{variant}-{str(dtype)[6:]}")
+
+
+def test_pairwise_cases_cover_every_pair():
+    cases = [param.values for param in _pairwise_cases()]
+    axes = (LOSS_TYPES, [str(v) for v in SURROGATE_VARIANTS], DTYPES)
+    seen = [(case[0], str(case[1]), case[2]) for case in cases]
+    for first in range(3):
+        for second in range(first + 1, 3):
+            pairs = {(case[first], case[second]) for case in seen}
+            assert len(pairs) == len(axes[first]) * len(axes[second]), (first, second)
+
+
+def _drift(loss_type: str) -> float:
+    return 1e-3 if loss_type == "gspo" else 0.3
+
+
+def _with_length(kwargs: dict, width: int) -> dict:
+    """A packed batch has no width: an aggregation that divides by a constant L gets the
+    padded batch's (for both layouts, so the two compare)."""
+    mode = kwargs.get("loss_agg_mode", LOSS_PRESETS[kwargs["loss_type"]].loss_agg_mode)
+    if AGGREGATIONS[mode].times_max_length and kwargs.get("max_response_length") is None:
+        kwargs = dict(kwargs, max_response_length=width)
+    return kwargs
+
+
+def _compare_packed(backend, device, loss_type, variant, dtype, *, seed=0, batch=None, empty_segments="prompt_only",
+                    per_token_shape=lambda t: t):
+    batch = batch or surrogate_batch(seed, width=WIDTH, drift=_drift(loss_type))
+    shape = tuple(batch["response_mask"].shape)
+    packed = pack(batch, seed, empty_segments=empty_segments)
+    padded_kwargs = _with_length(loss_kwargs(batch, loss_type, variant), shape[1])
+    packed_kwargs = _with_length(loss_kwargs(packed.tensors, loss_type, variant), shape[1])
+    logprobs, mask = packed.tensors["logprobs"], packed.tensors["response_mask"]
+    packed_kwargs = {key: per_token_shape(value) if key in ("old_logprobs", "ref_logprobs", "importance_weights")
+                     and value.shape == logprobs.shape else value for key, value in packed_kwargs.items()}
+    fast = run_surrogate_packed(backend, packed, per_token_shape(logprobs).to(dtype).to(device),
+                                per_token_shape(mask).to(device), cast(packed_kwargs, dtype, device))
+    grad = fast.values["grad_logprobs"].reshape(-1)
+    # Prompt tokens and empty responses get exactly zero gradient, whatever they held.
+    assert torch.all(grad[~mask.to(device)] == 0)
+    fast = Outputs({"loss": fast.values["loss"], "grad_logprobs": packed.unpack(grad, shape)}, fast.metrics)
+    padded_logprobs, padded_mask = batch["logprobs"], batch["response_mask"]
+    eager = run_surrogate("torch", padded_logprobs.to(dtype).to(device), padded_mask.to(device),
+                          cast(padded_kwargs, dtype, device))
+    exact = run_surrogate("torch", padded_logprobs.to(dtype).double(), padded_mask, rounded(padded_kwargs, dtype))
+    assert_conforms(fast, eager, exact, dtype)
+    return fast
+
+
+@pytest.mark.parametrize("loss_type, variant, dtype", list(_pairwise_cases()))
+def test_packed_matches_padded(backend, device, loss_type, variant, dtype):
+    _compare_packed(backend, device, loss_type, variant, dtype)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_zero_length_segments(backend, device, loss_type):
+    """Empty responses as segments of no token at all (two of them, the first at the
+    start of the batch), rather than of a prompt alone."""
+    batch = surrogate_batch(2, width=WIDTH, drift=_drift(loss_type))
+    batch["response_mask"][0] = False
+    _compare_packed(backend, device, loss_type, Variant("hadw", {"anchor": 0.35}), torch.float32, seed=2,
+                    batch=batch, empty_segments="zero_length")
+
+
+@pytest.mark.parametrize("form", ["[1, N]", "mixed"])
+def test_model_output_shape(backend, device, form):
+    """Per-token tensors as a packed model gives them, [1, N], alone or mixed with [N]."""
+    def shape(tensor):
+        return tensor[None] if form == "[1, N]" or tensor.dtype == torch.bool else tensor
+
+    _compare_packed(backend, device, "grpo", Variant("hadw_kl", {"anchor": 0.35, "beta": 0.05},
+                                                     ("old_logprobs", "rewards", "ref_logprobs",
+                                                      "token_importance_weights")),
+                    torch.float32, per_token_shape=shape)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_long_and_one_token_segments(backend, device, loss_type):
+    """A segment longer than any block (the Triton tile follows the mean segment length;
+    the C++ chunk is 256 tokens) beside segments of one token."""
+    batch = surrogate_batch(4, batch=8, width=3000, drift=_drift(loss_type))
+    lengths = torch.tensor([3000, 1, 1, 2, 1, 0, 1, 5])
+    batch["response_mask"] = torch.arange(3000)[None, :] < lengths[:, None]
+    _compare_packed(backend, device, loss_type, Variant("hadw_dual_clip", {"anchor": 0.5, "dual_clip": 3.0}),
+                    torch.float32, seed=4, batch=batch)
+
+
+def test_one_segment(backend, device):
+    """S = 1 (advantages given: one response makes no group)."""
+    batch = surrogate_batch(5, batch=1, width=WIDTH)
+    _compare_packed(backend, device, "dapo", Variant("advantages", {}, ("old_logprobs", "advantages")),
+                    torch.float32, seed=5, batch=batch)
+
+
+@pytest.mark.parametrize("segments", [0, 4])
+def test_no_tokens(backend, device, segments):
+    """N = 0: no segment, or only empty ones. The loss is exactly 0; with rewards, the
+    groups' metrics are still the groups'."""
+    logprobs = torch.zeros(0, device=device, requires_grad=True)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0][:segments], device=device)
+    kwargs = dict(group_size=GROUP_SIZE, anchor=0.3) if segments else dict(advantages=torch.zeros(0, device=device))
+    loss, metrics = fused_hadw_grpo_loss(
+        logprobs, None, rewards if segments else None, torch.zeros(0, dtype=torch.bool, device=device),
+        cu_seqlens=torch.zeros(segments + 1, dtype=torch.int64, device=device), return_metrics=True,
+        backend=backend, **kwargs,
+    )
+    loss.backward()
+    assert loss.item() == 0 and logprobs.grad.shape == (0,)
+    padded, padded_metrics = fused_hadw_grpo_loss(
+        torch.zeros(segments, 0, device=device), None, rewards if segments else None,
+        torch.zeros(segments, 0, dtype=torch.bool, device=device), return_metrics=True, backend="torch", **kwargs,
+    )
+    assert list(metrics) == list(padded_metrics)
+    for name in metrics:
+        torch.testing.assert_close(metrics[name], padded_metrics[name], msg=name)
+
+
+def test_int32_offsets(backend, device):
+    """flash-attention's offsets are int32."""
+    batch = surrogate_batch(6, width=WIDTH)
+    packed = pack(batch, 6)
+    kwargs = cast(loss_kwargs(packed.tensors, "grpo", Variant("hadw", {"anchor": 0.3})), torch.float32, device)
+    logprobs, mask = packed.tensors["logprobs"].float().to(device), packed.tensors["response_mask"].to(device)
+    results = [
+        fused_hadw_grpo_loss(logprobs, response_mask=mask, cu_seqlens=packed.cu_seqlens.to(dtype).to(device),
+                             backend=backend, **with_required(kwargs))
+        for dtype in (torch.int32, torch.int64)
+    ]
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+# --- the linear loss -------------------------------------------------------------------------
+
+LINEAR_CASES = [
+    # (loss type, variant, dtype, path): every loss type, dtype and path, each variant.
+    ("grpo", Variant("hadw_kl_entropy_bias_temperature", {"anchor": 0.35, "beta": 0.05, "entropy_coef": 0.01,
+                                                          "temperature": 0.7, "dual_clip": 3.0},
+                     ("old_logprobs", "rewards", "ref_logprobs", "bias")), torch.float32, "gradients_in_forward"),
+    ("dapo", Variant("importance_weights_normalizer", {"loss_normalizer": 40.0, "kl_estimator": "k2", "beta": 0.02},
+                     ("old_logprobs", "rewards", "token_importance_weights", "ref_logprobs")), torch.bfloat16,
+     "recompute"),
+    ("gspo", Variant("response_importance_weights", {"anchor": 0.6},
+                     ("old_logprobs", "rewards", "response_importance_weights")), torch.float64, "recompute"),
+    ("dr_grpo", Variant("advantages_on_policy", {"entropy_coef": 0.02}, ("advantages",)), torch.float16,
+     "gradients_in_forward"),
+]
+
+
+@pytest.mark.parametrize("loss_type, variant, dtype, path", LINEAR_CASES, ids=lambda value: str(value)[:40])
+def test_linear_packed_matches_padded(backend, device, loss_type, variant, dtype, path):
+    """Hidden states [N, H] of a packed batch (prompt rows hold NaN and labels outside
+    the vocabulary, and enter no GEMM), blocks of 8 rows ending inside segments."""
+    if path == "gradients_in_forward" and not load_backend(backend).has_gradients_in_forward(device):
+        pytest.skip(f"backend {backend!r} has no gradients-in-forward path")
+    data = linear_batch(11)
+    shape = tuple(data["response_mask"].shape)
+    vocab = data["lm_head_weight"].shape[0]
+    packed = pack(data, 11)
+    taken = packed.padded_index >= 0
+    hidden = torch.full((packed.padded_index.numel(), data["hidden_states"].shape[-1]), float("nan"),
+                        dtype=torch.float64)
+    hidden[taken] = data["hidden_states"].reshape(-1, hidden.shape[-1])[packed.padded_index[taken]]
+    labels = torch.full((packed.padded_index.numel(),), vocab + 3, dtype=torch.int64)
+    labels[taken] = data["labels"].reshape(-1)[packed.padded_index[taken]]
+    tensors = tuple(name for name in variant.tensors if name != "bias")
+    bias = data["lm_head_bias"] if "bias" in variant.tensors else None
+    plain = Variant(variant.name, variant.options, tensors)
+    padded_kwargs = _with_length(loss_kwargs(data, loss_type, plain), shape[1])
+    packed_kwargs = _with_length(loss_kwargs(packed.tensors, loss_type, plain), shape[1])
+
+    def convert(tensor, on, in_dtype):
+        return None if tensor is None else tensor.to(dtype).to(in_dtype).to(on)
+
+    weight = data["lm_head_weight"]
+    fast = run_linear_loss(
+        backend, convert(hidden, device, dtype), convert(weight, device, dtype), labels.to(device),
+        packed.tensors["response_mask"].to(device), cast(packed_kwargs, dtype, device),
+        lm_head_bias=convert(bias, device, dtype), linear_path=path, cu_seqlens=packed.cu_seqlens.to(device),
+    )
+    grad_hidden = fast.values["grad_hidden"]
+    assert torch.all(grad_hidden[~packed.tensors["response_mask"].to(device)] == 0)
+    unpacked = torch.zeros(shape[0] * shape[1], grad_hidden.shape[-1], dtype=grad_hidden.dtype, device=device)
+    unpacked[packed.padded_index[taken].to(device)] = grad_hidden[taken.to(device)]
+    fast.values["grad_hidden"] = unpacked.view(*shape, -1)
+    mask = data["response_mask"]
+    eager = reference_linear_loss(
+        convert(data["hidden_states"], device, dtype), convert(weight, device, dtype), data["labels"].to(device),
+        mask.to(device), cast(padded_kwargs, dtype, device), lm_head_bias=convert(bias, device, dtype),
+    )
+    exact = reference_linear_loss(data["hidden_states"].to(dtype).double(), weight.to(dtype).double(),
+                                  data["labels"], mask, rounded(padded_kwargs, dtype),
+                                  lm_head_bias=None if bias is None else bias.to(dtype).double())
+    assert_conforms(fast, eager, exact, dtype)
+
+
+def test_linear_model_output_shape(backend, device):
+    """[1, N, H] hidden states and [1, N] labels and mask, as a packed model gives them,
+    equal the [N, H] form."""
+    data = linear_batch(3)
+    packed = pack(data, 3)
+    taken = packed.padded_index >= 0
+    hidden = torch.zeros(packed.padded_index.numel(), data["hidden_states"].shape[-1], dtype=torch.float32)
+    hidden[taken] = data["hidden_states"].reshape(-1, hidden.shape[-1])[packed.padded_index[taken]].float()
+    labels = torch.zeros(packed.padded_index.numel(), dtype=torch.int64)
+    labels[taken] = data["labels"].reshape(-1)[packed.padded_index[taken]]
+    weight = data["lm_head_weight"].float().to(device)
+    mask = packed.tensors["response_mask"]
+    kwargs = dict(advantages=data["advantages"].float().to(device), cu_seqlens=packed.cu_seqlens.to(device))
+    losses = []
+    for batch_dim in (False, True):
+        def shaped(tensor):
+            return (tensor[None] if batch_dim else tensor).to(device)
+        leaf = shaped(hidden).detach().clone().requires_grad_()
+        loss = fused_linear_hadw_grpo_loss(leaf, weight, shaped(labels), None, None, shaped(mask), backend=backend,
+                                           block_rows=BLOCK_ROWS, **kwargs)
+        (loss * UPSTREAM).backward()
+        assert leaf.grad.shape == leaf.shape
+        losses.append((loss.detach(), leaf.grad.reshape(-1)))
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
