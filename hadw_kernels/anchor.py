@@ -18,6 +18,9 @@ is known (R_t = phi_t c(1 - c) / B_t); what is not known is how the accuracy mov
 the bank holds trend models (the accuracy drifts at a slope) and level models (it jumps
 or wanders), each with a fixed process noise on a grid of decades, and the evidence
 (each model's likelihood of the innovation) decides which of them the belief follows.
+The level is an accuracy: a prediction that a trend carries past 0 or 1 is put on the
+bound, so every level, and every belief, stays in [0, 1] (docs/math.md, "The kalman
+rule": the bounds).
 The update is vectorised over the models with small float64 numpy arrays.
 ``python -m hadw_kernels.theory.anchor_tracking`` measures every rule's tracking error.
 """
@@ -77,6 +80,27 @@ def _bank() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 _TRANSITION, _PROCESS_NOISE, _SWITCHING, _IS_TREND = _bank()
 MODELS = len(_IS_TREND)
+
+
+def _level_in_bounds(x: np.ndarray, P: np.ndarray) -> np.ndarray:
+    """The predicted states x (M x 2) with each level in [0, 1] (docs/math.md, "The
+    kalman rule", the bounds). A level that a trend model's slope carried past 0 or 1 is
+    put on the bound: the most probable state under N(x_j, P_j) whose level is in
+    [0, 1], whose slope is the regression on the level, d + P10 / P00 (bound - l).
+    Inside [0, 1] the state is unchanged, bit for bit. P is kept (P00 > 0: every model
+    has level noise)."""
+    bounded = np.clip(x[:, 0], 0.0, 1.0)
+    x = x.copy()
+    x[:, 1] += P[:, 1, 0] / P[:, 0, 0] * (bounded - x[:, 0])
+    x[:, 0] = bounded
+    return x
+
+
+def _mixture_level(weights: np.ndarray, levels: np.ndarray) -> float:
+    """A belief of the bank, sum_j w_j l_j, over levels in [0, 1]. The weights sum to 1
+    but for the floor on the model probabilities (at most MODELS x 1e-12 over) and
+    rounding, which are all the clip can remove."""
+    return min(max(float(weights @ levels), 0.0), 1.0)
 
 
 class DifficultyAnchor:
@@ -252,8 +276,11 @@ class DifficultyAnchor:
         # 3. predict.
         xp = np.einsum("jab,jb->ja", _TRANSITION, x0)
         Pp = _TRANSITION @ P0 @ _TRANSITION.transpose(0, 2, 1) + _PROCESS_NOISE
+        # The prediction is the one step that can take a level out of [0, 1] (the mixing
+        # above and the update below are convex combinations of levels in [0, 1] and y_t).
+        xp = _level_in_bounds(xp, Pp)
         # 4. the prior belief: the bank's one-step prediction, before y_t.
-        prior = float(c @ xp[:, 0])
+        prior = _mixture_level(c, xp[:, 0])
         # 5. the observation noise at the prior belief.
         noise = observation_noise(prior)
         # 6. update each model with y_t.
@@ -272,7 +299,7 @@ class DifficultyAnchor:
 
         self._mu, self._x, self._P = mu_new, x_new, P_new
         levels = x_new[:, 0]
-        posterior = float(mu_new @ levels)
+        posterior = _mixture_level(mu_new, levels)
         self.prior, self.posterior = prior, posterior
         # eta_t: the gain the whole bank applied to the innovation, for the logs.
         self.eta_t = (posterior - prior) / (y - prior) if y != prior else None

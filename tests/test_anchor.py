@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hadw_kernels import DifficultyAnchor
+from hadw_kernels import DifficultyAnchor, hadw_advantages, hadw_weights
+from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
 from hadw_kernels.theory.anchor_tracking import SEEDS, tracking_error
 
 BATCH = 2048  # binary rewards a rollout batch, as in the paper (docs/math.md section 3)
@@ -73,6 +74,65 @@ def test_kalman_gain_smooths_small_batches_and_trusts_large_ones():
         resumed.observe(resumed.posterior + 0.05, count=batch)
         gains[batch] = resumed.eta_t
     assert 0 < gains[8] < gains[SMALL_BATCH] < gains[BATCH] < 1
+
+
+# --- the kalman rule at the edges of [0, 1] -------------------------------------------------
+
+HELD = 200  # batches an accuracy of 0 or 1 is held
+
+
+def _edge_accuracies(kind):
+    """The true accuracy per batch: ramps of 60 batches to 1 and to 0 then held, 0 or 1
+    from the start, or all-0 and all-1 batches in turn."""
+    if kind == "ramp to 1":
+        return [min(1.0, 0.3 + 0.7 * t / 59) for t in range(60 + HELD)]
+    if kind == "ramp to 0":
+        return [max(0.0, 0.9 - 0.9 * t / 59) for t in range(60 + HELD)]
+    if kind in ("constant 0", "constant 1"):
+        return [float(kind[-1])] * HELD
+    return [float(t % 2) for t in range(HELD)]
+
+
+# Every group mean 0, 1/8, ..., 1: Phi's exponent |p_hat - C| takes all its extremes.
+_PHI_PROBE = torch.tensor([[1.0] * k + [0.0] * (8 - k) for k in range(9)], dtype=torch.float64).reshape(-1)
+
+
+@pytest.mark.parametrize("kind", ["ramp to 1", "ramp to 0", "constant 0", "constant 1", "alternating"])
+@pytest.mark.parametrize("batch", [1, 2, 8, 64, 512, 4096])
+def test_kalman_beliefs_and_phi_stay_in_range_at_the_edges(kind, batch):
+    """An accuracy that reaches 0 or 1 (a task mastered or lost) keeps every belief, prior
+    and posterior, in [0, 1] and every Phi in [lambda / e, lambda e], and so an anchor the
+    loss accepts. The bank's own levels stay in [0, 1] (docs/math.md, "The kalman rule",
+    step 3), so no belief is a clipped divergence; the state at the edge loads again."""
+    generator = torch.Generator().manual_seed(batch)
+    anchor = DifficultyAnchor("kalman")
+    low, high = DEFAULT_LAMBDA_SCALE / math.e, DEFAULT_LAMBDA_SCALE * math.e
+    for accuracy in _edge_accuracies(kind):
+        anchor.update(torch.bernoulli(torch.full((batch,), accuracy), generator=generator))
+        levels = [level for level, _ in anchor.state_dict()["bank"]["x"]] if anchor.step > 1 else []
+        assert all(0.0 <= level <= 1.0 for level in levels), (anchor.step, levels)
+        for belief in (anchor.prior, anchor.posterior):
+            assert math.isfinite(belief) and 0.0 <= belief <= 1.0, (anchor.step, anchor.prior, anchor.posterior)
+            phi = hadw_weights(_PHI_PROBE, 8, belief)
+            assert bool(torch.isfinite(phi).all()) and low <= phi.min().item() <= phi.max().item() <= high
+            hadw_advantages(_PHI_PROBE, group_size=8, anchor=belief)  # refuses a belief outside [0, 1]
+    resumed = DifficultyAnchor("kalman")
+    resumed.load_state_dict(json.loads(json.dumps(anchor.state_dict())))
+    last = torch.full((batch,), _edge_accuracies(kind)[-1])
+    assert resumed.update(last) == anchor.update(last)
+
+
+def test_kalman_trend_models_do_not_predict_past_an_accuracy_of_1():
+    """The issue's run: 64 rewards a batch, accuracy 0.3 -> 1.0 over 60 batches, then
+    held. The trend models' slope carried their prediction, and with it the belief, to
+    1.0235; each prediction past the bound is now put on it."""
+    generator = torch.Generator().manual_seed(0)
+    anchor = DifficultyAnchor("kalman")
+    beliefs = [anchor.update(torch.bernoulli(torch.full((SMALL_BATCH,), accuracy), generator=generator))
+               for accuracy in _edge_accuracies("ramp to 1")]
+    assert max(beliefs) <= 1.0 and beliefs[-1] == pytest.approx(1.0, abs=1e-6)
+    slopes = [slope for _, slope in anchor.state_dict()["bank"]["x"][:6]]
+    assert max(slopes) > 0  # a trend model still rising: its prediction is the one projected
 
 
 # --- the kalman rule against the equations -----------------------------------------------
