@@ -200,11 +200,11 @@ class DifficultyAnchor:
         """
         if isinstance(y, bool) or not isinstance(y, numbers.Real) or not math.isfinite(y):
             raise ValueError(f"observation y_t must be a finite number, got {y!r}")
+        if not 0 <= y <= 1:
+            raise ValueError(f"observation y_t must lie in [0, 1] (an accuracy, a mean reward in [0, 1]), got {y!r}")
         if self.rule == "kalman":
             if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
                 raise ValueError(f"the kalman rule needs the batch's reward count (a positive int), got {count!r}")
-            if not 0 <= y <= 1:
-                raise ValueError(f"the kalman rule's observation y_t must lie in [0, 1], got {y!r}")
             if variance is not None and (isinstance(variance, bool) or not isinstance(variance, numbers.Real)
                                          or not math.isfinite(variance) or variance < 0):
                 raise ValueError(f"reward variance must be finite and non-negative, got {variance!r}")
@@ -430,15 +430,16 @@ def _checked_state(state, config: dict) -> dict:
         if value is None and optional:
             return
         if not _is_number(value) or not math.isfinite(value) or not low <= value <= high:
-            what = "a finite number" + (f" in [{low}, {high}]" if (low, high) != (-math.inf, math.inf) else "")
+            what = "a finite number" + (f" in [{low:g}, {high:g}]" if (low, high) != (-math.inf, math.inf) else "")
             raise ValueError(f"anchor state {key!r} must be {what}{' or None' if optional else ''}, got {value!r}")
 
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"anchor state 'step' must be a non-negative int, got {step!r}")
-    for key in ("prior", "posterior", "eta_t"):
-        number(key, state[key], optional=True)
-    number("observation", state["observation"], optional=True)
+    # Beliefs and observations are accuracies: no update puts one outside [0, 1].
+    for key in ("prior", "posterior", "observation"):
+        number(key, state[key], optional=True, low=0.0, high=1.0)
+    number("eta_t", state["eta_t"], optional=True)
     number("sigma_t", state["sigma_t"], optional=True, low=0.0)
     number("warmup_sum", state["warmup_sum"])
     window = config["window"]
@@ -447,7 +448,7 @@ def _checked_state(state, config: dict) -> dict:
         if not isinstance(values, list) or len(values) > window:
             raise ValueError(f"anchor state {key!r} must be a list of at most {window} numbers, got {values!r}")
         for value in values:
-            number(key, value)
+            number(key, value, low=0.0, high=1.0)
         if len(values) > step:
             raise ValueError(f"anchor state {key!r} holds {len(values)} values after {step} steps")
     if step > 0 and (state["posterior"] is None or state["observation"] is None):
@@ -476,6 +477,8 @@ def _checked_state(state, config: dict) -> dict:
             raise ValueError(f"anchor state bank {key!r} must be finite")
         arrays[key] = array
     mu, P = arrays["mu"], arrays["P"]
+    if (arrays["x"][:, 0] < 0).any() or (arrays["x"][:, 0] > 1).any():
+        raise ValueError("anchor state bank 'x' must hold levels (its first column) in [0, 1]: each is an accuracy")
     if (mu < 0).any() or (mu > 1).any() or abs(mu.sum() - 1.0) > 1e-6:
         raise ValueError("anchor state bank 'mu' must be probabilities in [0, 1] that sum to 1")
     # Each P_j symmetric positive semi-definite: P00, P11 >= 0 and P01^2 <= P00 P11 (to rounding).

@@ -550,6 +550,45 @@ def test_a_bad_entry_in_the_kalman_bank_is_refused_with_a_clear_message(entry, v
         DifficultyAnchor("kalman").load_state_dict(state)
 
 
+_BELIEF_KEYS = ("prior", "posterior", "observation", "observations", "posteriors")
+
+
+@pytest.mark.parametrize("rule, key", [(rule, key) for rule in ("soft", "hard", "kalman") for key in _BELIEF_KEYS]
+                         + [("kalman", "bank levels")])
+@pytest.mark.parametrize("value", [5.0, -0.5])
+def test_a_state_whose_beliefs_leave_0_1_is_refused_at_load_naming_the_key(rule, key, value):
+    """No update puts a belief, an observation or a level of the bank outside [0, 1]: a
+    state holding one is damaged (loaded, its next belief was 5.0) and is refused."""
+    source = DifficultyAnchor(rule)
+    for rewards in ([0.25, 1.0, 0.0], [0.5, 1.0, 0.0], [0.75, 1.0, 0.0]):
+        source.update(torch.tensor(rewards))
+    state = json.loads(json.dumps(source.state_dict()))
+    if key == "bank levels":
+        state["bank"]["x"][3][0] = value
+        match = r"bank 'x'.*levels.*\[0, 1\]"
+    elif key in ("observations", "posteriors"):
+        state[key][-1] = value
+        match = rf"'{key}'.*\[0, 1\]"
+    else:
+        state[key] = value
+        match = rf"'{key}'.*\[0, 1\]"
+    target = DifficultyAnchor(rule)
+    target.update(torch.tensor([1.0, 0.0]))
+    before = target.state_dict()
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(state)
+    assert target.state_dict() == before
+
+
+@pytest.mark.parametrize("rule", ["soft", "hard", "kalman"])
+def test_an_observation_outside_0_1_is_refused_by_every_rule(rule):
+    anchor = DifficultyAnchor(rule)
+    anchor.observe(0.5, count=4)
+    with pytest.raises(ValueError, match=r"observation y_t must lie in \[0, 1\]"):
+        anchor.observe(1.5, count=4)
+    assert anchor.step == 1
+
+
 def test_a_bank_where_the_rule_has_none_is_refused():
     state = DifficultyAnchor().state_dict()
     state["bank"] = DifficultyAnchor("kalman").state_dict()["bank"] or {"mu": []}
