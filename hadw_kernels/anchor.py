@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .validation import _require_float
+
 RULES = ("soft", "hard", "kalman")
 BELIEFS = ("prior", "posterior")
 
@@ -184,7 +186,8 @@ class DifficultyAnchor:
     def update(self, rewards: torch.Tensor) -> float:
         """Folds one rollout batch's rewards in and returns the belief for its weights.
 
-        Under torch.distributed the sums and the count of rewards are all-reduced, so
+        ``rewards``: a floating-point tensor (as the losses take them) or a sequence of
+        numbers, in [0, 1]. Under torch.distributed the sums and the count of rewards are all-reduced, so
         every rank holds the same belief (never a mean of per-rank means).
         """
         rewards = checked_rewards(rewards)
@@ -497,15 +500,16 @@ def _only_numbers(value) -> bool:
 
 
 def checked_rewards(rewards) -> torch.Tensor:
-    """Rewards as a float64 tensor, refused unless real, finite and in [0, 1]."""
+    """Rewards as a float64 tensor, refused unless finite and in [0, 1]. A tensor must be
+    floating point, as the losses require (an int or bool tensor is refused with their
+    message); a sequence or array of numbers is converted."""
     if not isinstance(rewards, torch.Tensor):
         try:
             rewards = torch.as_tensor(rewards, dtype=torch.float64)
         except (TypeError, ValueError) as error:
             raise TypeError(f"rewards must be a tensor or a sequence of numbers, got {type(rewards).__name__}") \
                 from error
-    if rewards.is_complex():
-        raise TypeError(f"rewards must be real numbers, got {rewards.dtype}")
+    _require_float("rewards", rewards)
     rewards = rewards.detach().to(torch.float64)
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards must be finite: they contain NaN or inf")

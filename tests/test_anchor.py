@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hadw_kernels import DifficultyAnchor, hadw_advantages, hadw_weights
+from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_advantages, hadw_weights
+from hadw_kernels.anchor import checked_rewards
 from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
 from hadw_kernels.theory.anchor_tracking import SEEDS, tracking_error
 
@@ -404,6 +405,21 @@ def test_update_takes_a_list_of_rewards():
 def test_bad_settings_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
         DifficultyAnchor(**options)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_a_reward_tensor_the_loss_refuses_is_refused_by_the_anchor_with_its_message(dtype):
+    """One rule for the anchor and the losses: a reward tensor is floating point (an int
+    tensor was folded into the belief, then refused by the loss)."""
+    rewards = torch.tensor([1, 0, 1, 1]).to(dtype)
+    logprobs = torch.zeros(4, 3)
+    with pytest.raises(TypeError) as by_the_loss:
+        fused_hadw_grpo_loss(logprobs, logprobs, rewards, torch.ones(4, 3), group_size=2, anchor=0.5)
+    assert str(by_the_loss.value).startswith("rewards must be a floating-point tensor")
+    for check in (checked_rewards, DifficultyAnchor("soft").update, DifficultyAnchor("kalman").update):
+        with pytest.raises(TypeError) as by_the_anchor:
+            check(rewards)
+        assert str(by_the_anchor.value) == str(by_the_loss.value)
 
 
 @pytest.mark.parametrize("rewards, match", [([0.0, 2.0], r"\[0, 1\]"), ([0.0, float("nan")], "NaN"),
