@@ -166,6 +166,21 @@ def test_estimator_with_hadw_folds_each_step_into_the_anchor_once(anchor):
     assert hadw_verl._driver_anchor.state_dict() == reference.state_dict()
 
 
+def test_an_anchor_changed_within_a_run_is_refused_naming_the_way_out():
+    """The driver keeps one anchor per process; a second run there with other anchor
+    options must call reset_driver_anchor() first, and the error says so."""
+    estimator = core_algos.get_adv_estimator_fn("hadw")
+    token_level_rewards, mask, uids, _ = outcome_batch(seed=4)
+    batch = dict(token_level_rewards=token_level_rewards, response_mask=mask, index=uids)
+    estimator(**batch, config=OmegaConf.create({"hadw": {"anchor": {"rule": "soft"}}}))
+    other = OmegaConf.create({"hadw": {"anchor": {"rule": "hard"}}})
+    with pytest.raises(ValueError, match=r"changed within a run.*hadw_kernels\.integrations\.verl\.reset_driver_anchor\(\)"):
+        estimator(**batch, config=other)
+    hadw_verl.reset_driver_anchor()
+    estimator(**batch, config=other)
+    assert hadw_verl._driver_anchor.rule == "hard"
+
+
 def test_estimator_refuses_rewards_outside_the_unit_interval():
     token_level_rewards, mask, uids, _ = outcome_batch(seed=2)
     with pytest.raises(ValueError, match=r"rewards in \[0, 3\].*compute_score"):
