@@ -38,6 +38,10 @@ import torch.distributed as dist
 from .validation import _require_float
 
 RULES = ("soft", "hard", "kalman")
+# The one default rule, read by DifficultyAnchor, TRL's HADWGRPOConfig and verl's
+# algorithm.hadw.anchor (the trainer's default preset is the same rule): the kalman rule
+# tracks closest at every batch size measured (docs/theory.md).
+DEFAULT_RULE = "kalman"
 BELIEFS = ("prior", "posterior")
 
 # Chosen by simulation (2048 binary rewards a batch, ramp 0.3->0.7 over 300 steps and a
@@ -109,10 +113,10 @@ class DifficultyAnchor:
     """Tracks C_t across rollout batches.
 
     Args:
-        rule: ``"soft"`` (Kalman-style, paper Eq. 4-7), ``"hard"`` (mean of the last
-            ``window`` observations, appendix F) or ``"kalman"`` (an IMM bank of Kalman
-            filters on the accuracy's level and slope, with the observation noise of a
-            mean of B_t rewards: docs/math.md).
+        rule: ``"kalman"`` (the default, ``DEFAULT_RULE``: an IMM bank of Kalman filters
+            on the accuracy's level and slope, with the observation noise of a mean of
+            B_t rewards: docs/math.md), ``"soft"`` (the paper's rule, Eq. 4-7) or
+            ``"hard"`` (mean of the last ``window`` observations, appendix F).
         eta: the soft rule's gain; eta_t = clamp(eta * sigma_t, eta_min, 1).
         window: m for the soft rule (beliefs in sigma_t), h for the hard rule; the kalman
             rule does not use it.
@@ -125,7 +129,7 @@ class DifficultyAnchor:
 
     def __init__(
         self,
-        rule: str = "soft",
+        rule: str = DEFAULT_RULE,
         *,
         eta: float = DEFAULT_ETA,
         window: int = DEFAULT_WINDOW,

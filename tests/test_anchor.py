@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_advantages, hadw_weights
-from hadw_kernels.anchor import checked_rewards
+from hadw_kernels.anchor import DEFAULT_RULE, checked_rewards
 from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
 from hadw_kernels.theory.anchor_tracking import SEEDS, tracking_error
 
@@ -27,13 +27,20 @@ def _mean_tracking_error(anchor, kind, seed, batch=BATCH):
 
 @pytest.mark.parametrize("kind", ["ramp", "step"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_default_anchor_tracks_ramp_and_step(kind, seed):
-    assert _mean_tracking_error(DifficultyAnchor(), kind, seed) < 0.03
+def test_soft_rule_defaults_track_ramp_and_step(kind, seed):
+    assert _mean_tracking_error(DifficultyAnchor("soft"), kind, seed) < 0.03
+
+
+def test_the_default_rule_is_the_kalman_rule():
+    """One default, the rule that tracks best (docs/theory.md), declared once: TRL's and
+    verl's defaults and the trainer's preset are held to it by their own tests."""
+    assert DEFAULT_RULE == "kalman"
+    assert DifficultyAnchor().rule == DEFAULT_RULE
 
 
 def test_soft_rule_without_floor_freezes_with_a_small_gain():
     # The trap the defaults avoid: sigma_t -> 0 makes eta_t -> 0 for good.
-    frozen = DifficultyAnchor(eta=1.0, eta_min=0.0)
+    frozen = DifficultyAnchor("soft", eta=1.0, eta_min=0.0)
     assert _mean_tracking_error(frozen, "ramp", 0) > 0.1
     assert frozen.eta_t < 0.01
 
@@ -56,7 +63,7 @@ def test_kalman_rule_beats_the_soft_rule_and_a_10_batch_window(kind, belief):
     seeds, binary rewards, mean |C_t - p_t| after batch 20): at 64 rewards a batch it
     tracks a ramp and a step closer than the soft rule and than a 10-batch window."""
     kalman = _seed_mean(lambda: DifficultyAnchor("kalman", belief=belief), SMALL_BATCH, (kind,))
-    soft = _seed_mean(DifficultyAnchor, SMALL_BATCH, (kind,))
+    soft = _seed_mean(lambda: DifficultyAnchor("soft"), SMALL_BATCH, (kind,))
     window = _seed_mean(DifficultyAnchor.authors_code, SMALL_BATCH, (kind,))
     assert kalman < 0.85 * min(soft, window)
 
@@ -288,20 +295,21 @@ def test_hard_rule_is_mean_of_last_h_observations():
 
 
 def test_prior_and_posterior_beliefs():
-    paper, authors = DifficultyAnchor(), DifficultyAnchor(belief="posterior")
+    paper, authors = DifficultyAnchor("soft"), DifficultyAnchor("soft", belief="posterior")
     assert paper.update(torch.tensor([1.0, 0.0, 0.0, 0.0])) == 0.25  # C_1- = y_1
     assert authors.update(torch.tensor([1.0, 0.0, 0.0, 0.0])) == 0.25
     assert paper.update(torch.tensor([1.0, 1.0, 1.0, 0.0])) == 0.25  # prior: y_2 not yet in
     assert authors.update(torch.tensor([1.0, 1.0, 1.0, 0.0])) == 0.5  # running mean in warm-up
 
 
-def test_initial_value_is_the_first_prior():
-    anchor = DifficultyAnchor(initial=0.5)
+@pytest.mark.parametrize("rule", ["soft", "hard", "kalman"])
+def test_initial_value_is_the_first_prior(rule):
+    anchor = DifficultyAnchor(rule, initial=0.5)
     assert anchor.update(torch.tensor([0.0, 0.0])) == 0.5
 
 
 def test_soft_update_formula_after_warm_up():
-    anchor = DifficultyAnchor(eta=2.0, window=3, eta_min=0.0)
+    anchor = DifficultyAnchor("soft", eta=2.0, window=3, eta_min=0.0)
     for y in (0.2, 0.4, 0.6):
         anchor.observe(y)
     posteriors = [0.2, 0.3, 0.4]  # running means during warm-up
@@ -387,7 +395,7 @@ def test_observation_is_all_reduced_across_ranks():
 
 
 def test_update_takes_a_list_of_rewards():
-    anchor = DifficultyAnchor()
+    anchor = DifficultyAnchor("soft")
     assert anchor.update([0.0, 1.0]) == pytest.approx(0.5)
     assert anchor.update((1, 1, 1, 0)) == pytest.approx(0.5)  # prior: the previous belief
 
@@ -480,7 +488,7 @@ def test_the_pre_imm_kalman_state_is_refused_with_a_clear_message():
 
 
 def test_a_soft_rule_state_from_before_the_version_still_loads():
-    anchor = DifficultyAnchor()
+    anchor = DifficultyAnchor("soft")
     anchor.load_state_dict(_v1_state("soft"))
     assert (anchor.step, anchor.posterior) == (2, 0.375)
     assert anchor.state_dict()["version"] == 2
@@ -606,10 +614,10 @@ def test_an_observation_outside_0_1_is_refused_by_every_rule(rule):
 
 
 def test_a_bank_where_the_rule_has_none_is_refused():
-    state = DifficultyAnchor().state_dict()
+    state = DifficultyAnchor("soft").state_dict()
     state["bank"] = DifficultyAnchor("kalman").state_dict()["bank"] or {"mu": []}
     with pytest.raises(ValueError, match="bank"):
-        DifficultyAnchor().load_state_dict(state)
+        DifficultyAnchor("soft").load_state_dict(state)
 
 
 def test_observe_takes_numpy_numbers_and_refuses_strings():

@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_weights  # noqa: E402
+from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
 from hadw_kernels.integrations.trl import ANCHOR_FILE, HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
 from trainer.tiny_model import build_tokenizer  # noqa: E402
 
@@ -113,10 +114,11 @@ class RecordingTrainer(HADWGRPOTrainer):
 
 
 def test_hadw_scales_trl_advantages_by_phi_for_three_steps(model_dir, tmp_path):
-    trainer = train(RecordingTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=3, hadw_lambda_scale=1.5)
+    trainer = train(RecordingTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=3, hadw_lambda_scale=1.5,
+                    hadw_anchor_rule="soft")
     # Three optimizer steps, a generation batch every two: two anchor updates.
     assert len(trainer.generations) == 2 and trainer.anchor.step == 2
-    reference = DifficultyAnchor()
+    reference = DifficultyAnchor("soft")
     for generation in trainer.generations:
         rewards = generation["rewards"]
         assert generation["belief"] == reference.update(rewards)
@@ -211,6 +213,10 @@ def test_bad_hadw_fields_are_refused_when_the_config_is_built(options, message, 
     # Checked in __post_init__ with the library's own checks, not at the first loss.
     with pytest.raises(ValueError, match=message):
         HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "loss_type": "dapo", **options})
+
+
+def test_the_default_anchor_rule_is_the_library_s(tmp_path):
+    assert HADWGRPOConfig(output_dir=str(tmp_path), **RUN).anchor().rule == DEFAULT_RULE
 
 
 def test_every_anchor_rule_builds(tmp_path):
