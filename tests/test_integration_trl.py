@@ -151,15 +151,17 @@ class ResumeProbe(HADWGRPOTrainer):
 
 
 def test_anchor_survives_save_and_resume(model_dir, tmp_path):
+    # The soft rule: its next prior is exactly the saved posterior (the kalman rule's is
+    # the bank's prediction).
     first = train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=2, save_strategy="steps",
-                  save_steps=2)
+                  save_steps=2, hadw_anchor_rule="soft")
     saved = first.anchor.state_dict()
     assert saved["step"] == 1
     assert json.loads((tmp_path / "checkpoint-2" / ANCHOR_FILE).read_text()) == saved
 
     resumed = ResumeProbe(
         model=model_dir, reward_funcs=sevens, train_dataset=PROMPTS, processing_class=TOKENIZER,
-        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 3}),
+        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 3, "hadw_anchor_rule": "soft"}),
     )
     assert resumed.anchor.step == 0
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
