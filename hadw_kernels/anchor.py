@@ -191,8 +191,8 @@ class DifficultyAnchor:
         """Folds one rollout batch's rewards in and returns the belief for its weights.
 
         ``rewards``: a floating-point tensor (as the losses take them) or a sequence of
-        numbers, in [0, 1]. Under torch.distributed the sums and the count of rewards are all-reduced, so
-        every rank holds the same belief (never a mean of per-rank means).
+        numbers, in [0, 1]. Under torch.distributed the sums and the count of rewards are
+        all-reduced, so every rank holds the same belief (never a mean of per-rank means).
         """
         rewards = checked_rewards(rewards)
         mean, variance, count = batch_reward_statistics(rewards)

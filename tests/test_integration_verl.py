@@ -175,7 +175,8 @@ def test_an_anchor_changed_within_a_run_is_refused_naming_the_way_out():
     batch = dict(token_level_rewards=token_level_rewards, response_mask=mask, index=uids)
     estimator(**batch, config=OmegaConf.create({"hadw": {"anchor": {"rule": "soft"}}}))
     other = OmegaConf.create({"hadw": {"anchor": {"rule": "hard"}}})
-    with pytest.raises(ValueError, match=r"changed within a run.*hadw_kernels\.integrations\.verl\.reset_driver_anchor\(\)"):
+    way_out = r"changed within a run.*hadw_kernels\.integrations\.verl\.reset_driver_anchor\(\)"
+    with pytest.raises(ValueError, match=way_out):
         estimator(**batch, config=other)
     hadw_verl.reset_driver_anchor()
     estimator(**batch, config=other)
