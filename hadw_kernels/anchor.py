@@ -18,6 +18,9 @@ is known (R_t = phi_t c(1 - c) / B_t); what is not known is how the accuracy mov
 the bank holds trend models (the accuracy drifts at a slope) and level models (it jumps
 or wanders), each with a fixed process noise on a grid of decades, and the evidence
 (each model's likelihood of the innovation) decides which of them the belief follows.
+The level is an accuracy: a prediction that a trend carries past 0 or 1 is put on the
+bound, so every level, and every belief, stays in [0, 1] (docs/math.md, "The kalman
+rule": the bounds).
 The update is vectorised over the models with small float64 numpy arrays.
 ``python -m hadw_kernels.theory.anchor_tracking`` measures every rule's tracking error.
 """
@@ -32,7 +35,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .validation import _require_float
+
 RULES = ("soft", "hard", "kalman")
+# The one default rule, read by DifficultyAnchor, TRL's HADWGRPOConfig and verl's
+# algorithm.hadw.anchor (the trainer's default preset is the same rule): the kalman rule
+# tracks closest at every batch size measured (docs/theory.md).
+DEFAULT_RULE = "kalman"
 BELIEFS = ("prior", "posterior")
 
 # Chosen by simulation (2048 binary rewards a batch, ramp 0.3->0.7 over 300 steps and a
@@ -79,14 +88,35 @@ _TRANSITION, _PROCESS_NOISE, _SWITCHING, _IS_TREND = _bank()
 MODELS = len(_IS_TREND)
 
 
+def _level_in_bounds(x: np.ndarray, P: np.ndarray) -> np.ndarray:
+    """The predicted states x (M x 2) with each level in [0, 1] (docs/math.md, "The
+    kalman rule", the bounds). A level that a trend model's slope carried past 0 or 1 is
+    put on the bound: the most probable state under N(x_j, P_j) whose level is in
+    [0, 1], whose slope is the regression on the level, d + P10 / P00 (bound - l).
+    Inside [0, 1] the state is unchanged, bit for bit. P is kept (P00 > 0: every model
+    has level noise)."""
+    bounded = np.clip(x[:, 0], 0.0, 1.0)
+    x = x.copy()
+    x[:, 1] += P[:, 1, 0] / P[:, 0, 0] * (bounded - x[:, 0])
+    x[:, 0] = bounded
+    return x
+
+
+def _mixture_level(weights: np.ndarray, levels: np.ndarray) -> float:
+    """A belief of the bank, sum_j w_j l_j, over levels in [0, 1]. The weights sum to 1
+    but for the floor on the model probabilities (at most MODELS x 1e-12 over) and
+    rounding, which are all the clip can remove."""
+    return min(max(float(weights @ levels), 0.0), 1.0)
+
+
 class DifficultyAnchor:
     """Tracks C_t across rollout batches.
 
     Args:
-        rule: ``"soft"`` (Kalman-style, paper Eq. 4-7), ``"hard"`` (mean of the last
-            ``window`` observations, appendix F) or ``"kalman"`` (an IMM bank of Kalman
-            filters on the accuracy's level and slope, with the observation noise of a
-            mean of B_t rewards: docs/math.md).
+        rule: ``"kalman"`` (the default, ``DEFAULT_RULE``: an IMM bank of Kalman filters
+            on the accuracy's level and slope, with the observation noise of a mean of
+            B_t rewards: docs/math.md), ``"soft"`` (the paper's rule, Eq. 4-7) or
+            ``"hard"`` (mean of the last ``window`` observations, appendix F).
         eta: the soft rule's gain; eta_t = clamp(eta * sigma_t, eta_min, 1).
         window: m for the soft rule (beliefs in sigma_t), h for the hard rule; the kalman
             rule does not use it.
@@ -99,7 +129,7 @@ class DifficultyAnchor:
 
     def __init__(
         self,
-        rule: str = "soft",
+        rule: str = DEFAULT_RULE,
         *,
         eta: float = DEFAULT_ETA,
         window: int = DEFAULT_WINDOW,
@@ -160,8 +190,9 @@ class DifficultyAnchor:
     def update(self, rewards: torch.Tensor) -> float:
         """Folds one rollout batch's rewards in and returns the belief for its weights.
 
-        Under torch.distributed the sums and the count of rewards are all-reduced, so
-        every rank holds the same belief (never a mean of per-rank means).
+        ``rewards``: a floating-point tensor (as the losses take them) or a sequence of
+        numbers, in [0, 1]. Under torch.distributed the sums and the count of rewards are
+        all-reduced, so every rank holds the same belief (never a mean of per-rank means).
         """
         rewards = checked_rewards(rewards)
         mean, variance, count = batch_reward_statistics(rewards)
@@ -176,11 +207,11 @@ class DifficultyAnchor:
         """
         if isinstance(y, bool) or not isinstance(y, numbers.Real) or not math.isfinite(y):
             raise ValueError(f"observation y_t must be a finite number, got {y!r}")
+        if not 0 <= y <= 1:
+            raise ValueError(f"observation y_t must lie in [0, 1] (an accuracy, a mean reward in [0, 1]), got {y!r}")
         if self.rule == "kalman":
             if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
                 raise ValueError(f"the kalman rule needs the batch's reward count (a positive int), got {count!r}")
-            if not 0 <= y <= 1:
-                raise ValueError(f"the kalman rule's observation y_t must lie in [0, 1], got {y!r}")
             if variance is not None and (isinstance(variance, bool) or not isinstance(variance, numbers.Real)
                                          or not math.isfinite(variance) or variance < 0):
                 raise ValueError(f"reward variance must be finite and non-negative, got {variance!r}")
@@ -252,8 +283,11 @@ class DifficultyAnchor:
         # 3. predict.
         xp = np.einsum("jab,jb->ja", _TRANSITION, x0)
         Pp = _TRANSITION @ P0 @ _TRANSITION.transpose(0, 2, 1) + _PROCESS_NOISE
+        # The prediction is the one step that can take a level out of [0, 1] (the mixing
+        # above and the update below are convex combinations of levels in [0, 1] and y_t).
+        xp = _level_in_bounds(xp, Pp)
         # 4. the prior belief: the bank's one-step prediction, before y_t.
-        prior = float(c @ xp[:, 0])
+        prior = _mixture_level(c, xp[:, 0])
         # 5. the observation noise at the prior belief.
         noise = observation_noise(prior)
         # 6. update each model with y_t.
@@ -272,7 +306,7 @@ class DifficultyAnchor:
 
         self._mu, self._x, self._P = mu_new, x_new, P_new
         levels = x_new[:, 0]
-        posterior = float(mu_new @ levels)
+        posterior = _mixture_level(mu_new, levels)
         self.prior, self.posterior = prior, posterior
         # eta_t: the gain the whole bank applied to the innovation, for the logs.
         self.eta_t = (posterior - prior) / (y - prior) if y != prior else None
@@ -403,15 +437,16 @@ def _checked_state(state, config: dict) -> dict:
         if value is None and optional:
             return
         if not _is_number(value) or not math.isfinite(value) or not low <= value <= high:
-            what = "a finite number" + (f" in [{low}, {high}]" if (low, high) != (-math.inf, math.inf) else "")
+            what = "a finite number" + (f" in [{low:g}, {high:g}]" if (low, high) != (-math.inf, math.inf) else "")
             raise ValueError(f"anchor state {key!r} must be {what}{' or None' if optional else ''}, got {value!r}")
 
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"anchor state 'step' must be a non-negative int, got {step!r}")
-    for key in ("prior", "posterior", "eta_t"):
-        number(key, state[key], optional=True)
-    number("observation", state["observation"], optional=True)
+    # Beliefs and observations are accuracies: no update puts one outside [0, 1].
+    for key in ("prior", "posterior", "observation"):
+        number(key, state[key], optional=True, low=0.0, high=1.0)
+    number("eta_t", state["eta_t"], optional=True)
     number("sigma_t", state["sigma_t"], optional=True, low=0.0)
     number("warmup_sum", state["warmup_sum"])
     window = config["window"]
@@ -420,7 +455,7 @@ def _checked_state(state, config: dict) -> dict:
         if not isinstance(values, list) or len(values) > window:
             raise ValueError(f"anchor state {key!r} must be a list of at most {window} numbers, got {values!r}")
         for value in values:
-            number(key, value)
+            number(key, value, low=0.0, high=1.0)
         if len(values) > step:
             raise ValueError(f"anchor state {key!r} holds {len(values)} values after {step} steps")
     if step > 0 and (state["posterior"] is None or state["observation"] is None):
@@ -449,6 +484,8 @@ def _checked_state(state, config: dict) -> dict:
             raise ValueError(f"anchor state bank {key!r} must be finite")
         arrays[key] = array
     mu, P = arrays["mu"], arrays["P"]
+    if (arrays["x"][:, 0] < 0).any() or (arrays["x"][:, 0] > 1).any():
+        raise ValueError("anchor state bank 'x' must hold levels (its first column) in [0, 1]: each is an accuracy")
     if (mu < 0).any() or (mu > 1).any() or abs(mu.sum() - 1.0) > 1e-6:
         raise ValueError("anchor state bank 'mu' must be probabilities in [0, 1] that sum to 1")
     # Each P_j symmetric positive semi-definite: P00, P11 >= 0 and P01^2 <= P00 P11 (to rounding).
@@ -467,15 +504,16 @@ def _only_numbers(value) -> bool:
 
 
 def checked_rewards(rewards) -> torch.Tensor:
-    """Rewards as a float64 tensor, refused unless real, finite and in [0, 1]."""
+    """Rewards as a float64 tensor, refused unless finite and in [0, 1]. A tensor must be
+    floating point, as the losses require (an int or bool tensor is refused with their
+    message); a sequence or array of numbers is converted."""
     if not isinstance(rewards, torch.Tensor):
         try:
             rewards = torch.as_tensor(rewards, dtype=torch.float64)
         except (TypeError, ValueError) as error:
             raise TypeError(f"rewards must be a tensor or a sequence of numbers, got {type(rewards).__name__}") \
                 from error
-    if rewards.is_complex():
-        raise TypeError(f"rewards must be real numbers, got {rewards.dtype}")
+    _require_float("rewards", rewards)
     rewards = rewards.detach().to(torch.float64)
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards must be finite: they contain NaN or inf")

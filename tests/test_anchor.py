@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hadw_kernels import DifficultyAnchor
+from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_advantages, hadw_weights
+from hadw_kernels.anchor import DEFAULT_RULE, checked_rewards
+from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
 from hadw_kernels.theory.anchor_tracking import SEEDS, tracking_error
 
 BATCH = 2048  # binary rewards a rollout batch, as in the paper (docs/math.md section 3)
@@ -25,13 +27,20 @@ def _mean_tracking_error(anchor, kind, seed, batch=BATCH):
 
 @pytest.mark.parametrize("kind", ["ramp", "step"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_default_anchor_tracks_ramp_and_step(kind, seed):
-    assert _mean_tracking_error(DifficultyAnchor(), kind, seed) < 0.03
+def test_soft_rule_defaults_track_ramp_and_step(kind, seed):
+    assert _mean_tracking_error(DifficultyAnchor("soft"), kind, seed) < 0.03
+
+
+def test_the_default_rule_is_the_kalman_rule():
+    """One default, the rule that tracks best (docs/theory.md), declared once: TRL's and
+    verl's defaults and the trainer's preset are held to it by their own tests."""
+    assert DEFAULT_RULE == "kalman"
+    assert DifficultyAnchor().rule == DEFAULT_RULE
 
 
 def test_soft_rule_without_floor_freezes_with_a_small_gain():
     # The trap the defaults avoid: sigma_t -> 0 makes eta_t -> 0 for good.
-    frozen = DifficultyAnchor(eta=1.0, eta_min=0.0)
+    frozen = DifficultyAnchor("soft", eta=1.0, eta_min=0.0)
     assert _mean_tracking_error(frozen, "ramp", 0) > 0.1
     assert frozen.eta_t < 0.01
 
@@ -54,7 +63,7 @@ def test_kalman_rule_beats_the_soft_rule_and_a_10_batch_window(kind, belief):
     seeds, binary rewards, mean |C_t - p_t| after batch 20): at 64 rewards a batch it
     tracks a ramp and a step closer than the soft rule and than a 10-batch window."""
     kalman = _seed_mean(lambda: DifficultyAnchor("kalman", belief=belief), SMALL_BATCH, (kind,))
-    soft = _seed_mean(DifficultyAnchor, SMALL_BATCH, (kind,))
+    soft = _seed_mean(lambda: DifficultyAnchor("soft"), SMALL_BATCH, (kind,))
     window = _seed_mean(DifficultyAnchor.authors_code, SMALL_BATCH, (kind,))
     assert kalman < 0.85 * min(soft, window)
 
@@ -73,6 +82,65 @@ def test_kalman_gain_smooths_small_batches_and_trusts_large_ones():
         resumed.observe(resumed.posterior + 0.05, count=batch)
         gains[batch] = resumed.eta_t
     assert 0 < gains[8] < gains[SMALL_BATCH] < gains[BATCH] < 1
+
+
+# --- the kalman rule at the edges of [0, 1] -------------------------------------------------
+
+HELD = 200  # batches an accuracy of 0 or 1 is held
+
+
+def _edge_accuracies(kind):
+    """The true accuracy per batch: ramps of 60 batches to 1 and to 0 then held, 0 or 1
+    from the start, or all-0 and all-1 batches in turn."""
+    if kind == "ramp to 1":
+        return [min(1.0, 0.3 + 0.7 * t / 59) for t in range(60 + HELD)]
+    if kind == "ramp to 0":
+        return [max(0.0, 0.9 - 0.9 * t / 59) for t in range(60 + HELD)]
+    if kind in ("constant 0", "constant 1"):
+        return [float(kind[-1])] * HELD
+    return [float(t % 2) for t in range(HELD)]
+
+
+# Every group mean 0, 1/8, ..., 1: Phi's exponent |p_hat - C| takes all its extremes.
+_PHI_PROBE = torch.tensor([[1.0] * k + [0.0] * (8 - k) for k in range(9)], dtype=torch.float64).reshape(-1)
+
+
+@pytest.mark.parametrize("kind", ["ramp to 1", "ramp to 0", "constant 0", "constant 1", "alternating"])
+@pytest.mark.parametrize("batch", [1, 2, 8, 64, 512, 4096])
+def test_kalman_beliefs_and_phi_stay_in_range_at_the_edges(kind, batch):
+    """An accuracy that reaches 0 or 1 (a task mastered or lost) keeps every belief, prior
+    and posterior, in [0, 1] and every Phi in [lambda / e, lambda e], and so an anchor the
+    loss accepts. The bank's own levels stay in [0, 1] (docs/math.md, "The kalman rule",
+    step 3), so no belief is a clipped divergence; the state at the edge loads again."""
+    generator = torch.Generator().manual_seed(batch)
+    anchor = DifficultyAnchor("kalman")
+    low, high = DEFAULT_LAMBDA_SCALE / math.e, DEFAULT_LAMBDA_SCALE * math.e
+    for accuracy in _edge_accuracies(kind):
+        anchor.update(torch.bernoulli(torch.full((batch,), accuracy), generator=generator))
+        levels = [level for level, _ in anchor.state_dict()["bank"]["x"]] if anchor.step > 1 else []
+        assert all(0.0 <= level <= 1.0 for level in levels), (anchor.step, levels)
+        for belief in (anchor.prior, anchor.posterior):
+            assert math.isfinite(belief) and 0.0 <= belief <= 1.0, (anchor.step, anchor.prior, anchor.posterior)
+            phi = hadw_weights(_PHI_PROBE, 8, belief)
+            assert bool(torch.isfinite(phi).all()) and low <= phi.min().item() <= phi.max().item() <= high
+            hadw_advantages(_PHI_PROBE, group_size=8, anchor=belief)  # refuses a belief outside [0, 1]
+    resumed = DifficultyAnchor("kalman")
+    resumed.load_state_dict(json.loads(json.dumps(anchor.state_dict())))
+    last = torch.full((batch,), _edge_accuracies(kind)[-1])
+    assert resumed.update(last) == anchor.update(last)
+
+
+def test_kalman_trend_models_do_not_predict_past_an_accuracy_of_1():
+    """The issue's run: 64 rewards a batch, accuracy 0.3 -> 1.0 over 60 batches, then
+    held. The trend models' slope carried their prediction, and with it the belief, to
+    1.0235; each prediction past the bound is now put on it."""
+    generator = torch.Generator().manual_seed(0)
+    anchor = DifficultyAnchor("kalman")
+    beliefs = [anchor.update(torch.bernoulli(torch.full((SMALL_BATCH,), accuracy), generator=generator))
+               for accuracy in _edge_accuracies("ramp to 1")]
+    assert max(beliefs) <= 1.0 and beliefs[-1] == pytest.approx(1.0, abs=1e-6)
+    slopes = [slope for _, slope in anchor.state_dict()["bank"]["x"][:6]]
+    assert max(slopes) > 0  # a trend model still rising: its prediction is the one projected
 
 
 # --- the kalman rule against the equations -----------------------------------------------
@@ -227,20 +295,21 @@ def test_hard_rule_is_mean_of_last_h_observations():
 
 
 def test_prior_and_posterior_beliefs():
-    paper, authors = DifficultyAnchor(), DifficultyAnchor(belief="posterior")
+    paper, authors = DifficultyAnchor("soft"), DifficultyAnchor("soft", belief="posterior")
     assert paper.update(torch.tensor([1.0, 0.0, 0.0, 0.0])) == 0.25  # C_1- = y_1
     assert authors.update(torch.tensor([1.0, 0.0, 0.0, 0.0])) == 0.25
     assert paper.update(torch.tensor([1.0, 1.0, 1.0, 0.0])) == 0.25  # prior: y_2 not yet in
     assert authors.update(torch.tensor([1.0, 1.0, 1.0, 0.0])) == 0.5  # running mean in warm-up
 
 
-def test_initial_value_is_the_first_prior():
-    anchor = DifficultyAnchor(initial=0.5)
+@pytest.mark.parametrize("rule", ["soft", "hard", "kalman"])
+def test_initial_value_is_the_first_prior(rule):
+    anchor = DifficultyAnchor(rule, initial=0.5)
     assert anchor.update(torch.tensor([0.0, 0.0])) == 0.5
 
 
 def test_soft_update_formula_after_warm_up():
-    anchor = DifficultyAnchor(eta=2.0, window=3, eta_min=0.0)
+    anchor = DifficultyAnchor("soft", eta=2.0, window=3, eta_min=0.0)
     for y in (0.2, 0.4, 0.6):
         anchor.observe(y)
     posteriors = [0.2, 0.3, 0.4]  # running means during warm-up
@@ -326,7 +395,7 @@ def test_observation_is_all_reduced_across_ranks():
 
 
 def test_update_takes_a_list_of_rewards():
-    anchor = DifficultyAnchor()
+    anchor = DifficultyAnchor("soft")
     assert anchor.update([0.0, 1.0]) == pytest.approx(0.5)
     assert anchor.update((1, 1, 1, 0)) == pytest.approx(0.5)  # prior: the previous belief
 
@@ -344,6 +413,21 @@ def test_update_takes_a_list_of_rewards():
 def test_bad_settings_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
         DifficultyAnchor(**options)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_a_reward_tensor_the_loss_refuses_is_refused_by_the_anchor_with_its_message(dtype):
+    """One rule for the anchor and the losses: a reward tensor is floating point (an int
+    tensor was folded into the belief, then refused by the loss)."""
+    rewards = torch.tensor([1, 0, 1, 1]).to(dtype)
+    logprobs = torch.zeros(4, 3)
+    with pytest.raises(TypeError) as by_the_loss:
+        fused_hadw_grpo_loss(logprobs, logprobs, rewards, torch.ones(4, 3), group_size=2, anchor=0.5)
+    assert str(by_the_loss.value).startswith("rewards must be a floating-point tensor")
+    for check in (checked_rewards, DifficultyAnchor("soft").update, DifficultyAnchor("kalman").update):
+        with pytest.raises(TypeError) as by_the_anchor:
+            check(rewards)
+        assert str(by_the_anchor.value) == str(by_the_loss.value)
 
 
 @pytest.mark.parametrize("rewards, match", [([0.0, 2.0], r"\[0, 1\]"), ([0.0, float("nan")], "NaN"),
@@ -404,7 +488,7 @@ def test_the_pre_imm_kalman_state_is_refused_with_a_clear_message():
 
 
 def test_a_soft_rule_state_from_before_the_version_still_loads():
-    anchor = DifficultyAnchor()
+    anchor = DifficultyAnchor("soft")
     anchor.load_state_dict(_v1_state("soft"))
     assert (anchor.step, anchor.posterior) == (2, 0.375)
     assert anchor.state_dict()["version"] == 2
@@ -490,11 +574,50 @@ def test_a_bad_entry_in_the_kalman_bank_is_refused_with_a_clear_message(entry, v
         DifficultyAnchor("kalman").load_state_dict(state)
 
 
+_BELIEF_KEYS = ("prior", "posterior", "observation", "observations", "posteriors")
+
+
+@pytest.mark.parametrize("rule, key", [(rule, key) for rule in ("soft", "hard", "kalman") for key in _BELIEF_KEYS]
+                         + [("kalman", "bank levels")])
+@pytest.mark.parametrize("value", [5.0, -0.5])
+def test_a_state_whose_beliefs_leave_0_1_is_refused_at_load_naming_the_key(rule, key, value):
+    """No update puts a belief, an observation or a level of the bank outside [0, 1]: a
+    state holding one is damaged (loaded, its next belief was 5.0) and is refused."""
+    source = DifficultyAnchor(rule)
+    for rewards in ([0.25, 1.0, 0.0], [0.5, 1.0, 0.0], [0.75, 1.0, 0.0]):
+        source.update(torch.tensor(rewards))
+    state = json.loads(json.dumps(source.state_dict()))
+    if key == "bank levels":
+        state["bank"]["x"][3][0] = value
+        match = r"bank 'x'.*levels.*\[0, 1\]"
+    elif key in ("observations", "posteriors"):
+        state[key][-1] = value
+        match = rf"'{key}'.*\[0, 1\]"
+    else:
+        state[key] = value
+        match = rf"'{key}'.*\[0, 1\]"
+    target = DifficultyAnchor(rule)
+    target.update(torch.tensor([1.0, 0.0]))
+    before = target.state_dict()
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(state)
+    assert target.state_dict() == before
+
+
+@pytest.mark.parametrize("rule", ["soft", "hard", "kalman"])
+def test_an_observation_outside_0_1_is_refused_by_every_rule(rule):
+    anchor = DifficultyAnchor(rule)
+    anchor.observe(0.5, count=4)
+    with pytest.raises(ValueError, match=r"observation y_t must lie in \[0, 1\]"):
+        anchor.observe(1.5, count=4)
+    assert anchor.step == 1
+
+
 def test_a_bank_where_the_rule_has_none_is_refused():
-    state = DifficultyAnchor().state_dict()
+    state = DifficultyAnchor("soft").state_dict()
     state["bank"] = DifficultyAnchor("kalman").state_dict()["bank"] or {"mu": []}
     with pytest.raises(ValueError, match="bank"):
-        DifficultyAnchor().load_state_dict(state)
+        DifficultyAnchor("soft").load_state_dict(state)
 
 
 def test_observe_takes_numpy_numbers_and_refuses_strings():

@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_weights  # noqa: E402
+from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
 from hadw_kernels.integrations.trl import ANCHOR_FILE, HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
 from trainer.tiny_model import build_tokenizer  # noqa: E402
 
@@ -113,10 +114,11 @@ class RecordingTrainer(HADWGRPOTrainer):
 
 
 def test_hadw_scales_trl_advantages_by_phi_for_three_steps(model_dir, tmp_path):
-    trainer = train(RecordingTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=3, hadw_lambda_scale=1.5)
+    trainer = train(RecordingTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=3, hadw_lambda_scale=1.5,
+                    hadw_anchor_rule="soft")
     # Three optimizer steps, a generation batch every two: two anchor updates.
     assert len(trainer.generations) == 2 and trainer.anchor.step == 2
-    reference = DifficultyAnchor()
+    reference = DifficultyAnchor("soft")
     for generation in trainer.generations:
         rewards = generation["rewards"]
         assert generation["belief"] == reference.update(rewards)
@@ -149,15 +151,17 @@ class ResumeProbe(HADWGRPOTrainer):
 
 
 def test_anchor_survives_save_and_resume(model_dir, tmp_path):
+    # The soft rule: its next prior is exactly the saved posterior (the kalman rule's is
+    # the bank's prediction).
     first = train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=2, save_strategy="steps",
-                  save_steps=2)
+                  save_steps=2, hadw_anchor_rule="soft")
     saved = first.anchor.state_dict()
     assert saved["step"] == 1
     assert json.loads((tmp_path / "checkpoint-2" / ANCHOR_FILE).read_text()) == saved
 
     resumed = ResumeProbe(
         model=model_dir, reward_funcs=sevens, train_dataset=PROMPTS, processing_class=TOKENIZER,
-        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 3}),
+        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 3, "hadw_anchor_rule": "soft"}),
     )
     assert resumed.anchor.step == 0
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
@@ -211,6 +215,10 @@ def test_bad_hadw_fields_are_refused_when_the_config_is_built(options, message, 
     # Checked in __post_init__ with the library's own checks, not at the first loss.
     with pytest.raises(ValueError, match=message):
         HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "loss_type": "dapo", **options})
+
+
+def test_the_default_anchor_rule_is_the_library_s(tmp_path):
+    assert HADWGRPOConfig(output_dir=str(tmp_path), **RUN).anchor().rule == DEFAULT_RULE
 
 
 def test_every_anchor_rule_builds(tmp_path):

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 
 from hadw_kernels import DifficultyAnchor, hadw_advantages  # noqa: E402
+from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
 from hadw_kernels.integrations import verl as hadw_verl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +151,7 @@ def test_estimator_without_hadw_equals_verl_grpo(normalize_std):
     assert hadw_verl._driver_anchor is None
 
 
-@pytest.mark.parametrize("anchor", [{"window": 3}, {"rule": "kalman"}], ids=["soft", "kalman"])
+@pytest.mark.parametrize("anchor", [{"rule": "soft", "window": 3}, {"rule": "kalman"}], ids=["soft", "kalman"])
 def test_estimator_with_hadw_folds_each_step_into_the_anchor_once(anchor):
     config = OmegaConf.create({"hadw": {"lambda_scale": 1.5, "anchor": anchor}})
     reference = DifficultyAnchor(**anchor)
@@ -164,6 +165,29 @@ def test_estimator_with_hadw_folds_each_step_into_the_anchor_once(anchor):
         expected = hadw_advantages(rewards, group_index=group_index, anchor=belief, lambda_scale=1.5)
         torch.testing.assert_close(advantages, expected[:, None] * mask)
     assert hadw_verl._driver_anchor.state_dict() == reference.state_dict()
+
+
+def test_an_anchor_changed_within_a_run_is_refused_naming_the_way_out():
+    """The driver keeps one anchor per process; a second run there with other anchor
+    options must call reset_driver_anchor() first, and the error says so."""
+    estimator = core_algos.get_adv_estimator_fn("hadw")
+    token_level_rewards, mask, uids, _ = outcome_batch(seed=4)
+    batch = dict(token_level_rewards=token_level_rewards, response_mask=mask, index=uids)
+    estimator(**batch, config=OmegaConf.create({"hadw": {"anchor": {"rule": "soft"}}}))
+    other = OmegaConf.create({"hadw": {"anchor": {"rule": "hard"}}})
+    way_out = r"changed within a run.*hadw_kernels\.integrations\.verl\.reset_driver_anchor\(\)"
+    with pytest.raises(ValueError, match=way_out):
+        estimator(**batch, config=other)
+    hadw_verl.reset_driver_anchor()
+    estimator(**batch, config=other)
+    assert hadw_verl._driver_anchor.rule == "hard"
+
+
+def test_the_default_anchor_is_the_library_s_default_rule():
+    token_level_rewards, mask, uids, _ = outcome_batch(seed=5)
+    core_algos.get_adv_estimator_fn("hadw")(token_level_rewards=token_level_rewards, response_mask=mask, index=uids,
+                                            config=OmegaConf.create({}))
+    assert hadw_verl._driver_anchor.rule == DEFAULT_RULE
 
 
 def test_estimator_refuses_rewards_outside_the_unit_interval():
@@ -217,7 +241,7 @@ def test_estimator_refuses_a_mask_of_another_shape(enable):
 
 def trainer_config(checkpoints: Path, resume_mode: str = "auto") -> dict:
     return OmegaConf.create({
-        "algorithm": {"adv_estimator": "hadw", "hadw": {"anchor": {"window": 2}}},
+        "algorithm": {"adv_estimator": "hadw", "hadw": {"anchor": {"rule": "soft", "window": 2}}},
         "trainer": {"resume_mode": resume_mode, "default_local_dir": str(checkpoints), "resume_from_path": None},
     })
 

@@ -57,7 +57,7 @@ class _Exploit:
 def _anchor_after(rewards):
     anchor = DifficultyAnchor()
     for reward in rewards:
-        anchor.observe(reward)
+        anchor.observe(reward, count=8)
     return anchor
 
 

@@ -13,7 +13,9 @@ pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
 from trainer.config import ConfigError, load_config, validate  # noqa: E402
+from trainer.loop import build_anchor  # noqa: E402
 
 
 def _model_dir(tmp_path, head_dim=128) -> Path:
@@ -80,6 +82,11 @@ def test_group_size_below_two():
 )
 def test_impossible_batch_sizes(overrides, world_size, message):
     assert message in _error(overrides, world_size)
+
+
+def test_the_default_preset_builds_the_library_s_default_anchor_rule():
+    anchor, _ = build_anchor(load_config(None, []).algorithm)
+    assert anchor.rule == DEFAULT_RULE
 
 
 @pytest.mark.parametrize("option", ["anchor_eta=10", "anchor_window=5", "anchor_eta_min=0.1"])

@@ -127,6 +127,30 @@ def test_gguf_model_with_chat_template_on_the_hf_engine_skips_batches_without_si
     assert (run_dir / "hf_model" / "config.json").is_file()
 
 
+def test_a_run_that_masters_its_task_keeps_training_with_the_default_anchor(tmp_path):
+    """The default (kalman) anchor through a reward of 1: the accuracy ramps to 1 and
+    stays, the ramp's trend carried the belief past 1 and the loss refused it (the run
+    stopped at step 12 with a belief of 1.019); now it runs to its last step. Cheapest
+    honest setting found: an easy task (any number is right, a random policy scores about
+    0.5: test_trainer_helpers.any_number), one response token, and a learning rate of
+    3e-3 (3x the default, for this test only), which reaches 1.0 by step 10 and holds it
+    on most later steps; the anchor is not overridden."""
+    steps = 30
+    run_trainer(tmp_path, "mastered", [
+        "rollout.engine=hf", f"train.steps={steps}", "rollout.max_new_tokens=1", "train.learning_rate=3e-3",
+        "data.levels=[copy]", "reward.function=test_trainer_helpers:any_number", "reward.timeout_seconds=0",
+        "run.plot=false", "run.export_hf=false",
+    ], env={"PYTHONPATH": str(REPO / "tests")})
+    run_dir = tmp_path / "mastered"
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert sum(row["reward/mean"] == 1.0 for row in rows) >= 5
+    for row in rows:
+        assert 0.0 <= row["anchor/prior"] <= 1.0 and 0.0 <= row["anchor/posterior"] <= 1.0
+    state = json.loads((latest_checkpoint(run_dir / "checkpoints") / "trainer_state.json").read_text())
+    assert state["anchor"]["config"]["rule"] == "kalman" and state["anchor"]["step"] == steps
+
+
 @needs_vllm
 def test_vllm_engine_with_zero3_keeps_engine_and_trainer_in_sync(tmp_path):
     run_trainer(tmp_path, "vllm", ["rollout.engine=vllm", "train.steps=3", "train.zero_stage=3",

@@ -40,3 +40,9 @@ def synthetic_then_crash(response: str, answer: str) -> float:
     if _calls > int(os.environ["CRASH_AFTER_RESPONSES"]):
         os._exit(17)
     return score_synthetic(response, answer)
+
+
+def any_number(response: str, answer: str) -> float:
+    """An easy task: a response is right when it holds a number, whatever the prompt.
+    A random policy answers one 4 times in 10; a policy learns it in a few dozen steps."""
+    return float(any(character.isdigit() for character in response))

@@ -52,7 +52,8 @@ from trl.models.utils import _ForwardRedirection
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from ..advantage import hadw_weights
-from ..anchor import DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_WINDOW, DifficultyAnchor, batch_reward_statistics
+from ..anchor import (DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_RULE, DEFAULT_WINDOW, DifficultyAnchor,
+                      batch_reward_statistics)
 from ..backends import check_backend_name
 from ..config import AGGREGATIONS, DEFAULT_LAMBDA_SCALE, check_block_rows, check_finite_positive, check_linear_path
 from ..loss import fused_linear_hadw_grpo_loss
@@ -105,10 +106,10 @@ class HADWGRPOConfig(GRPOConfig):
             with the fused kernel only.
         hadw_lambda_scale (`float`, *optional*, defaults to `1.3`):
             Phi's scale lambda (the paper's best; the authors' code uses 1.5).
-        hadw_anchor_rule (`str`, *optional*, defaults to `"soft"`):
-            `"soft"` (the paper's rule: a gain from the spread of recent beliefs), `"hard"` (mean of the last
-            window batches) or `"kalman"` (an IMM bank of Kalman filters on the accuracy's level and slope, mixed
-            by their evidence; it ignores eta, eta_min and window).
+        hadw_anchor_rule (`str`, *optional*, defaults to `"kalman"`):
+            `"kalman"` (an IMM bank of Kalman filters on the accuracy's level and slope, mixed by their evidence;
+            it ignores eta, eta_min and window), `"soft"` (the paper's rule: a gain from the spread of recent
+            beliefs) or `"hard"` (mean of the last window batches).
         hadw_anchor_eta (`float`, *optional*, defaults to `50.0`):
             Gain of the soft rule.
         hadw_anchor_window (`int`, *optional*, defaults to `10`):
@@ -133,7 +134,7 @@ class HADWGRPOConfig(GRPOConfig):
 
     use_hadw: bool = field(default=True, metadata={"help": "Multiply the advantages by the HA-DW weight Phi."})
     hadw_lambda_scale: float = field(default=DEFAULT_LAMBDA_SCALE, metadata={"help": "Phi's scale lambda."})
-    hadw_anchor_rule: str = field(default="soft", metadata={"help": "Anchor rule: 'soft', 'hard' or 'kalman'."})
+    hadw_anchor_rule: str = field(default=DEFAULT_RULE, metadata={"help": "Anchor rule: 'kalman', 'soft' or 'hard'."})
     hadw_anchor_eta: float = field(default=DEFAULT_ETA, metadata={"help": "Gain of the soft anchor rule."})
     hadw_anchor_window: int = field(default=DEFAULT_WINDOW, metadata={"help": "Window of the anchor rules."})
     hadw_anchor_eta_min: float = field(default=DEFAULT_ETA_MIN, metadata={"help": "Floor of the soft rule's gain."})

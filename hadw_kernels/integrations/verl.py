@@ -116,7 +116,8 @@ def driver_anchor(anchor_options: Mapping) -> DifficultyAnchor:
     elif _driver_anchor.state_dict()["config"] != wanted.state_dict()["config"]:
         raise ValueError(
             f"algorithm.hadw.anchor changed within a run: the anchor holds {_driver_anchor.state_dict()['config']}, "
-            f"the config asks for {wanted.state_dict()['config']}"
+            f"the config asks for {wanted.state_dict()['config']}. A new run in the same process starts with "
+            "hadw_kernels.integrations.verl.reset_driver_anchor()"
         )
     return _driver_anchor
 

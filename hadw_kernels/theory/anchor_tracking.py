@@ -26,7 +26,7 @@ WARMUP = 20  # batches left out of the error, for every rule
 
 # label -> a fresh anchor; the soft rule with the library's defaults is the paper's.
 RULES: dict[str, Callable[[], DifficultyAnchor]] = {
-    "soft (paper, prior)": DifficultyAnchor,
+    "soft (paper, prior)": lambda: DifficultyAnchor("soft"),
     "window h=10 (hard, authors' code, posterior)": DifficultyAnchor.authors_code,
     "kalman IMM (prior)": lambda: DifficultyAnchor("kalman"),
     "kalman IMM (posterior)": lambda: DifficultyAnchor("kalman", belief="posterior"),
