@@ -98,3 +98,23 @@ class TokenLayout:
             return sums.index_add(0, self.token_segment, values.to(accumulate)).to(values.dtype)
         sums = torch.zeros(self.segments, dtype=torch.int64, device=values.device)
         return sums.index_add(0, self.token_segment, values.to(torch.int64))
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """The offsets [S+1] (int32, flash-attention's convention) of the sequences packed in
+    ``position_ids`` [N] or [1, N], whose positions restart at 0 at each sequence (as
+    transformers' ``DataCollatorWithFlattening`` and padding-free trainers give them).
+
+    Reads the positions on the host (one synchronisation on a GPU): compute the offsets
+    once per batch, where the batch is built, not inside a compiled step."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point():
+        raise TypeError("position_ids must be an integer tensor [N] or [1, N]")
+    if position_ids.dim() not in (1, 2) or (position_ids.dim() == 2 and position_ids.shape[0] != 1):
+        raise ValueError(f"position_ids must be [N] or [1, N] (one packed row), got shape {tuple(position_ids.shape)}")
+    positions = position_ids.reshape(-1)
+    starts = (positions == 0).nonzero().flatten()
+    tokens = positions.shape[0]
+    if tokens and (starts.numel() == 0 or int(starts[0]) != 0):
+        raise ValueError("position_ids must start at 0 (the first sequence's first token)")
+    end = torch.full((1,), tokens, dtype=starts.dtype, device=starts.device)
+    return torch.cat([starts, end]).to(torch.int32)

@@ -245,3 +245,80 @@ def test_sequence_level_refuses_per_token_importance_weights(options):
     with pytest.raises(ValueError, match=r"sequence-level loss \(GSPO\) takes importance_weights \[B\] = \[4\]"):
         fused_hadw_grpo_loss(logprobs, logprobs - 0.1, importance_weights=torch.ones(4, 3), **call)
     assert torch.isfinite(fused_hadw_grpo_loss(logprobs, logprobs - 0.1, importance_weights=torch.ones(4), **call))
+
+
+def _packed_inputs():
+    """Four segments over N = 7 tokens (one empty), as a packed trainer passes them."""
+    return dict(
+        logprobs=torch.zeros(7),
+        old_logprobs=torch.zeros(7),
+        rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]),
+        response_mask=torch.tensor([False, True, True, True, True, False, True]),
+        cu_seqlens=torch.tensor([0, 3, 3, 5, 7]),
+    )
+
+
+@pytest.mark.parametrize("check_values", [True, False])
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (dict(cu_seqlens=torch.tensor([1, 3, 3, 5, 7])), ValueError, "cu_seqlens does not start at 0"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 3, 5, 6])), ValueError, r"cu_seqlens does not end at N = 7"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 2, 5, 7])), ValueError, "cu_seqlens decreases"),
+        (dict(cu_seqlens=torch.tensor([0.0, 3, 3, 5, 7])), TypeError, "cu_seqlens must be int32 or int64"),
+        (dict(cu_seqlens=torch.tensor([[0, 3, 3, 5, 7]])), ValueError, r"cu_seqlens must be \[S\+1\]"),
+        (dict(cu_seqlens=torch.zeros(0, dtype=torch.int64)), ValueError, r"cu_seqlens must be \[S\+1\]"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 3, 5, 7], device="meta")), ValueError, "cu_seqlens is on meta"),
+        (dict(cu_seqlens=[0, 3, 3, 5, 7]), TypeError, "cu_seqlens must be a torch.Tensor"),
+        (dict(rewards=torch.tensor([1.0, 0.0, 1.0])), ValueError, r"rewards must be \[S\] = \[4\], one per segment"),
+        (dict(advantages=torch.zeros(5), rewards=None), ValueError, r"advantages must be \[S\] = \[4\]"),
+        (dict(group_index=torch.tensor([0, 0, 1])), ValueError, r"group_index must be \[S\] = \[4\]"),
+        (dict(importance_weights=torch.ones(6)), ValueError, r"importance_weights has shape \(6,\).*\[4\]"),
+        (dict(importance_weights=torch.ones(7), loss_type="gspo"), ValueError, r"sequence-level loss .* \[S\] = \[4\]"),
+        (dict(old_logprobs=torch.zeros(4, 2)), ValueError, r"old_logprobs has shape \(4, 2\), but this call is packed"),
+        (dict(logprobs=torch.zeros(2, 7)), ValueError, r"logprobs has shape \(2, 7\), but this call is packed"),
+        (dict(response_mask=torch.ones(2, 7)), ValueError, r"response_mask has shape \(2, 7\), but this call is packed"),
+        (dict(ref_logprobs=torch.zeros(6), beta=0.1), ValueError, r"ref_logprobs has shape \(6,\)"),
+        (dict(loss_type="dr_grpo"), ValueError, "pass max_response_length"),
+        (dict(loss_agg_mode="seq-mean-token-sum-norm"), ValueError, "pass max_response_length"),
+        (dict(cu_seqlens=None), ValueError, r"response_mask must be \[B, T\].*packed batch passes cu_seqlens"),
+    ],
+)
+def test_bad_packed_input_raises(overrides, error, match, check_values):
+    """Packed calls are refused before compute, naming the argument; the offsets' values
+    also with check_values=False (the kernels would read outside the tensors)."""
+    inputs = dict(_packed_inputs(), **overrides)
+    with pytest.raises(error, match=match):
+        fused_hadw_grpo_loss(**inputs, group_size=None if inputs["rewards"] is None else 2,
+                             check_values=check_values)
+
+
+def test_packed_values_are_checked_in_the_read():
+    with pytest.raises(ValueError, match="response_mask must contain only 0 and 1"):
+        fused_hadw_grpo_loss(**dict(_packed_inputs(), response_mask=torch.full((7,), 0.5)), group_size=2)
+    logprobs = torch.zeros(7)
+    logprobs[0] = float("nan")  # a prompt token: masked out
+    fused_hadw_grpo_loss(**dict(_packed_inputs(), logprobs=logprobs), group_size=2)
+    logprobs[1] = float("nan")
+    with pytest.raises(ValueError, match="logprobs contain NaN or inf at response tokens"):
+        fused_hadw_grpo_loss(**dict(_packed_inputs(), logprobs=logprobs[None]), group_size=2)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(hidden_states=torch.zeros(2, 7, 8)), r"hidden_states has shape \(2, 7, 8\), but this call is packed"),
+        (dict(hidden_states=torch.zeros(6, 8)), r"hidden_states has shape \(6, 8\).*N = 7"),
+        (dict(labels=torch.zeros(6, dtype=torch.long)), r"labels has shape \(6,\), but this call is packed"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 3, 5, 8])), "cu_seqlens does not end at N = 7"),
+    ],
+)
+def test_bad_packed_linear_input_raises(overrides, match):
+    packed = _packed_inputs()
+    inputs = dict(hidden_states=torch.zeros(7, 8), lm_head_weight=torch.zeros(16, 8),
+                  labels=torch.zeros(7, dtype=torch.long), old_logprobs=packed["old_logprobs"],
+                  rewards=packed["rewards"], response_mask=packed["response_mask"], cu_seqlens=packed["cu_seqlens"])
+    inputs.update(overrides)
+    for check_values in (True, False):
+        with pytest.raises(ValueError, match=match):
+            fused_linear_hadw_grpo_loss(**inputs, group_size=2, check_values=check_values)
