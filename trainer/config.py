@@ -134,10 +134,15 @@ class TrainConfig:
     prompts_per_step: int = 64  # prompts in one rollout batch, over all ranks
     mini_batch_prompts: int = 16  # prompts per optimizer step, over all ranks
     micro_batch_prompts: int = 16  # prompts per forward/backward, per rank (micro_batch_tokens=0)
-    # Padded prompt+response tokens per forward/backward, per rank: responses are sorted
-    # by length and packed up to it, so memory is set by it and not by the group size.
-    # 0: micro-batches of micro_batch_prompts prompts.
+    # Prompt+response tokens per forward/backward, per rank (counted as fed to the model:
+    # packed, or with padding): responses are sorted by length and packed up to it, so
+    # memory is set by it and not by the group size. 0: micro-batches of
+    # micro_batch_prompts prompts.
     micro_batch_tokens: int = 0
+    # Padding-free micro-batches: one row of every sample's prompt and response, positions
+    # restarting per sample (docs/trainer.md, "Packed micro-batches"). null: on where the
+    # model's attention confines itself to each sample (checked at startup), else padded.
+    packing: bool | None = None
     ppo_epochs: int = 1
     learning_rate: float = 1e-3
     weight_decay: float = 0.0

@@ -33,7 +33,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, resolve_engine, save_config, task_levels
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
-from .policy import Policy, SequenceBatch
+from .policy import PackedBatch, Policy, SequenceBatch
 from .problem import Problem
 from .rewards import build_reward
 from .synthetic_task import VOCABULARY, sample_problems
@@ -84,12 +84,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _logprob_gap(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_logprobs: list[list[float]]) -> float:
-    """Largest |trainer - engine| log-prob of a sampled token in a micro-batch."""
-    engine = torch.zeros_like(trainer_logprobs)
-    for row, values in enumerate(engine_logprobs):
-        engine[row, :len(values)] = torch.tensor(values)
-    return float(torch.where(mask, (trainer_logprobs - engine).abs(), 0.0).max())
+def _logprob_gap(trainer_logprobs: list[torch.Tensor], engine_logprobs: list[list[float]]) -> float:
+    """Largest |trainer - engine| log-prob of a sampled token in a micro-batch (each
+    response's values)."""
+    gaps = [float((mine - torch.tensor(theirs, device=mine.device)).abs().max())
+            for mine, theirs in zip(trainer_logprobs, engine_logprobs) if len(theirs)]
+    return max(gaps, default=0.0)
 
 
 class Trainer:
@@ -138,6 +138,10 @@ class Trainer:
                                     enabled=rank == 0 and config.eval.every > 0)
         if checkpoint is not None:
             self.log.message(f"resumed from {checkpoint} at step {self.start_step}")
+        if not self.policy.packing:
+            reason = ("train.packing=false" if config.train.packing is False else
+                      "the model's attention does not confine itself to each sample of a packed row")
+            self.log.message(f"micro-batches are padded ({reason})")
 
     # -- construction -----------------------------------------------------------------
 
@@ -367,7 +371,9 @@ class Trainer:
         train = self.config.train
         if not train.micro_batch_tokens:
             return by_prompt_count(rows, train.micro_batch_prompts * self.group_size)
-        micro_batches, oversized = pack_by_tokens(rows, prompt_lengths, response_lengths, train.micro_batch_tokens)
+        packed = self.policy.packing
+        micro_batches, oversized = pack_by_tokens(rows, prompt_lengths, response_lengths, train.micro_batch_tokens,
+                                                  packed=packed)
         if oversized and not self.warned_oversized:
             self.warned_oversized = True
             longest = max(prompt_lengths[row] + response_lengths[row] for row in oversized)
@@ -376,7 +382,7 @@ class Trainer:
                 f"{train.micro_batch_tokens}; such responses get a micro-batch of their own (said once)"
             )
         count = int(_all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
-        return split_to_count(micro_batches, count, prompt_lengths, response_lengths)
+        return split_to_count(micro_batches, count, prompt_lengths, response_lengths, packed=packed)
 
     def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, belief, tallies) -> dict:
         train, algo = self.config.train, self.config.algorithm
@@ -388,15 +394,10 @@ class Trainer:
         prompt_lengths = [len(prompt) for prompt in row_prompts]
         response_lengths = [len(response) for response in responses]
 
-        def batch_of(rows):
-            return SequenceBatch.build([row_prompts[r] for r in rows], [responses[r] for r in rows], pad,
-                                       self.policy.device)
+        layout = PackedBatch if self.policy.packing else SequenceBatch
 
-        def stacked(per_row, rows, width):
-            values = torch.zeros(len(rows), width, device=self.policy.device)
-            for index, row in enumerate(rows):
-                values[index, :per_row[row].numel()] = per_row[row]
-            return values
+        def batch_of(rows):
+            return layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows], pad, self.policy.device)
 
         advantages, group_figures = batch_advantages(rewards, group, algo, self.lambda_scale, belief)
 
@@ -405,11 +406,11 @@ class Trainer:
         gaps = []
         for rows in self._micro_batches(list(range(len(responses))), prompt_lengths, response_lengths):
             batch = batch_of(rows)
-            logprobs = self.policy.token_logprobs(batch)
-            for index, row in enumerate(rows):
-                old_logprobs[row] = logprobs[index, :response_lengths[row]]
+            per_response = batch.per_response(self.policy.token_logprobs(batch))
+            for row, logprobs in zip(rows, per_response):
+                old_logprobs[row] = logprobs
             if engine_logprobs is not None and self.config.rollout.temperature == 1.0:
-                gaps.append(_logprob_gap(logprobs, batch.response_mask, [engine_logprobs[r] for r in rows]))
+                gaps.append(_logprob_gap(per_response, [engine_logprobs[r] for r in rows]))
 
         normalizer = loss_normalizer(LOSS_PRESETS[algo.loss_type].loss_agg_mode, batch_tokens=tallies["tokens"],
                                      mini_batches=mini_batches, responses_per_rank=mini_prompts * group,
@@ -431,7 +432,7 @@ class Trainer:
                 for index, micro_rows in enumerate(micro_batches):
                     batch = batch_of(micro_rows)
                     figures = self.policy.accumulate(
-                        batch, stacked(old_logprobs, micro_rows, batch.labels.shape[1]), advantages[micro_rows],
+                        batch, batch.from_responses([old_logprobs[row] for row in micro_rows]), advantages[micro_rows],
                         loss_normalizer=normalizer, last=index == len(micro_batches) - 1,
                     )
                     for name, value in figures.items():

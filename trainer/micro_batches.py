@@ -3,7 +3,8 @@
 The advantages are formed once per rollout batch, so a micro-batch is any set of
 responses: it need not hold whole groups. By a token budget (``train.micro_batch_tokens``)
 the responses are sorted by length and packed greedily while the micro-batch, as it is
-fed to the model, holds at most the budget: rows x (widest prompt + widest response),
+fed to the model, holds at most the budget: packed (``train.packing``), the sum of the
+samples' prompt + response tokens; padded, rows x (widest prompt + widest response),
 since prompts are left-padded and responses right-padded to a common width. Memory is
 then set by the budget, not by the group size. With no budget, each micro-batch holds
 ``train.micro_batch_prompts`` prompts' responses, in order.
@@ -21,8 +22,8 @@ from hadw_kernels.config import AGGREGATIONS
 
 
 def padded_tokens(rows: Sequence[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int]) -> int:
-    """Tokens of the rows as fed to the model: every row padded to the widest prompt and
-    the widest response (at least one response position)."""
+    """Tokens of the rows as fed to the model padded: every row padded to the widest
+    prompt and the widest response (at least one response position)."""
     if not rows:
         return 0
     prompt_width = max(prompt_lengths[row] for row in rows)
@@ -30,45 +31,70 @@ def padded_tokens(rows: Sequence[int], prompt_lengths: Sequence[int], response_l
     return len(rows) * (prompt_width + response_width)
 
 
+def packed_tokens(rows: Sequence[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int]) -> int:
+    """Tokens of the rows as fed to the model packed: every prompt and response token, no padding."""
+    return sum(prompt_lengths[row] + response_lengths[row] for row in rows)
+
+
+class _Tally:
+    """A growing micro-batch's tokens as fed to the model, packed or padded."""
+
+    def __init__(self, packed: bool) -> None:
+        self.packed = packed
+        self.rows = self.total = self.prompt_width = self.response_width = 0
+
+    def with_row(self, prompt: int, response: int) -> int:
+        """The tokens once a row of these lengths joins."""
+        if self.packed:
+            return self.total + prompt + response
+        return (self.rows + 1) * (max(self.prompt_width, prompt) + max(self.response_width, response, 1))
+
+    def add(self, prompt: int, response: int) -> None:
+        self.rows += 1
+        self.total += prompt + response
+        self.prompt_width = max(self.prompt_width, prompt)
+        self.response_width = max(self.response_width, response, 1)
+
+
 def pack_by_tokens(rows: Sequence[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int],
-                   budget: int) -> tuple[list[list[int]], list[int]]:
+                   budget: int, *, packed: bool = False) -> tuple[list[list[int]], list[int]]:
     """(micro-batches, rows over the budget): ``rows`` sorted by response then prompt
-    length and packed greedily under ``budget`` padded tokens. A row longer than the
-    budget on its own gets a micro-batch of its own and is listed second."""
+    length and packed greedily under ``budget`` tokens, counted packed or padded. A row
+    longer than the budget on its own gets a micro-batch of its own and is listed second."""
     if budget < 1:
         raise ValueError(f"a token budget must be positive, got {budget}")
     ordered = sorted(rows, key=lambda row: (response_lengths[row], prompt_lengths[row], row))
     micro_batches: list[list[int]] = []
     oversized: list[int] = []
     current: list[int] = []
-    prompt_width = response_width = 0
+    tally = _Tally(packed)
     for row in ordered:
-        widest_prompt = max(prompt_width, prompt_lengths[row])
-        widest_response = max(response_width, response_lengths[row], 1)
-        if current and (len(current) + 1) * (widest_prompt + widest_response) > budget:
+        prompt, response = prompt_lengths[row], response_lengths[row]
+        if current and tally.with_row(prompt, response) > budget:
             micro_batches.append(current)
-            current, widest_prompt, widest_response = [], prompt_lengths[row], max(response_lengths[row], 1)
-        current.append(row)
-        prompt_width, response_width = widest_prompt, widest_response
-        if len(current) == 1 and prompt_width + response_width > budget:
+            current, tally = [], _Tally(packed)
+        if not current and tally.with_row(prompt, response) > budget:
             oversized.append(row)
+        current.append(row)
+        tally.add(prompt, response)
     if current:
         micro_batches.append(current)
     return micro_batches, oversized
 
 
 def split_to_count(micro_batches: list[list[int]], count: int, prompt_lengths: Sequence[int],
-                   response_lengths: Sequence[int]) -> list[list[int]]:
+                   response_lengths: Sequence[int], *, packed: bool = False) -> list[list[int]]:
     """``micro_batches`` split until there are ``count``: each time the one with the most
-    padded tokens (of those with two rows or more) into two halves. Splitting keeps every
+    tokens (of those with two rows or more) into two halves. Splitting keeps every
     micro-batch within the budget it was packed under."""
+    tokens = packed_tokens if packed else padded_tokens
     result = [list(micro) for micro in micro_batches]
     total_rows = sum(len(micro) for micro in result)
     if count > total_rows:
         raise ValueError(f"cannot cut {total_rows} responses into {count} micro-batches")
     while len(result) < count:
         largest = max((micro for micro in result if len(micro) > 1),
-                      key=lambda micro: padded_tokens(micro, prompt_lengths, response_lengths))
+                      key=lambda micro: tokens(micro, prompt_lengths, response_lengths))
         index = result.index(largest)
         half = len(largest) // 2
         result[index:index + 1] = [largest[:half], largest[half:]]

@@ -28,7 +28,8 @@ from hadw_kernels.config import IGNORE_INDEX
 class SequenceBatch:
     """Prompts (left-padded) followed by responses (right-padded), as tensors.
 
-    Hidden state ``prompt_width - 1 + j`` predicts response token ``j``.
+    Hidden state ``prompt_width - 1 + j`` predicts response token ``j``; the loss takes
+    the [b, response_width] slice of them (:meth:`loss_hidden_states`).
     """
 
     input_ids: torch.Tensor  # [b, prompt_width + response_width]
@@ -37,6 +38,10 @@ class SequenceBatch:
     labels: torch.Tensor  # [b, response_width], IGNORE_INDEX on padding
     response_mask: torch.Tensor  # [b, response_width] bool
     prompt_width: int
+    response_lengths: list[int]
+
+    # A padded batch passes no offsets to the loss.
+    cu_seqlens = None
 
     @classmethod
     def build(cls, prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
@@ -56,26 +61,130 @@ class SequenceBatch:
         # Positions count real tokens only, as in the rollout engine (no padding there).
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         return cls(input_ids.to(device), attention_mask.to(device), position_ids.to(device),
-                   labels.to(device), (labels != IGNORE_INDEX).to(device), prompt_width)
+                   labels.to(device), (labels != IGNORE_INDEX).to(device), prompt_width,
+                   [len(response) for response in responses])
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        return dict(input_ids=self.input_ids, attention_mask=self.attention_mask, position_ids=self.position_ids)
+
+    def loss_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[b, response_width, H]: the model's last hidden states that predict the responses."""
+        width = self.labels.shape[1]
+        return hidden_states[:, self.prompt_width - 1: self.prompt_width - 1 + width]
+
+    def per_response(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """A per-token tensor of the loss's layout ([b, response_width]) cut into each
+        response's values."""
+        return [values[row, :length] for row, length in enumerate(self.response_lengths)]
+
+    def from_responses(self, per_response: list[torch.Tensor]) -> torch.Tensor:
+        """Each response's values placed in the loss's layout, zeros elsewhere."""
+        values = torch.zeros(self.labels.shape, device=self.labels.device)
+        for row, row_values in enumerate(per_response):
+            values[row, :row_values.numel()] = row_values
+        return values
 
 
-def response_hidden_states(forward, batch: SequenceBatch) -> torch.Tensor:
-    """[b, response_width, H]: the last hidden states of ``forward`` (a causal LM or the
-    DeepSpeed engine around one) that predict the responses. The LM head sees zero
+@dataclass
+class PackedBatch:
+    """Padding-free: every sample's prompt and response in one row [1, N], positions
+    restarting at 0 at each sample (transformers then confines attention to each sample,
+    docs/trainer.md, "Packed micro-batches"), no attention mask, no padding.
+
+    The loss takes the whole row, one segment per sample (``cu_seqlens``): hidden state
+    t predicts token t + 1 of its segment, and ``response_mask`` marks the positions
+    that predict a response token, so the prompts' hidden states enter no GEMM.
+    """
+
+    input_ids: torch.Tensor  # [1, N]
+    position_ids: torch.Tensor  # [1, N]
+    labels: torch.Tensor  # [1, N], IGNORE_INDEX where no response token is predicted
+    response_mask: torch.Tensor  # [1, N] bool
+    cu_seqlens: torch.Tensor  # [S+1] int64: sample i is tokens cu_seqlens[i]:cu_seqlens[i+1]
+    response_starts: list[int]  # where each response's first predicting position is
+    response_lengths: list[int]
+
+    @classmethod
+    def build(cls, prompts: list[list[int]], responses: list[list[int]], pad_token_id: int | None,
+              device: torch.device) -> "PackedBatch":
+        """``pad_token_id`` is unused: nothing is padded (the padded batch's signature)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        offsets, starts = [0], []
+        for prompt, response in zip(prompts, responses, strict=True):
+            if not prompt:
+                raise ValueError("a packed sample needs a prompt token to predict its response's first token from")
+            starts.append(len(ids) + len(prompt) - 1)
+            ids += prompt + response
+            positions += range(len(prompt) + len(response))
+            offsets.append(len(ids))
+        labels = torch.full((len(ids),), IGNORE_INDEX, dtype=torch.long)
+        for start, response in zip(starts, responses):
+            if response:
+                labels[start:start + len(response)] = torch.tensor(response)
+        return cls(torch.tensor([ids], dtype=torch.long, device=device),
+                   torch.tensor([positions], dtype=torch.long, device=device),
+                   labels[None].to(device), (labels != IGNORE_INDEX)[None].to(device),
+                   torch.tensor(offsets, dtype=torch.int64, device=device), starts,
+                   [len(response) for response in responses])
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        return dict(input_ids=self.input_ids, attention_mask=None, position_ids=self.position_ids)
+
+    def loss_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[1, N, H]: every position; the loss reads only those that predict a response."""
+        return hidden_states
+
+    def per_response(self, values: torch.Tensor) -> list[torch.Tensor]:
+        flat = values.reshape(-1)
+        return [flat[start:start + length] for start, length in zip(self.response_starts, self.response_lengths)]
+
+    def from_responses(self, per_response: list[torch.Tensor]) -> torch.Tensor:
+        values = torch.zeros(self.labels.shape[1], device=self.labels.device)
+        for start, row_values in zip(self.response_starts, per_response):
+            values[start:start + row_values.numel()] = row_values
+        return values[None]
+
+
+def attention_respects_packing(model: torch.nn.Module) -> bool:
+    """Whether ``model`` confines attention to each sample of a packed row (positions
+    restarting at 0, no attention mask): two samples packed give the second the hidden
+    states it has alone. transformers' sdpa, eager, flex and flash-attention paths do
+    for the Llama and Qwen families; this asks the model instead of a list."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = model.get_input_embeddings().weight.device
+    generator = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(0, vocab, (n,), generator=generator).to(device) for n in (3, 4))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = model(input_ids=torch.cat([first, second])[None], position_ids=torch.tensor(
+                [[0, 1, 2, 0, 1, 2, 3]], device=device), use_cache=False, output_hidden_states=True,
+                logits_to_keep=torch.empty(0, dtype=torch.long, device=device)).hidden_states[-1][0, 3:]
+            alone = model(input_ids=second[None], position_ids=torch.arange(4, device=device)[None], use_cache=False,
+                          output_hidden_states=True,
+                          logits_to_keep=torch.empty(0, dtype=torch.long, device=device)).hidden_states[-1][0]
+    finally:
+        model.train(was_training)
+    tolerance = 1e-3 if alone.dtype in (torch.float32, torch.float64) else 5e-2
+    return bool((packed - alone).float().norm() <= tolerance * alone.float().norm())
+
+
+def response_hidden_states(forward, batch: SequenceBatch | PackedBatch) -> torch.Tensor:
+    """The last hidden states of ``forward`` (a causal LM or the DeepSpeed engine around
+    one) that the loss takes (``batch.loss_hidden_states``). The LM head sees zero
     positions (``logits_to_keep`` is an empty index), so no logits exist."""
     outputs = forward(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
+        **batch.model_inputs(),
         use_cache=False,
         output_hidden_states=True,
         logits_to_keep=torch.empty(0, dtype=torch.long, device=batch.input_ids.device),
     )
-    width = batch.labels.shape[1]
-    return outputs.hidden_states[-1][:, batch.prompt_width - 1: batch.prompt_width - 1 + width]
+    return batch.loss_hidden_states(outputs.hidden_states[-1])
 
 
-def policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: SequenceBatch,
+def policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: SequenceBatch | PackedBatch,
                 old_logprobs: torch.Tensor, advantages: torch.Tensor, config, *,
                 loss_normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The configured loss of one micro-batch from its hidden states, on advantages formed
@@ -88,6 +197,7 @@ def policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: Seque
         old_logprobs,
         None,
         batch.response_mask,
+        cu_seqlens=batch.cu_seqlens,
         advantages=advantages,
         loss_type=algo.loss_type,
         epsilon_low=algo.epsilon_low,
@@ -108,6 +218,14 @@ class Policy:
         train, rollout = config.train, config.rollout
         self.config = config
         self.zero_stage = train.zero_stage
+        # Asked of the model itself, before DeepSpeed partitions it (ZeRO-3).
+        respects_packing = train.packing is not False and attention_respects_packing(model)
+        if train.packing and not respects_packing:
+            raise ValueError(
+                f"train.packing=true, but this model's attention ({model.config._attn_implementation}) does not "
+                "confine itself to each sample of a packed row; use train.packing=false (or null)"
+            )
+        self.packing = respects_packing
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         # A torch optimizer, not one named in the DeepSpeed config: DeepSpeed would
@@ -152,8 +270,8 @@ class Policy:
     def _lm_head_weight(self) -> torch.nn.Parameter:
         return self.module.get_output_embeddings().weight
 
-    def hidden_states(self, batch: SequenceBatch) -> torch.Tensor:
-        """[b, response_width, H]: the last hidden states that predict the responses.
+    def hidden_states(self, batch: SequenceBatch | PackedBatch) -> torch.Tensor:
+        """The last hidden states the loss takes (``batch.loss_hidden_states``).
 
         Through the DeepSpeed engine's forward, not the decoder's: the engine clears
         ZeRO's per-micro-batch backward state there, and without that ZeRO-3 summed the
@@ -162,8 +280,9 @@ class Policy:
         return response_hidden_states(self.engine, batch)
 
     @torch.no_grad()
-    def token_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
-        """log pi(response token) [b, response_width], 0 on padding, without logits."""
+    def token_logprobs(self, batch: SequenceBatch | PackedBatch) -> torch.Tensor:
+        """log pi(response token) in the loss's layout (0 where none is predicted),
+        without logits."""
         hidden = self.hidden_states(batch)
         with self._gathered([self._lm_head_weight()]):
             logprobs = fused_token_logprobs(
@@ -176,7 +295,7 @@ class Policy:
             )
         return logprobs.float()
 
-    def accumulate(self, batch: SequenceBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
+    def accumulate(self, batch: SequenceBatch | PackedBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
                    loss_normalizer: float, last: bool) -> dict[str, float]:
         """Forward and backward of one micro-batch, then DeepSpeed's step, which updates
         the weights after the ``last`` micro-batch of a mini-batch. Mini-batches hold

@@ -261,21 +261,23 @@ def policy_config(args, micro_batches: int):
     config.train.prompts_per_step = micro_batches
     config.train.zero_stage = args.zero_stage
     config.train.learning_rate = 1e-6
+    config.train.packing = args.packing
     config.train.warmup_steps = 0
     config.algorithm.loss_backend = "auto"
     return config
 
 
-def make_batch(rows: int, args, vocab: int, device, generator):
+def make_batch(rows: int, args, vocab: int, device, generator, *, packed: bool):
     import torch
 
-    from trainer.policy import SequenceBatch
+    from trainer.policy import PackedBatch, SequenceBatch
 
-    # Token ids from 1: 0 may be a pad id; every row is P + L long (no padding).
+    # Token ids from 1: 0 may be a pad id; every sequence is P + L long (no padding).
     ids = torch.randint(1, vocab, (rows, args.prompt_length + args.response_length), generator=generator)
     prompts = [row[:args.prompt_length].tolist() for row in ids]
     responses = [row[args.prompt_length:].tolist() for row in ids]
-    return SequenceBatch.build(prompts, responses, pad_token_id=0, device=device)
+    layout = PackedBatch if packed else SequenceBatch
+    return layout.build(prompts, responses, pad_token_id=0, device=device)
 
 
 # --- one micro-step ----------------------------------------------------------------------
@@ -295,16 +297,17 @@ def accumulate(policy, batch, old_logprobs, advantages, *, loss_normalizer: floa
         return policy.accumulate(batch, old_logprobs, advantages, loss_normalizer=loss_normalizer, last=last)
     policy.engine.set_gradient_accumulation_boundary(last)
     width = batch.labels.shape[1]
-    # The logits of the response positions only (the last width + 1, as TRL asks).
-    logits = policy.engine(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-        use_cache=False, logits_to_keep=width + 1,
-    ).logits[:, :-1]
+    # Padded: the logits of the response positions only (the last width + 1, as TRL
+    # asks). Packed: every position's, the prompts' included (as a padding-free trainer
+    # without a fused head forms them).
+    logits = policy.engine(**batch.model_inputs(), use_cache=False, logits_to_keep=0 if batch.cu_seqlens is not None
+                           else width + 1).logits
+    logits = logits if batch.cu_seqlens is not None else logits[:, :-1]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     labels = batch.labels.clamp(min=0)
     token_logprobs = logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     value = fused_hadw_grpo_loss(
-        token_logprobs, old_logprobs, None, batch.response_mask, advantages=advantages,
+        token_logprobs, old_logprobs, None, batch.response_mask, cu_seqlens=batch.cu_seqlens, advantages=advantages,
         loss_normalizer=loss_normalizer, max_response_length=policy.config.rollout.max_new_tokens,
         backend="torch",
     )
@@ -381,7 +384,7 @@ class Probe:
 
     def _inputs(self, rows: int):
         torch = self.torch
-        batch = make_batch(rows, self.args, self.vocab, self.device, self.generator)
+        batch = make_batch(rows, self.args, self.vocab, self.device, self.generator, packed=self.policy.packing)
         old = torch.full(batch.labels.shape, -math.log(self.vocab), device=self.device)
         advantages = torch.randn(rows, generator=self.generator).to(self.device)
         return batch, old, advantages
@@ -517,6 +520,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+                        help="padding-free micro-batches (one row, positions restarting per sequence), as the "
+                             "trainer's train.packing; --no-packing: padded rows")
     parser.add_argument("--device", default="cuda" if _cuda_visible() else "cpu")
     parser.add_argument("--find-max-budget", action="store_true",
                         help="bisect the largest micro-batch token budget that fits")
