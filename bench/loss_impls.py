@@ -20,7 +20,12 @@ input, the part of the loss that is left once a trainer has the log-probs).
 
 A "dense" case is the first mini-batch of a GRPO step: on-policy (old log-probs = the
 current ones, ratio 1), no padding, every token with a gradient. Otherwise responses are
-padded to T from lengths in [T/2, T] and the behaviour policy differs a little.
+padded to T from lengths in [T/2, T] and the behaviour policy differs a little; or, in a
+"long-tail" case, their lengths are lognormal (sigma 1, mean about T/10, capped at T,
+the first response T long: reasoning traces), padded to T, or "packed" without padding
+(per-token tensors [N] and cu_seqlens: docs/options.md, "Packed batches"). Liger's GRPO
+loss takes padded [B, T] only; TRL's and CCE's log-probs take the packed rows as they
+take any rows.
 
 Peers and backends are imported only when their case runs, so a missing or broken one
 fails its own case (reported in the table) and nothing else.
@@ -110,6 +115,25 @@ def plain_grpo_surrogate(
     return per_response.mean()
 
 
+def plain_grpo_surrogate_packed(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    rewards: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """The same on packed tokens [N] (every token valid), each segment one response: what
+    a padding-free trainer writes without this library (verl's remove-padding path)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    advantages = plain_group_advantages(rewards, group_size)[segment]
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped_ratio = torch.clamp(ratio, 1.0 - EPSILON, 1.0 + EPSILON)
+    token_loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    per_response = torch.zeros(lengths.numel(), dtype=token_loss.dtype).index_add(0, segment, token_loss)
+    return (per_response / lengths.clamp(min=1)).mean()
+
+
 def eager_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = hidden @ weight.T
     log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -126,6 +150,8 @@ class Inputs:
     rewards: torch.Tensor
     response_mask: torch.Tensor
 
+    cu_seqlens: torch.Tensor | None = None  # packed: the segments' offsets
+
     def leaves(self) -> list[torch.Tensor]:
         return [t for t in (self.hidden, self.weight, self.logprobs) if t is not None]
 
@@ -133,9 +159,35 @@ class Inputs:
         return logprobs.detach() if self.old_logprobs is None else self.old_logprobs
 
 
-def make_inputs(shape: Shape, input_kind: str, dense: bool = False, seed: int = 0) -> Inputs:
+# A long-tailed case's lognormal lengths: sigma, and the mean as a fraction of T.
+LONG_TAIL_SIGMA = 1.0
+LONG_TAIL_MEAN_FRACTION = 0.1
+
+
+def response_lengths(shape: Shape, lengths: str, seed: int = 0) -> torch.Tensor:
+    """[B] response lengths: "dense" (all T), "uniform" (in [T/2, T]) or "long_tail"
+    (lognormal, mean about T/10, in [1, T], the first one T)."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    batch, length = shape.batch, shape.length
+    if lengths == "dense":
+        return torch.full((batch,), length)
+    if lengths == "uniform":
+        return torch.randint(length // 2, length + 1, (batch,), generator=generator)
+    if lengths != "long_tail":
+        raise ValueError(f"unknown length distribution {lengths!r}")
+    mu = math.log(LONG_TAIL_MEAN_FRACTION * length) - LONG_TAIL_SIGMA**2 / 2
+    drawn = torch.exp(mu + LONG_TAIL_SIGMA * torch.randn(batch, generator=generator, dtype=torch.float64))
+    drawn = drawn.round().clamp(1, length).long()
+    drawn[0] = length
+    return drawn
+
+
+def make_inputs(shape: Shape, input_kind: str, dense: bool = False, seed: int = 0, lengths: str | None = None,
+                packed: bool = False) -> Inputs:
     """fp32 inputs. Labels are valid everywhere (padding is masked, as TRL and verl do),
-    so every implementation computes the same [B*T, V] products."""
+    so every padded implementation computes the same [B*T, V] products. ``lengths``: the
+    distribution (:func:`response_lengths`; default dense or uniform); ``packed``: the
+    responses' tokens in segments, no padding."""
     generator = torch.Generator().manual_seed(seed)
     batch, length = shape.batch, shape.length
     # Uniform-ish log-probs around -log V, and a behaviour policy a little off them, so
@@ -144,30 +196,46 @@ def make_inputs(shape: Shape, input_kind: str, dense: bool = False, seed: int = 
     old_logprobs = None if dense else typical_logprob + 0.1 * torch.randn(batch, length, generator=generator)
     rewards = torch.bernoulli(torch.full((batch,), 0.5), generator=generator)
     rewards[:2] = torch.tensor([0.0, 1.0])  # a one-group batch still has a gradient
-    lengths = torch.full((batch,), length) if dense else torch.randint(length // 2, length + 1, (batch,),
-                                                                       generator=generator)
-    response_mask = torch.arange(length)[None, :] < lengths[:, None]
+    response_mask = torch.arange(length)[None, :] < response_lengths(
+        shape, lengths or ("dense" if dense else "uniform"), seed)[:, None]
+    cu_seqlens = None
+    if packed:
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), response_mask.sum(dim=1).cumsum(0)])
+
+    def layout(values: torch.Tensor) -> torch.Tensor:
+        return values[response_mask] if packed else values
+
+    if old_logprobs is not None:
+        old_logprobs = layout(old_logprobs)
+    mask = layout(response_mask)
     if input_kind == "logprobs":
-        logprobs = typical_logprob + 0.1 * torch.randn(batch, length, generator=generator)
-        return Inputs(None, None, None, logprobs.requires_grad_(), old_logprobs, rewards, response_mask)
-    hidden = torch.randn(batch, length, shape.hidden, generator=generator)
+        logprobs = layout(typical_logprob + 0.1 * torch.randn(batch, length, generator=generator))
+        return Inputs(None, None, None, logprobs.requires_grad_(), old_logprobs, rewards, mask, cu_seqlens)
+    hidden = layout(torch.randn(batch, length, shape.hidden, generator=generator))
     weight = torch.randn(shape.vocab, shape.hidden, generator=generator) / math.sqrt(shape.hidden)
-    labels = torch.randint(0, shape.vocab, (batch, length), generator=generator)
+    labels = layout(torch.randint(0, shape.vocab, (batch, length), generator=generator))
     return Inputs(
-        hidden.requires_grad_(), weight.requires_grad_(), labels, None, old_logprobs, rewards, response_mask
+        hidden.requires_grad_(), weight.requires_grad_(), labels, None, old_logprobs, rewards, mask, cu_seqlens
     )
 
 
 Step = Callable[[Inputs], None]
 
 
-def build_step(impl: str, input_kind: str, shape: Shape) -> Step:
+def build_step(impl: str, input_kind: str, shape: Shape, packed: bool = False) -> Step:
     """One forward + backward of an implementation; imports its package (ImportError if
-    missing)."""
+    missing; ValueError if it takes no packed batch)."""
     if impl == BOUND:
         return _bound_step(shape)
-    loss_fn = _build_loss(impl, input_kind, shape)
+    loss_fn = _build_loss(impl, input_kind, shape, packed)
     return lambda x: loss_fn(x).backward()
+
+
+def plain_surrogate(logprobs, x: Inputs, group_size: int) -> torch.Tensor:
+    """The plain GRPO surrogate of ``x``'s layout."""
+    if x.cu_seqlens is not None:
+        return plain_grpo_surrogate_packed(logprobs, x.old(logprobs), x.rewards, x.cu_seqlens, group_size)
+    return plain_grpo_surrogate(logprobs, x.old(logprobs), x.rewards, x.response_mask, group_size)
 
 
 def _bound_step(shape: Shape) -> Step:
@@ -187,7 +255,7 @@ def _bound_step(shape: Shape) -> Step:
     return step
 
 
-def _build_loss(impl: str, input_kind: str, shape: Shape) -> Callable[[Inputs], torch.Tensor]:
+def _build_loss(impl: str, input_kind: str, shape: Shape, packed: bool) -> Callable[[Inputs], torch.Tensor]:
     group_size = shape.group_size
     backend = backend_of(impl)
     if backend is not None:
@@ -195,27 +263,23 @@ def _build_loss(impl: str, input_kind: str, shape: Shape) -> Callable[[Inputs], 
 
         if input_kind == "logprobs":
             return lambda x: hadw_kernels.fused_hadw_grpo_loss(
-                x.logprobs, x.old_logprobs, x.rewards, x.response_mask,
+                x.logprobs, x.old_logprobs, x.rewards, x.response_mask, cu_seqlens=x.cu_seqlens,
                 group_size=group_size, loss_type="grpo", anchor=ANCHOR, backend=backend,
             )
         return lambda x: hadw_kernels.fused_linear_hadw_grpo_loss(
-            x.hidden, x.weight, x.labels, x.old_logprobs, x.rewards, x.response_mask,
+            x.hidden, x.weight, x.labels, x.old_logprobs, x.rewards, x.response_mask, cu_seqlens=x.cu_seqlens,
             group_size=group_size, loss_type="grpo", anchor=ANCHOR, backend=backend,
             linear_path=linear_path_of(impl),
         )
     if impl == BASELINE:
         if input_kind == "logprobs":
-            return lambda x: plain_grpo_surrogate(x.logprobs, x.old(x.logprobs), x.rewards, x.response_mask,
-                                                  group_size)
-
-        def eager(x: Inputs) -> torch.Tensor:
-            logprobs = eager_token_logprobs(x.hidden, x.weight, x.labels)
-            return plain_grpo_surrogate(logprobs, x.old(logprobs), x.rewards, x.response_mask, group_size)
-
-        return eager
+            return lambda x: plain_surrogate(x.logprobs, x, group_size)
+        return lambda x: plain_surrogate(eager_token_logprobs(x.hidden, x.weight, x.labels), x, group_size)
     if input_kind != "hidden":
         raise ValueError(f"{impl} takes hidden states only")
     if impl == "liger":
+        if packed:
+            raise ValueError("Liger's GRPO loss takes padded [B, T] batches only")
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         # TRL's settings: no reference model, GRPO's per-response token mean.
@@ -238,7 +302,7 @@ def _build_loss(impl: str, input_kind: str, shape: Shape) -> Callable[[Inputs], 
 
         def cce_step(x: Inputs) -> torch.Tensor:
             logprobs = -linear_cross_entropy(x.hidden, x.weight, x.labels, impl="torch_compile", reduction="none")
-            return plain_grpo_surrogate(logprobs, x.old(logprobs), x.rewards, x.response_mask, group_size)
+            return plain_surrogate(logprobs, x, group_size)
 
         return cce_step
     if impl == "trl":
@@ -246,14 +310,12 @@ def _build_loss(impl: str, input_kind: str, shape: Shape) -> Callable[[Inputs], 
         from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
         def trl_step(x: Inputs) -> torch.Tensor:
-            batch, length, hidden = x.hidden.shape
             # The GRPO trainer asks for the entropy too (logging, entropy masking).
             logprobs, *_ = ChunkedLogProbFunction.apply(
-                x.hidden.reshape(-1, hidden), x.weight, None, x.labels.reshape(-1), 1.0,
+                x.hidden.reshape(-1, x.hidden.shape[-1]), x.weight, None, x.labels.reshape(-1), 1.0,
                 _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("entropy",),
             )
-            logprobs = logprobs.view(batch, length)
-            return plain_grpo_surrogate(logprobs, x.old(logprobs), x.rewards, x.response_mask, group_size)
+            return plain_surrogate(logprobs.view(x.labels.shape), x, group_size)
 
         return trl_step
     raise ValueError(f"unknown implementation {impl!r}")

@@ -15,6 +15,10 @@ Shapes are scaled to a 2-core, 24 GiB CPU machine shared with other work.
 - The surrogate alone (from log-probs) from 16k tokens up, where it must not be slower
   than eager, and at the paper's rollout, B = 256 responses of T = 4096: one and two
   threads.
+- Long-tailed lengths (lognormal, mean about T/10: reasoning traces), padded against
+  packed (padding-free): from hidden states at P = 2 x G = 8, T = 1024, H = 512,
+  V = 32768, and the surrogate alone at the paper's rollout, B = 256, T = 4096; two
+  threads.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ SURROGATE_SHAPES = (
     Shape(prompts=32, group_size=8, length=4096, hidden=512, vocab=32768),
 )
 QUICK = Shape(prompts=1, group_size=8, length=32, hidden=256, vocab=8192)
+LONG_TAIL_SHAPES = {
+    "hidden": Shape(prompts=2, group_size=8, length=1024, hidden=512, vocab=32768),
+    "logprobs": Shape(prompts=32, group_size=8, length=4096, hidden=512, vocab=32768),
+}
 
 FULL_ROUNDS = 3
 QUICK_ROUNDS = 2
@@ -89,13 +97,27 @@ class Case:
     shape: Shape
     threads: int = SWEEP_THREADS
     dense: bool = False
+    # Lognormal response lengths (mean about T/10), padded or packed into segments.
+    long_tail: bool = False
+    packed: bool = False
     # This is fresh process `process` (0-based) of `processes` that time the case.
     process: int = 0
     processes: int = 1
 
     @property
+    def kind(self) -> str:
+        if self.dense:
+            return "dense"
+        return ("long-tail-packed" if self.packed else "long-tail-padded") if self.long_tail else "padded"
+
+    def worker_args(self) -> list[str]:
+        flags = {"dense": ["--dense"], "padded": [], "long-tail-padded": ["--long-tail"],
+                 "long-tail-packed": ["--long-tail", "--packed"]}
+        return flags[self.kind]
+
+    @property
     def id(self) -> str:
-        kind = "dense" if self.dense else "padded"
+        kind = self.kind
         of_processes = f"-process{self.process + 1}of{self.processes}" if self.processes > 1 else ""
         return f"{self.input_kind}-{self.impl}-P{self.shape.prompts}-G{self.shape.group_size}-T{self.shape.length}-V{self.shape.vocab}-" \
                f"{kind}-{self.threads}t{of_processes}"
@@ -118,6 +140,11 @@ def dense_cases(impls: list[str], shape: Shape, threads: int, processes: int) ->
             for process in range(processes) for impl in impls]
 
 
+def long_tail_cases(impls: list[str], input_kind: str, shape: Shape) -> list[Case]:
+    """Every implementation on long-tailed lengths, padded, then packed (the same responses)."""
+    return [Case(input_kind, impl, shape, long_tail=True, packed=packed) for packed in (False, True) for impl in impls]
+
+
 def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
     hidden_impls = implementations("hidden", backends)
     logprob_impls = implementations("logprobs", backends)
@@ -126,6 +153,8 @@ def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
             *dense_cases(hidden_impls, QUICK, SWEEP_THREADS, dense_processes(quick=True)),
             *(Case("hidden", impl, QUICK) for impl in hidden_impls),
             *(Case("logprobs", impl, QUICK) for impl in logprob_impls),
+            *long_tail_cases(hidden_impls, "hidden", QUICK),
+            *long_tail_cases(logprob_impls, "logprobs", QUICK),
         ]
     sweep = [Shape(group_size=g, **SWEEP) for g in GROUP_SIZES]
     out = [Case("hidden", impl, shape) for shape in sweep for impl in hidden_impls]
@@ -137,4 +166,6 @@ def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
     out += [Case("hidden", impl, DENSE_SHAPES[0], 2, dense=False) for impl in hidden_impls]
     for shape in SURROGATE_SHAPES:
         out += [Case("logprobs", impl, shape, threads) for threads in (1, 2) for impl in logprob_impls]
+    out += long_tail_cases(hidden_impls, "hidden", LONG_TAIL_SHAPES["hidden"])
+    out += long_tail_cases(logprob_impls, "logprobs", LONG_TAIL_SHAPES["logprobs"])
     return out

@@ -23,7 +23,7 @@ INPUT_TITLES = {
     "logprobs": "Loss from log-probs (surrogate only)",
 }
 SHAPE_KEYS = ("prompts", "length", "hidden", "vocab")
-CASE_KEYS = ("input", "impl", "group_size", *SHAPE_KEYS, "threads", "dense")
+CASE_KEYS = ("input", "impl", "group_size", *SHAPE_KEYS, "threads", "dense", "long_tail", "packed")
 LEGEND = f"""\
 Time: forward+backward of one loss step on the case process's own clock, min [median] over
 the timed rounds (at least {matrix.FULL_ROUNDS}, more until {matrix.FULL_TIMED_SECONDS:g} s of steps \
@@ -37,7 +37,10 @@ and {matrix.DENSE_TIMED_SECONDS:g} s: its time
 is the median of the processes' mins [the median of their medians], and {{lo-hi}} the range
 of the processes' mins (here a whole process can run 5-15% slow). (pytest-benchmark drives
 the rounds and also times them from outside, a pipe round trip included: its own table.)
-tokens/s: B*T token positions (padding included: every position is computed) / min time.
+tokens/s: B*T token positions (padding included: every position is computed) / min time;
+in a long-tailed case, the valid tokens / min time (its padded and packed rows share a table:
+"(packed)" marks the packed ones, whose bound row is the valid tokens' three GEMMs as the
+padded bound's is, and whose ratio to eager is to eager on the padded batch).
 Peak alloc: the allocator's view, peak of live tensor bytes above the inputs during one step
 (PyTorch profiler memory events). Peak RSS: ru_maxrss over the timed steps minus the resident
 set after imports and inputs (what the warm-up left resident, e.g. compiled code, counts).
@@ -84,7 +87,21 @@ def combine_processes(rows: list[dict]) -> list[dict]:
 
 
 def _fixed_shape(row: dict) -> tuple:
-    return tuple(row[key] for key in SHAPE_KEYS) + (row.get("dense", False), row.get("threads", 2))
+    """What a table holds fixed: the shape but G, the kind of lengths, the threads (a
+    long-tailed table holds both layouts)."""
+    kind = "dense" if row.get("dense", False) else "long_tail" if row.get("long_tail", False) else "padded"
+    return tuple(row[key] for key in SHAPE_KEYS) + (kind, row.get("threads", 2))
+
+
+KIND_TITLES = {
+    "dense": "dense on-policy",
+    "padded": "padded",
+    "long_tail": "long-tailed lengths (lognormal, mean about T/10), padded and packed",
+}
+
+
+def _label(row: dict) -> str:
+    return f"{row['impl']} (packed)" if row.get("packed") else row["impl"]
 
 
 def _number(value: float | None, digits: int) -> str:
@@ -129,21 +146,22 @@ def markdown_tables(rows: list[dict]) -> str:
         sections[(row["input"], _fixed_shape(row))].append(row)
     out = []
     for (input_kind, fixed), section in sections.items():
-        prompts, length, hidden, vocab, dense, threads = fixed
-        kind = "dense on-policy" if dense else "padded"
+        prompts, length, hidden, vocab, kind, threads = fixed
         out.append(f"#### {INPUT_TITLES[input_kind]}: P={prompts} prompts x G, T={length}, H={hidden}, V={vocab}, "
-                   f"{kind}, {threads} thread{'s' if threads > 1 else ''}")
+                   f"{KIND_TITLES[kind]}, {threads} thread{'s' if threads > 1 else ''}")
         out.append("")
         out.append(
             "| G | implementation | status | time min [median] (ms) | tokens/s | peak alloc (MB) "
             "| peak RSS (MB) | time vs bound | time vs eager | alloc vs eager | RSS vs eager | load |"
         )
         out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        baselines = {r["group_size"]: r for r in section if r["impl"] == BASELINE and r["status"] == "ok"}
-        bounds = {r["group_size"]: r for r in section if r["impl"] == BOUND and r["status"] == "ok"}
+        baselines = {r["group_size"]: r for r in section
+                     if r["impl"] == BASELINE and r["status"] == "ok" and not r.get("packed")}
+        bounds = {(r["group_size"], r.get("packed", False)): r for r in section
+                  if r["impl"] == BOUND and r["status"] == "ok"}
         for row in sorted(section, key=lambda r: r["group_size"]):
             base = baselines.get(row["group_size"], {})
-            bound = bounds.get(row["group_size"], {})
+            bound = bounds.get((row["group_size"], row.get("packed", False)), {})
             status = row["status"]
             if row.get("processes_failed"):
                 status += f" ({row['processes_failed']} processes)"
@@ -153,7 +171,7 @@ def markdown_tables(rows: list[dict]) -> str:
             if row.get("time_min_s"):
                 tokens_per_s = row["tokens"] / row["time_min_s"]
             out.append(
-                f"| {row['group_size']} | {row['impl']} | {status} | {_time_cell(row)} "
+                f"| {row['group_size']} | {_label(row)} | {status} | {_time_cell(row)} "
                 f"| {_number(tokens_per_s, 0)} | {_megabytes(row.get('alloc_peak_mb'))} "
                 f"| {_megabytes(row.get('rss_peak_mb'))} "
                 f"| {_ratio(row.get('time_min_s'), bound.get('time_min_s'))} "
@@ -185,7 +203,7 @@ def plot_against_group_size(rows: list[dict], path: Path) -> Path | None:
     for column, ((input_kind, fixed), section) in enumerate(swept.items()):
         by_impl = defaultdict(list)
         for row in sorted(section, key=lambda r: r["group_size"]):
-            by_impl[row["impl"]].append(row)
+            by_impl[_label(row)].append(row)
         memory_axis, time_axis = axes[0][column], axes[1][column]
         for impl, impl_rows in by_impl.items():
             groups = [r["group_size"] for r in impl_rows]
@@ -195,7 +213,7 @@ def plot_against_group_size(rows: list[dict], path: Path) -> Path | None:
                 color=line.get_color(), label=f"{impl} alloc",
             )
             time_axis.plot(groups, [r["time_min_s"] for r in impl_rows], marker="o", label=impl)
-        prompts, length, hidden, vocab, _dense, threads = fixed
+        prompts, length, hidden, vocab, _kind, threads = fixed
         memory_axis.set_title(f"{input_kind}: P={prompts}, T={length}, H={hidden}, V={vocab}, {threads} threads")
         memory_axis.set_ylabel("peak above baseline (MB): RSS solid, allocator dashed")
         time_axis.set_ylabel("forward+backward, min of rounds (s)")

@@ -19,7 +19,7 @@ import torch
 
 import matrix
 from fresh_process import CaseFailed, Worker
-from loss_impls import backend_of
+from loss_impls import backend_of, response_lengths
 
 INTERPRETER_ONLY = "interpreter only here, not timed"
 MEMORY_FIELDS = ("alloc_peak_mb", "rss_peak_mb", "first_step_rss_mb", "baseline_rss_mb", "warmup_seconds")
@@ -43,8 +43,11 @@ def untimed_reason(impl: str) -> str | None:
 
 def test_loss_step(case, benchmark, bench_settings, record_row):
     shape = case.shape
-    row = {"input": case.input_kind, "impl": case.impl, **dataclasses.asdict(shape), "tokens": shape.tokens,
-           "threads": case.threads, "dense": case.dense, "process": case.process, "processes": case.processes}
+    # Long-tailed cases count valid tokens (the padded and packed rows do the same work).
+    tokens = int(response_lengths(shape, "long_tail").sum()) if case.long_tail else shape.tokens
+    row = {"input": case.input_kind, "impl": case.impl, **dataclasses.asdict(shape), "tokens": tokens,
+           "threads": case.threads, "dense": case.dense, "long_tail": case.long_tail, "packed": case.packed,
+           "process": case.process, "processes": case.processes}
     reason = untimed_reason(case.impl)
     if reason == INTERPRETER_ONLY:
         record_row({**row, "status": INTERPRETER_ONLY})
@@ -53,9 +56,9 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
         record_row({**row, "status": "unavailable", "reason": reason})
         pytest.skip(f"{case.impl}: {reason}")
 
-    benchmark.group = f"{case.input_kind} {shape.label} {'dense' if case.dense else 'padded'} {case.threads}t"
+    benchmark.group = f"{case.input_kind} {shape.label} {case.kind} {case.threads}t"
     worker = Worker(
-        ["--impl", case.impl, "--input", case.input_kind, *shape.as_args(), *(["--dense"] if case.dense else []),
+        ["--impl", case.impl, "--input", case.input_kind, *shape.as_args(), *case.worker_args(),
          # The allocator's peak does not depend on the process: the first one measures it.
          *(["--no-allocator-profile"] if case.process > 0 else [])],
         threads=case.threads,

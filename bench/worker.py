@@ -1,7 +1,8 @@
 """Runs one loss step case in this (fresh) process and measures its peak memory.
 
     python bench/worker.py --impl eager --input hidden --prompts 4 --group-size 8 \
-        --length 64 --hidden 512 --vocab 32768 [--dense] [--threads 2] [--rounds 3 | --serve]
+        --length 64 --hidden 512 --vocab 32768 [--dense | --long-tail [--packed]] [--threads 2] \
+        [--rounds 3 | --serve]
 
 A fresh process per case keeps one case's allocations, compiled code and allocator
 state out of the next one's figures. The sequence is:
@@ -113,11 +114,12 @@ def run(args: argparse.Namespace, commands: Iterable[str], out: TextIO) -> None:
     torch.set_num_threads(args.threads)
     shape = Shape(args.prompts, args.group_size, args.length, args.hidden, args.vocab)
     try:
-        impl_step = build_step(args.impl, args.input, shape)
+        impl_step = build_step(args.impl, args.input, shape, packed=args.packed)
     except Exception as error:  # an import error or an unavailable backend: a result
         send(event="done", status="unavailable", reason=first_line(error))
         return
-    inputs = make_inputs(shape, args.input, dense=args.dense)
+    inputs = make_inputs(shape, args.input, dense=args.dense, lengths="long_tail" if args.long_tail else None,
+                         packed=args.packed)
 
     def step() -> None:
         impl_step(inputs)
@@ -171,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, required=True)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dense", action="store_true", help="on-policy, no padding")
+    parser.add_argument("--long-tail", action="store_true", help="lognormal response lengths, mean about T/10")
+    parser.add_argument("--packed", action="store_true", help="the responses packed into segments, no padding")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0, help="0: no cap")
     parser.add_argument("--no-allocator-profile", dest="allocator_profile", action="store_false",
                         help="skip the profiled step at the end (no alloc_peak_mb)")
