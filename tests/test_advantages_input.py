@@ -194,3 +194,25 @@ def test_hadw_advantages_refuse_what_the_fused_loss_refuses(grouping, options, m
 def test_hadw_advantages_accept_rewards_outside_the_unit_interval_without_anchor():
     rewards = rollout_batch()["rewards"] * 3 - 1
     assert torch.isfinite(hadw_advantages(rewards, group_size=GROUP_SIZE)).all()
+
+
+@pytest.mark.parametrize("as_ids", [list, lambda ids: ids.numpy()], ids=["list", "numpy"])
+def test_hadw_advantages_take_group_index_as_a_list_or_a_numpy_array(as_ids):
+    """A list raised AttributeError and a numpy array "group_index is on cpu, rewards on
+    cpu": both are converted, and give the tensor's advantages."""
+    rewards = rollout_batch()["rewards"]
+    order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(3))
+    group_index = (torch.arange(rewards.numel()) // GROUP_SIZE)[order]
+    expected = hadw_advantages(rewards[order], group_index=group_index, anchor=ANCHOR)
+    ids = as_ids(group_index) if as_ids is not list else group_index.tolist()
+    assert torch.equal(hadw_advantages(rewards[order], group_index=ids, anchor=ANCHOR), expected)
+
+
+@pytest.mark.parametrize("group_index, error, match", [
+    (["a", "a", "b", "b"] * GROUP_SIZE, TypeError, "group_index must be integer ids"),
+    ([0.0, 0.0, 1.0, 1.0] * GROUP_SIZE, TypeError, "group_index must hold integers"),
+    ([0, 0, 1, 1], ValueError, r"group_index has shape \(4,\), rewards \(16,\)"),
+], ids=["strings", "floats", "short"])
+def test_hadw_advantages_refuse_a_group_index_that_is_not_integer_ids(group_index, error, match):
+    with pytest.raises(error, match=match):
+        hadw_advantages(rollout_batch()["rewards"], group_index=group_index)
