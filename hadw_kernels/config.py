@@ -71,6 +71,20 @@ METRIC_NAMES = (
 )
 # Metrics that describe the groups: unknown when the advantages come from the caller.
 GROUP_METRICS = ("phi_mean", "zero_std_frac")
+# What each metric is a mean over: "tokens" (the valid tokens), "ratios" (the importance
+# ratios: the valid tokens, or at sequence level the responses with a valid token),
+# "responses" or "groups". Calls that share a batch (micro-batches) combine a metric by
+# weighing each call's value by its count, not by averaging the values.
+METRIC_MEAN_OVER = {
+    "clip_frac_low": "ratios",
+    "clip_frac_high": "ratios",
+    "ratio_mean": "ratios",
+    "approx_kl": "tokens",
+    "phi_mean": "responses",
+    "zero_std_frac": "groups",
+    "ref_kl": "tokens",
+    "entropy_mean": "tokens",
+}
 
 # How the linear loss forms its gradients (loss.fused_linear_hadw_grpo_loss).
 LINEAR_PATHS = ("auto", "gradients_in_forward", "recompute")

@@ -189,3 +189,10 @@ def test_a_value_of_the_wrong_type_names_the_option_and_the_type(name):
 def test_loss_config_build_lists_its_options_for_an_unknown_one():
     with pytest.raises(TypeError, match=r"unknown options \['clip_ratio'\]; LossConfig's options are \['beta', "):
         LossConfig.build("grpo", clip_ratio=0.2)
+
+
+def test_every_metric_says_what_it_is_a_mean_over():
+    from hadw_kernels.config import METRIC_MEAN_OVER, METRIC_NAMES
+
+    assert tuple(METRIC_MEAN_OVER) == METRIC_NAMES
+    assert set(METRIC_MEAN_OVER.values()) <= {"tokens", "ratios", "responses", "groups"}
