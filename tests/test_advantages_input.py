@@ -216,3 +216,18 @@ def test_hadw_advantages_take_group_index_as_a_list_or_a_numpy_array(as_ids):
 def test_hadw_advantages_refuse_a_group_index_that_is_not_integer_ids(group_index, error, match):
     with pytest.raises(error, match=match):
         hadw_advantages(rollout_batch()["rewards"], group_index=group_index)
+
+
+def test_the_group_metrics_come_with_rewards_only():
+    """README.md lists phi_mean and zero_std_frac as the rewards path's only: given
+    advantages, the loss cannot see the groups."""
+    from hadw_kernels.config import GROUP_METRICS
+
+    data = rollout_batch()
+    common = dict(anchor=None, return_metrics=True)
+    _, with_rewards = fused_hadw_grpo_loss(data["logprobs"], data["old"], data["rewards"], data["mask"],
+                                           group_size=GROUP_SIZE, **common)
+    _, with_advantages = fused_hadw_grpo_loss(data["logprobs"], data["old"], None, data["mask"],
+                                              advantages=batch_advantages(data, "grpo", False), **common)
+    assert set(GROUP_METRICS) <= set(with_rewards)
+    assert set(with_rewards) - set(with_advantages) == set(GROUP_METRICS)
