@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=HelpFormatter)
     parser.add_argument("--model", choices=sorted(PRESETS), default="Qwen3-4B", help="the model's shape")
     parser.add_argument("--group-size", "-G", type=POSITIVE_INT, default=8, help="responses per prompt")
-    parser.add_argument("--prompts", type=POSITIVE_INT, default=1, help="prompts per micro-step (each with G responses)")
+    parser.add_argument("--prompts", type=POSITIVE_INT, default=1,
+                        help="prompts per micro-step (each with G responses)")
     parser.add_argument("--response-length", type=POSITIVE_INT, default=4096, help="tokens per response")
     parser.add_argument("--prompt-length", type=NON_NEGATIVE_INT, default=512, help="tokens per prompt")
     parser.add_argument("--gpus", type=POSITIVE_INT, default=8, help="GPUs the ZeRO stage shards over")

@@ -122,7 +122,8 @@ def test_the_demo_refuses_a_backend_that_cannot_run_here(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exited:
         _demo(["--backend", "cpp"])
     assert exited.value.code == 2
-    assert "error: argument --backend: 'cpp' cannot run on the CPU here; available: ['torch']" in capsys.readouterr().err
+    message = "error: argument --backend: 'cpp' cannot run on the CPU here; available: ['torch']"
+    assert message in capsys.readouterr().err
 
 
 def test_gpu_check_refuses_a_round_count_below_one():

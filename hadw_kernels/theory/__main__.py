@@ -16,7 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float, int_at_least
+from ..cli import (
+    NON_NEGATIVE_FLOAT,
+    NON_NEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    HelpFormatter,
+    finite_float,
+    int_at_least,
+)
 from . import paper
 from .exact import average_prob_baseline_above, baseline_bias, conditional_advantage, corollary2_average
 from .monte_carlo import (
