@@ -638,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--skip-probe", action="store_true", help="no train steps through the trainer")
     args = parser.parse_args(argv)
+    if args.rounds < 1:  # not hadw_kernels.cli's type: this script loads the library only where it runs
+        parser.error(f"argument --rounds: must be at least 1, got {args.rounds}")
     if args.dry_run:
         # The Triton kernels on CPU tensors: the interpreter, before any kernel is defined.
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -11,6 +11,8 @@ micro-batches may split and shuffle the rows freely.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS
@@ -110,7 +112,7 @@ def hadw_advantages(
     rewards: torch.Tensor,
     *,
     group_size: int | None = None,
-    group_index: torch.Tensor | None = None,
+    group_index: torch.Tensor | Sequence[int] | None = None,
     anchor: float | torch.Tensor | None = None,
     lambda_scale: float = DEFAULT_LAMBDA_SCALE,
     normalize_std: bool = True,
@@ -120,8 +122,9 @@ def hadw_advantages(
 
     Groups are either contiguous runs of ``group_size`` rows, or the rows sharing a
     value of ``group_index`` [B] (integers, any order, groups of any size >= 2; verl's
-    ``uid`` mapped to integers). ``anchor=None`` gives the plain group-relative
-    advantage. A group whose rewards are all equal gets exactly 0. Float rewards in,
+    ``uid`` mapped to integers; a tensor, or a list or numpy array taken to rewards'
+    device). ``anchor=None`` gives the plain group-relative advantage. A group whose
+    rewards are all equal gets exactly 0. Float rewards in,
     at least fp32 out; no gradient. The inputs are refused as the fused loss refuses
     them: an anchor outside [0, 1] or not finite, lambda_scale or std_eps not finite and
     positive, NaN or inf rewards, and rewards outside [0, 1] with an anchor.
@@ -136,6 +139,12 @@ def hadw_advantages(
         if anchor is not None:
             advantage = advantage * hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
         return advantage
+    if not isinstance(group_index, torch.Tensor):
+        try:  # a list or a numpy array of ids: on rewards' device, as a tensor would be
+            group_index = torch.as_tensor(group_index, device=rewards.device)
+        except (TypeError, ValueError, RuntimeError) as error:
+            message = f"group_index must be integer ids (a tensor, list or array), got {group_index!r:.80}"
+            raise TypeError(message) from error
     if group_index.shape != rewards.shape:
         raise ValueError(f"group_index has shape {tuple(group_index.shape)}, rewards {tuple(rewards.shape)}")
     if group_index.device != rewards.device:

@@ -13,6 +13,8 @@ module (``setup.py``), so the metric order and the option codes exist once.
 from __future__ import annotations
 
 import math
+import types
+import typing
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -69,6 +71,20 @@ METRIC_NAMES = (
 )
 # Metrics that describe the groups: unknown when the advantages come from the caller.
 GROUP_METRICS = ("phi_mean", "zero_std_frac")
+# What each metric is a mean over: "tokens" (the valid tokens), "ratios" (the importance
+# ratios: the valid tokens, or at sequence level the responses with a valid token),
+# "responses" or "groups". Calls that share a batch (micro-batches) combine a metric by
+# weighing each call's value by its count, not by averaging the values.
+METRIC_MEAN_OVER = {
+    "clip_frac_low": "ratios",
+    "clip_frac_high": "ratios",
+    "ratio_mean": "ratios",
+    "approx_kl": "tokens",
+    "phi_mean": "responses",
+    "zero_std_frac": "groups",
+    "ref_kl": "tokens",
+    "entropy_mean": "tokens",
+}
 
 # How the linear loss forms its gradients (loss.fused_linear_hadw_grpo_loss).
 LINEAR_PATHS = ("auto", "gradients_in_forward", "recompute")
@@ -177,6 +193,18 @@ def check_linear_path(linear_path, name: str = "linear_path") -> None:
         raise ValueError(f"unknown {name} {linear_path!r}; expected one of {LINEAR_PATHS}")
 
 
+# How LossConfig's annotations read in its messages; a bool is not a number here, and an
+# int is a float (as a float annotation means in Python).
+_TYPE_NAMES = {int: "an int", float: "a number", bool: "a bool", str: "a string", types.NoneType: "None"}
+
+
+def _has_type(value, kind: type) -> bool:
+    if kind is types.NoneType or kind is bool or kind is str:
+        return isinstance(value, kind)
+    numeric = (int, float) if kind is float else (kind,)
+    return isinstance(value, numeric) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """Everything about the loss that is not a tensor, resolved from a preset.
@@ -217,6 +245,9 @@ class LossConfig:
         **options,
     ) -> "LossConfig":
         """The preset of ``loss_type`` with every option given (not None) overriding it."""
+        unknown = sorted(set(options) - set(_FIELD_TYPES))
+        if unknown:
+            raise TypeError(f"unknown options {unknown}; LossConfig's options are {sorted(_FIELD_TYPES)}")
         if loss_type not in LOSS_PRESETS:
             raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
         preset = LOSS_PRESETS[loss_type]
@@ -233,39 +264,36 @@ class LossConfig:
         return config
 
     def validate(self) -> None:
-        if self.group_size is not None:
-            if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
-                raise TypeError(f"group_size must be an int, got {type(self.group_size).__name__}")
-            if self.group_size < 2:
-                raise ValueError(f"group_size must be at least 2 (a group-relative baseline), got {self.group_size}")
-        for name in ("normalize_std", "sequence_level"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        # Every field's type first, from the annotations: the range checks below compare.
+        for name, accepted in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if not any(_has_type(value, kind) for kind in accepted):
+                expected = " or ".join(_TYPE_NAMES[kind] for kind in accepted)
+                raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+        if self.group_size is not None and self.group_size < 2:
+            raise ValueError(f"group_size must be at least 2 (a group-relative baseline), got {self.group_size}")
         if self.loss_agg_mode not in AGG_MODES:
             raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; expected one of {AGG_MODES}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
         for name in ("epsilon_low", "epsilon_high"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
+            if not (0 <= value < math.inf):
                 raise ValueError(f"{name} (clip range) must be a finite non-negative number, got {value!r}")
         if self.epsilon_low >= 1:
             raise ValueError(f"epsilon_low must be below 1 (the ratio is positive), got {self.epsilon_low}")
         check_finite_positive("std_eps", self.std_eps)
         check_finite_positive("lambda_scale", self.lambda_scale)
-        if isinstance(self.beta, bool) or not (0 <= self.beta < math.inf):
+        if not (0 <= self.beta < math.inf):
             raise ValueError(f"beta (KL coefficient) must be finite and non-negative, got {self.beta!r}")
         if self.dual_clip is not None and not (1 < self.dual_clip < math.inf):
             raise ValueError(f"dual_clip must be finite and greater than 1, got {self.dual_clip!r}")
-        if isinstance(self.entropy_coef, bool) or not (0 <= self.entropy_coef < math.inf):
+        if not (0 <= self.entropy_coef < math.inf):
             raise ValueError(f"entropy_coef must be finite and non-negative, got {self.entropy_coef!r}")
         if self.loss_normalizer is not None:
             check_finite_positive("loss_normalizer", self.loss_normalizer)
-        if self.max_response_length is not None:
-            if isinstance(self.max_response_length, bool) or not isinstance(self.max_response_length, int):
-                raise TypeError(f"max_response_length must be an int, got {self.max_response_length!r}")
-            if self.max_response_length < 1:
-                raise ValueError(f"max_response_length must be positive, got {self.max_response_length}")
+        if self.max_response_length is not None and self.max_response_length < 1:
+            raise ValueError(f"max_response_length must be positive, got {self.max_response_length}")
         if (
             self.loss_agg_mode == "seq-mean-token-sum-norm"
             and self.loss_normalizer is not None
@@ -303,6 +331,11 @@ class LossConfig:
             kl_estimator=KL_ESTIMATORS.index(self.kl_estimator),
             entropy_coef=float(self.entropy_coef),
         )
+
+
+# Each LossConfig field's accepted types, from its annotation (NoneType where None is),
+# read once: validate() runs on every call, under torch.compile too.
+_FIELD_TYPES = {name: typing.get_args(hint) or (hint,) for name, hint in typing.get_type_hints(LossConfig).items()}
 
 
 class LossOptions(TypedDict, total=False):

@@ -256,14 +256,15 @@ def _call_config(config: LossConfig | None, options: dict, backend: str, *, line
     unknown = sorted(set(options) - set(LossOptions.__annotations__))
     if unknown:
         raise TypeError(f"unknown options {unknown}; the loss's options are {sorted(LossOptions.__annotations__)}")
+    if config is not None and not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a LossConfig (LossConfig.build(loss_type, ...)), got {type(config).__name__}")
     for name in () if linear else _LINEAR_ONLY_OPTIONS:
-        if options.get(name) is not None:
+        # Refused however it arrives: as a keyword, or held by a config (never dropped).
+        if options.get(name) is not None or (config is not None and getattr(config, name)):
             raise TypeError(f"{name} needs the entropy of the token distribution: use fused_linear_hadw_grpo_loss")
     given = sorted(name for name, value in options.items() if value is not None)
     if config is None:
         return LossConfig.build(options.pop("loss_type", None) or "grpo", **options)
-    if not isinstance(config, LossConfig):
-        raise TypeError(f"config must be a LossConfig (LossConfig.build(loss_type, ...)), got {type(config).__name__}")
     if given:
         raise TypeError(f"pass the loss's options either as config= or as keywords, not both: got config and {given}")
     config.validate()

@@ -54,6 +54,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from .cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter
 from .config import block_rows_for, head_accumulator_bytes
 
 GIB = 1024**3
@@ -334,20 +335,22 @@ def format_report(model: ModelShape, step: MicroStep, gpu_gib: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(PRESETS), default="Qwen3-4B")
-    parser.add_argument("--group-size", "-G", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=1, help="prompts per micro-step (each with G responses)")
-    parser.add_argument("--response-length", type=int, default=4096)
-    parser.add_argument("--prompt-length", type=int, default=512)
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3)
-    parser.add_argument(
-        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-        help="checkpoint every decoder layer (default on)",
-    )
-    parser.add_argument("--gpu-memory-gib", type=float, default=A100_80GB_GIB, help="default: an 80 GB A100")
-    parser.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_GIB)
+    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.plan", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--model", choices=sorted(PRESETS), default="Qwen3-4B", help="the model's shape")
+    parser.add_argument("--group-size", "-G", type=POSITIVE_INT, default=8, help="responses per prompt")
+    parser.add_argument("--prompts", type=POSITIVE_INT, default=1,
+                        help="prompts per micro-step (each with G responses)")
+    parser.add_argument("--response-length", type=POSITIVE_INT, default=4096, help="tokens per response")
+    parser.add_argument("--prompt-length", type=NON_NEGATIVE_INT, default=512, help="tokens per prompt")
+    parser.add_argument("--gpus", type=POSITIVE_INT, default=8, help="GPUs the ZeRO stage shards over")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3, help="DeepSpeed ZeRO stage")
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="checkpoint every decoder layer")
+    parser.add_argument("--gpu-memory-gib", type=POSITIVE_FLOAT, default=A100_80GB_GIB,
+                        help="memory of one GPU (the default is an 80 GB A100's)")
+    parser.add_argument("--overhead-gib", type=NON_NEGATIVE_FLOAT, default=DEFAULT_OVERHEAD_GIB,
+                        help="CUDA context, NCCL and DeepSpeed buffers, fragmentation")
     parser.add_argument("--budget", action="store_true",
                         help="the token-budget view: the largest tokens a micro-batch holds with each loss (any G)")
     args = parser.parse_args(argv)

@@ -194,3 +194,40 @@ def test_hadw_advantages_refuse_what_the_fused_loss_refuses(grouping, options, m
 def test_hadw_advantages_accept_rewards_outside_the_unit_interval_without_anchor():
     rewards = rollout_batch()["rewards"] * 3 - 1
     assert torch.isfinite(hadw_advantages(rewards, group_size=GROUP_SIZE)).all()
+
+
+@pytest.mark.parametrize("as_ids", [list, lambda ids: ids.numpy()], ids=["list", "numpy"])
+def test_hadw_advantages_take_group_index_as_a_list_or_a_numpy_array(as_ids):
+    """A list raised AttributeError and a numpy array "group_index is on cpu, rewards on
+    cpu": both are converted, and give the tensor's advantages."""
+    rewards = rollout_batch()["rewards"]
+    order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(3))
+    group_index = (torch.arange(rewards.numel()) // GROUP_SIZE)[order]
+    expected = hadw_advantages(rewards[order], group_index=group_index, anchor=ANCHOR)
+    ids = as_ids(group_index) if as_ids is not list else group_index.tolist()
+    assert torch.equal(hadw_advantages(rewards[order], group_index=ids, anchor=ANCHOR), expected)
+
+
+@pytest.mark.parametrize("group_index, error, match", [
+    (["a", "a", "b", "b"] * GROUP_SIZE, TypeError, "group_index must be integer ids"),
+    ([0.0, 0.0, 1.0, 1.0] * GROUP_SIZE, TypeError, "group_index must hold integers"),
+    ([0, 0, 1, 1], ValueError, r"group_index has shape \(4,\), rewards \(16,\)"),
+], ids=["strings", "floats", "short"])
+def test_hadw_advantages_refuse_a_group_index_that_is_not_integer_ids(group_index, error, match):
+    with pytest.raises(error, match=match):
+        hadw_advantages(rollout_batch()["rewards"], group_index=group_index)
+
+
+def test_the_group_metrics_come_with_rewards_only():
+    """README.md lists phi_mean and zero_std_frac as the rewards path's only: given
+    advantages, the loss cannot see the groups."""
+    from hadw_kernels.config import GROUP_METRICS
+
+    data = rollout_batch()
+    common = dict(anchor=None, return_metrics=True)
+    _, with_rewards = fused_hadw_grpo_loss(data["logprobs"], data["old"], data["rewards"], data["mask"],
+                                           group_size=GROUP_SIZE, **common)
+    _, with_advantages = fused_hadw_grpo_loss(data["logprobs"], data["old"], None, data["mask"],
+                                              advantages=batch_advantages(data, "grpo", False), **common)
+    assert set(GROUP_METRICS) <= set(with_rewards)
+    assert set(with_rewards) - set(with_advantages) == set(GROUP_METRICS)

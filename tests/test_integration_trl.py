@@ -187,6 +187,12 @@ def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
     ("options", "message"),
     [
         (dict(loss_type="cispo"), "runs loss_type in"),
+        (dict(loss_type="sapo"), "runs loss_type in"),
+        (dict(loss_type="luspo"), "runs loss_type in"),
+        (dict(loss_type="vespo"), "runs loss_type in"),
+        (dict(loss_type="dapo", entropy_coef=0.01), "entropy_coef != 0 or use_adaptive_entropy"),
+        (dict(loss_type="dapo", use_adaptive_entropy=True), "entropy_coef != 0 or use_adaptive_entropy"),
+        (dict(loss_type="dapo", off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
         (dict(loss_type="dapo", delta=1.1), "no dual-clip equivalent"),
         (dict(loss_type="dapo", beta=0.1), "use_bias_correction_kl"),
         (dict(loss_type="dapo", top_entropy_quantile=0.5), "top_entropy_quantile"),
@@ -196,6 +202,15 @@ def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
 def test_options_the_fused_loss_lacks_are_refused(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, **options})
+
+
+def test_trl_s_default_bf16_trains_on_the_cpu(model_dir, tmp_path):
+    """docs/integrations/trl.md said TRL's bf16=True default fails on a CPU: with use_cpu
+    it trains (under CPU autocast); without use_cpu TRL refuses it on a machine without a
+    GPU, which is what the example's comment now says."""
+    trainer = train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=1, bf16=None)  # TRL's default
+    assert trainer.args.bf16 is True and trainer.args.use_cpu is True
+    assert math.isfinite(logged_steps(trainer)[0]["loss"])
 
 
 @pytest.mark.parametrize(

@@ -141,3 +141,58 @@ def test_the_entropy_bonus_is_the_linear_loss_s_only():
     with pytest.raises(TypeError, match="unknown options"):
         HADWGRPOLoss(entropy_coef=0.01)
     LinearHADWGRPOLoss(entropy_coef=0.01)
+
+
+def test_a_config_holding_an_entropy_bonus_is_refused_by_the_log_prob_loss():
+    """The keyword form was refused; a config holding it was accepted and its bonus
+    dropped without a word."""
+    config = LossConfig.build("grpo", group_size=2, entropy_coef=0.5)
+    with pytest.raises(TypeError, match="entropy_coef needs the entropy"):
+        _surrogate(_batch(), config=config)
+    with pytest.raises(TypeError, match="entropy_coef needs the entropy"):
+        HADWGRPOLoss(config=config)
+    LinearHADWGRPOLoss(config=config)
+    _surrogate(_batch(), config=LossConfig.build("grpo", group_size=2, entropy_coef=0.0))
+
+
+FIELD_TYPES = {
+    "group_size": "an int or None", "normalize_std": "a bool", "loss_agg_mode": "a string",
+    "sequence_level": "a bool", "epsilon_low": "a number", "epsilon_high": "a number", "std_eps": "a number",
+    "lambda_scale": "a number", "beta": "a number", "kl_estimator": "a string", "dual_clip": "a number or None",
+    "entropy_coef": "a number", "loss_normalizer": "a number or None", "max_response_length": "an int or None",
+}
+
+
+def test_every_loss_config_field_is_listed_here():
+    import dataclasses
+
+    assert set(FIELD_TYPES) == {field.name for field in dataclasses.fields(LossConfig)}
+
+
+@pytest.mark.parametrize("name", sorted(FIELD_TYPES))
+def test_a_value_of_the_wrong_type_names_the_option_and_the_type(name):
+    """beta="0.1" and dual_clip="3" raised "'<=' not supported between instances of
+    'int' and 'str'", naming neither; every option is checked by its annotation."""
+    wrong = [0.5] if FIELD_TYPES[name] in ("a string", "a bool") else ["3"]
+    if FIELD_TYPES[name].startswith("an int"):
+        wrong += [2.5, True]
+    if FIELD_TYPES[name].startswith("a number"):
+        wrong += [True]
+    for value in wrong:
+        expected = rf"{name} must be {FIELD_TYPES[name]}, got {value!r} \({type(value).__name__}\)"
+        with pytest.raises(TypeError, match=expected):
+            LossConfig.build("grpo", **{name: value})
+        with pytest.raises(TypeError, match=expected):  # the keyword form (the linear loss takes every option)
+            LinearHADWGRPOLoss(**{name: value})
+
+
+def test_loss_config_build_lists_its_options_for_an_unknown_one():
+    with pytest.raises(TypeError, match=r"unknown options \['clip_ratio'\]; LossConfig's options are \['beta', "):
+        LossConfig.build("grpo", clip_ratio=0.2)
+
+
+def test_every_metric_says_what_it_is_a_mean_over():
+    from hadw_kernels.config import METRIC_MEAN_OVER, METRIC_NAMES
+
+    assert tuple(METRIC_MEAN_OVER) == METRIC_NAMES
+    assert set(METRIC_MEAN_OVER.values()) <= {"tokens", "ratios", "responses", "groups"}

@@ -188,7 +188,12 @@ def test_export_hf_refuses_a_directory_holding_the_users_files(tmp_path):
     with pytest.raises(ConfigError, match=r"hf_model, which holds \['notes.md'\].*would delete"):
         validate(load_config(None, overrides))
     validate(load_config(None, overrides + ["run.export_hf=false"]))
-    (export / HF_EXPORT_MARKER).write_text("")  # the trainer's own export: replaced whole
+    # The trainer's own export (its marker lists what it wrote): the user's file in it is
+    # still the user's, and refused; what the export wrote is replaced.
+    (export / HF_EXPORT_MARKER).write_text('{"files": ["config.json"]}')
+    with pytest.raises(ConfigError, match=r"hf_model, which holds \['notes.md'\].*would delete"):
+        validate(load_config(None, overrides))
+    (export / "notes.md").unlink()
     validate(load_config(None, overrides))
 
 
@@ -210,6 +215,14 @@ def test_export_hf_keeps_files_it_did_not_write(tmp_path):
     Policy.export_hf(policy, export, tokenizer)
     assert (export / HF_EXPORT_MARKER).is_file() and (export / "config.json").is_file()
     Policy.export_hf(policy, export, tokenizer)  # its own export is replaced
+    # A file the user added to the trainer's own export is not the trainer's: the next
+    # export keeps it (it once replaced the directory whole, since the marker was there).
+    (export / "eval-results.json").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"holds \['eval-results.json'\]"):
+        Policy.export_hf(policy, export, tokenizer)
+    assert (export / "eval-results.json").read_text() == "mine"
+    (export / "eval-results.json").unlink()
+    Policy.export_hf(policy, export, tokenizer)
 
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.md").write_text("mine")

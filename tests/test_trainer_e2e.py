@@ -177,6 +177,26 @@ def test_zero3_trains_exactly_as_zero2(tmp_path):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (ours["step"], key)
 
 
+def test_the_logged_loss_and_metrics_do_not_depend_on_the_cut(tmp_path):
+    """The same rollout cut into one response a micro-batch and into one micro-batch a
+    mini-batch: the logged figures were means over the calls, so the loss (each call's
+    share of its mini-batch's) read 16x smaller at the finer cut, and each metric was a
+    mean of unequal micro-batches' means."""
+    rows = {}
+    for budget in (1, 100_000):
+        run_trainer(tmp_path, f"budget{budget}", [
+            "rollout.engine=hf", "train.steps=1", "train.ppo_epochs=2", "algorithm.loss_type=dapo",
+            f"train.micro_batch_tokens={budget}", "run.plot=false", "run.export_hf=false",
+        ])
+        [rows[budget]] = read_metrics(tmp_path / f"budget{budget}" / "metrics.jsonl")
+    fine, whole = rows[1], rows[100_000]
+    assert fine["micro_batches"] == 16 and whole["micro_batches"] == 1  # 4 prompts x G = 4 a mini-batch
+    assert abs(whole["loss"]) > 1e-4 and whole["approx_kl"] > 0
+    for key in ("loss", "clip_frac_low", "clip_frac_high", "clip_frac", "ratio_mean", "approx_kl", "entropy_mean",
+                "phi_mean", "zero_std_frac", "grad_norm"):
+        assert fine[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key
+
+
 def test_a_run_killed_mid_way_resumes_onto_the_same_curve(tmp_path):
     common = ["rollout.engine=hf", "train.steps=5", "run.checkpoint_every=2", "reward.timeout_seconds=0"]
     run_trainer(tmp_path, "reference", common)

@@ -1,7 +1,7 @@
-"""Micro-batches cut by a token budget: the packing, and a mini-batch's gradient that
-does not depend on the cut nor on the layout, padded or packed (tiny model, float64,
-every loss type with HA-DW, one and two ranks as DeepSpeed combines them: the mean of
-the ranks' summed gradients)."""
+"""Micro-batches cut by a token budget: the packing, and a mini-batch's gradient, loss and
+metrics that depend neither on the cut nor on the layout, padded or packed (tiny model,
+float64, every loss type with HA-DW, one and two ranks as DeepSpeed combines them: the
+mean of the ranks' summed gradients)."""
 
 import sys
 from pathlib import Path
@@ -14,7 +14,7 @@ sys.path.insert(0, str(REPO))
 
 from hadw_kernels import LOSS_PRESETS  # noqa: E402
 from trainer.config import Config  # noqa: E402
-from trainer.loop import batch_advantages  # noqa: E402
+from trainer.loop import UpdateFigures, batch_advantages  # noqa: E402
 from trainer.micro_batches import (  # noqa: E402
     by_prompt_count,
     loss_normalizer,
@@ -137,7 +137,8 @@ def _setup(loss_type):
 def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, budget, world_size, packed=False):
     """The mini-batch's gradient as the trainer forms it: advantages once, each rank's rows
     packed under ``budget`` (as many micro-batches on every rank), each micro-batch's
-    loss with the shared normaliser, the ranks' summed gradients averaged. ``packed``:
+    loss with the shared normaliser, the ranks' summed gradients averaged; and the
+    logged figures, combined as the trainer combines them (``UpdateFigures``). ``packed``:
     each micro-batch one padding-free row (the trainer's train.packing)."""
     lambda_scale = 1.3
     advantages, _ = batch_advantages(rewards, GROUP, config.algorithm, lambda_scale, belief=0.4)
@@ -154,6 +155,7 @@ def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, 
                                  responses_per_rank=rows_per_rank, world_size=world_size)
     model.zero_grad()
     micro_batches = 0
+    figures = UpdateFigures(LOSS_PRESETS[config.algorithm.loss_type].sequence_level)
     for plan in plans:
         for rows in plan:
             batch = layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows],
@@ -162,11 +164,15 @@ def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, 
             with torch.no_grad():
                 old = hidden.new_zeros(batch.labels.shape)  # a ratio far from 1: clipping applies
                 old.masked_fill_(batch.response_mask, -2.5)
-            loss, _ = policy_loss(hidden, model.get_output_embeddings().weight, batch, old,
-                                  advantages[rows], config, loss_normalizer=normalizer)
+            loss, metrics = policy_loss(hidden, model.get_output_embeddings().weight, batch, old,
+                                        advantages[rows], config, loss_normalizer=normalizer)
             (loss / world_size).backward()
+            figures.add_micro_batch({"loss": float(loss.detach()), **{name: float(v) for name, v in metrics.items()}},
+                                    batch.response_lengths)
             micro_batches += 1
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, micro_batches
+    figures.end_mini_batch()  # every rank's one mini-batch: the all-reduce's sums, formed here
+    gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return gradients, micro_batches, figures.result(world_size)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "gspo", "dr_grpo"])
@@ -174,16 +180,26 @@ def test_a_mini_batch_gradient_does_not_depend_on_the_cut(loss_type):
     """Padded and packed micro-batches, any budget, one or two ranks: the gradient of the
     whole padded mini-batch."""
     setup = _setup(loss_type)
-    whole, count = _summed_gradient(*setup, budget=10**6, world_size=1)
+    whole, count, whole_figures = _summed_gradient(*setup, budget=10**6, world_size=1)
     assert count == 1
     assert max(float(g.abs().max()) for g in whole.values()) > 1e-4  # a gradient to compare
+    # Figures to compare: a loss, clipping, a KL away from 0.
+    assert abs(whole_figures["loss"]) > 1e-3 and whole_figures["approx_kl"] > 1e-3
+    assert whole_figures["clip_frac_low"] > 0
     for packed in (False, True):
         for world_size in (1, 2):
             for budget in (1, 30, 60, 10**6):
-                cut, count = _summed_gradient(*setup, budget=budget, world_size=world_size, packed=packed)
+                cut, count, figures = _summed_gradient(*setup, budget=budget, world_size=world_size, packed=packed)
                 if budget == 1:
                     assert count == PROMPTS * GROUP  # one response per micro-batch
                 assert cut.keys() == whole.keys()
                 for name in whole:
                     torch.testing.assert_close(cut[name], whole[name], rtol=1e-9, atol=1e-12,
                                                msg=f"{name}, budget {budget}, {world_size} rank(s), packed {packed}")
+                # The logged loss and metrics too: the loss's shares add up, each metric is
+                # weighed by its count (averaged over micro-batches, the loss was 16x smaller
+                # at one response a micro-batch). The metrics are float32.
+                assert figures.keys() == whole_figures.keys()
+                for name in whole_figures:
+                    assert figures[name] == pytest.approx(whole_figures[name], rel=1e-6, abs=1e-9), \
+                        (name, budget, world_size, packed)

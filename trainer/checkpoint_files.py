@@ -99,8 +99,9 @@ def select_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
 
 
 # The Hugging Face export (run.export_hf): the marker the trainer writes into hf_model/,
-# and the names save_pretrained and a tokenizer's save_pretrained write, which an export
-# from before the marker holds. Anything else in hf_model/ is the user's.
+# a JSON object whose "files" are the names that export wrote, and the names
+# save_pretrained and a tokenizer's save_pretrained write, which an export from before
+# the marker (or before its list) holds. Anything else in hf_model/ is the user's.
 HF_EXPORT_MARKER = ".hadw-trainer-export"
 HF_EXPORT_NAMES = re.compile(
     r"^(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab|chat_template)"
@@ -109,15 +110,32 @@ HF_EXPORT_NAMES = re.compile(
 )
 
 
+def write_hf_export_marker(directory: Path) -> None:
+    """The marker of an export just written to ``directory``, listing its files."""
+    files = sorted(entry.name for entry in directory.iterdir())
+    marker = {"written_by": "the hadw trainer's HF export (run.export_hf)", "files": files}
+    (directory / HF_EXPORT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+
+
+def _hf_export_files(directory: Path) -> set[str]:
+    """The names the marker in ``directory`` lists (none for an export before the list)."""
+    try:
+        marker = json.loads((directory / HF_EXPORT_MARKER).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return set()
+    files = marker.get("files") if isinstance(marker, dict) else None
+    return {name for name in files if isinstance(name, str)} if isinstance(files, list) else set()
+
+
 def hf_export_foreign_entries(directory: Path) -> list[str]:
     """What in ``directory`` the trainer's HF export did not write (sorted names): empty
-    when it does not exist, is empty, or is a previous export. The export replaces the
-    whole directory, so anything listed would be deleted."""
+    when it does not exist, is empty, or holds a previous export and nothing else. The
+    export replaces the whole directory, so anything listed would be deleted; a file the
+    user added to an earlier export is listed too."""
     if not directory.exists():
         return []
     if not directory.is_dir():
         return [directory.name]
-    if (directory / HF_EXPORT_MARKER).is_file():
-        return []
+    written = _hf_export_files(directory) | {HF_EXPORT_MARKER}
     return sorted(entry.name for entry in directory.iterdir()
-                  if not (entry.is_file() and HF_EXPORT_NAMES.match(entry.name)))
+                  if not (entry.is_file() and (entry.name in written or HF_EXPORT_NAMES.match(entry.name))))

@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.metrics_log import read_metrics  # noqa: E402
 
@@ -55,15 +56,16 @@ def run_name(name: str, label: str, seed: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, help="rollout batches per run (default: the config's)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser.add_argument("--seeds", type=NON_NEGATIVE_INT, nargs="+", default=[0, 1, 2], help="train.seed of each run")
+    parser.add_argument("--steps", type=POSITIVE_INT, help="rollout batches per run (None: the config's)")
     parser.add_argument("--config", help="a YAML config for every run")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--name", default="compare", help="directory under run.output_dir (default compare)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="a config override for every run (repeatable)")
+    parser.add_argument("--name", default="compare", help="directory under run.output_dir")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="LABEL",
-                        help=f"which of {list(VARIANTS)} (default all)")
-    parser.add_argument("--lr-scale", type=float,
+                        help=f"which of {list(VARIANTS)}")
+    parser.add_argument("--lr-scale", type=POSITIVE_FLOAT,
                         help=f"the factor on the learning rate of {LR_SCALED!r} (default: the mean Phi of this "
                              f"call's {KALMAN!r} runs, to 2 decimals)")
     parser.add_argument("--table", type=Path, help="also write the results as markdown to this file")

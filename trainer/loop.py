@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, hadw_advantages, hadw_weights
-from hadw_kernels.config import AUTHORS_LAMBDA_SCALE
-from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
+from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE, METRIC_MEAN_OVER
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, resolve_engine, save_config, task_levels
@@ -77,6 +76,52 @@ def _all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         values = values.clone()
         dist.all_reduce(values, op=op)
     return values
+
+
+class UpdateFigures:
+    """The loss and the metrics of one update, the same however its mini-batches are cut
+    into micro-batches and its rollout batch over ranks. A micro-batch's loss is its share
+    of its mini-batch's (the loss normaliser), so the shares add up to the mini-batch's
+    loss, which is averaged over the mini-batches (and PPO epochs) and the ranks (as
+    DeepSpeed averages their gradients). A metric is a mean over the micro-batch's tokens
+    or responses (``METRIC_MEAN_OVER``), so each value is weighed by that count."""
+
+    def __init__(self, sequence_level: bool) -> None:
+        self.sequence_level = sequence_level
+        self.loss = 0.0
+        self.mini_batches = 0
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+
+    def add(self, name: str, mean: float, count: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + mean * count
+        self.counts[name] = self.counts.get(name, 0.0) + count
+
+    def add_micro_batch(self, figures: dict[str, float], response_lengths: list[int]) -> None:
+        """A micro-batch's figures (``Policy.accumulate``) and its responses' lengths."""
+        tokens = float(sum(response_lengths))
+        responses = float(sum(1 for length in response_lengths if length > 0))
+        counts = {"tokens": tokens, "ratios": responses if self.sequence_level else tokens}
+        for name, value in figures.items():
+            if name == "loss":
+                self.loss += value
+            else:
+                self.add(name, value, counts[METRIC_MEAN_OVER[name]])
+
+    def end_mini_batch(self) -> None:
+        self.mini_batches += 1
+
+    def result(self, world_size: int) -> dict[str, float]:
+        """Over every rank (one all-reduce; collective): the mean mini-batch loss and each
+        metric's mean over all its tokens or responses (0 where there were none)."""
+        names = sorted(self.sums)
+        totals = torch.tensor([self.loss, *(self.sums[name] for name in names), *(self.counts[name] for name in names)],
+                              dtype=torch.float64)
+        totals = _all_reduce(totals).tolist()
+        sums, counts = totals[1:1 + len(names)], totals[1 + len(names):]
+        result = {"loss": totals[0] / (self.mini_batches * world_size)}
+        result.update((name, total / count if count else 0.0) for name, total, count in zip(names, sums, counts))
+        return result
 
 
 def _barrier() -> None:
@@ -416,7 +461,9 @@ class Trainer:
                                      mini_batches=mini_batches, responses_per_rank=mini_prompts * group,
                                      world_size=self.world_size)
 
-        sums: dict[str, float] = {}
+        figures = UpdateFigures(LOSS_PRESETS[algo.loss_type].sequence_level)
+        figures.add("phi_mean", group_figures["phi_mean"], len(responses))
+        figures.add("zero_std_frac", group_figures["zero_std_frac"], len(responses) // group)
         calls = 0
         grad_norms = []
         # Mini-batches are drawn as runs of prompts: single prompts under a token budget,
@@ -431,18 +478,17 @@ class Trainer:
                 micro_batches = self._micro_batches(rows, prompt_lengths, response_lengths)
                 for index, micro_rows in enumerate(micro_batches):
                     batch = batch_of(micro_rows)
-                    figures = self.policy.accumulate(
+                    micro_figures = self.policy.accumulate(
                         batch, batch.from_responses([old_logprobs[row] for row in micro_rows]), advantages[micro_rows],
                         loss_normalizer=normalizer, last=index == len(micro_batches) - 1,
                     )
-                    for name, value in figures.items():
-                        sums[name] = sums.get(name, 0.0) + value
+                    figures.add_micro_batch(micro_figures, batch.response_lengths)
                     calls += 1
+                figures.end_mini_batch()
                 norm = self.policy.grad_norm()
                 if norm is not None:
                     grad_norms.append(norm)
-        averaged = {name: value / calls for name, value in sums.items()}
-        averaged.update(group_figures)
+        averaged = figures.result(self.world_size)
         averaged["clip_frac"] = averaged["clip_frac_low"] + averaged["clip_frac_high"]
         averaged["micro_batches"] = calls / (train.ppo_epochs * mini_batches)
         averaged["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else None

@@ -325,12 +325,13 @@ class Policy:
         ``from_pretrained`` and vLLM load; collective under ZeRO-3, rank 0 writes.
 
         The directory is replaced whole, so it is replaced only when it holds nothing but
-        a previous export (``hf_export_foreign_entries``; config validation refuses such a
-        run before training, docs/trainer.md). Files that appeared since then are kept:
-        the new export is left beside them and rank 0 raises, after the collective."""
+        what a previous export wrote (``hf_export_foreign_entries``: a file the user added
+        to it since is the user's; config validation refuses such a run before training,
+        docs/trainer.md). Files that appeared during the run are kept: the new export is
+        left beside them and rank 0 raises, after the collective."""
         import torch.distributed as dist
 
-        from .checkpoint_files import HF_EXPORT_MARKER, hf_export_foreign_entries
+        from .checkpoint_files import hf_export_foreign_entries, write_hf_export_marker
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         parameters = list(self.module.parameters())
@@ -341,7 +342,7 @@ class Policy:
                 shutil.rmtree(partial, ignore_errors=True)
                 self.module.save_pretrained(partial)
                 tokenizer.save_pretrained(partial)
-                (partial / HF_EXPORT_MARKER).write_text("written by the hadw trainer's HF export (run.export_hf)\n")
+                write_hf_export_marker(partial)
                 foreign = hf_export_foreign_entries(directory)
                 if not foreign:
                     shutil.rmtree(directory, ignore_errors=True)

@@ -46,6 +46,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file (python trainer/probe.py): `trainer` as a package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter  # noqa: E402
+
 # name: (hidden, intermediate, layers, heads, kv_heads, head_dim); Hugging Face config.json.
 # The architectures are the planner's (one description of each model's shape).
 QWEN3_PRESETS = ("Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B")
@@ -342,7 +347,7 @@ class Probe:
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         budget = args.micro_batch_tokens or self.sequences * self.sequence_tokens
         self.rows = budget // self.sequence_tokens
-        self.micro_batches = max(1, math.ceil(self.sequences / max(1, self.rows)))
+        self.micro_batches = math.ceil(self.sequences / self.rows)  # parse_args: a budget holds a sequence
         self.policy = None
         self.broken = False  # an out-of-memory error left the engine half-way through a step
         self._build()
@@ -449,9 +454,6 @@ class Probe:
 
     def _timed_steps(self) -> dict:
         args = self.args
-        if self.rows < 1:
-            say(f"budget {args.micro_batch_tokens} holds no sequence of {self.sequence_tokens} tokens")
-            return {"fits": False, "note": "the budget holds no whole sequence"}
         self._ensure_usable()
         seconds: list[float] = []
 
@@ -497,7 +499,7 @@ class Probe:
                 + (f", peak {trial['peak_bytes'] / GIB:.2f} GiB" if "peak_bytes" in trial else ""))
             return trial["fits"]
 
-        limit_rows = max(1, args.max_budget_tokens // self.sequence_tokens)
+        limit_rows = args.max_budget_tokens // self.sequence_tokens
         rows = largest_fitting(fits, 1, limit_rows)
         largest = rows * self.sequence_tokens
         say(f"largest budget: {largest} tokens ({rows} sequences of {self.sequence_tokens})")
@@ -506,45 +508,58 @@ class Probe:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--preset", choices=PRESETS, default="tiny")
-    parser.add_argument("--loss", choices=("fused", "eager"), default="fused")
-    parser.add_argument("--group-size", "-G", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=1, help="prompts per optimizer step")
-    parser.add_argument("--response-length", "-L", type=int, default=64)
-    parser.add_argument("--prompt-length", "-P", type=int, default=16)
-    parser.add_argument("--micro-batch-tokens", type=int, default=0,
-                        help="tokens (prompt + response) per forward; 0: all of a step's sequences in one")
-    parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (the first is a warm-up)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
-    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    summary, _, details = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(prog="python -m trainer.probe", description=" ".join(summary.split()),
+                                     epilog=details, formatter_class=HelpFormatter)
+    parser.add_argument("--preset", choices=PRESETS, default="tiny", help="the model's architecture (random weights)")
+    parser.add_argument("--loss", choices=("fused", "eager"), default="fused",
+                        help="this library's loss on the hidden states, or logits + log_softmax + the surrogate")
+    parser.add_argument("--group-size", "-G", type=POSITIVE_INT, default=8, help="responses per prompt")
+    parser.add_argument("--prompts", type=POSITIVE_INT, default=1, help="prompts per optimizer step")
+    parser.add_argument("--response-length", "-L", type=POSITIVE_INT, default=64, help="tokens per response")
+    parser.add_argument("--prompt-length", "-P", type=POSITIVE_INT, default=16,
+                        help="tokens per prompt (at least 1: a hidden state precedes the first response token)")
+    parser.add_argument("--micro-batch-tokens", type=NON_NEGATIVE_INT, default=0,
+                        help="tokens (prompt + response) per forward, at least one sequence's; 0: all of a step's "
+                             "sequences in one")
+    parser.add_argument("--steps", type=NON_NEGATIVE_INT, default=2,
+                        help="timed optimizer steps (the first is a warm-up); 0: none, with --find-max-budget")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's dtype")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2, help="DeepSpeed ZeRO stage")
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="checkpoint every decoder layer")
     parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
                         help="padding-free micro-batches (one row, positions restarting per sequence), as the "
                              "trainer's train.packing; --no-packing: padded rows")
-    parser.add_argument("--device", default="cuda" if _cuda_visible() else "cpu")
+    parser.add_argument("--device", default="cuda" if _cuda_visible() else "cpu",
+                        help="where the model runs (the default: cuda when a GPU is visible)")
     parser.add_argument("--find-max-budget", action="store_true",
                         help="bisect the largest micro-batch token budget that fits")
-    parser.add_argument("--memory-limit-gib", type=float, default=None,
+    parser.add_argument("--memory-limit-gib", type=POSITIVE_FLOAT, default=None,
                         help="a budget fits when its peak stays under this (CPU: required for the bisection)")
-    parser.add_argument("--max-budget-tokens", type=int, default=1 << 21, help="the bisection's upper end")
-    parser.add_argument("--threads", type=int, default=0, help="OpenMP threads; 0: the environment's or all cores")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--max-budget-tokens", type=POSITIVE_INT, default=1 << 21,
+                        help="the bisection's upper end, at least one sequence's tokens")
+    parser.add_argument("--threads", type=NON_NEGATIVE_INT, default=0,
+                        help="OpenMP threads; 0: the environment's or all cores")
+    parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seeds the weights and the batches")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here (default: print them)")
     args = parser.parse_args(argv)
-    for name in ("group_size", "prompts", "response_length", "prompt_length"):
-        if getattr(args, name) < (0 if name == "prompt_length" else 1):
-            parser.error(f"--{name.replace('_', '-')} is too small")
-    if args.prompt_length < 1:
-        parser.error("--prompt-length must be at least 1 (a hidden state precedes the first response token)")
+    sequence = args.prompt_length + args.response_length
+    if 0 < args.micro_batch_tokens < sequence:
+        parser.error(f"argument --micro-batch-tokens: {args.micro_batch_tokens} holds no whole sequence of "
+                     f"{args.prompt_length} + {args.response_length} = {sequence} tokens (0: one micro-batch a step)")
+    if args.max_budget_tokens < sequence:
+        parser.error(f"argument --max-budget-tokens: {args.max_budget_tokens} is below one sequence of "
+                     f"{args.prompt_length} + {args.response_length} = {sequence} tokens")
+    if args.steps == 0 and not args.find_max_budget:
+        parser.error("argument --steps: 0 measures nothing without --find-max-budget")
     if args.find_max_budget and not args.device.startswith("cuda") and args.memory_limit_gib is None:
         parser.error("--find-max-budget on the CPU needs --memory-limit-gib")
     return args
 
 
 def _cuda_visible() -> bool:
-    # Without importing torch (the thread count must be set first).
+    # Without a CUDA call: the device is not chosen yet.
     return bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x")) and os.path.exists("/dev/nvidia0")
 
 
@@ -552,6 +567,10 @@ def prepare(args) -> None:
     """The environment the trainer's run sets up for one process (trainer/environment.py)."""
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        # torch read the variable when it loaded, with the argument types (hadw_kernels.cli).
+        import torch
+
+        torch.set_num_threads(args.threads)
     else:
         os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     from trainer.environment import DEFAULT_EXTENSIONS_DIR, _free_port

@@ -16,6 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cli import (
+    NON_NEGATIVE_FLOAT,
+    NON_NEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    HelpFormatter,
+    finite_float,
+    int_at_least,
+)
 from . import paper
 from .exact import average_prob_baseline_above, baseline_bias, conditional_advantage, corollary2_average
 from .monte_carlo import (
@@ -158,17 +167,19 @@ def _save(figure, path: Path, pyplot) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.theory", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("docs/figures"), help="directory for the PNGs")
-    parser.add_argument("--group-size", type=int, default=8, help="G of the binary Monte Carlo")
-    parser.add_argument("--groups", type=int, default=100_000, help="binary groups per accuracy p")
-    parser.add_argument("--anchor", type=float, default=0.5)
-    parser.add_argument("--lambda-scale", type=float, default=1.3)
-    parser.add_argument("--nonbinary-groups", type=int, default=50_000, help="groups per Gaussian location")
-    parser.add_argument("--reward-scale", type=float, default=0.2, help="ξ, the Gaussian's scale")
-    parser.add_argument("--spread-thresholds", type=float, nargs="+", default=[0.1, 0.2, 0.3],
+    parser.add_argument("--group-size", type=int_at_least(2), default=8, help="G of the binary Monte Carlo")
+    parser.add_argument("--groups", type=POSITIVE_INT, default=100_000, help="binary groups per accuracy p")
+    parser.add_argument("--anchor", type=finite_float(minimum=0.0, maximum=1.0), default=0.5,
+                        help="the difficulty anchor C of the Monte Carlo's Phi")
+    parser.add_argument("--lambda-scale", type=POSITIVE_FLOAT, default=1.3, help="Phi's scale lambda")
+    parser.add_argument("--nonbinary-groups", type=POSITIVE_INT, default=50_000, help="groups per Gaussian location")
+    parser.add_argument("--reward-scale", type=POSITIVE_FLOAT, default=0.2, help="ξ, the Gaussian's scale")
+    parser.add_argument("--spread-thresholds", type=NON_NEGATIVE_FLOAT, nargs="+", default=[0.1, 0.2, 0.3],
                         help="σ: a continuous-reward group updates if max - min > σ")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seeds the Monte Carlo")
     args = parser.parse_args(argv)
 
     # Agg: the command must work on machines without a display.

@@ -1,0 +1,59 @@
+"""What the command-line tools (``python -m hadw_kernels.demo``, ``.plan``, ``.theory``,
+``trainer/``'s probe, compare and calibrate) share: argument types that refuse a bad
+value while the arguments are parsed, the way argparse users expect (the usage line, one
+message naming the flag, exit code 2, no traceback), and a help formatter that shows
+every option's default."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default after its help; the description and epilog as written."""
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer no smaller than ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def finite_float(*, minimum: float = -math.inf, above: float | None = None, maximum: float = math.inf
+                 ) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in [``minimum``, ``maximum``], and greater
+    than ``above`` when given (``above=0``: positive)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if above is not None and not value > above:
+            raise argparse.ArgumentTypeError(f"must be greater than {above:g}, got {value:g}")
+        if not minimum <= value <= maximum:
+            bounds = (f"in [{minimum:g}, {maximum:g}]" if math.isfinite(minimum) and math.isfinite(maximum)
+                      else f"at least {minimum:g}" if math.isfinite(minimum) else f"at most {maximum:g}")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value:g}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = int_at_least(1)
+NON_NEGATIVE_INT = int_at_least(0)
+POSITIVE_FLOAT = finite_float(above=0.0)
+NON_NEGATIVE_FLOAT = finite_float(minimum=0.0)

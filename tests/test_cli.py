@@ -1,0 +1,215 @@
+"""The command-line tools: a bad argument is refused as argparse refuses one (the usage
+line, one message naming the flag, exit code 2, no traceback), ``--help`` shows every
+option's default, the demo prints the same for the same seed, and the probe runs as a
+file from any directory."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _demo(argv):
+    from hadw_kernels.demo import main
+
+    return main(argv)
+
+
+def _plan(argv):
+    from hadw_kernels.plan import main
+
+    return main(argv)
+
+
+def _theory(argv):
+    from hadw_kernels.theory.__main__ import main
+
+    return main(argv)
+
+
+def _probe(argv):
+    from trainer.probe import parse_args
+
+    return parse_args(argv)
+
+
+def _compare(argv):
+    from trainer.compare import main
+
+    return main(argv)
+
+
+def _calibrate(argv):
+    from trainer.calibrate import main
+
+    return main(argv)
+
+
+TOOLS = {"demo": _demo, "plan": _plan, "theory": _theory, "probe": _probe, "compare": _compare,
+         "calibrate": _calibrate}
+
+BAD_ARGUMENTS = [
+    ("demo", ["--steps", "0"], "--steps"),
+    ("demo", ["--group-size", "1"], "--group-size"),
+    ("demo", ["--vocab", "-3"], "--vocab"),
+    ("demo", ["--length", "x"], "--length"),
+    ("demo", ["--seed", "-1"], "--seed"),
+    ("demo", ["--loss-type", "ppo"], "--loss-type"),
+    ("demo", ["--backend", "cuda-magic"], "--backend"),
+    ("plan", ["-G", "0"], "--group-size/-G"),
+    ("plan", ["--response-length", "-5"], "--response-length"),
+    ("plan", ["--prompt-length", "-1"], "--prompt-length"),
+    ("plan", ["--prompts", "0"], "--prompts"),
+    ("plan", ["--gpus", "0"], "--gpus"),
+    ("plan", ["--gpu-memory-gib", "-1"], "--gpu-memory-gib"),
+    ("plan", ["--gpu-memory-gib", "nan"], "--gpu-memory-gib"),
+    ("plan", ["--gpu-memory-gib", "0"], "--gpu-memory-gib"),
+    ("plan", ["--overhead-gib", "inf"], "--overhead-gib"),
+    ("plan", ["--overhead-gib", "-2"], "--overhead-gib"),
+    ("theory", ["--anchor", "1.5"], "--anchor"),
+    ("theory", ["--group-size", "1"], "--group-size"),
+    ("theory", ["--groups", "0"], "--groups"),
+    ("theory", ["--lambda-scale", "0"], "--lambda-scale"),
+    ("theory", ["--reward-scale", "nan"], "--reward-scale"),
+    ("theory", ["--spread-thresholds", "0.1", "-1"], "--spread-thresholds"),
+    ("probe", ["--micro-batch-tokens", "-5"], "--micro-batch-tokens"),
+    ("probe", ["--micro-batch-tokens", "5"], "--micro-batch-tokens"),  # below one sequence's 80 tokens
+    ("probe", ["--max-budget-tokens", "0"], "--max-budget-tokens"),
+    ("probe", ["--max-budget-tokens", "79"], "--max-budget-tokens"),
+    ("probe", ["--memory-limit-gib", "-1"], "--memory-limit-gib"),
+    ("probe", ["--memory-limit-gib", "nan"], "--memory-limit-gib"),
+    ("probe", ["--steps", "-1"], "--steps"),
+    ("probe", ["--steps", "0"], "--steps"),  # nothing to measure without --find-max-budget
+    ("probe", ["-G", "0"], "--group-size/-G"),
+    ("probe", ["-L", "0"], "--response-length/-L"),
+    ("probe", ["-P", "0"], "--prompt-length/-P"),
+    ("probe", ["--prompts", "0"], "--prompts"),
+    ("probe", ["--threads", "-1"], "--threads"),
+    ("probe", ["--seed", "-1"], "--seed"),
+    ("compare", ["--steps", "0"], "--steps"),
+    ("compare", ["--seeds", "0", "-1"], "--seeds"),
+    ("compare", ["--lr-scale", "-1"], "--lr-scale"),
+    ("calibrate", ["--prompts", "0"], "--prompts"),
+    ("calibrate", ["--seed", "-1"], "--seed"),
+]
+
+
+@pytest.mark.parametrize("tool, argv, flag", BAD_ARGUMENTS, ids=[f"{t}{''.join(a)}" for t, a, _ in BAD_ARGUMENTS])
+def test_a_bad_argument_is_a_usage_error_naming_the_flag(tool, argv, flag, capsys):
+    """Each ran (a negative budget reported, a plan for -1 GiB), or ended in a traceback
+    (the probe's --steps -1: StatisticsError; the plan's -G 0 before its message)."""
+    with pytest.raises(SystemExit) as exited:
+        TOOLS[tool](argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and "Traceback" not in err
+    [message] = [line for line in err.splitlines() if ": error: " in line]
+    assert f"error: argument {flag}: " in message, message
+
+
+def test_the_demo_refuses_a_backend_that_cannot_run_here(monkeypatch, capsys):
+    import hadw_kernels.demo
+
+    monkeypatch.setattr(hadw_kernels.demo, "available_backends", lambda device: ["torch"])
+    with pytest.raises(SystemExit) as exited:
+        _demo(["--backend", "cpp"])
+    assert exited.value.code == 2
+    message = "error: argument --backend: 'cpp' cannot run on the CPU here; available: ['torch']"
+    assert message in capsys.readouterr().err
+
+
+def test_gpu_check_refuses_a_round_count_below_one():
+    completed = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--rounds", "0"],
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2
+    assert "error: argument --rounds: must be at least 1, got 0" in completed.stderr
+
+
+def _option_entries(help_text: str) -> dict[str, str]:
+    """Each option's entry in ``--help`` (its flags line and help), by its first flag."""
+    section = help_text.split("options:\n", 1)[1].split("\n\n", 1)[0]
+    entries = re.split(r"\n(?=  -)", section)
+    return {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries}
+
+
+@pytest.mark.parametrize("tool", ["demo", "plan", "probe", "theory", "compare"])
+def test_help_shows_every_option_s_default(tool, capsys):
+    """The demo's, probe's and plan's --help described few options and no defaults."""
+    with pytest.raises(SystemExit) as exited:
+        TOOLS[tool](["--help"])
+    assert exited.value.code == 0
+    entries = _option_entries(capsys.readouterr().out)
+    assert len(entries) > 4
+    for flag, entry in entries.items():
+        if flag != "-h":
+            assert re.search(r"\S.* \(default: .*\)$", entry), entry
+
+
+def test_help_shows_the_actual_defaults(capsys):
+    with pytest.raises(SystemExit):
+        _plan(["--help"])
+    entries = _option_entries(capsys.readouterr().out)
+    assert entries["--gpus"].endswith("(default: 8)") and entries["--model"].endswith("(default: Qwen3-4B)")
+    with pytest.raises(SystemExit):
+        _probe(["--help"])
+    entries = _option_entries(capsys.readouterr().out)
+    assert entries["--micro-batch-tokens"].endswith("(default: 0)")
+    assert entries["--max-budget-tokens"].endswith(f"(default: {1 << 21})")
+
+
+def test_probe_help_describes_it_once_and_whole(capsys):
+    """The description was the docstring's first line, cut mid-sentence, and the whole
+    docstring followed as the epilog, so its start was printed twice."""
+    with pytest.raises(SystemExit):
+        _probe(["--help"])
+    out = capsys.readouterr().out
+    assert out.count("Peak memory and throughput of real train steps") == 1
+    assert "at a chosen token budget: ``python -m trainer.probe``." in " ".join(out.split())
+    assert "--find-max-budget`` bisects" in out  # the details follow, as written
+
+
+def test_probe_runs_as_a_file_from_any_directory(tmp_path):
+    """``python -m trainer.probe`` needs the repository root as the working directory
+    (docs/trainer.md); the file itself runs from anywhere. The library comes from a
+    directory holding only it, so that nothing else of the repository is importable."""
+    library = tmp_path / "site"
+    library.mkdir()
+    (library / "hadw_kernels").symlink_to(REPO / "hadw_kernels")
+    env = {**os.environ, "PYTHONPATH": str(library), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "trainer" / "probe.py"), "--preset", "tiny", "--device", "cpu", "-G", "2",
+         "-L", "4", "-P", "2", "--steps", "1", "--threads", "1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert '"preset": "tiny"' in completed.stdout
+    elsewhere = subprocess.run([sys.executable, "-m", "trainer.probe", "--help"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=120)
+    assert "No module named 'trainer'" in elsewhere.stderr  # as docs/trainer.md says
+
+
+def _demo_output(seed: int) -> str:
+    completed = subprocess.run(
+        [sys.executable, "-m", "hadw_kernels.demo", "--seed", str(seed), "--steps", "2", "--prompts", "2",
+         "--group-size", "4", "--length", "16", "--hidden", "32", "--vocab", "64"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert completed.returncode == 0, completed.stderr
+    return completed.stdout
+
+
+def test_the_demo_prints_the_same_for_the_same_seed():
+    """Its LM head came from the global generator: every run printed another loss."""
+    first = _demo_output(0)
+    assert "step 2: loss" in first
+    assert _demo_output(0) == first
+    assert _demo_output(1) != first
