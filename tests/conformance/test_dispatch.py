@@ -99,9 +99,11 @@ def test_outputs_match_the_fake_implementation(backend, device):
 
     config = LossConfig.build("grpo", 2, entropy_coef=0.01)
     for dtype in (torch.float32, torch.bfloat16):
-        logprobs = torch.zeros(4, 5, dtype=dtype, device=device)
-        surrogate = dict(logprobs=logprobs, old_logprobs=logprobs, response_mask=torch.ones(4, 5, dtype=torch.bool,
-                         device=device), rewards=torch.tensor([1.0, 0, 0, 1], device=device), advantages=None,
+        # Four segments of 20 tokens, one empty (hadw_kernels/layout.py).
+        logprobs = torch.zeros(20, dtype=dtype, device=device)
+        surrogate = dict(logprobs=logprobs, old_logprobs=logprobs, response_mask=torch.ones(20, dtype=torch.bool,
+                         device=device), cu_seqlens=torch.tensor([0, 5, 5, 12, 20], device=device),
+                         rewards=torch.tensor([1.0, 0, 0, 1], device=device), advantages=None,
                          anchor=None, ref_logprobs=None, importance_weights=None, entropy=logprobs,
                          **config.kernel_options())
         hidden, weight = torch.zeros(6, 8, dtype=dtype, device=device), torch.zeros(11, 8, dtype=dtype, device=device)
