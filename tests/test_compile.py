@@ -95,6 +95,33 @@ def test_compiled_matches_eager(loss, form, backend, compiler):
 
 
 @pytest.mark.parametrize("loss, backend", [
+    pytest.param("surrogate", "torch", id="surrogate-torch"),
+    pytest.param("surrogate", "cpp", marks=_needs("cpp"), id="surrogate-cpp"),
+    pytest.param("linear", "cpp", marks=_needs("cpp"), id="linear-cpp"),
+])
+def test_packed_compiled_matches_eager(loss, backend):
+    """A packed batch ([N] tokens, cu_seqlens) compiles without a graph break: the
+    offsets' check is an asynchronous assert there, the segments' sums traceable ops."""
+    torch._dynamo.reset()
+    leaves, others = _batch(loss, 4)
+    mask = others[-1].bool()
+    cu_seqlens = torch.arange(5) * WIDTH
+    # The batch's rows as four segments of WIDTH tokens, per-token tensors [N] ([N, H]).
+    packed_leaves = [leaves[0].reshape(-1, *leaves[0].shape[2:]), *leaves[1:]]
+    packed_others = [t.reshape(-1) if t.shape[:2] == mask.shape else t for t in others]
+    function = fused_hadw_grpo_loss if loss == "surrogate" else fused_linear_hadw_grpo_loss
+
+    def fn(*tensors):
+        return function(*tensors, cu_seqlens=cu_seqlens, backend=backend, **OPTIONS)
+
+    eager = _run(fn, packed_leaves, packed_others)
+    compiled = _run(torch.compile(fn, fullgraph=True, backend="aot_eager"), packed_leaves, packed_others)
+    _assert_same(compiled, eager)
+    padded = _run(_callable(loss, "function", backend), leaves, others)
+    torch.testing.assert_close(eager[0], padded[0])
+
+
+@pytest.mark.parametrize("loss, backend", [
     pytest.param("surrogate", "cpp", marks=_needs("cpp"), id="surrogate-cpp"),
     pytest.param("linear", "torch", id="linear-torch"),
 ])
