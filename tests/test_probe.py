@@ -93,7 +93,7 @@ import sys, torch
 from trainer import probe
 real = probe.accumulate
 def accumulate(policy, batch, *args, **kwargs):
-    if batch.labels.shape[0] > 5:
+    if len(batch.response_lengths) > 5:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
     return real(policy, batch, *args, **kwargs)
 probe.accumulate = accumulate
