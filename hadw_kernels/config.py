@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypedDict
 
 
@@ -95,6 +95,8 @@ DEFAULT_LAMBDA_SCALE = 1.3  # the paper's best value (Table 7)
 AUTHORS_LAMBDA_SCALE = 1.5  # the authors' public code
 # rho = exp(clamp(log-ratio)): keeps exp finite for any policy drift.
 LOG_RATIO_CLAMP = 20.0
+# VESPO's summed log-ratio is clamped to [log 1e-8, LOG_RATIO_CLAMP] (TRL's bounds).
+VESPO_LOG_WEIGHT_MIN = math.log(1e-8)
 
 # The linear loss holds the logits of ``block_rows`` rows at once, a [block_rows, V]
 # buffer. By default the rows are split into even blocks of at most the device's
@@ -141,26 +143,103 @@ def block_rows_for(rows: int, vocab: int, element_size: int, device_type: str, r
     return max(granule, -(-even // granule) * granule)
 
 
+# How the importance ratio of a token is formed (docs/math.md, section 5):
+#   token       rho_t = exp(l_t - lo_t)
+#   sequence    rho_t = s_i = exp(mean over the response's tokens of l - lo), the gradient
+#               reaching every token of the response through s_i (TRL's "sequence")
+#   gspo_token  rho_t = sg[s_i] exp(l_t - sg[l_t]): s_i's value, the gradient through the
+#               token's own log-prob (verl's gspo, TRL's "sequence_token")
+# The two sequence forms give the same loss and gradient unless per-token importance
+# weights differ within a response.
+RATIO_LEVELS = ("token", "sequence", "gspo_token")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A policy objective: the per-token loss to minimise as a function of the token's
+    ratio rho, its advantage A and its log-prob l (docs/math.md, section 5d; the formulas
+    and their derivatives are ``objectives.py``'s, the kernels' one branch each).
+
+    ``options``: the LossConfig fields only this objective reads, with their defaults (a
+    None field takes the default; set on another objective, it is refused).
+    ``ratio_levels``: the ratio forms it takes (RATIO_LEVELS), the first its default.
+    ``clipped``: whether epsilon_low / epsilon_high shape the loss (else they only set the
+    clip-fraction metrics' range)."""
+
+    options: dict
+    ratio_levels: tuple[str, ...] = RATIO_LEVELS
+    clipped: bool = True
+
+
+OBJECTIVES = {
+    # PPO's clip: -min(rho' A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho' = min(rho, delta)
+    # (TRL's two-sided clip), then min(., -c A) for A < 0 (dual clip, c = dual_clip).
+    "clip": Objective(options={"dual_clip": None, "delta": None}),
+    # CISPO as TRL defines it: -sg[min(rho, ratio_cap)] A l, an absolute cap (TRL's
+    # epsilon_high; the ScaleRL paper's 5).
+    "cispo_cap": Objective(options={"ratio_cap": 5.0}, clipped=False),
+    # CISPO as verl defines it: -sg[clip(rho, 1 - eps_low, 1 + eps_high)] A l.
+    "cispo_clip": Objective(options={}),
+    # SAPO: -(4 / tau) sigmoid(tau (rho - 1)) A, tau by the sign of A.
+    "sapo": Objective(options={"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, clipped=False),
+    # GMPO (verl's geo_mean): -A exp(mean over the response of l - lo clipped in log space
+    # to [-eps_low, eps_high] on the side A's sign makes harmful).
+    "gmpo": Objective(options={}, ratio_levels=("sequence",)),
+    # VESPO (TRL): -sg[phi] A l, phi = w^k exp(lam (1 - w)), w the response's summed ratio,
+    # (k, lam) by the sign of A.
+    "vespo": Objective(options={"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
+                                "vespo_lambda_neg": 2.0}, ratio_levels=("sequence",), clipped=False),
+    # GPG (verl): -A l, no ratio.
+    "gpg": Objective(options={}, ratio_levels=("token",), clipped=False),
+}
+OBJECTIVE_NAMES = tuple(OBJECTIVES)
+# Every objective-only option, with the objective that reads it.
+OBJECTIVE_OPTIONS = {option: name for name, objective in OBJECTIVES.items() for option in objective.options}
+
+
 @dataclass(frozen=True)
 class LossPreset:
-    """What a loss type means."""
+    """What a loss type means: the objective and its ratio form, the aggregation, the std
+    normalisation and the clip range (docs/math.md, section 5b), and the objective's
+    options where the host sets them otherwise than the objective's defaults."""
 
     normalize_std: bool
     loss_agg_mode: str
-    sequence_level: bool
     clip_range: tuple[float, float]
+    objective: str = "clip"
+    ratio_level: str = "token"
+    options: dict = field(default_factory=dict)
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.ratio_level != "token"
 
 
+# TRL's loss types under their names (TRL 1.16's defaults), GSPO with the seed's ranges,
+# and verl's policy losses that TRL lacks (verl's sapo and gspo are TRL's; verl's cispo is
+# cispo_clip: see docs/options.md for the host names).
 LOSS_PRESETS = {
-    "grpo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", sequence_level=False,
-                       clip_range=(0.2, 0.2)),
+    "grpo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", clip_range=(0.2, 0.2)),
+    # TRL's bnpo: token-mean over the call (dapo's count is the whole batch's: a normaliser).
+    "bnpo": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.2)),
     # DAPO's decoupled clip (docs/math.md, section 5).
-    "dapo": LossPreset(normalize_std=True, loss_agg_mode="token-mean", sequence_level=False, clip_range=(0.2, 0.28)),
+    "dapo": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.28)),
     # GSPO's sequence-level ranges from the seed's Table 8.
-    "gspo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", sequence_level=True,
-                       clip_range=(3e-4, 4e-4)),
-    "dr_grpo": LossPreset(normalize_std=False, loss_agg_mode="seq-mean-token-sum-norm", sequence_level=False,
-                          clip_range=(0.2, 0.2)),
+    "gspo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", clip_range=(3e-4, 4e-4),
+                       ratio_level="gspo_token"),
+    "dr_grpo": LossPreset(normalize_std=False, loss_agg_mode="seq-mean-token-sum-norm", clip_range=(0.2, 0.2)),
+    "cispo": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.2), objective="cispo_cap"),
+    "sapo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", clip_range=(0.2, 0.2),
+                       objective="sapo"),
+    # LUSPO: GSPO's sequence ratio, each response's loss weighed by its length.
+    "luspo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-sum", clip_range=(0.2, 0.2),
+                        ratio_level="sequence"),
+    "vespo": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.2), objective="vespo",
+                        ratio_level="sequence"),
+    # GMPO: TRL's experimental default log-space range.
+    "gmpo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", clip_range=(0.4, 0.4),
+                       objective="gmpo", ratio_level="sequence"),
+    "gpg": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.2), objective="gpg"),
 }
 LOSS_TYPES = tuple(LOSS_PRESETS)
 
@@ -219,17 +298,38 @@ class LossConfig:
     group_size: int | None
     normalize_std: bool
     loss_agg_mode: str
-    sequence_level: bool
     epsilon_low: float
     epsilon_high: float
+    objective: str = "clip"
+    ratio_level: str = "token"
     std_eps: float = DEFAULT_STD_EPS
     lambda_scale: float = DEFAULT_LAMBDA_SCALE
     beta: float = 0.0
     kl_estimator: str = "k3"
-    dual_clip: float | None = None
     entropy_coef: float = 0.0
     loss_normalizer: float | None = None
     max_response_length: int | None = None
+    # The objectives' own options (OBJECTIVES[...].options; None: the objective's default).
+    dual_clip: float | None = None
+    delta: float | None = None
+    ratio_cap: float | None = None
+    sapo_temperature_pos: float | None = None
+    sapo_temperature_neg: float | None = None
+    vespo_k_pos: float | None = None
+    vespo_lambda_pos: float | None = None
+    vespo_k_neg: float | None = None
+    vespo_lambda_neg: float | None = None
+
+    @property
+    def sequence_level(self) -> bool:
+        """Whether a token's ratio depends on its whole response (GSPO's forms, GMPO,
+        VESPO): such a loss has no gradients-in-forward linear path."""
+        return self.ratio_level != "token"
+
+    def option(self, name: str) -> float | None:
+        """An objective option's value: as set, else the objective's default."""
+        value = getattr(self, name)
+        return OBJECTIVES[self.objective].options.get(name) if value is None else value
 
     @classmethod
     def build(
@@ -239,26 +339,34 @@ class LossConfig:
         *,
         normalize_std: bool | None = None,
         loss_agg_mode: str | None = None,
-        sequence_level: bool | None = None,
         epsilon_low: float | None = None,
         epsilon_high: float | None = None,
+        objective: str | None = None,
+        ratio_level: str | None = None,
         **options,
     ) -> "LossConfig":
-        """The preset of ``loss_type`` with every option given (not None) overriding it."""
+        """The preset of ``loss_type`` with every option given (not None) overriding it.
+        A preset's objective options apply when the preset's objective does."""
         unknown = sorted(set(options) - set(_FIELD_TYPES))
         if unknown:
             raise TypeError(f"unknown options {unknown}; LossConfig's options are {sorted(_FIELD_TYPES)}")
         if loss_type not in LOSS_PRESETS:
             raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
         preset = LOSS_PRESETS[loss_type]
+        chosen = preset.objective if objective is None else objective
+        if ratio_level is None:
+            allowed = OBJECTIVES[chosen].ratio_levels if chosen in OBJECTIVES else RATIO_LEVELS
+            ratio_level = preset.ratio_level if preset.ratio_level in allowed else allowed[0]
+        preset_options = preset.options if chosen == preset.objective else {}
         config = cls(
             group_size=group_size,
             normalize_std=preset.normalize_std if normalize_std is None else normalize_std,
             loss_agg_mode=preset.loss_agg_mode if loss_agg_mode is None else loss_agg_mode,
-            sequence_level=preset.sequence_level if sequence_level is None else sequence_level,
             epsilon_low=preset.clip_range[0] if epsilon_low is None else epsilon_low,
             epsilon_high=preset.clip_range[1] if epsilon_high is None else epsilon_high,
-            **{key: value for key, value in options.items() if value is not None},
+            objective=chosen,
+            ratio_level=ratio_level,
+            **{**preset_options, **{key: value for key, value in options.items() if value is not None}},
         )
         config.validate()
         return config
@@ -286,8 +394,31 @@ class LossConfig:
         check_finite_positive("lambda_scale", self.lambda_scale)
         if not (0 <= self.beta < math.inf):
             raise ValueError(f"beta (KL coefficient) must be finite and non-negative, got {self.beta!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}; expected one of {OBJECTIVE_NAMES}")
+        if self.ratio_level not in OBJECTIVES[self.objective].ratio_levels:
+            raise ValueError(f"objective {self.objective!r} takes ratio_level in {OBJECTIVES[self.objective].ratio_levels}"
+                             f", got {self.ratio_level!r}")
+        for name, owner in OBJECTIVE_OPTIONS.items():
+            if owner != self.objective and getattr(self, name) is not None:
+                raise ValueError(f"{name} is an option of the {owner!r} objective, not of {self.objective!r}")
         if self.dual_clip is not None and not (1 < self.dual_clip < math.inf):
             raise ValueError(f"dual_clip must be finite and greater than 1, got {self.dual_clip!r}")
+        if self.delta is not None:
+            # At or above 1 + epsilon_high, delta bounds the negative advantages' loss as
+            # dual_clip=delta does; below it, it also caps the positive ones (TRL allows both).
+            check_finite_positive("delta", self.delta)
+        if self.objective == "cispo_cap" and not (1 <= self.option("ratio_cap") < math.inf):
+            # TRL's epsilon_high left at its 0.2 would cap every weight far below 1 (docs/options.md).
+            raise ValueError(f"ratio_cap (CISPO's absolute cap on the detached ratio) must be finite and at least 1 "
+                             f"(TRL recommends 5), got {self.option('ratio_cap')!r}")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            if getattr(self, name) is not None:
+                check_finite_positive(name, getattr(self, name))
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value < math.inf):
+                raise ValueError(f"{name} must be finite and non-negative, got {value!r}")
         if not (0 <= self.entropy_coef < math.inf):
             raise ValueError(f"entropy_coef must be finite and non-negative, got {self.entropy_coef!r}")
         if self.loss_normalizer is not None:
@@ -308,25 +439,41 @@ class LossConfig:
 
     def kernel_options(self) -> dict:
         """The resolved options as the ops take them (``ops.schemas``): names of modes
-        become their index in :data:`AGG_MODES` / :data:`KL_ESTIMATORS`."""
+        become their index in :data:`AGG_MODES`, :data:`RATIO_LEVELS`, :data:`KL_ESTIMATORS`."""
         return dict(
             group_size=self.group_size,
             normalize_std=self.normalize_std,
             std_eps=float(self.std_eps),
             lambda_scale=float(self.lambda_scale),
             loss_agg_mode=AGG_MODES.index(self.loss_agg_mode),
-            sequence_level=self.sequence_level,
+            ratio_level=RATIO_LEVELS.index(self.ratio_level),
             **self.token_options(),
             loss_normalizer=None if self.loss_normalizer is None else float(self.loss_normalizer),
             max_response_length=self.max_response_length,
         )
 
     def token_options(self) -> dict:
-        """The options of the per-token objective, as the ops take them."""
+        """The options of the per-token objective, as the ops take them: the objective as
+        its index in :data:`OBJECTIVE_NAMES`, an option it does not read as its neutral
+        value (no cap, unit temperatures)."""
+
+        def value(name: str, neutral: float) -> float:
+            option = self.option(name) if name in OBJECTIVES[self.objective].options else None
+            return neutral if option is None else float(option)
+
         return dict(
+            objective=OBJECTIVE_NAMES.index(self.objective),
             epsilon_low=float(self.epsilon_low),
             epsilon_high=float(self.epsilon_high),
-            dual_clip=None if self.dual_clip is None else float(self.dual_clip),
+            dual_clip=None if self.option("dual_clip") is None else float(self.option("dual_clip")),
+            delta=None if self.option("delta") is None else float(self.option("delta")),
+            ratio_cap=value("ratio_cap", math.inf),
+            sapo_temperature_pos=value("sapo_temperature_pos", 1.0),
+            sapo_temperature_neg=value("sapo_temperature_neg", 1.0),
+            vespo_k_pos=value("vespo_k_pos", 0.0),
+            vespo_lambda_pos=value("vespo_lambda_pos", 1.0),
+            vespo_k_neg=value("vespo_k_neg", 0.0),
+            vespo_lambda_neg=value("vespo_lambda_neg", 1.0),
             beta=float(self.beta),
             kl_estimator=KL_ESTIMATORS.index(self.kl_estimator),
             entropy_coef=float(self.entropy_coef),
@@ -348,14 +495,23 @@ class LossOptions(TypedDict, total=False):
     group_size: int | None
     normalize_std: bool | None
     loss_agg_mode: str | None
-    sequence_level: bool | None
     epsilon_low: float | None
     epsilon_high: float | None
+    objective: str | None
+    ratio_level: str | None
     std_eps: float | None
     lambda_scale: float | None
     beta: float | None
     kl_estimator: str | None
-    dual_clip: float | None
     entropy_coef: float | None
     loss_normalizer: float | None
     max_response_length: int | None
+    dual_clip: float | None
+    delta: float | None
+    ratio_cap: float | None
+    sapo_temperature_pos: float | None
+    sapo_temperature_neg: float | None
+    vespo_k_pos: float | None
+    vespo_lambda_pos: float | None
+    vespo_k_neg: float | None
+    vespo_lambda_neg: float | None

@@ -140,7 +140,7 @@ def fused_hadw_grpo_loss(
         layout,
         config,
         rewards=rewards,
-        advantages=advantages,
+        advantages=layout.per_token(advantages),
         anchor=anchor,
         ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
         importance_weights=layout.per_token(importance_weights),
@@ -218,7 +218,7 @@ def fused_linear_hadw_grpo_loss(
     implementation = resolve_backend(backend, hidden_states.device)
     path = _linear_path(linear_path, implementation, config, hidden_states.device)
     with_entropy = config.entropy_coef > 0 or return_metrics
-    data = dict(rewards=rewards, advantages=advantages, anchor=anchor,
+    data = dict(rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
                 ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
                 importance_weights=layout.per_token(importance_weights))
     options = dict(lm_head_bias=lm_head_bias, temperature=temperature, ignore_index=ignore_index)
@@ -337,6 +337,7 @@ def _gradients_in_forward(
     as rows [N, H]; every per-token tensor is [N]."""
     accumulate = accumulate_dtype(hidden.dtype)
     advantage, phi = weighted_advantages(rewards, advantages, config, anchor)
+    token_advantage = advantage if advantages is not None else layout.expand(advantage)
 
     def per_token(values):
         # Contiguous: the kernels index the active rows' entries directly.
@@ -346,7 +347,7 @@ def _gradients_in_forward(
         hidden, lm_head_weight, labels,
         lm_head_bias=lm_head_bias,
         old_logprobs=per_token(old_logprobs),
-        advantages=per_token(layout.expand(advantage)),
+        advantages=per_token(token_advantage),
         agg_weights=per_token(layout.expand(agg_weights(response_mask.bool(), layout, config))),
         ref_logprobs=per_token(ref_logprobs),
         importance_weights=per_token(importance_weights),
@@ -355,7 +356,7 @@ def _gradients_in_forward(
     )
     loss, metrics = implementation.surrogate_loss(
         logprobs, logprobs if old_logprobs is None else old_logprobs, response_mask, layout, config,
-        advantages=advantage, ref_logprobs=ref_logprobs, importance_weights=importance_weights,
+        advantages=token_advantage, ref_logprobs=ref_logprobs, importance_weights=importance_weights,
         entropy=entropy if with_entropy else None,
     )
     if phi is not None:

@@ -220,7 +220,12 @@ def check_batch_inputs(
     else:
         _require_tensor("advantages", advantages)
         _require_float("advantages", advantages)
-        _require_per_segment("advantages", advantages, layout)
+        if _shape(advantages) != (batch,):
+            # Per token (verl's [B, T], process rewards): the layout's per-token shape.
+            try:
+                _require_layout_shape("advantages", advantages, layout)
+            except ValueError as error:
+                raise ValueError(f"{error}; or one advantage per response, [{batch}]") from None
         if anchor is not None:
             raise ValueError(
                 "anchor applies HA-DW to advantages computed from rewards; with advantages=, fold Phi in "
@@ -247,16 +252,6 @@ def check_batch_inputs(
                 _require_layout_shape("importance_weights", importance_weights, layout)
             except ValueError as error:
                 raise ValueError(f"{error}; or one weight per response, [{batch}]") from None
-        # (A packed batch of one-token segments has N = S: both readings are the same weights.)
-        if config.sequence_level and not per_response:
-            unit = "S" if layout.is_packed else "B"
-            raise ValueError(
-                f"a sequence-level loss (GSPO) takes importance_weights [{unit}] = [{batch}], one per response, got "
-                f"{_shape(importance_weights)}: its ratio is per response, and per-token weights would weigh each "
-                "token's share of one response's loss differently. Reduce them first (e.g. each response's mean "
-                "over its valid tokens, as TRL's sequence level does). Stricter than verl, whose GSPO multiplies "
-                "each token's loss by its own rollout_is_weights"
-            )
         tensors["importance_weights"] = importance_weights
     check_anchor(anchor)
     if isinstance(anchor, torch.Tensor):

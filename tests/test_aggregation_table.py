@@ -79,7 +79,7 @@ def test_a_new_row_reaches_every_backend(monkeypatch):
 
     monkeypatch.setattr(reference, "AGGREGATIONS", rows)
     mask = torch.tensor([[True, True, False], [True, False, False]])
-    loss_config = LossConfig(group_size=None, normalize_std=True, loss_agg_mode="token-mean", sequence_level=False,
+    loss_config = LossConfig(group_size=None, normalize_std=True, loss_agg_mode="token-mean",
                              epsilon_low=0.2, epsilon_high=0.2, max_response_length=10)
     object.__setattr__(loss_config, "loss_agg_mode", "seq-sum-norm-mean")
     layout = TokenLayout.padded(2, 3, torch.device("cpu"))

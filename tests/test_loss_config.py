@@ -95,8 +95,8 @@ def test_a_config_that_is_not_a_loss_config_is_refused():
 
 
 def test_a_hand_built_config_is_validated():
-    config = LossConfig(group_size=2, normalize_std=True, loss_agg_mode="token-average", sequence_level=False,
-                        epsilon_low=0.2, epsilon_high=0.2)
+    config = LossConfig(group_size=2, normalize_std=True, loss_agg_mode="token-average", epsilon_low=0.2,
+                        epsilon_high=0.2)
     with pytest.raises(ValueError, match="unknown loss_agg_mode 'token-average'"):
         _surrogate(_batch(), config=config)
 
@@ -157,9 +157,13 @@ def test_a_config_holding_an_entropy_bonus_is_refused_by_the_log_prob_loss():
 
 FIELD_TYPES = {
     "group_size": "an int or None", "normalize_std": "a bool", "loss_agg_mode": "a string",
-    "sequence_level": "a bool", "epsilon_low": "a number", "epsilon_high": "a number", "std_eps": "a number",
-    "lambda_scale": "a number", "beta": "a number", "kl_estimator": "a string", "dual_clip": "a number or None",
-    "entropy_coef": "a number", "loss_normalizer": "a number or None", "max_response_length": "an int or None",
+    "objective": "a string", "ratio_level": "a string", "epsilon_low": "a number", "epsilon_high": "a number",
+    "std_eps": "a number", "lambda_scale": "a number", "beta": "a number", "kl_estimator": "a string",
+    "dual_clip": "a number or None", "entropy_coef": "a number", "loss_normalizer": "a number or None",
+    "max_response_length": "an int or None", "delta": "a number or None", "ratio_cap": "a number or None",
+    "sapo_temperature_pos": "a number or None", "sapo_temperature_neg": "a number or None",
+    "vespo_k_pos": "a number or None", "vespo_lambda_pos": "a number or None", "vespo_k_neg": "a number or None",
+    "vespo_lambda_neg": "a number or None",
 }
 
 

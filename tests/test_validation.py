@@ -64,7 +64,8 @@ def _call(group_size=2, **overrides):
         (dict(rewards=None), ValueError, "exactly one of rewards"),
         (dict(advantages=torch.zeros(4)), ValueError, "exactly one of rewards"),
         (dict(rewards=None, advantages=torch.zeros(4), anchor=0.5), ValueError, "fold Phi in"),
-        (dict(rewards=None, advantages=torch.zeros(3)), ValueError, r"advantages must be \[B\]"),
+        (dict(rewards=None, advantages=torch.zeros(3)), ValueError,
+         r"advantages has shape \(3,\), response_mask \(4, 3\).*or one advantage per response, \[4\]"),
         (dict(group_index=torch.tensor([0, 1, 0, 1])), ValueError, "not in contiguous groups"),
         (dict(group_size=None), ValueError, "need group_size"),
         (dict(logprobs=torch.zeros(4, 3, dtype=torch.long)), TypeError, "floating-point"),
@@ -89,8 +90,8 @@ def test_unknown_option_in_a_config_built_directly_is_rejected():
     from hadw_kernels.config import LossConfig
 
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
-        LossConfig(group_size=2, normalize_std=True, loss_agg_mode="grpo", sequence_level=False,
-                   epsilon_low=0.2, epsilon_high=0.2).validate()
+        LossConfig(group_size=2, normalize_std=True, loss_agg_mode="grpo", epsilon_low=0.2,
+                   epsilon_high=0.2).validate()
 
 
 def test_bool_mask_is_accepted():
@@ -233,18 +234,29 @@ def test_modules_accept_good_options():
     LinearHADWGRPOLoss(loss_type="gspo", temperature=0.7, block_rows=64, linear_path="recompute", entropy_coef=0.01)
 
 
-@pytest.mark.parametrize("options", [dict(loss_type="gspo"), dict(loss_type="grpo", sequence_level=True)],
-                         ids=["gspo", "sequence_level"])
-def test_sequence_level_refuses_per_token_importance_weights(options):
-    """GSPO's ratio is per response: [B, T] importance weights are refused before any
-    backend runs (verl's gspo accepts them), [B] ones accepted."""
+def test_sequence_ratios_take_per_token_importance_weights():
+    """Both sequence ratio forms take [B, T] importance weights (TRL's and verl's
+    semantics: docs/math.md, section 5): constant over each response they equal the [B]
+    weights; varying within a response, the two forms part."""
     from hadw_kernels import fused_hadw_grpo_loss
 
-    logprobs = -torch.rand(4, 3, dtype=torch.float64)
-    call = dict(rewards=torch.tensor([0.0, 1.0, 1.0, 0.0]), response_mask=torch.ones(4, 3), group_size=2, **options)
-    with pytest.raises(ValueError, match=r"sequence-level loss \(GSPO\) takes importance_weights \[B\] = \[4\]"):
-        fused_hadw_grpo_loss(logprobs, logprobs - 0.1, importance_weights=torch.ones(4, 3), **call)
-    assert torch.isfinite(fused_hadw_grpo_loss(logprobs, logprobs - 0.1, importance_weights=torch.ones(4), **call))
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(4, 3, dtype=torch.float64, generator=generator)
+    old = logprobs - 0.1 * torch.rand(4, 3, dtype=torch.float64, generator=generator)
+    per_response = torch.tensor([0.5, 1.5, 2.0, 1.0], dtype=torch.float64)
+    varying = torch.rand(4, 3, dtype=torch.float64, generator=generator) + 0.5
+
+    def gradient(ratio_level, weights):
+        leaf = logprobs.clone().requires_grad_()
+        fused_hadw_grpo_loss(leaf, old, torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.ones(4, 3), group_size=2,
+                             loss_type="gspo", epsilon_low=0.2, epsilon_high=0.2, ratio_level=ratio_level,
+                             importance_weights=weights, backend="torch").backward()
+        return leaf.grad
+
+    for ratio_level in ("sequence", "gspo_token"):
+        torch.testing.assert_close(gradient(ratio_level, per_response[:, None].expand(4, 3)),
+                                   gradient(ratio_level, per_response))
+    assert not torch.allclose(gradient("sequence", varying), gradient("gspo_token", varying))
 
 
 def _packed_inputs():
@@ -271,10 +283,10 @@ def _packed_inputs():
         (dict(cu_seqlens=torch.tensor([0, 3, 3, 5, 7], device="meta")), ValueError, "cu_seqlens is on meta"),
         (dict(cu_seqlens=[0, 3, 3, 5, 7]), TypeError, "cu_seqlens must be a torch.Tensor"),
         (dict(rewards=torch.tensor([1.0, 0.0, 1.0])), ValueError, r"rewards must be \[S\] = \[4\], one per segment"),
-        (dict(advantages=torch.zeros(5), rewards=None), ValueError, r"advantages must be \[S\] = \[4\]"),
+        (dict(advantages=torch.zeros(5), rewards=None), ValueError,
+         r"advantages has shape \(5,\), but this call is packed.*or one advantage per response, \[4\]"),
         (dict(group_index=torch.tensor([0, 0, 1])), ValueError, r"group_index must be \[S\] = \[4\]"),
         (dict(importance_weights=torch.ones(6)), ValueError, r"importance_weights has shape \(6,\).*\[4\]"),
-        (dict(importance_weights=torch.ones(7), loss_type="gspo"), ValueError, r"sequence-level loss .* \[S\] = \[4\]"),
         (dict(old_logprobs=torch.zeros(4, 2)), ValueError, r"old_logprobs has shape \(4, 2\), but this call is packed"),
         (dict(logprobs=torch.zeros(2, 7)), ValueError, r"logprobs has shape \(2, 7\), but this call is packed"),
         (dict(response_mask=torch.ones(2, 7)), ValueError, r"response_mask has shape \(2, 7\), but this call is packed"),

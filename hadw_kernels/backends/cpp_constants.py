@@ -33,6 +33,9 @@ def constants(config) -> dict:
             for rule in config["AGGREGATIONS"].values()
         ],
         "kl_estimators": list(config["KL_ESTIMATORS"]),
+        "objectives": list(config["OBJECTIVE_NAMES"]),
+        "ratio_levels": list(config["RATIO_LEVELS"]),
+        "vespo_log_weight_min": float(config["VESPO_LOG_WEIGHT_MIN"]),
         "log_ratio_clamp": float(config["LOG_RATIO_CLAMP"]),
         "k3_log_ratio_clamp": float(config["K3_LOG_RATIO_CLAMP"]),
         "k3_value_clamp": float(config["K3_VALUE_CLAMP"]),
@@ -61,6 +64,8 @@ def header(config) -> str:
     codes("Metric", values["metric_names"])
     codes("Agg", values["agg_modes"])
     codes("Kl", values["kl_estimators"])
+    codes("Objective", values["objectives"])
+    codes("RatioLevel", values["ratio_levels"])
     codes("Denominator", values["aggregation_counts"])
     lines.append("// Per aggregation mode (config.AGGREGATIONS): {denominator (a kDenominator code), per-response mean, times L}.")
     lines.append("struct Aggregation {")
@@ -72,7 +77,7 @@ def header(config) -> str:
                      for count, mean, length in values["aggregations"])
     lines.append(f"constexpr Aggregation kAggregations[kAggCount] = {{{rows}}};")
     lines.append("")
-    for key in ("log_ratio_clamp", "k3_log_ratio_clamp", "k3_value_clamp"):
+    for key in ("log_ratio_clamp", "k3_log_ratio_clamp", "k3_value_clamp", "vespo_log_weight_min"):
         lines.append(f"constexpr double k{_identifier(key)} = {values[key]!r};")
     fingerprint = json.dumps(values, sort_keys=True)
     lines += [

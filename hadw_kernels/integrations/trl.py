@@ -331,10 +331,10 @@ class HADWGRPOTrainer(GRPOTrainer):
             raise ValueError(f"TRL normalizer {loss_type.normalizer!r} has no meaning here")
         return dict(
             loss_agg_mode=loss_type.loss_agg_mode,
-            sequence_level=self.importance_sampling_level == "sequence",
+            ratio_level="sequence" if self.importance_sampling_level == "sequence" else "token",
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,
-            dual_clip=self.args.delta,
+            delta=self.args.delta,
             beta=self.beta,
             kl_estimator="k3",
             loss_normalizer=normalizer,

@@ -272,7 +272,8 @@ def _fused_policy_loss(
     normalizer, max_length = batch_normalizer(loss_agg_mode, mask, config.get("global_batch_info", None) or {})
     loss, metrics = fused_hadw_grpo_loss(
         log_prob, old_log_prob, None, mask, advantages=per_response, loss_agg_mode=loss_agg_mode,
-        sequence_level=sequence_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
+        ratio_level="gspo_token" if sequence_level else "token", epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, dual_clip=dual_clip,
         importance_weights=rollout_is_weights, loss_normalizer=normalizer, max_response_length=max_length,
         return_metrics=True,
     )

@@ -3,15 +3,19 @@
 ``backends/cpp_declarations.py``) both come from here. Plain strings, no torch: setup.py
 reads this file before the package is importable."""
 
+# The per-token objective (config.OBJECTIVES, as LossConfig.token_options gives it) and
+# the KL and entropy terms.
 _PER_TOKEN_OPTIONS = (
-    "float epsilon_low, float epsilon_high, float? dual_clip, float beta, int kl_estimator, float entropy_coef"
+    "int objective, float epsilon_low, float epsilon_high, float? dual_clip, float? delta, float ratio_cap, "
+    "float sapo_temperature_pos, float sapo_temperature_neg, float vespo_k_pos, float vespo_lambda_pos, "
+    "float vespo_k_neg, float vespo_lambda_neg, float beta, int kl_estimator, float entropy_coef"
 )
 SIGNATURES = {
     "surrogate_loss": (
         "(Tensor logprobs, Tensor old_logprobs, Tensor response_mask, Tensor cu_seqlens, Tensor? rewards, "
         "Tensor? advantages, "
         "Tensor? anchor, Tensor? ref_logprobs, Tensor? importance_weights, Tensor? entropy, int? group_size, "
-        "bool normalize_std, float std_eps, float lambda_scale, int loss_agg_mode, bool sequence_level, "
+        "bool normalize_std, float std_eps, float lambda_scale, int loss_agg_mode, int ratio_level, "
         f"{_PER_TOKEN_OPTIONS}, float? loss_normalizer, int? max_response_length)",
         "(Tensor loss, Tensor grad_logprobs, Tensor grad_entropy, Tensor metrics)",
     ),

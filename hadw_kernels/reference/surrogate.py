@@ -15,17 +15,8 @@ import torch
 from ..advantage import group_advantages, hadw_weights
 from ..config import AGGREGATIONS, K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LOG_RATIO_CLAMP, METRIC_NAMES, LossConfig
 from ..layout import TokenLayout
+from ..objectives import VALUES, gmpo_log_ratio, vespo_weight
 from ..precision import accumulate_dtype
-
-
-def clipped_objective(ratio: torch.Tensor, advantage: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """-min(rho A, clip(rho) A), then bounded by -c A for negative A under dual clip."""
-    unclipped = -ratio * advantage
-    clipped = -ratio.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high) * advantage
-    loss = torch.maximum(unclipped, clipped)
-    if config.dual_clip is not None:
-        loss = torch.where(advantage < 0, torch.minimum(loss, -config.dual_clip * advantage), loss)
-    return loss
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -83,7 +74,8 @@ def weighted_advantages(
     config: LossConfig,
     anchor: float | torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(A [B], Phi [B] or None): the caller's advantages, or A_hat * Phi from rewards."""
+    """(A, Phi [S] or None): the caller's advantages (as given: per token [N] in the
+    losses' calls, [S] in hadw_advantages'), or A_hat * Phi [S] from rewards."""
     if advantages is not None:
         return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
     rewards = rewards.detach()
@@ -95,6 +87,31 @@ def weighted_advantages(
     else:
         phi = hadw_weights(rewards, config.group_size, anchor, lambda_scale=config.lambda_scale)
     return advantage_hat * phi, phi
+
+
+def token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, advantage: torch.Tensor,
+                layout: TokenLayout, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rho [N] with its gradient, the ratio the metrics count, the mask they count it
+    over) in ``config.ratio_level``'s form (config.RATIO_LEVELS); GMPO's log-ratios are
+    clipped first (objectives.gmpo_log_ratio). Every log-ratio entering exp is clamped to
+    +-LOG_RATIO_CLAMP."""
+    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    if config.objective == "gmpo":
+        log_ratio = torch.where(mask, gmpo_log_ratio(log_ratio, advantage, config), torch.zeros_like(log_ratio))
+    if config.ratio_level == "token":
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        return ratio, ratio.detach(), mask
+    lengths = layout.segment_sum(mask)
+    sequence_log_ratio = layout.segment_sum(log_ratio) / lengths.clamp(min=1)
+    metric_ratio = torch.exp(sequence_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if config.ratio_level == "sequence":
+        # s_i itself: every token of the response carries it and its gradient.
+        ratio = layout.expand(torch.exp(sequence_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)))
+    else:  # gspo_token: log s_it = logp_t - sg(logp_t) + sg(log s_i)
+        own_token = torch.where(mask, logprobs - logprobs.detach(), torch.zeros_like(logprobs))
+        carried = own_token + layout.expand(sequence_log_ratio.detach())
+        ratio = torch.exp(carried.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return ratio, metric_ratio, lengths > 0
 
 
 def surrogate_loss(
@@ -115,49 +132,40 @@ def surrogate_loss(
 
     Per-token tensors are [N] in ``layout``'s segments (one response each); exactly one
     of ``rewards`` [S] (each group's ``config.group_size`` segments contiguous) and
-    ``advantages`` [S] is given. ``importance_weights`` [N] are the rollout engine's
-    correction per token (a per-response weight repeated over its tokens); ``entropy``
-    [N] enters as ``- entropy_coef * aggregate(entropy)``.
+    ``advantages`` [N] (the caller's, per token: a per-response one repeated) is given. ``importance_weights`` [N] are the
+    rollout engine's correction per token (a per-response weight repeated over its
+    tokens); ``entropy`` [N] enters as ``- entropy_coef * aggregate(entropy)``.
 
-    Sequence level (GSPO) follows verl: every token carries the response's ratio
-    s_i = exp(mean log-ratio), and its gradient flows through that token's own log-prob
-    (log s_it = logp_t - sg(logp_t) + sg(log s_i)). Without per-token weights this is
-    exactly the gradient of the per-response loss.
+    The objective (``config.objective``, objectives.py) is a per-token loss of the
+    token's ratio in ``config.ratio_level``'s form (:func:`token_ratio`), its advantage
+    and its log-prob, times the token's importance weight, aggregated by
+    ``config.loss_agg_mode``.
     """
     mask = response_mask.bool()
     old_logprobs = old_logprobs.detach()
     advantage, phi = weighted_advantages(rewards, advantages, config, anchor)
     advantage = advantage.to(torch.promote_types(advantage.dtype, logprobs.dtype))
-    token_advantage = layout.expand(advantage)
+    token_advantage = layout.expand(advantage) if advantages is None else advantage
+    # Every per-token input is masked before it meets another: padding may hold inf or
+    # NaN, and a sequence ratio gathers its tokens' gradients (NaN * 0 is NaN).
+    token_advantage = torch.where(mask, token_advantage, torch.zeros_like(token_advantage))
 
-    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    token_log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if config.sequence_level:
-        lengths = layout.segment_sum(mask)
-        sequence_log_ratio = layout.segment_sum(log_ratio) / lengths.clamp(min=1)
-        own_token = torch.where(mask, logprobs - logprobs.detach(), torch.zeros_like(logprobs))
-        carried = (own_token + layout.expand(sequence_log_ratio.detach())).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        ratio = torch.exp(carried)
-        ratio_mask = lengths > 0
-        metric_ratio = torch.exp(sequence_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        signed_advantage = advantage
-    else:
-        ratio = torch.exp(token_log_ratio)
-        ratio_mask = mask
-        metric_ratio = ratio.detach()
-        signed_advantage = token_advantage
-    per_token = clipped_objective(ratio, token_advantage, config)
+    ratio, metric_ratio, ratio_mask = token_ratio(logprobs, old_logprobs, mask, token_advantage, layout, config)
+    weight = None
+    if config.objective == "vespo":
+        summed = layout.segment_sum(torch.where(mask, (logprobs - old_logprobs).detach(), torch.zeros_like(logprobs))
+                                    .clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        weight = vespo_weight(layout.expand(summed), token_advantage, config)
+    own_logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
+    per_token = VALUES[config.objective](ratio, token_advantage, own_logprobs, weight, config)
     if importance_weights is not None:
-        per_token = per_token * importance_weights.detach()
+        per_token = per_token * torch.where(mask, importance_weights.detach(), torch.zeros_like(per_token))
     loss = aggregate(per_token, mask, layout, config)
 
     metrics: dict[str, torch.Tensor] = {}
     if config.beta > 0:
-        # Masked before the estimate: padding may hold inf or NaN, and exp(NaN) * 0 is NaN.
         zero = torch.zeros_like(logprobs)
-        ref_kl = kl_estimate(
-            torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs.detach(), zero), config.kl_estimator
-        )
+        ref_kl = kl_estimate(own_logprobs, torch.where(mask, ref_logprobs.detach(), zero), config.kl_estimator)
         loss = loss + config.beta * aggregate(ref_kl, mask, layout, config)
         metrics["ref_kl"] = _masked_mean(ref_kl.detach(), mask)
     if entropy is not None:
@@ -166,14 +174,23 @@ def surrogate_loss(
         metrics["entropy_mean"] = _masked_mean(entropy.detach(), mask)
 
     with torch.no_grad():
+        # Where the ratio is per response, the sign of the response's advantage (of the
+        # sum of its tokens' advantages).
+        if not config.sequence_level:
+            signed_advantage = token_advantage
+        elif advantages is None:
+            signed_advantage = advantage
+        else:
+            signed_advantage = layout.segment_sum(torch.where(mask, token_advantage, torch.zeros_like(token_advantage)))
         low = (metric_ratio < 1.0 - config.epsilon_low) & (signed_advantage < 0)
         high = (metric_ratio > 1.0 + config.epsilon_high) & (signed_advantage > 0)
         metrics["clip_frac_low"] = _masked_mean(low, ratio_mask)
         metrics["clip_frac_high"] = _masked_mean(high, ratio_mask)
         metrics["ratio_mean"] = _masked_mean(metric_ratio, ratio_mask)
         # k3 estimate of KL(pi_old || pi) from the samples of pi_old.
-        approx_kl = torch.expm1(token_log_ratio.detach()) - token_log_ratio.detach()
-        metrics["approx_kl"] = _masked_mean(approx_kl, mask)
+        token_log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs)).detach().clamp(
+            -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        metrics["approx_kl"] = _masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask)
         if phi is not None:
             metrics.update(group_metrics(rewards, phi, config.group_size))
     return loss, {name: metrics[name] for name in METRIC_NAMES if name in metrics}

@@ -16,7 +16,15 @@ import torch
 
 from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from hadw_kernels.backends import load_backend
-from hadw_kernels.config import AGGREGATIONS, IGNORE_INDEX, LOSS_PRESETS, LossConfig
+from hadw_kernels.config import (
+    AGGREGATIONS,
+    IGNORE_INDEX,
+    LOSS_PRESETS,
+    LOSS_TYPES,
+    OBJECTIVE_OPTIONS,
+    OBJECTIVES,
+    LossConfig,
+)
 from hadw_kernels.layout import TokenLayout
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
 from hadw_kernels.reference.surrogate import surrogate_loss as reference_surrogate
@@ -53,6 +61,9 @@ def surrogate_batch(seed: int, batch: int = 12, width: int = 37, drift: float = 
         rewards[GROUP_SIZE + 1] = 1.0
     entropy = torch.rand(batch, width, generator=generator, dtype=torch.float64) * 4
     token_importance_weights = 0.5 + torch.rand(batch, width, generator=generator, dtype=torch.float64)
+    # Per-token advantages (process rewards): each response's sign mostly, some tokens flipped.
+    token_advantages = torch.randn(batch, 1, generator=generator, dtype=torch.float64) + 0.5 * torch.randn(
+        batch, width, generator=generator, dtype=torch.float64)
     return dict(
         logprobs=_poison(logprobs, mask),
         old_logprobs=_poison(old, mask),
@@ -62,6 +73,7 @@ def surrogate_batch(seed: int, batch: int = 12, width: int = 37, drift: float = 
         response_importance_weights=0.5 + torch.rand(batch, generator=generator, dtype=torch.float64),
         rewards=rewards,
         advantages=torch.randn(batch, generator=generator, dtype=torch.float64),
+        token_advantages=_poison(token_advantages, mask),
         response_mask=mask,
     )
 
@@ -99,23 +111,64 @@ SURROGATE_VARIANTS = [
     Variant("seq_mean_token_sum", {"loss_agg_mode": "seq-mean-token-sum"}),
     Variant("seq_mean_token_sum_norm", {"loss_agg_mode": "seq-mean-token-sum-norm"}),
     Variant("token_sum", {"loss_agg_mode": "token-sum", "anchor": 0.8}),
+    # Each objective's own options away from their defaults (OBJECTIVE_VARIANT_OPTIONS).
+    Variant("objective_options", {"anchor": 0.45}, ("old_logprobs", "rewards", "objective_options")),
+    Variant("token_advantages", {}, ("old_logprobs", "token_advantages")),
+    # The two sequence ratio forms with per-token importance weights, where they differ.
+    Variant("sequence_ratio_token_weights", {"ratio_level": "sequence"},
+            ("old_logprobs", "rewards", "token_importance_weights")),
+    Variant("gspo_token_weights", {"ratio_level": "gspo_token", "anchor": 0.5},
+            ("old_logprobs", "rewards", "token_importance_weights")),
 ]
+# Options of each objective (config.OBJECTIVES) away from their defaults.
+OBJECTIVE_VARIANT_OPTIONS = {
+    "clip": dict(delta=1.35, dual_clip=2.5),
+    "cispo_cap": dict(ratio_cap=1.3),
+    "cispo_clip": dict(epsilon_low=0.1, epsilon_high=0.3),
+    "sapo": dict(sapo_temperature_pos=0.8, sapo_temperature_neg=1.3),
+    "gmpo": dict(epsilon_low=0.2, epsilon_high=0.3),
+    "vespo": dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
+    "gpg": dict(),
+}
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+LAYOUTS = ("padded", "packed")
+
+
+def pairwise_cases() -> list[tuple[str, Variant, torch.dtype, str]]:
+    """(loss type, variant, dtype, layout) with every pair of values of the four axes
+    present, not their product: every (loss type, variant) pair once, its dtype
+    DTYPES[(l + v) % 4] and its layout by ((l + v) // 4) % 2 (l, v the indices), which
+    meet every loss type, variant and each other (tests/conformance/test_surrogate_op.py
+    checks the coverage)."""
+    cases = []
+    for l_index, loss_type in enumerate(LOSS_TYPES):
+        for v_index, variant in enumerate(SURROGATE_VARIANTS):
+            diagonal = l_index + v_index
+            cases.append((loss_type, variant, DTYPES[diagonal % len(DTYPES)], LAYOUTS[(diagonal // len(DTYPES)) % 2]))
+    return cases
 
 
 def loss_kwargs(batch: dict, loss_type: str, variant: Variant) -> dict:
-    """The keyword arguments of one call, batch tensors still in float64 on the CPU."""
+    """The keyword arguments of one call, batch tensors still in float64 on the CPU. The
+    variant's options that the preset's objective does not take (another objective's
+    option, a ratio form it has no use for) are left out."""
     kwargs = dict(loss_type=loss_type, **variant.options)
-    sequence_level = kwargs.get("sequence_level", LOSS_PRESETS[loss_type].sequence_level)
+    objective = OBJECTIVES[LOSS_PRESETS[loss_type].objective]
+    if kwargs.get("ratio_level") not in (None, *objective.ratio_levels):
+        del kwargs["ratio_level"]
+    for name in set(kwargs) & set(OBJECTIVE_OPTIONS):
+        if name not in objective.options:
+            del kwargs[name]
     for name in variant.tensors:
-        if name == "token_importance_weights" and sequence_level:
-            # A sequence-level loss takes one weight per response (per-token ones are refused).
-            kwargs["importance_weights"] = batch["response_importance_weights"]
-        elif name == "token_importance_weights":
+        if name == "token_importance_weights":
             kwargs["importance_weights"] = batch["token_importance_weights"]
         elif name == "response_importance_weights":
             kwargs["importance_weights"] = batch["response_importance_weights"]
+        elif name == "token_advantages":
+            kwargs["advantages"] = batch["token_advantages"]
+        elif name == "objective_options":
+            kwargs.update(OBJECTIVE_VARIANT_OPTIONS[LOSS_PRESETS[loss_type].objective])
         else:
             kwargs[name] = batch[name]
     if "rewards" in kwargs:
@@ -190,7 +243,7 @@ _TENSOR_KEYS = {"old_logprobs", "rewards", "advantages", "anchor", "ref_logprobs
 
 
 def run_padded_op(run, logprobs, response_mask, config, *, entropy=None, old_logprobs=None, ref_logprobs=None,
-                  importance_weights=None, **per_response):
+                  importance_weights=None, advantages=None, **per_response):
     """A backend's (or the reference's) surrogate on a padded [B, T] batch, flattened onto
     its token layout as the losses do; ``config``'s L resolved to the width."""
     layout = TokenLayout.padded(*response_mask.shape, response_mask.device)
@@ -200,7 +253,8 @@ def run_padded_op(run, logprobs, response_mask, config, *, entropy=None, old_log
     return run(
         flat(logprobs), flat(logprobs.detach() if old_logprobs is None else old_logprobs), flat(response_mask),
         layout, config, entropy=flat(entropy), ref_logprobs=flat(ref_logprobs),
-        importance_weights=layout.per_token(importance_weights), **per_response,
+        importance_weights=layout.per_token(importance_weights), advantages=layout.per_token(advantages),
+        **per_response,
     )
 
 
@@ -329,7 +383,8 @@ def run_token_logprobs(backend: str, hidden_states, lm_head_weight, labels, upst
 
 # --- packed (padding-free) ------------------------------------------------------------------
 
-PER_TOKEN_KEYS = ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "token_importance_weights", "response_mask")
+PER_TOKEN_KEYS = ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "token_importance_weights", "token_advantages",
+                  "response_mask")
 
 
 @dataclass

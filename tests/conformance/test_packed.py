@@ -3,10 +3,10 @@ segments (each led by a masked prompt that holds NaN and inf) give the padded ba
 loss, every gradient and every metric, against the padded reference (docs/options.md,
 "Packed batches").
 
-The padded layout runs the whole matrix (test_surrogate_op.py, test_linear.py); the
-packed one runs every pair of (loss type, option variant, dtype): a Latin square over the
-product, so every value of each axis meets every value of the others, and the suite
-grows by a quarter rather than doubling.
+The main matrix (test_surrogate_op.py) runs both layouts among its pairs; here are the
+packed layout's own edges: empty segments of no token, the model's [1, N] form, a segment
+longer than any block beside one-token ones, S = 1, N = 0, int32 offsets, and the linear
+loss.
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ import torch
 
 from cases import (
     BLOCK_ROWS,
-    DTYPES,
     GROUP_SIZE,
-    SURROGATE_VARIANTS,
     UPSTREAM,
-    Outputs,
     Variant,
     cast,
     linear_batch,
@@ -29,87 +26,21 @@ from cases import (
     reference_linear_loss,
     rounded,
     run_linear_loss,
-    run_surrogate,
-    run_surrogate_packed,
     surrogate_batch,
     with_required,
 )
-from check import assert_conforms
-from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from check import WIDTH, assert_conforms, compare_packed, drift, with_length
+from hadw_kernels import LOSS_TYPES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
 from hadw_kernels.backends import load_backend
-from hadw_kernels.config import AGGREGATIONS
-
-WIDTH = 37
-
-
-def _pairwise_cases():
-    """(loss type, variant, dtype) with every pair of values present: the dtype of
-    (loss type l, variant v) is DTYPES[(l + v) % 4], a Latin square."""
-    for l_index, loss_type in enumerate(LOSS_TYPES):
-        for v_index, variant in enumerate(SURROGATE_VARIANTS):
-            dtype = DTYPES[(l_index + v_index) % len(DTYPES)]
-            yield pytest.param(loss_type, variant, dtype, id=f"{loss_type}-{variant}-{str(dtype)[6:]}")
-
-
-def test_pairwise_cases_cover_every_pair():
-    cases = [param.values for param in _pairwise_cases()]
-    axes = (LOSS_TYPES, [str(v) for v in SURROGATE_VARIANTS], DTYPES)
-    seen = [(case[0], str(case[1]), case[2]) for case in cases]
-    for first in range(3):
-        for second in range(first + 1, 3):
-            pairs = {(case[first], case[second]) for case in seen}
-            assert len(pairs) == len(axes[first]) * len(axes[second]), (first, second)
-
-
-def _drift(loss_type: str) -> float:
-    return 1e-3 if loss_type == "gspo" else 0.3
-
-
-def _with_length(kwargs: dict, width: int) -> dict:
-    """A packed batch has no width: an aggregation that divides by a constant L gets the
-    padded batch's (for both layouts, so the two compare)."""
-    mode = kwargs.get("loss_agg_mode", LOSS_PRESETS[kwargs["loss_type"]].loss_agg_mode)
-    if AGGREGATIONS[mode].times_max_length and kwargs.get("max_response_length") is None:
-        kwargs = dict(kwargs, max_response_length=width)
-    return kwargs
-
-
-def _compare_packed(backend, device, loss_type, variant, dtype, *, seed=0, batch=None, empty_segments="prompt_only",
-                    per_token_shape=lambda t: t):
-    batch = batch or surrogate_batch(seed, width=WIDTH, drift=_drift(loss_type))
-    shape = tuple(batch["response_mask"].shape)
-    packed = pack(batch, seed, empty_segments=empty_segments)
-    padded_kwargs = _with_length(loss_kwargs(batch, loss_type, variant), shape[1])
-    packed_kwargs = _with_length(loss_kwargs(packed.tensors, loss_type, variant), shape[1])
-    logprobs, mask = packed.tensors["logprobs"], packed.tensors["response_mask"]
-    packed_kwargs = {key: per_token_shape(value) if key in ("old_logprobs", "ref_logprobs", "importance_weights")
-                     and value.shape == logprobs.shape else value for key, value in packed_kwargs.items()}
-    fast = run_surrogate_packed(backend, packed, per_token_shape(logprobs).to(dtype).to(device),
-                                per_token_shape(mask).to(device), cast(packed_kwargs, dtype, device))
-    grad = fast.values["grad_logprobs"].reshape(-1)
-    # Prompt tokens and empty responses get exactly zero gradient, whatever they held.
-    assert torch.all(grad[~mask.to(device)] == 0)
-    fast = Outputs({"loss": fast.values["loss"], "grad_logprobs": packed.unpack(grad, shape)}, fast.metrics)
-    padded_logprobs, padded_mask = batch["logprobs"], batch["response_mask"]
-    eager = run_surrogate("torch", padded_logprobs.to(dtype).to(device), padded_mask.to(device),
-                          cast(padded_kwargs, dtype, device))
-    exact = run_surrogate("torch", padded_logprobs.to(dtype).double(), padded_mask, rounded(padded_kwargs, dtype))
-    assert_conforms(fast, eager, exact, dtype)
-    return fast
-
-
-@pytest.mark.parametrize("loss_type, variant, dtype", list(_pairwise_cases()))
-def test_packed_matches_padded(backend, device, loss_type, variant, dtype):
-    _compare_packed(backend, device, loss_type, variant, dtype)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_zero_length_segments(backend, device, loss_type):
     """Empty responses as segments of no token at all (two of them, the first at the
     start of the batch), rather than of a prompt alone."""
-    batch = surrogate_batch(2, width=WIDTH, drift=_drift(loss_type))
+    batch = surrogate_batch(2, width=WIDTH, drift=drift(loss_type))
     batch["response_mask"][0] = False
-    _compare_packed(backend, device, loss_type, Variant("hadw", {"anchor": 0.35}), torch.float32, seed=2,
+    compare_packed(backend, device, loss_type, Variant("hadw", {"anchor": 0.35}), torch.float32, seed=2,
                     batch=batch, empty_segments="zero_length")
 
 
@@ -119,7 +50,7 @@ def test_model_output_shape(backend, device, form):
     def shape(tensor):
         return tensor[None] if form == "[1, N]" or tensor.dtype == torch.bool else tensor
 
-    _compare_packed(backend, device, "grpo", Variant("hadw_kl", {"anchor": 0.35, "beta": 0.05},
+    compare_packed(backend, device, "grpo", Variant("hadw_kl", {"anchor": 0.35, "beta": 0.05},
                                                      ("old_logprobs", "rewards", "ref_logprobs",
                                                       "token_importance_weights")),
                     torch.float32, per_token_shape=shape)
@@ -129,17 +60,17 @@ def test_model_output_shape(backend, device, form):
 def test_long_and_one_token_segments(backend, device, loss_type):
     """A segment longer than any block (the Triton tile follows the mean segment length;
     the C++ chunk is 256 tokens) beside segments of one token."""
-    batch = surrogate_batch(4, batch=8, width=3000, drift=_drift(loss_type))
+    batch = surrogate_batch(4, batch=8, width=3000, drift=drift(loss_type))
     lengths = torch.tensor([3000, 1, 1, 2, 1, 0, 1, 5])
     batch["response_mask"] = torch.arange(3000)[None, :] < lengths[:, None]
-    _compare_packed(backend, device, loss_type, Variant("hadw_dual_clip", {"anchor": 0.5, "dual_clip": 3.0}),
+    compare_packed(backend, device, loss_type, Variant("hadw_dual_clip", {"anchor": 0.5, "dual_clip": 3.0}),
                     torch.float32, seed=4, batch=batch)
 
 
 def test_one_segment(backend, device):
     """S = 1 (advantages given: one response makes no group)."""
     batch = surrogate_batch(5, batch=1, width=WIDTH)
-    _compare_packed(backend, device, "dapo", Variant("advantages", {}, ("old_logprobs", "advantages")),
+    compare_packed(backend, device, "dapo", Variant("advantages", {}, ("old_logprobs", "advantages")),
                     torch.float32, seed=5, batch=batch)
 
 
@@ -216,8 +147,8 @@ def test_linear_packed_matches_padded(backend, device, loss_type, variant, dtype
     tensors = tuple(name for name in variant.tensors if name != "bias")
     bias = data["lm_head_bias"] if "bias" in variant.tensors else None
     plain = Variant(variant.name, variant.options, tensors)
-    padded_kwargs = _with_length(loss_kwargs(data, loss_type, plain), shape[1])
-    packed_kwargs = _with_length(loss_kwargs(packed.tensors, loss_type, plain), shape[1])
+    padded_kwargs = with_length(loss_kwargs(data, loss_type, plain), shape[1])
+    packed_kwargs = with_length(loss_kwargs(packed.tensors, loss_type, plain), shape[1])
 
     def convert(tensor, on, in_dtype):
         return None if tensor is None else tensor.to(dtype).to(in_dtype).to(on)

@@ -1,57 +1,50 @@
-"""hadw::surrogate_loss on every backend against the reference: every loss type and
-option variant, four dtypes, poisoned padding, degenerate groups, empty and full
-responses, an odd width, a non-unit upstream gradient."""
+"""hadw::surrogate_loss on every backend against the reference: every loss type (each
+an objective and its ratio form) and option variant, four dtypes and both layouts, as
+every pair of those axes (cases.pairwise_cases), with poisoned padding, degenerate
+groups, empty and full responses, an odd width and a non-unit upstream gradient."""
 
 import pytest
 import torch
 
 from cases import (
     DTYPES,
+    LAYOUTS,
     SURROGATE_VARIANTS,
     Variant,
     cast,
     loss_kwargs,
+    pairwise_cases,
     rounded,
-    run_surrogate,
     run_surrogate_op_with_entropy,
     surrogate_batch,
     with_required,
 )
-from check import assert_conforms
+from check import assert_conforms, compare, compare_padded, drift
 from hadw_kernels import LOSS_TYPES, fused_hadw_grpo_loss
 
-
-def _drift(loss_type: str) -> float:
-    # GSPO's clip range is 3e-4 wide: a small drift keeps some sequence ratios inside.
-    return 1e-3 if loss_type == "gspo" else 0.3
+PAIRWISE = pairwise_cases()
 
 
-def _compare(backend, device, loss_type, variant, dtype, *, seed=0, width=37):
-    batch = surrogate_batch(seed, width=width, drift=_drift(loss_type))
-    kwargs = loss_kwargs(batch, loss_type, variant)
-    logprobs, mask = batch["logprobs"], batch["response_mask"]
-    on_device = cast(kwargs, dtype, device)
-    fast = run_surrogate(backend, logprobs.to(dtype).to(device), mask.to(device), on_device)
-    eager = run_surrogate("torch", logprobs.to(dtype).to(device), mask.to(device), on_device)
-    exact = run_surrogate("torch", logprobs.to(dtype).double(), mask, rounded(kwargs, dtype))
-    assert_conforms(fast, eager, exact, dtype)
-    return fast
+def test_the_cases_cover_every_pair():
+    axes = (LOSS_TYPES, [str(v) for v in SURROGATE_VARIANTS], DTYPES, LAYOUTS)
+    seen = [(loss_type, str(variant), dtype, layout) for loss_type, variant, dtype, layout in PAIRWISE]
+    for first in range(4):
+        for second in range(first + 1, 4):
+            pairs = {(case[first], case[second]) for case in seen}
+            assert len(pairs) == len(axes[first]) * len(axes[second]), (first, second)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant", SURROGATE_VARIANTS, ids=str)
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_matches_reference(backend, device, loss_type, variant, dtype):
-    fast = _compare(backend, device, loss_type, variant, dtype)
-    # Padding and empty responses get exactly zero gradient, whatever they held.
-    mask = surrogate_batch(0, width=37)["response_mask"].to(device)
-    assert torch.all(fast.values["grad_logprobs"][~mask] == 0)
+@pytest.mark.parametrize("loss_type, variant, dtype, layout", PAIRWISE,
+                         ids=[f"{l}-{v}-{str(d)[6:]}-{layout}" for l, v, d, layout in PAIRWISE])
+def test_matches_reference(backend, device, loss_type, variant, dtype, layout):
+    compare(backend, device, loss_type, variant, dtype, layout)
 
 
 @pytest.mark.parametrize("width", [1, 7])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_odd_widths(backend, device, loss_type, width):
-    _compare(backend, device, loss_type, Variant("hadw", {"anchor": 0.4}), torch.float32, seed=width, width=width)
+    compare_padded(backend, device, loss_type, Variant("hadw", {"anchor": 0.4}), torch.float32, seed=width,
+                   width=width)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -59,7 +52,7 @@ def test_odd_widths(backend, device, loss_type, width):
 def test_entropy_input(backend, device, loss_type, dtype):
     """The op's entropy input (what the linear loss feeds it): its gradient is
     -entropy_coef times the aggregation weight, and entropy_mean joins the metrics."""
-    batch = surrogate_batch(3, drift=_drift(loss_type))
+    batch = surrogate_batch(3, drift=drift(loss_type))
     variant = Variant("hadw_kl", {"anchor": 0.35, "beta": 0.05}, ("old_logprobs", "rewards", "ref_logprobs"))
     kwargs = loss_kwargs(batch, loss_type, variant)
     logprobs, entropy, mask = batch["logprobs"], batch["entropy"], batch["response_mask"]

@@ -1,0 +1,116 @@
+"""The objectives' table (config.OBJECTIVES, objectives.py): every objective's declared
+derivative is autograd's of its value, at random points and at the edges (clip bounds,
+delta, the dual-clip bound, A = 0), so the kernels that transcribe the derivative
+transcribe the reference's gradient."""
+
+import math
+
+import pytest
+import torch
+
+from hadw_kernels import objectives
+from hadw_kernels.config import LOSS_PRESETS, OBJECTIVE_NAMES, OBJECTIVE_OPTIONS, OBJECTIVES, LossConfig
+
+# Options away from the defaults where they exist, so each one is exercised.
+OPTIONS = {
+    "clip": [dict(), dict(dual_clip=3.0), dict(delta=1.5, epsilon_high=0.3), dict(delta=1.1, epsilon_high=0.3)],
+    "cispo_cap": [dict(ratio_cap=1.7)],
+    "cispo_clip": [dict(epsilon_low=0.1, epsilon_high=0.3)],
+    "sapo": [dict(sapo_temperature_pos=0.8, sapo_temperature_neg=1.3)],
+    "gmpo": [dict()],
+    "vespo": [dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)],
+    "gpg": [dict()],
+}
+
+
+def _config(objective, options):
+    return LossConfig.build("grpo", objective=objective, **options)
+
+
+def _points(config):
+    """Ratios at random and on every edge: 1 +- eps, delta, the dual-clip bound's c."""
+    generator = torch.Generator().manual_seed(0)
+    edges = [1 - config.epsilon_low, 1 + config.epsilon_high, 1.0, 0.5, 3.0]
+    for name in ("delta", "dual_clip", "ratio_cap"):
+        if name in OBJECTIVES[config.objective].options and config.option(name) is not None:
+            edges.append(config.option(name))
+    ratio = torch.cat([torch.exp(0.8 * torch.randn(200, generator=generator, dtype=torch.float64)),
+                       torch.tensor(edges, dtype=torch.float64)])
+    advantage = torch.randn(ratio.numel(), generator=generator, dtype=torch.float64)
+    advantage[::7] = 0.0
+    advantage[-len(edges):] = torch.tensor([-1.0, 1.0, -1.0, 1.0, -1.0][:len(edges)] + [-1.0] * (len(edges) - 5),
+                                           dtype=torch.float64)
+    logprob = -torch.rand(ratio.numel(), generator=generator, dtype=torch.float64) * 4
+    weight = torch.rand(ratio.numel(), generator=generator, dtype=torch.float64) * 2
+    return ratio, advantage, logprob, weight
+
+
+@pytest.mark.parametrize("objective, options", [(name, o) for name in OBJECTIVE_NAMES for o in OPTIONS[name]],
+                         ids=lambda value: str(value))
+def test_declared_derivative_is_autograds(objective, options):
+    config = _config(objective, options)
+    ratio, advantage, logprob, weight = _points(config)
+    ratio = ratio.clone().requires_grad_()
+    logprob = logprob.clone().requires_grad_()
+    value = objectives.VALUES[objective](ratio, advantage, logprob, weight, config)
+    d_ratio, d_logprob = torch.autograd.grad(value.sum(), [ratio, logprob], allow_unused=True, materialize_grads=True)
+    declared_ratio, declared_logprob = objectives.SLOPES[objective](ratio.detach(), advantage, logprob.detach(),
+                                                                    weight, config)
+    torch.testing.assert_close(declared_ratio, d_ratio, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(declared_logprob, d_logprob, rtol=1e-12, atol=1e-12)
+
+
+def test_every_objective_declares_value_and_derivative():
+    assert set(objectives.VALUES) == set(objectives.SLOPES) == set(OBJECTIVE_NAMES)
+
+
+def test_every_preset_resolves():
+    for loss_type in LOSS_PRESETS:
+        config = LossConfig.build(loss_type)
+        for name in OBJECTIVES[config.objective].options:
+            config.option(name)  # the default or the preset's
+
+
+def test_options_of_another_objective_are_refused():
+    for option, owner in OBJECTIVE_OPTIONS.items():
+        other = next(name for name in OBJECTIVE_NAMES if name != owner)
+        with pytest.raises(ValueError, match=f"{option} is an option of the '{owner}' objective"):
+            LossConfig.build("grpo", objective=other, **{option: 2.0})
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(objective="cispo_cap", ratio_cap=0.2), "TRL recommends 5"),
+    (dict(objective="clip", delta=0.0), "delta must be a finite positive number"),
+    (dict(objective="sapo", sapo_temperature_pos=0.0), "sapo_temperature_pos"),
+    (dict(objective="vespo", vespo_k_neg=-1.0), "vespo_k_neg"),
+    (dict(objective="gmpo", ratio_level="token"), "takes ratio_level in"),
+    (dict(objective="gpg", ratio_level="sequence"), "takes ratio_level in"),
+    (dict(objective="ppo"), "unknown objective"),
+    (dict(ratio_level="response"), "takes ratio_level in"),
+])
+def test_bad_objective_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        LossConfig.build("grpo", **options)
+
+
+def test_vespo_weight_matches_its_formula():
+    config = _config("vespo", OPTIONS["vespo"][0])
+    summed = torch.tensor([-30.0, -2.0, 0.0, 0.5, 25.0], dtype=torch.float64)
+    for sign, (k, lam) in ((1.0, (1.5, 2.5)), (-1.0, (2.5, 1.5))):
+        phi = objectives.vespo_weight(summed, torch.full_like(summed, sign), config)
+        log_w = summed.clamp(math.log(1e-8), 20.0)
+        expected = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        torch.testing.assert_close(phi, torch.nan_to_num(expected, nan=0.0, posinf=0.0, neginf=0.0))
+    assert objectives.vespo_weight(torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
+                                   config).item() == pytest.approx(1.0)  # phi(1) = 1
+
+
+def test_gmpo_clips_the_harmful_side_only():
+    config = LossConfig.build("gmpo")  # log-space range 0.4
+    log_ratio = torch.tensor([-1.0, -0.1, 0.1, 1.0], dtype=torch.float64)
+    up = objectives.gmpo_log_ratio(log_ratio, torch.ones(4, dtype=torch.float64), config)
+    down = objectives.gmpo_log_ratio(log_ratio, -torch.ones(4, dtype=torch.float64), config)
+    zero = objectives.gmpo_log_ratio(log_ratio, torch.zeros(4, dtype=torch.float64), config)
+    assert up.tolist() == pytest.approx([-1.0, -0.1, 0.1, 0.4])
+    assert down.tolist() == pytest.approx([-0.4, -0.1, 0.1, 1.0])
+    assert zero.tolist() == [0.0, 0.0, 0.0, 0.0]
