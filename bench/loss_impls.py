@@ -222,12 +222,15 @@ def make_inputs(shape: Shape, input_kind: str, dense: bool = False, seed: int = 
 Step = Callable[[Inputs], None]
 
 
-def build_step(impl: str, input_kind: str, shape: Shape, packed: bool = False) -> Step:
-    """One forward + backward of an implementation; imports its package (ImportError if
-    missing; ValueError if it takes no packed batch)."""
+def build_step(impl: str, input_kind: str, shape: Shape, packed: bool = False, loss_type: str = "grpo") -> Step:
+    """One forward + backward of an implementation with ``loss_type`` (this library's
+    preset; Liger's of the same name); imports its package (ImportError if missing;
+    ValueError if it takes no packed batch, or no such loss type)."""
     if impl == BOUND:
         return _bound_step(shape)
-    loss_fn = _build_loss(impl, input_kind, shape, packed)
+    if loss_type != "grpo" and impl not in ("liger",) and backend_of(impl) is None:
+        raise ValueError(f"{impl} runs GRPO only here (the baseline the objectives are timed against)")
+    loss_fn = _build_loss(impl, input_kind, shape, packed, loss_type)
     return lambda x: loss_fn(x).backward()
 
 
@@ -255,21 +258,29 @@ def _bound_step(shape: Shape) -> Step:
     return step
 
 
-def _build_loss(impl: str, input_kind: str, shape: Shape, packed: bool) -> Callable[[Inputs], torch.Tensor]:
+# Liger's loss types (TRL's): their clip range as TRL recommends it (CISPO's epsilon_high
+# is its cap, 5), the same as this library's presets.
+LIGER_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+
+def _build_loss(impl: str, input_kind: str, shape: Shape, packed: bool,
+                loss_type: str) -> Callable[[Inputs], torch.Tensor]:
     group_size = shape.group_size
     backend = backend_of(impl)
     if backend is not None:
         import hadw_kernels
 
+        # Dr.GRPO's constant length: the padded width (a packed batch has none).
+        length = dict(max_response_length=shape.length) if loss_type == "dr_grpo" else {}
         if input_kind == "logprobs":
             return lambda x: hadw_kernels.fused_hadw_grpo_loss(
                 x.logprobs, x.old_logprobs, x.rewards, x.response_mask, cu_seqlens=x.cu_seqlens,
-                group_size=group_size, loss_type="grpo", anchor=ANCHOR, backend=backend,
+                group_size=group_size, loss_type=loss_type, anchor=ANCHOR, backend=backend, **length,
             )
         return lambda x: hadw_kernels.fused_linear_hadw_grpo_loss(
             x.hidden, x.weight, x.labels, x.old_logprobs, x.rewards, x.response_mask, cu_seqlens=x.cu_seqlens,
-            group_size=group_size, loss_type="grpo", anchor=ANCHOR, backend=backend,
-            linear_path=linear_path_of(impl),
+            group_size=group_size, loss_type=loss_type, anchor=ANCHOR, backend=backend,
+            linear_path=linear_path_of(impl), **length,
         )
     if impl == BASELINE:
         if input_kind == "logprobs":
@@ -280,11 +291,14 @@ def _build_loss(impl: str, input_kind: str, shape: Shape, packed: bool) -> Calla
     if impl == "liger":
         if packed:
             raise ValueError("Liger's GRPO loss takes padded [B, T] batches only")
+        if loss_type not in LIGER_LOSS_TYPES:
+            raise ValueError(f"Liger's GRPO loss has no loss type {loss_type!r}")
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-        # TRL's settings: no reference model, GRPO's per-response token mean.
+        # TRL's settings: no reference model.
         liger_loss = LigerFusedLinearGRPOLoss(
-            beta=0.0, use_ref_model=False, loss_type="grpo", epsilon_low=EPSILON, epsilon_high=EPSILON
+            beta=0.0, use_ref_model=False, loss_type=loss_type, epsilon_low=EPSILON,
+            epsilon_high=5.0 if loss_type == "cispo" else EPSILON,
         )
 
         def liger_step(x: Inputs) -> torch.Tensor:

@@ -19,6 +19,9 @@ Shapes are scaled to a 2-core, 24 GiB CPU machine shared with other work.
   packed (padding-free): from hidden states at P = 2 x G = 8, T = 1024, H = 512,
   V = 32768, and the surrogate alone at the paper's rollout, B = 256, T = 4096; two
   threads.
+- The objectives: every loss type (config.LOSS_PRESETS) from hidden states at B = 8,
+  T = 256, H = 512, V = 32768, padded, two threads, beside Liger's loss of the same name
+  (TRL's eight), and GRPO's bound and eager baseline.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ SURROGATE_SHAPES = (
     Shape(prompts=32, group_size=8, length=4096, hidden=512, vocab=32768),
 )
 QUICK = Shape(prompts=1, group_size=8, length=32, hidden=256, vocab=8192)
+# The padded two-thread table of DENSE_SHAPES[0]: its GRPO rows are the objectives' baseline.
+OBJECTIVE_SHAPE = DENSE_SHAPES[0]
+# The quick run's objectives: one of each kind (a detached weight, a soft gate, a
+# sequence-level weight), so CI runs their cases.
+QUICK_LOSS_TYPES = ("cispo", "sapo", "vespo")
 LONG_TAIL_SHAPES = {
     "hidden": Shape(prompts=2, group_size=8, length=1024, hidden=512, vocab=32768),
     "logprobs": Shape(prompts=32, group_size=8, length=4096, hidden=512, vocab=32768),
@@ -100,6 +108,7 @@ class Case:
     # Lognormal response lengths (mean about T/10), padded or packed into segments.
     long_tail: bool = False
     packed: bool = False
+    loss_type: str = "grpo"
     # This is fresh process `process` (0-based) of `processes` that time the case.
     process: int = 0
     processes: int = 1
@@ -113,11 +122,11 @@ class Case:
     def worker_args(self) -> list[str]:
         flags = {"dense": ["--dense"], "padded": [], "long-tail-padded": ["--long-tail"],
                  "long-tail-packed": ["--long-tail", "--packed"]}
-        return flags[self.kind]
+        return flags[self.kind] + ([] if self.loss_type == "grpo" else ["--loss-type", self.loss_type])
 
     @property
     def id(self) -> str:
-        kind = self.kind
+        kind = self.kind if self.loss_type == "grpo" else f"{self.kind}-{self.loss_type}"
         of_processes = f"-process{self.process + 1}of{self.processes}" if self.processes > 1 else ""
         return f"{self.input_kind}-{self.impl}-P{self.shape.prompts}-G{self.shape.group_size}-T{self.shape.length}-V{self.shape.vocab}-" \
                f"{kind}-{self.threads}t{of_processes}"
@@ -145,7 +154,22 @@ def long_tail_cases(impls: list[str], input_kind: str, shape: Shape) -> list[Cas
     return [Case(input_kind, impl, shape, long_tail=True, packed=packed) for packed in (False, True) for impl in impls]
 
 
+def objective_cases(backends: tuple[str, ...], shape: Shape, loss_types) -> list[Case]:
+    """Each loss type but GRPO on the gradients-in-forward backends (their default path:
+    the recompute path for sequence-level objectives) and on Liger where it has the loss
+    type: they join the padded table of ``shape``, whose GRPO rows (bound, eager, every
+    implementation) they are rated against."""
+    from loss_impls import LIGER_LOSS_TYPES
+
+    ours = [hadw_impl(backend) for backend in backends if backend != "torch"]
+    return [Case("hidden", impl, shape, loss_type=loss_type)
+            for loss_type in loss_types if loss_type != "grpo"
+            for impl in [*ours, *(["liger"] if loss_type in LIGER_LOSS_TYPES else [])]]
+
+
 def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
+    from hadw_kernels.config import LOSS_TYPES
+
     hidden_impls = implementations("hidden", backends)
     logprob_impls = implementations("logprobs", backends)
     if quick:
@@ -155,6 +179,7 @@ def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
             *(Case("logprobs", impl, QUICK) for impl in logprob_impls),
             *long_tail_cases(hidden_impls, "hidden", QUICK),
             *long_tail_cases(logprob_impls, "logprobs", QUICK),
+            *objective_cases(backends, QUICK, QUICK_LOSS_TYPES),
         ]
     sweep = [Shape(group_size=g, **SWEEP) for g in GROUP_SIZES]
     out = [Case("hidden", impl, shape) for shape in sweep for impl in hidden_impls]
@@ -168,4 +193,5 @@ def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
         out += [Case("logprobs", impl, shape, threads) for threads in (1, 2) for impl in logprob_impls]
     out += long_tail_cases(hidden_impls, "hidden", LONG_TAIL_SHAPES["hidden"])
     out += long_tail_cases(logprob_impls, "logprobs", LONG_TAIL_SHAPES["logprobs"])
+    out += objective_cases(backends, OBJECTIVE_SHAPE, LOSS_TYPES)
     return out

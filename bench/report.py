@@ -23,7 +23,7 @@ INPUT_TITLES = {
     "logprobs": "Loss from log-probs (surrogate only)",
 }
 SHAPE_KEYS = ("prompts", "length", "hidden", "vocab")
-CASE_KEYS = ("input", "impl", "group_size", *SHAPE_KEYS, "threads", "dense", "long_tail", "packed")
+CASE_KEYS = ("input", "impl", "group_size", *SHAPE_KEYS, "threads", "dense", "long_tail", "packed", "loss_type")
 LEGEND = f"""\
 Time: forward+backward of one loss step on the case process's own clock, min [median] over
 the timed rounds (at least {matrix.FULL_ROUNDS}, more until {matrix.FULL_TIMED_SECONDS:g} s of steps \
@@ -101,7 +101,8 @@ KIND_TITLES = {
 
 
 def _label(row: dict) -> str:
-    return f"{row['impl']} (packed)" if row.get("packed") else row["impl"]
+    label = row["impl"] if row.get("loss_type", "grpo") == "grpo" else f"{row['impl']} {row['loss_type']}"
+    return f"{label} (packed)" if row.get("packed") else label
 
 
 def _number(value: float | None, digits: int) -> str:
@@ -149,12 +150,17 @@ def markdown_tables(rows: list[dict]) -> str:
         prompts, length, hidden, vocab, kind, threads = fixed
         out.append(f"#### {INPUT_TITLES[input_kind]}: P={prompts} prompts x G, T={length}, H={hidden}, V={vocab}, "
                    f"{KIND_TITLES[kind]}, {threads} thread{'s' if threads > 1 else ''}")
+        # With several loss types, each row is also rated against its implementation's GRPO.
+        objectives = len({r.get("loss_type", "grpo") for r in section}) > 1
+        grpo_rows = {(r["impl"], r["group_size"]): r for r in section
+                     if r.get("loss_type", "grpo") == "grpo" and r["status"] == "ok" and not r.get("packed")}
         out.append("")
         out.append(
             "| G | implementation | status | time min [median] (ms) | tokens/s | peak alloc (MB) "
             "| peak RSS (MB) | time vs bound | time vs eager | alloc vs eager | RSS vs eager | load |"
+            + (" time vs its grpo |" if objectives else "")
         )
-        out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if objectives else ""))
         baselines = {r["group_size"]: r for r in section
                      if r["impl"] == BASELINE and r["status"] == "ok" and not r.get("packed")}
         bounds = {(r["group_size"], r.get("packed", False)): r for r in section
@@ -179,6 +185,8 @@ def markdown_tables(rows: list[dict]) -> str:
                 f"| {_ratio(row.get('alloc_peak_mb'), base.get('alloc_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} "
                 f"| {_ratio(row.get('rss_peak_mb'), base.get('rss_peak_mb'), SMALLEST_MEMORY_RATIO_BASE_MB)} "
                 f"| {_number(row.get('load_1min'), 1)} |"
+                + (f" {_ratio(row.get('time_min_s'), grpo_rows.get((row['impl'], row['group_size']), {}).get('time_min_s'))} |"
+                   if objectives else "")
             )
         out.append("")
     return "\n".join(out)

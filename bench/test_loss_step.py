@@ -47,6 +47,7 @@ def test_loss_step(case, benchmark, bench_settings, record_row):
     tokens = int(response_lengths(shape, "long_tail").sum()) if case.long_tail else shape.tokens
     row = {"input": case.input_kind, "impl": case.impl, **dataclasses.asdict(shape), "tokens": tokens,
            "threads": case.threads, "dense": case.dense, "long_tail": case.long_tail, "packed": case.packed,
+           "loss_type": case.loss_type,
            "process": case.process, "processes": case.processes}
     reason = untimed_reason(case.impl)
     if reason == INTERPRETER_ONLY:

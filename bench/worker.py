@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, commands: Iterable[str], out: TextIO) -> None:
     torch.set_num_threads(args.threads)
     shape = Shape(args.prompts, args.group_size, args.length, args.hidden, args.vocab)
     try:
-        impl_step = build_step(args.impl, args.input, shape, packed=args.packed)
+        impl_step = build_step(args.impl, args.input, shape, packed=args.packed, loss_type=args.loss_type)
     except Exception as error:  # an import error or an unavailable backend: a result
         send(event="done", status="unavailable", reason=first_line(error))
         return
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dense", action="store_true", help="on-policy, no padding")
     parser.add_argument("--long-tail", action="store_true", help="lognormal response lengths, mean about T/10")
     parser.add_argument("--packed", action="store_true", help="the responses packed into segments, no padding")
+    parser.add_argument("--loss-type", default="grpo", help="this library's loss type (Liger's of the same name)")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0, help="0: no cap")
     parser.add_argument("--no-allocator-profile", dest="allocator_profile", action="store_false",
                         help="skip the profiled step at the end (no alloc_peak_mb)")
