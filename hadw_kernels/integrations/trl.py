@@ -55,7 +55,8 @@ from ..advantage import hadw_weights
 from ..anchor import (DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_RULE, DEFAULT_WINDOW, DifficultyAnchor,
                       batch_reward_statistics)
 from ..backends import check_backend_name
-from ..config import AGGREGATIONS, DEFAULT_LAMBDA_SCALE, check_block_rows, check_finite_positive, check_linear_path
+from ..config import (AGGREGATIONS, DEFAULT_LAMBDA_SCALE, LOG_RATIO_CLAMP, VESPO_LOG_WEIGHT_MIN, check_block_rows,
+                      check_finite_positive, check_linear_path)
 from ..loss import fused_linear_hadw_grpo_loss
 from .rewards import require_unit_interval
 
@@ -91,6 +92,15 @@ MULTIMODAL_INPUTS = (
 # softmax; the fused loss forms softmax(h W^T / temperature) only.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
                     "logits_scaling")
+
+
+def vespo_behaviour_logprobs(old_logprobs: torch.Tensor, importance_sampling_ratio: torch.Tensor) -> torch.Tensor:
+    """TRL's VESPO takes vLLM's importance-sampling ratio into its sequence weight (log w gains
+    each token's log ratio, clamped to [log 1e-8, 20]) instead of multiplying the loss by it:
+    the same weight comes from behaviour log-probs lowered by that log ratio. Equal while a
+    token's log-ratio plus its log ratio stays within the +-20 clamp (docs/math.md,
+    "Where the hosts differ")."""
+    return old_logprobs - importance_sampling_ratio.log().clamp(VESPO_LOG_WEIGHT_MIN, LOG_RATIO_CLAMP)
 
 
 @dataclass
