@@ -103,7 +103,7 @@ TRL_ITEMS_NORMALIZED = ("dapo", "cispo", "vespo")
 NUM_ITEMS = 97  # more tokens than the micro-batch holds, as in a generation batch
 
 
-def trl_as_library(args, data) -> dict:
+def trl_as_library(args) -> dict:
     """TRL's config as this library's options. A TRL loss type is the preset of the same
     name; importance_sampling_level "sequence" is the ratio form whose gradient reaches
     each token through s_i (VESPO's weight is a sequence quantity at either level);
@@ -115,7 +115,7 @@ def trl_as_library(args, data) -> dict:
                         vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
                         vespo_lambda_neg=args.vespo_lambda_neg)
     # TRL forms the SAPO temperatures with torch.where of two Python floats, a float32 tensor:
-    # in float64 its tau is the float32 nearest to the option (a relative 1e-8 at most).
+    # in float64 its tau is the float32 nearest to the option (a relative 6e-8 at most).
     host_options.update({name: float(torch.tensor(host_options[name], dtype=torch.float32))
                          for name in ("sapo_temperature_pos", "sapo_temperature_neg")})
     ratio_level = "sequence" if args.importance_sampling_level == "sequence" else "token"
@@ -151,7 +151,7 @@ def test_trl_loss_types(case, level, inputs, backend):
         lambda logprobs: TrlLoss(args)(logprobs, data["old"], data["advantages"], data["mask"],
                                        num_items_in_batch=NUM_ITEMS, ref_logprobs=data["ref"],
                                        importance_sampling_ratio=ratio), data)
-    options = trl_as_library(args, data)
+    options = trl_as_library(args)
     if ratio is not None and loss_type == "vespo":
         # TRL's VESPO puts the ratio into its sequence weight instead of multiplying the loss.
         got = library_loss(data, backend, old=vespo_behaviour_logprobs(data["old"], ratio),
