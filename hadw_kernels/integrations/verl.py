@@ -253,7 +253,8 @@ assert all(loss.rollout_weights in ROLLOUT_WEIGHTS for loss in VERL_POLICY_LOSSE
 
 def geometric_mean_per_response(weights: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] per-token weights to one per response [B], the geometric mean over its valid
-    tokens (verl's geo_mean; 1 for a response without valid tokens)."""
+    tokens (verl's geo_mean; 1 for a response without valid tokens). A zero weight makes
+    it 0, where verl's log(w + 1e-10) leaves (1e-10)^(1/T_i)."""
     mask = response_mask.bool()
     log_weights = torch.where(mask, weights.log(), torch.zeros_like(weights))
     return torch.exp(log_weights.sum(dim=1) / mask.sum(dim=1).clamp(min=1))
