@@ -86,16 +86,19 @@ def fused_hadw_grpo_loss(
             cu_seqlens[i]:cu_seqlens[i+1]); None for a padded batch. A segment may hold
             its prompt too (masked out); one with no counted token is an empty response.
         advantages: [B] per-response advantages computed elsewhere, e.g. by
-            :func:`hadw_advantages` over the whole rollout batch; rows may then come in
-            any order and any split.
+            :func:`hadw_advantages` over the whole rollout batch, or [B, T] per token
+            (verl's, process rewards); rows may then come in any order and any split.
         group_index: [B] group id of each row (verl's uid as integers): checks that the
             rows of each group are contiguous and complete.
-        loss_type: a preset (``LOSS_PRESETS``): "grpo" (the default), "dapo", "gspo"
-            or "dr_grpo"; each of its choices can be overridden below.
+        loss_type: a preset (``LOSS_PRESETS``): TRL's "grpo" (the default), "bnpo",
+            "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"; "gspo", "gmpo", "gpg";
+            each of its choices can be overridden below.
+        objective, ratio_level: the per-token loss ("clip", "cispo_cap", "cispo_clip",
+            "sapo", "gmpo", "vespo", "gpg") and the ratio's form ("token", "sequence",
+            "gspo_token"); docs/math.md, section 5.
         loss_agg_mode: verl's aggregation ("token-mean", "seq-mean-token-mean",
             "seq-mean-token-sum", "seq-mean-token-sum-norm") or "token-sum".
         normalize_std, std_eps: divide A by the group's std (+ std_eps; TRL uses 1e-4).
-        sequence_level: one importance ratio per response (GSPO), as verl computes it.
         anchor: the difficulty belief C in [0, 1] (a float or 0-d tensor, e.g. from
             ``DifficultyAnchor.update``); None runs the plain algorithm without HA-DW.
         lambda_scale: Phi's scale (default and paper: 1.3; the authors' code: 1.5).
@@ -103,12 +106,15 @@ def fused_hadw_grpo_loss(
         beta, kl_estimator, ref_logprobs: KL penalty to a reference policy (default
             beta 0: none), aggregated like the loss; estimators k1, k2, k3 (the default,
             verl's low_var_kl), abs.
-        dual_clip: c > 1 bounding the loss of negative advantages, or None.
+        dual_clip, delta, ratio_cap, sapo_temperature_pos, sapo_temperature_neg,
+            vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: the
+            objectives' own options (``config.OBJECTIVES``; docs/options.md): dual_clip
+            c > 1 bounding the loss of negative advantages, delta TRL's cap on the
+            unclipped ratio, ratio_cap CISPO's cap, the SAPO temperatures and VESPO's
+            gamma shapes and rates.
         importance_weights: detached rollout-engine correction, [B, T] or [B] (packed:
-            [N] or [1, N], or [S]; a 1-D tensor of length S is per response). A
-            sequence-level loss (GSPO) takes [B] only: its ratio is per response, and
-            [B, T] is refused (verl's gspo multiplies each token's share by its own
-            weight; reduce per-token weights first, e.g. to their mean per response).
+            [N] or [1, N], or [S]; a 1-D tensor of length S is per response),
+            multiplying each token's loss in every ratio form.
         loss_normalizer: the batch's count that replaces this call's in the aggregation
             (valid tokens for token-mean, responses for the seq-mean modes): pass the
             whole rollout batch's count to every micro-batch and their losses add up to

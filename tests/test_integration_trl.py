@@ -33,14 +33,34 @@ RUN = dict(
     max_completion_length=8, learning_rate=1.0, optim="sgd", logging_steps=1, report_to="none",
     save_strategy="no", use_cpu=True, bf16=False, seed=0,
 )
+# Each TRL loss type, with its options set away from their defaults where it has them:
+# delta above and below 1 + epsilon_high, CISPO's cap low enough to bind, other SAPO
+# temperatures and VESPO shapes; SAPO at sequence level is what Liger's loss refuses.
 LOSS_SETTINGS = {
     "dapo+kl+delta": dict(loss_type="dapo", beta=0.05, use_bias_correction_kl=False, delta=1.5),
     "grpo": dict(loss_type="grpo", epsilon_high=0.28),
-    "bnpo": dict(loss_type="bnpo"),
+    "bnpo+delta": dict(loss_type="bnpo", delta=1.1),
     "dr_grpo": dict(loss_type="dr_grpo"),
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.1),
+    "cispo+sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.02),
+    "sapo+sequence": dict(loss_type="sapo", importance_sampling_level="sequence", sapo_temperature_pos=0.8,
+                          sapo_temperature_neg=1.5),
+    "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    # TRL's VESPO weight is per response at either level.
+    "vespo+sequence": dict(loss_type="vespo", importance_sampling_level="sequence", vespo_k_pos=1.5,
+                           vespo_lambda_pos=2.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5),
 }
-COMPARED_METRICS = ("loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+COMPARED_METRICS = ("loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                    "cispo_clip_ratio")
+# The clip fraction TRL logs, which must see clipping in one of the two steps (None: TRL
+# logs none; GSPO's range is 4e-4 wide).
+CLIP_METRIC = {"gspo": None, "cispo": "cispo_clip_ratio", "cispo+sequence": "cispo_clip_ratio",
+               "sapo+sequence": None, "vespo+sequence": None}
+# TRL counts its high clip fraction on the ratio after delta's cap, so with delta below
+# 1 + epsilon_high it logs 0 however many ratios pass 1 + epsilon_high; this integration
+# counts them (docs/math.md, "Where the hosts differ").
+HIGH_CLIP_UNDER_DELTA = ("clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +104,41 @@ def test_without_hadw_the_integration_is_trl(setting, model_dir, tmp_path):
     assert fused.anchor is None
     stock_steps, fused_steps = logged_steps(stock), logged_steps(fused)
     assert len(stock_steps) == len(fused_steps) == 2
+    epsilon_high = options.get("epsilon_high", options.get("epsilon", 0.2))
+    delta_caps = options.get("delta") is not None and options["delta"] <= 1 + epsilon_high
     for expected, got in zip(stock_steps, fused_steps):
+        assert {name for name in COMPARED_METRICS if name in got} == {name for name in COMPARED_METRICS
+                                                                       if name in expected}
         for name in COMPARED_METRICS:
-            if name in expected:
+            if name in expected and not (delta_caps and name in HIGH_CLIP_UNDER_DELTA):
                 assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-6), name
+    if delta_caps:
+        assert all(step["clip_ratio/high_mean"] == 0 for step in stock_steps)
+        assert any(step["clip_ratio/high_mean"] > 0 for step in fused_steps)
+        for expected, got in zip(stock_steps, fused_steps):
+            assert got["clip_ratio/region_mean"] == pytest.approx(
+                expected["clip_ratio/low_mean"] + got["clip_ratio/high_mean"], rel=1e-5, abs=1e-6)
     assert fused_steps[0]["loss"] == pytest.approx(stock_steps[0]["loss"], rel=0, abs=1e-6)
-    if setting != "gspo":  # GSPO's clip range is 4e-4 wide: every ratio clips
-        assert any(step["clip_ratio/region_mean"] > 0 for step in stock_steps)
+    clip_metric = CLIP_METRIC.get(setting, "clip_ratio/region_mean")
+    if clip_metric is not None:
+        assert any(step[clip_metric] > 0 for step in stock_steps)
     for expected, got in zip(stock.model.parameters(), fused.model.parameters()):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("setting", ["cispo+sequence", "sapo+sequence", "vespo+sequence"])
+def test_what_liger_s_loss_refuses_this_integration_trains(setting):
+    """Liger's fused GRPO loss refuses importance_sampling_level='sequence' with cispo, sapo
+    and vespo, which TRL's own loss computes; test_without_hadw_the_integration_is_trl
+    trains each of them here as stock TRL does."""
+    grpo_loss = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss", reason="liger-kernel is not installed")
+    options = LOSS_SETTINGS[setting]
+    assert options["importance_sampling_level"] == "sequence"
+    with pytest.raises(ValueError, match="Sequence-level importance sampling is not supported"):
+        grpo_loss.LigerFusedLinearGRPOFunction.ppo_loss_fn(
+            torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1), torch.ones(1, 2), loss_type=options["loss_type"],
+            importance_sampling_level="sequence",
+        )
 
 
 class RecordingTrainer(HADWGRPOTrainer):
@@ -186,14 +232,14 @@ def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(loss_type="cispo"), "runs loss_type in"),
-        (dict(loss_type="sapo"), "runs loss_type in"),
-        (dict(loss_type="luspo"), "runs loss_type in"),
-        (dict(loss_type="vespo"), "runs loss_type in"),
+        # TRL reads epsilon_high as CISPO's cap and leaves it at epsilon (0.2) unless set.
+        (dict(loss_type="cispo"), r"epsilon_high as the cap .* got epsilon_high=0.2 .* epsilon_high=5.0"),
+        (dict(loss_type="cispo", epsilon_high=0.9), r"must be at least 1, got epsilon_high=0.9"),
+        (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be a finite positive number"),
+        (dict(loss_type="vespo", vespo_k_pos=-1.0), "vespo_k_pos must be finite and non-negative"),
         (dict(loss_type="dapo", entropy_coef=0.01), "entropy_coef != 0 or use_adaptive_entropy"),
         (dict(loss_type="dapo", use_adaptive_entropy=True), "entropy_coef != 0 or use_adaptive_entropy"),
         (dict(loss_type="dapo", off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
-        (dict(loss_type="dapo", delta=1.1), "no dual-clip equivalent"),
         (dict(loss_type="dapo", beta=0.1), "use_bias_correction_kl"),
         (dict(loss_type="dapo", top_entropy_quantile=0.5), "top_entropy_quantile"),
         (dict(loss_type="dapo", multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),

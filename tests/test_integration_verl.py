@@ -1,7 +1,8 @@
 """hadw_kernels.integrations.verl through verl 0.9.1's own registries, on CPU tensors:
-the registered losses equal verl's vanilla and GSPO losses, the estimator equals verl's
-GRPO advantage with HA-DW off, and the anchor round-trips through verl's checkpoint
-folder and its checkpoint-callback hook."""
+the registered losses equal verl's vanilla, gspo, sapo, gpg, geo_mean and cispo losses,
+the estimator equals verl's GRPO advantage with HA-DW off and trains with each of verl's
+losses (and their fused versions) through verl's actor loss, and the anchor round-trips
+through verl's checkpoint folder and its checkpoint-callback hook."""
 
 import json
 import os
@@ -16,7 +17,12 @@ import torch
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="the verl extra is not installed")
 from omegaconf import OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
+from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
 
 from hadw_kernels import DifficultyAnchor, hadw_advantages  # noqa: E402
 from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
@@ -39,30 +45,31 @@ def _fresh_driver_anchor():
     hadw_verl.reset_driver_anchor()
 
 
-def actor_config(batch_info: dict) -> ActorConfig:
+def actor_config(batch_info: dict, loss_mode: str = "vanilla", loss_agg_mode: str = "token-mean") -> ActorConfig:
     config = ActorConfig(
         strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2, clip_ratio_low=0.2,
-        clip_ratio_high=0.28, clip_ratio_c=3.0,
+        clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.2, tau_neg=1.6, loss_agg_mode=loss_agg_mode,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
     )
     config.global_batch_info.update(batch_info)
     return config
 
 
-def policy_batch(with_is_weights: bool, per_response_weights: bool = False):
-    """fp64 [B, T] tensors with padding, one empty response, ratios wide enough to hit
-    both clips and the dual clip, and one advantage per response broadcast over tokens;
-    rollout weights per token, or one per response broadcast over its tokens (verl's
-    rollout_is="sequence", what GSPO takes)."""
+def policy_batch(with_is_weights: bool, per_token_advantages: bool = False, empty_response: bool = True):
+    """fp64 [B, T] tensors with padding, an empty response, ratios wide enough to hit both
+    clips and the dual clip, one advantage per response broadcast over its tokens (an
+    outcome estimator's) or one per token (gae's), and rollout weights per token."""
     generator = torch.Generator().manual_seed(3)
     batch, width = 7, 9
-    lengths = torch.tensor([9, 1, 5, 0, 7, 3, 8])
+    lengths = torch.tensor([9, 1, 5, 0 if empty_response else 2, 7, 3, 8])
     mask = torch.arange(width)[None, :] < lengths[:, None]
     old = -torch.rand(batch, width, generator=generator, dtype=torch.float64) * 3
     logprob = (old + 0.8 * torch.randn(batch, width, generator=generator, dtype=torch.float64)).requires_grad_()
-    advantages = torch.randn(batch, generator=generator, dtype=torch.float64)[:, None] * mask
+    if per_token_advantages:
+        advantages = torch.randn(batch, width, generator=generator, dtype=torch.float64) * mask
+    else:
+        advantages = torch.randn(batch, generator=generator, dtype=torch.float64)[:, None] * mask
     weights = torch.rand(batch, width, generator=generator, dtype=torch.float64) + 0.5 if with_is_weights else None
-    if weights is not None and per_response_weights:
-        weights = weights[:, :1].repeat(1, width)
     return old, logprob, advantages, mask, weights
 
 
@@ -75,52 +82,88 @@ def run_loss(function, old, logprob, advantages, mask, mode, config, weights):
 
 
 def test_registries_return_the_integration():
-    assert core_algos.get_policy_loss_fn("hadw") is hadw_verl.compute_policy_loss_hadw
-    assert core_algos.get_policy_loss_fn("hadw_gspo") is hadw_verl.compute_policy_loss_hadw_gspo
+    for name, function in hadw_verl.POLICY_LOSS_FUNCTIONS.items():
+        assert core_algos.get_policy_loss_fn(name) is function
+    assert core_algos.get_policy_loss_fn("hadw") is core_algos.get_policy_loss_fn("hadw_vanilla")
+    assert {loss.loss_mode for loss in hadw_verl.VERL_POLICY_LOSSES.values()} == {
+        "vanilla", "gspo", "sapo", "gpg", "geo_mean", "cispo"}
     assert core_algos.get_adv_estimator_fn("hadw") is hadw_verl.compute_hadw_outcome_advantage
 
 
-@pytest.mark.parametrize("batch_info", BATCH_INFOS, ids=str)
-@pytest.mark.parametrize("mode", AGG_MODES)
-@pytest.mark.parametrize(("ours", "theirs"), [("hadw", "vanilla"), ("hadw_gspo", "gspo")])
-@pytest.mark.parametrize("with_is_weights", [False, True], ids=["no-is", "rollout-is"])
-def test_policy_loss_equals_verl(ours, theirs, mode, batch_info, with_is_weights):
-    old, logprob, advantages, mask, weights = policy_batch(with_is_weights, per_response_weights=ours == "hadw_gspo")
-    expected = run_loss(core_algos.get_policy_loss_fn(theirs), old, logprob, advantages, mask, mode,
-                        actor_config(BATCH_INFOS[batch_info]), weights)
-    got = run_loss(core_algos.get_policy_loss_fn(ours), old, logprob, advantages, mask, mode,
-                   actor_config(BATCH_INFOS[batch_info]), weights)
+def assert_same_loss(got, expected):
     # verl's seq-mean-token-mean divides by (tokens + 1e-8): a relative 1e-9 here.
     torch.testing.assert_close(got[0], expected[0], rtol=1e-8, atol=1e-12)
     torch.testing.assert_close(got[1], expected[1], rtol=1e-8, atol=1e-12)
-    assert got[2]["actor/ppo_kl"] == pytest.approx(expected[2]["actor/ppo_kl"], rel=1e-12)
-    if ours == "hadw":  # at sequence level verl counts clipped tokens, the fused loss responses
+    if "actor/ppo_kl" in expected[2]:  # verl's gpg reports no metrics
+        assert got[2]["actor/ppo_kl"] == pytest.approx(expected[2]["actor/ppo_kl"], rel=1e-12)
+
+
+# The losses verl aggregates by loss_agg_mode and global_batch_info (sapo and geo_mean
+# do not: the tests after this one).
+@pytest.mark.parametrize("batch_info", BATCH_INFOS, ids=str)
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("theirs", ["vanilla", "gspo", "gpg", "cispo"])
+@pytest.mark.parametrize(("with_is_weights", "per_token_advantages"), [(False, False), (True, True)],
+                         ids=["A[B]", "A[B,T]+rollout-is"])
+def test_policy_loss_equals_verl(theirs, mode, batch_info, with_is_weights, per_token_advantages):
+    old, logprob, advantages, mask, weights = policy_batch(with_is_weights, per_token_advantages)
+    config = actor_config(BATCH_INFOS[batch_info])
+    expected = run_loss(core_algos.get_policy_loss_fn(theirs), old, logprob, advantages, mask, mode, config, weights)
+    got = run_loss(core_algos.get_policy_loss_fn(f"hadw_{theirs}"), old, logprob, advantages, mask, mode, config,
+                   weights)
+    assert_same_loss(got, expected)
+    if theirs == "vanilla":  # at sequence level verl counts clipped tokens, the fused loss responses
         assert got[2]["actor/pg_clipfrac"] == pytest.approx(expected[2]["actor/pg_clipfrac"], rel=1e-6)
         assert got[2]["actor/pg_clipfrac_lower"] == pytest.approx(expected[2]["actor/pg_clipfrac_lower"], rel=1e-6)
         assert 0 < expected[2]["actor/pg_clipfrac_lower"] < expected[2]["actor/pg_clipfrac"]
 
 
-def test_policy_loss_refuses_per_token_advantages():
-    old, logprob, advantages, mask, _ = policy_batch(False)
-    advantages = advantages + 0.01 * torch.arange(advantages.shape[1])
-    with pytest.raises(ValueError, match=r"rows \[0, 2, 4, 5, 6\] vary over their valid tokens"):
-        hadw_verl.compute_policy_loss_hadw(old, logprob, advantages, mask, config=actor_config({}))
+@pytest.mark.parametrize("batch_info", BATCH_INFOS, ids=str)
+@pytest.mark.parametrize(("with_is_weights", "per_token_advantages"), [(False, False), (True, True)],
+                         ids=["A[B]", "A[B,T]+rollout-is"])
+def test_sapo_equals_verl_at_the_aggregation_verl_applies(batch_info, with_is_weights, per_token_advantages):
+    """verl's sapo aggregates seq-mean-token-mean whatever loss_agg_mode says; hadw_sapo
+    follows loss_agg_mode, and at that mode (tau_pos, tau_neg read from the config) it is
+    verl's."""
+    old, logprob, advantages, mask, weights = policy_batch(with_is_weights, per_token_advantages)
+    config = actor_config(BATCH_INFOS[batch_info])
+    mode = "seq-mean-token-mean"
+    expected = run_loss(core_algos.get_policy_loss_fn("sapo"), old, logprob, advantages, mask, mode, config, weights)
+    got = run_loss(core_algos.get_policy_loss_fn("hadw_sapo"), old, logprob, advantages, mask, mode, config, weights)
+    assert_same_loss(got, expected)
+    token_mean = run_loss(core_algos.get_policy_loss_fn("hadw_sapo"), old, logprob, advantages, mask, "token-mean",
+                          config, weights)
+    assert not torch.allclose(token_mean[0], expected[0], rtol=1e-3)
 
 
-def test_gspo_refuses_per_token_rollout_weights():
-    """GSPO's ratio is per response: per-token rollout_is_weights (which verl's gspo takes)
-    are refused, one weight per response broadcast over its tokens is accepted."""
-    old, logprob, advantages, mask, weights = policy_batch(True)
-    with pytest.raises(ValueError, match=r"rollout_is_weights of rows \[0, 2, 4, 5, 6\] vary over their valid tokens"):
-        hadw_verl.compute_policy_loss_hadw_gspo(old, logprob, advantages, mask, config=actor_config({}),
-                                                rollout_is_weights=weights)
+@pytest.mark.parametrize(("with_is_weights", "per_token_advantages"), [(False, False), (True, True)],
+                         ids=["A[B]", "A[B,T]+rollout-is"])
+def test_geo_mean_equals_verl_at_the_aggregation_verl_applies(with_is_weights, per_token_advantages):
+    """verl's geo_mean is the mean over the micro-batch's rows whatever loss_agg_mode and
+    global_batch_info say, its rollout weight the geometric mean of the tokens'; hadw_geo_mean
+    is that at seq-mean-token-mean in one process (with no empty response: verl's agg_loss,
+    which hadw_geo_mean follows, leaves empty responses out of the count, geo_mean's mean
+    does not), and follows loss_agg_mode and the global counts otherwise."""
+    old, logprob, advantages, mask, weights = policy_batch(with_is_weights, per_token_advantages,
+                                                           empty_response=False)
+    mode = "seq-mean-token-mean"
+    expected = run_loss(core_algos.get_policy_loss_fn("geo_mean"), old, logprob, advantages, mask, mode,
+                        actor_config({}), weights)
+    got = run_loss(core_algos.get_policy_loss_fn("hadw_geo_mean"), old, logprob, advantages, mask, mode,
+                   actor_config({}), weights)
+    assert_same_loss(got, expected)
+    rank_share = run_loss(core_algos.get_policy_loss_fn("hadw_geo_mean"), old, logprob, advantages, mask, mode,
+                          actor_config(BATCH_INFOS["global"]), weights)
+    scale = mask.shape[0] / (BATCH_INFOS["global"]["global_batch_size"] / BATCH_INFOS["global"]["dp_size"])
+    torch.testing.assert_close(rank_share[0], expected[0] * scale, rtol=1e-8, atol=1e-12)
 
 
 def test_policy_loss_needs_global_counts_under_data_parallelism():
     old, logprob, advantages, mask, _ = policy_batch(False)
     with pytest.raises(ValueError, match="global_batch_size"):
-        hadw_verl.compute_policy_loss_hadw(old, logprob, advantages, mask, loss_agg_mode="seq-mean-token-mean",
-                                           config=actor_config({"dp_size": 2}))
+        hadw_verl.POLICY_LOSS_FUNCTIONS["hadw_vanilla"](old, logprob, advantages, mask,
+                                                        loss_agg_mode="seq-mean-token-mean",
+                                                        config=actor_config({"dp_size": 2}))
 
 
 def outcome_batch(seed: int, groups: int = 5, group_size: int = 4):
@@ -134,6 +177,105 @@ def outcome_batch(seed: int, groups: int = 5, group_size: int = 4):
     rewards = torch.bernoulli(torch.full((batch,), 0.4), generator=generator)
     token_level_rewards = torch.zeros(batch, width).scatter(1, (lengths - 1)[:, None], rewards[:, None])
     return token_level_rewards, mask, uids, rewards
+
+
+class BigramLM(torch.nn.Module):
+    """A language model small enough for a test: each next token's log-probs from the
+    current token's embedding."""
+
+    def __init__(self, vocab: int = 12, hidden: int = 8):
+        super().__init__()
+        generator = torch.Generator().manual_seed(5)
+        self.embedding = torch.nn.Parameter(torch.randn(vocab, hidden, generator=generator, dtype=torch.float64))
+        self.head = torch.nn.Parameter(torch.randn(vocab, hidden, generator=generator, dtype=torch.float64) / 3)
+
+    def sequence_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The log-prob of each token given the one before it, aligned as verl's models
+        output them: position j holds token j + 1's (the last position, 0, is unread)."""
+        logprobs = (self.embedding[tokens[:-1]] @ self.head.T).log_softmax(-1)
+        return torch.cat([logprobs.gather(1, tokens[1:, None]).squeeze(1), logprobs.new_zeros(1)])
+
+
+def rollout(model: BigramLM):
+    """A rollout batch as verl's trainer hands it to the actor: 3 prompts x 4 responses,
+    rows shuffled, left-padded prompts and right-padded responses, a binary reward on each
+    response's last token, uids; old log-probs from a stale behaviour policy (the model's
+    plus noise), so ratios leave 1 and the clips act."""
+    generator = torch.Generator().manual_seed(8)
+    prompts_n, group, prompt_width, width = 3, 4, 3, 6
+    batch = prompts_n * group
+    order = torch.randperm(batch, generator=generator)
+    uids = np.array([f"prompt-{i // group}" for i in range(batch)], dtype=object)[order.numpy()]
+    prompts = torch.randint(1, 12, (prompts_n, prompt_width), generator=generator).repeat_interleave(group, 0)[order]
+    prompt_mask = torch.ones(batch, prompt_width, dtype=torch.long)
+    prompt_mask[order >= 2 * group, 0] = 0  # the third prompt is one token shorter: left padding
+    responses = torch.randint(1, 12, (batch, width), generator=generator)
+    lengths = torch.randint(2, width + 1, (batch,), generator=generator)
+    response_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1, 1, 1, 0, 1], dtype=torch.float64)[order]
+    token_level_rewards = torch.zeros(batch, width, dtype=torch.float64).scatter(1, (lengths - 1)[:, None],
+                                                                                   rewards[:, None])
+    data = dict(prompts=prompts, responses=responses, attention_mask=torch.cat([prompt_mask, response_mask], 1),
+                response_mask=response_mask)
+    with torch.no_grad():
+        current = response_logprobs(model, data)
+    data["old_log_probs"] = (current + 0.3 * torch.randn(current.shape, generator=generator,
+                                                         dtype=torch.float64)) * response_mask
+    return data, token_level_rewards, uids
+
+
+def flat_sequence_logprobs(model: BigramLM, data: dict) -> torch.Tensor:
+    """The model's output over the batch's valid tokens, sequence after sequence, as verl's
+    padding-free models give it to the actor's loss."""
+    sequences = torch.cat([data["prompts"], data["responses"]], 1)
+    valid = data["attention_mask"].bool()
+    return torch.cat([model.sequence_logprobs(sequence[keep]) for sequence, keep in zip(sequences, valid)])
+
+
+def response_logprobs(model: BigramLM, data: dict) -> torch.Tensor:
+    flat = flat_sequence_logprobs(model, data)
+    return no_padding_2_padding(flat, TensorDict(dict(data), batch_size=len(data["prompts"])))
+
+
+def actor_update(loss_mode: str, data: dict, advantages: torch.Tensor, micro_batches: int = 2) -> dict:
+    """One verl actor update from a fresh model: per micro-batch, verl's actor loss
+    (``workers.utils.losses.ppo_loss``, which calls the policy loss registered under
+    ``loss_mode``) with the global counts verl's engine assigns, then one SGD step."""
+    model = BigramLM()
+    config = actor_config({}, loss_mode, loss_agg_mode="seq-mean-token-mean")
+    rows = len(data["prompts"])
+    batch = TensorDict({**data, "advantages": advantages}, batch_size=rows)
+    for micro in batch.split(rows // micro_batches):
+        tu.assign_non_tensor(micro, dp_size=1, batch_num_tokens=int(data["response_mask"].sum()),
+                             global_batch_size=rows)
+        loss, _ = ppo_loss(config, {"log_probs": flat_sequence_logprobs(model, micro)}, micro)
+        loss.backward()
+    with torch.no_grad():
+        return {name: parameter - 1.0 * parameter.grad for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_mode", sorted({loss.loss_mode for loss in hadw_verl.VERL_POLICY_LOSSES.values()}))
+def test_the_hadw_estimator_trains_with_each_verl_loss_and_its_fused_version(loss_mode):
+    """A verl step: the hadw estimator over the rollout batch, called as verl's
+    compute_advantage calls it, then one actor update through verl's actor loss
+    (seq-mean-token-mean, two micro-batches) with verl's own loss and with its hadw_
+    version, from the same model: the same parameters after the step. verl's geo_mean
+    averages each micro-batch over its own rows, ignoring the global count, so its step is
+    the micro-batch count (2) times hadw_geo_mean's (docs/integrations/verl.md)."""
+    data, token_level_rewards, uids = rollout(BigramLM())
+    advantages, _ = core_algos.get_adv_estimator_fn("hadw")(
+        token_level_rewards=token_level_rewards, response_mask=data["response_mask"],
+        config=OmegaConf.create({"hadw": {"anchor": {"rule": "soft"}}}), index=uids,
+    )
+    assert hadw_verl._driver_anchor.step == 1 and advantages.abs().sum() > 0
+    start = dict(BigramLM().named_parameters())
+    theirs = actor_update(loss_mode, data, advantages)
+    ours = actor_update(f"hadw_{loss_mode}", data, advantages)
+    scale = 2.0 if loss_mode == "geo_mean" else 1.0
+    for name, parameter in start.items():
+        their_step, our_step = theirs[name] - parameter, ours[name] - parameter
+        assert their_step.abs().max() > 1e-3
+        torch.testing.assert_close(their_step, scale * our_step, rtol=1e-8, atol=1e-12)
 
 
 @pytest.mark.parametrize("normalize_std", [True, False])

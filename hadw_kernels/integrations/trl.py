@@ -17,16 +17,17 @@ import: versions.py).
 - the loss is :func:`~hadw_kernels.fused_linear_hadw_grpo_loss` on the backbone's last
   hidden states and the LM head, given those advantages (``advantages=``: any order, any
   split), routed through the wrapped model's forward as TRL's own fused losses are; TRL's
-  ``loss_type`` (grpo, bnpo, dr_grpo, dapo), ``importance_sampling_level``, ``beta``,
-  ``epsilon``/``epsilon_high``, ``delta``, ``num_items_in_batch``, gradient accumulation
-  and the vLLM importance-sampling correction map onto its options, so with
-  ``use_hadw=False`` the loss is TRL's;
+  ``loss_type`` (each of its eight, :data:`TRL_LOSS_TYPES`), ``importance_sampling_level``,
+  ``beta``, ``epsilon``/``epsilon_high`` (CISPO's cap), ``delta``, the SAPO temperatures,
+  VESPO's k and lambda, ``num_items_in_batch``, gradient accumulation and the vLLM
+  importance-sampling correction map onto its options, so with ``use_hadw=False`` the
+  loss is TRL's;
 - the anchor is saved in each checkpoint folder (``hadw_anchor.json``) and restored with
   the optimizer when training resumes from one, as TRL does for its entropy controller.
 
-Options TRL has and this loss does not (other loss types, the entropy bonus and mask,
-the off-policy mask, bias-corrected KL, MoE auxiliary loss, logit soft-capping) are
-refused when the trainer is built, with the option named.
+Options TRL has and this loss does not (the entropy bonus and mask, the off-policy mask,
+bias-corrected KL, MoE auxiliary loss, logit soft-capping), and CISPO with a cap below 1,
+are refused when the trainer is built, with the option named.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ from ..advantage import hadw_weights
 from ..anchor import (DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_RULE, DEFAULT_WINDOW, DifficultyAnchor,
                       batch_reward_statistics)
 from ..backends import check_backend_name
-from ..config import AGGREGATIONS, DEFAULT_LAMBDA_SCALE, check_block_rows, check_finite_positive, check_linear_path
+from ..config import (AGGREGATIONS, DEFAULT_LAMBDA_SCALE, LOG_RATIO_CLAMP, LOSS_PRESETS, OBJECTIVES,
+                      VESPO_LOG_WEIGHT_MIN, LossConfig, check_block_rows, check_finite_positive, check_linear_path)
 from ..loss import fused_linear_hadw_grpo_loss
 from .rewards import require_unit_interval
 
@@ -65,20 +67,45 @@ ANCHOR_FILE = "hadw_anchor.json"
 
 
 class TrlLossType(NamedTuple):
-    """A TRL loss type as the fused loss's aggregation mode, and the count TRL divides a
-    micro-batch's loss by: "responses" (its rows), "tokens" (its valid tokens) or
-    "items" (TRL's num_items_in_batch: the generation batch's tokens, every process)."""
+    """A TRL loss type as the fused loss computes it.
 
-    loss_agg_mode: str
+    ``preset``: the :data:`~hadw_kernels.LOSS_PRESETS` entry holding its objective and
+    aggregation. ``normalizer``: the count TRL divides a micro-batch's loss by:
+    "responses" (its rows), "tokens" (its valid tokens) or "items" (TRL's
+    num_items_in_batch: the generation batch's tokens, every process). ``clip_metrics``:
+    the clip fractions TRL logs for it: "region" (``clip_ratio/*``), "cispo"
+    (``cispo_clip_ratio``) or None. ``ratio_in_weight``: TRL takes vLLM's importance ratio
+    into the objective's weight instead of multiplying the loss by it (VESPO)."""
+
+    preset: str
     normalizer: str
+    clip_metrics: str | None
+    ratio_in_weight: bool = False
 
 
-# TRL's loss types the fused loss expresses.
+# TRL 1.16's loss types (docs/options.md has what each maps onto).
 TRL_LOSS_TYPES = {
-    "grpo": TrlLossType("seq-mean-token-mean", "responses"),
-    "bnpo": TrlLossType("token-mean", "tokens"),
-    "dr_grpo": TrlLossType("seq-mean-token-sum-norm", "responses"),
-    "dapo": TrlLossType("token-mean", "items"),
+    "grpo": TrlLossType("grpo", "responses", "region"),
+    "bnpo": TrlLossType("bnpo", "tokens", "region"),
+    "dr_grpo": TrlLossType("dr_grpo", "responses", "region"),
+    "dapo": TrlLossType("dapo", "items", "region"),
+    "cispo": TrlLossType("cispo", "items", "cispo"),
+    "sapo": TrlLossType("sapo", "responses", None),
+    "luspo": TrlLossType("luspo", "responses", "region"),
+    "vespo": TrlLossType("vespo", "items", None, ratio_in_weight=True),
+}
+
+# The objectives' options (LossConfig fields) and the GRPOConfig fields TRL reads them from;
+# a loss type takes those of its objective. CISPO's cap is epsilon_high (epsilon when unset).
+TRL_OBJECTIVE_OPTIONS = {
+    "delta": "delta",
+    "ratio_cap": "resolved_epsilon_high",
+    "sapo_temperature_pos": "sapo_temperature_pos",
+    "sapo_temperature_neg": "sapo_temperature_neg",
+    "vespo_k_pos": "vespo_k_pos",
+    "vespo_lambda_pos": "vespo_lambda_pos",
+    "vespo_k_neg": "vespo_k_neg",
+    "vespo_lambda_neg": "vespo_lambda_neg",
 }
 
 # Inputs TRL's GRPOTrainer passes to vision-language backbones.
@@ -91,6 +118,15 @@ MULTIMODAL_INPUTS = (
 # softmax; the fused loss forms softmax(h W^T / temperature) only.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
                     "logits_scaling")
+
+
+def vespo_behaviour_logprobs(old_logprobs: torch.Tensor, importance_sampling_ratio: torch.Tensor) -> torch.Tensor:
+    """TRL's VESPO takes vLLM's importance-sampling ratio into its sequence weight (log w gains
+    each token's log ratio, clamped to [log 1e-8, 20]) instead of multiplying the loss by it:
+    the same weight comes from behaviour log-probs lowered by that log ratio. Equal while a
+    token's log-ratio plus its log ratio stays within the +-20 clamp (docs/math.md,
+    "Where the hosts differ")."""
+    return old_logprobs - importance_sampling_ratio.log().clamp(VESPO_LOG_WEIGHT_MIN, LOG_RATIO_CLAMP)
 
 
 @dataclass
@@ -147,10 +183,17 @@ class HADWGRPOConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.loss_type not in TRL_LOSS_TYPES:
+            raise ValueError(f"HADWGRPOTrainer runs loss_type in {sorted(TRL_LOSS_TYPES)}, got {self.loss_type!r}")
+        cap = self.objective_options().get("ratio_cap")
+        if cap is not None and cap < 1:
+            # TRL leaves epsilon_high at epsilon (0.2) unless set, which caps every weight at 0.2.
             raise ValueError(
-                f"HADWGRPOTrainer runs loss_type in {sorted(TRL_LOSS_TYPES)} (GSPO: importance_sampling_level="
-                f"'sequence'), got {self.loss_type!r}"
+                f"loss_type={self.loss_type!r} reads epsilon_high as the cap on its detached importance ratio, "
+                f"which must be at least 1, got epsilon_high={cap} (TRL leaves it at epsilon unless set); "
+                "set epsilon_high=5.0, TRL's recommended value"
             )
+        # The loss's own checks of these options (temperatures, gamma shapes, clip range).
+        LossConfig.build(TRL_LOSS_TYPES[self.loss_type].preset, **self.loss_choices())
         # The library's own checks, here so a bad value fails when the config is built
         # rather than at the first loss (TRL checks none of these fields).
         check_finite_positive("hadw_lambda_scale", self.hadw_lambda_scale)
@@ -173,19 +216,38 @@ class HADWGRPOConfig(GRPOConfig):
         named = [name for name, given in refused.items() if given]
         if named:
             raise ValueError(f"HADWGRPOTrainer's fused loss does not implement {', '.join(named)}")
-        epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        if self.delta is not None and self.delta < 1 + epsilon_high:
-            # TRL's delta caps the unclipped ratio; from 1 + epsilon_high up it only acts on
-            # negative advantages, where it is exactly the dual clip c = delta.
-            raise ValueError(
-                f"delta={self.delta} below 1 + epsilon_high = {1 + epsilon_high} has no dual-clip equivalent; "
-                "the fused loss runs delta >= 1 + epsilon_high"
-            )
         if self.use_hadw and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "HA-DW compares each group's mean reward with the anchor, which needs "
                 "multi_objective_aggregation='sum_then_normalize' (one reward per response)"
             )
+
+    @property
+    def resolved_epsilon_high(self) -> float:
+        """epsilon_high as TRL reads it: epsilon when unset."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def objective_options(self) -> dict:
+        """TRL's options that the loss type's objective reads, as LossConfig fields."""
+        objective = LOSS_PRESETS[TRL_LOSS_TYPES[self.loss_type].preset].objective
+        return {name: getattr(self, field) for name, field in TRL_OBJECTIVE_OPTIONS.items()
+                if name in OBJECTIVES[objective].options}
+
+    def loss_choices(self) -> dict:
+        """The loss type's ratio form, clip range and objective options as the fused loss's
+        options (the batch counts come per micro-batch). TRL's sequence level is the
+        ratio form whose gradient reaches each token through the response's ratio; an
+        objective that reads whole responses (VESPO) keeps its own form at either level."""
+        objective = LOSS_PRESETS[TRL_LOSS_TYPES[self.loss_type].preset].objective
+        ratio_level = "sequence" if self.importance_sampling_level == "sequence" else "token"
+        options = self.objective_options()
+        # An objective with a cap has no clip range: clip_frac_high then counts the ratios
+        # above the cap with A > 0, TRL's cispo_clip_ratio.
+        epsilon_high = self.resolved_epsilon_high if "ratio_cap" not in options else options["ratio_cap"] - 1
+        return dict(
+            ratio_level=ratio_level if ratio_level in OBJECTIVES[objective].ratio_levels else None,
+            epsilon_low=self.epsilon, epsilon_high=epsilon_high, beta=self.beta, **options,
+        )
 
     def anchor(self) -> DifficultyAnchor:
         """The difficulty anchor these fields describe."""
@@ -303,12 +365,13 @@ class HADWGRPOTrainer(GRPOTrainer):
         linear_path = self.args.hadw_linear_path
         if linear_path == "auto" and is_deepspeed_zero3_enabled():
             linear_path = "gradients_in_forward"
+        old_logprobs, importance_weights = self._behaviour(inputs)
         with torch.autocast(weight.device.type, enabled=False), maybe_gather_lm_head_ctx(weight, bias):
             loss, metrics = fused_linear_hadw_grpo_loss(
-                hidden_states, weight, completion_ids, inputs.get("old_per_token_logps"), None, mask,
+                hidden_states, weight, completion_ids, old_logprobs, None, mask,
                 advantages=inputs["advantages"], lm_head_bias=bias,
                 temperature=self.temperature, ref_logprobs=inputs.get("ref_per_token_logps"),
-                importance_weights=self._importance_weights(inputs, mask), return_metrics=True,
+                importance_weights=importance_weights, return_metrics=True,
                 backend=self.args.hadw_backend, linear_path=linear_path, block_rows=self.args.hadw_block_rows,
                 **self._loss_options(inputs, mask, mode),
             )
@@ -316,7 +379,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         return loss, metrics, (mask.sum(), counts)
 
     def _loss_options(self, inputs, mask, mode) -> dict:
-        """TRL's loss type, clip, KL and normalisation as the fused loss's options."""
+        """TRL's loss type, its options, KL and normalisation as the fused loss's options."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         loss_type = TRL_LOSS_TYPES[self.loss_type]
         if loss_type.normalizer == "responses":
@@ -330,31 +393,29 @@ class HADWGRPOTrainer(GRPOTrainer):
         else:
             raise ValueError(f"TRL normalizer {loss_type.normalizer!r} has no meaning here")
         return dict(
-            loss_agg_mode=loss_type.loss_agg_mode,
-            ratio_level="sequence" if self.importance_sampling_level == "sequence" else "token",
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            delta=self.args.delta,
-            beta=self.beta,
+            loss_type=loss_type.preset,
+            **self.args.loss_choices(),
             kl_estimator="k3",
             loss_normalizer=normalizer,
             # Dr.GRPO's constant length, where the aggregation divides by one.
             max_response_length=(self.max_completion_length
-                                 if AGGREGATIONS[loss_type.loss_agg_mode].times_max_length else None),
+                                 if AGGREGATIONS[LOSS_PRESETS[loss_type.preset].loss_agg_mode].times_max_length
+                                 else None),
         )
 
-    def _importance_weights(self, inputs, mask):
-        """TRL's vLLM importance-sampling ratio, [B, T] (token modes) or [B, 1]."""
+    def _behaviour(self, inputs):
+        """(old log-probs, importance weights): TRL's vLLM importance-sampling ratio, [B, T]
+        (token modes) or [B, 1], multiplies each token's loss (the sequence ratio forms apply
+        per-token weights as TRL does), or enters VESPO's weight through the old log-probs."""
+        old_logprobs = inputs.get("old_per_token_logps")
         if not (self.use_vllm and self.vllm_importance_sampling_correction):
-            return None
+            return old_logprobs, None
         ratio = inputs["importance_sampling_ratio"]
-        if ratio.shape[1] == 1:
-            return ratio.squeeze(1)
-        if self.importance_sampling_level == "sequence":
-            # TRL multiplies a response's one loss by each token's ratio, so the response's
-            # gradient flows with the ratios' mean over its tokens: pass that mean.
-            return (ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-        return ratio
+        if TRL_LOSS_TYPES[self.loss_type].ratio_in_weight:
+            # TRL computes the old log-probs whenever it corrects vLLM's sampling, and allows
+            # only the per-token modes here.
+            return vespo_behaviour_logprobs(old_logprobs, ratio), None
+        return old_logprobs, ratio.squeeze(1) if ratio.shape[1] == 1 else ratio
 
     def _log_loss_metrics(self, metrics, counts, mode):
         """TRL's loss metrics (names and global token-weighted means) from the fused loss's."""
@@ -367,11 +428,15 @@ class HADWGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["entropy"].append(global_mean(metrics["entropy_mean"], tokens))
         if self.beta != 0.0:
             self._metrics[mode]["kl"].append(global_mean(metrics["ref_kl"], tokens))
-        low = global_mean(metrics["clip_frac_low"], ratio_units)
-        high = global_mean(metrics["clip_frac_high"], ratio_units)
-        self._metrics[mode]["clip_ratio/low_mean"].append(low)
-        self._metrics[mode]["clip_ratio/high_mean"].append(high)
-        self._metrics[mode]["clip_ratio/region_mean"].append(low + high)
+        clip_metrics = TRL_LOSS_TYPES[self.loss_type].clip_metrics
+        if clip_metrics == "region":
+            low = global_mean(metrics["clip_frac_low"], ratio_units)
+            high = global_mean(metrics["clip_frac_high"], ratio_units)
+            self._metrics[mode]["clip_ratio/low_mean"].append(low)
+            self._metrics[mode]["clip_ratio/high_mean"].append(high)
+            self._metrics[mode]["clip_ratio/region_mean"].append(low + high)
+        elif clip_metrics == "cispo":  # clip_frac_high counts over the cap (HADWGRPOConfig.loss_choices)
+            self._metrics[mode]["cispo_clip_ratio"].append(global_mean(metrics["clip_frac_high"], ratio_units))
 
     # -- the anchor in TRL's checkpoints ----------------------------------------------
 

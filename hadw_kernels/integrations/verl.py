@@ -6,19 +6,21 @@ Importing this module registers, in ``verl.trainer.ppo.core_algos``:
 - the advantage estimator ``"hadw"``: verl's GRPO advantage (groups by ``uid``, std
   normalisation by ``algorithm.norm_adv_by_std_in_grpo``) times the HA-DW weight Phi,
   with the difficulty anchor folded once per training step over the whole batch;
-- the policy losses ``"hadw"`` (verl's ``vanilla``: token ratio, dual clip at
-  ``clip_ratio_c``) and ``"hadw_gspo"`` (verl's ``gspo``: sequence ratio), computed by
-  :func:`hadw_kernels.fused_hadw_grpo_loss` with verl's ``loss_agg_mode`` and its
-  global-batch normalisation, so they return verl's loss on the same tensors.
+- the policy losses ``hadw_vanilla`` (also ``hadw``), ``hadw_gspo``, ``hadw_sapo``,
+  ``hadw_gpg``, ``hadw_geo_mean`` and ``hadw_cispo`` (:data:`VERL_POLICY_LOSSES`): verl's
+  losses of those names computed by :func:`hadw_kernels.fused_hadw_grpo_loss`, with
+  verl's ActorConfig options, ``loss_agg_mode``, global-batch normalisation and rollout
+  weights, so they return verl's loss on the same tensors (where verl's geo_mean and
+  sapo ignore ``loss_agg_mode``, these follow it: docs/integrations/verl.md).
 
 ``pip install hadw-kernels[verl]`` declares this module as a ``verl.plugins`` entry point,
 which verl imports in every process of a run: the names above are then known without
 user code. The lines a verl user adds (docs/integrations/verl.md)::
 
     algorithm.adv_estimator=hadw
-    actor_rollout_ref.actor.policy_loss.loss_mode=hadw        # or hadw_gspo
+    actor_rollout_ref.actor.policy_loss.loss_mode=hadw_vanilla   # or hadw_gspo, hadw_sapo, ...
     trainer.checkpoint_callback_class=hadw_kernels.integrations.verl.HADWCheckpointCallback
-    +algorithm.hadw.lambda_scale=1.3                          # optional, HADW_OPTIONS
+    +algorithm.hadw.lambda_scale=1.3                             # optional, HADW_OPTIONS
 
 The anchor lives in the driver process, where verl's trainer computes advantages; the
 checkpoint callback writes it next to verl's ``data.pt`` in each ``global_step_N``
@@ -31,7 +33,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from .versions import require_supported
 
@@ -46,15 +48,13 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ..advantage import hadw_advantages
 from ..anchor import DifficultyAnchor
-from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP, check_finite_positive
+from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP, OBJECTIVES, check_finite_positive
 from ..loss import fused_hadw_grpo_loss
 from .rewards import require_unit_interval
 
 logger = logging.getLogger(__name__)
 
 ADVANTAGE_ESTIMATOR = "hadw"
-TOKEN_LEVEL_LOSS = "hadw"
-SEQUENCE_LEVEL_LOSS = "hadw_gspo"
 ANCHOR_FILE = "hadw_anchor.json"
 
 # The keys of algorithm.hadw and their defaults. "anchor" holds DifficultyAnchor's
@@ -172,44 +172,6 @@ def compute_hadw_outcome_advantage(
     return advantages, advantages
 
 
-def _per_response(values: torch.Tensor, response_mask: torch.Tensor, name: str, explain: str) -> torch.Tensor:
-    """[B, T] values constant over each response's valid tokens to one per response [B]
-    (0 for a response without valid tokens); ``explain`` follows the rows that vary."""
-    mask = response_mask.bool()
-    if values.shape != mask.shape:
-        raise ValueError(f"{name} have shape {tuple(values.shape)}, response_mask {tuple(mask.shape)}")
-    first_valid = values.gather(1, mask.to(torch.int8).argmax(dim=1, keepdim=True))
-    varies = (mask & (values != first_valid)).any(dim=1)
-    if bool(varies.any()):
-        rows = varies.nonzero().flatten()[:8].tolist()
-        raise ValueError(f"the {name} of rows {rows} vary over their valid tokens: {explain}")
-    return torch.where(mask.any(dim=1), first_valid.squeeze(1), torch.zeros_like(first_valid.squeeze(1)))
-
-
-def advantage_per_response(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] advantages, constant over each response's valid tokens (what verl's outcome
-    estimators give), to one per response [B]; a response without valid tokens gets 0."""
-    return _per_response(
-        advantages, response_mask, "advantages",
-        f"the {TOKEN_LEVEL_LOSS}/{SEQUENCE_LEVEL_LOSS} policy losses take one advantage per response; a per-token "
-        "estimator (gae, ...) needs verl's own losses; outcome estimators (grpo, hadw, rloo, ...) give one value "
-        "per response",
-    )
-
-
-def response_is_weights(rollout_is_weights: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """GSPO's rollout_is_weights [B, T] to one per response [B]: verl's sequence-level
-    correction (``rollout_is="sequence"``) broadcasts one weight over each response's
-    tokens. Per-token weights are refused: GSPO's ratio is per response (verl's own gspo
-    multiplies each token's loss by its weight; the fused loss is stricter)."""
-    return _per_response(
-        rollout_is_weights, response_mask, "rollout_is_weights",
-        f"the {SEQUENCE_LEVEL_LOSS} policy loss (GSPO, a ratio per response) takes one rollout weight per "
-        "response (algorithm.rollout_correction with rollout_is='sequence'); per-token weights would weigh each "
-        "token's share of one response's loss differently. verl's own gspo accepts them; this loss is stricter",
-    )
-
-
 def batch_normalizer(
     loss_agg_mode: str, response_mask: torch.Tensor, global_batch_info: Mapping
 ) -> tuple[float | None, int | None]:
@@ -253,83 +215,127 @@ def batch_normalizer(
     return normalizer, int(scale)
 
 
+class VerlPolicyLoss(NamedTuple):
+    """One of verl's policy losses as the fused surrogate computes it.
+
+    ``loss_mode``: verl's name for it. ``objective`` and ``ratio_level``: the choices of
+    LossConfig it is (docs/options.md). ``default_agg_mode``: the aggregation verl's
+    function defaults to (verl's actor passes its ``loss_agg_mode`` always).
+    ``options``: the LossConfig fields it reads from verl's ActorConfig, by key.
+    ``rollout_weights``: how ``rollout_is_weights`` [B, T] enter: "token" (each token's
+    loss times its weight) or "geometric_mean" (one weight per response, the geometric
+    mean of its tokens', as verl's geo_mean)."""
+
+    loss_mode: str
+    objective: str
+    ratio_level: str
+    default_agg_mode: str
+    options: dict
+    rollout_weights: str = "token"
+
+
+# The fused versions of verl's policy losses, under verl's names prefixed "hadw_".
+VERL_POLICY_LOSSES = {
+    "hadw_vanilla": VerlPolicyLoss("vanilla", "clip", "token", "token-mean", {"dual_clip": "clip_ratio_c"}),
+    "hadw_gspo": VerlPolicyLoss("gspo", "clip", "gspo_token", "seq-mean-token-mean", {}),
+    "hadw_sapo": VerlPolicyLoss("sapo", "sapo", "token", "seq-mean-token-mean",
+                                {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}),
+    "hadw_gpg": VerlPolicyLoss("gpg", "gpg", "token", "token-mean", {}),
+    "hadw_geo_mean": VerlPolicyLoss("geo_mean", "gmpo", "sequence", "token-mean", {},
+                                    rollout_weights="geometric_mean"),
+    "hadw_cispo": VerlPolicyLoss("cispo", "cispo_clip", "token", "token-mean", {}),
+}
+# Other names of the same losses: "hadw", the first name of hadw_vanilla.
+VERL_POLICY_LOSS_ALIASES = {"hadw": "hadw_vanilla"}
+ROLLOUT_WEIGHTS = ("token", "geometric_mean")
+assert all(loss.rollout_weights in ROLLOUT_WEIGHTS for loss in VERL_POLICY_LOSSES.values())
+
+
+def geometric_mean_per_response(weights: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] per-token weights to one per response [B], the geometric mean over its valid
+    tokens (verl's geo_mean; 1 for a response without valid tokens). A zero weight makes
+    it 0, where verl's log(w + 1e-10) leaves (1e-10)^(1/T_i)."""
+    mask = response_mask.bool()
+    log_weights = torch.where(mask, weights.log(), torch.zeros_like(weights))
+    return torch.exp(log_weights.sum(dim=1) / mask.sum(dim=1).clamp(min=1))
+
+
 def _fused_policy_loss(
-    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, *, sequence_level
+    loss: VerlPolicyLoss, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
 ):
     if config is None:
         raise ValueError("the hadw policy losses read the clip ratios from the actor config verl passes as config=")
     mask = response_mask.bool()
-    per_response = advantage_per_response(advantages, mask)
-    if sequence_level and rollout_is_weights is not None and rollout_is_weights.dim() == 2:
-        rollout_is_weights = response_is_weights(rollout_is_weights, mask)
+    if advantages.shape != mask.shape:
+        raise ValueError(f"advantages have shape {tuple(advantages.shape)}, response_mask {tuple(mask.shape)}: "
+                         "verl passes both as [B, T]")
+    if rollout_is_weights is not None and loss.rollout_weights == "geometric_mean":
+        rollout_is_weights = geometric_mean_per_response(rollout_is_weights, mask)
     clip_ratio = config.get("clip_ratio", 0.2)
     epsilon_low = config.get("clip_ratio_low", None)
     epsilon_high = config.get("clip_ratio_high", None)
     epsilon_low = clip_ratio if epsilon_low is None else epsilon_low
     epsilon_high = clip_ratio if epsilon_high is None else epsilon_high
-    # verl's vanilla loss always bounds negative advantages at clip_ratio_c; its GSPO does not.
-    dual_clip = None if sequence_level else config.get("clip_ratio_c", 3.0)
+    options = {field: config.get(key, None) for field, key in loss.options.items()}
     normalizer, max_length = batch_normalizer(loss_agg_mode, mask, config.get("global_batch_info", None) or {})
-    loss, metrics = fused_hadw_grpo_loss(
-        log_prob, old_log_prob, None, mask, advantages=per_response, loss_agg_mode=loss_agg_mode,
-        ratio_level="gspo_token" if sequence_level else "token", epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, dual_clip=dual_clip,
+    value, metrics = fused_hadw_grpo_loss(
+        log_prob, old_log_prob, None, mask, advantages=advantages, loss_agg_mode=loss_agg_mode,
+        objective=loss.objective, ratio_level=loss.ratio_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
         importance_weights=rollout_is_weights, loss_normalizer=normalizer, max_response_length=max_length,
-        return_metrics=True,
+        return_metrics=True, **options,
     )
     with torch.no_grad():
         log_ratio = torch.where(mask, (log_prob - old_log_prob).detach(), torch.zeros_like(log_prob))
         tokens = mask.sum().clamp(min=1)
         lower = torch.zeros((), device=log_prob.device)
+        dual_clip = options.get("dual_clip")
         if dual_clip is not None:
             # Tokens whose loss the dual clip bounds: a negative advantage and a PPO-clipped
             # ratio above clip_ratio_c.
             ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
             clipped = torch.maximum(ratio, ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high))
-            lower = ((clipped > dual_clip) & (per_response < 0)[:, None] & mask).sum() / tokens
-    return loss, {
-        # verl's names; at sequence level the clip fraction counts responses, not tokens.
-        "actor/pg_clipfrac": (metrics["clip_frac_low"] + metrics["clip_frac_high"]).item(),
+            lower = ((clipped > dual_clip) & (advantages < 0) & mask).sum() / tokens
+        clip_fraction = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+    return value, {
+        # verl's names. The clip fraction counts the ratios outside the clip range on the side
+        # the advantage makes active (responses where the ratio is per response); an objective
+        # without a clip range reports 0, as verl's sapo does.
+        "actor/pg_clipfrac": clip_fraction.item() if OBJECTIVES[loss.objective].clipped else 0.0,
         "actor/ppo_kl": (-log_ratio.sum() / tokens).item(),
         "actor/pg_clipfrac_lower": lower.item(),
     }
 
 
-def _policy_loss(name: str, sequence_level: bool, default_agg_mode: str, doc: str):
-    """A verl policy loss with verl's signature (``get_policy_loss_fn``'s), by the fused
-    surrogate at token or sequence level."""
+def _policy_loss(name: str, loss: VerlPolicyLoss):
+    """``loss`` as a verl policy loss, with verl's signature (``get_policy_loss_fn``'s)."""
 
     def policy_loss(
         old_log_prob: torch.Tensor,
         log_prob: torch.Tensor,
         advantages: torch.Tensor,
         response_mask: torch.Tensor,
-        loss_agg_mode: str = default_agg_mode,
+        loss_agg_mode: str = loss.default_agg_mode,
         config=None,
         rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         return _fused_policy_loss(
-            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-            sequence_level=sequence_level,
+            loss, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
         )
 
-    policy_loss.__name__ = policy_loss.__qualname__ = name
-    policy_loss.__doc__ = doc
+    policy_loss.__name__ = policy_loss.__qualname__ = f"compute_policy_loss_{name}"
+    policy_loss.__doc__ = (
+        f"verl's ``{loss.loss_mode}`` policy loss by the fused surrogate: objective {loss.objective!r}, ratio form "
+        f"{loss.ratio_level!r}, verl's clip_ratio_low/high, {sorted(loss.options.values()) or 'no other keys'}, "
+        "loss_agg_mode, global_batch_info and rollout_is_weights (docs/integrations/verl.md)."
+    )
     return policy_loss
 
 
-compute_policy_loss_hadw = register_policy_loss(TOKEN_LEVEL_LOSS)(_policy_loss(
-    "compute_policy_loss_hadw", sequence_level=False, default_agg_mode="token-mean",
-    doc="""verl's ``vanilla`` PPO loss (token ratio, clip_ratio_low/high, dual clip at
-    clip_ratio_c, rollout_is_weights, loss_agg_mode, global_batch_info) by the fused
-    surrogate. ``advantages`` must be constant over each response's valid tokens.""",
-))
-compute_policy_loss_hadw_gspo = register_policy_loss(SEQUENCE_LEVEL_LOSS)(_policy_loss(
-    "compute_policy_loss_hadw_gspo", sequence_level=True, default_agg_mode="seq-mean-token-mean",
-    doc="""verl's ``gspo`` loss (one ratio per response from its mean log-ratio, carried by
-    each token; no dual clip) by the fused surrogate. ``rollout_is_weights`` must be
-    constant over each response's valid tokens (``rollout_is="sequence"``).""",
-))
+# Every name's function, registered in verl's registry.
+POLICY_LOSS_FUNCTIONS = {name: register_policy_loss(name)(_policy_loss(name, loss))
+                         for name, loss in VERL_POLICY_LOSSES.items()}
+for _alias, _name in VERL_POLICY_LOSS_ALIASES.items():
+    POLICY_LOSS_FUNCTIONS[_alias] = register_policy_loss(_alias)(POLICY_LOSS_FUNCTIONS[_name])
 
 
 def resume_folder(trainer_config: Mapping) -> str | None:
