@@ -157,7 +157,7 @@ RATIO_LEVELS = ("token", "sequence", "gspo_token")
 @dataclass(frozen=True)
 class Objective:
     """A policy objective: the per-token loss to minimise as a function of the token's
-    ratio rho, its advantage A and its log-prob l (docs/math.md, section 5d; the formulas
+    ratio rho, its advantage A and its log-prob l (docs/math.md, section 5; the formulas
     and their derivatives are ``objectives.py``'s, the kernels' one branch each).
 
     ``options``: the LossConfig fields only this objective reads, with their defaults (a

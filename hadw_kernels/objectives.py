@@ -1,4 +1,4 @@
-"""The policy objectives of ``config.OBJECTIVES`` (docs/math.md, section 5d): each a
+"""The policy objectives of ``config.OBJECTIVES`` (docs/math.md, section 5): each a
 per-token loss to minimise, written once here as a function of the token's ratio rho,
 its advantage A and its log-prob l, with its derivative.
 
