@@ -6,6 +6,7 @@ kept between calls, the generated constants header, the extension's loading, and
 setup.py's build modes."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hadw_kernels import config
+from hadw_kernels import config, fused_hadw_grpo_loss
 from hadw_kernels.backends import cpp_backend, cpp_constants, cpp_declarations
 from hadw_kernels.ops import signatures
 
@@ -158,6 +159,59 @@ def test_surrogate_does_not_depend_on_thread_count(at_one_and_two_threads, loss_
     weights throughout."""
     args = _surrogate_args(batch=64, advantages=advantages, loss_type=loss_type, **options)
     _assert_bit_identical(*at_one_and_two_threads(lambda: torch.ops.hadw_cpp.surrogate_loss(*args)))
+
+
+# --- ties and bounds ---------------------------------------------------------------------
+
+# Per response: exact (dyadic) log-ratios and per-token advantages on the edges of the
+# objectives' derivatives. Ratio 1 on both ends of a zero-width clip range and at delta = 1
+# (ties of the clip's branches); log-ratios on GMPO's bounds +-0.25, with advantages of
+# either sign and 0; a mean log-ratio exactly at the clamp's +-20 (its gradient passes)
+# and beyond it (none); ratio 2 (exp(log 2) is 2 in fp64) at the dual clip's bound 2.
+EDGE_LOG_RATIOS = [[0.0] * 6, [0.25, -0.25, 0.5, -0.5, 0.25, -0.25], [20.0] * 6, [-20.0] * 6, [20.5] * 6,
+                   [0.25, 0.25, 0.25, -0.25, -0.25, -0.25], [math.log(2)] * 6]
+EDGE_ADVANTAGES = [[1.0, -1.0, 0.0, 1.0, -1.0, 0.0], [1.0, -1.0, 1.0, -1.0, -1.0, 1.0], [-1.0] * 6, [1.0] * 6,
+                   [-1.0] * 6, [1.0, -1.0, 0.0, 0.0, -1.0, 1.0], [-1.0] * 6]
+EDGE_CASES = [
+    pytest.param("grpo", dict(epsilon_low=0.0, epsilon_high=0.0, dual_clip=2.0), id="clip-zero_range-dual_clip_tie"),
+    pytest.param("grpo", dict(epsilon_low=0.0, epsilon_high=0.0, delta=1.0), id="clip-delta_tie"),
+    pytest.param("grpo", dict(epsilon_low=0.0, epsilon_high=0.0, objective="cispo_clip"), id="cispo_clip"),
+    pytest.param("gmpo", dict(epsilon_low=0.25, epsilon_high=0.25), id="gmpo-bounds"),
+    pytest.param("luspo", dict(epsilon_low=0.0, epsilon_high=0.0), id="sequence-clamp_bound"),
+    pytest.param("gspo", dict(epsilon_low=0.0, epsilon_high=0.0), id="gspo_token-clamp_bound"),
+    pytest.param("sapo", dict(ratio_level="sequence"), id="sapo-sequence"),
+    pytest.param("vespo", {}, id="vespo"),
+]
+
+
+@needs_extension
+@pytest.mark.parametrize("loss_type, options", EDGE_CASES)
+def test_ties_and_bounds_follow_the_reference(loss_type, options):
+    """The derivative's conventions where they decide (objectives.SLOPES: half of the
+    gradient through each branch at a tie, a clamp passing it on its closed interval),
+    and the clip fractions' strict bounds, as the reference's, in fp64 where the edges
+    are exact. Per-token importance weights throughout."""
+    log_ratio = torch.tensor(EDGE_LOG_RATIOS, dtype=torch.float64)
+    logprobs = torch.full_like(log_ratio, -1.0)
+    mask = torch.ones_like(log_ratio, dtype=torch.bool)
+    mask[5, 4:] = False
+    weights = torch.linspace(0.5, 1.5, log_ratio.numel(), dtype=torch.float64).view_as(log_ratio)
+    results = {}
+    for backend in ("cpp", "torch"):
+        leaf = logprobs.clone().requires_grad_()
+        loss, metrics = fused_hadw_grpo_loss(
+            leaf, logprobs - log_ratio, None, mask, advantages=torch.tensor(EDGE_ADVANTAGES, dtype=torch.float64),
+            importance_weights=weights, loss_type=loss_type, **options, return_metrics=True, backend=backend,
+            check_values=False,
+        )
+        (loss * 0.7).backward()
+        results[backend] = (loss.detach(), leaf.grad, metrics)
+    (loss, grad, metrics), (expected_loss, expected_grad, expected_metrics) = results["cpp"], results["torch"]
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+    assert torch.any(grad != 0)
+    for name in expected_metrics:
+        torch.testing.assert_close(metrics[name], expected_metrics[name], rtol=1e-6, atol=0)
 
 
 @needs_extension
