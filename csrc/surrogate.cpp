@@ -28,6 +28,7 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "hadw_config.h"
@@ -414,14 +415,60 @@ HADW_ALWAYS_INLINE SequenceRatio<T> sequence_ratio(const Problem<T>& problem, in
   return sequence;
 }
 
+// Calls `pass` with the objective as a compile-time constant (a std::integral_constant), so
+// that the objective's token loops are compiled, and vectorised, for it alone.
+template <typename Pass>
+HADW_ALWAYS_INLINE decltype(auto) with_objective(int64_t objective, Pass&& pass) {
+  static_assert(config::kObjectiveCount == 7, "config.OBJECTIVES changed: dispatch the new one here");
+  switch (objective) {
+    case config::kObjectiveClip:
+      return pass(std::integral_constant<int64_t, config::kObjectiveClip>{});
+    case config::kObjectiveCispoCap:
+      return pass(std::integral_constant<int64_t, config::kObjectiveCispoCap>{});
+    case config::kObjectiveCispoClip:
+      return pass(std::integral_constant<int64_t, config::kObjectiveCispoClip>{});
+    case config::kObjectiveSapo:
+      return pass(std::integral_constant<int64_t, config::kObjectiveSapo>{});
+    case config::kObjectiveGmpo:
+      return pass(std::integral_constant<int64_t, config::kObjectiveGmpo>{});
+    case config::kObjectiveVespo:
+      return pass(std::integral_constant<int64_t, config::kObjectiveVespo>{});
+    default:
+      return pass(std::integral_constant<int64_t, config::kObjectiveGpg>{});
+  }
+}
+
+// The objective's part of a chunk of `count` tokens from `position`: each token's l_t and
+// d / d logp times its importance weight (plus the sequence form's share through s_i),
+// its ratio (token ratio only) and approx_kl.
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE void policy_chunk(const Problem<T>& problem, int64_t position, int64_t count, const T* advantage,
+                                     const SequenceRatio<T>& sequence, T* value, T* slope, T* ratio, T* approx_kl) {
+  const T* logprobs = problem.logprobs + position;
+  const T* old_logprobs = problem.old_logprobs + position;
+  if (problem.ratio_level == config::kRatioLevelToken) {
+    token_ratio_pass<kObjective>(logprobs, old_logprobs, advantage, count, problem.options, value, slope, ratio,
+                                 approx_kl);
+  } else {
+    sequence_ratio_pass<kObjective>(logprobs, old_logprobs, advantage, count, sequence.ratio,
+                                    sequence.own_ratio_slope, sequence.weights, problem.options, value, slope,
+                                    approx_kl);
+  }
+  if (problem.importance != nullptr) {
+    importance_pass(problem.importance + position, count, value, slope);
+  }
+  if (sequence.shared != 0) {
+    shared_pass<kObjective>(logprobs, old_logprobs, advantage, count, sequence.shared, problem.options, slope);
+  }
+}
+
 // One response: its tokens' gradients, and what it adds to the loss and the metrics.
 // Inlined into process_rows, so that each instruction-set clone has its own copy.
-template <int64_t kObjective, typename T>
+template <typename T>
 HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int64_t row) {
   const int64_t offset = problem.offsets[row];
   const int64_t width = problem.offsets[row + 1] - offset;
   const T* logprobs = problem.logprobs + offset;
-  const T* old_logprobs = problem.old_logprobs + offset;
   const uint8_t* mask = problem.mask + offset;
   const int64_t length = problem.lengths[row];
   const T agg_weight = static_cast<T>(problem.agg_weight[row]);
@@ -436,7 +483,9 @@ HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int6
   if (token_ratio) {
     sums.ratio_count = static_cast<double>(length);
   } else if (length > 0) {
-    sequence = sequence_ratio<kObjective>(problem, row, repeated, sums);
+    sequence = with_objective(problem.objective, [&](auto objective) HADW_ALWAYS_INLINE_LAMBDA {
+      return sequence_ratio<decltype(objective)::value>(problem, row, repeated, sums);
+    });
   }
 
   T value[kChunk];
@@ -448,27 +497,17 @@ HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int6
     const int64_t count = std::min(kChunk, width - start);
     const uint8_t* chunk_mask = mask + start;
     const T* chunk_logprobs = logprobs + start;
-    const T* chunk_old_logprobs = old_logprobs + start;
     const T* advantage = chunk_advantage(problem, offset + start, repeated);
+    with_objective(problem.objective, [&](auto objective) HADW_ALWAYS_INLINE_LAMBDA {
+      policy_chunk<decltype(objective)::value>(problem, offset + start, count, advantage, sequence, value, slope,
+                                               ratio, scratch);
+    });
     if (token_ratio) {
-      token_ratio_pass<kObjective>(chunk_logprobs, chunk_old_logprobs, advantage, count, problem.options, value,
-                                   slope, ratio, scratch);
       sums.ratio += masked_sum(ratio, chunk_mask, count);
       masked_count_clipped(ratio, advantage, chunk_mask, count, problem.options.ratio_low, problem.options.ratio_high,
                            sums);
-    } else {
-      sequence_ratio_pass<kObjective>(chunk_logprobs, chunk_old_logprobs, advantage, count, sequence.ratio,
-                                      sequence.own_ratio_slope, sequence.weights, problem.options, value, slope,
-                                      scratch);
     }
     sums.approx_kl += masked_sum(scratch, chunk_mask, count);
-    if (problem.importance != nullptr) {
-      importance_pass(problem.importance + offset + start, count, value, slope);
-    }
-    if (sequence.shared != 0) {
-      shared_pass<kObjective>(chunk_logprobs, chunk_old_logprobs, advantage, count, sequence.shared, problem.options,
-                              slope);
-    }
     if (problem.ref_logprobs != nullptr) {
       const T* ref_logprobs = problem.ref_logprobs + offset + start;
       switch (problem.kl_estimator) {  // the estimator as a constant of each loop
@@ -500,43 +539,18 @@ HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int6
   return sums;
 }
 
-template <int64_t kObjective, typename T>
-HADW_ALWAYS_INLINE void process_rows_for(const Problem<T>& problem, int64_t first, int64_t last, ResponseSums* sums) {
-  for (int64_t row = first; row < last; ++row) {
-    sums[row] = process_response<kObjective>(problem, row);
-  }
-}
-
-// The objective as a constant of each token loop.
-template <typename T>
-HADW_ALWAYS_INLINE void process_rows_of(const Problem<T>& problem, int64_t first, int64_t last, ResponseSums* sums) {
-  static_assert(config::kObjectiveCount == 7, "config.OBJECTIVES changed: dispatch the new one here");
-  switch (problem.objective) {
-    case config::kObjectiveClip:
-      return process_rows_for<config::kObjectiveClip>(problem, first, last, sums);
-    case config::kObjectiveCispoCap:
-      return process_rows_for<config::kObjectiveCispoCap>(problem, first, last, sums);
-    case config::kObjectiveCispoClip:
-      return process_rows_for<config::kObjectiveCispoClip>(problem, first, last, sums);
-    case config::kObjectiveSapo:
-      return process_rows_for<config::kObjectiveSapo>(problem, first, last, sums);
-    case config::kObjectiveGmpo:
-      return process_rows_for<config::kObjectiveGmpo>(problem, first, last, sums);
-    case config::kObjectiveVespo:
-      return process_rows_for<config::kObjectiveVespo>(problem, first, last, sums);
-    default:
-      return process_rows_for<config::kObjectiveGpg>(problem, first, last, sums);
-  }
-}
-
 // The token loop for each instruction set (HADW_VECTOR_CLONES): fp32 is the hot path.
 HADW_VECTOR_CLONES void process_rows(const Problem<float>& problem, int64_t first, int64_t last,
                                      ResponseSums* sums) {
-  process_rows_of(problem, first, last, sums);
+  for (int64_t row = first; row < last; ++row) {
+    sums[row] = process_response(problem, row);
+  }
 }
 
 void process_rows(const Problem<double>& problem, int64_t first, int64_t last, ResponseSums* sums) {
-  process_rows_of(problem, first, last, sums);
+  for (int64_t row = first; row < last; ++row) {
+    sums[row] = process_response(problem, row);
+  }
 }
 
 at::Tensor compute_copy(const at::Tensor& tensor, at::ScalarType compute) {
