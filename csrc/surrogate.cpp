@@ -180,8 +180,8 @@ HADW_ALWAYS_INLINE T masked_sum(const T* values, const uint8_t* mask, int64_t co
   return sum;
 }
 
-// The same sum in double: what a whole response shares (its mean log-ratio, its sums)
-// is summed in double over all its tokens, as every sum here.
+// The same sum in double, for what a response's tokens share (its mean log-ratio, the
+// sum of its advantages, its share of d l / d rho): one rounding, at the end.
 template <typename T>
 HADW_ALWAYS_INLINE double masked_sum_in_double(const T* values, const uint8_t* mask, int64_t count) {
   double sum = 0;

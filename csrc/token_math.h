@@ -155,7 +155,7 @@ HADW_ALWAYS_INLINE ObjectiveTerm<T> objective_term(T ratio, T advantage, T logpr
     const T sigmoid = T(1) / (T(1) + vector_exp(-temperature * (ratio - T(1))));
     return {-(T(4) / temperature) * sigmoid * advantage, T(-4) * sigmoid * (T(1) - sigmoid) * advantage, T(0)};
   } else if constexpr (kObjective == config::kObjectiveGmpo) {
-    // rho is the response's geometric mean of clipped ratios (gmpo_log_ratio below).
+    // rho is the response's geometric mean of clipped ratios (response_log_ratio below).
     return {-advantage * ratio, -advantage, T(0)};
   } else if constexpr (kObjective == config::kObjectiveVespo) {
     const T d_logprob = -(advantage >= 0 ? weights.nonnegative : weights.negative) * advantage;
