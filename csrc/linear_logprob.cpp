@@ -5,8 +5,9 @@
 //   hadw_cpp::linear_logprob_backward   grad_hidden, grad_weight, grad_bias, recomputing
 //                                       the logits (any loss: GSPO's gradient is known
 //                                       only after every log-prob of a response)
-//   hadw_cpp::linear_surrogate_forward  log-probs, entropy and the token-level surrogate's
-//                                       gradients in one sweep: three GEMMs
+//   hadw_cpp::linear_surrogate_forward  log-probs, entropy and the gradients of a token-level
+//                                       surrogate (an objective in the token ratio form) in
+//                                       one sweep: three GEMMs
 //
 // Only active rows take part (label != ignore_index; in backward also a non-zero upstream
 // gradient; in the surrogate's gradient GEMMs a non-zero token gradient), in blocks of
@@ -761,7 +762,8 @@ struct TokenInputs {
   const T* agg_weights;
   const T* ref_logprobs;  // null unless beta > 0
   const T* importance_weights;  // or null
-  ClipOptions<T> clip;
+  int64_t objective;  // a config::kObjective code that takes the token ratio
+  ObjectiveOptions<T> options;
   T beta;
   int64_t kl_estimator;
   T entropy_coef;
@@ -831,7 +833,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
       entropy_data[position] = total.entropy();
       const T old = tokens.old_logprobs == nullptr ? logprob : tokens.old_logprobs[position];
       const T agg_weight = tokens.agg_weights[position];
-      T slope = policy_term(logprob - old, tokens.advantages[position], tokens.clip).slope;
+      T slope = token_policy_term(tokens.objective, logprob - old, tokens.advantages[position], logprob,
+                                  tokens.options).slope;
       if (tokens.importance_weights != nullptr) {
         slope *= tokens.importance_weights[position];
       }
@@ -942,14 +945,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_su
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& labels, const std::optional<at::Tensor>& old_logprobs, const at::Tensor& advantages,
     const at::Tensor& agg_weights, const std::optional<at::Tensor>& ref_logprobs,
-    const std::optional<at::Tensor>& importance_weights, double temperature, int64_t ignore_index,
-    double epsilon_low, double epsilon_high, std::optional<double> dual_clip, double beta, int64_t kl_estimator,
+    const std::optional<at::Tensor>& importance_weights, double temperature, int64_t ignore_index, int64_t objective,
+    double epsilon_low, double epsilon_high, std::optional<double> dual_clip, std::optional<double> delta,
+    double ratio_cap, double sapo_temperature_pos, double sapo_temperature_neg, double vespo_k_pos,
+    double vespo_lambda_pos, double vespo_k_neg, double vespo_lambda_neg, double beta, int64_t kl_estimator,
     double entropy_coef, bool with_entropy, int64_t block_rows) {
   constexpr const char* op = "hadw_cpp::linear_surrogate_forward";
   (void)with_entropy;  // the entropy is always formed (see linear_logprob_forward_cpu)
   const LinearInputs in = prepare_inputs(op, hidden, weight, bias, labels, temperature, kSurrogateTile);
   TORCH_CHECK(kl_estimator >= 0 && kl_estimator < config::kKlCount, op,
               ": kl_estimator must index config.KL_ESTIMATORS, got ", kl_estimator);
+  TORCH_CHECK(objective >= 0 && objective < config::kObjectiveCount, op,
+              ": objective must index config.OBJECTIVE_NAMES, got ", objective);
+  // A token's gradient here is known from its own log-prob alone; an objective that reads
+  // its whole response (a sequence ratio) takes the linear loss's recompute path.
+  TORCH_CHECK(config::kObjectiveTakesRatioLevel[objective][config::kRatioLevelToken], op, ": objective ", objective,
+              " has no token ratio form (config.OBJECTIVES): use the recompute path");
+  // VESPO's options: no objective of the token ratio form reads them.
+  (void)vespo_k_pos;
+  (void)vespo_lambda_pos;
+  (void)vespo_k_neg;
+  (void)vespo_lambda_neg;
   // The default (0 at the hadw:: op) is config.block_rows_for's, resolved by the backend
   // in Python (hadw_kernels/backends/cpp_backend.py): one formula.
   TORCH_CHECK(block_rows > 0, op, ": block_rows must be positive, got ", block_rows);
@@ -975,8 +991,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_su
     tokens.agg_weights = agg.const_data_ptr<T>();
     tokens.ref_logprobs = ref.defined() ? ref.const_data_ptr<T>() : nullptr;
     tokens.importance_weights = importance.defined() ? importance.const_data_ptr<T>() : nullptr;
-    tokens.clip = {static_cast<T>(1.0 - epsilon_low), static_cast<T>(1.0 + epsilon_high), dual_clip.has_value(),
-                   static_cast<T>(dual_clip.value_or(0.0))};
+    tokens.objective = objective;
+    tokens.options = objective_options<T>(epsilon_low, epsilon_high, delta, dual_clip, ratio_cap,
+                                          sapo_temperature_pos, sapo_temperature_neg);
     tokens.beta = static_cast<T>(beta);
     tokens.kl_estimator = kl_estimator;
     tokens.entropy_coef = static_cast<T>(entropy_coef);

@@ -1,11 +1,13 @@
-// CPU kernel of hadw_cpp::surrogate_loss (docs/math.md, sections 2, 4 and 5): the clipped
-// surrogate with HA-DW as config.LossConfig describes it (the options arrive resolved:
-// aggregation mode and KL estimator as their index in config.AGG_MODES /
-// config.KL_ESTIMATORS), in one pass over the tokens that writes the loss, its gradient
-// with respect to the log-probs and the entropy, and the metrics (config.METRIC_NAMES,
-// indexed by name through the generated header). The tokens come flat, [N], in segments
-// of one response each (cu_seqlens, hadw_kernels/layout.py): a padded [B, T] batch is B
-// segments of T tokens.
+// CPU kernel of hadw_cpp::surrogate_loss (docs/math.md, sections 2, 4 and 5): the policy
+// objective with HA-DW as config.LossConfig describes it (the options arrive resolved:
+// aggregation mode, KL estimator, objective and ratio form as their index in
+// config.AGG_MODES / KL_ESTIMATORS / OBJECTIVE_NAMES / RATIO_LEVELS), in one pass over
+// the tokens that writes the loss, its gradient with respect to the log-probs and the
+// entropy, and the metrics (config.METRIC_NAMES, indexed by name through the generated
+// header); a sequence ratio first sweeps its response for what the tokens share (the
+// mean log-ratio, and in the sequence form the sum of the tokens' d l / d rho). The
+// tokens come flat, [N], in segments of one response each (cu_seqlens,
+// hadw_kernels/layout.py): a padded [B, T] batch is B segments of T tokens.
 //
 // The loss is the end of the graph, so its gradient is formed here and autograd only
 // scales it by the upstream scalar (hadw_kernels/ops/autograd.py). Per-token math
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "hadw_config.h"
@@ -39,7 +42,7 @@ static_assert(config::kMetricCount == 8, "config.METRIC_NAMES changed: fill the 
 
 double sign(double value) { return static_cast<double>((value > 0) - (value < 0)); }
 
-// A_i for every response, and the group statistics when they come from rewards.
+// A_i for every response from rewards, and the group statistics.
 struct Advantages {
   std::vector<double> advantage;
   bool has_groups = false;
@@ -120,11 +123,15 @@ struct Problem {
   const T* ref_logprobs;  // null unless beta > 0
   const T* importance;    // importance weights per token, or null
   const T* entropy;       // or null
-  const double* advantage;  // [S]
+  const T* token_advantage;  // the caller's advantages per token, or null
+  const double* response_advantage;  // [S] A_i from rewards, or null
   const double* agg_weight;  // [S] w_i: a valid token's weight in the aggregate
   const int64_t* lengths;      // [S] valid tokens per response
-  bool sequence_level;
-  ClipOptions<T> clip;
+  int64_t objective;    // a config::kObjective code
+  int64_t ratio_level;  // a config::kRatioLevel code
+  ObjectiveOptions<T> options;
+  // VESPO's (k, lambda) for a non-negative and for a negative advantage.
+  double vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg;
   T beta;
   int64_t kl_estimator;
   T entropy_coef;
@@ -135,7 +142,7 @@ struct Problem {
 // What one response adds to the loss and to the metric sums.
 struct ResponseSums {
   double loss = 0;
-  double ratio_count = 0;  // tokens (token level) or 1 (a non-empty response, sequence level)
+  double ratio_count = 0;  // tokens (token ratio) or 1 (a non-empty response, sequence ratios)
   double clipped_low = 0;
   double clipped_high = 0;
   double ratio = 0;
@@ -173,26 +180,46 @@ HADW_ALWAYS_INLINE T masked_sum(const T* values, const uint8_t* mask, int64_t co
   return sum;
 }
 
-// Valid tokens whose ratio lies below `low` (below: true) or above `high`.
+// The same sum in double, for what a response's tokens share (its mean log-ratio, the
+// sum of its advantages, its share of d l / d rho): one rounding, at the end.
 template <typename T>
-HADW_ALWAYS_INLINE T masked_count_outside(const T* ratio, const uint8_t* mask, int64_t count, T bound, bool below) {
-  T total = 0;
-#pragma omp simd reduction(+ : total)
+HADW_ALWAYS_INLINE double masked_sum_in_double(const T* values, const uint8_t* mask, int64_t count) {
+  double sum = 0;
+#pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < count; ++t) {
-    const bool outside = below ? ratio[t] < bound : ratio[t] > bound;
-    total += (mask[t] != 0 && outside) ? T(1) : T(0);
+    const double value = values[t];
+    sum += mask[t] != 0 ? value : 0.0;
   }
-  return total;
+  return sum;
 }
 
-// Pass 1, token level: each token's objective, its d / d logp, its ratio and approx_kl.
+// Valid tokens whose ratio lies below `low` with a negative advantage (the clip_frac_low
+// metric's) and above `high` with a positive one (clip_frac_high's).
 template <typename T>
-HADW_ALWAYS_INLINE void policy_pass(const T* logprobs, const T* old_logprobs, int64_t count, T advantage,
-                                    ClipOptions<T> clip, T* value, T* slope, T* ratio, T* approx_kl) {
+HADW_ALWAYS_INLINE void masked_count_clipped(const T* ratio, const T* advantage, const uint8_t* mask, int64_t count,
+                                             T low, T high, ResponseSums& sums) {
+  T below = 0;
+  T above = 0;
+#pragma omp simd reduction(+ : below, above)
+  for (int64_t t = 0; t < count; ++t) {
+    const T value = ratio[t];
+    const T signed_by = advantage[t];
+    below += (mask[t] != 0 && value < low && signed_by < 0) ? T(1) : T(0);
+    above += (mask[t] != 0 && value > high && signed_by > 0) ? T(1) : T(0);
+  }
+  sums.clipped_low += below;
+  sums.clipped_high += above;
+}
+
+// Pass 1, token ratio: each token's objective, its d / d logp, its ratio and approx_kl.
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE void token_ratio_pass(const T* logprobs, const T* old_logprobs, const T* advantage, int64_t count,
+                                         const ObjectiveOptions<T>& options, T* value, T* slope, T* ratio,
+                                         T* approx_kl) {
 #pragma omp simd
   for (int64_t t = 0; t < count; ++t) {
     const T log_ratio = logprobs[t] - old_logprobs[t];
-    const PolicyTerm<T> term = policy_term(log_ratio, advantage, clip);
+    const PolicyTerm<T> term = token_policy_term<kObjective>(log_ratio, advantage[t], logprobs[t], options);
     value[t] = term.value;
     slope[t] = term.slope;
     ratio[t] = term.ratio;
@@ -200,15 +227,61 @@ HADW_ALWAYS_INLINE void policy_pass(const T* logprobs, const T* old_logprobs, in
   }
 }
 
-// Pass 1, sequence level: every token carries the response's term; approx_kl per token.
-template <typename T>
-HADW_ALWAYS_INLINE void sequence_pass(const T* logprobs, const T* old_logprobs, int64_t count,
-                                      PolicyTerm<T> sequence, T* value, T* slope, T* approx_kl) {
+// Pass 1, sequence ratios: every token's ratio is its response's s_i. `own_ratio_slope` is
+// d rho / d logp_t through the token's own log-prob: s_i in the gspo_token form (where the
+// clamp passes), 0 in the sequence form, whose gradient through s_i is shared_pass's.
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE void sequence_ratio_pass(const T* logprobs, const T* old_logprobs, const T* advantage,
+                                            int64_t count, T ratio, T own_ratio_slope,
+                                            const ResponseWeights<T>& weights, const ObjectiveOptions<T>& options,
+                                            T* value, T* slope, T* approx_kl) {
 #pragma omp simd
   for (int64_t t = 0; t < count; ++t) {
-    value[t] = sequence.value;
-    slope[t] = sequence.slope;
+    const ObjectiveTerm<T> term = objective_term<kObjective>(ratio, advantage[t], logprobs[t], weights, options);
+    value[t] = term.value;
+    slope[t] = term.d_ratio * own_ratio_slope + term.d_logprob;
     approx_kl[t] = approx_kl_term(logprobs[t] - old_logprobs[t]);
+  }
+}
+
+// Each token's log-ratio as the response's mean takes it (response_log_ratio), and, for
+// VESPO's summed weight, the log-ratio clamped to +-LOG_RATIO_CLAMP.
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE void response_log_ratio_pass(const T* logprobs, const T* old_logprobs, const T* advantage,
+                                                int64_t count, const ObjectiveOptions<T>& options, T* log_ratio,
+                                                T* clamped_log_ratio) {
+  const T limit = static_cast<T>(config::kLogRatioClamp);
+#pragma omp simd
+  for (int64_t t = 0; t < count; ++t) {
+    const T raw = logprobs[t] - old_logprobs[t];
+    log_ratio[t] = response_log_ratio<kObjective>(raw, advantage[t], options).value;
+    if constexpr (kObjective == config::kObjectiveVespo) {
+      clamped_log_ratio[t] = clamp_keep_nan(raw, -limit, limit);
+    }
+  }
+}
+
+// d l_t / d rho at the response's ratio, times the token's importance weight (or 1).
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE void ratio_slope_pass(const T* logprobs, const T* advantage, const T* importance, int64_t count,
+                                         T ratio, const ResponseWeights<T>& weights,
+                                         const ObjectiveOptions<T>& options, T* d_ratio) {
+#pragma omp simd
+  for (int64_t t = 0; t < count; ++t) {
+    const T weight = importance == nullptr ? T(1) : importance[t];
+    d_ratio[t] = weight * objective_term<kObjective>(ratio, advantage[t], logprobs[t], weights, options).d_ratio;
+  }
+}
+
+// The sequence form's gradient through s_i, shared by the response's tokens (each where
+// its log-ratio passes the objective's clip: GMPO's).
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE void shared_pass(const T* logprobs, const T* old_logprobs, const T* advantage, int64_t count,
+                                    T shared, const ObjectiveOptions<T>& options, T* slope) {
+#pragma omp simd
+  for (int64_t t = 0; t < count; ++t) {
+    const bool passes = response_log_ratio<kObjective>(logprobs[t] - old_logprobs[t], advantage[t], options).passes;
+    slope[t] += passes ? shared : T(0);
   }
 }
 
@@ -260,6 +333,135 @@ HADW_ALWAYS_INLINE void gradient_pass(const uint8_t* mask, int64_t count, T weig
   }
 }
 
+// VESPO's phi = w^k exp(lambda (1 - w)), log w the response's summed log-ratio clamped
+// (objectives.vespo_weight); 0 where it is not finite, as TRL's nan_to_num.
+double vespo_weight(double log_weight, double k, double lambda) {
+  const double phi = std::exp(lambda + k * log_weight - lambda * std::exp(log_weight));
+  return std::isfinite(phi) ? phi : 0.0;
+}
+
+// What the tokens of a response share in the sequence ratio forms (docs/math.md, section 5).
+template <typename T>
+struct SequenceRatio {
+  T ratio = 0;                // s_i, also the metrics' ratio
+  T own_ratio_slope = 0;      // d rho_t / d logp_t through the token's own log-prob
+  T shared = 0;               // the sequence form's gradient through s_i, per token
+  ResponseWeights<T> weights;
+};
+
+// The advantage of each token of a chunk: the caller's, or the response's A_i repeated
+// (`repeated`, kChunk of them).
+template <typename T>
+HADW_ALWAYS_INLINE const T* chunk_advantage(const Problem<T>& problem, int64_t position, const T* repeated) {
+  return problem.token_advantage != nullptr ? problem.token_advantage + position : repeated;
+}
+
+// The sequence ratio of a non-empty response: a first sweep for its mean log-ratio (and
+// VESPO's summed one) and the sign of its advantage, which the clip fractions count it
+// by; in the sequence form a second for sum_t iw_t dl/drho(s_i, A_t), whose share reaches
+// every token through s_i.
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE SequenceRatio<T> sequence_ratio(const Problem<T>& problem, int64_t row, const T* repeated,
+                                                   ResponseSums& sums) {
+  const int64_t offset = problem.offsets[row];
+  const int64_t width = problem.offsets[row + 1] - offset;
+  const uint8_t* mask = problem.mask + offset;
+  const double length = static_cast<double>(problem.lengths[row]);
+  double log_ratio_sum = 0;
+  double clamped_log_ratio_sum = 0;
+  double advantage_sum = 0;
+  T log_ratio[kChunk];
+  T clamped_log_ratio[kChunk];
+  for (int64_t start = 0; start < width; start += kChunk) {
+    const int64_t count = std::min(kChunk, width - start);
+    const T* advantage = chunk_advantage(problem, offset + start, repeated);
+    response_log_ratio_pass<kObjective>(problem.logprobs + offset + start, problem.old_logprobs + offset + start,
+                                        advantage, count, problem.options, log_ratio, clamped_log_ratio);
+    log_ratio_sum += masked_sum_in_double(log_ratio, mask + start, count);
+    if constexpr (kObjective == config::kObjectiveVespo) {
+      clamped_log_ratio_sum += masked_sum_in_double(clamped_log_ratio, mask + start, count);
+    }
+    advantage_sum += masked_sum_in_double(advantage, mask + start, count);
+  }
+  const double limit = config::kLogRatioClamp;
+  const T mean_log_ratio = static_cast<T>(log_ratio_sum / length);
+  SequenceRatio<T> sequence;
+  sequence.ratio = vector_exp(clamp_keep_nan(mean_log_ratio, static_cast<T>(-limit), static_cast<T>(limit)));
+  const bool passes = in_closed(mean_log_ratio, static_cast<T>(-limit), static_cast<T>(limit));
+  if (problem.ratio_level == config::kRatioLevelGspoToken && passes) {
+    sequence.own_ratio_slope = sequence.ratio;
+  }
+  if constexpr (kObjective == config::kObjectiveVespo) {
+    const double log_weight = clamp_keep_nan(clamped_log_ratio_sum, config::kVespoLogWeightMin, limit);
+    sequence.weights = {static_cast<T>(vespo_weight(log_weight, problem.vespo_k_pos, problem.vespo_lambda_pos)),
+                        static_cast<T>(vespo_weight(log_weight, problem.vespo_k_neg, problem.vespo_lambda_neg))};
+  }
+  if (problem.ratio_level == config::kRatioLevelSequence && passes) {
+    double slope_sum = 0;
+    T d_ratio[kChunk];
+    for (int64_t start = 0; start < width; start += kChunk) {
+      const int64_t count = std::min(kChunk, width - start);
+      ratio_slope_pass<kObjective>(problem.logprobs + offset + start, chunk_advantage(problem, offset + start, repeated),
+                                   problem.importance == nullptr ? nullptr : problem.importance + offset + start,
+                                   count, sequence.ratio, sequence.weights, problem.options, d_ratio);
+      slope_sum += masked_sum_in_double(d_ratio, mask + start, count);
+    }
+    sequence.shared = static_cast<T>(slope_sum * static_cast<double>(sequence.ratio) / length);
+  }
+  sums.ratio_count = 1;
+  sums.ratio = sequence.ratio;
+  sums.clipped_low = (sequence.ratio < problem.options.ratio_low && advantage_sum < 0);
+  sums.clipped_high = (sequence.ratio > problem.options.ratio_high && advantage_sum > 0);
+  return sequence;
+}
+
+// Calls `pass` with the objective as a compile-time constant (a std::integral_constant), so
+// that the objective's token loops are compiled, and vectorised, for it alone.
+template <typename Pass>
+HADW_ALWAYS_INLINE decltype(auto) with_objective(int64_t objective, Pass&& pass) {
+  static_assert(config::kObjectiveCount == 7, "config.OBJECTIVES changed: dispatch the new one here");
+  switch (objective) {
+    case config::kObjectiveClip:
+      return pass(std::integral_constant<int64_t, config::kObjectiveClip>{});
+    case config::kObjectiveCispoCap:
+      return pass(std::integral_constant<int64_t, config::kObjectiveCispoCap>{});
+    case config::kObjectiveCispoClip:
+      return pass(std::integral_constant<int64_t, config::kObjectiveCispoClip>{});
+    case config::kObjectiveSapo:
+      return pass(std::integral_constant<int64_t, config::kObjectiveSapo>{});
+    case config::kObjectiveGmpo:
+      return pass(std::integral_constant<int64_t, config::kObjectiveGmpo>{});
+    case config::kObjectiveVespo:
+      return pass(std::integral_constant<int64_t, config::kObjectiveVespo>{});
+    default:
+      return pass(std::integral_constant<int64_t, config::kObjectiveGpg>{});
+  }
+}
+
+// The objective's part of a chunk of `count` tokens from `position`: each token's l_t and
+// d / d logp times its importance weight (plus the sequence form's share through s_i),
+// its ratio (token ratio only) and approx_kl.
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE void policy_chunk(const Problem<T>& problem, int64_t position, int64_t count, const T* advantage,
+                                     const SequenceRatio<T>& sequence, T* value, T* slope, T* ratio, T* approx_kl) {
+  const T* logprobs = problem.logprobs + position;
+  const T* old_logprobs = problem.old_logprobs + position;
+  if (problem.ratio_level == config::kRatioLevelToken) {
+    token_ratio_pass<kObjective>(logprobs, old_logprobs, advantage, count, problem.options, value, slope, ratio,
+                                 approx_kl);
+  } else {
+    sequence_ratio_pass<kObjective>(logprobs, old_logprobs, advantage, count, sequence.ratio,
+                                    sequence.own_ratio_slope, sequence.weights, problem.options, value, slope,
+                                    approx_kl);
+  }
+  if (problem.importance != nullptr) {
+    importance_pass(problem.importance + position, count, value, slope);
+  }
+  if (sequence.shared != 0) {
+    shared_pass<kObjective>(logprobs, old_logprobs, advantage, count, sequence.shared, problem.options, slope);
+  }
+}
+
 // One response: its tokens' gradients, and what it adds to the loss and the metrics.
 // Inlined into process_rows, so that each instruction-set clone has its own copy.
 template <typename T>
@@ -267,30 +469,23 @@ HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int6
   const int64_t offset = problem.offsets[row];
   const int64_t width = problem.offsets[row + 1] - offset;
   const T* logprobs = problem.logprobs + offset;
-  const T* old_logprobs = problem.old_logprobs + offset;
   const uint8_t* mask = problem.mask + offset;
   const int64_t length = problem.lengths[row];
   const T agg_weight = static_cast<T>(problem.agg_weight[row]);
-  const T advantage = static_cast<T>(problem.advantage[row]);
+  const bool token_ratio = problem.ratio_level == config::kRatioLevelToken;
   ResponseSums sums;
 
-  // Sequence level (verl's GSPO): every token carries s_i = exp(mean log-ratio), and its
-  // gradient flows through the token's own log-prob: d s_it / d logp_t = s_i.
-  PolicyTerm<T> sequence{};
-  if (problem.sequence_level && length > 0) {
-    double log_ratio_sum = 0;
-    for (int64_t t = 0; t < width; ++t) {
-      if (mask[t]) {
-        log_ratio_sum += logprobs[t] - old_logprobs[t];
-      }
-    }
-    sequence = policy_term(static_cast<T>(log_ratio_sum / static_cast<double>(length)), advantage, problem.clip);
-    sums.ratio_count = 1;
-    sums.ratio = sequence.ratio;
-    sums.clipped_low = (sequence.ratio < problem.clip.ratio_low && advantage < 0);
-    sums.clipped_high = (sequence.ratio > problem.clip.ratio_high && advantage > 0);
-  } else if (!problem.sequence_level) {
+  T repeated[kChunk];  // A_i for every token, when the advantages are per response
+  if (problem.response_advantage != nullptr) {
+    std::fill(repeated, repeated + std::min(width, kChunk), static_cast<T>(problem.response_advantage[row]));
+  }
+  SequenceRatio<T> sequence;
+  if (token_ratio) {
     sums.ratio_count = static_cast<double>(length);
+  } else if (length > 0) {
+    sequence = with_objective(problem.objective, [&](auto objective) HADW_ALWAYS_INLINE_LAMBDA {
+      return sequence_ratio<decltype(objective)::value>(problem, row, repeated, sums);
+    });
   }
 
   T value[kChunk];
@@ -302,21 +497,17 @@ HADW_ALWAYS_INLINE ResponseSums process_response(const Problem<T>& problem, int6
     const int64_t count = std::min(kChunk, width - start);
     const uint8_t* chunk_mask = mask + start;
     const T* chunk_logprobs = logprobs + start;
-    if (problem.sequence_level) {
-      sequence_pass(chunk_logprobs, old_logprobs + start, count, sequence, value, slope, scratch);
-    } else {
-      policy_pass(chunk_logprobs, old_logprobs + start, count, advantage, problem.clip, value, slope, ratio, scratch);
+    const T* advantage = chunk_advantage(problem, offset + start, repeated);
+    with_objective(problem.objective, [&](auto objective) HADW_ALWAYS_INLINE_LAMBDA {
+      policy_chunk<decltype(objective)::value>(problem, offset + start, count, advantage, sequence, value, slope,
+                                               ratio, scratch);
+    });
+    if (token_ratio) {
       sums.ratio += masked_sum(ratio, chunk_mask, count);
-      if (advantage < 0) {
-        sums.clipped_low += masked_count_outside(ratio, chunk_mask, count, problem.clip.ratio_low, true);
-      } else if (advantage > 0) {
-        sums.clipped_high += masked_count_outside(ratio, chunk_mask, count, problem.clip.ratio_high, false);
-      }
+      masked_count_clipped(ratio, advantage, chunk_mask, count, problem.options.ratio_low, problem.options.ratio_high,
+                           sums);
     }
     sums.approx_kl += masked_sum(scratch, chunk_mask, count);
-    if (problem.importance != nullptr) {
-      importance_pass(problem.importance + offset + start, count, value, slope);
-    }
     if (problem.ref_logprobs != nullptr) {
       const T* ref_logprobs = problem.ref_logprobs + offset + start;
       switch (problem.kl_estimator) {  // the estimator as a constant of each loop
@@ -409,14 +600,36 @@ int64_t segment_grain(int64_t tokens, int64_t segments) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(mean_length, 1));
 }
 
+// The op's options that the token loop reads, as the schema gives them (LossConfig.kernel_options).
+struct Options {
+  int64_t loss_agg_mode;
+  int64_t ratio_level;
+  int64_t objective;
+  double epsilon_low;
+  double epsilon_high;
+  std::optional<double> dual_clip;
+  std::optional<double> delta;
+  double ratio_cap;
+  double sapo_temperature_pos;
+  double sapo_temperature_neg;
+  double vespo_k_pos;
+  double vespo_lambda_pos;
+  double vespo_k_neg;
+  double vespo_lambda_neg;
+  double beta;
+  int64_t kl_estimator;
+  double entropy_coef;
+  std::optional<double> loss_normalizer;
+  std::optional<int64_t> max_response_length;
+};
+
 template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
     const at::Tensor& logprobs_in, const at::Tensor& old_logprobs_in, const at::Tensor& response_mask,
     const std::vector<int64_t>& offsets, const std::optional<at::Tensor>& ref_logprobs_in,
     const std::optional<at::Tensor>& importance_weights_in, const std::optional<at::Tensor>& entropy_in,
-    const Advantages& advantages, at::ScalarType compute, int64_t loss_agg_mode, bool sequence_level,
-    double epsilon_low, double epsilon_high, std::optional<double> dual_clip, double beta, int64_t kl_estimator,
-    double entropy_coef, std::optional<double> loss_normalizer, std::optional<int64_t> max_response_length) {
+    const Advantages& advantages, const std::optional<at::Tensor>& token_advantages_in, at::ScalarType compute,
+    const Options& call) {
   const int64_t tokens_in = logprobs_in.size(0);
   const int64_t segments = static_cast<int64_t>(offsets.size()) - 1;
   const auto options = logprobs_in.options().dtype(compute);
@@ -439,10 +652,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   const at::Tensor old_logprobs = compute_copy(old_logprobs_in, compute);
   const at::Tensor mask = response_mask.scalar_type() == at::kBool ? response_mask.detach().contiguous()
                                                                    : at::ne(response_mask.detach(), 0).contiguous();
-  const at::Tensor ref_logprobs = beta > 0 ? compute_copy(*ref_logprobs_in, compute) : at::Tensor();
+  const at::Tensor ref_logprobs = call.beta > 0 ? compute_copy(*ref_logprobs_in, compute) : at::Tensor();
   const at::Tensor importance =
       importance_weights_in.has_value() ? compute_copy(*importance_weights_in, compute) : at::Tensor();
   const at::Tensor entropy = entropy_in.has_value() ? compute_copy(*entropy_in, compute) : at::Tensor();
+  const at::Tensor token_advantages =
+      token_advantages_in.has_value() ? compute_copy(*token_advantages_in, compute) : at::Tensor();
 
   // Valid tokens per response, first: token-mean's weight needs the batch's count.
   // Read as bytes (0 or 1): loops over bool do not vectorise.
@@ -463,7 +678,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
     tokens += length;
   }
   const std::vector<double> agg_weight =
-      agg_weights(lengths, tokens, loss_agg_mode, loss_normalizer, max_response_length);
+      agg_weights(lengths, tokens, call.loss_agg_mode, call.loss_normalizer, call.max_response_length);
 
   Problem<T> problem;
   problem.offsets = offsets.data();
@@ -473,15 +688,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   problem.ref_logprobs = ref_logprobs.defined() ? ref_logprobs.const_data_ptr<T>() : nullptr;
   problem.importance = importance.defined() ? importance.const_data_ptr<T>() : nullptr;
   problem.entropy = entropy.defined() ? entropy.const_data_ptr<T>() : nullptr;
-  problem.advantage = advantages.advantage.data();
+  problem.token_advantage = token_advantages.defined() ? token_advantages.const_data_ptr<T>() : nullptr;
+  problem.response_advantage = token_advantages.defined() ? nullptr : advantages.advantage.data();
   problem.agg_weight = agg_weight.data();
   problem.lengths = lengths.data();
-  problem.sequence_level = sequence_level;
-  problem.clip = {static_cast<T>(1.0 - epsilon_low), static_cast<T>(1.0 + epsilon_high), dual_clip.has_value(),
-                  static_cast<T>(dual_clip.value_or(0.0))};
-  problem.beta = static_cast<T>(beta);
-  problem.kl_estimator = kl_estimator;
-  problem.entropy_coef = static_cast<T>(entropy_coef);
+  problem.objective = call.objective;
+  problem.ratio_level = call.ratio_level;
+  problem.options = objective_options<T>(call.epsilon_low, call.epsilon_high, call.delta, call.dual_clip,
+                                         call.ratio_cap, call.sapo_temperature_pos, call.sapo_temperature_neg);
+  problem.vespo_k_pos = call.vespo_k_pos;
+  problem.vespo_lambda_pos = call.vespo_lambda_pos;
+  problem.vespo_k_neg = call.vespo_k_neg;
+  problem.vespo_lambda_neg = call.vespo_lambda_neg;
+  problem.beta = static_cast<T>(call.beta);
+  problem.kl_estimator = call.kl_estimator;
+  problem.entropy_coef = static_cast<T>(call.entropy_coef);
   problem.grad_logprobs = grad_logprobs.data_ptr<T>();
   problem.grad_entropy = entropy.defined() ? grad_entropy.data_ptr<T>() : nullptr;
 
@@ -500,7 +721,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   metric[config::kMetricClipFracHigh] = static_cast<float>(total.clipped_high / ratio_count);
   metric[config::kMetricRatioMean] = static_cast<float>(total.ratio / ratio_count);
   metric[config::kMetricApproxKl] = static_cast<float>(total.approx_kl / token_count);
-  metric[config::kMetricRefKl] = beta > 0 ? static_cast<float>(total.ref_kl / token_count) : 0.0f;
+  metric[config::kMetricRefKl] = call.beta > 0 ? static_cast<float>(total.ref_kl / token_count) : 0.0f;
   metric[config::kMetricEntropyMean] = entropy.defined() ? static_cast<float>(total.entropy / token_count) : 0.0f;
   return {at::scalar_tensor(total.loss, options), grad_logprobs, grad_entropy, metrics};
 }
@@ -535,8 +756,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     const std::optional<at::Tensor>& advantages, const std::optional<at::Tensor>& anchor,
     const std::optional<at::Tensor>& ref_logprobs, const std::optional<at::Tensor>& importance_weights,
     const std::optional<at::Tensor>& entropy, std::optional<int64_t> group_size, bool normalize_std, double std_eps,
-    double lambda_scale, int64_t loss_agg_mode, bool sequence_level, double epsilon_low, double epsilon_high,
-    std::optional<double> dual_clip, double beta, int64_t kl_estimator, double entropy_coef,
+    double lambda_scale, int64_t loss_agg_mode, int64_t ratio_level, int64_t objective, double epsilon_low,
+    double epsilon_high, std::optional<double> dual_clip, std::optional<double> delta, double ratio_cap,
+    double sapo_temperature_pos, double sapo_temperature_neg, double vespo_k_pos, double vespo_lambda_pos,
+    double vespo_k_neg, double vespo_lambda_neg, double beta, int64_t kl_estimator, double entropy_coef,
     std::optional<double> loss_normalizer, std::optional<int64_t> max_response_length) {
   TORCH_CHECK(logprobs.dim() == 1, "hadw_cpp::surrogate_loss: logprobs must be [N], got ", logprobs.sizes());
   TORCH_CHECK(at::isFloatingType(logprobs.scalar_type()), "hadw_cpp::surrogate_loss: logprobs must be floating "
@@ -547,14 +770,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
   check_same_shape("response_mask", response_mask, logprobs);
   TORCH_CHECK(rewards.has_value() != advantages.has_value(),
               "hadw_cpp::surrogate_loss: pass exactly one of rewards and advantages");
-  const at::Tensor& per_response = rewards.has_value() ? *rewards : *advantages;
-  TORCH_CHECK(per_response.dim() == 1 && per_response.size(0) == segments, "hadw_cpp::surrogate_loss: ",
-              rewards.has_value() ? "rewards" : "advantages", " must be [S] = [", segments, "], got ",
-              per_response.sizes());
+  if (rewards.has_value()) {
+    TORCH_CHECK(rewards->dim() == 1 && rewards->size(0) == segments, "hadw_cpp::surrogate_loss: rewards must be "
+                "[S] = [", segments, "], got ", rewards->sizes());
+  } else {
+    check_same_shape("advantages", *advantages, logprobs);
+  }
   TORCH_CHECK(loss_agg_mode >= 0 && loss_agg_mode < config::kAggCount,
               "hadw_cpp::surrogate_loss: loss_agg_mode must index config.AGG_MODES, got ", loss_agg_mode);
   TORCH_CHECK(kl_estimator >= 0 && kl_estimator < config::kKlCount,
               "hadw_cpp::surrogate_loss: kl_estimator must index config.KL_ESTIMATORS, got ", kl_estimator);
+  TORCH_CHECK(objective >= 0 && objective < config::kObjectiveCount,
+              "hadw_cpp::surrogate_loss: objective must index config.OBJECTIVE_NAMES, got ", objective);
+  TORCH_CHECK(ratio_level >= 0 && ratio_level < config::kRatioLevelCount,
+              "hadw_cpp::surrogate_loss: ratio_level must index config.RATIO_LEVELS, got ", ratio_level);
+  TORCH_CHECK(config::kObjectiveTakesRatioLevel[objective][ratio_level], "hadw_cpp::surrogate_loss: objective ",
+              objective, " does not take ratio_level ", ratio_level, " (config.OBJECTIVES)");
   if (beta > 0) {
     TORCH_CHECK(ref_logprobs.has_value(), "hadw_cpp::surrogate_loss: beta > 0 needs ref_logprobs");
     check_same_shape("ref_logprobs", *ref_logprobs, logprobs);
@@ -566,27 +797,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     check_same_shape("entropy", *entropy, logprobs);
   }
 
+  // From rewards, A_i per response (and the group metrics); the caller's advantages are
+  // per token, and leave the group metrics at 0.
   Advantages advantage_terms;
   if (rewards.has_value()) {
     TORCH_CHECK(group_size.has_value() && *group_size >= 2 && segments % *group_size == 0,
                 "hadw_cpp::surrogate_loss: rewards need a group_size >= 2 that divides the segments (", segments,
                 "), got ", group_size.has_value() ? std::to_string(*group_size) : std::string("None"));
     advantage_terms = group_advantages(*rewards, *group_size, normalize_std, std_eps, anchor, lambda_scale);
-  } else {
-    // The caller's advantages: no group metrics (they stay 0).
-    advantage_terms.advantage = to_doubles(*advantages);
   }
+  const Options call{loss_agg_mode, ratio_level, objective, epsilon_low, epsilon_high, dual_clip, delta, ratio_cap,
+                     sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                     vespo_lambda_neg, beta, kl_estimator, entropy_coef, loss_normalizer, max_response_length};
   const auto compute = at::promote_types(logprobs.scalar_type(), at::kFloat);
   if (compute == at::kDouble) {
     return surrogate_impl<double>(logprobs, old_logprobs, response_mask, offsets, ref_logprobs, importance_weights,
-                                  entropy, advantage_terms, compute, loss_agg_mode, sequence_level, epsilon_low,
-                                  epsilon_high, dual_clip, beta, kl_estimator, entropy_coef, loss_normalizer,
-                                  max_response_length);
+                                  entropy, advantage_terms, advantages, compute, call);
   }
   return surrogate_impl<float>(logprobs, old_logprobs, response_mask, offsets, ref_logprobs, importance_weights,
-                               entropy, advantage_terms, compute, loss_agg_mode, sequence_level, epsilon_low,
-                               epsilon_high, dual_clip, beta, kl_estimator, entropy_coef, loss_normalizer,
-                               max_response_length);
+                               entropy, advantage_terms, advantages, compute, call);
 }
 
 }  // namespace hadw

@@ -29,6 +29,8 @@
 #endif
 
 #define HADW_ALWAYS_INLINE inline __attribute__((always_inline))
+// The same for a lambda, whose call operator is inline already.
+#define HADW_ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace hadw {
 

@@ -1,6 +1,7 @@
-// The per-token math of the clipped surrogate (hadw_kernels/reference/surrogate.py), shared by the
+// The per-token math of the surrogate (hadw_kernels/reference/surrogate.py), shared by the
 // surrogate kernel (surrogate.cpp) and the gradients-in-forward linear kernel
-// (linear_logprob.cpp): the policy term and its derivative, the KL estimators and theirs.
+// (linear_logprob.cpp): each objective (hadw_kernels/objectives.py) and its derivatives, the
+// KL estimators and theirs.
 //
 // Derivatives follow autograd's rules for the reference's ops, ties included:
 // torch.clamp passes the gradient on the closed interval (NaN: none), torch.maximum /
@@ -12,8 +13,11 @@
 // comparisons) uses libm.
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 #include "hadw_config.h"  // generated from hadw_kernels/config.py by setup.py
 #include "tile_math.h"
@@ -65,39 +69,127 @@ HADW_ALWAYS_INLINE T clamped_exp_minus_one_minus_x(T x, T limit) {
   return (x > T(-0.5) && x < T(0.5)) ? small : large;  // NaN: large, NaN
 }
 
-// Clip range and dual clip, in the compute type (the reference rounds its Python-float
-// thresholds to the tensors' dtype).
+// The objectives' options (config.OBJECTIVES), in the compute type (the reference rounds
+// its Python-float thresholds to the tensors' dtype). An option the objective does not
+// read arrives neutral (LossConfig.token_options).
 template <typename T>
-struct ClipOptions {
-  T ratio_low;   // 1 - epsilon_low
-  T ratio_high;  // 1 + epsilon_high
+struct ObjectiveOptions {
+  T ratio_low;       // 1 - epsilon_low
+  T ratio_high;      // 1 + epsilon_high
+  T log_ratio_low;   // -epsilon_low: GMPO clips in log space
+  T log_ratio_high;  // epsilon_high
+  bool has_delta;
+  T delta;
   bool has_dual_clip;
   T dual_clip;
+  T ratio_cap;
+  T sapo_temperature_pos;
+  T sapo_temperature_neg;
 };
 
 template <typename T>
-struct Term {
+ObjectiveOptions<T> objective_options(double epsilon_low, double epsilon_high, std::optional<double> delta,
+                                      std::optional<double> dual_clip, double ratio_cap, double sapo_temperature_pos,
+                                      double sapo_temperature_neg) {
+  return {static_cast<T>(1.0 - epsilon_low),  static_cast<T>(1.0 + epsilon_high),
+          static_cast<T>(-epsilon_low),       static_cast<T>(epsilon_high),
+          delta.has_value(),                  static_cast<T>(delta.value_or(0.0)),
+          dual_clip.has_value(),              static_cast<T>(dual_clip.value_or(0.0)),
+          static_cast<T>(ratio_cap),          static_cast<T>(sapo_temperature_pos),
+          static_cast<T>(sapo_temperature_neg)};
+}
+
+// VESPO's weight phi of the token's response, for a non-negative and for a negative
+// advantage (its (k, lambda) go by the sign of A); no other objective reads it.
+template <typename T>
+struct ResponseWeights {
+  T nonnegative = 0;
+  T negative = 0;
+};
+
+template <typename T>
+struct ObjectiveTerm {
+  T value;      // l_t
+  T d_ratio;    // d l_t / d rho
+  T d_logprob;  // d l_t / d logp_t through the log-prob the objective holds itself
+};
+
+// The objective l_t of a token with ratio rho (in its ratio form), advantage A and log-prob
+// l, and its two partial derivatives: objectives.py's VALUES and SLOPES, one branch each.
+// A stop-gradient factor (CISPO's clipped ratio, VESPO's phi) enters d_logprob only.
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE ObjectiveTerm<T> objective_term(T ratio, T advantage, T logprob, const ResponseWeights<T>& weights,
+                                                   const ObjectiveOptions<T>& options) {
+  static_assert(config::kObjectiveCount == 7,
+                "config.OBJECTIVES changed: teach objective_term (csrc/token_math.h) the new one");
+  if constexpr (kObjective == config::kObjectiveClip) {
+    // max(-rho' A, -clip(rho) A), rho' = min(rho, delta). torch.maximum passes the gradient
+    // to the larger operand, half to each at a tie; each operand's own clamp passes it on
+    // its closed interval.
+    const T capped = options.has_delta && ratio > options.delta ? options.delta : ratio;  // NaN kept
+    const T unclipped = -capped * advantage;
+    const T clipped = -clamp_keep_nan(ratio, options.ratio_low, options.ratio_high) * advantage;
+    T value = (unclipped != unclipped || unclipped > clipped) ? unclipped : clipped;
+    const T through_unclipped = (!options.has_delta || ratio <= options.delta) ? -advantage : T(0);
+    const T through_clipped = in_closed(ratio, options.ratio_low, options.ratio_high) ? -advantage : T(0);
+    T d_ratio = unclipped > clipped   ? through_unclipped
+                : clipped > unclipped ? through_clipped
+                                      : T(0.5) * (through_unclipped + through_clipped);
+    // Dual clip: min(l, -c A) where A < 0; torch.minimum splits the gradient at the bound.
+    const bool bounded = options.has_dual_clip && advantage < 0;
+    const T bound = -options.dual_clip * advantage;
+    const bool above = bounded && value > bound;  // NaN: false, and NaN stays NaN
+    d_ratio = above ? T(0) : ((bounded && value == bound) ? d_ratio * T(0.5) : d_ratio);
+    value = above ? bound : value;
+    return {value, d_ratio, T(0)};
+  } else if constexpr (kObjective == config::kObjectiveCispoCap) {
+    const T weight = ratio > options.ratio_cap ? options.ratio_cap : ratio;  // NaN kept
+    const T d_logprob = -weight * advantage;
+    return {d_logprob * logprob, T(0), d_logprob};
+  } else if constexpr (kObjective == config::kObjectiveCispoClip) {
+    const T d_logprob = -clamp_keep_nan(ratio, options.ratio_low, options.ratio_high) * advantage;
+    return {d_logprob * logprob, T(0), d_logprob};
+  } else if constexpr (kObjective == config::kObjectiveSapo) {
+    // -(4 / tau) sigmoid(tau (rho - 1)) A; d / d rho = -4 sigmoid (1 - sigmoid) A.
+    const T temperature = advantage > 0 ? options.sapo_temperature_pos : options.sapo_temperature_neg;
+    const T sigmoid = T(1) / (T(1) + vector_exp(-temperature * (ratio - T(1))));
+    return {-(T(4) / temperature) * sigmoid * advantage, T(-4) * sigmoid * (T(1) - sigmoid) * advantage, T(0)};
+  } else if constexpr (kObjective == config::kObjectiveGmpo) {
+    // rho is the response's geometric mean of clipped ratios (response_log_ratio below).
+    return {-advantage * ratio, -advantage, T(0)};
+  } else if constexpr (kObjective == config::kObjectiveVespo) {
+    const T d_logprob = -(advantage >= 0 ? weights.nonnegative : weights.negative) * advantage;
+    return {d_logprob * logprob, T(0), d_logprob};
+  } else {
+    static_assert(kObjective == config::kObjectiveGpg, "unknown objective");
+    return {-advantage * logprob, T(0), -advantage};
+  }
+}
+
+// A token's log-ratio as its response's mean takes it, and whether it passes its
+// gradient: GMPO clips it to [-epsilon_low, epsilon_high] on the side its advantage makes
+// harmful (above for A > 0, below for A < 0; 0 for A = 0, NaN kept), and the clip passes
+// where the bound does not bind (objectives.gmpo_log_ratio). Every other objective
+// averages the log-ratio as it is.
+template <typename T>
+struct ResponseLogRatio {
   T value;
-  T slope;  // d value / d (its argument)
+  bool passes;
 };
 
-// -min(rho A, clip(rho) A), bounded by -c A for A < 0 under dual clip, and its derivative
-// with respect to rho. The unclipped branch passes -A when it is the larger, or when rho
-// lies inside the clip range (both branches are then equal, the clamp passes its
-// gradient on [low, high]); at the dual-clip bound torch.minimum splits the gradient.
-template <typename T>
-HADW_ALWAYS_INLINE Term<T> clipped_objective(T ratio, T advantage, const ClipOptions<T>& clip) {
-  const T unclipped = -ratio * advantage;
-  const T clipped = -clamp_keep_nan(ratio, clip.ratio_low, clip.ratio_high) * advantage;
-  T value = (unclipped != unclipped || unclipped > clipped) ? unclipped : clipped;
-  const bool passes = unclipped > clipped || in_closed(ratio, clip.ratio_low, clip.ratio_high);
-  T slope = passes ? -advantage : T(0);
-  const bool bounded = clip.has_dual_clip && advantage < 0;
-  const T bound = -clip.dual_clip * advantage;
-  const bool above = bounded && value > bound;  // NaN: false, and NaN stays NaN
-  slope = above ? T(0) : ((bounded && value == bound) ? slope * T(0.5) : slope);
-  value = above ? bound : value;
-  return {value, slope};
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE ResponseLogRatio<T> response_log_ratio(T log_ratio, T advantage,
+                                                          const ObjectiveOptions<T>& options) {
+  if constexpr (kObjective == config::kObjectiveGmpo) {
+    const T below_high = log_ratio > options.log_ratio_high ? options.log_ratio_high : log_ratio;
+    const T above_low = log_ratio < options.log_ratio_low ? options.log_ratio_low : log_ratio;
+    const T value = advantage > 0 ? below_high : (advantage < 0 ? above_low : T(0) * log_ratio);
+    const bool passes = (advantage > 0 && log_ratio <= options.log_ratio_high) ||
+                        (advantage < 0 && log_ratio >= options.log_ratio_low);
+    return {value, passes};
+  } else {
+    return {log_ratio, true};
+  }
 }
 
 template <typename T>
@@ -107,16 +199,38 @@ struct PolicyTerm {
   T ratio;  // rho, for the metrics
 };
 
-// The objective of a token whose log-ratio to the old policy is `log_ratio`:
-// rho = exp(log-ratio clamped to +-LOG_RATIO_CLAMP); the clamp passes the gradient on
-// the closed interval only. At sequence level the caller passes the response's mean
-// log-ratio: every token then carries s_i and d s_it / d logp_t = s_i.
-template <typename T>
-HADW_ALWAYS_INLINE PolicyTerm<T> policy_term(T log_ratio, T advantage, const ClipOptions<T>& clip) {
+// The objective of a token in the token ratio form: rho = exp(log-ratio clamped to
+// +-LOG_RATIO_CLAMP), the clamp passing the gradient on its closed interval only, and
+// d rho / d logp = rho.
+template <int64_t kObjective, typename T>
+HADW_ALWAYS_INLINE PolicyTerm<T> token_policy_term(T log_ratio, T advantage, T logprob,
+                                                   const ObjectiveOptions<T>& options) {
   const T limit = static_cast<T>(config::kLogRatioClamp);
   const T ratio = vector_exp(clamp_keep_nan(log_ratio, -limit, limit));
-  const Term<T> term = clipped_objective(ratio, advantage, clip);
-  return {term.value, in_closed(log_ratio, -limit, limit) ? term.slope * ratio : T(0), ratio};
+  const ObjectiveTerm<T> term = objective_term<kObjective>(ratio, advantage, logprob, ResponseWeights<T>{}, options);
+  const T through_ratio = in_closed(log_ratio, -limit, limit) ? term.d_ratio * ratio : T(0);
+  return {term.value, through_ratio + term.d_logprob, ratio};
+}
+
+// token_policy_term for an objective code known only at run time (one token at a time);
+// the objective must take the token ratio form (config::kObjectiveTakesRatioLevel).
+template <typename T>
+PolicyTerm<T> token_policy_term(int64_t objective, T log_ratio, T advantage, T logprob,
+                                const ObjectiveOptions<T>& options) {
+  switch (objective) {
+    case config::kObjectiveClip:
+      return token_policy_term<config::kObjectiveClip>(log_ratio, advantage, logprob, options);
+    case config::kObjectiveCispoCap:
+      return token_policy_term<config::kObjectiveCispoCap>(log_ratio, advantage, logprob, options);
+    case config::kObjectiveCispoClip:
+      return token_policy_term<config::kObjectiveCispoClip>(log_ratio, advantage, logprob, options);
+    case config::kObjectiveSapo:
+      return token_policy_term<config::kObjectiveSapo>(log_ratio, advantage, logprob, options);
+    default:
+      TORCH_CHECK(objective == config::kObjectiveGpg, "hadw_cpp: objective ", objective,
+                  " has no token ratio form");
+      return token_policy_term<config::kObjectiveGpg>(log_ratio, advantage, logprob, options);
+  }
 }
 
 // expm1(x) - x of the clamped log-ratio: the approx_kl metric's k3 of KL(pi_old || pi).
@@ -125,6 +239,12 @@ HADW_ALWAYS_INLINE T approx_kl_term(T log_ratio) {
   const T limit = static_cast<T>(config::kLogRatioClamp);
   return clamped_exp_minus_one_minus_x(log_ratio, limit);
 }
+
+template <typename T>
+struct Term {
+  T value;
+  T slope;  // d value / d (its argument)
+};
 
 // A KL(pi || pi_ref) estimate of one token and its derivative with respect to logp
 // (config.KL_ESTIMATORS; k3 with verl's clamps, through exp(d) - 1 - d computed without

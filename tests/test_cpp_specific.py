@@ -6,6 +6,7 @@ kept between calls, the generated constants header, the extension's loading, and
 setup.py's build modes."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hadw_kernels import config
+from hadw_kernels import config, fused_hadw_grpo_loss
 from hadw_kernels.backends import cpp_backend, cpp_constants, cpp_declarations
 from hadw_kernels.ops import signatures
 
@@ -49,28 +50,39 @@ def at_one_and_two_threads():
 # --- inputs ---------------------------------------------------------------------------------
 
 
-def _surrogate_args(dtype=torch.float32, *, batch=16, width=300, advantages=False, sequence_level=False,
-                    options=True):
+def _op_arguments(op: str, **named) -> tuple:
+    """``named`` in the order of the hadw_cpp:: kernel's arguments (ops/signatures.py)."""
+    return tuple(named[name] for _, name in cpp_declarations.parse(signatures.SIGNATURES[op][0]))
+
+
+def _surrogate_args(dtype=torch.float32, *, batch=16, width=300, advantages=False, options=True, loss_type="dapo",
+                    **loss_options):
     """hadw_cpp::surrogate_loss arguments: ``batch`` segments of 0 to 2 x ``width``
-    tokens (one empty), masked tokens, KL, per-token importance weights, entropy
-    (options=True)."""
+    tokens (one empty), masked tokens; the caller's per-token advantages or rewards; KL,
+    per-token importance weights and entropy (options=True). The objective and its
+    ratio form are ``loss_type``'s, with ``loss_options`` (a LossConfig; dual clip 3 with
+    options=True where the objective is clip)."""
     lengths = torch.randint(0, 2 * width + 1, (batch,))
     lengths[1] = 0
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     tokens = int(cu_seqlens[-1])
     logprobs = -torch.rand(tokens, dtype=torch.float64) * 3
     mask = torch.rand(tokens) > 0.2
-    rewards = torch.randint(0, 2, (batch,)).float()
-    return (
-        logprobs.to(dtype), (logprobs + 0.3 * torch.randn_like(logprobs)).to(dtype), mask, cu_seqlens,
-        None if advantages else rewards, torch.randn(batch) if advantages else None,
-        None if advantages else torch.tensor(0.4, dtype=torch.float64),
-        (logprobs + 0.1 * torch.randn_like(logprobs)).to(dtype) if options else None,
-        (torch.rand(tokens) + 0.5).to(dtype) if options else None,
-        torch.rand(tokens).to(dtype) if options else None,
-        None if advantages else 4, True, 1e-6, 1.3,
-        config.AGG_MODES.index("token-mean"), sequence_level, 0.2, 0.28, 3.0 if options else None,
-        0.05 if options else 0.0, config.KL_ESTIMATORS.index("k3"), 0.01 if options else 0.0, None, None,
+    if options and config.LOSS_PRESETS[loss_type].objective == "clip":
+        loss_options.setdefault("dual_clip", 3.0)
+    loss = config.LossConfig.build(loss_type, None if advantages else 4, beta=0.05 if options else None,
+                                   entropy_coef=0.01 if options else None, **loss_options)
+    return _op_arguments(
+        "surrogate_loss",
+        logprobs=logprobs.to(dtype), old_logprobs=(logprobs + 0.3 * torch.randn_like(logprobs)).to(dtype),
+        response_mask=mask, cu_seqlens=cu_seqlens,
+        rewards=None if advantages else torch.randint(0, 2, (batch,)).float(),
+        advantages=torch.randn(tokens) if advantages else None,
+        anchor=None if advantages else torch.tensor(0.4, dtype=torch.float64),
+        ref_logprobs=(logprobs + 0.1 * torch.randn_like(logprobs)).to(dtype) if options else None,
+        importance_weights=(torch.rand(tokens) + 0.5).to(dtype) if options else None,
+        entropy=torch.rand(tokens).to(dtype) if options else None,
+        **loss.kernel_options(),
     )
 
 
@@ -84,20 +96,27 @@ def _linear_tensors(rows, hidden, vocab, dtype=torch.float32, bias=True):
 
 
 def _linear_surrogate_args(rows, hidden, vocab, dtype=torch.float32, *, entropy_coef=0.0, block_rows=0,
-                           options=True):
+                           options=True, loss_type="dapo", **loss_options):
     """hadw_cpp::linear_surrogate_forward arguments; a third of the tokens are clipped
-    (zero gradient: compacted out of the gradient GEMMs)."""
+    (zero gradient: compacted out of the gradient GEMMs). The objective is ``loss_type``'s,
+    with ``loss_options`` (dual clip 2 with options=True where it is clip)."""
     h, w, b, labels = _linear_tensors(rows, hidden, vocab, dtype)
     accumulate = torch.promote_types(dtype, torch.float32)
     old = -torch.rand(rows, dtype=accumulate) * 8
     advantages = torch.randn(rows, dtype=accumulate)
     advantages[::3] = 0.0
-    agg_weights = torch.full((rows,), 1.0 / rows, dtype=accumulate)
-    ref = old + 0.1 * torch.randn_like(old) if options else None
-    weights = torch.rand(rows, dtype=accumulate) + 0.5 if options else None
-    return (h, w, b, labels, old if options else None, advantages, agg_weights, ref, weights, 0.8, IGNORE,
-            0.2, 0.28, 2.0 if options else None, 0.05 if options else 0.0, config.KL_ESTIMATORS.index("k2"),
-            entropy_coef, True, block_rows)
+    if options and config.LOSS_PRESETS[loss_type].objective == "clip":
+        loss_options.setdefault("dual_clip", 2.0)
+    loss = config.LossConfig.build(loss_type, beta=0.05 if options else None, kl_estimator="k2",
+                                   entropy_coef=entropy_coef, **loss_options)
+    return _op_arguments(
+        "linear_surrogate_forward",
+        hidden=h, weight=w, bias=b, labels=labels, old_logprobs=old if options else None, advantages=advantages,
+        agg_weights=torch.full((rows,), 1.0 / rows, dtype=accumulate),
+        ref_logprobs=old + 0.1 * torch.randn_like(old) if options else None,
+        importance_weights=torch.rand(rows, dtype=accumulate) + 0.5 if options else None,
+        temperature=0.8, ignore_index=IGNORE, **loss.token_options(), with_entropy=True, block_rows=block_rows,
+    )
 
 
 def _linear_surrogate(*args):
@@ -119,12 +138,80 @@ def _assert_bit_identical(first, second):
 # --- thread count ---------------------------------------------------------------------------
 
 
+# (loss type, options, the caller's per-token advantages): each ratio form, the sequence
+# form's per-response sums (the share of d l / d rho under per-token importance weights,
+# GMPO's clipped log-ratios) and VESPO's summed log-ratio weight.
+THREAD_COUNT_CASES = [
+    pytest.param("dapo", {}, False, id="token-clip"),
+    pytest.param("gspo", {}, False, id="gspo_token-clip"),
+    pytest.param("luspo", {}, True, id="sequence-clip-token_advantages"),
+    pytest.param("gmpo", {}, True, id="sequence-gmpo-token_advantages"),
+    pytest.param("vespo", {}, False, id="sequence-vespo"),
+    pytest.param("sapo", {"ratio_level": "sequence"}, False, id="sequence-sapo"),
+]
+
+
 @needs_extension
-@pytest.mark.parametrize("sequence_level", [False, True])
-def test_surrogate_does_not_depend_on_thread_count(at_one_and_two_threads, sequence_level):
-    """Responses are summed in response order, whichever thread ran them."""
-    args = _surrogate_args(batch=64, sequence_level=sequence_level)
+@pytest.mark.parametrize("loss_type, options, advantages", THREAD_COUNT_CASES)
+def test_surrogate_does_not_depend_on_thread_count(at_one_and_two_threads, loss_type, options, advantages):
+    """Responses are summed in response order, whichever thread ran them; a response's
+    own sums (its ratio, its share of the gradient) are one task's. Per-token importance
+    weights throughout."""
+    args = _surrogate_args(batch=64, advantages=advantages, loss_type=loss_type, **options)
     _assert_bit_identical(*at_one_and_two_threads(lambda: torch.ops.hadw_cpp.surrogate_loss(*args)))
+
+
+# --- ties and bounds ---------------------------------------------------------------------
+
+# Per response: exact (dyadic) log-ratios and per-token advantages on the edges of the
+# objectives' derivatives. Ratio 1 on both ends of a zero-width clip range and at delta = 1
+# (ties of the clip's branches); log-ratios on GMPO's bounds +-0.25, with advantages of
+# either sign and 0; a mean log-ratio exactly at the clamp's +-20 (its gradient passes)
+# and beyond it (none); ratio 2 (exp(log 2) is 2 in fp64) at the dual clip's bound 2.
+EDGE_LOG_RATIOS = [[0.0] * 6, [0.25, -0.25, 0.5, -0.5, 0.25, -0.25], [20.0] * 6, [-20.0] * 6, [20.5] * 6,
+                   [0.25, 0.25, 0.25, -0.25, -0.25, -0.25], [math.log(2)] * 6]
+EDGE_ADVANTAGES = [[1.0, -1.0, 0.0, 1.0, -1.0, 0.0], [1.0, -1.0, 1.0, -1.0, -1.0, 1.0], [-1.0] * 6, [1.0] * 6,
+                   [-1.0] * 6, [1.0, -1.0, 0.0, 0.0, -1.0, 1.0], [-1.0] * 6]
+EDGE_CASES = [
+    pytest.param("grpo", dict(epsilon_low=0.0, epsilon_high=0.0, dual_clip=2.0), id="clip-zero_range-dual_clip_tie"),
+    pytest.param("grpo", dict(epsilon_low=0.0, epsilon_high=0.0, delta=1.0), id="clip-delta_tie"),
+    pytest.param("grpo", dict(epsilon_low=0.0, epsilon_high=0.0, objective="cispo_clip"), id="cispo_clip"),
+    pytest.param("gmpo", dict(epsilon_low=0.25, epsilon_high=0.25), id="gmpo-bounds"),
+    pytest.param("luspo", dict(epsilon_low=0.0, epsilon_high=0.0), id="sequence-clamp_bound"),
+    pytest.param("gspo", dict(epsilon_low=0.0, epsilon_high=0.0), id="gspo_token-clamp_bound"),
+    pytest.param("sapo", dict(ratio_level="sequence"), id="sapo-sequence"),
+    pytest.param("vespo", {}, id="vespo"),
+]
+
+
+@needs_extension
+@pytest.mark.parametrize("loss_type, options", EDGE_CASES)
+def test_ties_and_bounds_follow_the_reference(loss_type, options):
+    """The derivative's conventions where they decide (objectives.SLOPES: half of the
+    gradient through each branch at a tie, a clamp passing it on its closed interval),
+    and the clip fractions' strict bounds, as the reference's, in fp64 where the edges
+    are exact. Per-token importance weights throughout."""
+    log_ratio = torch.tensor(EDGE_LOG_RATIOS, dtype=torch.float64)
+    logprobs = torch.full_like(log_ratio, -1.0)
+    mask = torch.ones_like(log_ratio, dtype=torch.bool)
+    mask[5, 4:] = False
+    weights = torch.linspace(0.5, 1.5, log_ratio.numel(), dtype=torch.float64).view_as(log_ratio)
+    results = {}
+    for backend in ("cpp", "torch"):
+        leaf = logprobs.clone().requires_grad_()
+        loss, metrics = fused_hadw_grpo_loss(
+            leaf, logprobs - log_ratio, None, mask, advantages=torch.tensor(EDGE_ADVANTAGES, dtype=torch.float64),
+            importance_weights=weights, loss_type=loss_type, **options, return_metrics=True, backend=backend,
+            check_values=False,
+        )
+        (loss * 0.7).backward()
+        results[backend] = (loss.detach(), leaf.grad, metrics)
+    (loss, grad, metrics), (expected_loss, expected_grad, expected_metrics) = results["cpp"], results["torch"]
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+    assert torch.any(grad != 0)
+    for name in expected_metrics:
+        torch.testing.assert_close(metrics[name], expected_metrics[name], rtol=1e-6, atol=0)
 
 
 @needs_extension
@@ -176,6 +263,21 @@ def test_default_blocks_are_config_block_rows_for():
     _assert_bit_identical(default, _linear_surrogate(*args[:-1], expected))
     largest = _linear_surrogate(*args[:-1], config.MAX_BLOCK_ROWS["cpu"])
     assert not torch.equal(default[3], largest[3])
+
+
+@needs_extension
+def test_the_kernels_refuse_a_ratio_form_the_objective_lacks():
+    """config.OBJECTIVES' ratio forms, compiled in: GPG has no sequence ratio, and the
+    linear gradients-in-forward kernel serves no objective that reads its whole response
+    (the losses route those to the recompute path)."""
+    args = dict(zip((name for _, name in cpp_declarations.parse(signatures.SIGNATURES["surrogate_loss"][0])),
+                    _surrogate_args(batch=4, width=5, loss_type="gpg")))
+    args["ratio_level"] = config.RATIO_LEVELS.index("sequence")
+    with pytest.raises(RuntimeError, match="objective 6 does not take ratio_level 1"):
+        torch.ops.hadw_cpp.surrogate_loss(*_op_arguments("surrogate_loss", **args))
+    for loss_type in ("gmpo", "vespo"):
+        with pytest.raises(RuntimeError, match="has no token ratio form .* use the recompute path"):
+            _linear_surrogate(*_linear_surrogate_args(30, 16, 300, loss_type=loss_type, block_rows=8))
 
 
 @needs_extension
@@ -270,12 +372,12 @@ KERNEL_CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
 @needs_extension
-@pytest.mark.parametrize("dtype, advantages, options", [
-    (torch.float32, False, False), (torch.float32, False, True), (torch.float32, True, True),
-    (torch.bfloat16, False, True), (torch.float64, True, True),
+@pytest.mark.parametrize("dtype, advantages, options, loss_type", [
+    (torch.float32, False, False, "dapo"), (torch.float32, False, True, "dapo"), (torch.float32, True, True, "gmpo"),
+    (torch.bfloat16, False, True, "vespo"), (torch.float64, True, True, "gspo"),
 ])
-def test_opcheck_surrogate(dtype, advantages, options):
-    args = _surrogate_args(dtype, batch=8, width=5, advantages=advantages, options=options)
+def test_opcheck_surrogate(dtype, advantages, options, loss_type):
+    args = _surrogate_args(dtype, batch=8, width=5, advantages=advantages, options=options, loss_type=loss_type)
     torch.library.opcheck(torch.ops.hadw_cpp.surrogate_loss.default, args, test_utils=KERNEL_CHECKS)
     torch.library.opcheck(torch.ops.hadw.surrogate_loss.default, (*args, "cpp"), test_utils=KERNEL_CHECKS)
 
@@ -340,8 +442,11 @@ def test_a_tile_of_minus_infinity_logits():
     valid = labels != IGNORE
     torch.testing.assert_close(logprobs[valid], reference[valid])
     rows = torch.ones(40)
-    result = _linear_surrogate(h, w, bias, labels, None, rows, rows / 40, None, None, 1.0,
-                                                         IGNORE, 0.2, 0.2, None, 0.0, 0, 0.0, True, 16)
+    token_options = config.LossConfig.build("grpo").token_options()
+    result = _linear_surrogate(*_op_arguments(
+        "linear_surrogate_forward", hidden=h, weight=w, bias=bias, labels=labels, old_logprobs=None, advantages=rows,
+        agg_weights=rows / 40, ref_logprobs=None, importance_weights=None, temperature=1.0, ignore_index=IGNORE,
+        **token_options, with_entropy=True, block_rows=16))
     torch.testing.assert_close(result[0][valid], reference[valid])
     assert torch.isfinite(result[2]).all() and torch.isfinite(result[3]).all()
 
@@ -422,7 +527,17 @@ def test_generated_header_holds_config_values():
         assert constants[f"k{prefix}Count"] == len(names)
         for index, name in enumerate(names):
             assert constants[f"k{prefix}{cpp_constants._identifier(name)}"] == index, name
+    for prefix, names in (("Objective", config.OBJECTIVE_NAMES), ("RatioLevel", config.RATIO_LEVELS)):
+        assert constants[f"k{prefix}Count"] == len(names)
+        for index, name in enumerate(names):
+            assert constants[f"k{prefix}{cpp_constants._identifier(name)}"] == index, name
+    table = re.search(r"kObjectiveTakesRatioLevel\[kObjectiveCount\]\[kRatioLevelCount\] = \{(.*)\};",
+                      cpp_constants.header(vars(config))).group(1)
+    expected = [[level in objective.ratio_levels for level in config.RATIO_LEVELS]
+                for objective in config.OBJECTIVES.values()]
+    assert [[flag == "true" for flag in row.split(", ")] for row in re.findall(r"\{([^{}]*)\}", table)] == expected
     assert constants["kLogRatioClamp"] == config.LOG_RATIO_CLAMP
+    assert constants["kVespoLogWeightMin"] == config.VESPO_LOG_WEIGHT_MIN
     assert constants["kK3LogRatioClamp"] == config.K3_LOG_RATIO_CLAMP
     assert constants["kK3ValueClamp"] == config.K3_VALUE_CLAMP
 

@@ -35,6 +35,8 @@ def constants(config) -> dict:
         "kl_estimators": list(config["KL_ESTIMATORS"]),
         "objectives": list(config["OBJECTIVE_NAMES"]),
         "ratio_levels": list(config["RATIO_LEVELS"]),
+        "objective_ratio_levels": [[int(level in objective.ratio_levels) for level in config["RATIO_LEVELS"]]
+                                   for objective in config["OBJECTIVES"].values()],
         "vespo_log_weight_min": float(config["VESPO_LOG_WEIGHT_MIN"]),
         "log_ratio_clamp": float(config["LOG_RATIO_CLAMP"]),
         "k3_log_ratio_clamp": float(config["K3_LOG_RATIO_CLAMP"]),
@@ -76,6 +78,11 @@ def header(config) -> str:
     rows = ", ".join(f"{{{count}, {bool(mean)!s:.5}, {bool(length)!s:.5}}}".lower()
                      for count, mean, length in values["aggregations"])
     lines.append(f"constexpr Aggregation kAggregations[kAggCount] = {{{rows}}};")
+    lines.append("")
+    lines.append("// Per objective (config.OBJECTIVES): whether it takes each ratio form (config.RATIO_LEVELS).")
+    rows = ", ".join("{" + ", ".join("true" if taken else "false" for taken in levels) + "}"
+                     for levels in values["objective_ratio_levels"])
+    lines.append(f"constexpr bool kObjectiveTakesRatioLevel[kObjectiveCount][kRatioLevelCount] = {{{rows}}};")
     lines.append("")
     for key in ("log_ratio_clamp", "k3_log_ratio_clamp", "k3_value_clamp", "vespo_log_weight_min"):
         lines.append(f"constexpr double k{_identifier(key)} = {values[key]!r};")

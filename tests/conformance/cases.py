@@ -119,6 +119,8 @@ SURROGATE_VARIANTS = [
             ("old_logprobs", "rewards", "token_importance_weights")),
     Variant("gspo_token_weights", {"ratio_level": "gspo_token", "anchor": 0.5},
             ("old_logprobs", "rewards", "token_importance_weights")),
+    # The objective no loss type presets, in each loss type's ratio form.
+    Variant("cispo_clip", {"objective": "cispo_clip", "anchor": 0.3}),
 ]
 # Options of each objective (config.OBJECTIVES) away from their defaults.
 OBJECTIVE_VARIANT_OPTIONS = {

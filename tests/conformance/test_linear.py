@@ -20,7 +20,8 @@ from cases import (
     run_token_logprobs,
 )
 from check import assert_conforms
-from hadw_kernels import LOSS_TYPES, fused_linear_hadw_grpo_loss
+from hadw_kernels import LOSS_TYPES, LossConfig, fused_linear_hadw_grpo_loss
+from hadw_kernels.config import OBJECTIVES
 from hadw_kernels.backends import load_backend
 
 # (batch, width, hidden, vocab, bias, temperature, logit scale): a vocabulary that no
@@ -76,17 +77,45 @@ LINEAR_VARIANTS = [
     # A vocabulary masked through the bias (-inf logits), with the entropy's gradient.
     Variant("masked_vocab_entropy", {"entropy_coef": 0.01, "anchor": 0.35},
             ("old_logprobs", "rewards", "bias", "masked_vocab")),
+    # Each objective's own options away from their defaults (cases.OBJECTIVE_VARIANT_OPTIONS).
+    Variant("objective_options", {"anchor": 0.45}, ("old_logprobs", "rewards", "objective_options")),
+    Variant("token_advantages_entropy", {"entropy_coef": 0.01}, ("old_logprobs", "token_advantages")),
+    # The objective no loss type presets, in each loss type's ratio form.
+    Variant("cispo_clip", {"objective": "cispo_clip", "anchor": 0.3}),
 ]
 PATHS = ["gradients_in_forward", "recompute"]
 
 
+def linear_cases() -> list[tuple[str, Variant, torch.dtype]]:
+    """(loss type, variant, dtype) with every pair of the three present, not their
+    product (as cases.pairwise_cases): every (loss type, variant) pair once, its dtype
+    DTYPES[(l + v) % 4]. Each runs on both paths; the gradients-in-forward path then
+    serves every objective of the token ratio form."""
+    return [(loss_type, variant, DTYPES[(l_index + v_index) % len(DTYPES)])
+            for l_index, loss_type in enumerate(LOSS_TYPES) for v_index, variant in enumerate(LINEAR_VARIANTS)]
+
+
+LINEAR_CASES = linear_cases()
+
+
+def test_the_linear_cases_cover_every_pair():
+    seen = [(loss_type, str(variant), dtype) for loss_type, variant, dtype in LINEAR_CASES]
+    axes = (LOSS_TYPES, [str(variant) for variant in LINEAR_VARIANTS], DTYPES)
+    for first, second in ((0, 1), (0, 2), (1, 2)):
+        pairs = {(case[first], case[second]) for case in seen}
+        assert len(pairs) == len(axes[first]) * len(axes[second]), (first, second)
+    token_level = {LossConfig.build(loss_type, objective=variant.options.get("objective")).objective
+                   for loss_type, variant, _ in LINEAR_CASES
+                   if not LossConfig.build(loss_type, objective=variant.options.get("objective")).sequence_level}
+    assert token_level == {name for name, objective in OBJECTIVES.items() if "token" in objective.ratio_levels}
+
+
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant", LINEAR_VARIANTS, ids=str)
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type, variant, dtype", LINEAR_CASES,
+                         ids=[f"{loss_type}-{variant}-{str(dtype)[6:]}" for loss_type, variant, dtype in LINEAR_CASES])
 def test_linear_loss_matches_reference(backend, device, loss_type, variant, dtype, path):
     if path == "gradients_in_forward":
-        if loss_type == "gspo":
+        if LossConfig.build(loss_type, objective=variant.options.get("objective")).sequence_level:
             pytest.skip("a sequence-level loss has no gradients-in-forward path (its token gradients need the "
                         "whole response)")
         if not load_backend(backend).has_gradients_in_forward(device):
