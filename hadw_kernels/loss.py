@@ -324,8 +324,9 @@ def _linear_path(requested: str, implementation, config: LossConfig, device: tor
     if requested == "gradients_in_forward":
         if config.sequence_level:
             raise ValueError(
-                "linear_path='gradients_in_forward' needs a token-level loss: a sequence-level (GSPO) token's "
-                "gradient depends on every log-prob of its response; use 'recompute' or 'auto'"
+                f"linear_path='gradients_in_forward' needs a token ratio: with ratio_level={config.ratio_level!r} "
+                f"(objective {config.objective!r}) a token's gradient depends on every log-prob of its response; "
+                "use 'recompute' or 'auto'"
             )
         if not available:
             raise ValueError(f"backend {implementation.name!r} has no gradients-in-forward path here")

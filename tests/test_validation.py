@@ -158,7 +158,7 @@ def _linear_inputs():
         (dict(temperature=float("inf")), ValueError, "temperature"),
         (dict(block_rows=0), ValueError, "block_rows"),
         (dict(linear_path="fast"), ValueError, "unknown linear_path"),
-        (dict(linear_path="gradients_in_forward", loss_type="gspo"), ValueError, "token-level loss"),
+        (dict(linear_path="gradients_in_forward", loss_type="gspo"), ValueError, "needs a token ratio: with ratio_level=.gspo_token."),
         (dict(lm_head_bias=torch.zeros(15)), ValueError, "lm_head_bias"),
         (dict(lm_head_bias=torch.zeros(16, dtype=torch.float64)), TypeError, "lm_head_bias"),
         (dict(entropy_coef=-0.1), ValueError, "entropy_coef"),
