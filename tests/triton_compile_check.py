@@ -62,7 +62,8 @@ for dtype in (torch.bfloat16, torch.float32):
     row = torch.zeros(batch * width)
     linear_logprob.linear_logprob_forward(hidden, weight, bias, labels, 0.7, -100, True)
     linear_logprob.linear_logprob_backward(row, row, hidden, weight, bias, labels, row, row, 0.7, -100)
-    token_forms = [(objective, options) for objective in OBJECTIVE_NAMES if "token" in OBJECTIVES[objective].ratio_levels
+    token_forms = [(objective, options) for objective in OBJECTIVE_NAMES
+                   if "token" in OBJECTIVES[objective].ratio_levels
                    for options in (CLIP_OPTIONS if objective == "clip" else [{}])]
     for index, (objective, options) in enumerate(token_forms):
         config = LossConfig.build("grpo", objective=objective, beta=0.1 * (index % 2),

@@ -434,8 +434,9 @@ def _surrogate_kernel(
     compute = grad_logprobs_ptr.dtype.element_ty
     ratio_low = tl.full([], 1.0 - epsilon_low, compute)
     ratio_high = tl.full([], 1.0 + epsilon_high, compute)
-    log_low = tl.full([], epsilon_low, compute)
-    log_high = tl.full([], epsilon_high, compute)
+    # GMPO's clip range is in log space.
+    log_range_low = tl.full([], epsilon_low, compute)
+    log_range_high = tl.full([], epsilon_high, compute)
     delta = tl.full([], delta, compute)
     dual_clip = tl.full([], dual_clip, compute)
     ratio_cap = tl.full([], ratio_cap, compute)
@@ -469,7 +470,8 @@ def _surrogate_kernel(
             if OBJECTIVE == _GMPO:
                 advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
                                               PER_TOKEN_ADVANTAGES)
-                log_ratio_sum += tl.where(valid, gmpo_log_ratio(log_ratio, advantage, log_low, log_high), 0.0)
+                clipped_log_ratio = gmpo_log_ratio(log_ratio, advantage, log_range_low, log_range_high)
+                log_ratio_sum += tl.where(valid, clipped_log_ratio, 0.0)
             else:
                 log_ratio_sum += tl.where(valid, log_ratio, 0.0)
             if OBJECTIVE == _VESPO:
@@ -543,7 +545,7 @@ def _surrogate_kernel(
             grad *= token_importance
         if RATIO_LEVEL == _SEQUENCE_RATIO and THROUGH_RATIO:
             if OBJECTIVE == _GMPO:
-                grad += tl.where(gmpo_passes(log_ratio, advantage, log_low, log_high), ratio_share, 0.0)
+                grad += tl.where(gmpo_passes(log_ratio, advantage, log_range_low, log_range_high), ratio_share, 0.0)
             else:
                 grad += ratio_share
         if HAS_KL:
