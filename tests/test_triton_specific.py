@@ -16,7 +16,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from hadw_kernels import fused_hadw_grpo_loss, objectives  # noqa: E402
-from hadw_kernels.config import OBJECTIVE_NAMES, LossConfig  # noqa: E402
+from hadw_kernels.config import OBJECTIVE_NAMES, RATIO_LEVELS, LossConfig  # noqa: E402
 from hadw_kernels.triton import surrogate as triton_surrogate  # noqa: E402
 from hadw_kernels.triton import scale as scale_module  # noqa: E402
 from hadw_kernels.triton.scale import scale_in_place_  # noqa: E402
@@ -288,6 +288,30 @@ def test_vespo_weight_is_objectives_py(k, lam, overflows):
     assert phi[-1].item() == 0.0
     if overflows:
         assert phi[-3:].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_launchers_refuse_a_ratio_form_the_objective_lacks():
+    """Below LossConfig's checks, the launchers name what they cannot serve rather than
+    fail to compile: VESPO in the token form, and GMPO and VESPO (whole responses) on the
+    gradients-in-forward linear path."""
+    from hadw_kernels.triton.linear_logprob import linear_surrogate_forward
+
+    logprobs, old, _, mask = _batch(batch=2, width=3)
+    kernel_options = LossConfig.build("vespo").kernel_options()
+    kernel_options["ratio_level"] = RATIO_LEVELS.index("token")
+    with pytest.raises(ValueError, match="objective 'vespo' takes ratio_level in"):
+        triton_surrogate.surrogate_forward(
+            logprobs=logprobs.view(-1), old_logprobs=old.view(-1), response_mask=mask.view(-1),
+            cu_seqlens=torch.arange(3, device=DEVICE) * 3, rewards=None, advantages=torch.ones(6, device=DEVICE),
+            anchor=None, ref_logprobs=None, importance_weights=None, entropy=None, **kernel_options)
+    rows = torch.zeros(4, device=DEVICE)
+    for loss_type in ("gmpo", "vespo"):
+        with pytest.raises(ValueError, match=f"objective '{loss_type}' reads whole responses"):
+            linear_surrogate_forward(
+                hidden=torch.zeros(4, 8, device=DEVICE), weight=torch.zeros(5, 8, device=DEVICE), bias=None,
+                labels=torch.zeros(4, dtype=torch.long, device=DEVICE), old_logprobs=None, advantages=rows,
+                agg_weights=rows, ref_logprobs=None, importance_weights=None, temperature=1.0, ignore_index=-100,
+                **LossConfig.build(loss_type).token_options(), with_entropy=False, block_rows=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
