@@ -512,7 +512,8 @@ def _surrogate_kernel(
         valid = tl.load(mask_ptr + tokens * stride_mask, mask=inside, other=0) != 0
         advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
                                       PER_TOKEN_ADVANTAGES)
-        advantage_sum += advantage
+        if RATIO_LEVEL != _TOKEN_RATIO:
+            advantage_sum += advantage  # the sign of the response's, for its clip fractions
         # The log-probs are read (again) where this token's terms need them: its own ratio,
         # the KL, an objective that weighs the log-prob, GMPO's clip of its log-ratio.
         if RATIO_LEVEL == _TOKEN_RATIO or HAS_KL or not THROUGH_RATIO or OBJECTIVE == _GMPO:
