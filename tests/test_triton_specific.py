@@ -15,14 +15,18 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from hadw_kernels import fused_hadw_grpo_loss  # noqa: E402
+from hadw_kernels import fused_hadw_grpo_loss, objectives  # noqa: E402
+from hadw_kernels.config import OBJECTIVE_NAMES, RATIO_LEVELS, LossConfig  # noqa: E402
 from hadw_kernels.triton import surrogate as triton_surrogate  # noqa: E402
 from hadw_kernels.triton import scale as scale_module  # noqa: E402
 from hadw_kernels.triton.scale import scale_in_place_  # noqa: E402
+from test_objectives import OPTIONS, _config as objective_config, _points as objective_points  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs Triton's interpreter or a GPU")
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+# Every objective with its options away from their defaults (tests/test_objectives.py).
+OBJECTIVE_CASES = [(name, options) for name in OBJECTIVE_NAMES for options in OPTIONS[name]]
 
 
 def _batch(batch=8, width=5):
@@ -59,10 +63,13 @@ def test_outputs_do_not_depend_on_recycled_memory():
     mask[2] = False
     cu_seqlens = torch.arange(9, device=DEVICE) * 37
 
+    options = LossConfig.build("grpo", 4, lambda_scale=1.5, entropy_coef=0.01).kernel_options()
+
     def call():
         return triton_surrogate.surrogate_forward(
-            logprobs.view(-1), old.view(-1), mask.view(-1), cu_seqlens, rewards, None, None, None, None,
-            entropy.view(-1), 4, True, 1e-6, 1.5, 0, False, 0.2, 0.2, None, 0.0, 0, 0.01, None, None,
+            logprobs=logprobs.view(-1), old_logprobs=old.view(-1), response_mask=mask.view(-1), cu_seqlens=cu_seqlens,
+            rewards=rewards, advantages=None, anchor=None, ref_logprobs=None, importance_weights=None,
+            entropy=entropy.view(-1), **options,
         )
 
     clean = call()
@@ -152,33 +159,159 @@ def test_token_offsets_beyond_int32():
 
 
 @triton.jit
-def _objective_kernel(ratio_ptr, advantage_ptr, objective_ptr, slope_ptr, dual_clip, BLOCK: tl.constexpr):
+def _objective_kernel(
+    ratio_ptr, advantage_ptr, logprob_ptr, weight_ptr, value_ptr, d_ratio_ptr, d_logprob_ptr, count,
+    ratio_low: tl.float64, ratio_high: tl.float64, delta: tl.float64, dual_clip: tl.float64, ratio_cap: tl.float64,
+    temperature_pos: tl.float64, temperature_neg: tl.float64,
+    OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, BLOCK: tl.constexpr,
+):
     index = tl.arange(0, BLOCK)
-    ratio = tl.load(ratio_ptr + index)
-    advantage = tl.load(advantage_ptr + index)
-    objective, slope = triton_surrogate.clipped_objective(ratio, advantage, 0.8, 1.2, dual_clip, True)
-    tl.store(objective_ptr + index, objective)
-    tl.store(slope_ptr + index, slope)
+    inside = index < count
+    ratio = tl.load(ratio_ptr + index, mask=inside, other=1.0)
+    advantage = tl.load(advantage_ptr + index, mask=inside, other=0.0)
+    logprob = tl.load(logprob_ptr + index, mask=inside, other=0.0)
+    weight = tl.load(weight_ptr + index, mask=inside, other=0.0)
+    # 0-d tensors, as the kernels pass the options: the interpreter rounds a bare float
+    # scalar in tl.where to float32.
+    value, d_ratio, d_logprob = triton_surrogate.objective_terms(
+        ratio, advantage, logprob, weight, tl.full([], ratio_low, tl.float64), tl.full([], ratio_high, tl.float64),
+        tl.full([], delta, tl.float64), tl.full([], dual_clip, tl.float64), tl.full([], ratio_cap, tl.float64),
+        tl.full([], temperature_pos, tl.float64), tl.full([], temperature_neg, tl.float64),
+        OBJECTIVE, HAS_DELTA, HAS_DUAL_CLIP)
+    tl.store(value_ptr + index, value, mask=inside)
+    tl.store(d_ratio_ptr + index, d_ratio, mask=inside)
+    tl.store(d_logprob_ptr + index, d_logprob, mask=inside)
+
+
+def _objective_terms(config, ratio, advantage, logprob, weight):
+    """objective_terms of ``config``'s objective at float64 points, on the device."""
+    inputs = [t.to(DEVICE) for t in (ratio, advantage, logprob, weight)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(3)]
+    options = config.token_options()
+    delta, dual_clip = options["delta"], options["dual_clip"]
+    _objective_kernel[(1,)](
+        *inputs, *outputs, ratio.numel(), 1.0 - config.epsilon_low, 1.0 + config.epsilon_high,
+        0.0 if delta is None else delta, 0.0 if dual_clip is None else dual_clip, options["ratio_cap"],
+        options["sapo_temperature_pos"], options["sapo_temperature_neg"], OBJECTIVE=options["objective"],
+        HAS_DELTA=delta is not None, HAS_DUAL_CLIP=dual_clip is not None,
+        BLOCK=triton.next_power_of_2(ratio.numel()),
+    )
+    return [output.cpu() for output in outputs]
+
+
+@pytest.mark.parametrize("objective, options", OBJECTIVE_CASES, ids=str)
+def test_objective_terms_are_objectives_py(objective, options):
+    """The device transcription of every objective: objectives.py's value and derivatives
+    (themselves autograd's, tests/test_objectives.py) at its random points and edges (the
+    clip bounds, delta, the dual-clip bound, ties, A = 0), in float64."""
+    config = objective_config(objective, options)
+    ratio, advantage, logprob, weight = objective_points(config)
+    value, d_ratio, d_logprob = _objective_terms(config, ratio, advantage, logprob, weight)
+    expected_ratio, expected_logprob = objectives.SLOPES[objective](ratio, advantage, logprob, weight, config)
+    torch.testing.assert_close(value, objectives.VALUES[objective](ratio, advantage, logprob, weight, config),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(d_ratio, expected_ratio, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(d_logprob, expected_logprob, rtol=1e-12, atol=1e-12)
 
 
 def test_dual_clip_tie_halves_the_slope():
     """At the exact dual-clip bound torch.minimum splits the gradient between the
     objective and the bound, so half the slope passes (as the reference and C++ do);
     above it none, below it all."""
-    ratio = torch.tensor([3.0, 3.5, 2.5, 3.0], device=DEVICE)
-    advantage = torch.tensor([-1.0, -1.0, -1.0, 1.0], device=DEVICE)
-    objective, slope = torch.empty(4, device=DEVICE), torch.empty(4, device=DEVICE)
-    _objective_kernel[(1,)](ratio, advantage, objective, slope, 3.0, BLOCK=4)
-    reference_ratio = ratio.clone().requires_grad_()
-    from hadw_kernels.config import LossConfig
-    from hadw_kernels.reference.surrogate import clipped_objective
+    config = LossConfig.build("grpo", epsilon_low=0.2, epsilon_high=0.2, dual_clip=3.0)
+    ratio = torch.tensor([3.0, 3.5, 2.5, 3.0], dtype=torch.float64)
+    advantage = torch.tensor([-1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    _, d_ratio, _ = _objective_terms(config, ratio, advantage, torch.zeros(4, dtype=torch.float64),
+                                     torch.zeros(4, dtype=torch.float64))
+    assert d_ratio.tolist() == [0.5, 0.0, 1.0, 0.0]  # the last one is clipped above 1.2
 
-    config = LossConfig.build("grpo", 2, dual_clip=3.0)
-    reference = clipped_objective(reference_ratio, advantage, config)
-    reference.sum().backward()
-    torch.testing.assert_close(objective, reference.detach())
-    torch.testing.assert_close(slope, reference_ratio.grad)
-    assert slope.tolist() == [0.5, 0.0, 1.0, 0.0]  # the last one is clipped above 1.2
+
+def test_through_ratio_splits_the_objectives_as_their_slopes_do():
+    """The kernels' split of the objectives (triton/surrogate.py, THROUGH_RATIO): those
+    through the ratio have no log-prob slope, the others no ratio slope."""
+    for objective in OBJECTIVE_NAMES:
+        config = objective_config(objective, OPTIONS[objective][0])
+        d_ratio, d_logprob = objectives.SLOPES[objective](*objective_points(config), config)
+        if objective in triton_surrogate.THROUGH_RATIO:
+            assert torch.all(d_logprob == 0) and torch.any(d_ratio != 0), objective
+        else:
+            assert torch.all(d_ratio == 0) and torch.any(d_logprob != 0), objective
+
+
+@triton.jit
+def _gmpo_kernel(log_ratio_ptr, advantage_ptr, clipped_ptr, passes_ptr, epsilon_low: tl.float64,
+                 epsilon_high: tl.float64, BLOCK: tl.constexpr):
+    index = tl.arange(0, BLOCK)
+    log_ratio = tl.load(log_ratio_ptr + index)
+    advantage = tl.load(advantage_ptr + index)
+    tl.store(clipped_ptr + index, triton_surrogate.gmpo_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high))
+    passes = triton_surrogate.gmpo_passes(log_ratio, advantage, epsilon_low, epsilon_high)
+    tl.store(passes_ptr + index, passes.to(tl.float64))
+
+
+def test_gmpo_clip_and_where_it_passes_the_gradient():
+    """GMPO's log-space clip on the device and where it passes its log-ratio's gradient:
+    objectives.gmpo_log_ratio and its autograd derivative, at the bounds (ties) too."""
+    config = LossConfig.build("gmpo", epsilon_low=0.2, epsilon_high=0.3)
+    values = torch.tensor([-1.0, -0.2, -0.1, 0.0, 0.1, 0.3, 1.0, float("nan")], dtype=torch.float64)
+    log_ratio = values.repeat(3)
+    advantage = torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64).repeat_interleave(values.numel())
+    block = triton.next_power_of_2(log_ratio.numel())
+    log_ratio = torch.cat([log_ratio, torch.zeros(block - log_ratio.numel(), dtype=torch.float64)])
+    advantage = torch.cat([advantage, torch.zeros(block - advantage.numel(), dtype=torch.float64)])
+    clipped, passes = (torch.empty(block, dtype=torch.float64, device=DEVICE) for _ in range(2))
+    _gmpo_kernel[(1,)](log_ratio.to(DEVICE), advantage.to(DEVICE), clipped, passes, 0.2, 0.3, BLOCK=block)
+    leaf = log_ratio.clone().requires_grad_()
+    expected = objectives.gmpo_log_ratio(leaf, advantage, config)
+    (gradient,) = torch.autograd.grad(expected.sum(), leaf)
+    torch.testing.assert_close(clipped.cpu(), expected.detach(), rtol=0, atol=0, equal_nan=True)
+    finite = ~torch.isnan(log_ratio)
+    assert torch.equal(passes.cpu()[finite], gradient[finite])
+
+
+@triton.jit
+def _vespo_kernel(summed_ptr, phi_ptr, k: tl.float64, lam: tl.float64, BLOCK: tl.constexpr):
+    index = tl.arange(0, BLOCK)
+    tl.store(phi_ptr + index, triton_surrogate.vespo_weight(tl.load(summed_ptr + index), k, lam))
+
+
+@pytest.mark.parametrize("k, lam, overflows", [(1.5, 2.5, False), (2.5, 1.5, False), (60.0, 1e-30, True)])
+def test_vespo_weight_is_objectives_py(k, lam, overflows):
+    """VESPO's weight on the device, its log-weight clamped below and above, and 0 where
+    it is NaN or overflows (the last (k, lam): w^k past float64's range from w = e^15)."""
+    config = LossConfig.build("vespo", vespo_k_pos=k, vespo_lambda_pos=lam)
+    summed = torch.tensor([-40.0, -18.0, -2.0, 0.0, 0.5, 15.0, 25.0, float("nan")], dtype=torch.float64)
+    phi = torch.empty_like(summed, device=DEVICE)
+    _vespo_kernel[(1,)](summed.to(DEVICE), phi, k, lam, BLOCK=summed.numel())
+    expected = objectives.vespo_weight(summed, torch.ones_like(summed), config)
+    torch.testing.assert_close(phi.cpu(), expected, rtol=1e-12, atol=0)
+    assert phi[-1].item() == 0.0
+    if overflows:
+        assert phi[-3:].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_launchers_refuse_a_ratio_form_the_objective_lacks():
+    """Below LossConfig's checks, the launchers name what they cannot serve rather than
+    fail to compile: VESPO in the token form, and GMPO and VESPO (whole responses) on the
+    gradients-in-forward linear path."""
+    from hadw_kernels.triton.linear_logprob import linear_surrogate_forward
+
+    logprobs, old, _, mask = _batch(batch=2, width=3)
+    kernel_options = LossConfig.build("vespo").kernel_options()
+    kernel_options["ratio_level"] = RATIO_LEVELS.index("token")
+    with pytest.raises(ValueError, match="objective 'vespo' takes ratio_level in"):
+        triton_surrogate.surrogate_forward(
+            logprobs=logprobs.view(-1), old_logprobs=old.view(-1), response_mask=mask.view(-1),
+            cu_seqlens=torch.arange(3, device=DEVICE) * 3, rewards=None, advantages=torch.ones(6, device=DEVICE),
+            anchor=None, ref_logprobs=None, importance_weights=None, entropy=None, **kernel_options)
+    rows = torch.zeros(4, device=DEVICE)
+    for loss_type in ("gmpo", "vespo"):
+        with pytest.raises(ValueError, match=f"objective '{loss_type}' reads whole responses"):
+            linear_surrogate_forward(
+                hidden=torch.zeros(4, 8, device=DEVICE), weight=torch.zeros(5, 8, device=DEVICE), bias=None,
+                labels=torch.zeros(4, dtype=torch.long, device=DEVICE), old_logprobs=None, advantages=rows,
+                agg_weights=rows, ref_logprobs=None, importance_weights=None, temperature=1.0, ignore_index=-100,
+                **LossConfig.build(loss_type).token_options(), with_entropy=False, block_rows=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])

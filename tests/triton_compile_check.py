@@ -11,6 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, mangle_type
 
+from hadw_kernels.config import AGG_MODES, KL_ESTIMATORS, OBJECTIVE_NAMES, OBJECTIVES, LossConfig
 from hadw_kernels.triton import linear_logprob, scale, surrogate
 
 launches = []
@@ -33,18 +34,27 @@ for module in (surrogate, linear_logprob, scale):
 batch, width = 8, 64
 mask = torch.ones(batch * width, dtype=torch.bool)
 cu_seqlens = torch.arange(batch + 1) * width
+# Every objective in every ratio form it takes, each with other options (advantages from
+# rewards or per token, importance weights, a KL estimator, an aggregation mode, the
+# entropy, delta and dual clip) turning over along the list.
+FORMS = [(objective, level) for objective in OBJECTIVE_NAMES for level in OBJECTIVES[objective].ratio_levels]
+CLIP_OPTIONS = [dict(delta=1.5, dual_clip=3.0), dict(dual_clip=3.0), dict()]
 for dtype in (torch.bfloat16, torch.float32):
     values = lambda: torch.zeros(batch * width, dtype=dtype)  # noqa: E731
-    for sequence_level, weights, agg_mode in ((False, torch.ones(batch * width), 0), (True, None, 1),
-                                              (False, None, 3)):
-        for kl_estimator in range(4):
-            surrogate.surrogate_forward(
-                values(), values(), mask, cu_seqlens, torch.zeros(batch), None, torch.tensor(0.5), values(), weights,
-                values(), 4, True, 1e-6, 1.3, agg_mode, sequence_level, 0.2, 0.28, 3.0, 0.1, kl_estimator, 0.01,
-                None, width)
-    surrogate.surrogate_forward(
-        values(), values(), mask, cu_seqlens, None, torch.zeros(batch), None, None, None, None,
-        None, False, 1e-6, 1.3, 2, False, 0.2, 0.28, None, 0.0, 2, 0.0, 10.0, 64)
+    for index, (objective, level) in enumerate(FORMS):
+        from_rewards = index % 2 == 0
+        options = CLIP_OPTIONS[index % 3] if objective == "clip" else {}
+        config = LossConfig.build(
+            "grpo", 4 if from_rewards else None, objective=objective, ratio_level=level, beta=0.1,
+            kl_estimator=KL_ESTIMATORS[index % len(KL_ESTIMATORS)], loss_agg_mode=AGG_MODES[index % len(AGG_MODES)],
+            max_response_length=width, entropy_coef=0.01, **options)
+        surrogate.surrogate_forward(
+            logprobs=values(), old_logprobs=values(), response_mask=mask, cu_seqlens=cu_seqlens,
+            rewards=torch.zeros(batch) if from_rewards else None,
+            advantages=None if from_rewards else torch.zeros(batch * width),
+            anchor=torch.tensor(0.5) if from_rewards else None, ref_logprobs=values(),
+            importance_weights=torch.ones(batch * width) if index % 3 == 0 else None,
+            entropy=values() if index % 4 < 2 else None, **config.kernel_options())
     hidden = torch.zeros(batch * width, 32, dtype=dtype)
     weight = torch.zeros(100, 32, dtype=dtype)
     bias = torch.zeros(100, dtype=dtype)
@@ -52,12 +62,18 @@ for dtype in (torch.bfloat16, torch.float32):
     row = torch.zeros(batch * width)
     linear_logprob.linear_logprob_forward(hidden, weight, bias, labels, 0.7, -100, True)
     linear_logprob.linear_logprob_backward(row, row, hidden, weight, bias, labels, row, row, 0.7, -100)
-    for kl_estimator in range(4):
+    token_forms = [(objective, options) for objective in OBJECTIVE_NAMES
+                   if "token" in OBJECTIVES[objective].ratio_levels
+                   for options in (CLIP_OPTIONS if objective == "clip" else [{}])]
+    for index, (objective, options) in enumerate(token_forms):
+        config = LossConfig.build("grpo", objective=objective, beta=0.1 * (index % 2),
+                                  kl_estimator=KL_ESTIMATORS[index % len(KL_ESTIMATORS)], entropy_coef=0.01, **options)
+        on_policy, weighted = index % 3 == 0, index % 2 == 0
         linear_logprob.linear_surrogate_forward(
-            hidden, weight, bias, labels, row, row, row, row, row, 0.7, -100, 0.2, 0.28, 3.0, 0.1, kl_estimator,
-            0.01, True, 16)
-    linear_logprob.linear_surrogate_forward(
-        hidden, weight, None, labels, None, row, row, None, None, 1.0, -100, 0.2, 0.2, None, 0.0, 2, 0.0, False, 0)
+            hidden=hidden, weight=weight, bias=bias if weighted else None, labels=labels,
+            old_logprobs=None if on_policy else row, advantages=row, agg_weights=row, ref_logprobs=row,
+            importance_weights=row if weighted else None, temperature=0.7, ignore_index=-100,
+            **config.token_options(), with_entropy=not on_policy, block_rows=16 * (index % 2))
     scale.scale_in_place_(weight, torch.ones(()))
 scale.scale_in_place_(torch.zeros(3, dtype=torch.float64), torch.ones((), dtype=torch.float64))
 

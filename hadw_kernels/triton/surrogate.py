@@ -1,6 +1,6 @@
-"""Triton kernels of ``hadw::surrogate_loss``: the clipped surrogate with HA-DW (docs/math.md
-sections 2, 4 and 5) as ``config.LossConfig`` describes it, loss and gradient in one
-pass over the tokens.
+"""Triton kernels of ``hadw::surrogate_loss``: the policy objectives with HA-DW (docs/math.md
+sections 2, 4 and 5) as ``config.LossConfig`` describes them, loss and gradient in one
+launch over the tokens.
 
 Launches, in stream order, none of which reads a value back to the host:
 
@@ -10,22 +10,26 @@ Launches, in stream order, none of which reads a value back to the host:
    unbiased std, A_hat, Phi from the anchor (read from device memory), A = A_hat * Phi.
 3. ``_surrogate_kernel``, one program per segment on grid axis 0 (2^31 - 1 programs):
    each token's contribution to the loss, d loss / d logprobs and d loss / d entropy,
-   and the response's metric partial sums. Sequence level (GSPO) first reads the
-   response once for its mean log-ratio.
+   and the response's metric partial sums. A sequence ratio form first reads the
+   response for its mean log-ratio (and VESPO's summed one), and the "sequence" form
+   then once more for the sum of its tokens' slopes through the shared ratio.
 4. ``_finish_kernel``, one program: sums the per-response partials in a fixed order
    (deterministic, unlike float atomics) into the loss and the metrics vector.
 
 The tokens come flat, [N], in segments of one response each (``cu_seqlens``,
 hadw_kernels/layout.py): a program streams its segment's tokens, so a padded [B, T] batch
-(B segments of T) and a packed one run the same kernels.
+(B segments of T) and a packed one run the same kernels. Advantages are per response
+(from rewards) or the caller's per token.
 
-The per-token formulas (``policy_term``, ``kl_term``, ``aggregation_weight``) are shared with
-the gradients-in-forward linear kernels (``linear_logprob.py``). All arithmetic is in
-the compute dtype (fp32, or fp64 for fp64 log-probs); bf16 and fp16 inputs are widened on
-load. Offsets are int64. Masked positions are never read, so padding may hold inf or
-NaN; a NaN at a valid position makes the loss NaN (maximum and minimum propagate NaN
-here: Triton's default drops it). Block sizes: ``_token_launch`` and
-docs/triton-surrogate.md.
+The per-token formulas (``objective_terms``, ``policy_term``, ``kl_term``,
+``aggregation_weight``) are shared with the gradients-in-forward linear kernels
+(``linear_logprob.py``). ``objective_terms`` transcribes objectives.py's values and
+derivatives, one branch per objective (its code in config.OBJECTIVE_NAMES). All
+arithmetic is in the compute dtype (fp32, or fp64 for fp64 log-probs); bf16 and fp16
+inputs are widened on load. Offsets are int64. Masked positions are never read, so
+padding may hold inf or NaN; a NaN at a valid position makes the loss NaN (maximum and
+minimum propagate NaN here: Triton's default drops it). Block sizes: ``_token_launch``
+and docs/triton-surrogate.md.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ from ..config import (
     KL_ESTIMATORS,
     LOG_RATIO_CLAMP,
     METRIC_NAMES,
+    OBJECTIVE_NAMES,
+    OBJECTIVES,
+    RATIO_LEVELS,
+    VESPO_LOG_WEIGHT_MIN,
 )
 from ..precision import accumulate_dtype
 
@@ -57,7 +65,7 @@ _LOSS = tl.constexpr(0)
 _CLIP_LOW = tl.constexpr(1)
 _CLIP_HIGH = tl.constexpr(2)
 _RATIO_SUM = tl.constexpr(3)
-_RATIO_COUNT = tl.constexpr(4)  # tokens (token level) or non-empty responses (sequence level)
+_RATIO_COUNT = tl.constexpr(4)  # tokens (token ratios) or non-empty responses (sequence ratios)
 _APPROX_KL = tl.constexpr(5)
 _REF_KL = tl.constexpr(6)
 _ENTROPY = tl.constexpr(7)
@@ -80,7 +88,26 @@ _KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
 _KL_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
 _KL_K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
 
+# The objectives (config.OBJECTIVES) and the ratio forms (config.RATIO_LEVELS) by their codes.
+_CLIP = tl.constexpr(OBJECTIVE_NAMES.index("clip"))
+_CISPO_CAP = tl.constexpr(OBJECTIVE_NAMES.index("cispo_cap"))
+_CISPO_CLIP = tl.constexpr(OBJECTIVE_NAMES.index("cispo_clip"))
+_SAPO = tl.constexpr(OBJECTIVE_NAMES.index("sapo"))
+_GMPO = tl.constexpr(OBJECTIVE_NAMES.index("gmpo"))
+_VESPO = tl.constexpr(OBJECTIVE_NAMES.index("vespo"))
+_GPG = tl.constexpr(OBJECTIVE_NAMES.index("gpg"))
+_TOKEN_RATIO = tl.constexpr(RATIO_LEVELS.index("token"))
+_SEQUENCE_RATIO = tl.constexpr(RATIO_LEVELS.index("sequence"))
+
+# How each objective's gradient reaches a token's log-prob (objectives.SLOPES): through its
+# ratio (d l / d logp = 0; the "sequence" form sums these slopes over the response), or
+# directly, the loss being a detached weight times the log-prob (d l / d rho = 0; the
+# kernel then reads the log-probs for the value). tests/test_triton_specific.py holds the
+# split to objectives.SLOPES.
+THROUGH_RATIO = frozenset({"clip", "sapo", "gmpo"})
+
 _LOG_RATIO_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)
+_VESPO_LOG_WEIGHT_MIN = tl.constexpr(VESPO_LOG_WEIGHT_MIN)
 _K3_LOG_RATIO_CLAMP = tl.constexpr(K3_LOG_RATIO_CLAMP)
 _K3_VALUE_CLAMP = tl.constexpr(K3_VALUE_CLAMP)
 
@@ -139,17 +166,35 @@ def exp_minus_one_minus_x(x):
 
 
 @triton.jit
-def clipped_objective(ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP: tl.constexpr):
-    """-min(rho A, clip(rho) A), bounded by -c A for A < 0 under dual clip, and its
-    derivative with respect to rho, as autograd gives it for the reference: the
-    unclipped branch passes -A when it is the larger, or when rho lies inside the clip
-    range (both branches equal, the clamp passes its gradient on [low, high]); at the
-    dual-clip bound torch.minimum splits the gradient, so half passes."""
-    unclipped = -ratio * advantage
+def token_ratio(log_ratio):
+    """(rho, whether the clamp passes the gradient): rho = exp(log-ratio clamped to
+    +-LOG_RATIO_CLAMP); the clamp passes on the closed interval only (NaN: none), as
+    torch.clamp."""
+    passes = (log_ratio >= -_LOG_RATIO_CLAMP) & (log_ratio <= _LOG_RATIO_CLAMP)
+    return tl.exp(clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)), passes
+
+
+@triton.jit
+def clip_objective(ratio, advantage, ratio_low, ratio_high, delta, dual_clip, HAS_DELTA: tl.constexpr,
+                   HAS_DUAL_CLIP: tl.constexpr):
+    """objectives.clip_value and clip_slope: -min(rho' A, clip(rho) A), rho' = min(rho,
+    delta), bounded by -c A for A < 0 under dual clip, and its derivative with respect to
+    rho as autograd gives it for the reference: the larger branch passes its gradient, half
+    each at a tie; the unclipped branch's is -A where delta's cap passes it (rho <= delta),
+    the clipped one's -A where the clamp does (rho on [low, high]); at the dual-clip bound
+    torch.minimum splits the gradient, so half passes."""
+    if HAS_DELTA:
+        capped = tl.minimum(ratio, delta, propagate_nan=tl.PropagateNan.ALL)
+        through_unclipped = tl.where(ratio <= delta, -advantage, 0.0)
+    else:
+        capped = ratio
+        through_unclipped = -advantage
+    unclipped = -capped * advantage
     clipped = -clamp(ratio, ratio_low, ratio_high) * advantage
+    through_clipped = tl.where((ratio >= ratio_low) & (ratio <= ratio_high), -advantage, 0.0)
+    slope = tl.where(unclipped > clipped, through_unclipped,
+                     tl.where(clipped > unclipped, through_clipped, 0.5 * (through_unclipped + through_clipped)))
     objective = tl.maximum(unclipped, clipped, propagate_nan=tl.PropagateNan.ALL)
-    passes = (unclipped > clipped) | ((ratio >= ratio_low) & (ratio <= ratio_high))
-    slope = tl.where(passes, -advantage, 0.0)
     if HAS_DUAL_CLIP:
         bound = -dual_clip * advantage
         negative = advantage < 0
@@ -160,14 +205,86 @@ def clipped_objective(ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DU
 
 
 @triton.jit
-def policy_term(log_ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP: tl.constexpr):
-    """(objective, d objective / d logp, rho) of a token whose log-ratio to the old policy
-    is ``log_ratio``; rho = exp(log-ratio clamped to +-LOG_RATIO_CLAMP), and the clamp
-    passes the gradient on the closed interval only (NaN: none), as torch.clamp."""
-    in_clamp = (log_ratio >= -_LOG_RATIO_CLAMP) & (log_ratio <= _LOG_RATIO_CLAMP)
-    ratio = tl.exp(clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-    objective, slope = clipped_objective(ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP)
-    return objective, tl.where(in_clamp, slope * ratio, 0.0), ratio
+def objective_terms(ratio, advantage, logprob, weight, ratio_low, ratio_high, delta, dual_clip, ratio_cap,
+                    temperature_pos, temperature_neg, OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr,
+                    HAS_DUAL_CLIP: tl.constexpr):
+    """(l, d l / d rho, d l / d logp) of a token: objectives.py's VALUES and SLOPES, one
+    branch per objective (docs/math.md, section 5). ``ratio`` is the token's rho in its
+    ratio form (GMPO: the response's geometric mean of clipped ratios), ``logprob`` its
+    log-prob (read only by the objectives that weigh it), ``weight`` VESPO's phi. Ratios
+    taken through a stop-gradient (CISPO's, VESPO's weight) pass no gradient to rho."""
+    zero = tl.zeros(ratio.shape, ratio.dtype)
+    if OBJECTIVE == _CLIP:
+        objective, d_ratio = clip_objective(ratio, advantage, ratio_low, ratio_high, delta, dual_clip, HAS_DELTA,
+                                            HAS_DUAL_CLIP)
+        d_logprob = zero
+    elif OBJECTIVE == _CISPO_CAP:
+        d_ratio = zero
+        d_logprob = -tl.minimum(ratio, ratio_cap, propagate_nan=tl.PropagateNan.ALL) * advantage
+        objective = d_logprob * logprob
+    elif OBJECTIVE == _CISPO_CLIP:
+        d_ratio = zero
+        d_logprob = -clamp(ratio, ratio_low, ratio_high) * advantage
+        objective = d_logprob * logprob
+    elif OBJECTIVE == _SAPO:
+        temperature = tl.where(advantage > 0, temperature_pos, temperature_neg)
+        gate = tl.sigmoid(temperature * (ratio - 1.0))
+        objective = -(4.0 / temperature) * gate * advantage
+        d_ratio = -4.0 * gate * (1.0 - gate) * advantage
+        d_logprob = zero
+    elif OBJECTIVE == _GMPO:
+        objective = -advantage * ratio
+        d_ratio = -advantage
+        d_logprob = zero
+    elif OBJECTIVE == _VESPO:
+        d_ratio = zero
+        d_logprob = -weight * advantage
+        objective = d_logprob * logprob
+    else:
+        tl.static_assert(OBJECTIVE == _GPG, "an objective of config.OBJECTIVE_NAMES without a branch here")
+        d_ratio = zero
+        d_logprob = -advantage
+        objective = d_logprob * logprob
+    return objective, d_ratio, d_logprob
+
+
+@triton.jit
+def policy_term(ratio, ratio_passes, advantage, logprob, weight, ratio_low, ratio_high, delta, dual_clip, ratio_cap,
+                temperature_pos, temperature_neg, OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr,
+                HAS_DUAL_CLIP: tl.constexpr):
+    """(l, d l / d logp) of a token whose ratio's gradient goes through its own log-prob
+    (the token and gspo_token forms): d rho / d logp = rho where the log-ratio's clamp
+    passes (``ratio_passes``), else 0 (docs/math.md, section 5)."""
+    objective, d_ratio, d_logprob = objective_terms(
+        ratio, advantage, logprob, weight, ratio_low, ratio_high, delta, dual_clip, ratio_cap, temperature_pos,
+        temperature_neg, OBJECTIVE, HAS_DELTA, HAS_DUAL_CLIP)
+    return objective, tl.where(ratio_passes, d_ratio * ratio, 0.0) + d_logprob
+
+
+@triton.jit
+def gmpo_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high):
+    """objectives.gmpo_log_ratio: the log-ratio clipped to [-eps_low, eps_high] on the side
+    A's sign makes harmful (above for A > 0, below for A < 0; 0 for A = 0)."""
+    direction = sign(advantage)
+    clipped = clamp(log_ratio, -epsilon_low, epsilon_high)
+    return direction * tl.minimum(direction * log_ratio, direction * clipped, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def gmpo_passes(log_ratio, advantage, epsilon_low, epsilon_high):
+    """Where :func:`gmpo_log_ratio` passes its log-ratio's gradient (all of it, ties
+    included, as autograd gives it): A > 0 and lr <= eps_high, or A < 0 and lr >= -eps_low."""
+    return ((advantage > 0) & (log_ratio <= epsilon_high)) | ((advantage < 0) & (log_ratio >= -epsilon_low))
+
+
+@triton.jit
+def vespo_weight(summed_log_ratio, k, lam):
+    """objectives.vespo_weight for one sign's (k, lam): phi = w^k exp(lam (1 - w)), log w
+    the response's summed log-ratio clamped to [log 1e-8, LOG_RATIO_CLAMP]; 0 where phi
+    is not finite (TRL's nan_to_num)."""
+    log_weight = clamp(summed_log_ratio, _VESPO_LOG_WEIGHT_MIN, _LOG_RATIO_CLAMP)
+    phi = tl.exp(lam + k * log_weight - lam * tl.exp(log_weight))
+    return tl.where(tl.abs(phi) < float("inf"), phi, 0.0)
 
 
 @triton.jit
@@ -266,6 +383,17 @@ def _group_kernel(
 
 
 @triton.jit
+def _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, like, PER_TOKEN: tl.constexpr):
+    """The tokens' advantages in ``like``'s dtype, 0 where not valid: the caller's per
+    token, or the response's A_i (formed from rewards) on each of its tokens."""
+    if PER_TOKEN:
+        advantage = tl.load(advantage_ptr + tokens * stride_advantage, mask=valid, other=0.0).to(like.dtype)
+    else:
+        advantage = tl.where(valid, tl.load(advantage_ptr + row * stride_advantage).to(like.dtype), 0.0)
+    return advantage
+
+
+@triton.jit
 def _surrogate_kernel(
     logprobs_ptr, stride_logprobs,
     old_ptr, stride_old,
@@ -276,84 +404,151 @@ def _surrogate_kernel(
     offsets_ptr,
     advantage_ptr, stride_advantage, length_ptr, token_count_ptr,
     grad_logprobs_ptr, grad_entropy_ptr, partials_ptr,
-    ratio_low: tl.float64, ratio_high: tl.float64, beta: tl.float64, dual_clip: tl.float64,
-    entropy_coef: tl.float64, denominator: tl.float64,
-    SEQUENCE_LEVEL: tl.constexpr,
+    epsilon_low: tl.float64, epsilon_high: tl.float64, delta: tl.float64, dual_clip: tl.float64,
+    ratio_cap: tl.float64, sapo_temperature_pos: tl.float64, sapo_temperature_neg: tl.float64,
+    vespo_k_pos: tl.float64, vespo_lambda_pos: tl.float64, vespo_k_neg: tl.float64, vespo_lambda_neg: tl.float64,
+    beta: tl.float64, entropy_coef: tl.float64, denominator: tl.float64,
+    OBJECTIVE: tl.constexpr,
+    RATIO_LEVEL: tl.constexpr,
+    THROUGH_RATIO: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_DUAL_CLIP: tl.constexpr,
+    PER_TOKEN_ADVANTAGES: tl.constexpr,
     PER_RESPONSE_MEAN: tl.constexpr,
     COUNT_TOKENS: tl.constexpr,
-    HAS_DUAL_CLIP: tl.constexpr,
     HAS_KL: tl.constexpr,
     KL_ESTIMATOR: tl.constexpr,
     HAS_IMPORTANCE: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """One response: the tokens of its segment. Sequence level (verl's GSPO): every token
-    carries the response's ratio s_i and the gradient through its own log-prob,
-    d s_it / d logp_t = s_i, so a token's gradient has the token-level form with rho = s_i."""
+    """One response: the tokens of its segment, in the ratio form RATIO_LEVEL (docs/math.md,
+    section 5). The token form is local to each token. The sequence forms first read the
+    response for s_i; gspo_token then gives each token the token form's gradient with
+    rho = s_i, while the "sequence" form passes each token s_i / T_i times the sum over
+    the response of w_i iw_t' d l / d rho (GMPO: where the token's clip passes), read in
+    a second pass before any gradient is written."""
     row = tl.program_id(0).to(tl.int64)
     first = tl.load(offsets_ptr + row)
     end = tl.load(offsets_ptr + row + 1)
     compute = grad_logprobs_ptr.dtype.element_ty
-    ratio_low = tl.full([], ratio_low, compute)
-    ratio_high = tl.full([], ratio_high, compute)
-    beta = tl.full([], beta, compute)
+    ratio_low = tl.full([], 1.0 - epsilon_low, compute)
+    ratio_high = tl.full([], 1.0 + epsilon_high, compute)
+    # GMPO's clip range is in log space.
+    log_range_low = tl.full([], epsilon_low, compute)
+    log_range_high = tl.full([], epsilon_high, compute)
+    delta = tl.full([], delta, compute)
     dual_clip = tl.full([], dual_clip, compute)
+    ratio_cap = tl.full([], ratio_cap, compute)
+    temperature_pos = tl.full([], sapo_temperature_pos, compute)
+    temperature_neg = tl.full([], sapo_temperature_neg, compute)
+    beta = tl.full([], beta, compute)
     entropy_coef = tl.full([], entropy_coef, compute)
-    # A block rather than a scalar: the interpreter turns a scalar boolean into float32
-    # when broadcasting it in `&`, so (advantage < 0) must already be a block.
-    advantage = tl.zeros([BLOCK_T], compute) + tl.load(advantage_ptr + row * stride_advantage).to(compute)
+    # Blocks rather than scalars for per-response values: the interpreter turns a scalar
+    # boolean into float32 when broadcasting it in `&`, so (advantage < 0) must be a block.
+    zeros = tl.zeros([BLOCK_T], compute)
     length = tl.load(length_ptr + row)
+    length_count = tl.maximum(length, 1).to(compute)
     agg_weight = aggregation_weight(length, token_count_ptr, tl.full([], denominator, compute), PER_RESPONSE_MEAN,
                                     COUNT_TOKENS)
 
-    approx_kl = tl.zeros([BLOCK_T], compute)
-    if SEQUENCE_LEVEL:
-        log_ratio_sum = tl.zeros([BLOCK_T], compute)
+    approx_kl = zeros
+    weight = zeros  # VESPO's phi per token; no other objective reads it
+    if RATIO_LEVEL != _TOKEN_RATIO:
+        # s_i = exp(mean log-ratio; GMPO's clipped on the harmful side first), and VESPO's
+        # sum of the tokens' clamped log-ratios.
+        log_ratio_sum = zeros
+        clamped_sum = zeros
         for start in range(first, end, BLOCK_T):
             tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
             valid = tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0
             logprobs = tl.load(logprobs_ptr + tokens * stride_logprobs, mask=valid, other=0.0).to(compute)
             old = tl.load(old_ptr + tokens * stride_old, mask=valid, other=0.0).to(compute)
             log_ratio = logprobs - old
-            log_ratio_sum += log_ratio
-            approx_kl += tl.where(valid, exp_minus_one_minus_x(clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)),
-                                  0.0)
-        sequence_log_ratio = tl.zeros([BLOCK_T], compute) + tl.sum(log_ratio_sum, axis=0) / tl.maximum(
-            length, 1).to(compute)
-        sequence_objective, sequence_grad, sequence_ratio = policy_term(
-            sequence_log_ratio, advantage, ratio_low, ratio_high, dual_clip, HAS_DUAL_CLIP)
+            clamped = clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+            approx_kl += tl.where(valid, exp_minus_one_minus_x(clamped), 0.0)
+            if OBJECTIVE == _GMPO:
+                advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
+                                              PER_TOKEN_ADVANTAGES)
+                clipped_log_ratio = gmpo_log_ratio(log_ratio, advantage, log_range_low, log_range_high)
+                log_ratio_sum += tl.where(valid, clipped_log_ratio, 0.0)
+            else:
+                log_ratio_sum += tl.where(valid, log_ratio, 0.0)
+            if OBJECTIVE == _VESPO:
+                clamped_sum += tl.where(valid, clamped, 0.0)
+        ratio, ratio_passes = token_ratio(zeros + tl.sum(log_ratio_sum, axis=0) / length_count)
+        if OBJECTIVE == _VESPO:
+            summed_log_ratio = zeros + tl.sum(clamped_sum, axis=0)
+            weight_pos = vespo_weight(summed_log_ratio, tl.full([], vespo_k_pos, compute),
+                                      tl.full([], vespo_lambda_pos, compute))
+            weight_neg = vespo_weight(summed_log_ratio, tl.full([], vespo_k_neg, compute),
+                                      tl.full([], vespo_lambda_neg, compute))
+        if RATIO_LEVEL == _SEQUENCE_RATIO and THROUGH_RATIO:
+            slope_sum = zeros
+            for start in range(first, end, BLOCK_T):
+                tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
+                valid = tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0
+                advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
+                                              PER_TOKEN_ADVANTAGES)
+                _, d_ratio, _ = objective_terms(ratio, advantage, zeros, weight, ratio_low, ratio_high, delta,
+                                                dual_clip, ratio_cap, temperature_pos, temperature_neg, OBJECTIVE,
+                                                HAS_DELTA, HAS_DUAL_CLIP)
+                if HAS_IMPORTANCE:
+                    d_ratio *= tl.load(importance_ptr + tokens * stride_importance, mask=valid, other=0.0).to(compute)
+                slope_sum += tl.where(valid, d_ratio, 0.0)
+            # d s_i / d logp_t = s_i / T_i where the mean's clamp passes (w_i comes at the store).
+            ratio_share = tl.where(ratio_passes, (zeros + tl.sum(slope_sum, axis=0)) * ratio / length_count, 0.0)
 
-    objective_sum = tl.zeros([BLOCK_T], compute)
-    clip_low = tl.zeros([BLOCK_T], compute)
-    clip_high = tl.zeros([BLOCK_T], compute)
-    ratio_sum = tl.zeros([BLOCK_T], compute)
-    ref_kl = tl.zeros([BLOCK_T], compute)
-    entropy_sum = tl.zeros([BLOCK_T], compute)
+    objective_sum = zeros
+    advantage_sum = zeros
+    clip_low = zeros
+    clip_high = zeros
+    ratio_sum = zeros
+    ref_kl = zeros
+    entropy_sum = zeros
     for start in range(first, end, BLOCK_T):
         tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
         inside = tokens < end
         valid = tl.load(mask_ptr + tokens * stride_mask, mask=inside, other=0) != 0
-        if SEQUENCE_LEVEL:
-            objective = sequence_objective
-            grad = sequence_grad
-            if HAS_KL:
-                logprobs = tl.load(logprobs_ptr + tokens * stride_logprobs, mask=valid, other=0.0).to(compute)
-        else:
+        advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
+                                      PER_TOKEN_ADVANTAGES)
+        if RATIO_LEVEL != _TOKEN_RATIO:
+            advantage_sum += advantage  # the sign of the response's, for its clip fractions
+        # The log-probs are read (again) where this token's terms need them: its own ratio,
+        # the KL, an objective that weighs the log-prob, GMPO's clip of its log-ratio.
+        if RATIO_LEVEL == _TOKEN_RATIO or HAS_KL or not THROUGH_RATIO or OBJECTIVE == _GMPO:
             logprobs = tl.load(logprobs_ptr + tokens * stride_logprobs, mask=valid, other=0.0).to(compute)
-            old = tl.load(old_ptr + tokens * stride_old, mask=valid, other=0.0).to(compute)
-            log_ratio = logprobs - old
-            objective, grad, ratio = policy_term(log_ratio, advantage, ratio_low, ratio_high, dual_clip,
-                                                 HAS_DUAL_CLIP)
+        else:
+            logprobs = zeros
+        if RATIO_LEVEL == _TOKEN_RATIO or OBJECTIVE == _GMPO:
+            log_ratio = logprobs - tl.load(old_ptr + tokens * stride_old, mask=valid, other=0.0).to(compute)
+        if RATIO_LEVEL == _TOKEN_RATIO:
+            ratio, ratio_passes = token_ratio(log_ratio)
             approx_kl += tl.where(valid, exp_minus_one_minus_x(clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)),
                                   0.0)
             clip_low += (valid & (ratio < ratio_low) & (advantage < 0)).to(compute)
             clip_high += (valid & (ratio > ratio_high) & (advantage > 0)).to(compute)
             ratio_sum += tl.where(valid, ratio, 0.0)
+        if OBJECTIVE == _VESPO:
+            weight = tl.where(advantage >= 0, weight_pos, weight_neg)
+        if RATIO_LEVEL == _SEQUENCE_RATIO:
+            # The ratio's share comes from the whole response (ratio_share, below).
+            objective, _, grad = objective_terms(ratio, advantage, logprobs, weight, ratio_low, ratio_high, delta,
+                                                 dual_clip, ratio_cap, temperature_pos, temperature_neg, OBJECTIVE,
+                                                 HAS_DELTA, HAS_DUAL_CLIP)
+        else:
+            objective, grad = policy_term(ratio, ratio_passes, advantage, logprobs, weight, ratio_low, ratio_high,
+                                          delta, dual_clip, ratio_cap, temperature_pos, temperature_neg, OBJECTIVE,
+                                          HAS_DELTA, HAS_DUAL_CLIP)
         if HAS_IMPORTANCE:
             token_importance = tl.load(importance_ptr + tokens * stride_importance, mask=valid, other=0.0).to(compute)
             objective *= token_importance
             grad *= token_importance
+        if RATIO_LEVEL == _SEQUENCE_RATIO and THROUGH_RATIO:
+            if OBJECTIVE == _GMPO:
+                grad += tl.where(gmpo_passes(log_ratio, advantage, log_range_low, log_range_high), ratio_share, 0.0)
+            else:
+                grad += ratio_share
         if HAS_KL:
             ref = tl.load(ref_ptr + tokens * stride_ref, mask=valid, other=0.0).to(compute)
             kl, kl_slope = kl_term(logprobs, ref, KL_ESTIMATOR)
@@ -371,24 +566,26 @@ def _surrogate_kernel(
     partials = partials_ptr + row * _PARTIALS_WIDTH
     token_total = length.to(compute)
     tl.store(partials + _LOSS, tl.sum(objective_sum, axis=0) * agg_weight)
-    if SEQUENCE_LEVEL:
-        # One ratio per non-empty response: clip fractions and the mean ratio count
-        # responses.
-        has_tokens = length > 0
-        first = tl.arange(0, BLOCK_T) == 0
-        tl.store(partials + _CLIP_LOW,
-                 tl.sum(tl.where(first & has_tokens & (sequence_ratio < ratio_low) & (advantage < 0), 1.0, 0.0),
-                        axis=0).to(compute))
-        tl.store(partials + _CLIP_HIGH,
-                 tl.sum(tl.where(first & has_tokens & (sequence_ratio > ratio_high) & (advantage > 0), 1.0, 0.0),
-                        axis=0).to(compute))
-        tl.store(partials + _RATIO_SUM, tl.sum(tl.where(first & has_tokens, sequence_ratio, 0.0), axis=0))
-        tl.store(partials + _RATIO_COUNT, has_tokens.to(compute))
-    else:
+    if RATIO_LEVEL == _TOKEN_RATIO:
         tl.store(partials + _CLIP_LOW, tl.sum(clip_low, axis=0))
         tl.store(partials + _CLIP_HIGH, tl.sum(clip_high, axis=0))
         tl.store(partials + _RATIO_SUM, tl.sum(ratio_sum, axis=0))
         tl.store(partials + _RATIO_COUNT, token_total)
+    else:
+        # One ratio per non-empty response: clip fractions and the mean ratio count
+        # responses, with the sign of the sum of the response's token advantages (its A_i
+        # times T_i when the advantages come from rewards).
+        response_advantage = zeros + tl.sum(advantage_sum, axis=0)
+        has_tokens = length > 0
+        lead = tl.arange(0, BLOCK_T) == 0
+        tl.store(partials + _CLIP_LOW,
+                 tl.sum(tl.where(lead & has_tokens & (ratio < ratio_low) & (response_advantage < 0), 1.0, 0.0),
+                        axis=0).to(compute))
+        tl.store(partials + _CLIP_HIGH,
+                 tl.sum(tl.where(lead & has_tokens & (ratio > ratio_high) & (response_advantage > 0), 1.0, 0.0),
+                        axis=0).to(compute))
+        tl.store(partials + _RATIO_SUM, tl.sum(tl.where(lead & has_tokens, ratio, 0.0), axis=0))
+        tl.store(partials + _RATIO_COUNT, has_tokens.to(compute))
     tl.store(partials + _APPROX_KL, tl.sum(approx_kl, axis=0))
     tl.store(partials + _REF_KL, tl.sum(ref_kl, axis=0))
     tl.store(partials + _ENTROPY, tl.sum(entropy_sum, axis=0))
@@ -501,18 +698,40 @@ def aggregation(
 # --- the op's implementation ----------------------------------------------------------------
 
 
+def objective_arguments(objective, epsilon_low, epsilon_high, dual_clip, delta, ratio_cap, sapo_temperature_pos,
+                        sapo_temperature_neg) -> dict:
+    """The arguments of ``objective_terms`` that the kernels take from the op's options:
+    the objective's code and its options as fp64 scalars (an absent delta or dual clip as
+    an unread 0)."""
+    return dict(
+        epsilon_low=float(epsilon_low), epsilon_high=float(epsilon_high),
+        delta=0.0 if delta is None else float(delta), dual_clip=0.0 if dual_clip is None else float(dual_clip),
+        ratio_cap=float(ratio_cap), sapo_temperature_pos=float(sapo_temperature_pos),
+        sapo_temperature_neg=float(sapo_temperature_neg),
+        OBJECTIVE=objective, HAS_DELTA=delta is not None, HAS_DUAL_CLIP=dual_clip is not None,
+    )
+
+
 def surrogate_forward(
     logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, anchor, ref_logprobs, importance_weights,
-    entropy, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, sequence_level,
-    epsilon_low, epsilon_high, dual_clip, beta, kl_estimator, entropy_coef, loss_normalizer, max_response_length,
+    entropy, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
+    epsilon_low, epsilon_high, dual_clip, delta, ratio_cap, sapo_temperature_pos, sapo_temperature_neg,
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, beta, kl_estimator, entropy_coef,
+    loss_normalizer, max_response_length,
 ):
     """``hadw::surrogate_loss`` (schema in ``ops.schemas``): the loss, its gradient with
     respect to the log-probs and the entropy, and the metrics in METRIC_NAMES order.
 
     Inputs are assumed validated (``validation``): per-token tensors [N] in the segments
-    of ``cu_seqlens`` [S+1], rewards or advantages [S]. Only shapes and Python scalars
-    steer the launches; no tensor value reaches the host.
+    of ``cu_seqlens`` [S+1], rewards [S] or the caller's advantages [N]. Only shapes and
+    Python scalars steer the launches; no tensor value reaches the host.
     """
+    name = OBJECTIVE_NAMES[objective]
+    if RATIO_LEVELS[ratio_level] not in OBJECTIVES[name].ratio_levels:
+        # LossConfig refuses it too; the kernel has no such variant (VESPO's weight, for one,
+        # is formed per response).
+        raise ValueError(f"objective {name!r} takes ratio_level in {OBJECTIVES[name].ratio_levels}, got "
+                         f"{RATIO_LEVELS[ratio_level]!r}")
     (tokens,) = logprobs.shape
     segments = cu_seqlens.shape[0] - 1
     device = logprobs.device
@@ -569,16 +788,18 @@ def surrogate_forward(
             offsets,
             advantages, advantages.stride(0), lengths, token_count,
             grad_logprobs, grad_entropy, partials,
-            ratio_low=1.0 - epsilon_low,
-            ratio_high=1.0 + epsilon_high,
+            **objective_arguments(objective, epsilon_low, epsilon_high, dual_clip, delta, ratio_cap,
+                                  sapo_temperature_pos, sapo_temperature_neg),
+            vespo_k_pos=float(vespo_k_pos), vespo_lambda_pos=float(vespo_lambda_pos),
+            vespo_k_neg=float(vespo_k_neg), vespo_lambda_neg=float(vespo_lambda_neg),
             beta=float(beta),
-            dual_clip=float(dual_clip) if dual_clip is not None else 0.0,
             entropy_coef=float(entropy_coef),
             denominator=float(denominator),
-            SEQUENCE_LEVEL=sequence_level,
+            RATIO_LEVEL=ratio_level,
+            THROUGH_RATIO=name in THROUGH_RATIO,
+            PER_TOKEN_ADVANTAGES=not has_groups,
             PER_RESPONSE_MEAN=per_response_mean,
             COUNT_TOKENS=count_tokens,
-            HAS_DUAL_CLIP=dual_clip is not None,
             HAS_KL=has_kl,
             KL_ESTIMATOR=kl_estimator,
             HAS_IMPORTANCE=importance_weights is not None,
