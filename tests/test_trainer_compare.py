@@ -70,7 +70,8 @@ def test_scaled_variant_is_not_reused_at_another_learning_rate(tmp_path):
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text("train:\n  learning_rate: 0.0013\n")
     with pytest.raises(SystemExit, match="ran at learning rate 0.0013, this call asks for 0.0012"):
-        main(["--variants", LR_SCALED, "--lr-scale", "1.2", "--seeds", "0", "--set", f"run.output_dir={tmp_path}"])
+        main(["--variants", LR_SCALED, "--lr-scale", "1.2", "--seeds", "0", "--set", f"run.output_dir={tmp_path}",
+              "--set", "train.learning_rate=1e-3"])  # the base rate given, so the default can move
 
 
 def test_scaled_variant_needs_a_factor_or_the_kalman_runs():

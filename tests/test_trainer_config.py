@@ -1,6 +1,8 @@
 """Bad trainer configs fail with a clear message before any model is built."""
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -37,6 +39,39 @@ def test_defaults_are_valid():
     validate(config)
     assert config.algorithm.loss_type == "grpo" and config.algorithm.hadw
     assert config.data.task == "synthetic"
+
+
+def test_the_config_reference_quotes_every_number_and_switch_default():
+    """docs/trainer.md's config reference gives each numeric and boolean default as the
+    dataclasses hold it (a default changed in trainer/config.py alone, such as the
+    learning rate, would leave the docs quoting the old one)."""
+    reference = (REPO / "docs" / "trainer.md").read_text().split("## Config reference", 1)[1].split("\n## ", 1)[0]
+    quoted = {}
+    for row in reference.splitlines():
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].startswith("`"):
+            continue
+        names = [name.strip("` ") for name in re.split(r" / |, ", cells[0])]
+        section = names[0].split(".")[0]
+        # a blank default cell defers to the section above the table (the MATH data fields)
+        values = cells[1].split(" / ") if cells[1] else [None] * len(names)
+        for name, value in zip(names, values):
+            quoted[name if "." in name else f"{section}.{name}"] = value and value.strip("` ")
+    config = load_config(None, [])
+    checked = 0
+    for section in dataclasses.fields(config):
+        for option in dataclasses.fields(getattr(config, section.name)):
+            default = getattr(getattr(config, section.name), option.name)
+            if isinstance(default, (bool, int, float)):
+                key = f"{section.name}.{option.name}"
+                assert key in quoted, f"{key} is missing from docs/trainer.md's config reference"
+                if quoted[key] is not None:
+                    if isinstance(default, bool):
+                        assert quoted[key] == str(default).lower(), (key, quoted[key], default)
+                    else:
+                        assert float(quoted[key]) == default, (key, quoted[key], default)
+                    checked += 1
+    assert checked >= 30
 
 
 def test_table8_config_is_valid_once_pointed_at_model_and_data(tmp_path):

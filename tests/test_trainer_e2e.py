@@ -50,6 +50,9 @@ def test_hf_engine_dapo_authors_preset_survives_a_failing_reward(tmp_path):
     result = run_trainer(tmp_path, "hf", [
         "rollout.engine=hf", "train.steps=3", "algorithm.loss_type=dapo",
         "algorithm.anchor_preset=authors_code", "train.ppo_epochs=2",
+        # Every step must have signal to update; at this rate each does (at 4e-4 step 2's
+        # rollout scores 0 everywhere and is skipped), so the default may move.
+        "train.learning_rate=1e-3",
         "reward.function=test_trainer_helpers:synthetic_but_raises_on_odd", "reward.timeout_seconds=0",
     ], env={"PYTHONPATH": str(REPO / "tests")})
     run_dir = tmp_path / "hf"
