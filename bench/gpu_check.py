@@ -1,22 +1,28 @@
 """The GPU half, proven in one offline command: ``bash scripts/gpu_check.sh`` on a CUDA
 machine (torch and Triton installed, no network), ``--dry-run`` on the CPU (CI).
 
-1. runs the conformance suite and the hardening tests with the Triton kernels compiled
+1. runs the conformance suite, the Triton-specific tests (CUDA sync-debug, graph
+   capture) and the compiled-graph tests with the Triton kernels compiled
    (HADW_TEST_DEVICE=cuda; dry run: the interpreter, a subset);
-2. times one loss step (forward + backward) against the bound (the three bare GEMMs any
-   exact method needs, cuBLAS, preallocated), eager PyTorch (materialised logits),
-   Liger's chunked loss and Triton GRPO op, and Cut Cross-Entropy's kernel + surrogate,
-   with CUDA events (warm-up, median), and the peak memory above the inputs;
-3. at the paper's scale (Qwen3-4B head, responses of 4096 tokens, G = 8..64, bf16)
-   measures the loss step's peak memory for eager and this library, the largest G that
-   fits, and the memory planner's loss part against the measurement;
-4. runs real train steps through the trainer (``python -m trainer.probe``: Qwen3-1.7B
+2. meanwhile runs the main job, ``trainer/run.py``, on the device (tiny model, HF-engine
+   rollouts, DeepSpeed), kills a second run inside a step and resumes it, and compares
+   the two curves;
+3. runs real train steps through the trainer (``python -m trainer.probe``: Qwen3-1.7B
    with random weights, bf16, ZeRO-2, gradient checkpointing): G = 64 responses of 4096
    tokens with the fused loss, the largest micro-batch token budget with each loss
-   (bisection, catching out-of-memory), and whether one 32k-token response fits with
-   each; the memory planner's budget beside them (dry run: the tiny preset on the CPU);
-5. writes one markdown report (``--report``) and exits non-zero if a correctness test
-   failed.
+   (bisection, catching out-of-memory) and the throughput at it, and whether one
+   32k-token response fits with each; the memory planner's budget beside them (dry run:
+   the tiny preset on the CPU);
+4. times one loss step (forward + backward) against the bound (the three bare GEMMs any
+   exact method needs, cuBLAS, preallocated), eager PyTorch (materialised logits),
+   Liger's chunked loss and Triton GRPO op, Cut Cross-Entropy's kernel and TRL's chunked
+   log-prob kernel (each + the surrogate), with CUDA events (warm-up, median), and the
+   peak memory above the inputs; the surrogate alone; and at the paper's scale (Qwen3-4B
+   head, responses of 4096 tokens, G = 8..64, bf16) the loss step's peak memory for eager
+   and this library against the memory planner's loss part;
+5. writes one markdown report (``--report``) after every stage, and exits non-zero if a
+   correctness test failed, a run failed or a section crashed. ``--time-limit`` shares
+   a short lease among the stages.
 
 Progress goes to stdout as it happens.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -59,8 +66,9 @@ class TestRun:
     seconds: float = 0.0
 
 
-def run_tests(dry_run: bool, junit: Path) -> TestRun:
-    """The conformance suite and the hardening tests, in a child pytest."""
+def run_tests(dry_run: bool, junit: Path, seconds: float | None) -> TestRun:
+    """The conformance suite, the Triton-specific tests (CUDA sync-debug, graph capture)
+    and the compiled ones, in a child pytest (in parallel where pytest-xdist is there)."""
     environment = dict(os.environ)
     if dry_run:
         environment["HADW_TEST_DEVICE"] = "cpu"
@@ -69,12 +77,21 @@ def run_tests(dry_run: bool, junit: Path) -> TestRun:
     else:
         environment["HADW_TEST_DEVICE"] = "cuda"
         environment.pop("TRITON_INTERPRET", None)
-        selection = ["tests/conformance"]
+        selection = ["tests/conformance", "tests/test_triton_specific.py", "tests/test_compile.py"]
+        if importlib.util.find_spec("xdist") is not None:
+            selection += ["-n", str(min(12, max(1, (os.cpu_count() or 2) - 4)))]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *selection]
     say("tests: " + " ".join(command[3:]))
     started = time.time()
-    subprocess.run(command, cwd=ROOT, env=environment, check=False)
+    try:
+        subprocess.run(command, cwd=ROOT, env=environment, check=False, timeout=seconds)
+    except subprocess.TimeoutExpired:
+        say(f"tests: stopped at the time limit ({seconds:.0f} s)")
     run = TestRun(seconds=time.time() - started)
+    if not junit.exists():
+        run.failures.append(f"the test run ended without a report (time limit {seconds} s)")
+        run.failed += 1
+        return run
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
         outcome = {child.tag for child in case}
         if outcome & {"failure", "error"}:
@@ -194,6 +211,20 @@ def implementations(case: Case) -> dict[str, Callable]:
         mask = x["mask"].float()
         ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().backward()
 
+    def trl_chunked(x):
+        from trl.kernels import ChunkedLogProbFunction
+
+        try:
+            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
+        except ImportError:  # trl.trainer imports datasets; TRL 1.16's GRPO trainer uses 32k-token chunks
+            chunk = 32768
+        hidden, weight = leaves(x)
+        # The GRPO trainer asks for the entropy too (logging, entropy masking).
+        logprobs, *_ = ChunkedLogProbFunction.apply(hidden.reshape(-1, case.hidden), weight, None,
+                                                    x["labels"].reshape(-1), 1.0, chunk, None, 1.0, ("entropy",))
+        logprobs = logprobs.view(x["labels"].shape)
+        plain_surrogate(logprobs, logprobs.detach(), x["rewards"], x["mask"]).backward()
+
     def cce(x):
         from cut_cross_entropy import linear_cross_entropy
 
@@ -211,6 +242,7 @@ def implementations(case: Case) -> dict[str, Callable]:
         "liger chunked": liger_chunked,
         "liger triton op": liger_triton_op,
         "cce + surrogate": cce,
+        "trl chunked + surrogate": trl_chunked,
     }
 
 
@@ -432,7 +464,7 @@ class ProbeRun:
     error: str = ""
 
 
-def probe_runs(dry_run: bool) -> list[ProbeRun]:
+def probe_runs(dry_run: bool, seconds: float | None = None) -> list[ProbeRun]:
     """``python -m trainer.probe`` in child processes, one a question (a crash or an
     out-of-memory error stays in its own process)."""
     if dry_run:
@@ -441,33 +473,53 @@ def probe_runs(dry_run: bool) -> list[ProbeRun]:
         # Two runs, one a loss, through the same code paths: steps, then the bisection.
         runs = [(f"G=4 x 16 tokens and the largest budget, {loss}",
                  ["--loss", loss, "-G", "4", "-L", "16", "--micro-batch-tokens", "40", "--find-max-budget",
-                  "--memory-limit-gib", "64", "--max-budget-tokens", "160"]) for loss in ("eager", "fused")]
+                  "--memory-limit-gib", "64", "--max-budget-tokens", "160", "--steps-at-largest-budget", "2"])
+                for loss in ("eager", "fused")]
     else:
         common = ["--preset", "Qwen3-1.7B", "--device", "cuda", "--dtype", "bfloat16", "--zero-stage", "2",
                   "-P", "512"]
         runs = [
-            *[(f"largest budget, {loss}", ["--loss", loss, "-L", "4096", "--steps", "0", "--find-max-budget"])
-              for loss in ("eager", "fused")],
-            # Eight sequences (36864 tokens) a micro-batch: eight micro-batches a step.
-            ("G=64 x 4096 tokens, fused", ["--loss", "fused", "-G", "64", "-L", "4096",
-                                           "--micro-batch-tokens", str(8 * (512 + 4096)), "--steps", "2"]),
+            # One process: G=64 x 4096 tokens at eight sequences (36864 tokens) a micro-batch, eight
+            # micro-batches a step; then the largest budget and its throughput, on the same engine.
+            # Bisected to within 4% (the planner is held to 10%), to spare the lease trials.
+            ("G=64 x 4096 tokens; the largest budget, fused",
+             ["--loss", "fused", "-G", "64", "-L", "4096", "--micro-batch-tokens", str(8 * (512 + 4096)),
+              "--steps", "2", "--find-max-budget", "--budget-tolerance", "0.04", "--steps-at-largest-budget", "3"]),
+            ("the largest budget, eager", ["--loss", "eager", "-L", "4096", "--steps", "0", "--find-max-budget",
+                                           "--budget-tolerance", "0.04", "--steps-at-largest-budget", "3"]),
             *[(f"one 32768-token response, {loss}", ["--loss", loss, "-G", "1", "-L", "32768", "--steps", "1"])
-              for loss in ("eager", "fused")],
+              for loss in ("fused", "eager")],
         ]
     environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     environment.pop("TRITON_INTERPRET", None)
+    # A time limit is shared by weight (the bisections take the longest); what a run leaves
+    # goes to the next.
+    weights = [3, 2, 1, 1] if len(runs) == 4 else [1] * len(runs)
     out = []
-    for label, arguments in runs:
+    started = time.time()
+    for index, (label, arguments) in enumerate(runs):
         run = ProbeRun(label, [*common, *arguments])
+        remaining = None
+        if seconds is not None:
+            remaining = (seconds - (time.time() - started)) * weights[index] / sum(weights[index:])
+        if remaining is not None and remaining < 30:
+            run.error = "not run: the check's time limit was reached"
+            out.append(run)
+            continue
         json_path = ROOT / f".probe-{len(out)}.json"
         command = [sys.executable, "-m", "trainer.probe", *run.arguments, "--json", str(json_path)]
         say(f"probe {label}: {' '.join(command[3:-2])}")
-        completed = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True,
-                                   check=False, timeout=1800)
+        try:
+            completed = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True,
+                                       check=False, timeout=remaining or 1800)
+        except subprocess.TimeoutExpired as timeout:
+            completed = subprocess.CompletedProcess(command, -9, stdout="",
+                                                    stderr=f"{str(timeout.stderr or '')[-1200:]}\nstopped at the time limit")
         if completed.returncode == 0 and json_path.exists():
             run.result = json.loads(json_path.read_text())
             say(f"probe {label}: " + ", ".join(f"{key} {run.result[key]}" for key in (
-                "fits", "peak_memory_gib", "tokens_per_second", "largest_budget_tokens") if key in run.result))
+                "fits", "peak_memory_gib", "tokens_per_second", "largest_budget_tokens",
+                "largest_budget_tokens_per_second") if key in run.result))
         else:
             run.error = (completed.stderr or completed.stdout)[-1500:]
             say(f"probe {label} FAILED (exit {completed.returncode}):\n{run.error}")
@@ -505,12 +557,13 @@ def probe_lines(runs: list[ProbeRun], dry_run: bool) -> list[str]:
              ("process RSS (sampled)" if dry_run else "`max_memory_allocated`, model states included") +
              "; tokens/s: prompt + response tokens over the median step after a warm-up one. Planner: "
              "`hadw_kernels.plan.largest_token_budget` for the same setting (no fixed overhead).", "",
-             "| run | loss | budget tokens | fits | peak GiB | tokens/s | largest budget | planner budget |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| run | loss | budget tokens | fits | peak GiB | tokens/s | largest budget | tokens/s at it | "
+             "planner budget |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for run in runs:
         if run.result is None:
             lines.append(f"| {run.label} | | | FAILED: {run.error.strip().splitlines()[-1][:150] if run.error else ''} "
-                         "| | | | |")
+                         "| | | | | |")
             continue
         result = run.result
 
@@ -522,13 +575,140 @@ def probe_lines(runs: list[ProbeRun], dry_run: bool) -> list[str]:
         budget = result["micro_batch_tokens"] if "step_seconds" in result else ""  # steps 0: bisection only
         lines.append(f"| {run.label} | {result['loss']} | {budget} | {fits} | "
                      f"{number('peak_memory_gib', '{:.2f}')} | {number('tokens_per_second', '{:.0f}')} | "
-                     f"{number('largest_budget_tokens', '{}')} | {planned} |")
+                     f"{number('largest_budget_tokens', '{}')} | "
+                     f"{number('largest_budget_tokens_per_second', '{:.0f}')} | {planned} |")
     lines += ["", "A measured largest budget belongs in docs/measured-budgets.json (tests/test_plan.py holds the "
               "planner to it within 10%)." if not dry_run else "Dry run: the figures mean nothing.", ""]
     return lines
 
 
-# --- 5. the report ------------------------------------------------------------------------
+# --- 5. the trainer on this device (trainer/run.py) ------------------------------------------
+
+CURVE_KEYS = ("reward/mean", "anchor/belief", "loss", "grad_norm")
+
+
+@dataclass
+class TrainerCheck:
+    steps: int = 0
+    every: int = 0
+    crash_step: int = 0
+    reference: list[dict] = field(default_factory=list)
+    resumed: list[dict] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    log_lines: list[str] = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def trainer_check(dry_run: bool, seconds: float | None) -> TrainerCheck:
+    """The main job on this device: a run of the CPU default's task with rollouts from the
+    HF engine (no vLLM here), checkpoints every few steps; the same run killed inside a
+    step after a checkpoint and resumed; both curves compared step by step."""
+    import shutil
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    from trainer.checkpoint_files import completed_checkpoints
+    from trainer.metrics_log import read_metrics
+
+    check = TrainerCheck()
+    steps, every, crash_after = (3, 1, 2) if dry_run else (20, 5, 12)
+    check.steps, check.every, check.crash_step = steps, every, crash_after + 1
+    output = Path(tempfile.mkdtemp(prefix="gpu-check-trainer-"))
+    started = time.time()
+    common = ["rollout.engine=hf", f"train.steps={steps}", f"run.checkpoint_every={every}",
+              "reward.timeout_seconds=0", "run.progress=false", "run.plot=false", "run.export_hf=false",
+              f"run.output_dir={output}"]
+    if dry_run:
+        common += ["train.prompts_per_step=8", "train.mini_batch_prompts=4", "train.micro_batch_prompts=2",
+                   "rollout.group_size=4"]
+
+    def run(name: str, extra: list[str], resume: bool = False, env: dict | None = None) -> int:
+        command = [sys.executable, str(ROOT / "trainer" / "run.py")]
+        for override in [*common, f"run.name={name}", *extra]:
+            command += ["--set", override]
+        if resume:
+            command.append("--resume")
+        remaining = None if seconds is None else max(10.0, seconds - (time.time() - started))
+        say(f"trainer: {name}{' --resume' if resume else ''}")
+        begun = time.time()
+        completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False, timeout=remaining,
+                                   env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+                                        **(env or {})})
+        check.seconds[name + (" (resumed)" if resume else "")] = time.time() - begun
+        check.log_lines += [f"{name}: {line}" for line in completed.stderr.splitlines()
+                            if "micro-batches are" in line or "resumed from" in line][:3]
+        if completed.returncode not in (0, 17):
+            check.error = f"{name} exited {completed.returncode}: {completed.stderr[-1200:]}"
+        return completed.returncode
+
+    try:
+        if run("reference", []) != 0:
+            return check
+        check.reference = read_metrics(output / "reference" / "metrics.jsonl")
+        check.checkpoints = [f"step-{step}" for step, _ in completed_checkpoints(output / "reference" / "checkpoints")]
+        group_size = 4 if dry_run else 8
+        prompts = 8 if dry_run else 64
+        crashed = run("resumed", ["reward.function=test_trainer_helpers:synthetic_then_crash"],
+                      env={"CRASH_AFTER_RESPONSES": str(crash_after * prompts * group_size)})
+        if crashed != 17:
+            check.error = check.error or f"the run meant to die inside step {crash_after + 1} exited {crashed}"
+            return check
+        if run("resumed", [], resume=True) != 0:
+            return check
+        check.resumed = read_metrics(output / "resumed" / "metrics.jsonl")
+    except subprocess.TimeoutExpired:
+        check.error = f"stopped at the time limit ({seconds:.0f} s)"
+    finally:
+        shutil.rmtree(output, ignore_errors=True)
+    return check
+
+
+def _largest_difference(check: TrainerCheck, key: str) -> float | None:
+    pairs = [(ours.get(key), theirs.get(key)) for ours, theirs in zip(check.resumed, check.reference)]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    if not pairs or len(check.resumed) != len(check.reference):
+        return None
+    return max(abs(a - b) / max(abs(b), 1e-6) for a, b in pairs)
+
+
+def trainer_lines(check: TrainerCheck, dry_run: bool) -> list[str]:
+    lines = ["## The trainer on this device: `trainer/run.py`", "",
+             f"The CPU default's task and model (the tiny model, the synthetic task), rollouts from "
+             f"the HF engine (vLLM is not installed here), DeepSpeed ZeRO-2, {check.steps} steps, a checkpoint every "
+             f"{check.every}; micro-batches packed unless the log below says padded; then the same run killed inside "
+             f"step {check.crash_step} (its reward function exits the process) "
+             "and resumed from its last checkpoint.", ""]
+    if check.error:
+        lines += ["FAILED:", "", "```", check.error, "```", ""]
+    if check.reference:
+        first, last = check.reference[:5], check.reference[-5:]
+
+        def mean(rows, key):
+            values = [row[key] for row in rows if row.get(key) is not None]
+            return statistics.fmean(values) if values else float("nan")
+
+        lines += [f"- steps logged: {len(check.reference)}; checkpoints kept: {', '.join(check.checkpoints)}",
+                  f"- reward/mean: first 5 steps {mean(first, 'reward/mean'):.3f}, last 5 {mean(last, 'reward/mean'):.3f}",
+                  f"- time/step (median): {statistics.median(row['time/step'] for row in check.reference):.2f} s; "
+                  f"tokens/s (median): {statistics.median(row.get('tokens_per_s', 0) for row in check.reference):.0f}",
+                  "- wall time per run: " + ", ".join(f"{name} {value:.0f} s" for name, value in check.seconds.items())]
+        lines += [f"- log: {line}" for line in check.log_lines]
+        lines += ["", "| step | reward/mean | anchor/belief | loss | grad_norm |", "| ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {row['step']} | " + " | ".join(f"{row.get(key, float('nan')):.4g}" for key in CURVE_KEYS) + " |"
+                  for row in check.reference]
+        lines.append("")
+    if check.resumed:
+        differences = {key: _largest_difference(check, key) for key in CURVE_KEYS}
+        lines += [f"Resumed run: steps {[row['step'] for row in check.resumed]}; largest relative difference from "
+                  "the uninterrupted run, over every step: " + ", ".join(
+                      f"{key} {'n/a' if value is None else f'{value:.2e}'}" for key, value in differences.items()), ""]
+    if dry_run:
+        lines += ["Dry run: the CPU, a few steps.", ""]
+    return lines
+
+
+# --- 6. the report ------------------------------------------------------------------------
 
 
 def environment_lines() -> list[str]:
@@ -562,7 +742,7 @@ def _ratio(value, reference) -> str:
 
 
 def write_report(path: Path, tests: TestRun, bench, surrogate, paper, dry_run: bool, crashed: list[str],
-                 probes: list[ProbeRun] = ()) -> None:
+                 probes: list[ProbeRun] = (), trainer: TrainerCheck | None = None) -> None:
     lines = ["# GPU check report", ""]
     if dry_run:
         lines += ["DRY RUN on the CPU (interpreter, tiny shapes): proves the command runs, measures nothing.", ""]
@@ -623,6 +803,8 @@ def write_report(path: Path, tests: TestRun, bench, surrogate, paper, dry_run: b
         eager_fits = [row["G"] for row in paper if row.get("eager") is not None]
         lines += ["", f"Largest G measured whose loss step fits: hadw {max(fits) if fits else 'none'}, "
                       f"eager {max(eager_fits) if eager_fits else 'none'} (of those tried).", ""]
+    if trainer is not None:
+        lines += trainer_lines(trainer, dry_run)
     if probes:
         lines += probe_lines(list(probes), dry_run)
     path.write_text("\n".join(lines) + "\n")
@@ -637,18 +819,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--skip-probe", action="store_true", help="no train steps through the trainer")
+    parser.add_argument("--skip-trainer", action="store_true", help="no run of trainer/run.py")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds for the whole check: the tests and the trainer's runs get a third, the "
+                             "probe's runs what is left but a reserve for the benchmarks (a lent GPU's time is short)")
     args = parser.parse_args(argv)
     if args.rounds < 1:  # not hadw_kernels.cli's type: this script loads the library only where it runs
         parser.error(f"argument --rounds: must be at least 1, got {args.rounds}")
+    if args.time_limit is not None and not args.time_limit > 0:
+        parser.error(f"argument --time-limit: must be positive, got {args.time_limit}")
     if args.dry_run:
         # The Triton kernels on CPU tensors: the interpreter, before any kernel is defined.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    def left(share: float = 1.0) -> float | None:
+        return None if args.time_limit is None else max(1.0, share * (args.time_limit - (time.time() - START)))
+
+    tests, trainer, probes, crashed = TestRun(), None, [], []
+    bench, surrogate, paper = [], [], []
+
+    def report() -> None:  # after every stage: a check stopped later still leaves what it measured
+        write_report(args.report, tests, bench, surrogate, paper, args.dry_run, crashed, probes, trainer)
+
+    # The trainer's run (a tiny model) beside the tests: neither is timed against anything.
+    trainer_result: list[TrainerCheck] = []
+    trainer_thread = None
+    if not args.skip_trainer:
+        import threading
+
+        def trainer_stage() -> None:
+            try:
+                trainer_result.append(trainer_check(args.dry_run, left(0.35)))
+            except Exception:
+                crashed.append(f"trainer: {traceback.format_exc()[-1500:]}")
+
+        trainer_thread = threading.Thread(target=trainer_stage)
+        trainer_thread.start()
     junit = args.report.with_suffix(".junit.xml")
-    tests = TestRun() if args.skip_tests else run_tests(args.dry_run, junit)
+    if not args.skip_tests:
+        tests = run_tests(args.dry_run, junit, left(0.3))
     if junit.exists():
         junit.unlink()
-    bench, surrogate, paper = [], [], []
-    crashed: list[str] = []
+    if trainer_thread is not None:
+        trainer_thread.join()
+        trainer = trainer_result[0] if trainer_result else None
+    report()
+    if not args.skip_probe:
+        try:
+            probes = probe_runs(args.dry_run, None if args.time_limit is None else left() - 150)
+        except Exception:
+            crashed.append(f"probe: {traceback.format_exc()[-1500:]}")
+            say(f"section probe CRASHED:\n{crashed[-1]}")
+        report()
     if args.dry_run and not args.skip_bench:
         # The same code on the CPU with tiny shapes (Triton in its interpreter), so that
         # it cannot rot; the figures mean nothing.
@@ -657,10 +879,10 @@ def main(argv: list[str] | None = None) -> int:
                      surrogate=(8, 16), paper=([2, 4], 16, 32, 300), rounds=1)
     elif not args.skip_bench:
         sizes = dict(cases=[
-            Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", block_rows=(2048, 4096, 8192)),
+            Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", block_rows=(2048, 8192)),
             Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", padded=True),
-            Case("small dense shape", 8, 256, 512, 32768, "float32"),
             Case("small dense shape", 8, 256, 512, 32768, "bfloat16"),
+            Case("small dense shape", 8, 256, 512, 32768, "float32"),
             Case("Qwen vocabulary", 4, 256, 1024, 151936, "float32"),
         ], surrogate=(256, 4096), paper=([8, 16, 32, 64], 4096, 2560, 151936), rounds=args.rounds)
     if not args.skip_bench:
@@ -669,25 +891,24 @@ def main(argv: list[str] | None = None) -> int:
             "surrogate": lambda: surrogate_benchmark(*sizes["surrogate"], ["float32", "bfloat16"], sizes["rounds"]),
             "paper": lambda: paper_scale(*sizes["paper"]),
         }
-        outputs = {}
         for name, section in sections.items():
             try:
-                outputs[name] = section()
+                result = section()
             except Exception:
                 crashed.append(f"{name}: {traceback.format_exc()[-1500:]}")
                 say(f"section {name} CRASHED:\n{crashed[-1]}")
-                outputs[name] = []
-        bench, surrogate, paper = outputs["bench"], outputs["surrogate"], outputs["paper"]
-    probes: list[ProbeRun] = []
-    if not args.skip_probe:
-        try:
-            probes = probe_runs(args.dry_run)
-        except Exception:
-            crashed.append(f"probe: {traceback.format_exc()[-1500:]}")
-            say(f"section probe CRASHED:\n{crashed[-1]}")
-    write_report(args.report, tests, bench, surrogate, paper, args.dry_run, crashed, probes)
+                result = []
+            if name == "bench":
+                bench = result
+            elif name == "surrogate":
+                surrogate = result
+            else:
+                paper = result
+            report()
+    report()
     probe_failed = any(run.result is None for run in probes)
-    return 1 if tests.failed or crashed or probe_failed else 0
+    trainer_failed = trainer is not None and bool(trainer.error)
+    return 1 if tests.failed or crashed or probe_failed or trainer_failed else 0
 
 
 if __name__ == "__main__":

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Validates and benchmarks the GPU half on a CUDA machine, offline, in one command
-# (under 10 minutes on an H100 before the probe; the probe's five train-step runs of
-# Qwen3-1.7B, `python -m trainer.probe`, add minutes more: not yet timed; --skip-probe
-# leaves them out), and writes docs/gpu-report.md:
+# Validates and benchmarks the GPU half on a CUDA machine, offline, in one command, and
+# writes docs/gpu-report.md: the compiled tests beside a short run of the trainer (killed
+# and resumed), the probe's train steps of Qwen3-1.7B, then the loss-step benchmarks.
+# --time-limit SECONDS shares a short lease among them (the stages that do not fit are
+# listed as not run); --skip-tests, --skip-trainer, --skip-probe, --skip-bench leave one out.
 #
 #   bash scripts/gpu_check.sh                 # install, test (compiled Triton), benchmark
-#   WHEELS=/path/to/wheels bash scripts/gpu_check.sh   # peers' wheels (Liger, CCE), no index
+#   WHEELS=/path/to/wheels bash scripts/gpu_check.sh   # peers' wheels (Liger, CCE, TRL, DeepSpeed), no index
 #   bash scripts/gpu_check.sh --dry-run       # the CPU, interpreter, tiny shapes (CI)
 #
 # The project goes into the Python that runs this script with --no-deps, so the torch
-# and Triton already installed there are the ones tested; the probe also needs
-# transformers and deepspeed there. Exits non-zero if any correctness test failed, a
-# section crashed or a probe run failed. Other flags go to bench/gpu_check.py (--help).
+# and Triton already installed there are the ones tested; the trainer and the probe also
+# need transformers and deepspeed there. Exits non-zero if any correctness test failed, a
+# section crashed or a run failed. Other flags go to bench/gpu_check.py (--help).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"

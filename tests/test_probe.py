@@ -51,6 +51,21 @@ def test_bisection_from_a_start_above_one():
     assert largest_fitting(lambda n: n <= 37, 5, 1000) == 37
 
 
+@pytest.mark.parametrize("threshold", [1, 7, 64, 100, 700])
+def test_bisection_with_a_tolerance_stops_early_within_it(threshold):
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= threshold
+
+    found = largest_fitting(fits, 1, 4096, tolerance=0.05)
+    assert found <= threshold and threshold - found <= max(1, 0.05 * found)
+    exact_calls = []
+    largest_fitting(lambda n: exact_calls.append(n) or n <= threshold, 1, 4096)
+    assert len(calls) <= len(exact_calls)
+
+
 @pytest.mark.parametrize("loss", ["fused", "eager"])
 def test_tiny_preset_runs_on_the_cpu(tmp_path, loss):
     out = tmp_path / "probe.json"

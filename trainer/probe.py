@@ -25,8 +25,10 @@ above the pre-step baseline is reported, and a budget fits a ``--memory-limit-gi
 the absolute peak stays under it (it counts the allocator's cached pages: an estimate).
 
 ``--find-max-budget`` bisects the micro-batch budget (in whole sequences of P + L
-tokens): each trial is one micro-batch's forward, backward and optimizer step on the
-same engine (the model states, Adam's included, are alive as in training).
+tokens): each trial is two consecutive micro-batch steps (forward, backward, optimizer
+step) on the same engine, the model states, Adam's included, alive as in training. Two,
+because on a GPU a budget whose first step fits can run out of memory in the second
+(measured: docs/gpu-report.md), and training repeats steps.
 
 Advantages are random (as computed elsewhere over the whole rollout batch); old
 log-probs are -log V (what a random model gives, roughly), so the ratio is near 1.
@@ -49,13 +51,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file (python trainer/probe.py): `trainer` as a package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter  # noqa: E402
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float  # noqa: E402
 
 # name: (hidden, intermediate, layers, heads, kv_heads, head_dim); Hugging Face config.json.
 # The architectures are the planner's (one description of each model's shape).
 QWEN3_PRESETS = ("Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B")
 PRESETS = (*QWEN3_PRESETS, "tiny")
 GIB = 1024**3
+FRACTION = finite_float(minimum=0.0, maximum=1.0)
 
 
 def say(message: str) -> None:
@@ -65,12 +68,15 @@ def say(message: str) -> None:
 # --- bisection (pure: unit-tested on a fake predicate) ----------------------------------
 
 
-def largest_fitting(fits: Callable[[int], bool], start: int = 1, limit: int = 1 << 20) -> int:
+def largest_fitting(fits: Callable[[int], bool], start: int = 1, limit: int = 1 << 20,
+                    tolerance: float = 0.0) -> int:
     """The largest n in [start, limit] with ``fits(n)``, for a monotone predicate (true
     up to some n, false beyond); ``start - 1`` if not even ``start`` fits.
 
     Doubles from ``start`` until a failure (or ``limit``), then bisects between the last
-    fit and the first failure: O(log n) calls, none above twice the answer.
+    fit and the first failure: O(log n) calls, none above twice the answer. With a
+    ``tolerance`` the bisection stops once the first failure is within that fraction
+    above the last fit (an answer at most that fraction short, with fewer calls).
     """
     if start > limit or not fits(start):
         return start - 1
@@ -83,7 +89,7 @@ def largest_fitting(fits: Callable[[int], bool], start: int = 1, limit: int = 1 
             good = trial
         else:
             bad = trial
-    while bad - good > 1:
+    while bad - good > max(1, int(tolerance * good)):
         middle = (good + bad) // 2
         if fits(middle):
             good = middle
@@ -417,11 +423,17 @@ class Probe:
         self.broken = True
 
     def fits(self, rows: int) -> dict:
-        """One micro-batch of ``rows`` sequences: forward, backward, optimizer step."""
+        """Two micro-batch steps of ``rows`` sequences, each forward, backward and
+        optimizer step: a fit is a budget that training can repeat."""
         limit = self.args.memory_limit_gib
         self._ensure_usable()
+
+        def two_steps() -> None:
+            self._one_micro_step(rows)
+            self._one_micro_step(rows)
+
         try:
-            figures = self.meter.measure(lambda: self._one_micro_step(rows))
+            figures = self.meter.measure(two_steps)
         except _out_of_memory_types() as error:
             self._recover()
             return {"rows": rows, "tokens": rows * self.sequence_tokens, "fits": False,
@@ -500,11 +512,36 @@ class Probe:
             return trial["fits"]
 
         limit_rows = args.max_budget_tokens // self.sequence_tokens
-        rows = largest_fitting(fits, 1, limit_rows)
+        rows = largest_fitting(fits, 1, limit_rows, args.budget_tolerance)
         largest = rows * self.sequence_tokens
         say(f"largest budget: {largest} tokens ({rows} sequences of {self.sequence_tokens})")
-        return {"largest_budget_tokens": largest, "largest_budget_sequences": rows,
-                "budget_search_limit_tokens": limit_rows * self.sequence_tokens, "budget_trials": trials}
+        figures = {"largest_budget_tokens": largest, "largest_budget_sequences": rows,
+                   "budget_search_limit_tokens": limit_rows * self.sequence_tokens, "budget_trials": trials}
+        if rows and args.steps_at_largest_budget:
+            figures.update(self._time_budget(rows))
+        return figures
+
+    def _time_budget(self, rows: int) -> dict:
+        """Throughput at a budget: micro-batch steps of ``rows`` sequences (the first warms
+        up), each its own optimizer step, as the bisection's trials."""
+        self._ensure_usable()
+        seconds = []
+        for index in range(self.args.steps_at_largest_budget):
+            self._sync()
+            started = time.perf_counter()
+            try:
+                self._one_micro_step(rows)
+            except _out_of_memory_types():  # a fit by a narrow margin can fail on a later batch
+                self._recover()
+                say("out of memory while timing the largest budget")
+                return {"largest_budget_note": "out of memory on a repeated step"}
+            self._sync()
+            seconds.append(time.perf_counter() - started)
+            say(f"largest budget, step {index + 1}/{self.args.steps_at_largest_budget}: {seconds[-1]:.2f} s")
+        median = statistics.median(seconds[1:] or seconds)
+        tokens_per_second = rows * self.sequence_tokens / median
+        say(f"largest budget: {tokens_per_second:.0f} tokens/s")
+        return {"largest_budget_step_seconds": seconds, "largest_budget_tokens_per_second": tokens_per_second}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -535,6 +572,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where the model runs (the default: cuda when a GPU is visible)")
     parser.add_argument("--find-max-budget", action="store_true",
                         help="bisect the largest micro-batch token budget that fits")
+    parser.add_argument("--budget-tolerance", type=FRACTION, default=0.0,
+                        help="stop the bisection once the first budget that does not fit is within this "
+                             "fraction above the largest that does (fewer trials; 0: to one sequence)")
+    parser.add_argument("--steps-at-largest-budget", type=NON_NEGATIVE_INT, default=0,
+                        help="with --find-max-budget: time this many micro-batch steps at the largest budget "
+                             "(the first a warm-up)")
     parser.add_argument("--memory-limit-gib", type=POSITIVE_FLOAT, default=None,
                         help="a budget fits when its peak stays under this (CPU: required for the bisection)")
     parser.add_argument("--max-budget-tokens", type=POSITIVE_INT, default=1 << 21,
@@ -553,6 +596,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"{args.prompt_length} + {args.response_length} = {sequence} tokens")
     if args.steps == 0 and not args.find_max_budget:
         parser.error("argument --steps: 0 measures nothing without --find-max-budget")
+    if args.steps_at_largest_budget and not args.find_max_budget:
+        parser.error("argument --steps-at-largest-budget: needs --find-max-budget")
     if args.find_max_budget and not args.device.startswith("cuda") and args.memory_limit_gib is None:
         parser.error("--find-max-budget on the CPU needs --memory-limit-gib")
     return args
