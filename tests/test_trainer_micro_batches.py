@@ -27,6 +27,7 @@ from trainer.policy import (  # noqa: E402
     PackedBatch,
     SequenceBatch,
     attention_respects_packing,
+    packing_pays,
     policy_loss,
     response_hidden_states,
 )
@@ -109,6 +110,24 @@ def test_the_tiny_model_confines_attention_to_each_sample():
     ignoring.forward = lambda position_ids, **kwargs: model(
         position_ids=torch.arange(position_ids.shape[1])[None], **kwargs)
     assert not attention_respects_packing(ignoring)
+
+
+@pytest.mark.parametrize("device, attention, pays", [
+    ("cpu", "sdpa", True), ("cuda", "sdpa", False), ("cuda", "eager", False), ("cuda", "flash_attention_2", True),
+    ("cuda", "flash_attention_3", True),
+])
+def test_packing_is_the_default_on_a_gpu_only_with_flash_attention(device, attention, pays):
+    """sdpa and eager attention mask a packed row densely (its length squared), which a
+    GPU pays for (docs/trainer.md, "Packed micro-batches"); on the CPU packing stays on."""
+    class Weight:  # says where it lives, no GPU needed
+        pass
+
+    weight = Weight()
+    weight.device = torch.device(device)
+    model = torch.nn.Module()
+    model.config = type("Config", (), {"_attn_implementation": attention})()
+    model.get_input_embeddings = lambda: type("Embedding", (), {"weight": weight})()
+    assert packing_pays(model) is pays
 
 
 GROUP = 4

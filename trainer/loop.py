@@ -184,9 +184,7 @@ class Trainer:
         if checkpoint is not None:
             self.log.message(f"resumed from {checkpoint} at step {self.start_step}")
         if not self.policy.packing:
-            reason = ("train.packing=false" if config.train.packing is False else
-                      "the model's attention does not confine itself to each sample of a packed row")
-            self.log.message(f"micro-batches are padded ({reason})")
+            self.log.message(f"micro-batches are padded ({self.policy.padded_because})")
 
     # -- construction -----------------------------------------------------------------
 

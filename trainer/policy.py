@@ -171,6 +171,17 @@ def attention_respects_packing(model: torch.nn.Module) -> bool:
     return bool((packed - alone).float().norm() <= tolerance * alone.float().norm())
 
 
+def packing_pays(model: torch.nn.Module) -> bool:
+    """Whether packing is the default for ``model`` where its attention honours it: on a
+    GPU only with flash-attention's varlen kernels, whose cost is the samples' own. sdpa
+    and eager attention confine a packed row through a dense block-diagonal mask, whose
+    cost grows with the square of the row's length: on an H200, Qwen3-1.7B trained 4x
+    fewer tokens a second packed so than in rows without padding (docs/gpu-report.md)."""
+    if model.get_input_embeddings().weight.device.type != "cuda":
+        return True
+    return str(model.config._attn_implementation).startswith("flash")
+
+
 def response_hidden_states(forward, batch: SequenceBatch | PackedBatch) -> torch.Tensor:
     """The last hidden states of ``forward`` (a causal LM or the DeepSpeed engine around
     one) that the loss takes (``batch.loss_hidden_states``). The LM head sees zero
@@ -225,7 +236,13 @@ class Policy:
                 f"train.packing=true, but this model's attention ({model.config._attn_implementation}) does not "
                 "confine itself to each sample of a packed row; use train.packing=false (or null)"
             )
-        self.packing = respects_packing
+        self.packing = respects_packing and (train.packing is True or packing_pays(model))
+        # Why micro-batches are padded, for the run's log; None when packed.
+        self.padded_because = None if self.packing else (
+            "train.packing=false" if train.packing is False else
+            "the model's attention does not confine itself to each sample of a packed row" if not respects_packing
+            else f"{model.config._attn_implementation} attention masks a packed row densely on a GPU "
+                 "(train.packing=true packs anyway)")
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         # A torch optimizer, not one named in the DeepSpeed config: DeepSpeed would

@@ -565,9 +565,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2, help="DeepSpeed ZeRO stage")
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="checkpoint every decoder layer")
-    parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
                         help="padding-free micro-batches (one row, positions restarting per sequence), as the "
-                             "trainer's train.packing; --no-packing: padded rows")
+                             "trainer's train.packing; --no-packing: padded rows; neither: the trainer's default "
+                             "(packed, but on a GPU only with flash-attention)")
     parser.add_argument("--device", default="cuda" if _cuda_visible() else "cpu",
                         help="where the model runs (the default: cuda when a GPU is visible)")
     parser.add_argument("--find-max-budget", action="store_true",

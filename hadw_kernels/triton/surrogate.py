@@ -282,7 +282,10 @@ def vespo_weight(summed_log_ratio, k, lam):
     """objectives.vespo_weight for one sign's (k, lam): phi = w^k exp(lam (1 - w)), log w
     the response's summed log-ratio clamped to [log 1e-8, LOG_RATIO_CLAMP]; 0 where phi
     is not finite (TRL's nan_to_num)."""
-    log_weight = clamp(summed_log_ratio, _VESPO_LOG_WEIGHT_MIN, _LOG_RATIO_CLAMP)
+    # The lower bound log(1e-8) is no float32 number: as a bare constant Triton would round
+    # it to one and clamp float64 sums 3e-7 off (seen on an H200, not in the interpreter).
+    lowest = tl.full(summed_log_ratio.shape, _VESPO_LOG_WEIGHT_MIN, summed_log_ratio.dtype)
+    log_weight = clamp(summed_log_ratio, lowest, _LOG_RATIO_CLAMP)
     phi = tl.exp(lam + k * log_weight - lam * tl.exp(log_weight))
     return tl.where(tl.abs(phi) < float("inf"), phi, 0.0)
 

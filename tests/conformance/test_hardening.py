@@ -3,6 +3,9 @@ reaches nothing, NaN in gives NaN out, empty batches give an exact zero, labels 
 vocabulary are refused on every call, and the KL keeps its digits near on-policy."""
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,7 +114,12 @@ def test_poisoned_ignored_rows_leave_the_head_gradient_finite(backend, device):
 @pytest.mark.parametrize("check_values", [True, False])
 def test_labels_outside_the_vocabulary_are_refused_on_every_call(backend, device, bad, check_values):
     """A label equal to V, above V or negative (not ignore_index) is an error even with
-    check_values=False: unchecked it would give a NaN log-prob."""
+    check_values=False: unchecked it would give a NaN log-prob. On a GPU, unchecked, the
+    refusal is a device-side assert (no host read), which ends the process's CUDA context
+    as torch's own indexing does: there it is held in a child process."""
+    if device.type == "cuda" and not check_values:
+        _refused_by_a_device_assert(backend, bad)
+        return
     hidden = torch.randn(1, 4, 8, device=device)
     weight = torch.randn(30, 8, device=device)
     labels = torch.tensor([[1, bad, 2, -100]], device=device)
@@ -209,3 +217,31 @@ def test_dr_grpo_micro_batches_of_different_widths_add_up(backend, device):
     with pytest.raises(ValueError, match="needs max_response_length"):
         fused_hadw_grpo_loss(batch["logprobs"], batch["old_logprobs"], batch["rewards"], mask, loss_normalizer=12,
                              **kwargs)
+
+
+_UNCHECKED_CALLS = {
+    "token_logprobs": "token_logprobs(hidden, weight, labels, backend=BACKEND, check_values=False)",
+    "fused_linear_hadw_grpo_loss": (
+        "fused_linear_hadw_grpo_loss(hidden.expand(2, 4, 8), weight, labels.expand(2, 4), None, "
+        "torch.tensor([0.0, 1.0], device='cuda'), torch.ones(2, 4, dtype=torch.bool, device='cuda'), group_size=2, "
+        "backend=BACKEND, check_values=False)"),
+}
+
+
+def _refused_by_a_device_assert(backend, bad):
+    for name, call in _UNCHECKED_CALLS.items():
+        code = "\n".join([
+            "import torch",
+            "from hadw_kernels import fused_linear_hadw_grpo_loss, token_logprobs",
+            "hidden, weight = torch.randn(1, 4, 8, device='cuda'), torch.randn(30, 8, device='cuda')",
+            f"labels = torch.tensor([[1, {bad}, 2, -100]], device='cuda')",
+            f"BACKEND = {backend!r}",
+            call,
+            "torch.cuda.synchronize()",
+            "print('NOT REFUSED')",
+        ])
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                               cwd=Path(__file__).resolve().parents[2])
+        assert child.returncode != 0 and "NOT REFUSED" not in child.stdout, (name, child.stdout, child.stderr[-2000:])
+        assert "labels must lie in [0, 30)" in child.stderr, (name, child.stderr[-2000:])
+
