@@ -66,21 +66,23 @@ def test_bisection_with_a_tolerance_stops_early_within_it(threshold):
     assert len(calls) <= len(exact_calls)
 
 
-@pytest.mark.parametrize("loss", ["fused", "eager"])
-def test_tiny_preset_runs_on_the_cpu(tmp_path, loss):
+@pytest.mark.parametrize("loss, packing", [("fused", True), ("eager", False)])
+def test_tiny_preset_runs_on_the_cpu(tmp_path, loss, packing):
     out = tmp_path / "probe.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     completed = subprocess.run(
         [sys.executable, "-m", "trainer.probe", "--preset", "tiny", "--loss", loss, "--device", "cpu",
          "-G", "4", "-L", "16", "-P", "4", "--micro-batch-tokens", "40", "--steps", "2", "--threads", "1",
-         "--find-max-budget", "--memory-limit-gib", "64", "--max-budget-tokens", "160", "--json", str(out)],
+         "--find-max-budget", "--memory-limit-gib", "64", "--max-budget-tokens", "160", "--json", str(out),
+         "--packing" if packing else "--no-packing"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "[probe]" in completed.stderr  # progress goes to stderr
     result = json.loads(out.read_text())
     assert result["preset"] == "tiny" and result["loss"] == loss and result["device"] == "cpu"
+    assert result["packing"] is packing
     # 4 sequences of 20 tokens, two a micro-batch.
     assert result["sequences_per_micro_batch"] == 2 and result["micro_batches_per_step"] == 2
     assert result["micro_batch_tokens"] == 40 and result["tokens_per_step"] == 80

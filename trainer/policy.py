@@ -172,13 +172,12 @@ def attention_respects_packing(model: torch.nn.Module) -> bool:
 
 
 def packing_pays(model: torch.nn.Module) -> bool:
-    """Whether packing is the default for ``model`` where its attention honours it: on a
-    GPU only with flash-attention's varlen kernels, whose cost is the samples' own. sdpa
-    and eager attention confine a packed row through a dense block-diagonal mask, whose
-    cost grows with the square of the row's length: on an H200, Qwen3-1.7B trained 4x
-    fewer tokens a second packed so than in rows without padding (docs/gpu-report.md)."""
-    if model.get_input_embeddings().weight.device.type != "cuda":
-        return True
+    """Whether packing is the default for ``model`` where its attention honours it: only
+    with flash-attention's varlen kernels, whose cost is each sample's own. sdpa and eager
+    attention confine a packed row through a dense block-diagonal mask, whose cost grows
+    with the square of the row's length: measured slower than padded rows on the CPU
+    default (a train step 1.7x) and on an H200 with Qwen3-1.7B (4x fewer tokens a second),
+    docs/trainer.md, "Packed micro-batches"."""
     return str(model.config._attn_implementation).startswith("flash")
 
 
@@ -241,8 +240,8 @@ class Policy:
         self.padded_because = None if self.packing else (
             "train.packing=false" if train.packing is False else
             "the model's attention does not confine itself to each sample of a packed row" if not respects_packing
-            else f"{model.config._attn_implementation} attention masks a packed row densely on a GPU "
-                 "(train.packing=true packs anyway)")
+            else f"{model.config._attn_implementation} attention masks a packed row densely, which costs more "
+                 "than the padding; train.packing=true packs anyway")
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         # A torch optimizer, not one named in the DeepSpeed config: DeepSpeed would

@@ -452,6 +452,7 @@ class Probe:
             "dtype": args.dtype, "device": str(self.device), "zero_stage": args.zero_stage,
             "gradient_checkpointing": args.gradient_checkpointing, "group_size": args.group_size,
             "prompts": args.prompts, "prompt_length": args.prompt_length, "response_length": args.response_length,
+            "packing": self.policy.packing,
             "micro_batch_tokens": self.rows * self.sequence_tokens, "sequences_per_micro_batch": self.rows,
             "micro_batches_per_step": self.micro_batches, "memory_method": self.meter.method,
             "memory_limit_gib": args.memory_limit_gib,
@@ -568,7 +569,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
                         help="padding-free micro-batches (one row, positions restarting per sequence), as the "
                              "trainer's train.packing; --no-packing: padded rows; neither: the trainer's default "
-                             "(packed, but on a GPU only with flash-attention)")
+                             "(packed only with flash-attention)")
     parser.add_argument("--device", default="cuda" if _cuda_visible() else "cpu",
                         help="where the model runs (the default: cuda when a GPU is visible)")
     parser.add_argument("--find-max-budget", action="store_true",
