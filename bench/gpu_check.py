@@ -623,38 +623,38 @@ def trainer_check(dry_run: bool, seconds: float | None) -> TrainerCheck:
         common += ["train.prompts_per_step=8", "train.mini_batch_prompts=4", "train.micro_batch_prompts=2",
                    "rollout.group_size=4"]
 
-    def run(name: str, extra: list[str], resume: bool = False, env: dict | None = None) -> int:
+    def run(name: str, label: str, extra: list[str], resume: bool = False, env: dict | None = None) -> int:
         command = [sys.executable, str(ROOT / "trainer" / "run.py")]
         for override in [*common, f"run.name={name}", *extra]:
             command += ["--set", override]
         if resume:
             command.append("--resume")
         remaining = None if seconds is None else max(10.0, seconds - (time.time() - started))
-        say(f"trainer: {name}{' --resume' if resume else ''}")
+        say(f"trainer: {label}")
         begun = time.time()
         completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False, timeout=remaining,
                                    env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
                                         **(env or {})})
-        check.seconds[name + (" (resumed)" if resume else "")] = time.time() - begun
-        check.log_lines += [f"{name}: {line}" for line in completed.stderr.splitlines()
+        check.seconds[label] = time.time() - begun
+        check.log_lines += [f"{label}: {line}" for line in completed.stderr.splitlines()
                             if "micro-batches are" in line or "resumed from" in line][:3]
         if completed.returncode not in (0, 17):
-            check.error = f"{name} exited {completed.returncode}: {completed.stderr[-1200:]}"
+            check.error = f"{label} exited {completed.returncode}: {completed.stderr[-1200:]}"
         return completed.returncode
 
     try:
-        if run("reference", []) != 0:
+        if run("reference", "uninterrupted", []) != 0:
             return check
         check.reference = read_metrics(output / "reference" / "metrics.jsonl")
         check.checkpoints = [f"step-{step}" for step, _ in completed_checkpoints(output / "reference" / "checkpoints")]
         group_size = 4 if dry_run else 8
         prompts = 8 if dry_run else 64
-        crashed = run("resumed", ["reward.function=test_trainer_helpers:synthetic_then_crash"],
+        crashed = run("resumed", "killed inside a step", ["reward.function=test_trainer_helpers:synthetic_then_crash"],
                       env={"CRASH_AFTER_RESPONSES": str(crash_after * prompts * group_size)})
         if crashed != 17:
             check.error = check.error or f"the run meant to die inside step {crash_after + 1} exited {crashed}"
             return check
-        if run("resumed", [], resume=True) != 0:
+        if run("resumed", "resumed", [], resume=True) != 0:
             return check
         check.resumed = read_metrics(output / "resumed" / "metrics.jsonl")
     except subprocess.TimeoutExpired:
@@ -689,12 +689,14 @@ def trainer_lines(check: TrainerCheck, dry_run: bool) -> list[str]:
             return statistics.fmean(values) if values else float("nan")
 
         lines += [f"- steps logged: {len(check.reference)}; checkpoints kept: {', '.join(check.checkpoints)}",
-                  f"- reward/mean: first 5 steps {mean(first, 'reward/mean'):.3f}, last 5 {mean(last, 'reward/mean'):.3f}",
+                  f"- reward/mean: first 5 steps {mean(first, 'reward/mean'):.3f}, "
+                  f"last 5 {mean(last, 'reward/mean'):.3f}",
                   f"- time/step (median): {statistics.median(row['time/step'] for row in check.reference):.2f} s; "
                   f"tokens/s (median): {statistics.median(row.get('tokens_per_s', 0) for row in check.reference):.0f}",
                   "- wall time per run: " + ", ".join(f"{name} {value:.0f} s" for name, value in check.seconds.items())]
         lines += [f"- log: {line}" for line in check.log_lines]
-        lines += ["", "| step | reward/mean | anchor/belief | loss | grad_norm |", "| ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["", "| step | reward/mean | anchor/belief | loss | grad_norm |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {row['step']} | " + " | ".join(f"{row.get(key, float('nan')):.4g}" for key in CURVE_KEYS) + " |"
                   for row in check.reference]
         lines.append("")

@@ -18,8 +18,10 @@ def test_dry_run_writes_a_report(tmp_path):
     text = report.read_text()
     assert "DRY RUN" in text and "0 failed" in text
     for section in ("## Loss step", "## The surrogate alone", "## The paper's scale",
-                    "## Train steps through the trainer"):
+                    "## Train steps through the trainer", "## The trainer on this device"):
         assert section in text, section
+    # The run killed inside a step and resumed lands on the uninterrupted curve.
+    assert "Resumed run: steps [1, 2, 3]" in text and "reward/mean 0.00e+00" in text
     assert "bench: tiny" in result.stdout and "paper scale G=4" in result.stdout
     assert "| G=4 x 16 tokens and the largest budget, fused | fused | 40 | yes |" in text
 
