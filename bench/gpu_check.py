@@ -473,35 +473,34 @@ def probe_runs(dry_run: bool, seconds: float | None = None) -> list[ProbeRun]:
         # Two runs, one a loss, through the same code paths: steps, then the bisection.
         runs = [(f"G=4 x 16 tokens and the largest budget, {loss}",
                  ["--loss", loss, "-G", "4", "-L", "16", "--micro-batch-tokens", "40", "--find-max-budget",
-                  "--memory-limit-gib", "64", "--max-budget-tokens", "160", "--steps-at-largest-budget", "2"])
+                  "--memory-limit-gib", "64", "--max-budget-tokens", "160", "--steps-at-largest-budget", "2"], 1)
                 for loss in ("eager", "fused")]
     else:
         common = ["--preset", "Qwen3-1.7B", "--device", "cuda", "--dtype", "bfloat16", "--zero-stage", "2",
                   "-P", "512"]
+        # (label, arguments, weight: its share of a time limit, the bisections the largest).
         runs = [
             # One process: G=64 x 4096 tokens at eight sequences (36864 tokens) a micro-batch, eight
             # micro-batches a step; then the largest budget and its throughput, on the same engine.
             # Bisected to within 4% (the planner is held to 10%), to spare the lease trials.
             ("G=64 x 4096 tokens; the largest budget, fused",
              ["--loss", "fused", "-G", "64", "-L", "4096", "--micro-batch-tokens", str(8 * (512 + 4096)),
-              "--steps", "2", "--find-max-budget", "--budget-tolerance", "0.04", "--steps-at-largest-budget", "3"]),
+              "--steps", "2", "--find-max-budget", "--budget-tolerance", "0.04", "--steps-at-largest-budget", "3"], 3),
             ("the largest budget, eager", ["--loss", "eager", "-L", "4096", "--steps", "0", "--find-max-budget",
-                                           "--budget-tolerance", "0.04", "--steps-at-largest-budget", "3"]),
-            *[(f"one 32768-token response, {loss}", ["--loss", loss, "-G", "1", "-L", "32768", "--steps", "1"])
+                                           "--budget-tolerance", "0.04", "--steps-at-largest-budget", "3"], 2),
+            *[(f"one 32768-token response, {loss}", ["--loss", loss, "-G", "1", "-L", "32768", "--steps", "1"], 1)
               for loss in ("fused", "eager")],
         ]
     environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     environment.pop("TRITON_INTERPRET", None)
-    # A time limit is shared by weight (the bisections take the longest); what a run leaves
-    # goes to the next.
-    weights = [3, 2, 1, 1] if len(runs) == 4 else [1] * len(runs)
+    # A time limit is shared by the runs' weights; what a run leaves goes to the next.
     out = []
     started = time.time()
-    for index, (label, arguments) in enumerate(runs):
+    for index, (label, arguments, weight) in enumerate(runs):
         run = ProbeRun(label, [*common, *arguments])
         remaining = None
         if seconds is not None:
-            remaining = (seconds - (time.time() - started)) * weights[index] / sum(weights[index:])
+            remaining = (seconds - (time.time() - started)) * weight / sum(later for *_, later in runs[index:])
         if remaining is not None and remaining < 30:
             run.error = "not run: the check's time limit was reached"
             out.append(run)
@@ -513,8 +512,8 @@ def probe_runs(dry_run: bool, seconds: float | None = None) -> list[ProbeRun]:
             completed = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True,
                                        check=False, timeout=remaining or 1800)
         except subprocess.TimeoutExpired as timeout:
-            completed = subprocess.CompletedProcess(command, -9, stdout="",
-                                                    stderr=f"{str(timeout.stderr or '')[-1200:]}\nstopped at the time limit")
+            said = str(timeout.stderr or "")[-1200:]
+            completed = subprocess.CompletedProcess(command, -9, stdout="", stderr=f"{said}\nstopped at the time limit")
         if completed.returncode == 0 and json_path.exists():
             run.result = json.loads(json_path.read_text())
             say(f"probe {label}: " + ", ".join(f"{key} {run.result[key]}" for key in (
@@ -616,12 +615,13 @@ def trainer_check(dry_run: bool, seconds: float | None) -> TrainerCheck:
     check.steps, check.every, check.crash_step = steps, every, crash_after + 1
     output = Path(tempfile.mkdtemp(prefix="gpu-check-trainer-"))
     started = time.time()
+    # The CPU default's batch on the device; a quarter of it in a dry run.
+    prompts, mini_batch, micro_batch, group_size = (8, 4, 2, 4) if dry_run else (64, 16, 16, 8)
     common = ["rollout.engine=hf", f"train.steps={steps}", f"run.checkpoint_every={every}",
+              f"train.prompts_per_step={prompts}", f"train.mini_batch_prompts={mini_batch}",
+              f"train.micro_batch_prompts={micro_batch}", f"rollout.group_size={group_size}",
               "reward.timeout_seconds=0", "run.progress=false", "run.plot=false", "run.export_hf=false",
               f"run.output_dir={output}"]
-    if dry_run:
-        common += ["train.prompts_per_step=8", "train.mini_batch_prompts=4", "train.micro_batch_prompts=2",
-                   "rollout.group_size=4"]
 
     def run(name: str, label: str, extra: list[str], resume: bool = False, env: dict | None = None) -> int:
         command = [sys.executable, str(ROOT / "trainer" / "run.py")]
@@ -636,7 +636,8 @@ def trainer_check(dry_run: bool, seconds: float | None) -> TrainerCheck:
                                    env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
                                         **(env or {})})
         check.seconds[label] = time.time() - begun
-        check.log_lines += [f"{label}: {line}" for line in completed.stderr.splitlines()
+        # The trainer's own messages go to stdout without a progress bar (run.progress=false).
+        check.log_lines += [f"{label}: {line}" for line in (completed.stdout + completed.stderr).splitlines()
                             if "micro-batches are" in line or "resumed from" in line][:3]
         if completed.returncode not in (0, 17):
             check.error = f"{label} exited {completed.returncode}: {completed.stderr[-1200:]}"
@@ -647,8 +648,6 @@ def trainer_check(dry_run: bool, seconds: float | None) -> TrainerCheck:
             return check
         check.reference = read_metrics(output / "reference" / "metrics.jsonl")
         check.checkpoints = [f"step-{step}" for step, _ in completed_checkpoints(output / "reference" / "checkpoints")]
-        group_size = 4 if dry_run else 8
-        prompts = 8 if dry_run else 64
         crashed = run("resumed", "killed inside a step", ["reward.function=test_trainer_helpers:synthetic_then_crash"],
                       env={"CRASH_AFTER_RESPONSES": str(crash_after * prompts * group_size)})
         if crashed != 17:
@@ -838,10 +837,11 @@ def main(argv: list[str] | None = None) -> int:
         return None if args.time_limit is None else max(1.0, share * (args.time_limit - (time.time() - START)))
 
     tests, trainer, probes, crashed = TestRun(), None, [], []
-    bench, surrogate, paper = [], [], []
+    measured = {"bench": [], "surrogate": [], "paper": []}
 
     def report() -> None:  # after every stage: a check stopped later still leaves what it measured
-        write_report(args.report, tests, bench, surrogate, paper, args.dry_run, crashed, probes, trainer)
+        write_report(args.report, tests, measured["bench"], measured["surrogate"], measured["paper"], args.dry_run,
+                     crashed, probes, trainer)
 
     # The trainer's run (a tiny model) beside the tests: neither is timed against anything.
     trainer_result: list[TrainerCheck] = []
@@ -895,17 +895,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name, section in sections.items():
             try:
-                result = section()
+                measured[name] = section()
             except Exception:
                 crashed.append(f"{name}: {traceback.format_exc()[-1500:]}")
                 say(f"section {name} CRASHED:\n{crashed[-1]}")
-                result = []
-            if name == "bench":
-                bench = result
-            elif name == "surrogate":
-                surrogate = result
-            else:
-                paper = result
             report()
     report()
     probe_failed = any(run.result is None for run in probes)

@@ -228,20 +228,22 @@ class Policy:
         train, rollout = config.train, config.rollout
         self.config = config
         self.zero_stage = train.zero_stage
-        # Asked of the model itself, before DeepSpeed partitions it (ZeRO-3).
-        respects_packing = train.packing is not False and attention_respects_packing(model)
+        # train.packing=null packs only where it pays; whether the attention honours a packed
+        # row is then asked of the model itself, before DeepSpeed partitions it (ZeRO-3).
+        wanted = train.packing is True or (train.packing is None and packing_pays(model))
+        respects_packing = wanted and attention_respects_packing(model)
         if train.packing and not respects_packing:
             raise ValueError(
                 f"train.packing=true, but this model's attention ({model.config._attn_implementation}) does not "
                 "confine itself to each sample of a packed row; use train.packing=false (or null)"
             )
-        self.packing = respects_packing and (train.packing is True or packing_pays(model))
+        self.packing = respects_packing
         # Why micro-batches are padded, for the run's log; None when packed.
         self.padded_because = None if self.packing else (
             "train.packing=false" if train.packing is False else
-            "the model's attention does not confine itself to each sample of a packed row" if not respects_packing
-            else f"{model.config._attn_implementation} attention masks a packed row densely, which costs more "
-                 "than the padding; train.packing=true packs anyway")
+            f"{model.config._attn_implementation} attention masks a packed row densely, which costs more "
+            "than the padding; train.packing=true packs anyway" if not wanted else
+            "the model's attention does not confine itself to each sample of a packed row")
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         # A torch optimizer, not one named in the DeepSpeed config: DeepSpeed would

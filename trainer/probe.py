@@ -98,6 +98,12 @@ def largest_fitting(fits: Callable[[int], bool], start: int = 1, limit: int = 1 
     return good
 
 
+def steady_median(seconds: list[float]) -> float:
+    """The median step time after the first, which warms up (allocations, Adam's states,
+    kernels); the first alone if it is the only one."""
+    return statistics.median(seconds[1:] or seconds)
+
+
 # --- memory --------------------------------------------------------------------------
 
 
@@ -404,19 +410,27 @@ class Probe:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize()
 
-    def train_step(self) -> float:
-        """One optimizer step over prompts x G responses in micro-batches; seconds."""
+    def _timed(self, step: Callable[[], None]) -> float:
+        """Seconds of ``step``, the device synchronised before and after."""
         self._sync()
         started = time.perf_counter()
-        remaining = self.sequences
-        while remaining:
-            rows = min(self.rows, remaining)
-            batch, old, advantages = self._inputs(rows)
-            remaining -= rows
-            accumulate(self.policy, batch, old, advantages, loss_normalizer=self.normalizer, last=remaining == 0,
-                       loss=self.args.loss)
+        step()
         self._sync()
         return time.perf_counter() - started
+
+    def train_step(self) -> float:
+        """One optimizer step over prompts x G responses in micro-batches; seconds."""
+
+        def micro_batches() -> None:
+            remaining = self.sequences
+            while remaining:
+                rows = min(self.rows, remaining)
+                batch, old, advantages = self._inputs(rows)
+                remaining -= rows
+                accumulate(self.policy, batch, old, advantages, loss_normalizer=self.normalizer,
+                           last=remaining == 0, loss=self.args.loss)
+
+        return self._timed(micro_batches)
 
     def _recover(self) -> None:
         """After an out-of-memory error: the engine is rebuilt before its next use."""
@@ -485,9 +499,7 @@ class Probe:
             fits = False
         else:
             fits = True
-        # The first step warms up (allocations, Adam's states, kernels): the median of the rest.
-        timed = seconds[1:] or seconds
-        step_seconds = statistics.median(timed)
+        step_seconds = steady_median(seconds)
         tokens = self.sequences * self.sequence_tokens
         figures = {
             "fits": fits, "step_seconds": seconds, "median_step_seconds": step_seconds,
@@ -528,19 +540,14 @@ class Probe:
         self._ensure_usable()
         seconds = []
         for index in range(self.args.steps_at_largest_budget):
-            self._sync()
-            started = time.perf_counter()
             try:
-                self._one_micro_step(rows)
+                seconds.append(self._timed(lambda: self._one_micro_step(rows)))
             except _out_of_memory_types():  # a fit by a narrow margin can fail on a later batch
                 self._recover()
                 say("out of memory while timing the largest budget")
                 return {"largest_budget_note": "out of memory on a repeated step"}
-            self._sync()
-            seconds.append(time.perf_counter() - started)
             say(f"largest budget, step {index + 1}/{self.args.steps_at_largest_budget}: {seconds[-1]:.2f} s")
-        median = statistics.median(seconds[1:] or seconds)
-        tokens_per_second = rows * self.sequence_tokens / median
+        tokens_per_second = rows * self.sequence_tokens / steady_median(seconds)
         say(f"largest budget: {tokens_per_second:.0f} tokens/s")
         return {"largest_budget_step_seconds": seconds, "largest_budget_tokens_per_second": tokens_per_second}
 
