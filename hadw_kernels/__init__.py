@@ -3,7 +3,8 @@
 from .advantage import group_advantages, hadw_advantages, hadw_weights
 from .anchor import DifficultyAnchor
 from .backends import BackendUnavailable, available_backends
-from .config import AGG_MODES, KL_ESTIMATORS, LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, LossConfig
+from .config import (AGG_MODES, KL_ESTIMATORS, LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, LossConfig, RejectionFilter,
+                     RolloutCorrection)
 from .layout import cu_seqlens_from_position_ids
 from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from .module import HADWGRPOLoss, LinearHADWGRPOLoss
@@ -19,6 +20,8 @@ __all__ = [
     "HADWGRPOLoss",
     "LinearHADWGRPOLoss",
     "LossConfig",
+    "RejectionFilter",
+    "RolloutCorrection",
     "available_backends",
     "cu_seqlens_from_position_ids",
     "fused_hadw_grpo_loss",

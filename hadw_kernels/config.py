@@ -69,6 +69,18 @@ METRIC_NAMES = (
     "ref_kl",
     "entropy_mean",
 )
+# The metrics of the rollout correction and token masks (correction.py), after the
+# kernels' in a loss's metrics, each present when its rule is on: the rollout weights' mean
+# (after the rule, before batch normalisation), the shares of counted tokens whose weight
+# the rule changed, that the rejection filters removed, and that the off-policy and
+# entropy masks zeroed.
+CORRECTION_METRIC_NAMES = (
+    "rollout_is_mean",
+    "rollout_is_corrected_frac",
+    "rollout_rejected_frac",
+    "off_policy_masked_frac",
+    "entropy_masked_frac",
+)
 # Metrics that describe the groups: unknown when the advantages come from the caller.
 GROUP_METRICS = ("phi_mean", "zero_std_frac")
 # What each metric is a mean over: "tokens" (the valid tokens), "ratios" (the importance
@@ -84,6 +96,7 @@ METRIC_MEAN_OVER = {
     "zero_std_frac": "groups",
     "ref_kl": "tokens",
     "entropy_mean": "tokens",
+    **{name: "tokens" for name in CORRECTION_METRIC_NAMES},
 }
 
 # How the linear loss forms its gradients (loss.fused_linear_hadw_grpo_loss).
@@ -197,6 +210,163 @@ OBJECTIVE_NAMES = tuple(OBJECTIVES)
 OBJECTIVE_OPTIONS = {option: name for name, objective in OBJECTIVES.items() for option in objective.options}
 
 
+# Rollout correction (docs/math.md, section 6; correction.py computes it). A rollout
+# weight w = exp(l_old - l_rollout) is formed per token or per response (exp of the summed
+# log ratio), and a rule bounds it: "truncate" clamps w into [lower, upper], "mask" sets it
+# to 0 outside (the token stays counted).
+CORRECTION_LEVELS = ("token", "sequence")
+CORRECTION_RULES = ("truncate", "mask")
+# verl's rejection filters "<where>_<statistic>": the statistic of a token's log ratio
+# x = l_old - l_rollout (k1 = -x, k2 = x^2 / 2, k3 = exp(x) - 1 - x), read per token or
+# reduced over each response's tokens. True: its bounds are ratios, two-sided, compared on
+# the log scale (k1); False: an upper bound on the statistic only.
+REJECTION_STATISTICS = {"k1": True, "k2": False, "k3": False}
+REJECTION_REDUCTIONS = {
+    "token": None,
+    "seq_sum": "sum",
+    "seq_mean": "mean",
+    "seq_max": "max",
+}
+# seq_max_k1 is not one of verl's: k1 takes both signs.
+REJECTION_FILTERS = tuple(f"{where}_{statistic}" for where in REJECTION_REDUCTIONS for statistic in REJECTION_STATISTICS
+                          if not (where == "seq_max" and statistic == "k1"))
+
+
+def _check_bound(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RejectionFilter:
+    """Removes from the loss the tokens (``token_*``) or whole responses (``seq_*``) whose
+    statistic falls outside [lower, upper]: verl's ``rollout_rs`` option ``name`` with its
+    ``rollout_rs_threshold``. For k1 the bounds are ratios (lower defaults to 1 / upper);
+    k2 and k3 take an upper bound only. The tokens removed leave the loss's counts too."""
+
+    name: str
+    upper: float
+    lower: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in REJECTION_FILTERS:
+            raise ValueError(f"unknown rejection filter {self.name!r}; expected one of {REJECTION_FILTERS}")
+        _check_bound(f"rejection filter {self.name!r}'s upper bound", self.upper)
+        if REJECTION_STATISTICS[self.statistic]:
+            if self.lower is None:
+                object.__setattr__(self, "lower", 1.0 / self.upper)
+            _check_bound(f"rejection filter {self.name!r}'s lower bound", self.lower)
+            if self.lower > self.upper:
+                raise ValueError(f"rejection filter {self.name!r}: lower bound {self.lower} above upper {self.upper}")
+        elif self.lower is not None:
+            raise ValueError(f"rejection filter {self.name!r} takes an upper bound only ({self.statistic} >= 0), "
+                             f"got lower={self.lower}")
+
+    @property
+    def reduction(self) -> str | None:
+        return REJECTION_REDUCTIONS[self.name.rsplit("_", 1)[0]]
+
+    @property
+    def statistic(self) -> str:
+        return self.name.rsplit("_", 1)[1]
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """The correction for a rollout engine's log-probs l_r (the loss's ``rollout_logprobs``)
+    against the behaviour policy's l_o (``old_logprobs``): a detached weight
+    w = exp(l_o - l_r) per token, or per response (``level``; the log ratio clamped to
+    +-LOG_RATIO_CLAMP), shaped by ``rule`` (:data:`CORRECTION_RULES`) within
+    [lower, upper] (None: unbounded on that side), optionally divided by its mean over the
+    batch (``batch_normalize``: over the counted tokens, or the responses at sequence
+    level; over every rank when torch.distributed is initialised, a collective); and
+    ``rejection`` filters (:class:`RejectionFilter`, or a dict {name: upper or
+    (lower, upper)}) that AND together. ``level=None`` forms no weight (filters only).
+    The defaults are TRL's with vLLM: a sequence mask above 3."""
+
+    level: str | None = "sequence"
+    rule: str = "mask"
+    lower: float | None = None
+    upper: float | None = 3.0
+    batch_normalize: bool = False
+    rejection: tuple[RejectionFilter, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.level is not None and self.level not in CORRECTION_LEVELS:
+            raise ValueError(f"unknown rollout correction level {self.level!r}; expected one of "
+                             f"{CORRECTION_LEVELS} or None")
+        if self.rule not in CORRECTION_RULES:
+            raise ValueError(f"unknown rollout correction rule {self.rule!r}; expected one of {CORRECTION_RULES}")
+        for name in ("lower", "upper"):
+            if getattr(self, name) is not None:
+                _check_bound(f"rollout correction {name} bound", getattr(self, name))
+        if self.lower is not None and self.upper is not None and self.lower > self.upper:
+            raise ValueError(f"rollout correction bounds out of order: lower {self.lower} > upper {self.upper}")
+        if not isinstance(self.batch_normalize, bool):
+            raise TypeError(f"batch_normalize must be a bool, got {self.batch_normalize!r}")
+        if self.batch_normalize and self.level is None:
+            raise ValueError("batch_normalize normalises the rollout weights: it needs a level")
+        items = tuple(self.rejection.items()) if isinstance(self.rejection, dict) else tuple(self.rejection)
+        parsed = []
+        for item in items:
+            if isinstance(item, RejectionFilter):
+                parsed.append(item)
+            elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                name, bounds = item
+                lower, upper = bounds if isinstance(bounds, tuple) else (None, bounds)
+                parsed.append(RejectionFilter(name, upper=upper, lower=lower))
+            else:
+                raise TypeError("rejection takes RejectionFilter items or a dict {name: upper or (lower, upper)}, "
+                                f"got {item!r}")
+        names = [item.name for item in parsed]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rejection names a filter twice: {names}")
+        object.__setattr__(self, "rejection", tuple(parsed))
+
+    @classmethod
+    def from_trl(cls, mode: str, clip_min: float | None, clip_max: float | None) -> "RolloutCorrection":
+        """TRL's ``vllm_importance_sampling_mode`` ("token_truncate", "token_mask",
+        "sequence_truncate", "sequence_mask") with its clip_min and clip_max."""
+        level, _, rule = mode.partition("_")
+        if level not in CORRECTION_LEVELS or rule not in CORRECTION_RULES:
+            raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
+        return cls(level=level, rule=rule, lower=clip_min, upper=clip_max)
+
+    @classmethod
+    def from_verl(cls, rollout_is: str | None = None, rollout_is_threshold: str | float | None = 2.0,
+                  rollout_is_batch_normalize: bool = False, rollout_rs: str | None = None,
+                  rollout_rs_threshold: str | float | None = None) -> "RolloutCorrection":
+        """verl's ``algorithm.rollout_correction`` options: ``rollout_is`` "token" or
+        "sequence" with a threshold "upper" (TIS) or "lower_upper" (IcePop), and the
+        comma-separated ``rollout_rs`` filters with one threshold each (or one for all;
+        a k1 threshold is "lower_upper" or "upper")."""
+        lower, upper = _verl_bounds(rollout_is_threshold) if rollout_is is not None else (None, None)
+        filters = []
+        if rollout_rs is not None:
+            names = [name.strip() for name in rollout_rs.split(",") if name.strip()]
+            if rollout_rs_threshold is None:
+                raise ValueError("rollout_rs needs rollout_rs_threshold")
+            specs = [part.strip() for part in str(rollout_rs_threshold).split(",") if part.strip()]
+            specs = specs * len(names) if len(specs) == 1 else specs
+            if len(specs) != len(names):
+                raise ValueError(f"rollout_rs_threshold has {len(specs)} values for {len(names)} filters")
+            for name, spec in zip(names, specs):
+                filter_lower, filter_upper = _verl_bounds(spec)
+                filters.append(RejectionFilter(name, upper=filter_upper, lower=filter_lower))
+        return cls(level=rollout_is, rule="truncate" if lower is None else "mask", lower=lower, upper=upper,
+                   batch_normalize=rollout_is_batch_normalize, rejection=tuple(filters))
+
+
+def _verl_bounds(spec) -> tuple[float | None, float]:
+    """verl's threshold "upper" or "lower_upper" (or a number: the upper bound)."""
+    if isinstance(spec, bool) or not isinstance(spec, (str, int, float)):
+        raise TypeError(f"a verl threshold is a number or a string 'upper' or 'lower_upper', got {spec!r}")
+    if isinstance(spec, str) and "_" in spec:
+        lower, upper = spec.split("_", 1)
+        return float(lower), float(upper)
+    return None, float(spec)
+
+
 @dataclass(frozen=True)
 class LossPreset:
     """What a loss type means: the objective and its ratio form, the aggregation, the std
@@ -274,11 +444,12 @@ def check_linear_path(linear_path, name: str = "linear_path") -> None:
 
 # How LossConfig's annotations read in its messages; a bool is not a number here, and an
 # int is a float (as a float annotation means in Python).
-_TYPE_NAMES = {int: "an int", float: "a number", bool: "a bool", str: "a string", types.NoneType: "None"}
+_TYPE_NAMES = {int: "an int", float: "a number", bool: "a bool", str: "a string", types.NoneType: "None",
+               RolloutCorrection: "a RolloutCorrection"}
 
 
 def _has_type(value, kind: type) -> bool:
-    if kind is types.NoneType or kind is bool or kind is str:
+    if kind is types.NoneType or kind is bool or kind is str or kind is RolloutCorrection:
         return isinstance(value, kind)
     numeric = (int, float) if kind is float else (kind,)
     return isinstance(value, numeric) and not isinstance(value, bool)
@@ -319,6 +490,11 @@ class LossConfig:
     vespo_lambda_pos: float | None = None
     vespo_k_neg: float | None = None
     vespo_lambda_neg: float | None = None
+    # Rollout correction and token masks (docs/math.md, section 6; correction.py).
+    rollout_correction: RolloutCorrection | None = None
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    kl_bias_correction: bool = False
 
     @property
     def sequence_level(self) -> bool:
@@ -423,6 +599,14 @@ class LossConfig:
             raise ValueError(f"entropy_coef must be finite and non-negative, got {self.entropy_coef!r}")
         if self.loss_normalizer is not None:
             check_finite_positive("loss_normalizer", self.loss_normalizer)
+        if self.off_policy_mask_threshold is not None and not (0 <= self.off_policy_mask_threshold < math.inf):
+            raise ValueError(f"off_policy_mask_threshold (a mean KL per token) must be finite and non-negative, "
+                             f"got {self.off_policy_mask_threshold!r}")
+        if not (0 < self.top_entropy_quantile <= 1):
+            raise ValueError(f"top_entropy_quantile (the share of tokens kept, by entropy) must be in (0, 1], "
+                             f"got {self.top_entropy_quantile!r}")
+        if self.kl_bias_correction and self.beta == 0:
+            raise ValueError("kl_bias_correction weighs the KL term by the ratio: it needs beta > 0")
         if self.max_response_length is not None and self.max_response_length < 1:
             raise ValueError(f"max_response_length must be positive, got {self.max_response_length}")
         if (
@@ -515,3 +699,7 @@ class LossOptions(TypedDict, total=False):
     vespo_lambda_pos: float | None
     vespo_k_neg: float | None
     vespo_lambda_neg: float | None
+    rollout_correction: RolloutCorrection | None
+    off_policy_mask_threshold: float | None
+    top_entropy_quantile: float | None
+    kl_bias_correction: bool | None

@@ -11,6 +11,7 @@ import torch
 from .backends import check_backend_name, resolve_backend
 from .config import (
     AGGREGATIONS,
+    CORRECTION_METRIC_NAMES,
     IGNORE_INDEX,
     METRIC_NAMES,
     LossConfig,
@@ -18,15 +19,18 @@ from .config import (
     check_block_rows,
     check_linear_path,
 )
+from .correction import correct, needs_current_logprobs
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
-from .reference.surrogate import agg_weights, group_metrics, weighted_advantages
+from .reference.surrogate import (agg_weights, aggregate, group_metrics, kl_estimate, masked_mean, token_ratio,
+                                  weighted_advantages)
 from .layout import TokenLayout
 from .validation import (
     assert_cu_seqlens,
     assert_label_range,
     batch_layout,
     check_batch_inputs,
+    check_correction_values,
     check_label_range,
     check_linear_inputs,
     check_linear_values,
@@ -53,6 +57,8 @@ def fused_hadw_grpo_loss(
     anchor: float | torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
     return_metrics: bool = False,
     backend: str = "auto",
     check_values: bool = True,
@@ -115,6 +121,20 @@ def fused_hadw_grpo_loss(
         importance_weights: detached rollout-engine correction, [B, T] or [B] (packed:
             [N] or [1, N], or [S]; a 1-D tensor of length S is per response),
             multiplying each token's loss in every ratio form.
+        rollout_logprobs: [B, T] the rollout engine's log-probs of the sampled tokens
+            (vLLM's), read by ``rollout_correction`` and ``off_policy_mask_threshold``.
+        rollout_correction: a :class:`RolloutCorrection` (TRL's vLLM importance-sampling
+            modes, verl's TIS, IcePop, batch normalisation and rejection filters): the
+            weights and filters formed from ``old_logprobs`` and ``rollout_logprobs``
+            inside the call (docs/options.md, "Rollout correction").
+        off_policy_mask_threshold: TRL's off-policy sequence mask (DeepSeek-V3.2): a
+            response of negative advantage whose mean (rollout - current) log-prob
+            exceeds it leaves the loss's numerator.
+        top_entropy_quantile, entropy: keep the policy term of the tokens whose
+            ``entropy`` [B, T] is at or above the (1 - q) quantile of the counted tokens'
+            (over every rank when torch.distributed is initialised).
+        kl_bias_correction: the KL term of each token weighed by its ratio (TRL's
+            use_bias_correction_kl).
         loss_normalizer: the batch's count that replaces this call's in the aggregation
             (valid tokens for token-mean, responses for the seq-mean modes): pass the
             whole rollout batch's count to every micro-batch and their losses add up to
@@ -134,25 +154,92 @@ def fused_hadw_grpo_loss(
     layout = check_surrogate_inputs(
         logprobs, old_logprobs, response_mask, config, cu_seqlens=cu_seqlens, rewards=rewards,
         advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights, check_values=_checks_run(check_values),
+        importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, entropy=entropy,
+        check_values=_checks_run(check_values),
     )
+    if _checks_run(check_values):
+        check_correction_values(layout, response_mask, rollout_logprobs, entropy)
     config = _with_layout_length(config, layout)
     implementation = resolve_backend(backend, logprobs.device)
     flat_logprobs = layout.flat(logprobs)
-    loss, metrics = implementation.surrogate_loss(
-        flat_logprobs,
+    loss, metrics = _corrected_surrogate(
+        implementation, flat_logprobs,
         flat_logprobs.detach() if old_logprobs is None else layout.flat(old_logprobs),
-        layout.flat(response_mask),
-        layout,
-        config,
-        rewards=rewards,
-        advantages=layout.per_token(advantages),
-        anchor=anchor,
+        layout.flat(response_mask), layout, config,
+        rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
         ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
         importance_weights=layout.per_token(importance_weights),
-        entropy=None,
+        rollout_logprobs=layout.flat(rollout_logprobs), entropy=None, masked_entropy=layout.flat(entropy),
     )
     return (loss, metrics) if return_metrics else loss
+
+
+def _corrected_surrogate(implementation, logprobs, old_logprobs, mask, layout, config, *, rewards, advantages, anchor,
+                         ref_logprobs, importance_weights, rollout_logprobs, entropy, masked_entropy):
+    """The backend's surrogate op on [N] tensors, with the rollout correction and token
+    masks (correction.py) folded into its mask and importance weights, and the
+    bias-corrected KL term added: every backend applies them in its kernels as it applies
+    a caller's weights, so they compose with every objective. ``entropy``: what the op
+    takes (the linear loss's, with its gradient: bonus and metric); ``masked_entropy``:
+    what the entropy mask reads."""
+    corrected_metrics = {}
+    if _has_correction(config):
+        token_advantage = None
+        if config.off_policy_mask_threshold is not None:
+            token_advantage = advantages if advantages is not None else layout.expand(
+                weighted_advantages(rewards, None, config, anchor)[0])
+        correction = correct(config, layout, mask.bool(), old_logprobs=old_logprobs,
+                             rollout_logprobs=rollout_logprobs, logprobs=logprobs, token_advantage=token_advantage,
+                             entropy=masked_entropy)
+        mask, importance_weights = _fold(correction, mask, importance_weights, logprobs.dtype)
+        if entropy is not None and correction.entropy_keep is not None and config.entropy_coef > 0:
+            # The entropy bonus acts on the tokens the entropy mask keeps, as TRL's; the
+            # metric stays the mean over every counted token.
+            corrected_metrics["entropy_mean"] = masked_mean(entropy.detach(), mask.bool())
+            entropy = entropy * correction.entropy_keep.to(entropy.dtype)
+        corrected_metrics.update(correction.metrics)
+    kernel_config = dataclasses.replace(config, beta=0.0, kl_bias_correction=False) if config.kl_bias_correction \
+        else config
+    loss, metrics = implementation.surrogate_loss(
+        logprobs, old_logprobs, mask, layout, kernel_config, rewards=rewards, advantages=advantages, anchor=anchor,
+        ref_logprobs=None if config.kl_bias_correction else ref_logprobs, importance_weights=importance_weights,
+        entropy=entropy,
+    )
+    if config.kl_bias_correction:
+        kl_term, metrics["ref_kl"] = _bias_corrected_kl(logprobs, old_logprobs, mask.bool(), layout, config,
+                                                        ref_logprobs, rewards, advantages, anchor)
+        loss = loss + kl_term
+    metrics.update(corrected_metrics)
+    return loss, {name: metrics[name] for name in METRIC_NAMES + CORRECTION_METRIC_NAMES if name in metrics}
+
+
+def _fold(correction, mask, importance_weights, dtype):
+    """(mask, importance weights) with a correction's filters and weights folded in."""
+    if correction.keep is not None:
+        mask = (mask.bool() & correction.keep).to(mask.dtype)
+    if correction.weights is not None:
+        weights = correction.weights.to(accumulate_dtype(dtype))
+        importance_weights = weights if importance_weights is None else importance_weights * weights
+    return mask, importance_weights
+
+
+def _has_correction(config: LossConfig) -> bool:
+    return config.rollout_correction is not None or needs_current_logprobs(config)
+
+
+def _bias_corrected_kl(logprobs, old_logprobs, mask, layout, config, ref_logprobs, rewards, advantages, anchor):
+    """beta x the aggregated k(l, l_ref) x rho, rho the objective's ratio with its gradient
+    (TRL's use_bias_correction_kl), and the metric: the corrected estimate's mean. On [N]
+    tensors through autograd, beside the backend's op (docs/math.md, section 6)."""
+    advantage = advantages if advantages is not None else layout.expand(
+        weighted_advantages(rewards, None, config, anchor)[0])
+    advantage = torch.where(mask, advantage.to(logprobs.dtype), torch.zeros_like(logprobs))
+    ratio, _, _ = token_ratio(logprobs, old_logprobs.detach(), mask, advantage, layout, config)
+    zero = torch.zeros_like(logprobs)
+    own = torch.where(mask, logprobs, zero)
+    corrected = kl_estimate(own, torch.where(mask, ref_logprobs.detach(), zero), config.kl_estimator) * ratio
+    corrected = torch.where(mask, corrected, zero)
+    return config.beta * aggregate(corrected, mask, layout, config), masked_mean(corrected.detach(), mask)
 
 
 def fused_linear_hadw_grpo_loss(
@@ -171,6 +258,7 @@ def fused_linear_hadw_grpo_loss(
     anchor: float | torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
     temperature: float = 1.0,
     ignore_index: int = IGNORE_INDEX,
     block_rows: int | None = None,
@@ -204,12 +292,16 @@ def fused_linear_hadw_grpo_loss(
     check_batch_inputs(
         layout, response_mask, old_logprobs, config, inputs={"hidden_states": hidden_states}, rewards=rewards,
         advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights,
+        importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
     )
+    if _checks_run(check_values):
+        check_correction_values(layout, response_mask, rollout_logprobs, None)
     config = _with_layout_length(config, layout)
     mask = layout.flat(response_mask)
     hidden = layout.flat_rows(hidden_states)
     old = layout.flat(old_logprobs)
+    rollout = layout.flat(rollout_logprobs)
+    importance_weights = layout.per_token(importance_weights)
     # Padding is masked out of the loss; as ignored labels its rows enter no GEMM, and
     # labels there are never checked or read.
     labels = layout.flat(labels).masked_fill(~mask.bool(), ignore_index)
@@ -221,12 +313,22 @@ def fused_linear_hadw_grpo_loss(
     else:
         assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
         assert_cu_seqlens(layout)
+    corrected_metrics = {}
+    if _has_correction(config) and not _reads_current_policy(config, old):
+        # Weights and filters from the behaviour and rollout log-probs alone: formed before
+        # the sweep, whose rejected rows then enter no GEMM.
+        correction = correct(config, layout, mask.bool(), old_logprobs=old, rollout_logprobs=rollout, logprobs=None,
+                             token_advantage=None, entropy=None)
+        mask, importance_weights = _fold(correction, mask, importance_weights, old.dtype)
+        labels = labels.masked_fill(~mask.bool(), ignore_index)
+        corrected_metrics = correction.metrics
+        config = dataclasses.replace(config, rollout_correction=None)
     implementation = resolve_backend(backend, hidden_states.device)
-    path = _linear_path(linear_path, implementation, config, hidden_states.device)
-    with_entropy = config.entropy_coef > 0 or return_metrics
+    path = _linear_path(linear_path, implementation, config, hidden_states.device, old)
+    with_entropy = config.entropy_coef > 0 or return_metrics or config.top_entropy_quantile < 1.0
     data = dict(rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
                 ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
-                importance_weights=layout.per_token(importance_weights))
+                importance_weights=importance_weights)
     options = dict(lm_head_bias=lm_head_bias, temperature=temperature, ignore_index=ignore_index)
     if path == "gradients_in_forward":
         loss, metrics = _gradients_in_forward(
@@ -238,8 +340,20 @@ def fused_linear_hadw_grpo_loss(
             hidden, lm_head_weight, labels, with_entropy=with_entropy, **options
         )
         old = logprobs.detach() if old is None else old
-        loss, metrics = implementation.surrogate_loss(logprobs, old, mask, layout, config, entropy=entropy, **data)
+        loss, metrics = _corrected_surrogate(implementation, logprobs, old, mask, layout, config, **data,
+                                             rollout_logprobs=rollout, entropy=entropy, masked_entropy=entropy)
+    metrics.update(corrected_metrics)
+    metrics = {name: metrics[name] for name in METRIC_NAMES + CORRECTION_METRIC_NAMES if name in metrics}
     return (loss, metrics) if return_metrics else loss
+
+
+def _reads_current_policy(config: LossConfig, old_logprobs: torch.Tensor | None) -> bool:
+    """Whether a correction or mask reads the current policy's log-probs or entropies (the
+    off-policy and entropy masks, the bias-corrected KL, a rollout weight of an on-policy
+    call, whose behaviour log-probs are the current ones): the linear loss then forms them
+    first (its recompute path)."""
+    on_policy_weight = config.rollout_correction is not None and old_logprobs is None
+    return needs_current_logprobs(config) or config.kl_bias_correction or on_policy_weight
 
 
 def _with_layout_length(config: LossConfig, layout: TokenLayout) -> LossConfig:
@@ -317,16 +431,25 @@ def _checks_run(check_values: bool) -> bool:
     return check_values and not torch.compiler.is_compiling()
 
 
-def _linear_path(requested: str, implementation, config: LossConfig, device: torch.device) -> str:
+def _linear_path(requested: str, implementation, config: LossConfig, device: torch.device,
+                 old_logprobs: torch.Tensor | None) -> str:
     available = implementation.linear_surrogate is not None and implementation.has_gradients_in_forward(device)
+    reads_current = _reads_current_policy(config, old_logprobs)
     if requested == "auto":
-        return "gradients_in_forward" if available and not config.sequence_level else "recompute"
+        return "gradients_in_forward" if available and not config.sequence_level and not reads_current \
+            else "recompute"
     if requested == "gradients_in_forward":
         if config.sequence_level:
             raise ValueError(
                 f"linear_path='gradients_in_forward' needs a token ratio: with ratio_level={config.ratio_level!r} "
                 f"(objective {config.objective!r}) a token's gradient depends on every log-prob of its response; "
                 "use 'recompute' or 'auto'"
+            )
+        if reads_current:
+            raise ValueError(
+                "linear_path='gradients_in_forward' forms each token's gradient before the batch's log-probs are "
+                "known: off_policy_mask_threshold, top_entropy_quantile < 1, kl_bias_correction and a rollout "
+                "correction without old_logprobs read them first; use 'recompute' or 'auto'"
             )
         if not available:
             raise ValueError(f"backend {implementation.name!r} has no gradients-in-forward path here")

@@ -182,6 +182,8 @@ def check_batch_inputs(
     anchor=None,
     ref_logprobs: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> None:
     """Shapes, dtypes and devices of a batch's tensors besides what the loss is computed
     from (``inputs``: the log-probs, or the hidden states; only their device is read
@@ -253,6 +255,7 @@ def check_batch_inputs(
             except ValueError as error:
                 raise ValueError(f"{error}; or one weight per response, [{batch}]") from None
         tensors["importance_weights"] = importance_weights
+    tensors.update(_correction_inputs(layout, config, rollout_logprobs, entropy, linear="hidden_states" in inputs))
     check_anchor(anchor)
     if isinstance(anchor, torch.Tensor):
         tensors["anchor"] = anchor
@@ -261,6 +264,58 @@ def check_batch_inputs(
         raise ValueError(f"all tensors must be on one device, got {devices}")
     if group_index is not None and not torch.compiler.is_compiling():  # a value check (docs/architecture.md)
         _check_group_index(group_index, config.group_size)
+
+
+def _correction_inputs(layout: TokenLayout, config: LossConfig, rollout_logprobs, entropy, *,
+                       linear: bool) -> dict[str, torch.Tensor]:
+    """The rollout correction's and entropy mask's tensors, per token, present exactly when
+    the options read them (docs/options.md, "Rollout correction")."""
+    tensors = {}
+    if config.rollout_correction is not None and rollout_logprobs is None:
+        raise ValueError("rollout_correction needs rollout_logprobs (the rollout engine's log-probs of the tokens)")
+    if rollout_logprobs is not None:
+        if config.rollout_correction is None and config.off_policy_mask_threshold is None:
+            raise ValueError("rollout_logprobs are read by rollout_correction or off_policy_mask_threshold; "
+                             "neither is set, so they would be ignored")
+        _require_per_token("rollout_logprobs", rollout_logprobs, layout)
+        tensors["rollout_logprobs"] = rollout_logprobs
+    if linear:  # (it forms the entropy itself)
+        return tensors
+    if config.top_entropy_quantile < 1.0 and entropy is None:
+        raise ValueError("top_entropy_quantile < 1 needs entropy, each token's entropy under the current policy "
+                         "(the linear loss forms it itself)")
+    if entropy is not None:
+        if config.top_entropy_quantile == 1.0:
+            raise ValueError("entropy is read by top_entropy_quantile < 1 only; it would be ignored")
+        _require_per_token("entropy", entropy, layout)
+        tensors["entropy"] = entropy
+    return tensors
+
+
+@torch.no_grad()
+def check_correction_values(layout: TokenLayout, response_mask: torch.Tensor, rollout_logprobs, entropy) -> None:
+    """Rollout log-probs at counted tokens are log-probs (<= 0; NaN, which TRL reads as
+    "not scored", is refused here: pass the behaviour log-prob there instead), entropies
+    finite and non-negative: one host read."""
+    mask = layout.flat(response_mask).bool()
+    probes = {}
+    if rollout_logprobs is not None:
+        values = layout.flat(rollout_logprobs)
+        probes["rollout_nan"] = (torch.isnan(values) & mask).any()
+        probes["rollout_positive"] = ((values > 0) & mask).any()
+    if entropy is not None:
+        values = layout.flat(entropy)
+        probes["entropy"] = ((~torch.isfinite(values) | (values < 0)) & mask).any()
+    if not probes:
+        return
+    read = dict(zip(probes, torch.stack(list(probes.values())).tolist()))
+    if read.get("rollout_nan"):
+        raise ValueError("rollout_logprobs contain NaN at response tokens (a token the engine did not score: "
+                         "pass old_logprobs there, which gives it weight 1)")
+    if read.get("rollout_positive"):
+        raise ValueError("rollout_logprobs must be log-probabilities (<= 0) at response tokens")
+    if read.get("entropy"):
+        raise ValueError("entropy must be finite and non-negative at response tokens")
 
 
 def check_advantage_options(rewards: torch.Tensor, anchor, lambda_scale, std_eps) -> None:

@@ -14,8 +14,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 def trl_config(loss_type: str, output_dir: str = "trl-host-test", **options) -> GRPOConfig:
     """TRL's config for ``loss_type``, with TRL's own defaults for every option not given."""
+    options.setdefault("use_bias_correction_kl", False)
     return GRPOConfig(output_dir=output_dir, loss_type=loss_type, use_cpu=True, bf16=False, report_to="none",
-                      per_device_train_batch_size=4, num_generations=4, use_bias_correction_kl=False, **options)
+                      per_device_train_batch_size=4, num_generations=4, **options)
 
 
 class TrlLoss:
@@ -25,6 +26,8 @@ class TrlLoss:
 
     _compute_loss = GRPOTrainer._compute_loss
     get_gamma_weights = staticmethod(GRPOTrainer.get_gamma_weights)
+    get_off_policy_mask = staticmethod(GRPOTrainer.get_off_policy_mask)
+    get_high_entropy_mask = GRPOTrainer.get_high_entropy_mask
 
     def __init__(self, args: GRPOConfig, accumulation: int = 1):
         self.args = args
@@ -43,18 +46,23 @@ class TrlLoss:
         self.current_gradient_accumulation_steps = accumulation
         self.model = types.SimpleNamespace(training=True)
         self.accelerator = types.SimpleNamespace(num_processes=1, reduce=lambda tensor, reduction: tensor,
-                                                 gather=lambda tensor: tensor)
+                                                 gather=lambda tensor: tensor,
+                                                 pad_across_processes=lambda tensor, dim, pad_index: tensor)
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._logprobs = None
+        self._entropies = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **_):
-        return self._logprobs, torch.zeros_like(self._logprobs), None
+        entropies = torch.zeros_like(self._logprobs) if self._entropies is None else self._entropies
+        return self._logprobs, entropies, None
 
     def __call__(self, logprobs, old_logprobs, advantages, mask, *, num_items_in_batch=None, ref_logprobs=None,
-                 importance_sampling_ratio=None) -> torch.Tensor:
-        """TRL's loss of one micro-batch: [B, T] tensors, advantages [B] or [B, T]."""
+                 importance_sampling_ratio=None, sampling_logprobs=None, entropies=None) -> torch.Tensor:
+        """TRL's loss of one micro-batch: [B, T] tensors, advantages [B] or [B, T]; vLLM's
+        log-probs (``sampling_logprobs``) and the tokens' ``entropies`` where its masks read them."""
         batch, width = mask.shape
         self._logprobs = logprobs
+        self._entropies = entropies
         self.use_vllm = importance_sampling_ratio is not None
         inputs = {
             "prompt_ids": torch.zeros(batch, 1, dtype=torch.long),
@@ -70,4 +78,6 @@ class TrlLoss:
             inputs["ref_per_token_logps"] = ref_logprobs
         if importance_sampling_ratio is not None:
             inputs["importance_sampling_ratio"] = importance_sampling_ratio
+        if sampling_logprobs is not None:
+            inputs["sampling_per_token_logps"] = sampling_logprobs
         return self._compute_loss(None, inputs)

@@ -63,7 +63,7 @@ def agg_weights(mask: torch.Tensor, layout: TokenLayout, config: LossConfig) -> 
     return weights
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     values = values.float()
     return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
 
@@ -167,11 +167,11 @@ def surrogate_loss(
         zero = torch.zeros_like(logprobs)
         ref_kl = kl_estimate(own_logprobs, torch.where(mask, ref_logprobs.detach(), zero), config.kl_estimator)
         loss = loss + config.beta * aggregate(ref_kl, mask, layout, config)
-        metrics["ref_kl"] = _masked_mean(ref_kl.detach(), mask)
+        metrics["ref_kl"] = masked_mean(ref_kl.detach(), mask)
     if entropy is not None:
         if config.entropy_coef > 0:
             loss = loss - config.entropy_coef * aggregate(entropy, mask, layout, config)
-        metrics["entropy_mean"] = _masked_mean(entropy.detach(), mask)
+        metrics["entropy_mean"] = masked_mean(entropy.detach(), mask)
 
     with torch.no_grad():
         # Where the ratio is per response, the sign of the response's advantage (of the
@@ -184,13 +184,13 @@ def surrogate_loss(
             signed_advantage = layout.segment_sum(torch.where(mask, token_advantage, torch.zeros_like(token_advantage)))
         low = (metric_ratio < 1.0 - config.epsilon_low) & (signed_advantage < 0)
         high = (metric_ratio > 1.0 + config.epsilon_high) & (signed_advantage > 0)
-        metrics["clip_frac_low"] = _masked_mean(low, ratio_mask)
-        metrics["clip_frac_high"] = _masked_mean(high, ratio_mask)
-        metrics["ratio_mean"] = _masked_mean(metric_ratio, ratio_mask)
+        metrics["clip_frac_low"] = masked_mean(low, ratio_mask)
+        metrics["clip_frac_high"] = masked_mean(high, ratio_mask)
+        metrics["ratio_mean"] = masked_mean(metric_ratio, ratio_mask)
         # k3 estimate of KL(pi_old || pi) from the samples of pi_old.
         token_log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs)).detach().clamp(
             -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        metrics["approx_kl"] = _masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask)
+        metrics["approx_kl"] = masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask)
         if phi is not None:
             metrics.update(group_metrics(rewards, phi, config.group_size))
     return loss, {name: metrics[name] for name in METRIC_NAMES if name in metrics}

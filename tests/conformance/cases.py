@@ -18,16 +18,20 @@ from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, toke
 from hadw_kernels.backends import load_backend
 from hadw_kernels.config import (
     AGGREGATIONS,
+    CORRECTION_METRIC_NAMES,
     IGNORE_INDEX,
+    METRIC_NAMES,
     LOSS_PRESETS,
     LOSS_TYPES,
     OBJECTIVE_OPTIONS,
     OBJECTIVES,
     LossConfig,
+    RolloutCorrection,
 )
 from hadw_kernels.layout import TokenLayout
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
-from hadw_kernels.reference.surrogate import surrogate_loss as reference_surrogate
+from hadw_kernels.correction import correct
+from hadw_kernels.reference.surrogate import masked_mean, surrogate_loss as reference_surrogate
 
 GROUP_SIZE = 4
 IGNORE = IGNORE_INDEX
@@ -64,6 +68,9 @@ def surrogate_batch(seed: int, batch: int = 12, width: int = 37, drift: float = 
     # Per-token advantages (process rewards): each response's sign mostly, some tokens flipped.
     token_advantages = torch.randn(batch, 1, generator=generator, dtype=torch.float64) + 0.5 * torch.randn(
         batch, width, generator=generator, dtype=torch.float64)
+    # The rollout engine's log-probs: the behaviour policy's, off by a token-level noise
+    # whose sequence sums cross every bound of the correction variants.
+    rollout = (old + 0.15 * torch.randn(batch, width, generator=generator, dtype=torch.float64)).clamp(max=0.0)
     return dict(
         logprobs=_poison(logprobs, mask),
         old_logprobs=_poison(old, mask),
@@ -74,6 +81,7 @@ def surrogate_batch(seed: int, batch: int = 12, width: int = 37, drift: float = 
         rewards=rewards,
         advantages=torch.randn(batch, generator=generator, dtype=torch.float64),
         token_advantages=_poison(token_advantages, mask),
+        rollout_logprobs=_poison(rollout, mask),
         response_mask=mask,
     )
 
@@ -89,6 +97,34 @@ class Variant:
     def __str__(self) -> str:
         return self.name
 
+
+_ROLLOUT = ("old_logprobs", "rewards", "rollout_logprobs")
+# Every rule, level and rejection filter of the rollout correction, the two token masks and
+# the bias-corrected KL, some with HA-DW and the caller's weights.
+CORRECTION_VARIANTS = [
+    Variant("rollout_sequence_mask", {"rollout_correction": RolloutCorrection(), "anchor": 0.35}, _ROLLOUT),
+    Variant("rollout_token_truncate_normalized",
+            {"rollout_correction": RolloutCorrection(level="token", rule="truncate", lower=0.9, upper=1.1,
+                                                     batch_normalize=True)},
+            _ROLLOUT + ("token_importance_weights",)),
+    Variant("rollout_sequence_icepop_normalized_filters",
+            {"rollout_correction": RolloutCorrection(level="sequence", rule="mask", lower=0.6, upper=1.6,
+                                                     batch_normalize=True,
+                                                     rejection={"seq_sum_k1": (0.4, 2.5), "seq_max_k2": 0.04,
+                                                                "token_k3": 0.05, "seq_mean_k2": 0.02})},
+            _ROLLOUT),
+    Variant("rollout_token_filters",
+            {"rollout_correction": RolloutCorrection(level=None, rejection={
+                "token_k1": (0.8, 1.25), "token_k2": 0.03, "seq_sum_k2": 0.3, "seq_sum_k3": 0.3,
+                "seq_mean_k1": 1.05, "seq_mean_k3": 0.015, "seq_max_k3": 0.05}),
+             "loss_agg_mode": "token-mean"},
+            _ROLLOUT),
+    Variant("off_policy_mask", {"off_policy_mask_threshold": 0.05, "anchor": 0.4}, _ROLLOUT),
+    Variant("off_policy_mask_without_rollout", {"off_policy_mask_threshold": 0.02}, ("old_logprobs", "advantages")),
+    Variant("entropy_mask", {"top_entropy_quantile": 0.4}, ("old_logprobs", "rewards", "entropy")),
+    Variant("kl_bias_correction", {"beta": 0.05, "kl_bias_correction": True, "anchor": 0.3},
+            ("old_logprobs", "rewards", "ref_logprobs")),
+]
 
 # Every option of the loss appears in at least one variant; each variant runs with
 # every loss type, dtype and backend.
@@ -121,6 +157,8 @@ SURROGATE_VARIANTS = [
             ("old_logprobs", "rewards", "token_importance_weights")),
     # The objective no loss type presets, in each loss type's ratio form.
     Variant("cispo_clip", {"objective": "cispo_clip", "anchor": 0.3}),
+    # Rollout correction and token masks (correction.py): every rule, level and filter.
+    *CORRECTION_VARIANTS,
 ]
 # Options of each objective (config.OBJECTIVES) away from their defaults.
 OBJECTIVE_VARIANT_OPTIONS = {
@@ -241,7 +279,10 @@ def run_surrogate_op_with_entropy(backend: str, logprobs, entropy, response_mask
     return Outputs({"loss": loss.detach(), "grad_logprobs": logprobs.grad, "grad_entropy": entropy.grad}, metrics)
 
 
-_TENSOR_KEYS = {"old_logprobs", "rewards", "advantages", "anchor", "ref_logprobs", "importance_weights"}
+_TENSOR_KEYS = {"old_logprobs", "rewards", "advantages", "anchor", "ref_logprobs", "importance_weights",
+                "rollout_logprobs"}
+# The options whose rules the public losses apply around the backend's op (correction.py).
+CORRECTION_OPTIONS = ("rollout_correction", "off_policy_mask_threshold", "top_entropy_quantile", "kl_bias_correction")
 
 
 def run_padded_op(run, logprobs, response_mask, config, *, entropy=None, old_logprobs=None, ref_logprobs=None,
@@ -283,6 +324,8 @@ def linear_batch(seed: int, batch: int = 8, width: int = 13, hidden: int = 24, v
     labels = torch.randint(0, vocab, (batch, width), generator=generator)
     # Labels at padding may be anything, an index outside the vocabulary included.
     data["labels"] = torch.where(mask, labels, torch.full_like(labels, vocab + 7))
+    rollout = (old + 0.15 * torch.randn(batch, width, generator=generator, dtype=torch.float64)).clamp(max=0.0)
+    data["rollout_logprobs"] = _poison(rollout, mask)
     return data
 
 
@@ -344,6 +387,27 @@ def reference_linear_loss(hidden_states, lm_head_weight, labels, response_mask, 
         with_entropy=True,
     )
     logprobs, entropy = logprobs.view(batch, width), entropy.view(batch, width)
+    if any(name in kwargs for name in CORRECTION_OPTIONS):
+        # The log-prob loss on the eager log-probs, its entropy mask reading their entropy.
+        assert entropy_coef == 0, "a correction variant of the linear loss takes no entropy bonus"
+        loss, metrics = fused_hadw_grpo_loss(
+            logprobs, response_mask=mask, return_metrics=True, backend="torch", check_values=False,
+            entropy=entropy.detach() if kwargs.get("top_entropy_quantile", 1.0) < 1 else None,
+            **with_required(kwargs))
+        (loss * UPSTREAM).backward()
+        # The linear loss's entropy metric, over the tokens its filters leave counted.
+        # (The rejection filters alone remove tokens from the count.)
+        config = LossConfig.build(kwargs["loss_type"], rollout_correction=kwargs.get("rollout_correction"))
+        layout = TokenLayout.padded(batch, width, mask.device)
+        old = kwargs.get("old_logprobs")
+        kept = correct(config, layout, mask.reshape(-1), old_logprobs=layout.flat(old if old is not None else logprobs),
+                       rollout_logprobs=layout.flat(kwargs.get("rollout_logprobs")), logprobs=layout.flat(logprobs),
+                       token_advantage=None, entropy=layout.flat(entropy)).keep
+        counted = mask.reshape(-1) if kept is None else kept
+        metrics = dict(metrics, entropy_mean=masked_mean(entropy.detach().reshape(-1), counted))
+        metrics = {name: metrics[name] for name in METRIC_NAMES + CORRECTION_METRIC_NAMES if name in metrics}
+        return Outputs({"loss": loss.detach(), "grad_hidden": leaves[0].grad, "grad_weight": leaves[1].grad,
+                        **({"grad_bias": bias.grad} if bias is not None else {})}, metrics)
     loss_type = kwargs.pop("loss_type")
     config = LossConfig.build(
         loss_type, kwargs.pop("group_size", None), entropy_coef=entropy_coef,
@@ -386,7 +450,7 @@ def run_token_logprobs(backend: str, hidden_states, lm_head_weight, labels, upst
 # --- packed (padding-free) ------------------------------------------------------------------
 
 PER_TOKEN_KEYS = ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "token_importance_weights", "token_advantages",
-                  "response_mask")
+                  "rollout_logprobs", "response_mask")
 
 
 @dataclass

@@ -85,7 +85,7 @@ def compare_packed(backend, device, loss_type, variant, dtype, *, seed=0, batch=
     padded_kwargs = with_length(loss_kwargs(batch, loss_type, variant), shape[1])
     packed_kwargs = with_length(loss_kwargs(packed.tensors, loss_type, variant), shape[1])
     logprobs, mask = packed.tensors["logprobs"], packed.tensors["response_mask"]
-    per_token = ("old_logprobs", "ref_logprobs", "importance_weights", "advantages")
+    per_token = ("old_logprobs", "ref_logprobs", "importance_weights", "advantages", "rollout_logprobs", "entropy")
     packed_kwargs = {key: per_token_shape(value) if key in per_token and value.shape == logprobs.shape else value
                      for key, value in packed_kwargs.items()}
     fast = run_surrogate_packed(backend, packed, per_token_shape(logprobs).to(dtype).to(device),

@@ -20,7 +20,7 @@ from cases import (
     run_token_logprobs,
 )
 from check import assert_conforms
-from hadw_kernels import LOSS_TYPES, LossConfig, fused_linear_hadw_grpo_loss
+from hadw_kernels import LOSS_TYPES, LossConfig, RolloutCorrection, fused_linear_hadw_grpo_loss
 from hadw_kernels.config import OBJECTIVES
 from hadw_kernels.backends import load_backend
 
@@ -82,6 +82,17 @@ LINEAR_VARIANTS = [
     Variant("token_advantages_entropy", {"entropy_coef": 0.01}, ("old_logprobs", "token_advantages")),
     # The objective no loss type presets, in each loss type's ratio form.
     Variant("cispo_clip", {"objective": "cispo_clip", "anchor": 0.3}),
+    # Rollout weights and filters (formed before the sweep), and the rules that read the
+    # current policy (the recompute path only).
+    Variant("rollout_correction_filters",
+            {"rollout_correction": RolloutCorrection(level="token", rule="mask", lower=0.7, upper=1.4,
+                                                     rejection={"seq_mean_k3": 0.03, "token_k1": (0.6, 1.6)}),
+             "anchor": 0.35},
+            ("old_logprobs", "rewards", "rollout_logprobs", "bias")),
+    Variant("off_policy_entropy_masks_bias_corrected_kl",
+            {"off_policy_mask_threshold": 0.05, "top_entropy_quantile": 0.5, "beta": 0.05, "kl_bias_correction": True,
+             "rollout_correction": RolloutCorrection(upper=2.0)},
+            ("old_logprobs", "rewards", "rollout_logprobs", "ref_logprobs")),
 ]
 PATHS = ["gradients_in_forward", "recompute"]
 
@@ -115,6 +126,10 @@ def test_the_linear_cases_cover_every_pair():
                          ids=[f"{loss_type}-{variant}-{str(dtype)[6:]}" for loss_type, variant, dtype in LINEAR_CASES])
 def test_linear_loss_matches_reference(backend, device, loss_type, variant, dtype, path):
     if path == "gradients_in_forward":
+        if any(name in variant.options for name in ("off_policy_mask_threshold", "top_entropy_quantile",
+                                                     "kl_bias_correction")):
+            pytest.skip("the off-policy and entropy masks and the bias-corrected KL read the batch's log-probs "
+                        "first: the recompute path")
         if LossConfig.build(loss_type, objective=variant.options.get("objective")).sequence_level:
             pytest.skip("a sequence-level loss has no gradients-in-forward path (its token gradients need the "
                         "whole response)")

@@ -1,0 +1,213 @@
+"""Rollout correction and token masks (docs/math.md, section 6): the weights and masks that
+a rollout engine's log-probs, the off-policy sequence mask and the entropy mask put on the
+loss's tokens.
+
+Every rule here reads per-token values the loss already holds ([N] floats: the behaviour,
+rollout and current log-probs, the tokens' entropies), never [N, V]. :func:`correct`
+turns them into one detached weight per token and the tokens left in the loss; every
+backend then applies them as it applies a caller's ``importance_weights`` and mask, inside
+its kernels, so each rule composes with every objective, aggregation and with HA-DW. The
+rules are rows of the tables below (:data:`WEIGHT_RULES`, :data:`REJECTION_STATISTICS`,
+:data:`REJECTION_REDUCTIONS`); a new one is a row.
+
+Hosts' names: TRL's ``vllm_importance_sampling_mode`` "token_truncate" is
+``RolloutCorrection(level="token", rule="truncate", ...)``; verl's TIS is ``rule="truncate"``
+with an upper bound, its IcePop ``rule="mask"`` with both; verl's ``rollout_rs`` filters are
+``rejection`` (docs/options.md, "Rollout correction").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+
+from .config import CORRECTION_RULES, LOG_RATIO_CLAMP, REJECTION_STATISTICS, RejectionFilter
+from .layout import TokenLayout
+
+# Weight means below this leave batch normalisation off (verl's guard against dividing by 0).
+BATCH_NORMALIZE_MIN_MEAN = 1e-8
+
+
+def _truncate(weight, lower, upper):
+    return weight if lower is None and upper is None else weight.clamp(min=lower, max=upper)
+
+
+def _mask_outside(weight, lower, upper):
+    outside = torch.zeros_like(weight, dtype=torch.bool)
+    if lower is not None:
+        outside |= weight < lower
+    if upper is not None:
+        outside |= weight > upper
+    return weight.masked_fill(outside, 0.0)
+
+
+# How the bounds [lower, upper] act on a raw weight w (config.CORRECTION_RULES); a token
+# whose weight the rule changed counts as corrected.
+WEIGHT_RULES: dict[str, Callable] = {
+    "truncate": _truncate,  # TRL's *_truncate, verl's TIS: w clamped into the bounds
+    "mask": _mask_outside,  # TRL's *_mask, verl's IcePop: w = 0 outside them (the token stays counted)
+}
+
+# Each rejection statistic (config.REJECTION_STATISTICS) of a token's log ratio
+# x = log(pi_old / pi_rollout), verl's names.
+STATISTICS: dict[str, Callable] = {
+    "k1": lambda x: -x,
+    "k2": lambda x: 0.5 * x.square(),
+    "k3": lambda x: torch.expm1(x) - x,
+}
+
+assert set(WEIGHT_RULES) == set(CORRECTION_RULES) and set(STATISTICS) == set(REJECTION_STATISTICS), (
+    "every rule and statistic of config.py has its formula here"
+)
+
+
+class TokenCorrection(NamedTuple):
+    """What :func:`correct` gives the loss: ``weights`` [N] multiply each token's policy
+    term (None: all 1), ``keep`` [N] the tokens left in the loss (None: all),
+    ``entropy_keep`` [N] the tokens of the entropy mask (for the entropy bonus; None: all),
+    and the metrics (config.CORRECTION_METRIC_NAMES)."""
+
+    weights: torch.Tensor | None
+    keep: torch.Tensor | None
+    entropy_keep: torch.Tensor | None
+    metrics: dict
+
+
+def needs_current_logprobs(config) -> bool:
+    """Whether a rule reads the current policy's log-probs or entropies (the off-policy
+    mask, the entropy mask): the linear loss then forms them before the loss's gradients
+    (its recompute path)."""
+    return config.off_policy_mask_threshold is not None or config.top_entropy_quantile < 1.0
+
+
+@torch.no_grad()
+def correct(config, layout: TokenLayout, mask: torch.Tensor, *, old_logprobs: torch.Tensor,
+            rollout_logprobs: torch.Tensor | None, logprobs: torch.Tensor | None,
+            token_advantage: torch.Tensor | None, entropy: torch.Tensor | None) -> TokenCorrection:
+    """The weights and masks of ``config``'s rollout correction, off-policy mask and entropy
+    mask, from [N] tensors in ``layout`` (``mask`` bool). ``logprobs`` are the current
+    policy's (the off-policy mask reads them), ``token_advantage`` each token's advantage
+    (its sign), ``entropy`` each token's entropy (the entropy mask)."""
+    dtype = torch.float64 if old_logprobs.dtype == torch.float64 else torch.float32
+    counted = mask.sum().clamp(min=1).to(dtype)
+    weights = None
+    keep = None
+    entropy_keep = None
+    metrics = {}
+
+    def counted_mean(values):
+        return torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype, device=mask.device)).sum() / counted
+
+    correction = config.rollout_correction
+    if correction is not None:
+        # No rollout log-prob (NaN: the engine could not score the token) is no evidence: ratio 1.
+        log_ratio = torch.where(mask, (old_logprobs.to(dtype) - rollout_logprobs.to(dtype)).nan_to_num(0.0), 0.0)
+        if correction.level is not None:
+            if correction.level == "token":
+                raw = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            else:
+                summed = layout.segment_sum(log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+                raw = layout.expand(torch.exp(summed))
+            shaped = WEIGHT_RULES[correction.rule](raw, correction.lower, correction.upper)
+            metrics["rollout_is_mean"] = counted_mean(shaped)
+            metrics["rollout_is_corrected_frac"] = counted_mean(shaped != raw)
+            if correction.batch_normalize:
+                shaped = shaped / _batch_mean(shaped, mask, layout, correction.level)
+            weights = torch.where(mask, shaped, 0.0)
+        if correction.rejection:
+            keep = mask.clone()
+            for rejection in correction.rejection:
+                keep &= _passes(rejection, log_ratio, mask, layout)
+            metrics["rollout_rejected_frac"] = counted_mean(mask & ~keep)
+
+    if config.off_policy_mask_threshold is not None:
+        # DeepSeek-V3.2's off-policy sequence mask, as TRL: drop a response of negative
+        # advantage whose sampler drifted from the current policy by more than the threshold.
+        sampler = old_logprobs if rollout_logprobs is None else rollout_logprobs
+        drift = torch.where(mask, (sampler.to(dtype) - logprobs.detach().to(dtype)).nan_to_num(0.0), 0.0)
+        mean_drift = layout.segment_sum(drift) / layout.segment_sum(mask).clamp(min=1).to(dtype)
+        kept = (token_advantage >= 0) | layout.expand(mean_drift <= config.off_policy_mask_threshold)
+        metrics["off_policy_masked_frac"] = counted_mean(~kept)
+        weights = _times(weights, kept.to(dtype))
+
+    if config.top_entropy_quantile < 1.0:
+        threshold = _entropy_threshold(entropy, mask, 1.0 - config.top_entropy_quantile)
+        entropy_keep = mask & (entropy.detach() >= threshold)
+        metrics["entropy_masked_frac"] = counted_mean(mask & ~entropy_keep)
+        weights = _times(weights, entropy_keep.to(dtype))
+    return TokenCorrection(weights, keep, entropy_keep, metrics)
+
+
+def _times(weights: torch.Tensor | None, factor: torch.Tensor) -> torch.Tensor:
+    return factor if weights is None else weights * factor
+
+
+def _passes(rejection: RejectionFilter, log_ratio: torch.Tensor, mask: torch.Tensor,
+            layout: TokenLayout) -> torch.Tensor:
+    """[N] bool: the tokens ``rejection`` keeps (log ratios clamped to +-LOG_RATIO_CLAMP, as verl)."""
+    statistic = STATISTICS[rejection.statistic](log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    reduce = rejection.reduction
+    if reduce == "sum":
+        statistic = layout.expand(layout.segment_sum(torch.where(mask, statistic, 0.0)))
+    elif reduce == "mean":
+        lengths = layout.segment_sum(mask).clamp(min=1).to(statistic.dtype)
+        statistic = layout.expand(layout.segment_sum(torch.where(mask, statistic, 0.0)) / lengths)
+    elif reduce == "max":
+        # Every statistic with a max is non-negative: 0 stands in for the masked tokens.
+        per_response = torch.zeros(layout.segments, dtype=statistic.dtype, device=statistic.device)
+        per_response = per_response.scatter_reduce(0, layout.token_segment, torch.where(mask, statistic, 0.0), "amax")
+        statistic = layout.expand(per_response)
+    if REJECTION_STATISTICS[rejection.statistic]:
+        return (statistic >= math.log(rejection.lower)) & (statistic <= math.log(rejection.upper))
+    return statistic <= rejection.upper
+
+
+def _batch_mean(weights: torch.Tensor, mask: torch.Tensor, layout: TokenLayout, level: str) -> torch.Tensor:
+    """The weights' mean over the counted tokens (token level) or the responses with one
+    (sequence level), over every rank when torch.distributed is initialised; 1 below
+    BATCH_NORMALIZE_MIN_MEAN."""
+    if level == "token":
+        total = torch.where(mask, weights, 0.0).sum()
+        count = mask.sum().to(weights.dtype)
+    else:
+        lengths = layout.segment_sum(mask)
+        per_response = layout.segment_sum(torch.where(mask, weights, 0.0)) / lengths.clamp(min=1).to(weights.dtype)
+        total = per_response.sum()
+        count = (lengths > 0).sum().to(weights.dtype)
+    totals = torch.stack([total, count])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals)
+    mean = totals[0] / totals[1].clamp(min=1)
+    return torch.where(mean > BATCH_NORMALIZE_MIN_MEAN, mean, torch.ones_like(mean))
+
+
+def _entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The ``quantile`` of the counted tokens' entropies over every rank (torch.quantile's
+    linear interpolation), from a sort of [N] floats; the ranks' entropies are gathered
+    when torch.distributed is initialised (a collective)."""
+    values = entropy.detach()[mask].float()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        values = _gather_variable(values)
+    if values.numel() == 0:
+        return torch.full((), math.inf, device=entropy.device)
+    ordered = values.sort().values
+    position = quantile * (ordered.numel() - 1)
+    below = math.floor(position)
+    above = min(below + 1, ordered.numel() - 1)
+    return ordered[below] + (position - below) * (ordered[above] - ordered[below])
+
+
+def _gather_variable(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D ``values`` (lengths may differ), concatenated."""
+    world = torch.distributed.get_world_size()
+    length = torch.tensor([values.numel()], device=values.device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    torch.distributed.all_gather(lengths, length)
+    longest = int(max(int(item) for item in lengths))
+    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    gathered = [torch.zeros_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(gathered, padded)
+    return torch.cat([part[: int(count)] for part, count in zip(gathered, lengths)])
