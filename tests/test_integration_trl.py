@@ -9,6 +9,7 @@ folded once per generation batch, and the anchor survives a save and resume."""
 
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -47,6 +48,10 @@ LOSS_SETTINGS = {
     "sapo+sequence": dict(loss_type="sapo", importance_sampling_level="sequence", sapo_temperature_pos=0.8,
                           sapo_temperature_neg=1.5),
     "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    # The token masks and the bias-corrected KL (without vLLM the off-policy mask reads the
+    # old log-probs, which the second step's micro-batches hold).
+    "grpo+entropy_mask+off_policy_mask+kl_bias": dict(loss_type="grpo", beta=0.05, use_bias_correction_kl=True,
+                                                      top_entropy_quantile=0.5, off_policy_mask_threshold=0.0),
     # TRL's VESPO weight is per response at either level.
     "vespo+sequence": dict(loss_type="vespo", importance_sampling_level="sequence", vespo_k_pos=1.5,
                            vespo_lambda_pos=2.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5),
@@ -239,9 +244,6 @@ def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
         (dict(loss_type="vespo", vespo_k_pos=-1.0), "vespo_k_pos must be finite and non-negative"),
         (dict(loss_type="dapo", entropy_coef=0.01), "entropy_coef != 0 or use_adaptive_entropy"),
         (dict(loss_type="dapo", use_adaptive_entropy=True), "entropy_coef != 0 or use_adaptive_entropy"),
-        (dict(loss_type="dapo", off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
-        (dict(loss_type="dapo", beta=0.1), "use_bias_correction_kl"),
-        (dict(loss_type="dapo", top_entropy_quantile=0.5), "top_entropy_quantile"),
         (dict(loss_type="dapo", multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),
     ],
 )
@@ -312,3 +314,33 @@ def test_trl_delta_is_the_dual_clip(delta):
         results.append((loss.detach(), logprobs.grad))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_vllm_s_log_probs_reach_the_loss_as_trl_corrects_them(mode):
+    """With vLLM, the trainer hands the loss vLLM's log-probs and TRL's mode and bounds (a
+    token vLLM did not score, NaN, weighs 1); the loss then equals TRL's given the ratio
+    TRL forms (tests/trl_host.py), here through the log-prob loss on the same tensors."""
+    from trl_host import TrlLoss, trl_config, trl_importance_ratio
+
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 2, 4, 0])[:, None]
+    old = -2 * torch.rand(4, 6, generator=generator, dtype=torch.float64) - 0.1
+    sampling = (old + 0.2 * torch.randn(4, 6, generator=generator, dtype=torch.float64)).clamp(max=0.0)
+    sampling[0, 3] = math.nan
+    logprobs = (old + 0.2 * torch.randn(4, 6, generator=generator, dtype=torch.float64)).requires_grad_()
+    advantages = torch.randn(4, generator=generator, dtype=torch.float64)
+    args = trl_config("grpo", vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.9,
+                      vllm_importance_sampling_clip_max=1.2)
+    trainer = types.SimpleNamespace(
+        use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=0.9, vllm_importance_sampling_clip_max=1.2, loss_type="grpo",
+        off_policy_mask_threshold=None)
+    inputs = {"old_per_token_logps": old, "sampling_per_token_logps": sampling}
+    old_logprobs, behaviour = HADWGRPOTrainer._behaviour(trainer, inputs)
+    got = fused_hadw_grpo_loss(logprobs, old_logprobs, None, mask, advantages=advantages, **behaviour)
+    (got_grad,) = torch.autograd.grad(got, logprobs)
+    ratio = trl_importance_ratio(mode, old, sampling, mask, 0.9, 1.2)
+    expected = TrlLoss(args)(logprobs, old, advantages, mask, importance_sampling_ratio=ratio)
+    (expected_grad,) = torch.autograd.grad(expected, logprobs)
+    torch.testing.assert_close((got, got_grad), (expected, expected_grad), rtol=1e-10, atol=1e-12)

@@ -26,7 +26,7 @@ from hadw_kernels.layout import TokenLayout
 pytest.importorskip("trl", reason="the trl extra is not installed")
 rollout_corr = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="the verl extra is not installed")
 
-from trl_host import TrlLoss, trl_config  # noqa: E402
+from trl_host import TrlLoss, trl_config, trl_importance_ratio  # noqa: E402
 
 BACKENDS = available_backends("cpu")
 EXACT = dict(rtol=1e-10, atol=1e-12)
@@ -132,18 +132,6 @@ def test_verl_weights_and_filters_in_the_loss(backend):
 
 
 # --- TRL -----------------------------------------------------------------------------------
-
-
-def trl_importance_ratio(mode: str, old, rollout, mask, clip_min, clip_max):
-    """vLLM's importance-sampling ratio as TRL 1.16's _generate_and_score_completions forms
-    it (that method also generates, so it is transcribed here: docs/math.md, section 6)."""
-    difference = ((old - rollout) * mask).nan_to_num(0.0)
-    ratio = torch.exp(difference.sum(-1, keepdim=True) if mode.startswith("sequence") else difference)
-    if mode.endswith("truncate"):
-        return ratio.clamp(min=clip_min, max=clip_max)
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -276,3 +276,38 @@ def test_export_hf_keeps_files_it_did_not_write(tmp_path):
 def test_the_loss_options_are_the_loss_checks(override, message):
     error = _error([override])
     assert "algorithm (the loss's options)" in error and message in error
+
+
+def test_rollout_correction_resolves_against_the_engine():
+    """auto: TRL's default (sequence_mask above 3) with vLLM rollouts at temperature 1, none
+    with the HF engine or tempered sampling; a mode named corrects as TRL's does."""
+    from hadw_kernels import RolloutCorrection
+    from trainer.config import rollout_correction
+
+    assert rollout_correction(load_config(None, ["rollout.engine=hf"])) is None
+    assert rollout_correction(load_config(None, ["algorithm.rollout_correction=none"])) is None
+    if __import__("importlib").util.find_spec("vllm") is None:
+        return
+    assert rollout_correction(load_config(None, ["rollout.engine=vllm"])) == RolloutCorrection(
+        level="sequence", rule="mask", upper=3.0)
+    assert rollout_correction(load_config(None, ["rollout.engine=vllm", "rollout.temperature=0.7"])) is None
+    named = ["rollout.engine=vllm", "algorithm.rollout_correction=token_truncate",
+             "algorithm.rollout_correction_min=0.5", "algorithm.rollout_correction_max=2"]
+    assert rollout_correction(load_config(None, named)) == RolloutCorrection(level="token", rule="truncate",
+                                                                             lower=0.5, upper=2.0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.rollout_correction=sequence"], "algorithm.rollout_correction must be one of"),
+    (["rollout.engine=hf", "algorithm.rollout_correction=token_mask"], "rollout.engine=hf does not give"),
+])
+def test_bad_rollout_correction(overrides, message):
+    assert message in _error(overrides)
+
+
+def test_bad_rollout_correction_with_vllm():
+    pytest.importorskip("vllm", reason="vllm is not importable here")
+    assert "rollout.temperature=0.5" in _error(["rollout.engine=vllm", "rollout.temperature=0.5",
+                                                "algorithm.rollout_correction=sequence_mask"])
+    assert "out of order" in _error(["rollout.engine=vllm", "algorithm.rollout_correction=token_mask",
+                                     "algorithm.rollout_correction_min=4", "algorithm.rollout_correction_max=2"])

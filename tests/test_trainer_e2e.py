@@ -164,6 +164,10 @@ def test_vllm_engine_with_zero3_keeps_engine_and_trainer_in_sync(tmp_path):
     # log-probs of its own samples match the trainer's (gathered from ZeRO-3 shards).
     for row in rows:
         assert row["rollout/logprob_gap"] < 1e-3, row["rollout/logprob_gap"]
+        # The default correction (TRL's sequence mask above 3) ran on those log-probs: the
+        # weights are 1 to the gap's precision and none is masked.
+        assert row["rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert row["rollout_is_corrected_frac"] == 0.0
     assert rows[0]["anchor/belief"] == rows[0]["anchor/y"]  # C_1- = y_1
 
 

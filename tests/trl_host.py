@@ -5,6 +5,7 @@ keeps the host tests following TRL if TRL changes its arithmetic."""
 
 from __future__ import annotations
 
+import math
 import types
 from collections import defaultdict
 
@@ -81,3 +82,15 @@ class TrlLoss:
         if sampling_logprobs is not None:
             inputs["sampling_per_token_logps"] = sampling_logprobs
         return self._compute_loss(None, inputs)
+
+
+def trl_importance_ratio(mode: str, old, rollout, mask, clip_min, clip_max):
+    """vLLM's importance-sampling ratio as TRL 1.16's _generate_and_score_completions forms
+    it (that method also generates, so it is transcribed here: docs/math.md, section 6)."""
+    difference = ((old - rollout) * mask).nan_to_num(0.0)
+    ratio = torch.exp(difference.sum(-1, keepdim=True) if mode.startswith("sequence") else difference)
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)

@@ -118,6 +118,13 @@ class AlgorithmConfig:
     epsilon_high: float | None = None
     entropy_coef: float = 0.0
     loss_backend: str = "auto"
+    # The rollout engine's log-probs corrected inside the loss (docs/trainer.md, "Rollout
+    # correction"): a TRL vllm_importance_sampling_mode ("sequence_mask", "token_truncate",
+    # ...) with its bounds, "none", or "auto": TRL's default (sequence_mask above 3) with
+    # vLLM rollouts, off with the HF engine, whose log-probs are the trainer's own.
+    rollout_correction: str = "auto"
+    rollout_correction_min: float | None = None
+    rollout_correction_max: float | None = 3.0
 
 
 @dataclass
@@ -394,18 +401,55 @@ def validate(config: Config, world_size: int = 1) -> None:
 
 def _validate_loss_options(config: Config) -> None:
     """The loss's own checks of what the trainer passes it (clip range, lambda, entropy
-    coefficient, temperature, backend), run once here rather than at the first step."""
+    coefficient, temperature, backend, rollout correction), run once here rather than at
+    the first step."""
     from hadw_kernels.loss import check_options, fused_linear_hadw_grpo_loss
 
     algo = config.algorithm
+    _choice("algorithm.rollout_correction", algo.rollout_correction, ROLLOUT_CORRECTIONS)
+    explicit = algo.rollout_correction not in ROLLOUT_CORRECTION_SWITCHES
+    if explicit and resolve_engine(config.rollout.engine) != "vllm":
+        raise ConfigError(f"algorithm.rollout_correction={algo.rollout_correction!r} corrects the rollout engine's "
+                          "log-probs, which rollout.engine=hf does not give (its samples are the trainer's policy's): "
+                          "use auto or none")
+    if explicit and config.rollout.temperature != 1.0:
+        # vLLM reports the untempered model's log-probs; the trainer's are tempered.
+        raise ConfigError(f"algorithm.rollout_correction={algo.rollout_correction!r} compares vLLM's log-probs with "
+                          f"the trainer's, which differ in kind at rollout.temperature={config.rollout.temperature}: "
+                          "use rollout.temperature=1 or algorithm.rollout_correction=none")
+    try:
+        correction = rollout_correction(config)
+    except ValueError as error:
+        raise ConfigError(f"algorithm.rollout_correction_min/max: {error}") from None
     options = dict(loss_type=algo.loss_type, epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high,
                    lambda_scale=algo.lambda_scale,
-                   entropy_coef=algo.entropy_coef, backend=algo.loss_backend,
+                   entropy_coef=algo.entropy_coef, backend=algo.loss_backend, rollout_correction=correction,
                    temperature=config.rollout.temperature, max_response_length=config.rollout.max_new_tokens)
     try:
         check_options(fused_linear_hadw_grpo_loss, **options)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"algorithm (the loss's options): {error}") from None
+
+
+# algorithm.rollout_correction's values: two switches, then TRL's modes.
+ROLLOUT_CORRECTION_SWITCHES = ("auto", "none")
+ROLLOUT_CORRECTIONS = ROLLOUT_CORRECTION_SWITCHES + (
+    "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def rollout_correction(config: Config):
+    """The loss's RolloutCorrection for this run, or None. "auto" is TRL's mode and bounds
+    (sequence_mask, max 3) where vLLM's log-probs compare with the trainer's (vLLM rollouts
+    at temperature 1), none elsewhere: the HF engine's samples are the trainer's policy's."""
+    from hadw_kernels import RolloutCorrection
+
+    algo = config.algorithm
+    mode = algo.rollout_correction
+    comparable = resolve_engine(config.rollout.engine) == "vllm" and config.rollout.temperature == 1.0
+    if mode == "none" or (mode == "auto" and not comparable):
+        return None
+    mode = "sequence_mask" if mode == "auto" else mode
+    return RolloutCorrection.from_trl(mode, algo.rollout_correction_min, algo.rollout_correction_max)
 
 
 def _validate_batches(train: TrainConfig, world_size: int) -> None:

@@ -185,6 +185,18 @@ class Trainer:
             self.log.message(f"resumed from {checkpoint} at step {self.start_step}")
         if not self.policy.packing:
             self.log.message(f"micro-batches are padded ({self.policy.padded_because})")
+        correction = self.policy.correction
+        self.log.message("rollout correction: " + (
+            f"{correction.level}_{correction.rule} of the engine's log-probs within [{correction.lower or 0}, "
+            f"{correction.upper or 'inf'}] (metrics rollout_is_mean, rollout_is_corrected_frac)" if correction is not None
+            else f"off ({self._correction_off_because()})"))
+
+    def _correction_off_because(self) -> str:
+        if self.engine_name == "hf":
+            return "the HF engine samples from the trainer's own policy"
+        if self.config.algorithm.rollout_correction == "none":
+            return "algorithm.rollout_correction=none"
+        return "vLLM's log-probs are untempered, the trainer's at rollout.temperature != 1"
 
     # -- construction -----------------------------------------------------------------
 
@@ -455,6 +467,13 @@ class Trainer:
             if engine_logprobs is not None and self.config.rollout.temperature == 1.0:
                 gaps.append(_logprob_gap(per_response, [engine_logprobs[r] for r in rows]))
 
+        # The engine's log-probs of each row, which the loss corrects against the behaviour
+        # policy's (algorithm.rollout_correction; None: no correction).
+        rollout_logprobs = None
+        if self.policy.correction is not None:
+            rollout_logprobs = [torch.tensor(engine_logprobs[row], dtype=torch.float32, device=self.policy.device)
+                                for row in range(len(responses))]
+
         normalizer = loss_normalizer(LOSS_PRESETS[algo.loss_type].loss_agg_mode, batch_tokens=tallies["tokens"],
                                      mini_batches=mini_batches, responses_per_rank=mini_prompts * group,
                                      world_size=self.world_size)
@@ -479,6 +498,8 @@ class Trainer:
                     micro_figures = self.policy.accumulate(
                         batch, batch.from_responses([old_logprobs[row] for row in micro_rows]), advantages[micro_rows],
                         loss_normalizer=normalizer, last=index == len(micro_batches) - 1,
+                        rollout_logprobs=None if rollout_logprobs is None
+                        else batch.from_responses([rollout_logprobs[row] for row in micro_rows]),
                     )
                     figures.add_micro_batch(micro_figures, batch.response_lengths)
                     calls += 1

@@ -23,6 +23,8 @@ from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels import token_logprobs as fused_token_logprobs
 from hadw_kernels.config import IGNORE_INDEX
 
+from .config import rollout_correction
+
 
 @dataclass
 class SequenceBatch:
@@ -196,9 +198,11 @@ def response_hidden_states(forward, batch: SequenceBatch | PackedBatch) -> torch
 
 def policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: SequenceBatch | PackedBatch,
                 old_logprobs: torch.Tensor, advantages: torch.Tensor, config, *,
-                loss_normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                loss_normalizer: float, rollout_logprobs: torch.Tensor | None = None, correction=None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The configured loss of one micro-batch from its hidden states, on advantages formed
-    once per rollout batch (so the rows need not hold whole groups)."""
+    once per rollout batch (so the rows need not hold whole groups); the rollout engine's
+    log-probs corrected by ``correction`` (a RolloutCorrection), where they are given."""
     algo = config.algorithm
     return fused_linear_hadw_grpo_loss(
         hidden,
@@ -216,6 +220,8 @@ def policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: Seque
         entropy_coef=algo.entropy_coef,
         loss_normalizer=loss_normalizer,
         max_response_length=config.rollout.max_new_tokens,
+        rollout_logprobs=rollout_logprobs,
+        rollout_correction=correction,
         return_metrics=True,
         backend=algo.loss_backend,
     )
@@ -227,6 +233,8 @@ class Policy:
 
         train, rollout = config.train, config.rollout
         self.config = config
+        # What the loss does with the rollout engine's log-probs (None: nothing).
+        self.correction = rollout_correction(config)
         self.zero_stage = train.zero_stage
         # train.packing=null packs only where it pays; whether the attention honours a packed
         # row is then asked of the model itself, before DeepSpeed partitions it (ZeRO-3).
@@ -314,7 +322,7 @@ class Policy:
         return logprobs.float()
 
     def accumulate(self, batch: SequenceBatch | PackedBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
-                   loss_normalizer: float, last: bool) -> dict[str, float]:
+                   loss_normalizer: float, last: bool, rollout_logprobs: torch.Tensor | None = None) -> dict[str, float]:
         """Forward and backward of one micro-batch, then DeepSpeed's step, which updates
         the weights after the ``last`` micro-batch of a mini-batch. Mini-batches hold
         varying numbers of micro-batches (token budgets), so the trainer, not DeepSpeed's
@@ -323,7 +331,9 @@ class Policy:
         hidden = self.hidden_states(batch)
         with self._gathered([self._lm_head_weight()]):
             loss, metrics = policy_loss(hidden, self._lm_head_weight(), batch, old_logprobs, advantages,
-                                        self.config, loss_normalizer=loss_normalizer)
+                                        self.config, loss_normalizer=loss_normalizer,
+                                        rollout_logprobs=rollout_logprobs,
+                                        correction=None if rollout_logprobs is None else self.correction)
             # The normaliser already spreads the mini-batch over its micro-batches.
             self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()

@@ -19,15 +19,17 @@ import: versions.py).
   split), routed through the wrapped model's forward as TRL's own fused losses are; TRL's
   ``loss_type`` (each of its eight, :data:`TRL_LOSS_TYPES`), ``importance_sampling_level``,
   ``beta``, ``epsilon``/``epsilon_high`` (CISPO's cap), ``delta``, the SAPO temperatures,
-  VESPO's k and lambda, ``num_items_in_batch``, gradient accumulation and the vLLM
-  importance-sampling correction map onto its options, so with ``use_hadw=False`` the
-  loss is TRL's;
+  VESPO's k and lambda, ``num_items_in_batch``, gradient accumulation, the vLLM
+  importance-sampling correction (``vllm_importance_sampling_*``: the loss forms the weights
+  from vLLM's log-probs), ``off_policy_mask_threshold``, ``top_entropy_quantile`` and
+  ``use_bias_correction_kl`` map onto its options, so with ``use_hadw=False`` the loss is
+  TRL's;
 - the anchor is saved in each checkpoint folder (``hadw_anchor.json``) and restored with
   the optimizer when training resumes from one, as TRL does for its entropy controller.
 
-Options TRL has and this loss does not (the entropy bonus and mask, the off-policy mask,
-bias-corrected KL, MoE auxiliary loss, logit soft-capping), and CISPO with a cap below 1,
-are refused when the trainer is built, with the option named.
+Options TRL has and this loss does not (the entropy bonus, MoE auxiliary loss, logit
+soft-capping), and CISPO with a cap below 1, are refused when the trainer is built, with the
+option named.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ from ..anchor import (DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_RULE, DEFAULT_WINDOW
                       batch_reward_statistics)
 from ..backends import check_backend_name
 from ..config import (AGGREGATIONS, DEFAULT_LAMBDA_SCALE, LOG_RATIO_CLAMP, LOSS_PRESETS, OBJECTIVES,
-                      VESPO_LOG_WEIGHT_MIN, LossConfig, check_block_rows, check_finite_positive, check_linear_path)
+                      VESPO_LOG_WEIGHT_MIN, LossConfig, RolloutCorrection, check_block_rows, check_finite_positive,
+                      check_linear_path)
 from ..loss import fused_linear_hadw_grpo_loss
 from .rewards import require_unit_interval
 
@@ -205,13 +208,8 @@ class HADWGRPOConfig(GRPOConfig):
         except (TypeError, ValueError) as error:
             raise ValueError(f"hadw_anchor_*: {error}") from None
         refused = {
-            "top_entropy_quantile < 1": self.top_entropy_quantile < 1.0,
+            # TRL's bonus is a token mean of its own, not aggregated as the loss is.
             "entropy_coef != 0 or use_adaptive_entropy": self.entropy_coef != 0.0 or self.use_adaptive_entropy,
-            "off_policy_mask_threshold": self.off_policy_mask_threshold is not None,
-            # TRL's default; it only acts on the KL term.
-            "use_bias_correction_kl with beta != 0 (set use_bias_correction_kl=False)": (
-                self.beta != 0.0 and self.use_bias_correction_kl
-            ),
         }
         named = [name for name, given in refused.items() if given]
         if named:
@@ -365,13 +363,13 @@ class HADWGRPOTrainer(GRPOTrainer):
         linear_path = self.args.hadw_linear_path
         if linear_path == "auto" and is_deepspeed_zero3_enabled():
             linear_path = "gradients_in_forward"
-        old_logprobs, importance_weights = self._behaviour(inputs)
+        old_logprobs, behaviour = self._behaviour(inputs)
         with torch.autocast(weight.device.type, enabled=False), maybe_gather_lm_head_ctx(weight, bias):
             loss, metrics = fused_linear_hadw_grpo_loss(
                 hidden_states, weight, completion_ids, old_logprobs, None, mask,
                 advantages=inputs["advantages"], lm_head_bias=bias,
                 temperature=self.temperature, ref_logprobs=inputs.get("ref_per_token_logps"),
-                importance_weights=importance_weights, return_metrics=True,
+                **behaviour, return_metrics=True,
                 backend=self.args.hadw_backend, linear_path=linear_path, block_rows=self.args.hadw_block_rows,
                 **self._loss_options(inputs, mask, mode),
             )
@@ -396,6 +394,10 @@ class HADWGRPOTrainer(GRPOTrainer):
             loss_type=loss_type.preset,
             **self.args.loss_choices(),
             kl_estimator="k3",
+            # TRL's default; it only acts on the KL term.
+            kl_bias_correction=self.beta != 0.0 and self.args.use_bias_correction_kl,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            top_entropy_quantile=self.top_entropy_quantile,
             loss_normalizer=normalizer,
             # Dr.GRPO's constant length, where the aggregation divides by one.
             max_response_length=(self.max_completion_length
@@ -404,18 +406,29 @@ class HADWGRPOTrainer(GRPOTrainer):
         )
 
     def _behaviour(self, inputs):
-        """(old log-probs, importance weights): TRL's vLLM importance-sampling ratio, [B, T]
-        (token modes) or [B, 1], multiplies each token's loss (the sequence ratio forms apply
-        per-token weights as TRL does), or enters VESPO's weight through the old log-probs."""
+        """(old log-probs, the loss's rollout keywords). vLLM's log-probs go to the loss,
+        which forms TRL's importance-sampling ratio from them in the configured mode (a
+        token vLLM did not score, NaN, takes the old log-prob: ratio 1, as TRL's) and reads
+        them for the off-policy mask; VESPO takes TRL's ratio into its weight through the old
+        log-probs instead."""
         old_logprobs = inputs.get("old_per_token_logps")
-        if not (self.use_vllm and self.vllm_importance_sampling_correction):
-            return old_logprobs, None
-        ratio = inputs["importance_sampling_ratio"]
-        if TRL_LOSS_TYPES[self.loss_type].ratio_in_weight:
+        correcting = self.use_vllm and self.vllm_importance_sampling_correction
+        if correcting and TRL_LOSS_TYPES[self.loss_type].ratio_in_weight:
             # TRL computes the old log-probs whenever it corrects vLLM's sampling, and allows
             # only the per-token modes here.
-            return vespo_behaviour_logprobs(old_logprobs, ratio), None
-        return old_logprobs, ratio.squeeze(1) if ratio.shape[1] == 1 else ratio
+            return vespo_behaviour_logprobs(old_logprobs, inputs["importance_sampling_ratio"]), {}
+        sampling = inputs.get("sampling_per_token_logps")
+        reads_sampling = correcting or self.off_policy_mask_threshold is not None
+        if sampling is None or not reads_sampling:
+            return old_logprobs, {}
+        if old_logprobs is not None:
+            sampling = torch.where(torch.isnan(sampling), old_logprobs, sampling)
+        behaviour = {"rollout_logprobs": sampling}
+        if correcting:
+            behaviour["rollout_correction"] = RolloutCorrection.from_trl(
+                self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                self.vllm_importance_sampling_clip_max)
+        return old_logprobs, behaviour
 
     def _log_loss_metrics(self, metrics, counts, mode):
         """TRL's loss metrics (names and global token-weighted means) from the fused loss's."""
