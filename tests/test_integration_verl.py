@@ -433,3 +433,38 @@ def test_entry_point_registers_the_names_when_verl_is_imported(tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["hadw_kernels.integrations.verl"] * 3
+
+
+def test_verl_s_rollout_correction_reaches_the_registered_loss():
+    """verl's trainer forms the rollout weights and the rejected mask from its
+    algorithm.rollout_correction (rollout_corr_helper) and hands them to the policy loss: the
+    registered loss applies them in its kernels as verl's vanilla does; and the loss given
+    them equals the loss forming them itself from the rollout log-probs
+    (RolloutCorrection.from_verl)."""
+    from hadw_kernels import RolloutCorrection, fused_hadw_grpo_loss
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    old, logprob, advantages, mask, _ = policy_batch(with_is_weights=False)
+    generator = torch.Generator().manual_seed(5)
+    rollout = (old + 0.3 * torch.randn(old.shape, generator=generator, dtype=torch.float64)).clamp(max=0.0)
+    options = dict(rollout_is="token", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=False,
+                   rollout_rs="seq_mean_k3", rollout_rs_threshold="0.05")
+    weights, filtered, _ = compute_rollout_correction_and_rejection_mask(old, rollout, mask.long(), **options)
+    weights = weights.batch["rollout_is_weights"]
+    assert 0 < int(filtered.sum()) < int(mask.sum())  # the filter removes some responses
+    config = actor_config({})
+    expected = run_loss(core_algos.get_policy_loss_fn("vanilla"), old, logprob, advantages, filtered.bool(),
+                        "token-mean", config, weights)
+    got = run_loss(core_algos.get_policy_loss_fn("hadw_vanilla"), old, logprob, advantages, filtered.bool(),
+                   "token-mean", config, weights)
+    assert_same_loss(got, expected)
+    runs = []
+    for kwargs in (dict(response_mask=filtered.bool(), importance_weights=weights),
+                   dict(response_mask=mask, rollout_logprobs=rollout,
+                        rollout_correction=RolloutCorrection.from_verl(**options))):
+        logprob.grad = None
+        loss = fused_hadw_grpo_loss(logprob, old, None, advantages=advantages, loss_type="dapo", dual_clip=3.0,
+                                    **kwargs)
+        loss.backward()
+        runs.append((loss.detach(), logprob.grad.clone()))
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-8, atol=1e-12)

@@ -163,7 +163,8 @@ FIELD_TYPES = {
     "max_response_length": "an int or None", "delta": "a number or None", "ratio_cap": "a number or None",
     "sapo_temperature_pos": "a number or None", "sapo_temperature_neg": "a number or None",
     "vespo_k_pos": "a number or None", "vespo_lambda_pos": "a number or None", "vespo_k_neg": "a number or None",
-    "vespo_lambda_neg": "a number or None",
+    "vespo_lambda_neg": "a number or None", "rollout_correction": "a RolloutCorrection or None",
+    "off_policy_mask_threshold": "a number or None", "top_entropy_quantile": "a number", "kl_bias_correction": "a bool",
 }
 
 
@@ -196,7 +197,7 @@ def test_loss_config_build_lists_its_options_for_an_unknown_one():
 
 
 def test_every_metric_says_what_it_is_a_mean_over():
-    from hadw_kernels.config import METRIC_MEAN_OVER, METRIC_NAMES
+    from hadw_kernels.config import CORRECTION_METRIC_NAMES, METRIC_MEAN_OVER, METRIC_NAMES
 
-    assert tuple(METRIC_MEAN_OVER) == METRIC_NAMES
+    assert tuple(METRIC_MEAN_OVER) == METRIC_NAMES + CORRECTION_METRIC_NAMES
     assert set(METRIC_MEAN_OVER.values()) <= {"tokens", "ratios", "responses", "groups"}
