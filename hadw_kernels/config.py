@@ -210,7 +210,7 @@ OBJECTIVE_NAMES = tuple(OBJECTIVES)
 OBJECTIVE_OPTIONS = {option: name for name, objective in OBJECTIVES.items() for option in objective.options}
 
 
-# Rollout correction (docs/math.md, section 6; correction.py computes it). A rollout
+# Rollout correction (docs/math.md, section 5d; correction.py computes it). A rollout
 # weight w = exp(l_old - l_rollout) is formed per token or per response (exp of the summed
 # log ratio), and a rule bounds it: "truncate" clamps w into [lower, upper], "mask" sets it
 # to 0 outside (the token stays counted).
@@ -490,7 +490,7 @@ class LossConfig:
     vespo_lambda_pos: float | None = None
     vespo_k_neg: float | None = None
     vespo_lambda_neg: float | None = None
-    # Rollout correction and token masks (docs/math.md, section 6; correction.py).
+    # Rollout correction and token masks (docs/math.md, section 5d; correction.py).
     rollout_correction: RolloutCorrection | None = None
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0

@@ -1,4 +1,4 @@
-"""Rollout correction and token masks (docs/math.md, section 6): the weights and masks that
+"""Rollout correction and token masks (docs/math.md, section 5d): the weights and masks that
 a rollout engine's log-probs, the off-policy sequence mask and the entropy mask put on the
 loss's tokens.
 
@@ -6,9 +6,10 @@ Every rule here reads per-token values the loss already holds ([N] floats: the b
 rollout and current log-probs, the tokens' entropies), never [N, V]. :func:`correct`
 turns them into one detached weight per token and the tokens left in the loss; every
 backend then applies them as it applies a caller's ``importance_weights`` and mask, inside
-its kernels, so each rule composes with every objective, aggregation and with HA-DW. The
-rules are rows of the tables below (:data:`WEIGHT_RULES`, :data:`REJECTION_STATISTICS`,
-:data:`REJECTION_REDUCTIONS`); a new one is a row.
+its kernels, so each rule composes with every objective, aggregation and with HA-DW. A
+rule is a row of config.py's tables (CORRECTION_RULES, REJECTION_STATISTICS,
+REJECTION_REDUCTIONS) and its formula a row of this module's (:data:`WEIGHT_RULES`,
+:data:`STATISTICS`).
 
 Hosts' names: TRL's ``vllm_importance_sampling_mode`` "token_truncate" is
 ``RolloutCorrection(level="token", rule="truncate", ...)``; verl's TIS is ``rule="truncate"``

@@ -230,7 +230,7 @@ def _has_correction(config: LossConfig) -> bool:
 def _bias_corrected_kl(logprobs, old_logprobs, mask, layout, config, ref_logprobs, rewards, advantages, anchor):
     """beta x the aggregated k(l, l_ref) x rho, rho the objective's ratio with its gradient
     (TRL's use_bias_correction_kl), and the metric: the corrected estimate's mean. On [N]
-    tensors through autograd, beside the backend's op (docs/math.md, section 6)."""
+    tensors through autograd, beside the backend's op (docs/math.md, section 5d)."""
     advantage = advantages if advantages is not None else layout.expand(
         weighted_advantages(rewards, None, config, anchor)[0])
     advantage = torch.where(mask, advantage.to(logprobs.dtype), torch.zeros_like(logprobs))

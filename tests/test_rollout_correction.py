@@ -8,7 +8,7 @@ tensors, on every backend that runs here:
 - TRL 1.16's ``GRPOTrainer._compute_loss`` (tests/trl_host.py) with its off-policy sequence
   mask, ``top_entropy_quantile`` and ``use_bias_correction_kl``, and with vLLM's
   importance-sampling ratio in each of its four modes, formed as TRL's
-  ``_generate_and_score_completions`` forms it (docs/math.md, section 6);
+  ``_generate_and_score_completions`` forms it (docs/math.md, section 5d);
 
 then the edges: bounds met exactly, a batch whose every token is filtered out, the loss's
 checks of bad input, and the linear loss's path choice."""

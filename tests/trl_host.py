@@ -86,7 +86,7 @@ class TrlLoss:
 
 def trl_importance_ratio(mode: str, old, rollout, mask, clip_min, clip_max):
     """vLLM's importance-sampling ratio as TRL 1.16's _generate_and_score_completions forms
-    it (that method also generates, so it is transcribed here: docs/math.md, section 6)."""
+    it (that method also generates, so it is transcribed here: docs/math.md, section 5d)."""
     difference = ((old - rollout) * mask).nan_to_num(0.0)
     ratio = torch.exp(difference.sum(-1, keepdim=True) if mode.startswith("sequence") else difference)
     if mode.endswith("truncate"):
