@@ -277,6 +277,7 @@ def test_verl_and_trl_spellings():
     (dict(rollout_correction=None), "would be ignored"),
     (dict(rollout_logprobs="short"), "rollout_logprobs has shape"),
     (dict(rollout_logprobs="int"), "rollout_logprobs"),
+    (dict(rollout_logprobs="meta"), "one device"),
     (dict(rollout_logprobs="positive"), r"log-probabilities \(<= 0\)"),
     (dict(rollout_logprobs="nan"), "NaN at response tokens"),
     (dict(top_entropy_quantile=0.5), "needs entropy"),
@@ -289,7 +290,8 @@ def test_bad_correction_input(change, message):
     data = batch()
     rollout = data["rollout"].clone()
     special = {"short": rollout[:, :3], "int": rollout.long(), "positive": rollout.abs() + 0.1,
-               "nan": rollout.masked_fill(data["mask"], math.nan), "given": data["entropy"]}
+               "nan": rollout.masked_fill(data["mask"], math.nan), "given": data["entropy"],
+               "meta": rollout.to("meta")}
     kwargs = dict(rollout_correction=RolloutCorrection(), rollout_logprobs=rollout)
     kwargs.update({key: special.get(value, value) if isinstance(value, str) else value for key, value in change.items()})
     with pytest.raises((ValueError, TypeError), match=message):
