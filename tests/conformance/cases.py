@@ -68,10 +68,7 @@ def surrogate_batch(seed: int, batch: int = 12, width: int = 37, drift: float = 
     # Per-token advantages (process rewards): each response's sign mostly, some tokens flipped.
     token_advantages = torch.randn(batch, 1, generator=generator, dtype=torch.float64) + 0.5 * torch.randn(
         batch, width, generator=generator, dtype=torch.float64)
-    # The rollout engine's log-probs: the behaviour policy's, off by a token-level noise
-    # whose sequence sums cross every bound of the correction variants.
-    rollout = (old + 0.15 * torch.randn(batch, width, generator=generator, dtype=torch.float64)).clamp(max=0.0)
-    return dict(
+    data = dict(
         logprobs=_poison(logprobs, mask),
         old_logprobs=_poison(old, mask),
         ref_logprobs=_poison(ref, mask),
@@ -81,9 +78,14 @@ def surrogate_batch(seed: int, batch: int = 12, width: int = 37, drift: float = 
         rewards=rewards,
         advantages=torch.randn(batch, generator=generator, dtype=torch.float64),
         token_advantages=_poison(token_advantages, mask),
-        rollout_logprobs=_poison(rollout, mask),
         response_mask=mask,
     )
+    # The rollout engine's log-probs (drawn last, leaving the other tensors as they were):
+    # the behaviour policy's, off by a token-level noise whose sequence sums cross every
+    # bound of the correction variants.
+    rollout = (old + 0.15 * torch.randn(batch, width, generator=generator, dtype=torch.float64)).clamp(max=0.0)
+    data["rollout_logprobs"] = _poison(rollout, mask)
+    return data
 
 
 @dataclass(frozen=True)
