@@ -344,3 +344,15 @@ def test_vllm_s_log_probs_reach_the_loss_as_trl_corrects_them(mode):
     expected = TrlLoss(args)(logprobs, old, advantages, mask, importance_sampling_ratio=ratio)
     (expected_grad,) = torch.autograd.grad(expected, logprobs)
     torch.testing.assert_close((got, got_grad), (expected, expected_grad), rtol=1e-10, atol=1e-12)
+
+
+def test_under_zero3_the_options_that_read_the_policy_first_are_refused(model_dir, tmp_path, monkeypatch):
+    """Under ZeRO-3 the loss forms its gradients in the forward; TRL's default
+    use_bias_correction_kl (with beta) reads the batch's log-probs first: a clear error
+    naming it, not the linear path's own."""
+    import hadw_kernels.integrations.trl as integration
+
+    monkeypatch.setattr(integration, "is_deepspeed_zero3_enabled", lambda: True)
+    with pytest.raises(ValueError, match=r"ZeRO-3 .* use_bias_correction_kl"):
+        train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path, loss_type="grpo", beta=0.05,
+              use_bias_correction_kl=True, max_steps=1)

@@ -361,7 +361,18 @@ class HADWGRPOTrainer(GRPOTrainer):
         # kernels accumulate in fp32 whatever it is, outside autocast.
         hidden_states = hidden_states.to(device=weight.device, dtype=weight.dtype)
         linear_path = self.args.hadw_linear_path
+        options = self._loss_options(inputs, mask, mode)
         if linear_path == "auto" and is_deepspeed_zero3_enabled():
+            reading = [name for name, value in (("use_bias_correction_kl", options["kl_bias_correction"]),
+                                                ("off_policy_mask_threshold", options["off_policy_mask_threshold"]),
+                                                ("top_entropy_quantile < 1", options["top_entropy_quantile"] < 1))
+                       if value]
+            if reading:
+                # Under ZeRO-3 the gathered head is released after the forward, so the
+                # gradients are formed there; these read the batch's log-probs first.
+                raise ValueError(f"under DeepSpeed ZeRO-3 the fused loss forms its gradients in the forward, before "
+                                 f"the batch's log-probs are known, which {', '.join(reading)} read: turn them off "
+                                 "(use_bias_correction_kl=False), or train under ZeRO-2")
             linear_path = "gradients_in_forward"
         old_logprobs, behaviour = self._behaviour(inputs)
         with torch.autocast(weight.device.type, enabled=False), maybe_gather_lm_head_ctx(weight, bias):
@@ -371,7 +382,7 @@ class HADWGRPOTrainer(GRPOTrainer):
                 temperature=self.temperature, ref_logprobs=inputs.get("ref_per_token_logps"),
                 **behaviour, return_metrics=True,
                 backend=self.args.hadw_backend, linear_path=linear_path, block_rows=self.args.hadw_block_rows,
-                **self._loss_options(inputs, mask, mode),
+                **options,
             )
         counts = mask.any(dim=1).sum() if self.importance_sampling_level == "sequence" else mask.sum()
         return loss, metrics, (mask.sum(), counts)
