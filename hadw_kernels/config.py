@@ -232,11 +232,6 @@ REJECTION_FILTERS = tuple(f"{where}_{statistic}" for where in REJECTION_REDUCTIO
                           if not (where == "seq_max" and statistic == "k1"))
 
 
-def _check_bound(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-
-
 @dataclass(frozen=True)
 class RejectionFilter:
     """Removes from the loss the tokens (``token_*``) or whole responses (``seq_*``) whose
@@ -251,11 +246,11 @@ class RejectionFilter:
     def __post_init__(self) -> None:
         if self.name not in REJECTION_FILTERS:
             raise ValueError(f"unknown rejection filter {self.name!r}; expected one of {REJECTION_FILTERS}")
-        _check_bound(f"rejection filter {self.name!r}'s upper bound", self.upper)
+        check_finite_positive(f"rejection filter {self.name!r}'s upper bound", self.upper)
         if REJECTION_STATISTICS[self.statistic]:
             if self.lower is None:
                 object.__setattr__(self, "lower", 1.0 / self.upper)
-            _check_bound(f"rejection filter {self.name!r}'s lower bound", self.lower)
+            check_finite_positive(f"rejection filter {self.name!r}'s lower bound", self.lower)
             if self.lower > self.upper:
                 raise ValueError(f"rejection filter {self.name!r}: lower bound {self.lower} above upper {self.upper}")
         elif self.lower is not None:
@@ -299,7 +294,7 @@ class RolloutCorrection:
             raise ValueError(f"unknown rollout correction rule {self.rule!r}; expected one of {CORRECTION_RULES}")
         for name in ("lower", "upper"):
             if getattr(self, name) is not None:
-                _check_bound(f"rollout correction {name} bound", getattr(self, name))
+                check_finite_positive(f"rollout correction {name} bound", getattr(self, name))
         if self.lower is not None and self.upper is not None and self.lower > self.upper:
             raise ValueError(f"rollout correction bounds out of order: lower {self.lower} > upper {self.upper}")
         if not isinstance(self.batch_normalize, bool):
