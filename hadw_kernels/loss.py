@@ -30,7 +30,6 @@ from .validation import (
     assert_label_range,
     batch_layout,
     check_batch_inputs,
-    check_correction_values,
     check_label_range,
     check_linear_inputs,
     check_linear_values,
@@ -157,8 +156,6 @@ def fused_hadw_grpo_loss(
         importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, entropy=entropy,
         check_values=_checks_run(check_values),
     )
-    if _checks_run(check_values):
-        check_correction_values(layout, response_mask, rollout_logprobs, entropy)
     config = _with_layout_length(config, layout)
     implementation = resolve_backend(backend, logprobs.device)
     flat_logprobs = layout.flat(logprobs)
@@ -183,11 +180,13 @@ def _corrected_surrogate(implementation, logprobs, old_logprobs, mask, layout, c
     takes (the linear loss's, with its gradient: bonus and metric); ``masked_entropy``:
     what the entropy mask reads."""
     corrected_metrics = {}
+    # Each token's advantage (A_hat Phi from rewards, or the caller's), for the rules that
+    # read it: the off-policy mask its sign, the bias-corrected KL GMPO's clip side.
+    token_advantage = None
+    if config.off_policy_mask_threshold is not None or config.kl_bias_correction:
+        advantage, _ = weighted_advantages(rewards, advantages, config, anchor)
+        token_advantage = advantage if advantages is not None else layout.expand(advantage)
     if _has_correction(config):
-        token_advantage = None
-        if config.off_policy_mask_threshold is not None:
-            token_advantage = advantages if advantages is not None else layout.expand(
-                weighted_advantages(rewards, None, config, anchor)[0])
         correction = correct(config, layout, mask.bool(), old_logprobs=old_logprobs,
                              rollout_logprobs=rollout_logprobs, logprobs=logprobs, token_advantage=token_advantage,
                              entropy=masked_entropy)
@@ -207,7 +206,7 @@ def _corrected_surrogate(implementation, logprobs, old_logprobs, mask, layout, c
     )
     if config.kl_bias_correction:
         kl_term, metrics["ref_kl"] = _bias_corrected_kl(logprobs, old_logprobs, mask.bool(), layout, config,
-                                                        ref_logprobs, rewards, advantages, anchor)
+                                                        ref_logprobs, token_advantage)
         loss = loss + kl_term
     metrics.update(corrected_metrics)
     return loss, {name: metrics[name] for name in METRIC_NAMES + CORRECTION_METRIC_NAMES if name in metrics}
@@ -227,13 +226,11 @@ def _has_correction(config: LossConfig) -> bool:
     return config.rollout_correction is not None or needs_current_logprobs(config)
 
 
-def _bias_corrected_kl(logprobs, old_logprobs, mask, layout, config, ref_logprobs, rewards, advantages, anchor):
+def _bias_corrected_kl(logprobs, old_logprobs, mask, layout, config, ref_logprobs, token_advantage):
     """beta x the aggregated k(l, l_ref) x rho, rho the objective's ratio with its gradient
     (TRL's use_bias_correction_kl), and the metric: the corrected estimate's mean. On [N]
     tensors through autograd, beside the backend's op (docs/math.md, section 5d)."""
-    advantage = advantages if advantages is not None else layout.expand(
-        weighted_advantages(rewards, None, config, anchor)[0])
-    advantage = torch.where(mask, advantage.to(logprobs.dtype), torch.zeros_like(logprobs))
+    advantage = torch.where(mask, token_advantage.to(logprobs.dtype), torch.zeros_like(logprobs))
     ratio, _, _ = token_ratio(logprobs, old_logprobs.detach(), mask, advantage, layout, config)
     zero = torch.zeros_like(logprobs)
     own = torch.where(mask, logprobs, zero)
@@ -294,8 +291,6 @@ def fused_linear_hadw_grpo_loss(
         advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
         importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
     )
-    if _checks_run(check_values):
-        check_correction_values(layout, response_mask, rollout_logprobs, None)
     config = _with_layout_length(config, layout)
     mask = layout.flat(response_mask)
     hidden = layout.flat_rows(hidden_states)
@@ -309,6 +304,7 @@ def fused_linear_hadw_grpo_loss(
         # Every value check of this call in one host read (docs/architecture.md).
         check_linear_values(
             layout, hidden, labels, lm_head_weight.shape[0], ignore_index, old, mask, rewards, advantages, anchor,
+            rollout,
         )
     else:
         assert_label_range(labels, lm_head_weight.shape[0], ignore_index)

@@ -163,7 +163,8 @@ def check_surrogate_inputs(
     check_batch_inputs(layout, response_mask, old_logprobs, config, inputs={"logprobs": logprobs}, **batch)
     if check_values:
         _check_values(layout, logprobs, old_logprobs, response_mask, batch.get("rewards"), batch.get("advantages"),
-                      batch.get("anchor"), hadw=batch.get("anchor") is not None)
+                      batch.get("anchor"), hadw=batch.get("anchor") is not None,
+                      correction=(batch.get("rollout_logprobs"), batch.get("entropy")))
     else:
         assert_cu_seqlens(layout)
     return layout
@@ -292,32 +293,6 @@ def _correction_inputs(layout: TokenLayout, config: LossConfig, rollout_logprobs
     return tensors
 
 
-@torch.no_grad()
-def check_correction_values(layout: TokenLayout, response_mask: torch.Tensor, rollout_logprobs, entropy) -> None:
-    """Rollout log-probs at counted tokens are log-probs (<= 0; NaN, which TRL reads as
-    "not scored", is refused here: pass the behaviour log-prob there instead), entropies
-    finite and non-negative: one host read."""
-    mask = layout.flat(response_mask).bool()
-    probes = {}
-    if rollout_logprobs is not None:
-        values = layout.flat(rollout_logprobs)
-        probes["rollout_nan"] = (torch.isnan(values) & mask).any()
-        probes["rollout_positive"] = ((values > 0) & mask).any()
-    if entropy is not None:
-        values = layout.flat(entropy)
-        probes["entropy"] = ((~torch.isfinite(values) | (values < 0)) & mask).any()
-    if not probes:
-        return
-    read = dict(zip(probes, torch.stack(list(probes.values())).tolist()))
-    if read.get("rollout_nan"):
-        raise ValueError("rollout_logprobs contain NaN at response tokens (a token the engine did not score: "
-                         "pass old_logprobs there, which gives it weight 1)")
-    if read.get("rollout_positive"):
-        raise ValueError("rollout_logprobs must be log-probabilities (<= 0) at response tokens")
-    if read.get("entropy"):
-        raise ValueError("entropy must be finite and non-negative at response tokens")
-
-
 def check_advantage_options(rewards: torch.Tensor, anchor, lambda_scale, std_eps) -> None:
     """``hadw_advantages``' checks: the fused loss's own on the same values (anchor a
     finite belief in [0, 1], lambda_scale and std_eps finite and positive, finite
@@ -355,7 +330,7 @@ def _nonfinite_at(values: torch.Tensor, masked_out: torch.Tensor) -> torch.Tenso
 
 def check_linear_values(
     layout: TokenLayout, hidden_states, labels, vocab: int, ignore_index: int, old_logprobs, response_mask, rewards,
-    advantages, anchor,
+    advantages, anchor, rollout_logprobs=None,
 ) -> None:
     """The linear loss's value checks (those of :func:`check_surrogate_inputs`, labels in
     the vocabulary, finite hidden states at response tokens) in one host read.
@@ -363,22 +338,26 @@ def check_linear_values(
     ``ignore_index`` at padding."""
     _check_values(
         layout, None, old_logprobs, response_mask, rewards, advantages, anchor, hadw=anchor is not None,
-        linear=(hidden_states, labels, vocab, ignore_index),
+        linear=(hidden_states, labels, vocab, ignore_index), correction=(rollout_logprobs, None),
     )
 
 
 @torch.no_grad()
 def _check_values(layout: TokenLayout | None, logprobs, old_logprobs, response_mask, rewards, advantages, anchor, *,
-                  hadw: bool, linear=None) -> None:
+                  hadw: bool, linear=None, correction=(None, None)) -> None:
     """Every check from a few reductions read in one host synchronisation; a failure is
     then named by a precise check of its own. At 16k tokens on the CPU the checks cost as
     much as the loss did: each reduction here is one op, or two passes over the tokens.
     ``layout``: the batch's (its offsets join the read when packed), None without
     per-token tensors. ``linear``: (hidden_states, labels, vocab, ignore_index) of the
-    linear loss, whose screens join the same read."""
+    linear loss, whose screens join the same read. ``correction``: (rollout log-probs,
+    entropies), each None where the call has none: log-probs (<= 0, not NaN) and
+    entropies (finite, non-negative) at counted tokens."""
+    rollout_logprobs, entropy = correction
     if layout is not None and layout.is_packed:
         # [N] and [1, N] may come mixed: one form for the masked checks below.
-        logprobs, old_logprobs, response_mask = (layout.flat(t) for t in (logprobs, old_logprobs, response_mask))
+        logprobs, old_logprobs, response_mask, rollout_logprobs, entropy = (
+            layout.flat(t) for t in (logprobs, old_logprobs, response_mask, rollout_logprobs, entropy))
     if isinstance(anchor, (int, float)) and not math.isfinite(anchor):
         raise ValueError(f"anchor must be finite, got {anchor}")
     probes = {}
@@ -400,6 +379,13 @@ def _check_values(layout: TokenLayout | None, logprobs, old_logprobs, response_m
             probes[name + "_min"], probes[name + "_max"] = torch.aminmax(values)
     if isinstance(anchor, torch.Tensor):
         probes["anchor"] = anchor
+    if rollout_logprobs is not None or entropy is not None:
+        counted = response_mask != 0
+        if rollout_logprobs is not None:
+            probes["rollout_nan"] = (torch.isnan(rollout_logprobs) & counted).any()
+            probes["rollout_positive"] = ((rollout_logprobs > 0) & counted).any()
+        if entropy is not None:
+            probes["entropy"] = ((~torch.isfinite(entropy) | (entropy < 0)) & counted).any()
     if layout is not None and layout.is_packed:
         probes["cu_seqlens"] = torch.stack(list(_cu_seqlens_faults(layout.cu_seqlens, layout.tokens).values())).any()
     if linear is not None:
@@ -429,6 +415,13 @@ def _check_values(layout: TokenLayout | None, logprobs, old_logprobs, response_m
         )
     if "anchor" in read and not 0 <= read["anchor"] <= 1:
         raise ValueError(f"anchor must be finite and in [0, 1], got {anchor}")
+    if read.get("rollout_nan", 0) != 0:
+        raise ValueError("rollout_logprobs contain NaN at response tokens (a token the engine did not score: "
+                         "pass old_logprobs there, which gives it weight 1)")
+    if read.get("rollout_positive", 0) != 0:
+        raise ValueError("rollout_logprobs must be log-probabilities (<= 0) at response tokens")
+    if read.get("entropy", 0) != 0:
+        raise ValueError("entropy must be finite and non-negative at response tokens")
     if linear is not None:
         if read["labels"] != 0:
             _raise_label_range(vocab, ignore_index)

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from hadw_kernels import available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from hadw_kernels import RolloutCorrection, available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 HOST_BACKENDS = [
@@ -65,7 +65,38 @@ def _linear_call(backend, check_values):
     return loss, [hidden, weight]
 
 
-CALLS = {"surrogate": _surrogate_call, "linear": _linear_call}
+def _corrected_surrogate_call(backend, check_values):
+    """Every rule of the rollout correction and both token masks, batch-normalised."""
+    logprobs = (-torch.rand(4, 6)).requires_grad_()
+    mask = torch.ones(4, 6)
+    mask[:, -2:] = 0
+    correction = RolloutCorrection(level="token", rule="mask", lower=0.5, upper=2.0, batch_normalize=True,
+                                   rejection={"seq_max_k3": 0.5, "token_k1": (0.5, 2.0)})
+    loss = fused_hadw_grpo_loss(
+        logprobs, logprobs.detach() - 0.1, torch.tensor([1.0, 0.0, 1.0, 1.0]), mask, group_size=2,
+        anchor=torch.tensor(0.4), rollout_logprobs=logprobs.detach() - 0.15, rollout_correction=correction,
+        off_policy_mask_threshold=0.1, top_entropy_quantile=0.5, entropy=torch.rand(4, 6), return_metrics=True,
+        backend=backend, check_values=check_values,
+    )
+    return loss, [logprobs]
+
+
+def _corrected_linear_call(backend, check_values):
+    hidden = torch.randn(4, 6, 8, requires_grad=True)
+    weight = torch.randn(16, 8, requires_grad=True)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[:, -2:] = False
+    old = -torch.rand(4, 6) - 2
+    loss = fused_linear_hadw_grpo_loss(
+        hidden, weight, torch.randint(0, 16, (4, 6)), old, torch.tensor([1.0, 0.0, 1.0, 1.0]),
+        mask, group_size=2, anchor=0.4, rollout_logprobs=old - 0.05, rollout_correction=RolloutCorrection(),
+        return_metrics=True, backend=backend, check_values=check_values,
+    )
+    return loss, [hidden, weight]
+
+
+CALLS = {"surrogate": _surrogate_call, "linear": _linear_call, "corrected_surrogate": _corrected_surrogate_call,
+         "corrected_linear": _corrected_linear_call}
 
 
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
@@ -80,7 +111,7 @@ def test_unchecked_call_reads_no_value(monkeypatch, loss, backend):
     reads.refuse = False
     value.backward()
     monkeypatch.undo()
-    gradients_in_forward = loss == "linear" and backend != "torch"
+    gradients_in_forward = loss in ("linear", "corrected_linear") and backend != "torch"
     assert reads.count == (1 if gradients_in_forward else 0)
     assert torch.isfinite(value) and all(torch.isfinite(leaf.grad).all() for leaf in leaves)
     assert all(torch.isfinite(metric) for metric in metrics.values())

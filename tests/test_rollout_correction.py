@@ -323,3 +323,18 @@ def test_linear_loss_takes_the_recompute_path_where_a_rule_reads_the_policy():
         fused_linear_hadw_grpo_loss(hidden, weight, labels, old, torch.rand(4, dtype=torch.float64), mask,
                                     group_size=2, top_entropy_quantile=0.5, linear_path="gradients_in_forward",
                                     backend="cpp" if "cpp" in BACKENDS else "torch")
+
+
+@pytest.mark.parametrize("bad, message", [(math.nan, "NaN at response tokens"), (0.5, r"\(<= 0\)")])
+def test_the_linear_loss_checks_the_rollout_log_probs_too(bad, message):
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(4, 5, 8, generator=generator, dtype=torch.float64)
+    weight = torch.randn(30, 8, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 30, (4, 5), generator=generator)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    old = -torch.rand(4, 5, generator=generator, dtype=torch.float64) - 3
+    rollout = old.clone()
+    rollout[1, 2] = bad
+    with pytest.raises(ValueError, match=message):
+        fused_linear_hadw_grpo_loss(hidden, weight, labels, old, torch.rand(4, dtype=torch.float64), mask,
+                                    group_size=2, rollout_correction=RolloutCorrection(), rollout_logprobs=rollout)
