@@ -62,7 +62,9 @@ class _TiledLinearLogprob(torch.autograd.Function):
         row_logp = torch.where(in_vocab, label_logit - lse, torch.full_like(lse, float("nan")))
         if padding is not None:
             row_logp = row_logp.masked_fill(padding, 0)
-        logp = torch.zeros(num_tokens, device=hidden.device, dtype=accumulate).index_copy_(0, rows, row_logp)
+        # Out of place: an output made by an in-place op got no gradient under torch.compile
+        # (torch 2.11: every hidden-state and head gradient came back zero).
+        logp = torch.zeros(num_tokens, device=hidden.device, dtype=accumulate).index_copy(0, rows, row_logp)
         entropy = mean_logit = None
         if with_entropy:
             mean_shifted = sum_exp_shifted / sum_exp
@@ -70,7 +72,7 @@ class _TiledLinearLogprob(torch.autograd.Function):
             row_entropy = torch.log(sum_exp) - mean_shifted
             if padding is not None:
                 row_entropy = row_entropy.masked_fill(padding, 0)
-            entropy = torch.zeros_like(logp).index_copy_(0, rows, row_entropy)
+            entropy = torch.zeros_like(logp).index_copy(0, rows, row_entropy)
         ctx.save_for_backward(hidden, weight, bias, rows, row_labels, lse, mean_logit, padding)
         ctx.temperature = temperature
         return logp, entropy
