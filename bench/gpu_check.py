@@ -77,7 +77,8 @@ def run_tests(dry_run: bool, junit: Path, seconds: float | None) -> TestRun:
     else:
         environment["HADW_TEST_DEVICE"] = "cuda"
         environment.pop("TRITON_INTERPRET", None)
-        selection = ["tests/conformance", "tests/test_triton_specific.py", "tests/test_compile.py"]
+        selection = ["tests/conformance", "tests/test_triton_specific.py", "tests/test_compile.py",
+                     "tests/test_segment_attention.py"]
         if importlib.util.find_spec("xdist") is not None:
             selection += ["-n", str(min(12, max(1, (os.cpu_count() or 2) - 4)))]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *selection]
@@ -478,18 +479,18 @@ def probe_runs(dry_run: bool, seconds: float | None = None) -> list[ProbeRun]:
     else:
         common = ["--preset", "Qwen3-1.7B", "--device", "cuda", "--dtype", "bfloat16", "--zero-stage", "2",
                   "-P", "512"]
-        # (label, arguments, weight: its share of a time limit, the bisections the largest).
+        # (label, arguments, weight: its share of a time limit, the bisection the largest).
+        # G = 64 responses of 4096 tokens in micro-batches of 16 sequences, in each layout
+        # the trainer lays out (the same tokens); then the largest budget that trains
+        # repeatedly (two-step trials, to within 10%: the planner is held to 10%).
+        group = ["--loss", "fused", "-G", "64", "-L", "4096", "--micro-batch-tokens", str(16 * (512 + 4096)),
+                 "--steps", "2"]
         runs = [
-            # One process: G=64 x 4096 tokens at eight sequences (36864 tokens) a micro-batch, eight
-            # micro-batches a step; then the largest budget and its throughput, on the same engine.
-            # Bisected to within 4% (the planner is held to 10%), to spare the lease trials.
-            ("G=64 x 4096 tokens; the largest budget, fused",
-             ["--loss", "fused", "-G", "64", "-L", "4096", "--micro-batch-tokens", str(8 * (512 + 4096)),
-              "--steps", "2", "--find-max-budget", "--budget-tolerance", "0.04", "--steps-at-largest-budget", "3"], 3),
-            ("the largest budget, eager", ["--loss", "eager", "-L", "4096", "--steps", "0", "--find-max-budget",
-                                           "--budget-tolerance", "0.04", "--steps-at-largest-budget", "3"], 2),
-            *[(f"one 32768-token response, {loss}", ["--loss", loss, "-G", "1", "-L", "32768", "--steps", "1"], 1)
-              for loss in ("fused", "eager")],
+            *[(f"G=64 x 4096 tokens, {layout}", [*group, *flags], 1) for layout, flags in (
+                ("padded", ["--no-packing"]), ("packed", ["--packing", "--no-share-prompt"]),
+                ("shared prompt", ["--share-prompt"]))],
+            ("the largest budget, fused, padded", ["--loss", "fused", "-L", "4096", "--no-packing", "--steps", "0",
+                                                   "--find-max-budget", "--budget-tolerance", "0.1"], 3),
         ]
     environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     environment.pop("TRITON_INTERPRET", None)
@@ -537,7 +538,8 @@ def _planned_budget(run: ProbeRun, gpu_gib: float | None) -> str:
         return "n/a"
     step = plan.MicroStep(group_size=1, prompts=1, response_length=result["response_length"],
                           prompt_length=result["prompt_length"], gpus=1, zero_stage=result["zero_stage"],
-                          gradient_checkpointing=result["gradient_checkpointing"], overhead_gib=0.0)
+                          gradient_checkpointing=result["gradient_checkpointing"], overhead_gib=0.0,
+                          share_prompt=result.get("layout") == "shared_prompt")
     return str(plan.largest_token_budget(plan.PRESETS[result["preset"]], step, fused=result["loss"] == "fused",
                                          gpu_gib=gpu_gib))
 
@@ -551,17 +553,20 @@ def probe_lines(runs: list[ProbeRun], dry_run: bool) -> list[str]:
             gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     model = "the tiny preset on the CPU" if dry_run else "Qwen3-1.7B (random weights), bf16, ZeRO-2, one GPU"
     lines = ["## Train steps through the trainer: `python -m trainer.probe`", "",
-             f"{model}; gradient checkpointing; responses packed by tokens into micro-batches; forward, loss, "
-             "`engine.backward`, `engine.step` (AdamW). Peak: " +
+             f"{model}; gradient checkpointing; responses cut by tokens into micro-batches, laid out as the "
+             "layout column says (padded rows; packed: one row, the segment attention; shared prompt: packed, "
+             "each group's prompt once); forward, loss, `engine.backward`, `engine.step` (AdamW). Peak: " +
              ("process RSS (sampled)" if dry_run else "`max_memory_allocated`, model states included") +
-             "; tokens/s: prompt + response tokens over the median step after a warm-up one. Planner: "
+             "; budget: prompt + response tokens of the micro-batch's sequences (fed: the tokens through the "
+             "model in its layout); tokens/s: prompt + response tokens of every sequence over the median step "
+             "after a warm-up one, so layouts compare on the same work. Planner: "
              "`hadw_kernels.plan.largest_token_budget` for the same setting (no fixed overhead).", "",
-             "| run | loss | budget tokens | fits | peak GiB | tokens/s | largest budget | tokens/s at it | "
-             "planner budget |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| run | loss | layout | budget tokens (fed) | fits | peak GiB | tokens/s | largest budget (fed) | "
+             "tokens/s at it | planner budget |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for run in runs:
         if run.result is None:
-            lines.append(f"| {run.label} | | | FAILED: {run.error.strip().splitlines()[-1][:150] if run.error else ''} "
+            lines.append(f"| {run.label} | | | | FAILED: {run.error.strip().splitlines()[-1][:150] if run.error else ''} "
                          "| | | | | |")
             continue
         result = run.result
@@ -571,11 +576,17 @@ def probe_lines(runs: list[ProbeRun], dry_run: bool) -> list[str]:
 
         fits = {True: "yes", False: "no (" + result.get("note", "over the limit")[:60] + ")"}.get(result.get("fits"), "")
         planned = _planned_budget(run, gpu_gib) if "largest_budget_tokens" in result else ""
-        budget = result["micro_batch_tokens"] if "step_seconds" in result else ""  # steps 0: bisection only
-        lines.append(f"| {run.label} | {result['loss']} | {budget} | {fits} | "
+        budget = (f"{result['micro_batch_tokens']} ({result['micro_batch_fed_tokens']})" if "step_seconds" in result
+                  else "")  # steps 0: bisection only
+        largest = (f"{result['largest_budget_tokens']} ({result['largest_budget_fed_tokens']})"
+                   if "largest_budget_tokens" in result else "")
+        lines.append(f"| {run.label} | {result['loss']} | {result.get('layout', '')} | {budget} | {fits} | "
                      f"{number('peak_memory_gib', '{:.2f}')} | {number('tokens_per_second', '{:.0f}')} | "
-                     f"{number('largest_budget_tokens', '{}')} | "
-                     f"{number('largest_budget_tokens_per_second', '{:.0f}')} | {planned} |")
+                     f"{largest} | {number('largest_budget_tokens_per_second', '{:.0f}')} | {planned} |")
+        lines += [f"  - trial: {trial['rows']} sequences ({trial['fed_tokens']} fed tokens): "
+                  + (f"fits, peak {trial['peak_bytes'] / 2**30:.2f} GiB" if trial.get("fits")
+                     else trial.get("note", "does not fit")[:80])
+                  for trial in result.get("budget_trials", [])]
     lines += ["", "A measured largest budget belongs in docs/measured-budgets.json (tests/test_plan.py holds the "
               "planner to it within 10%)." if not dry_run else "Dry run: the figures mean nothing.", ""]
     return lines
@@ -638,7 +649,7 @@ def trainer_check(dry_run: bool, seconds: float | None) -> TrainerCheck:
         check.seconds[label] = time.time() - begun
         # The trainer's own messages go to stdout without a progress bar (run.progress=false).
         check.log_lines += [f"{label}: {line}" for line in (completed.stdout + completed.stderr).splitlines()
-                            if "micro-batches are" in line or "resumed from" in line][:3]
+                            if "micro-batches:" in line or "resumed from" in line][:3]
         if completed.returncode not in (0, 17):
             check.error = f"{label} exited {completed.returncode}: {completed.stderr[-1200:]}"
         return completed.returncode
@@ -675,7 +686,7 @@ def trainer_lines(check: TrainerCheck, dry_run: bool) -> list[str]:
     lines = ["## The trainer on this device: `trainer/run.py`", "",
              f"The CPU default's task and model (the tiny model, the synthetic task), rollouts from "
              f"the HF engine (vLLM is not installed here), DeepSpeed ZeRO-2, {check.steps} steps, a checkpoint every "
-             f"{check.every}; micro-batches packed unless the log below says padded; then the same run killed inside "
+             f"{check.every}; micro-batches laid out as the log below says; then the same run killed inside "
              f"step {check.crash_step} (its reward function exits the process) "
              "and resumed from its last checkpoint.", ""]
     if check.error:
@@ -868,7 +879,9 @@ def main(argv: list[str] | None = None) -> int:
     report()
     if not args.skip_probe:
         try:
-            probes = probe_runs(args.dry_run, None if args.time_limit is None else left() - 150)
+            # A reserve for the benchmarks, where they run.
+            reserve = 0 if args.skip_bench else 150
+            probes = probe_runs(args.dry_run, None if args.time_limit is None else left() - reserve)
         except Exception:
             crashed.append(f"probe: {traceback.format_exc()[-1500:]}")
             say(f"section probe CRASHED:\n{crashed[-1]}")

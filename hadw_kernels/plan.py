@@ -24,8 +24,9 @@ activation and the loss's own buffers are alive at once):
   stage 3 also the parameters (plus a working set of gathered parameters: two decoder
   layers, the one computing and the one prefetched, and the LM head for the loss).
 - Activations of the policy forward over the micro-batch: prompts x G sequences, each
-  padded to prompt + response length, bf16, flash attention (no [S, S] scores), no
-  dropout. Without gradient checkpointing every decoder layer keeps the tensors its
+  padded to prompt + response length (or, with ``--share-prompt``, each prompt laid out
+  once for its G responses: P - 1 + G x R tokens a prompt, the trainer's shared-prompt
+  packing), bf16, flash attention (no [S, S] scores), no dropout. Without gradient checkpointing every decoder layer keeps the tensors its
   backward reads: the input of each RMSNorm (2h), q, k, v and the attention output
   (2q + 2kv; Qwen3's q/k norms add their inputs, q + kv) and the SwiGLU's gate,
   silu(gate), up and their product (4 x intermediate). With checkpointing each layer
@@ -138,6 +139,7 @@ class MicroStep:
     zero_stage: int
     gradient_checkpointing: bool
     overhead_gib: float = DEFAULT_OVERHEAD_GIB
+    share_prompt: bool = False
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -154,7 +156,10 @@ class MicroStep:
 
     @property
     def tokens(self) -> int:
-        """Tokens through the model: every sequence padded to prompt + response."""
+        """Tokens through the model: every sequence padded to prompt + response, or each
+        prompt once but its last token, which starts every response's branch."""
+        if self.share_prompt:
+            return self.prompts * (max(self.prompt_length - 1, 0) + self.group_size * self.response_length)
         return self.sequences * (self.prompt_length + self.response_length)
 
     @property
@@ -255,15 +260,16 @@ def largest_group_size(model: ModelShape, step: MicroStep, *, fused: bool, gpu_g
 
 
 def largest_token_budget(model: ModelShape, step: MicroStep, *, fused: bool, gpu_gib: float) -> int:
-    """The largest micro-batch token budget that fits ``gpu_gib``: k whole sequences of
-    prompt + response tokens, k the largest that fits (0 if not even one response does).
+    """The largest micro-batch token budget that fits ``gpu_gib``, in tokens through the
+    model: k whole sequences of prompt + response tokens (with ``share_prompt``, k
+    responses after one prompt), k the largest that fits (0 if not even one response does).
 
     ``step``'s group size and prompts are ignored: a micro-batch packed by tokens holds k
     sequences whatever G is.
     """
-    one_sequence = dataclasses.replace(step, prompts=1, group_size=1)
-    sequences = largest_group_size(model, one_sequence, fused=fused, gpu_gib=gpu_gib)
-    return sequences * (step.prompt_length + step.response_length)
+    one_prompt = dataclasses.replace(step, prompts=1, group_size=1)
+    sequences = largest_group_size(model, one_prompt, fused=fused, gpu_gib=gpu_gib)
+    return dataclasses.replace(one_prompt, group_size=max(sequences, 1)).tokens if sequences else 0
 
 
 def format_budget_report(model: ModelShape, step: MicroStep, gpu_gib: float) -> str:
@@ -272,24 +278,27 @@ def format_budget_report(model: ModelShape, step: MicroStep, gpu_gib: float) -> 
         f"ESTIMATE of the largest micro-batch token budget: {model.name} ({model.parameters / 1e9:.2f}B parameters), "
         f"{step.gpus} GPUs, ZeRO-{step.zero_stage}, gradient checkpointing "
         f"{'on' if step.gradient_checkpointing else 'off'}, {gpu_gib:g} GiB a GPU",
-        f"sequences of {step.prompt_length}+{step.response_length} = {sequence} tokens, packed whole into micro-batches",
+        f"sequences of {step.prompt_length}+{step.response_length} = {sequence} tokens, packed whole into micro-batches"
+        + (", each prompt laid out once for its responses" if step.share_prompt else ""),
         "",
     ]
     budgets = {}
     for label in ("eager", "fused"):
         budget = largest_token_budget(model, step, fused=label == "fused", gpu_gib=gpu_gib)
-        budgets[label] = budget
+        sequences = largest_group_size(model, dataclasses.replace(step, prompts=1, group_size=1),
+                                       fused=label == "fused", gpu_gib=gpu_gib)
+        budgets[label] = sequences
         if budget:
-            lines.append(f"{label}: largest budget {budget} tokens a micro-batch ({budget // sequence} sequences)")
+            lines.append(f"{label}: largest budget {budget} tokens a micro-batch ({sequences} sequences)")
         else:
             lines.append(f"{label}: not even one {sequence}-token sequence fits")
     lines.append("")
     if budgets["fused"]:
         lines.append(
             "Any G trains: micro-batches are packed by tokens, not whole groups, so a group of G responses "
-            f"runs as ceil(G / {budgets['fused'] // sequence}) fused micro-batches with accumulated gradients; "
+            f"runs as ceil(G / {budgets['fused']}) fused micro-batches with accumulated gradients; "
             "the memory no longer grows with G, the time does."
-            + (f" Eager: ceil(G / {budgets['eager'] // sequence}) micro-batches." if budgets["eager"] else
+            + (f" Eager: ceil(G / {budgets['eager']}) micro-batches." if budgets["eager"] else
                " Eager trains no G here: not one sequence fits.")
         )
     else:
@@ -351,6 +360,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="memory of one GPU (the default is an 80 GB A100's)")
     parser.add_argument("--overhead-gib", type=NON_NEGATIVE_FLOAT, default=DEFAULT_OVERHEAD_GIB,
                         help="CUDA context, NCCL and DeepSpeed buffers, fragmentation")
+    parser.add_argument("--share-prompt", action="store_true",
+                        help="each prompt laid out once for its responses (the trainer's shared-prompt packing)")
     parser.add_argument("--budget", action="store_true",
                         help="the token-budget view: the largest tokens a micro-batch holds with each loss (any G)")
     args = parser.parse_args(argv)
@@ -363,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         zero_stage=args.zero_stage,
         gradient_checkpointing=args.gradient_checkpointing,
         overhead_gib=args.overhead_gib,
+        share_prompt=args.share_prompt,
     )
     report = format_budget_report if args.budget else format_report
     print(report(PRESETS[args.model], step, args.gpu_memory_gib))

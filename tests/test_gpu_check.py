@@ -22,10 +22,10 @@ def test_dry_run_writes_a_report(tmp_path):
         assert section in text, section
     # The run killed inside a step and resumed lands on the uninterrupted curve.
     assert "Resumed run: steps [1, 2, 3]" in text and "reward/mean 0.00e+00" in text
-    # The trainer's own log reaches the report: the CPU's sdpa attention pads by default.
-    assert "uninterrupted: micro-batches are padded (sdpa attention" in text
+    # The trainer's own log reaches the report: the layout of its micro-batches and why.
+    assert "uninterrupted: micro-batches: shared-prompt (the segment attention over sdpa" in text
     assert "bench: tiny" in result.stdout and "paper scale G=4" in result.stdout
-    assert "| G=4 x 16 tokens and the largest budget, fused | fused | 40 | yes |" in text
+    assert "| G=4 x 16 tokens and the largest budget, fused | fused | shared_prompt | 40 (35) | yes |" in text
 
 
 def test_the_shell_entry_point_passes_its_flags(tmp_path):

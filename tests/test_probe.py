@@ -66,8 +66,11 @@ def test_bisection_with_a_tolerance_stops_early_within_it(threshold):
     assert len(calls) <= len(exact_calls)
 
 
-@pytest.mark.parametrize("loss, packing", [("fused", True), ("eager", False)])
-def test_tiny_preset_runs_on_the_cpu(tmp_path, loss, packing):
+@pytest.mark.parametrize("loss, layout, flags", [
+    ("fused", "shared_prompt", []), ("fused", "packed", ["--packing", "--no-share-prompt"]),
+    ("eager", "padded", ["--no-packing"]), ("eager", "shared_prompt", ["--share-prompt"]),
+])
+def test_tiny_preset_runs_on_the_cpu(tmp_path, loss, layout, flags):
     out = tmp_path / "probe.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
@@ -75,17 +78,18 @@ def test_tiny_preset_runs_on_the_cpu(tmp_path, loss, packing):
         [sys.executable, "-m", "trainer.probe", "--preset", "tiny", "--loss", loss, "--device", "cpu",
          "-G", "4", "-L", "16", "-P", "4", "--micro-batch-tokens", "40", "--steps", "2", "--threads", "1",
          "--find-max-budget", "--memory-limit-gib", "64", "--max-budget-tokens", "160", "--json", str(out),
-         "--packing" if packing else "--no-packing"],
+         *flags],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "[probe]" in completed.stderr  # progress goes to stderr
     result = json.loads(out.read_text())
     assert result["preset"] == "tiny" and result["loss"] == loss and result["device"] == "cpu"
-    assert result["packing"] is packing
-    # 4 sequences of 20 tokens, two a micro-batch.
+    assert result["layout"] == layout
+    # 4 sequences of 20 tokens, two a micro-batch; with a shared prompt 3 + 2 x 16 go through the model.
     assert result["sequences_per_micro_batch"] == 2 and result["micro_batches_per_step"] == 2
     assert result["micro_batch_tokens"] == 40 and result["tokens_per_step"] == 80
+    assert result["micro_batch_fed_tokens"] == (35 if layout == "shared_prompt" else 40)
     assert result["fits"] is True
     assert len(result["step_seconds"]) == 2
     assert result["tokens_per_second"] > 0 and result["response_tokens_per_second"] > 0
@@ -93,6 +97,8 @@ def test_tiny_preset_runs_on_the_cpu(tmp_path, loss, packing):
     assert "RSS" in result["memory_method"]
     # 64 GiB is far above what the tiny model needs: the bisection reaches its limit.
     assert result["largest_budget_tokens"] == 160 and result["largest_budget_sequences"] == 8
+    # 8 sequences in groups of 4: two prompts laid out once each.
+    assert result["largest_budget_fed_tokens"] == (2 * 3 + 8 * 16 if layout == "shared_prompt" else 160)
     assert all(trial["fits"] for trial in result["budget_trials"])
 
 

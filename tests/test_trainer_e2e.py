@@ -188,17 +188,16 @@ def test_the_logged_loss_and_metrics_do_not_depend_on_the_cut(tmp_path):
     """The same rollout cut into one response a micro-batch and into one micro-batch a
     mini-batch: the logged figures were means over the calls, so the loss (each call's
     share of its mini-batch's) read 16x smaller at the finer cut, and each metric was a
-    mean of unequal micro-batches' means. The whole cut runs packed (one padding-free row),
-    the fine one padded: the layout changes no figure either."""
+    mean of unequal micro-batches' means. The whole cut runs with each group's prompt laid
+    out once (the default), the fine one padded: the layout changes no figure either."""
     rows = {}
-    for budget, packing in ((1, "false"), (100_000, "true")):
+    for budget, packing, layout in ((1, "false", "padded"), (100_000, "null", "shared-prompt")):
         result = run_trainer(tmp_path, f"budget{budget}", [
             "rollout.engine=hf", "train.steps=1", "train.ppo_epochs=2", "algorithm.loss_type=dapo",
             f"train.micro_batch_tokens={budget}", f"train.packing={packing}", "run.plot=false", "run.export_hf=false",
         ])
         [rows[budget]] = read_metrics(tmp_path / f"budget{budget}" / "metrics.jsonl")
-        padded_said = "micro-batches are padded (train.packing=false)" in result.stdout + result.stderr
-        assert padded_said == (packing == "false"), (packing, result.stdout[-2000:])
+        assert f"micro-batches: {layout} (" in result.stdout + result.stderr, (layout, result.stdout[-2000:])
     fine, whole = rows[1], rows[100_000]
     assert fine["micro_batches"] == 16 and whole["micro_batches"] == 1  # 4 prompts x G = 4 a mini-batch
     assert abs(whole["loss"]) > 1e-4 and whole["approx_kl"] > 0

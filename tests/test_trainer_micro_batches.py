@@ -1,7 +1,7 @@
 """Micro-batches cut by a token budget: the packing, and a mini-batch's gradient, loss and
-metrics that depend neither on the cut nor on the layout, padded or packed (tiny model,
-float64, every loss type with HA-DW, one and two ranks as DeepSpeed combines them: the
-mean of the ranks' summed gradients)."""
+metrics that depend neither on the cut nor on the layout, padded, packed or with shared
+prompts (tiny model, float64, every loss type with HA-DW, one and two ranks as DeepSpeed
+combines them: the mean of the ranks' summed gradients)."""
 
 import sys
 from pathlib import Path
@@ -17,22 +17,27 @@ from trainer.config import Config  # noqa: E402
 from trainer.loop import UpdateFigures, batch_advantages  # noqa: E402
 from trainer.micro_batches import (  # noqa: E402
     by_prompt_count,
+    layout_tokens,
     loss_normalizer,
     pack_by_tokens,
-    packed_tokens,
-    padded_tokens,
     split_to_count,
 )
 from trainer.policy import (  # noqa: E402
+    LAYOUTS,
     PackedBatch,
-    SequenceBatch,
-    attention_respects_packing,
-    packing_pays,
+    SharedPromptBatch,
+    choose_layout,
+    packed_layouts_serve,
     policy_loss,
     response_hidden_states,
 )
+from trainer.segment_attention import use_segment_attention  # noqa: E402
 from trainer.synthetic_task import VOCABULARY  # noqa: E402
 from trainer.tiny_model import build_tiny_model, build_tokenizer  # noqa: E402
+
+
+def padded_tokens(rows, prompts, responses):
+    return layout_tokens("padded", rows, prompts, responses)
 
 
 def test_packing_respects_the_budget_and_keeps_every_row():
@@ -62,23 +67,63 @@ def test_packing_respects_the_budget_and_keeps_every_row():
     assert by_prompt_count(list(range(6)), 4) == [[0, 1, 2, 3], [4, 5]]
 
 
-def test_packed_budgets_count_real_tokens():
+@pytest.mark.parametrize("layout", ["packed", "shared_prompt"])
+def test_packed_budgets_count_real_tokens(layout):
+    """Budgets count the tokens through the model: every prompt and response token packed;
+    each group's prompt once (but its last token) with shared prompts."""
     generator = torch.Generator().manual_seed(1)
-    prompts = torch.randint(3, 9, (40,), generator=generator).tolist()
+    group = 4
+    prompts = [n for n in torch.randint(3, 9, (10,), generator=generator).tolist() for _ in range(group)]
     responses = torch.randint(0, 30, (40,), generator=generator).tolist()
+
+    def tokens(rows):
+        return layout_tokens(layout, rows, prompts, responses, group)
+
     for budget in (1, 20, 64, 150, 10_000):
-        micro_batches, oversized = pack_by_tokens(range(40), prompts, responses, budget, packed=True)
+        micro_batches, oversized = pack_by_tokens(range(40), prompts, responses, budget, layout=layout,
+                                                  group_size=group)
         assert sorted(row for micro in micro_batches for row in micro) == list(range(40))
         for micro in micro_batches:
-            assert len(micro) == 1 or packed_tokens(micro, prompts, responses) <= budget
-        assert oversized == [micro[0] for micro in micro_batches if packed_tokens(micro, prompts, responses) > budget]
-        split = split_to_count(micro_batches, min(len(micro_batches) + 3, 40), prompts, responses, packed=True)
-        assert all(len(m) == 1 or packed_tokens(m, prompts, responses) <= budget for m in split)
+            assert len(micro) == 1 or tokens(micro) <= budget
+        assert oversized == [micro[0] for micro in micro_batches if tokens(micro) > budget]
+        split = split_to_count(micro_batches, min(len(micro_batches) + 3, 40), prompts, responses, layout=layout,
+                               group_size=group)
+        assert all(len(m) == 1 or tokens(m) <= budget for m in split)
+        if layout == "shared_prompt":
+            # A group stays in one micro-batch wherever it fits one.
+            for first in range(0, 40, group):
+                members = list(range(first, first + group))
+                holding = [micro for micro in micro_batches if set(micro) & set(members)]
+                assert len(holding) == 1 or tokens(members) > budget, (budget, first)
     # Without padding a budget holds more responses: fewer micro-batches for the same rows.
     padded, _ = pack_by_tokens(range(40), prompts, responses, 150)
-    packed, _ = pack_by_tokens(range(40), prompts, responses, 150, packed=True)
+    packed, _ = pack_by_tokens(range(40), prompts, responses, 150, layout=layout, group_size=group)
     assert len(packed) < len(padded)
     assert sum(len(micro) for micro in packed) == 40
+
+
+def test_shared_prompt_tokens():
+    """A group's prompt counts once, but its last token (it starts every response's
+    branch); whole where the group's responses here are all empty."""
+    prompts, responses = [5, 5, 5, 3, 3, 3], [4, 0, 2, 0, 0, 0]
+    assert layout_tokens("shared_prompt", [0, 1, 2], prompts, responses, 3) == 4 + 6
+    assert layout_tokens("shared_prompt", [1], prompts, responses, 3) == 5
+    assert layout_tokens("shared_prompt", [3, 4, 5], prompts, responses, 3) == 3
+    assert layout_tokens("shared_prompt", range(6), prompts, responses, 3) == 4 + 6 + 3
+    assert layout_tokens("packed", range(6), prompts, responses, 3) == 24 + 6
+    with pytest.raises(ValueError, match="unknown micro-batch layout"):
+        layout_tokens("ragged", [0], prompts, responses)
+
+
+def test_a_group_larger_than_the_budget_is_split_with_its_prompt_in_each_part():
+    prompts, responses = [10] * 4, [6, 6, 6, 6]
+    micro_batches, oversized = pack_by_tokens(range(4), prompts, responses, 25, layout="shared_prompt",
+                                              group_size=4)
+    assert micro_batches == [[0, 1], [2, 3]] and oversized == []
+    for micro in micro_batches:
+        batch = SharedPromptBatch.build([list(range(10))] * len(micro), [[7] * 6] * len(micro), None,
+                                        torch.device("cpu"))
+        assert batch.input_ids.shape[1] == layout_tokens("shared_prompt", micro, prompts, responses, 4) == 21
 
 
 def test_packed_batch_layout():
@@ -96,72 +141,159 @@ def test_packed_batch_layout():
     assert batch.model_inputs()["attention_mask"] is None
 
 
-def test_the_tiny_model_confines_attention_to_each_sample():
-    """The check that turns packing on (train.packing=null): the tiny model's sdpa
-    attention confines itself to each sample of a packed row; with the same row read as
-    one sequence (positions not restarting) the second sample sees the first."""
+def test_shared_prompt_batch_layout():
+    """A group's prompt once but its last token (the trunk, predicting nothing), then each
+    response's branch: the prompt's last token and the response but its last token, at
+    positions from P - 1, each position predicting the response token at its index; the
+    loss's segments one a response, the first holding the trunk; the attention's segments
+    the trunk and each branch reading the trunk first."""
+    batch = SharedPromptBatch.build([[5, 6, 7], [5, 6, 7], [8]], [[9, 10], [11], [12, 13]], None,
+                                    torch.device("cpu"))
+    assert batch.input_ids.tolist() == [[5, 6, 7, 9, 7, 8, 12]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1]]
+    assert batch.labels.tolist() == [[-100, -100, 9, 10, 11, 12, 13]]
+    assert batch.cu_seqlens.tolist() == [0, 4, 5, 7]
+    assert batch.response_starts == [2, 4, 5] and batch.response_lengths == [2, 1, 2]
+    segments = batch.attention_segments
+    assert list(zip(segments.starts, segments.lengths, segments.prefix_starts, segments.prefix_lengths)) == [
+        (0, 2, 0, 0), (2, 2, 0, 2), (4, 1, 0, 2), (5, 2, 0, 0)]
+    values = torch.arange(7.0)[None]
+    assert [v.tolist() for v in batch.per_response(values)] == [[2.0, 3.0], [4.0], [5.0, 6.0]]
+    assert batch.from_responses(batch.per_response(values)).tolist() == [[0, 0, 2, 3, 4, 5, 6]]
+    # A group whose responses are all empty lays out its whole prompt: never an empty row.
+    empty = SharedPromptBatch.build([[5, 6]] * 2, [[], []], None, torch.device("cpu"))
+    assert empty.input_ids.tolist() == [[5, 6]] and empty.response_mask.sum() == 0
+    assert empty.cu_seqlens.tolist() == [0, 2, 2]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_the_tiny_models_keep_each_sample_to_itself_in_both_packed_layouts(architecture):
+    """The check that turns packing on (train.packing=null): with the segment attention
+    each response position of a packed or shared-prompt row gets the hidden state it gets
+    alone. A model that attends across the row (positions read as one sequence, the
+    segments ignored) fails it."""
     config = Config()
+    config.model.architecture = architecture
     model = build_tiny_model(config.model, build_tokenizer(VOCABULARY), seed=0)
     assert model.config._attn_implementation == "sdpa"
-    assert attention_respects_packing(model)
-    ignoring = torch.nn.Module()
-    ignoring.inner = model
-    ignoring.get_input_embeddings = model.get_input_embeddings
-    ignoring.forward = lambda position_ids, **kwargs: model(
+    assert use_segment_attention(model)
+    assert model.config._attn_implementation == "hadw_segments_over_sdpa"
+    assert packed_layouts_serve(model)
+    across = torch.nn.Module()
+    across.inner = model
+    across.get_input_embeddings = model.get_input_embeddings
+    across.forward = lambda position_ids, attention_segments=None, **kwargs: model(
         position_ids=torch.arange(position_ids.shape[1])[None], **kwargs)
-    assert not attention_respects_packing(ignoring)
+    assert not packed_layouts_serve(across)
 
 
-@pytest.mark.parametrize("attention, pays", [
-    ("sdpa", False), ("eager", False), ("flash_attention_2", True), ("flash_attention_3", True),
+def test_a_packed_row_without_its_segments_is_refused():
+    """Nothing attends across samples silently: a packed row (positions restarting) that
+    reaches the segment attention without its segments is an error, not a wrong answer."""
+    model = build_tiny_model(Config().model, build_tokenizer(VOCABULARY), seed=0)
+    use_segment_attention(model)
+    batch = PackedBatch.build([[5, 6], [7]], [[8, 9, 10], [11]], None, torch.device("cpu"))
+    inputs = {**batch.model_inputs(), "attention_segments": None}
+    with pytest.raises(ValueError, match="without its segments"):
+        model(**inputs, use_cache=False)
+
+
+def _layout_train_config(packing, share_prompt):
+    train = Config().train
+    train.packing, train.share_prompt = packing, share_prompt
+    return train
+
+
+@pytest.mark.parametrize("packing, share_prompt, layout", [
+    (None, None, "shared_prompt"), (True, None, "shared_prompt"), (None, False, "packed"), (True, False, "packed"),
+    (None, True, "shared_prompt"), (False, None, "padded"), (False, False, "padded"),
 ])
-def test_packing_is_the_default_only_with_flash_attention(attention, pays):
-    """sdpa and eager attention mask a packed row densely (its length squared), which cost
-    more than the padding on the CPU default and on a GPU (docs/trainer.md, "Packed
-    micro-batches")."""
-    model = torch.nn.Module()
-    model.config = type("Config", (), {"_attn_implementation": attention})()
-    assert packing_pays(model) is pays
+def test_the_layout_follows_the_options(packing, share_prompt, layout):
+    model = build_tiny_model(Config().model, build_tokenizer(VOCABULARY), seed=0)
+    chosen, why = choose_layout(model, _layout_train_config(packing, share_prompt))
+    assert chosen == layout, why
+    expected_attention = "sdpa" if layout == "padded" else "hadw_segments_over_sdpa"
+    assert model.config._attn_implementation == expected_attention
+
+
+@pytest.mark.parametrize("option", ["packing", "share_prompt"])
+def test_a_forced_layout_the_model_cannot_serve_is_refused_naming_the_option(option):
+    """Sliding-window attention: the segment attention does not serve it, so a packed row
+    could not be confined; null falls back to padding, true is refused at startup."""
+    config = Config()
+    config.model.architecture = "qwen2"
+    model = build_tiny_model(config.model, build_tokenizer(VOCABULARY), seed=0)
+    model.config.use_sliding_window, model.config.sliding_window = True, 4
+    assert choose_layout(model, _layout_train_config(None, None))[0] == "padded"
+    with pytest.raises(ValueError, match=f"train.{option}=true"):
+        choose_layout(model, _layout_train_config(True if option == "packing" else None,
+                                                  True if option == "share_prompt" else None))
+    assert model.config._attn_implementation == "sdpa"
+
 
 GROUP = 4
 PROMPTS = 4
 
 
-def _setup(loss_type):
+def _norms_in_float64(model):
+    """transformers' RMSNorm rounds its input to float32 (and so, in backward, the gradient
+    through it): a prompt token laid out once sums its responses' gradients before that
+    rounding, G rows of it after, which differ by float32 rounding (1e-7). The layouts
+    are compared in float64 throughout, so the norms keep the input's dtype here."""
+
+    def forward(norm, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return norm.weight * (hidden_states * torch.rsqrt(variance + norm.variance_epsilon))
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = forward.__get__(module)
+    return model
+
+
+def _setup(loss_type, architecture="llama"):
     config = Config()
+    config.model.architecture = architecture
     config.algorithm.loss_type = loss_type
     config.algorithm.loss_backend = "torch"
     config.rollout.group_size = GROUP
     config.rollout.max_new_tokens = 9
     tokenizer = build_tokenizer(VOCABULARY)
-    model = build_tiny_model(config.model, tokenizer, seed=3).double()
+    model = _norms_in_float64(build_tiny_model(config.model, tokenizer, seed=3).double())
+    assert use_segment_attention(model)  # padded rows still go to sdpa through it
     generator = torch.Generator().manual_seed(1)
     vocab = len(tokenizer)
     prompts = [torch.randint(4, vocab, (int(n),), generator=generator).tolist()
                for n in torch.randint(2, 6, (PROMPTS,), generator=generator)]
     responses = [torch.randint(4, vocab, (int(n),), generator=generator).tolist()
                  for n in torch.randint(0, 10, (PROMPTS * GROUP,), generator=generator)]
+    # Responses of one token and of the longest length; a group whose responses are all empty.
+    responses[0], responses[1] = responses[1][:1], [5] * config.rollout.max_new_tokens
+    responses[2 * GROUP:3 * GROUP] = [[] for _ in range(GROUP)]
     rewards = torch.tensor([1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 0, 1, 0.5, 0.25, 1, 0], dtype=torch.float64)
     row_prompts = [prompts[row // GROUP] for row in range(PROMPTS * GROUP)]
     return config, model, tokenizer, row_prompts, responses, rewards
 
 
-def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, budget, world_size, packed=False):
+def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, budget, world_size,
+                     layout="padded"):
     """The mini-batch's gradient as the trainer forms it: advantages once, each rank's rows
     packed under ``budget`` (as many micro-batches on every rank), each micro-batch's
     loss with the shared normaliser, the ranks' summed gradients averaged; and the
-    logged figures, combined as the trainer combines them (``UpdateFigures``). ``packed``:
-    each micro-batch one padding-free row (the trainer's train.packing)."""
+    logged figures, combined as the trainer combines them (``UpdateFigures``), with the
+    micro-batches in ``layout`` (``policy.LAYOUTS``)."""
     lambda_scale = 1.3
     advantages, _ = batch_advantages(rewards, GROUP, config.algorithm, lambda_scale, belief=0.4)
     prompt_lengths = [len(p) for p in row_prompts]
     response_lengths = [len(r) for r in responses]
     rows_per_rank = len(responses) // world_size
     rank_rows = [list(range(rank * rows_per_rank, (rank + 1) * rows_per_rank)) for rank in range(world_size)]
-    plans = [pack_by_tokens(rows, prompt_lengths, response_lengths, budget, packed=packed)[0] for rows in rank_rows]
+    plans = [pack_by_tokens(rows, prompt_lengths, response_lengths, budget, layout=layout, group_size=GROUP)[0]
+             for rows in rank_rows]
     count = max(len(plan) for plan in plans)
-    plans = [split_to_count(plan, count, prompt_lengths, response_lengths, packed=packed) for plan in plans]
-    layout = PackedBatch if packed else SequenceBatch
+    plans = [split_to_count(plan, count, prompt_lengths, response_lengths, layout=layout, group_size=GROUP)
+             for plan in plans]
+    batch_type = LAYOUTS[layout]
     normalizer = loss_normalizer(LOSS_PRESETS[config.algorithm.loss_type].loss_agg_mode,
                                  batch_tokens=sum(response_lengths), mini_batches=1,
                                  responses_per_rank=rows_per_rank, world_size=world_size)
@@ -170,8 +302,8 @@ def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, 
     figures = UpdateFigures(LOSS_PRESETS[config.algorithm.loss_type].sequence_level)
     for plan in plans:
         for rows in plan:
-            batch = layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows],
-                                 tokenizer.pad_token_id, torch.device("cpu"))
+            batch = batch_type.build([row_prompts[r] for r in rows], [responses[r] for r in rows],
+                                     tokenizer.pad_token_id, torch.device("cpu"))
             hidden = response_hidden_states(model, batch)
             with torch.no_grad():
                 old = hidden.new_zeros(batch.labels.shape)  # a ratio far from 1: clipping applies
@@ -187,31 +319,32 @@ def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, 
     return gradients, micro_batches, figures.result(world_size)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "gspo", "dr_grpo"])
-def test_a_mini_batch_gradient_does_not_depend_on_the_cut(loss_type):
-    """Padded and packed micro-batches, any budget, one or two ranks: the gradient of the
-    whole padded mini-batch."""
-    setup = _setup(loss_type)
+def test_a_mini_batch_gradient_does_not_depend_on_the_cut(loss_type, architecture):
+    """Padded, packed and shared-prompt micro-batches, any budget, one or two ranks: the
+    gradient of the whole padded mini-batch."""
+    setup = _setup(loss_type, architecture)
     whole, count, whole_figures = _summed_gradient(*setup, budget=10**6, world_size=1)
     assert count == 1
     assert max(float(g.abs().max()) for g in whole.values()) > 1e-4  # a gradient to compare
     # Figures to compare: a loss, clipping, a KL away from 0.
     assert abs(whole_figures["loss"]) > 1e-3 and whole_figures["approx_kl"] > 1e-3
     assert whole_figures["clip_frac_low"] > 0
-    for packed in (False, True):
+    for layout in LAYOUTS:
         for world_size in (1, 2):
             for budget in (1, 30, 60, 10**6):
-                cut, count, figures = _summed_gradient(*setup, budget=budget, world_size=world_size, packed=packed)
+                cut, count, figures = _summed_gradient(*setup, budget=budget, world_size=world_size, layout=layout)
                 if budget == 1:
                     assert count == PROMPTS * GROUP  # one response per micro-batch
                 assert cut.keys() == whole.keys()
                 for name in whole:
                     torch.testing.assert_close(cut[name], whole[name], rtol=1e-9, atol=1e-12,
-                                               msg=f"{name}, budget {budget}, {world_size} rank(s), packed {packed}")
+                                               msg=f"{name}, budget {budget}, {world_size} rank(s), {layout}")
                 # The logged loss and metrics too: the loss's shares add up, each metric is
                 # weighed by its count (averaged over micro-batches, the loss was 16x smaller
                 # at one response a micro-batch). The metrics are float32.
                 assert figures.keys() == whole_figures.keys()
                 for name in whole_figures:
                     assert figures[name] == pytest.approx(whole_figures[name], rel=1e-6, abs=1e-9), \
-                        (name, budget, world_size, packed)
+                        (name, budget, world_size, layout)

@@ -147,9 +147,13 @@ class TrainConfig:
     # micro_batch_prompts prompts.
     micro_batch_tokens: int = 0
     # Padding-free micro-batches: one row of every sample's prompt and response, positions
-    # restarting per sample (docs/trainer.md, "Packed micro-batches"). null: on where the
-    # model's attention confines itself to each sample (checked at startup), else padded.
+    # restarting per sample, attention confined to each sample at its own cost (the segment
+    # attention; docs/trainer.md, "Packed micro-batches"). null: on where the segment
+    # attention serves the model (checked at startup), else padded.
     packing: bool | None = None
+    # Packed, with each group's prompt laid out once for its G responses (docs/trainer.md,
+    # "Shared-prompt packing"). null: on wherever packing is.
+    share_prompt: bool | None = None
     ppo_epochs: int = 1
     learning_rate: float = 4e-4  # the best of a learning-rate sweep on the CPU default (docs/trainer.md)
     weight_decay: float = 0.0
@@ -468,6 +472,9 @@ def _validate_batches(train: TrainConfig, world_size: int) -> None:
             or train.micro_batch_tokens < 0:
         raise ConfigError(f"train.micro_batch_tokens must be a non-negative integer (0: by prompts), "
                           f"got {train.micro_batch_tokens!r}")
+    if train.share_prompt is True and train.packing is False:
+        raise ConfigError("train.share_prompt=true lays out packed micro-batches: it needs train.packing=true or null, "
+                          "not false")
     per_rank = train.mini_batch_prompts // world_size
     if not train.micro_batch_tokens and per_rank % train.micro_batch_prompts:
         raise ConfigError(

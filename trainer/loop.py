@@ -32,7 +32,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, resolve_engine, save_config, task_levels
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
-from .policy import PackedBatch, Policy, SequenceBatch
+from .policy import Policy
 from .problem import Problem
 from .rewards import build_reward
 from .synthetic_task import VOCABULARY, sample_problems
@@ -183,8 +183,7 @@ class Trainer:
                                     enabled=rank == 0 and config.eval.every > 0)
         if checkpoint is not None:
             self.log.message(f"resumed from {checkpoint} at step {self.start_step}")
-        if not self.policy.packing:
-            self.log.message(f"micro-batches are padded ({self.policy.padded_because})")
+        self.log.message(f"micro-batches: {self.policy.layout.replace('_', '-')} ({self.policy.layout_because})")
         correction = self.policy.correction
         self.log.message("rollout correction: " + (
             f"{correction.level}_{correction.rule} of the engine's log-probs within [{correction.lower or 0}, "
@@ -426,9 +425,9 @@ class Trainer:
         train = self.config.train
         if not train.micro_batch_tokens:
             return by_prompt_count(rows, train.micro_batch_prompts * self.group_size)
-        packed = self.policy.packing
+        layout = self.policy.layout
         micro_batches, oversized = pack_by_tokens(rows, prompt_lengths, response_lengths, train.micro_batch_tokens,
-                                                  packed=packed)
+                                                  layout=layout, group_size=self.group_size)
         if oversized and not self.warned_oversized:
             self.warned_oversized = True
             longest = max(prompt_lengths[row] + response_lengths[row] for row in oversized)
@@ -437,7 +436,8 @@ class Trainer:
                 f"{train.micro_batch_tokens}; such responses get a micro-batch of their own (said once)"
             )
         count = int(_all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
-        return split_to_count(micro_batches, count, prompt_lengths, response_lengths, packed=packed)
+        return split_to_count(micro_batches, count, prompt_lengths, response_lengths, layout=layout,
+                              group_size=self.group_size)
 
     def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, belief, tallies) -> dict:
         train, algo = self.config.train, self.config.algorithm
@@ -449,7 +449,7 @@ class Trainer:
         prompt_lengths = [len(prompt) for prompt in row_prompts]
         response_lengths = [len(response) for response in responses]
 
-        layout = PackedBatch if self.policy.packing else SequenceBatch
+        layout = self.policy.batch_type
 
         def batch_of(rows):
             return layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows], pad, self.policy.device)

@@ -24,6 +24,7 @@ from hadw_kernels import token_logprobs as fused_token_logprobs
 from hadw_kernels.config import IGNORE_INDEX
 
 from .config import rollout_correction
+from .segment_attention import Segments, use_segment_attention
 
 
 @dataclass
@@ -90,8 +91,9 @@ class SequenceBatch:
 @dataclass
 class PackedBatch:
     """Padding-free: every sample's prompt and response in one row [1, N], positions
-    restarting at 0 at each sample (transformers then confines attention to each sample,
-    docs/trainer.md, "Packed micro-batches"), no attention mask, no padding.
+    restarting at 0 at each sample, no attention mask, no padding. The segment attention
+    (``segment_attention.py``) is handed the samples' offsets and attends within each
+    (docs/trainer.md, "Packed micro-batches").
 
     The loss takes the whole row, one segment per sample (``cu_seqlens``): hidden state
     t predicts token t + 1 of its segment, and ``response_mask`` marks the positions
@@ -105,6 +107,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # [S+1] int64: sample i is tokens cu_seqlens[i]:cu_seqlens[i+1]
     response_starts: list[int]  # where each response's first predicting position is
     response_lengths: list[int]
+    attention_segments: Segments  # what each position attends to
 
     @classmethod
     def build(cls, prompts: list[list[int]], responses: list[list[int]], pad_token_id: int | None,
@@ -128,10 +131,11 @@ class PackedBatch:
                    torch.tensor([positions], dtype=torch.long, device=device),
                    labels[None].to(device), (labels != IGNORE_INDEX)[None].to(device),
                    torch.tensor(offsets, dtype=torch.int64, device=device), starts,
-                   [len(response) for response in responses])
+                   [len(response) for response in responses], Segments.packed(offsets))
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        return dict(input_ids=self.input_ids, attention_mask=None, position_ids=self.position_ids)
+    def model_inputs(self) -> dict:
+        return dict(input_ids=self.input_ids, attention_mask=None, position_ids=self.position_ids,
+                    attention_segments=self.attention_segments)
 
     def loss_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[1, N, H]: every position; the loss reads only those that predict a response."""
@@ -148,39 +152,136 @@ class PackedBatch:
         return values[None]
 
 
-def attention_respects_packing(model: torch.nn.Module) -> bool:
-    """Whether ``model`` confines attention to each sample of a packed row (positions
-    restarting at 0, no attention mask): two samples packed give the second the hidden
-    states it has alone. transformers' sdpa, eager, flex and flash-attention paths do
-    for the Llama and Qwen families; this asks the model instead of a list."""
+@dataclass
+class SharedPromptBatch(PackedBatch):
+    """Packed, each prompt laid out once for the responses that follow it (consecutive
+    samples with equal prompts: a group's G responses). A prompt of P tokens becomes a
+    trunk of its first P - 1 tokens; each response of R tokens a branch of R positions:
+    the prompt's last token, then the response's first R - 1 tokens, at positions P - 1
+    onwards. A branch attends to the trunk and causally to itself, so position j of it
+    has the hidden state it has in prompt + response and predicts response token j: a
+    group costs P - 1 + G * R tokens instead of G * (P + R) in every layer.
+
+    The loss's segments are one a response (its branch; the first of a group also holds
+    the trunk, whose positions predict nothing), so its packed layout is the one above.
+    A group whose responses are all empty lays out its whole prompt (the row is never empty).
+    """
+
+    @classmethod
+    def build(cls, prompts: list[list[int]], responses: list[list[int]], pad_token_id: int | None,
+              device: torch.device) -> "SharedPromptBatch":
+        """``pad_token_id`` is unused: nothing is padded (the padded batch's signature)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        labels: list[int] = []
+        offsets, starts = [0], []
+        segments: list[tuple[int, int, int, int]] = []  # (start, length, prefix start, prefix length)
+        for prompt, group in _runs_of_equal_prompts(prompts, responses):
+            if not prompt:
+                raise ValueError("a packed sample needs a prompt token to predict its response's first token from")
+            trunk_start = len(ids)
+            trunk = prompt if not any(group) else prompt[:-1]
+            ids += trunk
+            positions += range(len(trunk))
+            labels += [IGNORE_INDEX] * len(trunk)
+            if trunk:
+                segments.append((trunk_start, len(trunk), 0, 0))
+            for response in group:
+                start = len(ids)
+                branch = (prompt[-1:] + response[:-1]) if response else []
+                ids += branch
+                positions += range(len(prompt) - 1, len(prompt) - 1 + len(branch))
+                labels += response
+                starts.append(start)
+                offsets.append(len(ids))
+                if branch:
+                    segments.append((start, len(branch), trunk_start if trunk else 0, len(trunk)))
+        label_tensor = torch.tensor(labels, dtype=torch.long)
+        return cls(torch.tensor([ids], dtype=torch.long, device=device),
+                   torch.tensor([positions], dtype=torch.long, device=device),
+                   label_tensor[None].to(device), (label_tensor != IGNORE_INDEX)[None].to(device),
+                   torch.tensor(offsets, dtype=torch.int64, device=device), starts,
+                   [len(response) for response in responses], Segments.of(segments))
+
+
+def _runs_of_equal_prompts(prompts: list[list[int]], responses: list[list[int]]):
+    """(prompt, its responses) for each run of consecutive samples with equal prompts."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+    runs: list[tuple[list[int], list[list[int]]]] = []
+    for prompt, response in zip(prompts, responses):
+        if runs and runs[-1][0] == prompt:
+            runs[-1][1].append(response)
+        else:
+            runs.append((prompt, [response]))
+    return runs
+
+
+# The micro-batch layouts (train.packing, train.share_prompt) and the batch that builds each.
+LAYOUTS = {"padded": SequenceBatch, "packed": PackedBatch, "shared_prompt": SharedPromptBatch}
+
+
+def packed_layouts_serve(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention keeps each sample of a packed row to itself in both
+    packed layouts: asked of the model, not of a list. Three samples (two sharing a prompt)
+    are laid out packed and shared-prompt; each response position must get the hidden
+    state it gets alone, and no sample may see another's tokens."""
     vocab = model.get_input_embeddings().weight.shape[0]
     device = model.get_input_embeddings().weight.device
     generator = torch.Generator().manual_seed(0)
-    first, second = (torch.randint(0, vocab, (n,), generator=generator).to(device) for n in (3, 4))
+
+    def tokens(count):
+        return torch.randint(0, vocab, (count,), generator=generator).tolist()
+
+    shared = tokens(3)
+    prompts, responses = [tokens(2), shared, shared], [tokens(3), tokens(4), tokens(2)]
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            packed = model(input_ids=torch.cat([first, second])[None], position_ids=torch.tensor(
-                [[0, 1, 2, 0, 1, 2, 3]], device=device), use_cache=False, output_hidden_states=True,
-                logits_to_keep=torch.empty(0, dtype=torch.long, device=device)).hidden_states[-1][0, 3:]
-            alone = model(input_ids=second[None], position_ids=torch.arange(4, device=device)[None], use_cache=False,
-                          output_hidden_states=True,
-                          logits_to_keep=torch.empty(0, dtype=torch.long, device=device)).hidden_states[-1][0]
+            alone = [response_hidden_states(model, SequenceBatch.build([prompt], [response], 0, device))[0]
+                     for prompt, response in zip(prompts, responses)]
+            for layout in (PackedBatch, SharedPromptBatch):
+                batch = layout.build(prompts, responses, 0, device)
+                hidden = response_hidden_states(model, batch)[0]
+                for start, length, theirs in zip(batch.response_starts, batch.response_lengths, alone):
+                    mine = hidden[start:start + length].float()
+                    tolerance = 1e-3 if theirs.dtype in (torch.float32, torch.float64) else 5e-2
+                    if (mine - theirs.float()).norm() > tolerance * theirs.float().norm():
+                        return False
+    except ValueError:  # the model's attention refused the row
+        return False
     finally:
         model.train(was_training)
-    tolerance = 1e-3 if alone.dtype in (torch.float32, torch.float64) else 5e-2
-    return bool((packed - alone).float().norm() <= tolerance * alone.float().norm())
+    return True
 
 
-def packing_pays(model: torch.nn.Module) -> bool:
-    """Whether packing is the default for ``model`` where its attention honours it: only
-    with flash-attention's varlen kernels, whose cost is each sample's own. sdpa and eager
-    attention confine a packed row through a dense block-diagonal mask, whose cost grows
-    with the square of the row's length: measured slower than padded rows on the CPU
-    default (a train step 1.7x) and on an H200 with Qwen3-1.7B (4x fewer tokens a second),
-    docs/trainer.md, "Packed micro-batches"."""
-    return str(model.config._attn_implementation).startswith("flash")
+def choose_layout(model: torch.nn.Module, train) -> tuple[str, str]:
+    """(layout, why) of the micro-batches (``LAYOUTS``) from ``train.packing`` and
+    ``train.share_prompt`` (null: on where the segment attention serves the model), the
+    model switched to the segment attention for a packed one. A forced layout that cannot
+    serve the model is refused, naming its option. Asked before DeepSpeed partitions the
+    model (ZeRO-3)."""
+    wanted = train.packing is not False or train.share_prompt is True
+    original = model.config._attn_implementation
+    serves = wanted and use_segment_attention(model) and packed_layouts_serve(model)
+    if not serves and wanted:
+        model.set_attn_implementation(original)
+        for option in ("share_prompt", "packing"):
+            if getattr(train, option) is True:
+                raise ValueError(
+                    f"train.{option}=true, but this model's attention ({original}) cannot be confined to each "
+                    "sample of a packed row (the segment attention, trainer/segment_attention.py, does not serve "
+                    f"it); use train.{option}=false (or null)"
+                )
+    if not serves:
+        why = "train.packing=false" if train.packing is False else \
+            f"the segment attention does not serve this model's {original} attention"
+        return "padded", why
+    over = f"the segment attention over {original}"
+    if train.share_prompt is False:
+        return "packed", f"{over}; train.share_prompt=false"
+    return "shared_prompt", f"{over}; each group's prompt laid out once"
 
 
 def response_hidden_states(forward, batch: SequenceBatch | PackedBatch) -> torch.Tensor:
@@ -236,22 +337,9 @@ class Policy:
         # What the loss does with the rollout engine's log-probs (None: nothing).
         self.correction = rollout_correction(config)
         self.zero_stage = train.zero_stage
-        # train.packing=null packs only where it pays; whether the attention honours a packed
-        # row is then asked of the model itself, before DeepSpeed partitions it (ZeRO-3).
-        wanted = train.packing is True or (train.packing is None and packing_pays(model))
-        respects_packing = wanted and attention_respects_packing(model)
-        if train.packing and not respects_packing:
-            raise ValueError(
-                f"train.packing=true, but this model's attention ({model.config._attn_implementation}) does not "
-                "confine itself to each sample of a packed row; use train.packing=false (or null)"
-            )
-        self.packing = respects_packing
-        # Why micro-batches are padded, for the run's log; None when packed.
-        self.padded_because = None if self.packing else (
-            "train.packing=false" if train.packing is False else
-            f"{model.config._attn_implementation} attention masks a packed row densely, which costs more "
-            "than the padding; train.packing=true packs anyway" if not wanted else
-            "the model's attention does not confine itself to each sample of a packed row")
+        # The micro-batches' layout and why; the model switched to the segment attention when packed.
+        self.layout, self.layout_because = choose_layout(model, train)
+        self.batch_type = LAYOUTS[self.layout]
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         # A torch optimizer, not one named in the DeepSpeed config: DeepSpeed would

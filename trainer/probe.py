@@ -4,11 +4,14 @@
 A model is built from an architecture preset with random weights (nothing is
 downloaded): Qwen3-0.6B, Qwen3-1.7B, Qwen3-4B (their config.json's shapes, vocabulary
 151936, tied embeddings) or ``tiny`` (the trainer's tiny model). G responses of L random
-token ids follow each prompt of P random token ids (no rollout). Responses are packed
-into micro-batches of at most ``--micro-batch-tokens`` tokens through the model (prompt
-+ response, whole responses: one is never split), and each step runs the trainer's own
-pieces: the model in ``Policy``'s DeepSpeed engine (gradient checkpointing, the chosen
-ZeRO stage, a torch AdamW), the loss, ``engine.backward``, ``engine.step``.
+token ids follow each prompt of P random token ids (no rollout). Responses are cut into
+micro-batches of at most ``--micro-batch-tokens`` tokens of whole sequences (prompt +
+response each; a response is never split), laid out as the trainer lays them out
+(padded, packed, or packed with each group's prompt once: ``--packing``,
+``--share-prompt``; the figures say which, and how many tokens went through the model),
+and each step runs the trainer's own pieces: the model in ``Policy``'s DeepSpeed engine
+(gradient checkpointing, the chosen ZeRO stage, a torch AdamW), the loss,
+``engine.backward``, ``engine.step``.
 
 ``--loss fused``: ``fused_linear_hadw_grpo_loss`` on the hidden states (no logits).
 ``--loss eager``: what a user without this library runs: the model's logits of the
@@ -279,22 +282,33 @@ def policy_config(args, micro_batches: int):
     config.train.zero_stage = args.zero_stage
     config.train.learning_rate = 1e-6
     config.train.packing = args.packing
+    config.train.share_prompt = args.share_prompt
     config.train.warmup_steps = 0
     config.algorithm.loss_backend = "auto"
     return config
 
 
-def make_batch(rows: int, args, vocab: int, device, generator, *, packed: bool):
+def make_batch(rows: int, args, vocab: int, device, generator, *, layout: str):
+    """``rows`` sequences in groups of G (one prompt a group, the last group partial), in
+    the micro-batch ``layout`` (``policy.LAYOUTS``): every layout gets the same tokens."""
     import torch
 
-    from trainer.policy import PackedBatch, SequenceBatch
+    from trainer.policy import LAYOUTS
 
     # Token ids from 1: 0 may be a pad id; every sequence is P + L long (no padding).
-    ids = torch.randint(1, vocab, (rows, args.prompt_length + args.response_length), generator=generator)
-    prompts = [row[:args.prompt_length].tolist() for row in ids]
-    responses = [row[args.prompt_length:].tolist() for row in ids]
-    layout = PackedBatch if packed else SequenceBatch
-    return layout.build(prompts, responses, pad_token_id=0, device=device)
+    groups = -(-rows // args.group_size)
+    prompts = torch.randint(1, vocab, (groups, args.prompt_length), generator=generator)
+    responses = torch.randint(1, vocab, (rows, args.response_length), generator=generator)
+    return LAYOUTS[layout].build([prompts[row // args.group_size].tolist() for row in range(rows)],
+                                 responses.tolist(), pad_token_id=0, device=device)
+
+
+def fed_tokens(rows: int, args, layout: str) -> int:
+    """Tokens through the model for ``rows`` sequences of :func:`make_batch` in ``layout``."""
+    from trainer.micro_batches import layout_tokens
+
+    return layout_tokens(layout, range(rows), [args.prompt_length] * rows, [args.response_length] * rows,
+                         args.group_size)
 
 
 # --- one micro-step ----------------------------------------------------------------------
@@ -401,7 +415,7 @@ class Probe:
 
     def _inputs(self, rows: int):
         torch = self.torch
-        batch = make_batch(rows, self.args, self.vocab, self.device, self.generator, packed=self.policy.packing)
+        batch = make_batch(rows, self.args, self.vocab, self.device, self.generator, layout=self.policy.layout)
         old = torch.full(batch.labels.shape, -math.log(self.vocab), device=self.device)
         advantages = torch.randn(rows, generator=self.generator).to(self.device)
         return batch, old, advantages
@@ -451,9 +465,11 @@ class Probe:
         except _out_of_memory_types() as error:
             self._recover()
             return {"rows": rows, "tokens": rows * self.sequence_tokens, "fits": False,
+                    "fed_tokens": fed_tokens(rows, self.args, self.policy.layout),
                     "note": f"out of memory: {str(error).splitlines()[0][:200]}"}
         fits = limit is None or figures["peak_bytes"] <= limit * GIB
-        return {"rows": rows, "tokens": rows * self.sequence_tokens, "fits": fits, **figures}
+        return {"rows": rows, "tokens": rows * self.sequence_tokens, "fits": fits,
+                "fed_tokens": fed_tokens(rows, self.args, self.policy.layout), **figures}
 
     def _one_micro_step(self, rows: int) -> None:
         batch, old, advantages = self._inputs(rows)
@@ -466,8 +482,9 @@ class Probe:
             "dtype": args.dtype, "device": str(self.device), "zero_stage": args.zero_stage,
             "gradient_checkpointing": args.gradient_checkpointing, "group_size": args.group_size,
             "prompts": args.prompts, "prompt_length": args.prompt_length, "response_length": args.response_length,
-            "packing": self.policy.packing,
+            "layout": self.policy.layout,
             "micro_batch_tokens": self.rows * self.sequence_tokens, "sequences_per_micro_batch": self.rows,
+            "micro_batch_fed_tokens": fed_tokens(self.rows, args, self.policy.layout),
             "micro_batches_per_step": self.micro_batches, "memory_method": self.meter.method,
             "memory_limit_gib": args.memory_limit_gib,
         }
@@ -529,6 +546,7 @@ class Probe:
         largest = rows * self.sequence_tokens
         say(f"largest budget: {largest} tokens ({rows} sequences of {self.sequence_tokens})")
         figures = {"largest_budget_tokens": largest, "largest_budget_sequences": rows,
+                   "largest_budget_fed_tokens": fed_tokens(rows, args, self.policy.layout) if rows else 0,
                    "budget_search_limit_tokens": limit_rows * self.sequence_tokens, "budget_trials": trials}
         if rows and args.steps_at_largest_budget:
             figures.update(self._time_budget(rows))
@@ -576,7 +594,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
                         help="padding-free micro-batches (one row, positions restarting per sequence), as the "
                              "trainer's train.packing; --no-packing: padded rows; neither: the trainer's default "
-                             "(packed only with flash-attention)")
+                             "(packed where the segment attention serves the model)")
+    parser.add_argument("--share-prompt", action=argparse.BooleanOptionalAction, default=None,
+                        help="packed, each group's prompt laid out once for its responses, as the trainer's "
+                             "train.share_prompt; neither: the trainer's default (on wherever packing is)")
     parser.add_argument("--device", default="cuda" if _cuda_visible() else "cpu",
                         help="where the model runs (the default: cuda when a GPU is visible)")
     parser.add_argument("--find-max-budget", action="store_true",
@@ -603,6 +624,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_budget_tokens < sequence:
         parser.error(f"argument --max-budget-tokens: {args.max_budget_tokens} is below one sequence of "
                      f"{args.prompt_length} + {args.response_length} = {sequence} tokens")
+    if args.share_prompt and args.packing is False:
+        parser.error("argument --share-prompt: lays out packed micro-batches, not with --no-packing")
     if args.steps == 0 and not args.find_max_budget:
         parser.error("argument --steps: 0 measures nothing without --find-max-budget")
     if args.steps_at_largest_budget and not args.find_max_budget:

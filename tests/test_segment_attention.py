@@ -1,0 +1,107 @@
+"""The segment attention (trainer/segment_attention.py): each segment of a packed row
+attends within itself (and to its prefix, a shared prompt) at its own cost, equal to
+dense attention under the mask the segments describe, forward and backward; on the
+device the suite runs on (HADW_TEST_DEVICE=cuda: the varlen flash path in half precision
+too). The models' side (hidden states, a train step's gradient) is in
+tests/test_trainer_micro_batches.py."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conftest import TEST_DEVICE  # noqa: E402
+from trainer.segment_attention import VARLEN, Segments  # noqa: E402
+
+DEVICE = torch.device(TEST_DEVICE)
+
+# (start, length, prefix start, prefix length): samples packed one after another, some of
+# them empty or a single token; then groups whose responses read a shared prompt.
+PACKED = Segments.packed([0, 5, 5, 13, 14, 40])
+SHARED = Segments.of([(0, 6, 0, 0), (6, 9, 0, 6), (15, 1, 0, 6), (16, 9, 0, 6), (25, 3, 0, 0), (28, 4, 25, 3),
+                      (32, 2, 0, 0)])
+# Many shapes: over the bucket count at which CUDA half precision takes the varlen path.
+MANY_SHAPES = Segments.of([(sum(range(n)), n, 0, 0) for n in range(1, 12)])
+
+
+def dense_attention(query, key, value, segments: Segments, scaling):
+    """float64 attention under the mask the segments describe: query j of a segment reads
+    its prefix and its own positions up to j."""
+    tokens, heads = query.shape[2], query.shape[1]
+    repeat = heads // key.shape[1]
+    q = query[0].double()
+    k, v = (t[0].double().repeat_interleave(repeat, 0) for t in (key, value))
+    allowed = torch.zeros(tokens, tokens, dtype=torch.bool, device=query.device)
+    for start, length, prefix, prefix_length in zip(segments.starts, segments.lengths, segments.prefix_starts,
+                                                    segments.prefix_lengths):
+        for j in range(length):
+            allowed[start + j, prefix:prefix + prefix_length] = True
+            allowed[start + j, start:start + j + 1] = True
+    scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).unsqueeze(0)
+
+
+def _inputs(segments, dtype, heads=4, kv_heads=2, head_dim=16):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(1, heads, segments.tokens, head_dim), *[(1, kv_heads, segments.tokens, head_dim)] * 2]
+    return [torch.randn(shape, generator=generator).to(DEVICE, dtype).requires_grad_() for shape in shapes]
+
+
+DTYPES = [torch.float64, torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("segments", [PACKED, SHARED, MANY_SHAPES], ids=["packed", "shared", "many-shapes"])
+def test_equals_dense_attention_under_the_segments_mask(segments, dtype):
+    """Output and the gradients of query, key and value under a non-uniform upstream
+    gradient, against float64 dense attention; a fast path's error no larger than the
+    same-dtype dense computation's plus a small tolerance (the peers' rule)."""
+    query, key, value = _inputs(segments, dtype)
+    scaling = 0.3
+    out = segments.attend(query, key, value, scaling=scaling, dropout=0.0)
+    assert out.shape == (1, segments.tokens, query.shape[1], query.shape[-1]) and out.dtype == dtype
+    reference = dense_attention(query, key, value, segments, scaling)
+    upstream = torch.randn(reference.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float64)
+    got = torch.autograd.grad(out, (query, key, value), upstream.to(dtype))
+    expected = torch.autograd.grad(reference, (query, key, value), upstream)
+    # The same-dtype dense computation's error: the bar a fast path is held to.
+    same_dtype = dense_attention(*(t.detach().to(dtype).double() for t in (query, key, value)), segments, scaling)
+    slack = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    bar = float((same_dtype - reference.detach()).abs().max()) + slack
+    assert float((out.double() - reference).abs().max()) <= max(bar, 10 * slack)
+    for name, mine, theirs in zip("qkv", got, expected):
+        error = float((mine.double() - theirs).abs().max())
+        assert error <= 10 * slack * max(1.0, float(theirs.abs().max())), (name, error)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda" or VARLEN is None, reason="the varlen path needs CUDA and torch's varlen_attn")
+def test_cuda_half_precision_takes_varlen_where_shapes_are_many_or_prefixed():
+    half = _inputs(MANY_SHAPES, torch.bfloat16)[0]
+    assert MANY_SHAPES._use_varlen(half, 0.0) and SHARED._use_varlen(half, 0.0)
+    assert not PACKED._use_varlen(half, 0.0)  # few shapes: batched sdpa
+    assert not MANY_SHAPES._use_varlen(half.float(), 0.0)  # flash takes no float32
+
+
+def test_costs_the_segments_own_squares():
+    """The pairs formed: each segment's length times its keys (prefix and itself), not the
+    row's length squared as a dense mask would."""
+    assert PACKED.score_count() == 5 * 5 + 8 * 8 + 1 + 26 * 26
+    assert SHARED.score_count() == 36 + 9 * 15 + 1 * 7 + 9 * 15 + 9 + 4 * 7 + 4
+    assert SHARED.score_count() < SHARED.tokens ** 2 / 2
+
+
+def test_a_row_the_segments_do_not_describe_is_refused():
+    query, key, value = _inputs(PACKED, torch.float32)
+    with pytest.raises(ValueError, match="cannot serve a batch"):
+        SHARED.attend(query, key, value, scaling=None, dropout=0.0)
+    with pytest.raises(ValueError, match="tile the row"):
+        Segments.of([(0, 3, 0, 0), (2, 3, 0, 0)])
+    with pytest.raises(ValueError, match="tile the row"):
+        Segments.of([(0, 3, 0, 0), (4, 3, 0, 0)])
+    with pytest.raises(ValueError, match="must lie before its queries"):
+        Segments.of([(0, 3, 0, 0), (3, 3, 2, 3)])
+    with pytest.raises(ValueError, match="one entry a segment"):
+        Segments((0,), (1,), (), ())

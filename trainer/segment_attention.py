@@ -1,0 +1,311 @@
+"""Attention confined to the segments of a packed row, at each segment's own cost.
+
+A packed micro-batch is one row [1, N] holding many samples. transformers confines such a
+row with sdpa or eager attention through a dense block-diagonal mask over the whole row,
+whose cost is N squared (docs/trainer.md, "Packed micro-batches"). The attention function
+here is handed the segments by the trainer (:class:`Segments`, built beside the loss's
+``cu_seqlens``) and attends within each one only, so a row costs the sum of its segments'
+own costs:
+
+- on CUDA in half precision, for segments of many distinct shapes or reading a prefix:
+  torch's ``varlen_attn`` (the flash kernel that CUDA torch ships; no flash-attention
+  package), one call for the row;
+- otherwise scaled-dot-product attention over buckets of segments of equal shape, each
+  bucket one batched call: on the CPU, in float32, and for a few shapes without prefixes
+  on a GPU, where sdpa's own kernels (cuDNN's on Hopper) beat varlen's (docs/trainer.md,
+  "Packed micro-batches").
+
+A segment may read a prefix of keys before its own: each response of a group whose prompt
+is laid out once (shared-prompt packing, ``trainer/policy.py``'s ``SharedPromptBatch``)
+reads the prompt's keys and then its own causally. Its queries are then the suffix of its
+keys, so its causal mask is aligned bottom-right (flash's varlen alignment; sdpa's
+``is_causal`` aligns top-left, so the buckets carry an explicit mask).
+
+:func:`use_segment_attention` registers the function with transformers'
+``AttentionInterface`` over the model's own attention, which still serves every call that
+passes no segments (padded batches, generation). A packed row that reaches it without its
+segments is refused, never attended across samples.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+NAME_PREFIX = "hadw_segments_over_"
+
+
+class _PackedRowMarker:
+    """What the mask function hands the attention for a packed row (positions restarting,
+    no attention mask): the segments must come with the call."""
+
+    def __repr__(self) -> str:
+        return "PACKED_ROW"
+
+
+PACKED_ROW = _PackedRowMarker()
+
+
+def _varlen_attention():
+    """torch's varlen flash attention and the keywords its version takes for a causal,
+    grouped-query call, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    if "window_size" in parameters:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in parameters:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in parameters
+
+
+VARLEN = _varlen_attention()
+# Beyond this many buckets of equal-shape segments, one varlen call beats a batched sdpa
+# call per bucket on CUDA (each bucket costs its own launches and index copies). A prefix
+# needs an explicit mask in sdpa, which leaves its fast kernels: varlen then.
+MOST_SDPA_BUCKETS = 4
+
+
+@dataclass
+class Segments:
+    """Segment i's queries are the row's positions ``starts[i] : starts[i] + lengths[i]``;
+    its keys are the ``prefix_lengths[i]`` positions from ``prefix_starts[i]`` (a shared
+    prompt; none when 0), then its own queries, causally. Every position of the row is a
+    query of exactly one segment."""
+
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    prefix_starts: tuple[int, ...]
+    prefix_lengths: tuple[int, ...]
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        counts = {len(self.starts), len(self.lengths), len(self.prefix_starts), len(self.prefix_lengths)}
+        if len(counts) != 1:
+            raise ValueError("starts, lengths, prefix_starts and prefix_lengths need one entry a segment")
+        covered = sorted((start, length) for start, length in zip(self.starts, self.lengths) if length)
+        position = 0
+        for start, length in covered:
+            if start != position:
+                raise ValueError(f"the segments' queries must tile the row: position {position} is "
+                                 f"{'in two segments' if start < position else 'in none'}")
+            position += length
+        if min(self.lengths, default=0) < 0 or min(self.prefix_lengths, default=0) < 0:
+            raise ValueError("segment and prefix lengths must be non-negative")
+        for index, (prefix, length, start) in enumerate(zip(self.prefix_starts, self.prefix_lengths, self.starts)):
+            if length and not (0 <= prefix and prefix + length <= start):
+                raise ValueError(f"segment {index}'s prefix {prefix}:{prefix + length} must lie before its queries "
+                                 f"(from {start})")
+
+    @classmethod
+    def of(cls, segments: list[tuple[int, int, int, int]]) -> "Segments":
+        """From (start, length, prefix start, prefix length) a segment."""
+        columns = tuple(zip(*segments)) or ((), (), (), ())
+        return cls(*columns)
+
+    @classmethod
+    def packed(cls, offsets: list[int]) -> "Segments":
+        """Samples one after another, ``offsets`` their boundaries (the loss's cu_seqlens):
+        each attends causally within itself."""
+        starts = tuple(offsets[:-1])
+        lengths = tuple(end - start for start, end in zip(offsets[:-1], offsets[1:]))
+        return cls(starts, lengths, (0,) * len(starts), (0,) * len(starts))
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def bucket_count(self) -> int:
+        """Distinct (length, prefix length) shapes among the non-empty segments."""
+        return len({shape for shape in zip(self.lengths, self.prefix_lengths) if shape[0]})
+
+    @property
+    def has_prefixes(self) -> bool:
+        return any(self.prefix_lengths)
+
+    def score_count(self) -> int:
+        """Query-key pairs the attention forms (the causal half counted whole): the
+        sum of each segment's own cost, against N squared for a dense mask."""
+        return sum(length * (prefix + length) for length, prefix in zip(self.lengths, self.prefix_lengths))
+
+    # -- the attention ---------------------------------------------------------------
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scaling: float | None,
+               dropout: float) -> torch.Tensor:
+        """query [1, heads, N, d], key and value [1, kv_heads, N, d] (transformers'
+        layout) -> [1, N, heads, d]."""
+        if query.shape[0] != 1 or query.shape[2] != self.tokens:
+            raise ValueError(f"segments of {self.tokens} tokens cannot serve a batch of shape {tuple(query.shape)}: "
+                             "a packed row is [1, N]")
+        if self._use_varlen(query, dropout):
+            return self._varlen(query, key, value, scaling)
+        return self._bucketed(query, key, value, scaling, dropout)
+
+    def _use_varlen(self, query: torch.Tensor, dropout: float) -> bool:
+        return (VARLEN is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+                and dropout == 0.0 and query.shape[-1] <= 256
+                and (self.has_prefixes or self.bucket_count > MOST_SDPA_BUCKETS))
+
+    def _device_tensors(self, device: torch.device) -> dict:
+        key = ("varlen", device)
+        if key not in self._cache:
+            lengths = torch.tensor(self.lengths, dtype=torch.int32)
+            key_lengths = lengths + torch.tensor(self.prefix_lengths, dtype=torch.int32)
+            tensors = {
+                "cu_q": torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)).to(device),
+                "cu_k": torch.nn.functional.pad(key_lengths.cumsum(0, dtype=torch.int32), (1, 0)).to(device),
+                "max_q": max(self.lengths, default=0),
+                "max_k": int(key_lengths.max()) if len(self.lengths) else 0,
+                "key_index": None,
+            }
+            if self.has_prefixes:
+                # The keys of each segment side by side: its prefix, then its own positions.
+                tensors["key_index"] = torch.cat([
+                    torch.cat([torch.arange(prefix, prefix + prefix_length), torch.arange(start, start + length)])
+                    for start, length, prefix, prefix_length in zip(
+                        self.starts, self.lengths, self.prefix_starts, self.prefix_lengths)
+                ]).to(device)
+            self._cache[key] = tensors
+        return self._cache[key]
+
+    def _varlen(self, query, key, value, scaling):
+        varlen_attn, causal, takes_gqa = VARLEN
+        tensors = self._device_tensors(query.device)
+        heads, kv_heads = query.shape[1], key.shape[1]
+        q = query[0].transpose(0, 1)
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        if tensors["key_index"] is not None:
+            k, v = k.index_select(0, tensors["key_index"]), v.index_select(0, tensors["key_index"])
+        options = dict(causal, scale=scaling)
+        if heads != kv_heads:
+            if takes_gqa:
+                options["enable_gqa"] = True
+            else:
+                k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), tensors["cu_q"], tensors["cu_k"],
+                          tensors["max_q"], tensors["max_k"], **options)
+        return out.unsqueeze(0)
+
+    def _buckets(self, device: torch.device) -> tuple[list, torch.Tensor]:
+        """Segments of equal (length, prefix length) batched: (query index [n, length],
+        key index [n, prefix + length], causal mask or None for a square one) each, and
+        the permutation that puts the buckets' outputs back in row order."""
+        key = ("buckets", device)
+        if key not in self._cache:
+            groups: dict[tuple[int, int], list[int]] = {}
+            for index, (length, prefix) in enumerate(zip(self.lengths, self.prefix_lengths)):
+                if length:
+                    groups.setdefault((length, prefix), []).append(index)
+            buckets, order = [], []
+            for (length, prefix), members in groups.items():
+                own = torch.tensor([self.starts[i] for i in members])[:, None] + torch.arange(length)
+                before = torch.tensor([self.prefix_starts[i] for i in members])[:, None] + torch.arange(prefix)
+                # Query j of a segment reads its whole prefix and its own positions up to j.
+                mask = None if not prefix else torch.ones(length, prefix + length, dtype=torch.bool).tril(prefix)
+                buckets.append((own.to(device), torch.cat([before, own], dim=1).to(device),
+                                None if mask is None else mask.to(device)))
+                order.append(own.flatten())
+            inverse = torch.empty(self.tokens, dtype=torch.long)
+            if order:
+                inverse[torch.cat(order)] = torch.arange(self.tokens)
+            self._cache[key] = (buckets, inverse.to(device))
+        return self._cache[key]
+
+    def _bucketed(self, query, key, value, scaling, dropout):
+        buckets, inverse = self._buckets(query.device)
+        heads, kv_heads = query.shape[1], key.shape[1]
+        parts = []
+        for query_index, key_index, mask in buckets:
+            # [heads, n, length, d] -> [n, heads, length, d]
+            q = query[0][:, query_index].transpose(0, 1)
+            k = key[0][:, key_index].transpose(0, 1)
+            v = value[0][:, key_index].transpose(0, 1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=scaling,
+                enable_gqa=heads != kv_heads,
+            )
+            parts.append(out.transpose(1, 2).reshape(-1, heads, query.shape[-1]))
+        if not parts:
+            return query.new_zeros(1, 0, heads, query.shape[-1])
+        return torch.cat(parts)[inverse].unsqueeze(0)
+
+
+# -- transformers ------------------------------------------------------------------------
+
+
+def _attention_function(original: str):
+    from transformers import AttentionInterface
+
+    def attention(module, query, key, value, attention_mask, *, attention_segments: Segments | None = None,
+                  dropout: float = 0.0, scaling: float | None = None, sliding_window=None, **kwargs):
+        if attention_segments is not None:
+            if sliding_window is not None:
+                raise ValueError("segment attention does not serve sliding-window layers")
+            return attention_segments.attend(query, key, value, scaling=scaling, dropout=dropout), None
+        if attention_mask is PACKED_ROW:
+            raise ValueError(
+                "a packed row (positions restarting, no attention mask) reached the segment attention without "
+                "its segments: pass attention_segments= (trainer/segment_attention.py) with the row, or the "
+                "samples would attend to each other"
+            )
+        return AttentionInterface()[original](module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, sliding_window=sliding_window, **kwargs)
+
+    return attention
+
+
+def _mask_function(original: str):
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
+
+    original_mask = ALL_MASK_ATTENTION_FUNCTIONS[original]
+
+    def mask(*args, attention_mask=None, mask_function=None, **kwargs):
+        # transformers has found restarting positions and no padding mask (a packed row):
+        # the segments come with the call, and the dense mask it would build is never formed.
+        if attention_mask is None and mask_function is not None and mask_function is not causal_mask_function:
+            return PACKED_ROW
+        return original_mask(*args, attention_mask=attention_mask, mask_function=mask_function, **kwargs)
+
+    return mask
+
+
+def segment_attention_name(model: torch.nn.Module) -> str | None:
+    """The segment attention's name for ``model`` (registered once), or None where it
+    cannot serve the model: an attention implementation transformers has no mask function
+    for, or sliding-window layers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    config = model.config
+    current = str(config._attn_implementation)
+    if current.startswith(NAME_PREFIX):
+        return current
+    if current not in ALL_MASK_ATTENTION_FUNCTIONS or current not in AttentionInterface():
+        return None
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return None
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return None
+    name = NAME_PREFIX + current
+    if name not in AttentionInterface():
+        AttentionInterface.register(name, _attention_function(current))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, _mask_function(current))
+    return name
+
+
+def use_segment_attention(model: torch.nn.Module) -> bool:
+    """Switches ``model`` to the segment attention over its own (which keeps serving calls
+    without segments); False, and the model unchanged, where it cannot serve."""
+    name = segment_attention_name(model)
+    if name is None:
+        return False
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(name)
+    return True
