@@ -23,6 +23,9 @@ activation and the loss's own buffers are alive at once):
   ZeRO stage 1 shards the fp32 states over the GPUs, stage 2 also the gradients,
   stage 3 also the parameters (plus a working set of gathered parameters: two decoder
   layers, the one computing and the one prefetched, and the LM head for the loss).
+  At the optimizer step, when the activations are gone, DeepSpeed also holds the fp32
+  gradients of its partition and a bf16 copy of the updated weights (6 bytes a
+  parameter, sharded as the fp32 states): the peak of a step whose activations are small.
 - Activations of the policy forward over the micro-batch: prompts x G sequences, each
   padded to prompt + response length (or, with ``--share-prompt``, each prompt laid out
   once for its G responses: P - 1 + G x R tokens a prompt, the trainer's shared-prompt
@@ -65,6 +68,9 @@ FP32 = 4
 PARAMETER_BYTES = BF16
 GRADIENT_BYTES = BF16
 OPTIMIZER_BYTES = 3 * FP32
+# Bytes a parameter DeepSpeed adds at the optimizer step: the fp32 gradients of its
+# partition and a bf16 copy of the updated weights (measured: docs/gpu-report.md).
+STEP_BYTES = FP32 + BF16
 # The linear path's per-token vectors: int64 row index, fp32 log-probs, entropy, lse,
 # mean logit, the token gradients, and the per-token advantage, weight and old log-prob.
 PER_TOKEN_BYTES = 8 + 10 * FP32
@@ -110,11 +116,20 @@ class ModelShape:
 
     @property
     def layer_activation_bytes_per_token(self) -> int:
-        """bf16 bytes one decoder layer saves for backward, per token (see module doc)."""
+        """Bytes one decoder layer saves for backward, per token (see module doc): bf16
+        tensors and the RMSNorms' fp32 copies of their inputs."""
         attention = 2 * self.q_dim + 2 * self.kv_dim
+        normed = 2 * self.hidden
         if self.qk_norm:
             attention += self.q_dim + self.kv_dim
-        return BF16 * (4 * self.hidden + attention + 4 * self.intermediate)
+            normed += self.q_dim + self.kv_dim
+        return BF16 * (4 * self.hidden + attention + 4 * self.intermediate) + FP32 * normed
+
+    @property
+    def layer_gradient_bytes_per_token(self) -> int:
+        """bf16 bytes of one decoder layer's gradients alive together in its backward, per
+        token: the SwiGLU's gate and up gradients and the hidden states' in and out."""
+        return BF16 * (2 * self.intermediate + 2 * self.hidden)
 
 
 # From the models' config.json on the Hugging Face Hub.
@@ -204,6 +219,8 @@ class Estimate:
     parts: dict[str, int]
     loss: int
     recompute: int
+    activations: int  # the parts that are activations, gone by the optimizer step
+    optimizer_step: int  # what the optimizer step adds then
 
     @property
     def at_loss_peak(self) -> int:
@@ -214,8 +231,12 @@ class Estimate:
         return self.at_loss_peak - self.loss + self.recompute
 
     @property
+    def at_optimizer_step(self) -> int:
+        return self.at_loss_peak - self.loss - self.activations + self.optimizer_step
+
+    @property
     def peak(self) -> int:
-        return max(self.at_loss_peak, self.at_recompute)
+        return max(self.at_loss_peak, self.at_recompute, self.at_optimizer_step)
 
     def fits(self, gpu_gib: float) -> bool:
         return self.peak <= gpu_gib * GIB
@@ -234,15 +255,21 @@ def estimate(model: ModelShape, step: MicroStep, *, fused: bool) -> Estimate:
         parts["ZeRO-3 gathered: 2 layers + LM head"] = BF16 * (2 * model.layer_parameters + model.vocab * model.hidden)
     layer_set = model.layer_activation_bytes_per_token * step.tokens
     if step.gradient_checkpointing:
-        parts["activations: checkpointed layer inputs"] = BF16 * model.hidden * model.layers * step.tokens
+        activations = {"activations: checkpointed layer inputs": BF16 * model.hidden * model.layers * step.tokens}
     else:
-        parts["activations: every layer's saved tensors"] = layer_set * model.layers
-    parts["final hidden states (saved by the LM head)"] = BF16 * model.hidden * step.response_tokens
+        activations = {"activations: every layer's saved tensors": layer_set * model.layers}
+    activations["final hidden states (saved by the LM head)"] = BF16 * model.hidden * step.response_tokens
+    parts.update(activations)
     parts["overhead (CUDA context, NCCL/DeepSpeed buffers, fragmentation)"] = int(step.overhead_gib * GIB)
     loss = loss_part_bytes(step.response_tokens, model.hidden, model.vocab, fused=fused, dtype_bytes=BF16)
     parts.update(loss)
-    recompute = layer_set if step.gradient_checkpointing else 0
-    return Estimate(parts, loss=sum(loss.values()), recompute=recompute)
+    # With checkpointing, one layer recomputed beside its gradients; without, its gradients
+    # beside every layer's saved set (already counted).
+    gradients = model.layer_gradient_bytes_per_token * step.tokens
+    recompute = layer_set + gradients if step.gradient_checkpointing else gradients
+    step_bytes = STEP_BYTES * parameters // (shard if stage >= 1 else 1)
+    return Estimate(parts, loss=sum(loss.values()), recompute=recompute, activations=sum(activations.values()),
+                    optimizer_step=step_bytes)
 
 
 def largest_group_size(model: ModelShape, step: MicroStep, *, fused: bool, gpu_gib: float) -> int:
