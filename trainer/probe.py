@@ -664,7 +664,13 @@ def prepare(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prepare(args)
-    result = Probe(args).run()
+    import torch.distributed
+
+    try:
+        result = Probe(args).run()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     text = json.dumps(result, indent=2)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
