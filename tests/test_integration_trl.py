@@ -49,9 +49,12 @@ LOSS_SETTINGS = {
                           sapo_temperature_neg=1.5),
     "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
     # The token masks and the bias-corrected KL (without vLLM the off-policy mask reads the
-    # old log-probs, which the second step's micro-batches hold).
-    "grpo+entropy_mask+off_policy_mask+kl_bias": dict(loss_type="grpo", beta=0.05, use_bias_correction_kl=True,
-                                                      top_entropy_quantile=0.5, off_policy_mask_threshold=0.0),
+    # old log-probs, which the second step's micro-batches hold). The off-policy threshold is
+    # above 0: before the first update a response's KL is exactly 0, and a threshold of 0
+    # would split those responses by the last bits of each side's log-probs.
+    "grpo+entropy_mask": dict(loss_type="grpo", top_entropy_quantile=0.5),
+    "grpo+off_policy_mask+kl_bias": dict(loss_type="grpo", beta=0.05, use_bias_correction_kl=True,
+                                         off_policy_mask_threshold=0.02),
     # TRL's VESPO weight is per response at either level.
     "vespo+sequence": dict(loss_type="vespo", importance_sampling_level="sequence", vespo_k_pos=1.5,
                            vespo_lambda_pos=2.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5),
@@ -68,9 +71,11 @@ CLIP_METRIC = {"gspo": None, "cispo": "cispo_clip_ratio", "cispo+sequence": "cis
 HIGH_CLIP_UNDER_DELTA = ("clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """A tiny Llama saved to disk: TRL builds its reference model (beta > 0) from the path."""
+def _tiny_llama(directory, head_scale: float = 1.0) -> str:
+    """A tiny Llama saved to disk: TRL builds its reference model (beta > 0) from the path.
+    ``head_scale`` multiplies the LM head's weights: the initialised model's next-token
+    distributions are nearly uniform (entropies within 1e-5 of log V), a scaled head's are
+    not."""
     config = LlamaConfig(
         vocab_size=len(TOKENIZER), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=TOKENIZER.bos_token_id,
@@ -79,9 +84,23 @@ def model_dir(tmp_path_factory) -> str:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
-    directory = tmp_path_factory.mktemp("tiny-llama")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
     model.save_pretrained(directory)
     return str(directory)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return _tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def spread_model_dir(tmp_path_factory) -> str:
+    """For the entropy mask: entropies spread over [0.3, 2.3] rather than within 1e-5 of
+    log V, so that which tokens pass the quantile does not rest on the last bits each side
+    computes them to (test_the_entropy_quantile_is_far_from_every_other_entropy)."""
+    return _tiny_llama(tmp_path_factory.mktemp("tiny-llama-spread"), head_scale=16.0)
 
 
 def sevens(completions, **_):
@@ -101,10 +120,66 @@ def logged_steps(trainer) -> list[dict]:
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
+class BoundaryRecordingTrainer(GRPOTrainer):
+    """Stock TRL, keeping what each of its token masks compares with its bound: the
+    entropies and their quantile, and each response's mean KL and advantage."""
+
+    recorded: dict[str, list] = {}  # reset for each run (train_recording_bounds)
+
+    def get_high_entropy_mask(self, entropies, mask, threshold):
+        local = entropies[mask.bool()].float().detach()
+        BoundaryRecordingTrainer.recorded["entropy"].append((local, torch.quantile(local, threshold)))
+        return super().get_high_entropy_mask(entropies, mask, threshold)
+
+    @staticmethod
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        kl = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
+        mean_kl = (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        BoundaryRecordingTrainer.recorded["off_policy"].append((mean_kl, advantages.flatten().detach()))
+        return GRPOTrainer.get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                                               off_policy_threshold)
+
+
+def train_recording_bounds(model, output_dir, **options):
+    BoundaryRecordingTrainer.recorded = {"entropy": [], "off_policy": []}
+    stock = train(BoundaryRecordingTrainer, GRPOConfig, model, output_dir, **options)
+    return stock, BoundaryRecordingTrainer.recorded
+
+
+# Two implementations' float32 values of one quantity differ by a few units in the last
+# place (2.4e-7 at 2): a value this far from its bound is on the same side of it in both.
+SIDE_MARGIN = 1e-5
+
+
+def assert_masks_do_not_rest_on_rounding(recorded, options):
+    """Why the integration's token masks equal TRL's: every entropy is the quantile itself
+    (tokens of one context, equal on both sides) or farther from it than the two sides'
+    rounding; every response's mean KL is 0 (before the first update, exactly 0 on both
+    sides) or far from the off-policy threshold; and each mask removes something."""
+    if options.get("top_entropy_quantile", 1.0) < 1.0:
+        assert recorded["entropy"]
+        for entropies, quantile in recorded["entropy"]:
+            distances = (entropies - quantile).abs()
+            assert float(distances[distances > 0].min()) > SIDE_MARGIN, (quantile, entropies)
+            assert bool((entropies < quantile).any())
+    if options.get("off_policy_mask_threshold") is not None:
+        threshold = options["off_policy_mask_threshold"]
+        assert recorded["off_policy"]
+        dropped = 0
+        for mean_kl, advantages in recorded["off_policy"]:
+            moved = mean_kl[mean_kl != 0]
+            assert bool(((moved - threshold).abs() > SIDE_MARGIN).all()), (threshold, mean_kl)
+            dropped += int(((advantages < 0) & (mean_kl > threshold)).sum())
+        assert dropped > 0
+
+
 @pytest.mark.parametrize("setting", LOSS_SETTINGS)
-def test_without_hadw_the_integration_is_trl(setting, model_dir, tmp_path):
+def test_without_hadw_the_integration_is_trl(setting, model_dir, spread_model_dir, tmp_path):
     options = dict(LOSS_SETTINGS[setting], max_steps=2)
-    stock = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "stock", **options)
+    if options.get("top_entropy_quantile", 1.0) < 1.0:
+        model_dir = spread_model_dir
+    stock, recorded = train_recording_bounds(model_dir, tmp_path / "stock", **options)
+    assert_masks_do_not_rest_on_rounding(recorded, options)
     fused = train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path / "fused", use_hadw=False, **options)
     assert fused.anchor is None
     stock_steps, fused_steps = logged_steps(stock), logged_steps(fused)
