@@ -113,6 +113,9 @@ def test_group_size_below_two():
         (["train.prompts_per_step=0"], 1, "must be positive"),
         (["train.micro_batch_tokens=-5"], 1, "train.micro_batch_tokens must be a non-negative integer"),
         (["train.micro_batch_tokens=1.5"], 1, "train.micro_batch_tokens must be"),
+        (["train.packing=false", "train.share_prompt=true"], 1, "train.share_prompt=true lays out packed micro-batches"),
+        (["train.share_prompt=1"], 1, "train.share_prompt must be true or false"),
+        (["data.context_tokens=-1"], 1, "data.context_tokens must be non-negative"),
     ],
 )
 def test_impossible_batch_sizes(overrides, world_size, message):

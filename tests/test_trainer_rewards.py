@@ -130,6 +130,14 @@ def test_synthetic_answers_are_right():
                 assert int(problem.answer) == (int(tokens[1]) + int(tokens[2])) % 10
             else:
                 assert int(problem.answer) == tokens[1:-1].count("1")
+    # A context before each prompt (data.context_tokens): the same problems, answers and
+    # levels after it, its digits drawn after them.
+    plain = sample_problems(list(LEVELS), 8, np.random.default_rng(3))
+    with_context = sample_problems(list(LEVELS), 8, np.random.default_rng(3), context_tokens=5)
+    for short, long in zip(plain, with_context):
+        words = long.prompt.split()
+        assert len(words) == 5 + len(short.prompt.split()) and all(word.isdigit() for word in words[:5])
+        assert " ".join(words[5:]) == short.prompt and (long.answer, long.level) == (short.answer, short.level)
     assert score_synthetic(" 7 3", "7") == 1.0
     assert score_synthetic("copy 7", "7") == 1.0  # the first number, wherever it is
     assert score_synthetic(" 3 7", "7") == 0.0

@@ -68,6 +68,9 @@ class DataConfig:
     # synthetic and arithmetic tasks: the difficulty levels to draw prompts from; empty:
     # all of the task's levels (synthetic_task.py, arithmetic_task.py)
     levels: list[str] = field(default_factory=list)
+    # synthetic task: random digits before each prompt, which the answer ignores (a
+    # long-prompt workload); 0: none
+    context_tokens: int = 0
     # math task: local JSON / JSONL / Parquet files and their field names
     train_files: list[str] = field(default_factory=list)
     question_field: str = "problem"
@@ -375,6 +378,10 @@ def validate(config: Config, world_size: int = 1) -> None:
         raise ConfigError(f"run.name {run.name!r} must be a relative path inside run.output_dir")
     for level in data.levels:
         _choice("data.levels[]", level, task_levels(data.task))
+    if data.context_tokens < 0:
+        raise ConfigError(f"data.context_tokens must be non-negative, got {data.context_tokens}")
+    if data.context_tokens and data.task != "synthetic":
+        raise ConfigError(f"data.context_tokens belongs to the synthetic task, not data.task={data.task!r}")
     if data.task != "synthetic" and not model.path:
         raise ConfigError(
             f"data.task={data.task!r} needs model.path: the tiny model's word-level tokenizer cannot read its text"

@@ -35,7 +35,7 @@ from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, spl
 from .policy import Policy
 from .problem import Problem
 from .rewards import build_reward
-from .synthetic_task import VOCABULARY, sample_problems
+from .synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY, sample_problems
 
 MAX_ERROR_MESSAGES = 20
 # The all-degenerate warning: the first few times, then every this many steps.
@@ -218,7 +218,9 @@ class Trainer:
         from .tiny_model import build_tiny_model, build_tokenizer, save_initial_model
 
         tokenizer = build_tokenizer(VOCABULARY)
-        model = build_tiny_model(model_config, tokenizer, self.config.train.seed).to(dtype)
+        # Positions for the longest prompt (its context included) and response.
+        positions = self.config.data.context_tokens + MAX_SYNTHETIC_PROMPT_TOKENS + self.config.rollout.max_new_tokens
+        model = build_tiny_model(model_config, tokenizer, self.config.train.seed, positions).to(dtype)
         model_dir = self.run_dir / "initial_model"
         if self.rank == 0 and not (model_dir / "config.json").exists():
             save_initial_model(model, tokenizer, model_dir, self.run_dir / "tokenizer")
@@ -272,7 +274,7 @@ class Trainer:
 
             return sample_arithmetic(self.levels, self.prompts_per_rank, rng, self.config.data.prompt_template,
                                      self.held_out_prompts)
-        return sample_problems(self.levels, self.prompts_per_rank, rng)
+        return sample_problems(self.levels, self.prompts_per_rank, rng, self.config.data.context_tokens)
 
     def _encode(self, prompt: str) -> list[int]:
         data = self.config.data

@@ -11,6 +11,9 @@ find it:
 A response is right when its first number is the answer. A random policy over the small
 vocabulary scores about 9%: groups of 8 are then neither all wrong nor all right often
 enough to learn from (tests/test_trainer_rewards.py checks it stays in 5%-40%).
+
+``data.context_tokens`` puts that many random digits before each prompt, which the answer
+ignores: a long-prompt workload (shared-prompt packing, docs/trainer.md) on the same task.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from .problem import Problem
 DIGITS = [str(d) for d in range(10)]
 LEVELS = {"copy": 1, "next": 2, "add": 3, "count": 4}  # name -> difficulty rank
 COUNT_LENGTH = 5
+# The longest prompt in tokens, [BOS] and "?" included: a count problem.
+MAX_SYNTHETIC_PROMPT_TOKENS = COUNT_LENGTH + 3
 SPECIAL_TOKENS = ["[PAD]", "[BOS]", "[EOS]"]
 VOCABULARY = SPECIAL_TOKENS + DIGITS + list(LEVELS) + ["?"]
 
@@ -46,10 +51,16 @@ def make_problem(level: str, rng: np.random.Generator) -> Problem:
     raise ValueError(f"unknown synthetic level {level!r}; expected one of {list(LEVELS)}")
 
 
-def sample_problems(levels: list[str], count: int, rng: np.random.Generator) -> list[Problem]:
-    """``count`` problems, each of a level drawn uniformly from ``levels``."""
+def sample_problems(levels: list[str], count: int, rng: np.random.Generator,
+                    context_tokens: int = 0) -> list[Problem]:
+    """``count`` problems, each of a level drawn uniformly from ``levels``, each prompt
+    after ``context_tokens`` random digits the answer does not depend on."""
     chosen = rng.integers(len(levels), size=count)
-    return [make_problem(levels[i], rng) for i in chosen]
+    problems = [make_problem(levels[i], rng) for i in chosen]
+    if not context_tokens:
+        return problems
+    return [Problem(" ".join(map(str, rng.integers(10, size=context_tokens))) + " " + problem.prompt, problem.answer,
+                    problem.level) for problem in problems]
 
 
 def score_synthetic(response: str, answer: str) -> float:

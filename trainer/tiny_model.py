@@ -43,8 +43,10 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(model_config, tokenizer: PreTrainedTokenizerFast, seed: int) -> torch.nn.Module:
-    """A Llama or Qwen2 model with random weights drawn from ``seed``."""
+def build_tiny_model(model_config, tokenizer: PreTrainedTokenizerFast, seed: int,
+                     positions: int = MAX_POSITIONS) -> torch.nn.Module:
+    """A Llama or Qwen2 model with random weights drawn from ``seed``, for sequences of up
+    to ``positions`` tokens (at least MAX_POSITIONS)."""
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=model_config.hidden_size,
@@ -53,7 +55,7 @@ def build_tiny_model(model_config, tokenizer: PreTrainedTokenizerFast, seed: int
         num_attention_heads=model_config.num_heads,
         num_key_value_heads=model_config.num_heads,
         head_dim=model_config.head_dim,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max(MAX_POSITIONS, positions),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
