@@ -296,19 +296,20 @@ def fused_linear_hadw_grpo_loss(
     hidden = layout.flat_rows(hidden_states)
     old = layout.flat(old_logprobs)
     rollout = layout.flat(rollout_logprobs)
-    importance_weights = layout.per_token(importance_weights)
     # Padding is masked out of the loss; as ignored labels its rows enter no GEMM, and
     # labels there are never checked or read.
     labels = layout.flat(labels).masked_fill(~mask.bool(), ignore_index)
     if _checks_run(check_values):
         # Every value check of this call in one host read (docs/architecture.md).
         check_linear_values(
-            layout, hidden, labels, lm_head_weight.shape[0], ignore_index, old, mask, rewards, advantages, anchor,
-            rollout,
+            layout, config, hidden, labels, lm_head_weight.shape[0], ignore_index, mask, anchor, rollout,
+            old_logprobs=old, rewards=rewards, advantages=advantages, importance_weights=importance_weights,
+            ref_logprobs=ref_logprobs,
         )
     else:
         assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
         assert_cu_seqlens(layout)
+    importance_weights = layout.per_token(importance_weights)
     corrected_metrics = {}
     if _has_correction(config) and not _reads_current_policy(config, old):
         # Weights and filters from the behaviour and rollout log-probs alone: formed before

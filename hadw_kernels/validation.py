@@ -162,9 +162,9 @@ def check_surrogate_inputs(
     _require_layout_shape("logprobs", logprobs, layout)
     check_batch_inputs(layout, response_mask, old_logprobs, config, inputs={"logprobs": logprobs}, **batch)
     if check_values:
-        _check_values(layout, logprobs, old_logprobs, response_mask, batch.get("rewards"), batch.get("advantages"),
-                      batch.get("anchor"), hadw=batch.get("anchor") is not None,
-                      correction=(batch.get("rollout_logprobs"), batch.get("entropy")))
+        _check_values(layout, response_mask, read_inputs(layout, config, logprobs=logprobs, old_logprobs=old_logprobs,
+                                                         **batch),
+                      anchor=batch.get("anchor"), correction=(batch.get("rollout_logprobs"), batch.get("entropy")))
     else:
         assert_cu_seqlens(layout)
     return layout
@@ -303,7 +303,7 @@ def check_advantage_options(rewards: torch.Tensor, anchor, lambda_scale, std_eps
     check_anchor(anchor)
     if isinstance(anchor, torch.Tensor):
         anchor = anchor.to(rewards.device)  # (a 0-d CPU anchor with CUDA rewards is accepted)
-    _check_values(None, None, None, None, rewards, None, anchor, hadw=anchor is not None)
+    _check_values(None, None, {"rewards": rewards}, anchor=anchor)
 
 
 def _check_group_index(group_index: torch.Tensor, group_size: int) -> None:
@@ -328,53 +328,72 @@ def _nonfinite_at(values: torch.Tensor, masked_out: torch.Tensor) -> torch.Tenso
     return (values * 0).masked_fill_(masked_out, 0).sum() != 0
 
 
+def read_inputs(layout: TokenLayout, config: LossConfig, **inputs) -> dict[str, torch.Tensor]:
+    """The float inputs a call's loss reads, by name, for :func:`_check_values`: the
+    log-probs, the old and (with a KL term) the reference log-probs, the rewards or
+    advantages and the importance weights, per token or per response; None ones left out."""
+    read = {name: inputs.get(name) for name in ("logprobs", "old_logprobs", "rewards", "advantages",
+                                                "importance_weights")}
+    if config.beta > 0:
+        read["ref_logprobs"] = inputs.get("ref_logprobs")
+    return {name: value for name, value in read.items() if value is not None}
+
+
 def check_linear_values(
-    layout: TokenLayout, hidden_states, labels, vocab: int, ignore_index: int, old_logprobs, response_mask, rewards,
-    advantages, anchor, rollout_logprobs=None,
+    layout: TokenLayout, config: LossConfig, hidden_states, labels, vocab: int, ignore_index: int, response_mask,
+    anchor, rollout_logprobs=None, **inputs,
 ) -> None:
     """The linear loss's value checks (those of :func:`check_surrogate_inputs`, labels in
     the vocabulary, finite hidden states at response tokens) in one host read.
     ``hidden_states`` [N, H] and ``labels`` [N] are flat, the labels already
-    ``ignore_index`` at padding."""
-    _check_values(
-        layout, None, old_logprobs, response_mask, rewards, advantages, anchor, hadw=anchor is not None,
-        linear=(hidden_states, labels, vocab, ignore_index), correction=(rollout_logprobs, None),
-    )
+    ``ignore_index`` at padding; ``inputs`` as :func:`read_inputs` takes them."""
+    _check_values(layout, response_mask, read_inputs(layout, config, **inputs), anchor=anchor,
+                  linear=(hidden_states, labels, vocab, ignore_index), correction=(rollout_logprobs, None))
 
 
 @torch.no_grad()
-def _check_values(layout: TokenLayout | None, logprobs, old_logprobs, response_mask, rewards, advantages, anchor, *,
-                  hadw: bool, linear=None, correction=(None, None)) -> None:
+def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, torch.Tensor], *, anchor,
+                  linear=None, correction=(None, None)) -> None:
     """Every check from a few reductions read in one host synchronisation; a failure is
     then named by a precise check of its own. At 16k tokens on the CPU the checks cost as
     much as the loss did: each reduction here is one op, or two passes over the tokens.
     ``layout``: the batch's (its offsets join the read when packed), None without
-    per-token tensors. ``linear``: (hidden_states, labels, vocab, ignore_index) of the
-    linear loss, whose screens join the same read. ``correction``: (rollout log-probs,
-    entropies), each None where the call has none: log-probs (<= 0, not NaN) and
-    entropies (finite, non-negative) at counted tokens."""
+    per-token tensors. ``inputs``: the float tensors the loss reads (:func:`read_inputs`),
+    each finite at the tokens it counts if per token (NaN or inf at padding or a prompt
+    token is never read), everywhere if per response ([S]: rewards, and advantages or
+    importance weights given per response); rewards in [0, 1] under HA-DW (an anchor).
+    ``linear``: (hidden_states, labels, vocab, ignore_index) of the linear loss, whose
+    screens join the same read. ``correction``: (rollout log-probs, entropies), each None
+    where the call has none: log-probs (<= 0, not NaN) and entropies (finite,
+    non-negative) at counted tokens."""
     rollout_logprobs, entropy = correction
-    if layout is not None and layout.is_packed:
-        # [N] and [1, N] may come mixed: one form for the masked checks below.
-        logprobs, old_logprobs, response_mask, rollout_logprobs, entropy = (
-            layout.flat(t) for t in (logprobs, old_logprobs, response_mask, rollout_logprobs, entropy))
+    segments = None if layout is None else layout.segments
+    per_response = {name: values for name, values in inputs.items() if _shape(values) == (segments,)
+                    or (layout is None and name == "rewards")}
+    per_token = {name: values for name, values in inputs.items() if name not in per_response}
+    if layout is not None:
+        # [B, T], [N] and [1, N] may come mixed: one form for the masked checks below.
+        per_token = {name: layout.flat(values) for name, values in per_token.items()}
+        response_mask, rollout_logprobs, entropy = (layout.flat(t) for t in (response_mask, rollout_logprobs, entropy))
     if isinstance(anchor, (int, float)) and not math.isfinite(anchor):
         raise ValueError(f"anchor must be finite, got {anchor}")
     probes = {}
     if response_mask is not None and response_mask.dtype != torch.bool:
         # m (1 - m) is 0 exactly for m in {0, 1} (NaN for NaN).
         probes["mask"] = (response_mask * (1 - response_mask)).any()
-    per_token = [t for t in (logprobs, old_logprobs) if t is not None]
     if per_token:
-        # A screen over every position, padding included: x - y is NaN or inf wherever x
-        # or y is, so one sum clears both tensors when they are finite everywhere (the
-        # usual case). Otherwise (a NaN in padding, or finite values overflowing the sum)
-        # the masked checks below decide.
-        combined = per_token[0] if len(per_token) == 1 else per_token[0] - per_token[1]
+        # A screen over every position, padding included: x - y + z ... is NaN or inf
+        # wherever one of them is, so one sum clears every per-token input when they are
+        # finite everywhere (the usual case). Otherwise (a NaN in padding, or finite values
+        # overflowing the sum) the masked checks below decide.
+        values = list(per_token.values())
+        combined = values[0]
+        for sign, other in enumerate(values[1:]):
+            combined = combined - other if sign % 2 == 0 else combined + other
         # (Summed in fp32 at least: fp16 would overflow at a few thousand tokens.)
         probes["tokens"] = combined.sum(dtype=accumulate_dtype(combined.dtype))
-    for name, values in (("rewards", rewards), ("advantages", advantages)):
-        if values is not None and values.numel() > 0:
+    for name, values in per_response.items():
+        if values.numel() > 0:
             # min and max are NaN when any value is, inf when any is.
             probes[name + "_min"], probes[name + "_max"] = torch.aminmax(values)
     if isinstance(anchor, torch.Tensor):
@@ -402,12 +421,13 @@ def _check_values(layout: TokenLayout | None, logprobs, old_logprobs, response_m
         raise ValueError("response_mask must contain only 0 and 1")
     if not math.isfinite(read.get("tokens", 0)):
         masked_out = ~response_mask if response_mask.dtype == torch.bool else response_mask == 0
-        for name, values in (("logprobs", logprobs), ("old_logprobs", old_logprobs)):
-            if values is not None and bool(_nonfinite_at(values, masked_out)):
+        for name, values in per_token.items():
+            if bool(_nonfinite_at(values, masked_out)):
                 raise ValueError(f"{name} contain NaN or inf at response tokens")
-    for name in ("rewards", "advantages"):
+    for name in per_response:
         if not all(math.isfinite(read.get(name + bound, 0)) for bound in ("_min", "_max")):
             raise ValueError(f"{name} contain NaN or inf")
+    hadw = anchor is not None
     if hadw and not (read.get("rewards_min", 0) >= 0 and read.get("rewards_max", 1) <= 1):
         raise ValueError(
             "rewards must lie in [0, 1] with HA-DW (the anchor is a belief about an accuracy); "

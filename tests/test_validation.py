@@ -112,6 +112,67 @@ def test_nonfinite_logprobs_are_refused_at_response_tokens_only(mask_dtype, name
         _call(response_mask=mask, **{name: values})
 
 
+def _batch(loss, layout):
+    """The inputs of ``loss`` ("surrogate" or "linear") in ``layout``: padded [4, 3] with one
+    padding position, or packed over N = 7 tokens (prompt tokens masked out)."""
+    if layout == "padded":
+        mask = torch.ones(4, 3)
+        mask[1, 2] = 0
+        inputs = dict(old_logprobs=torch.zeros(4, 3), rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), response_mask=mask)
+    else:
+        inputs = {k: v for k, v in _packed_inputs().items() if k != "logprobs"}
+    shape = inputs["response_mask"].shape
+    if loss == "surrogate":
+        return dict(inputs, logprobs=torch.zeros(shape)), fused_hadw_grpo_loss
+    return dict(inputs, hidden_states=torch.zeros(*shape, 8), lm_head_weight=torch.zeros(16, 8),
+                labels=torch.zeros(shape, dtype=torch.long)), fused_linear_hadw_grpo_loss
+
+
+def _unread_and_read(mask):
+    """A position the loss does not read (padding, a prompt token) and one it does."""
+    unread = (mask == 0).nonzero()[0].tolist()
+    read = (mask != 0).nonzero()[0].tolist()
+    return tuple(unread), tuple(read)
+
+
+@pytest.mark.parametrize("loss", ["surrogate", "linear"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name, options", [
+    ("ref_logprobs", dict(beta=0.04)), ("importance_weights", {}), ("advantages", {}),
+])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_every_per_token_input_is_checked_at_the_tokens_it_counts(loss, layout, name, options, poison):
+    """The reference log-probs (read with a KL term), per-token importance weights and
+    per-token advantages: a NaN or inf where the loss reads them is refused, naming the
+    input; where it does not (padding, a prompt token), accepted, as for the log-probs."""
+    inputs, function = _batch(loss, layout)
+    mask = inputs["response_mask"]
+    values = torch.ones(mask.shape) if name == "importance_weights" else torch.zeros(mask.shape)
+    if name == "advantages":
+        inputs["rewards"] = None
+    unread, read = _unread_and_read(mask)
+    values[unread] = poison
+    group_size = None if name == "advantages" else 2
+    assert torch.isfinite(function(**inputs, **{name: values}, group_size=group_size, **options))
+    values[read] = poison
+    with pytest.raises(ValueError, match=f"^{name} contain NaN or inf at response tokens"):
+        function(**inputs, **{name: values}, group_size=group_size, **options)
+
+
+@pytest.mark.parametrize("loss", ["surrogate", "linear"])
+def test_reference_log_probs_are_not_read_without_a_kl_term(loss):
+    inputs, function = _batch(loss, "padded")
+    assert torch.isfinite(function(**inputs, ref_logprobs=torch.full((4, 3), float("nan")), group_size=2))
+
+
+@pytest.mark.parametrize("loss", ["surrogate", "linear"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_per_response_importance_weights_must_be_finite(loss, layout):
+    inputs, function = _batch(loss, layout)
+    with pytest.raises(ValueError, match="^importance_weights contain NaN or inf$"):
+        function(**inputs, importance_weights=torch.tensor([1.0, float("inf"), 1.0, 1.0]), group_size=2)
+
+
 def test_finite_logprobs_whose_sum_overflows_are_accepted():
     """The value checks screen the log-probs with one sum over all positions; finite
     values that overflow it are still finite inputs."""
