@@ -88,14 +88,16 @@ class TokenLayout:
         return per_segment[self.token_segment]
 
     def segment_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """[N] -> [S]: each segment's sum, accumulated as eager PyTorch's ``sum`` does (at
-        least fp32 for 16-bit floats, then rounded to the values' dtype), differentiable."""
+        """[N] -> [S]: each segment's sum, rounded to the values' dtype, differentiable. A
+        padded row sums as eager PyTorch's ``sum`` does (pairwise, in fp32 at least); a
+        packed segment's sum adds its tokens one after another (``index_add``), whose
+        float32 error grows with the segment's length, so it accumulates in float64: as
+        accurate as the row's at any length."""
         if self.padded_width is not None:
             return values.view(self.segments, self.padded_width).sum(dim=-1)
         if values.is_floating_point():
-            accumulate = torch.promote_types(values.dtype, torch.float32)
-            sums = torch.zeros(self.segments, dtype=accumulate, device=values.device)
-            return sums.index_add(0, self.token_segment, values.to(accumulate)).to(values.dtype)
+            sums = torch.zeros(self.segments, dtype=torch.float64, device=values.device)
+            return sums.index_add(0, self.token_segment, values.to(torch.float64)).to(values.dtype)
         sums = torch.zeros(self.segments, dtype=torch.int64, device=values.device)
         return sums.index_add(0, self.token_segment, values.to(torch.int64))
 

@@ -111,6 +111,30 @@ def test_int32_offsets(backend, device):
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("loss_type", ["gspo", "luspo"])
+def test_long_segments_are_summed_as_accurately_as_padded_rows(backend, device, loss_type):
+    """Two responses of 100,000 float32 tokens each, whose per-response sums (GSPO's mean
+    log-ratio, LUSPO's length-scaled loss) add up a long segment: the packed loss is no
+    further from the float64 value than the padded loss of the same backend (a sequential
+    float32 sum over the segment was 20x further)."""
+    length = 100_000
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(2 * length, generator=generator) * 2 - 1
+    old = logprobs + 0.01 * torch.randn(2 * length, generator=generator)
+    mask = torch.ones(2 * length, dtype=torch.bool)
+    options = dict(advantages=torch.tensor([1.0, 0.5], device=device), loss_type=loss_type)
+    exact = fused_hadw_grpo_loss(logprobs.double(), old.double(), None, mask, cu_seqlens=torch.tensor([0, length, 2 * length]),
+                                 backend="torch", max_response_length=length,
+                                 **dict(options, advantages=options["advantages"].cpu().double()))
+    logprobs, old, mask = logprobs.to(device), old.to(device), mask.to(device)
+    packed = fused_hadw_grpo_loss(logprobs, old, None, mask, cu_seqlens=torch.tensor([0, length, 2 * length], device=device),
+                                  backend=backend, max_response_length=length, **options)
+    padded = fused_hadw_grpo_loss(logprobs.view(2, length), old.view(2, length), None, mask.view(2, length),
+                                  backend=backend, **options)
+    packed_error, padded_error = (abs(float(value) - float(exact)) for value in (packed, padded))
+    assert packed_error <= 2 * padded_error + 1e-7 * abs(float(exact)), (packed_error, padded_error)
+
+
 # --- the linear loss -------------------------------------------------------------------------
 
 LINEAR_CASES = [
