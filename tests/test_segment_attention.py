@@ -5,6 +5,7 @@ device the suite runs on (HADW_TEST_DEVICE=cuda: the varlen flash path in half p
 too). The models' side (hidden states, a train step's gradient) is in
 tests/test_trainer_micro_batches.py."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,10 +14,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import TEST_DEVICE  # noqa: E402
 from trainer.segment_attention import VARLEN, Segments  # noqa: E402
 
-DEVICE = torch.device(TEST_DEVICE)
+# The suite's device (tests/conftest.py): the CPU, or a GPU under HADW_TEST_DEVICE=cuda.
+DEVICE = torch.device(os.environ.get("HADW_TEST_DEVICE", "cpu"))
 
 # (start, length, prefix start, prefix length): samples packed one after another, some of
 # them empty or a single token; then groups whose responses read a shared prompt.
