@@ -142,7 +142,12 @@ def surrogate_loss(
     ``config.loss_agg_mode``.
     """
     mask = response_mask.bool()
-    old_logprobs = old_logprobs.detach()
+    # In fp32 at least (precision.py), as every kernel computes: a float16 ratio overflows
+    # once the log-ratio passes 11. The gradient reaches the inputs in their own dtype.
+    compute = accumulate_dtype(logprobs.dtype)
+    logprobs = logprobs.to(compute)
+    old_logprobs = old_logprobs.detach().to(compute)
+    entropy = None if entropy is None else entropy.to(compute)
     advantage, phi = weighted_advantages(rewards, advantages, config, anchor)
     advantage = advantage.to(torch.promote_types(advantage.dtype, logprobs.dtype))
     token_advantage = layout.expand(advantage) if advantages is None else advantage

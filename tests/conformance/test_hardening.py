@@ -245,3 +245,32 @@ def _refused_by_a_device_assert(backend, bad):
         assert child.returncode != 0 and "NOT REFUSED" not in child.stdout, (name, child.stdout, child.stderr[-2000:])
         assert "labels must lie in [0, 30)" in child.stderr, (name, child.stderr[-2000:])
 
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "cispo"])
+def test_float16_ratios_past_its_range_stay_finite(backend, device, layout, loss_type):
+    """A log-ratio of 11.5 puts exp past float16's largest value (65504): computed in the
+    inputs' dtype the ratio was inf and the gradients and metrics NaN or inf, where the
+    loss itself is representable. Every backend computes in fp32 at least and matches the
+    float32 call."""
+    logprobs = torch.full((4, 3), -0.5, dtype=torch.float16, device=device)
+    old = torch.full((4, 3), -12.0, dtype=torch.float16, device=device)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0], device=device)
+    mask = torch.ones(4, 3, dtype=torch.bool, device=device)
+    extra = {}
+    if layout == "packed":
+        logprobs, old, mask = logprobs.reshape(-1), old.reshape(-1), mask.reshape(-1)
+        extra = dict(cu_seqlens=torch.arange(0, 13, 3, device=device))
+    results = {}
+    for dtype in (torch.float16, torch.float32):
+        leaf = logprobs.to(dtype).requires_grad_()
+        loss, metrics = fused_hadw_grpo_loss(leaf, old.to(dtype), rewards, mask, group_size=2, loss_type=loss_type,
+                                             return_metrics=True, backend=backend, **extra)
+        loss.backward()
+        results[dtype] = (loss, leaf.grad, metrics)
+    (loss, grad, metrics), (loss32, grad32, metrics32) = results[torch.float16], results[torch.float32]
+    assert math.isfinite(float(loss)) and bool(torch.isfinite(grad).all())
+    assert all(math.isfinite(float(value)) for value in metrics.values()), metrics
+    torch.testing.assert_close(loss.float(), loss32, rtol=1e-3, atol=0)
+    torch.testing.assert_close(metrics["ratio_mean"], metrics32["ratio_mean"], rtol=1e-3, atol=0)
