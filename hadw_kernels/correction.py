@@ -26,6 +26,7 @@ import torch
 
 from .config import CORRECTION_RULES, LOG_RATIO_CLAMP, REJECTION_STATISTICS, RejectionFilter
 from .layout import TokenLayout
+from .precision import accumulate_dtype
 
 # Weight means below this leave batch normalisation off (verl's guard against dividing by 0).
 BATCH_NORMALIZE_MIN_MEAN = 1e-8
@@ -186,9 +187,10 @@ def _batch_mean(weights: torch.Tensor, mask: torch.Tensor, layout: TokenLayout, 
 
 def _entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """The ``quantile`` of the counted tokens' entropies over every rank (torch.quantile's
-    linear interpolation), from a sort of [N] floats; the ranks' entropies are gathered
-    when torch.distributed is initialised (a collective)."""
-    values = entropy.detach()[mask].float()
+    linear interpolation), from a sort of [N] floats in the entropies' dtype (fp32 at
+    least), so that a token at the quantile compares equal to it and is kept; the ranks'
+    entropies are gathered when torch.distributed is initialised (a collective)."""
+    values = entropy.detach()[mask].to(accumulate_dtype(entropy.dtype))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         values = _gather_variable(values)
     if values.numel() == 0:

@@ -197,6 +197,25 @@ def test_trl_bias_corrected_kl(backend, level):
 # --- edges ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_tokens_at_the_entropy_quantile_are_kept_in_every_dtype(backend, dtype):
+    """The quantile is taken in the entropies' own dtype (fp32 at least): equal entropies
+    all sit at it and are all kept (in float64 the threshold was rounded to float32 above
+    them and every token was masked); with distinct ones the tokens at or above it are."""
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    logprobs, old = torch.full((4, 5), -1.0), torch.full((4, 5), -1.1)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    # Formed in the dtype itself: float64's 1.1 is not a float32 value.
+    equal = torch.full((4, 5), 1.1, dtype=dtype)
+    distinct = torch.arange(20, dtype=dtype).view(4, 5) / 7 + 0.1
+    for entropy, kept in ((equal, 20), (distinct, 10)):
+        _, metrics = fused_hadw_grpo_loss(
+            logprobs.to(dtype), old.to(dtype), None, mask, advantages=advantages.to(dtype), top_entropy_quantile=0.5,
+            entropy=entropy, return_metrics=True, backend=backend)
+        assert float(metrics["entropy_masked_frac"]) == pytest.approx(1 - kept / 20), (entropy.dtype, kept)
+
+
 def test_bounds_are_inclusive_and_beyond_them_the_rule_acts():
     """A weight exactly at a bound is kept by both rules; one beyond it is clamped or zeroed."""
     mask = torch.ones(1, 3, dtype=torch.bool)
