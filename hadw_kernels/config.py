@@ -13,6 +13,7 @@ module (``setup.py``), so the metric order and the option codes exist once.
 from __future__ import annotations
 
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -322,6 +323,9 @@ class RolloutCorrection:
     def from_trl(cls, mode: str, clip_min: float | None, clip_max: float | None) -> "RolloutCorrection":
         """TRL's ``vllm_importance_sampling_mode`` ("token_truncate", "token_mask",
         "sequence_truncate", "sequence_mask") with its clip_min and clip_max."""
+        if not isinstance(mode, str):
+            raise TypeError(f"vllm_importance_sampling_mode must be one of TRL's modes ('token_truncate', "
+                            f"'token_mask', 'sequence_truncate', 'sequence_mask'), got {mode!r}")
         level, _, rule = mode.partition("_")
         if level not in CORRECTION_LEVELS or rule not in CORRECTION_RULES:
             raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
@@ -335,7 +339,8 @@ class RolloutCorrection:
         "sequence" with a threshold "upper" (TIS) or "lower_upper" (IcePop), and the
         comma-separated ``rollout_rs`` filters with one threshold each (or one for all;
         a k1 threshold is "lower_upper" or "upper")."""
-        lower, upper = _verl_bounds(rollout_is_threshold) if rollout_is is not None else (None, None)
+        lower, upper = (_verl_bounds(rollout_is_threshold, "rollout_is_threshold") if rollout_is is not None
+                        else (None, None))
         filters = []
         if rollout_rs is not None:
             names = [name.strip() for name in rollout_rs.split(",") if name.strip()]
@@ -346,20 +351,29 @@ class RolloutCorrection:
             if len(specs) != len(names):
                 raise ValueError(f"rollout_rs_threshold has {len(specs)} values for {len(names)} filters")
             for name, spec in zip(names, specs):
-                filter_lower, filter_upper = _verl_bounds(spec)
+                filter_lower, filter_upper = _verl_bounds(spec, "rollout_rs_threshold")
                 filters.append(RejectionFilter(name, upper=filter_upper, lower=filter_lower))
         return cls(level=rollout_is, rule="truncate" if lower is None else "mask", lower=lower, upper=upper,
                    batch_normalize=rollout_is_batch_normalize, rejection=tuple(filters))
 
 
-def _verl_bounds(spec) -> tuple[float | None, float]:
+# A number as verl's thresholds write one: digits, a point, an exponent; no Python
+# digit-group underscores, which would read "0.5_2_0" (a malformed "lower_upper") as 20.
+_VERL_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _verl_bounds(spec, option: str) -> tuple[float | None, float]:
     """verl's threshold "upper" or "lower_upper" (or a number: the upper bound)."""
+    expected = "a number, or a string 'upper' or 'lower_upper' such as '2.0' or '0.5_2.0'"
     if isinstance(spec, bool) or not isinstance(spec, (str, int, float)):
-        raise TypeError(f"a verl threshold is a number or a string 'upper' or 'lower_upper', got {spec!r}")
-    if isinstance(spec, str) and "_" in spec:
-        lower, upper = spec.split("_", 1)
-        return float(lower), float(upper)
-    return None, float(spec)
+        raise TypeError(f"{option} must be {expected}, got {spec!r}")
+    if not isinstance(spec, str):
+        return None, float(spec)
+    parts = spec.strip().split("_")
+    if len(parts) > 2 or not all(_VERL_NUMBER.fullmatch(part) for part in parts):
+        raise ValueError(f"{option} must be {expected}, got {spec!r}")
+    bounds = [float(part) for part in parts]
+    return (None, bounds[0]) if len(bounds) == 1 else (bounds[0], bounds[1])
 
 
 @dataclass(frozen=True)

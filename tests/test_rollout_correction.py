@@ -289,6 +289,21 @@ def test_verl_and_trl_spellings():
         RolloutCorrection.from_verl(rollout_rs="token_k1,token_k2,token_k3", rollout_rs_threshold="2.0,0.1")
     with pytest.raises(ValueError, match="unknown vllm_importance_sampling_mode"):
         RolloutCorrection.from_trl("batch_mask", None, 3.0)
+    with pytest.raises(TypeError, match="vllm_importance_sampling_mode must be one of TRL's modes"):
+        RolloutCorrection.from_trl(None, None, 3.0)
+    assert RolloutCorrection.from_verl("token", " 1e-3_5 ") == RolloutCorrection(level="token", rule="mask",
+                                                                                  lower=1e-3, upper=5.0)
+
+
+@pytest.mark.parametrize("threshold", ["0.5_2_0", "abc", "0.5_", "_2.0", "0.5-2.0", "2.0x", "1_2_3"])
+@pytest.mark.parametrize("option", ["rollout_is_threshold", "rollout_rs_threshold"])
+def test_malformed_verl_thresholds_are_refused_naming_the_option(option, threshold):
+    """Not a number or 'lower_upper': refused, naming the option (Python's float would read
+    '0.5_2_0' as 20, and say nothing of the option otherwise)."""
+    options = ({"rollout_is": "token", option: threshold} if option == "rollout_is_threshold"
+               else {"rollout_rs": "token_k1", option: threshold})
+    with pytest.raises(ValueError, match=f"^{option} must be a number, or a string 'upper' or 'lower_upper'"):
+        RolloutCorrection.from_verl(**options)
 
 
 @pytest.mark.parametrize("change, message", [
