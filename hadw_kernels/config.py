@@ -429,6 +429,10 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+# SAPO's temperatures for which every backend's float32 arithmetic stays finite.
+SAPO_TEMPERATURE_RANGE = (1e-30, 1e30)
+
+
 def check_finite_positive(name: str, value) -> None:
     """``value`` is a finite positive real (lambda_scale, std_eps, ...): strings, bools,
     NaN and non-positive values raise ValueError naming ``name``. Under torch.compile a
@@ -600,6 +604,13 @@ class LossConfig:
         for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             if getattr(self, name) is not None:
                 check_finite_positive(name, getattr(self, name))
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            value = getattr(self, name)
+            if value is not None and not _compiling() and not SAPO_TEMPERATURE_RANGE[0] <= value <= SAPO_TEMPERATURE_RANGE[1]:
+                # The kernels compute in fp32: 4 / tau overflows below the range, tau itself
+                # above it, and tau (rho - 1) is then NaN on policy (inf * 0).
+                raise ValueError(f"{name} must lie in [{SAPO_TEMPERATURE_RANGE[0]:g}, {SAPO_TEMPERATURE_RANGE[1]:g}] "
+                                 f"(the gate's scale 4 / tau and its slope stay finite in float32), got {value!r}")
         for name in ("vespo_k_pos", "vespo_k_neg"):
             value = getattr(self, name)
             if value is not None and not (0 <= value < math.inf):

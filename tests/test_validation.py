@@ -71,6 +71,8 @@ def _call(group_size=2, **overrides):
         (dict(logprobs=torch.zeros(4, 3, dtype=torch.long)), TypeError, "floating-point"),
         (dict(loss_normalizer=0), ValueError, "loss_normalizer"),
         (dict(backend="cuda-magic"), ValueError, "unknown backend"),
+        (dict(loss_type="sapo", sapo_temperature_pos=1e-40), ValueError, r"sapo_temperature_pos must lie in \[1e-30"),
+        (dict(loss_type="sapo", sapo_temperature_neg=1e40), ValueError, r"sapo_temperature_neg must lie in \[1e-30"),
     ],
 )
 def test_bad_input_raises(overrides, error, match):

@@ -274,3 +274,24 @@ def test_float16_ratios_past_its_range_stay_finite(backend, device, layout, loss
     assert all(math.isfinite(float(value)) for value in metrics.values()), metrics
     torch.testing.assert_close(loss.float(), loss32, rtol=1e-3, atol=0)
     torch.testing.assert_close(metrics["ratio_mean"], metrics32["ratio_mean"], rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e30])
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_sapo_at_the_ends_of_its_temperature_range_stays_finite(backend, device, temperature, on_policy):
+    """SAPO's temperatures are accepted in [1e-30, 1e30] (validation refuses the rest): at
+    either end every backend's loss, gradient and metrics are finite and the torch
+    backend's. Beyond them float32's 4 / tau or tau overflowed, and the C++ loss was NaN."""
+    batch = _clean_batch(device)
+    old = None if on_policy else batch["old_logprobs"]
+    results = {}
+    for name in {backend, "torch"}:
+        leaf = batch["logprobs"].clone().requires_grad_()
+        loss, metrics = fused_hadw_grpo_loss(
+            leaf, old, batch["rewards"], batch["response_mask"], group_size=GROUP_SIZE, loss_type="sapo",
+            sapo_temperature_pos=temperature, sapo_temperature_neg=temperature, return_metrics=True, backend=name)
+        loss.backward()
+        assert math.isfinite(float(loss)) and bool(torch.isfinite(leaf.grad).all())
+        assert all(math.isfinite(float(value)) for value in metrics.values()), metrics
+        results[name] = (loss.detach(), leaf.grad)
+    torch.testing.assert_close(results[backend], results["torch"], rtol=1e-4, atol=1e-6 * max(1.0, 4 / temperature))
