@@ -7,7 +7,9 @@
 // Built against Python's limited API (no pybind11): the module's import runs the static
 // registration below. Its attributes: CONFIG, the JSON of the config.py constants it was
 // compiled with (build/generated/hadw_config.h), which the backend checks against the
-// running config.py; ROW_KERNELS, "avx512" or "portable" (csrc/tile_math.h).
+// running config.py; SCHEMAS, the digest of the op signatures it was declared against
+// (build/generated/kernels.h), which the backend reads from the file before importing it;
+// ROW_KERNELS, "avx512" or "portable" (csrc/tile_math.h).
 
 #include <Python.h>
 #include <torch/library.h>
@@ -36,6 +38,7 @@ extern "C" PyObject* PyInit__cpu_kernels(void) {
   };
   PyObject* module = PyModule_Create(&module_definition);
   if (module != nullptr && (PyModule_AddStringConstant(module, "CONFIG", hadw::config::kFingerprint) != 0 ||
+                            PyModule_AddStringConstant(module, "SCHEMAS", hadw::kSchemas) != 0 ||
                             PyModule_AddStringConstant(module, "ROW_KERNELS", hadw::row_kernels()) != 0)) {
     Py_DECREF(module);
     return nullptr;

@@ -579,6 +579,48 @@ def test_a_module_built_from_another_config_is_refused(monkeypatch):
     assert "another hadw_kernels/config.py" in cpp_backend._load_extension()
 
 
+@needs_extension
+def test_the_module_records_the_signatures_it_was_declared_against():
+    import hadw_kernels._cpu_kernels as module
+
+    assert module.SCHEMAS == cpp_declarations.SCHEMA_MARK + cpp_declarations.schema_digest(signatures.SIGNATURES)
+    assert cpp_backend._schemas_built_for(module.__file__) == cpp_declarations.schema_digest(signatures.SIGNATURES)
+
+
+@needs_extension
+def test_a_module_built_for_other_op_signatures_is_refused_without_aborting(tmp_path):
+    """An extension built before an op's schema changed (an editable install after a pull):
+    importing it registered its kernels against the new schemas, and the dispatcher aborted
+    the process (SIGABRT) at ``import hadw_kernels``. The backend reads the signatures'
+    digest from the module's file first, refuses cpp with a message saying how to rebuild,
+    and the torch backend works."""
+    import hadw_kernels
+
+    package = tmp_path / "hadw_kernels"
+    shutil.copytree(Path(hadw_kernels.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    schema_file = package / "ops" / "signatures.py"
+    schema_file.write_text(schema_file.read_text().replace(
+        '"bool with_entropy)",\n        "(Tensor logprobs, Tensor entropy, Tensor lse, Tensor mean_logit)"',
+        '"bool with_entropy, int? chunk)",\n        "(Tensor logprobs, Tensor entropy, Tensor lse, Tensor mean_logit)"'))
+    assert "int? chunk" in schema_file.read_text()
+    code = (
+        "import torch, hadw_kernels\n"
+        "from hadw_kernels.backends import cpp_backend\n"
+        "print(hadw_kernels.__file__)\n"
+        "print(cpp_backend._UNAVAILABLE)\n"
+        "loss = hadw_kernels.fused_hadw_grpo_loss(-torch.rand(4, 3), None, torch.tensor([1.0, 0.0, 1.0, 0.0]),\n"
+        "    torch.ones(4, 3), group_size=2)\n"
+        "print(hadw_kernels.available_backends(), torch.isfinite(loss).item())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(str(package))
+    assert "built for other op signatures" in lines[1] and "pip install --no-build-isolation -e ." in lines[1]
+    assert "'cpp'" not in lines[2] and "'torch'" in lines[2] and lines[2].endswith(" True")
+
+
 # --- loading ---------------------------------------------------------------------------------
 
 

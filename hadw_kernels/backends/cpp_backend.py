@@ -6,27 +6,51 @@ routing argument); this module makes them the "cpp" kernels of the ``hadw::`` op
 module is built by the package install when a C++ compiler and torch are there
 (setup.py); otherwise the backend says why it cannot serve, and "auto" takes "torch".
 A module compiled from another ``config.py`` (its metric order or option codes) is
-refused the same way: it would index the metrics wrongly.
+refused the same way: it would index the metrics wrongly; and so is one declared against
+other op signatures (an editable install after a pull that changed an op), before it is
+imported: registering its kernels against the running schemas would abort the process.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 
 import torch
 
 from .. import config, ops
 from ..precision import accumulate_dtype
+from ..ops.signatures import SIGNATURES
 from .cpp_constants import fingerprint
+from .cpp_declarations import SCHEMA_MARK, schema_digest
 from .kernel_backend import KernelBackend
 
 NAME = "cpp"
 EXTENSION = "hadw_kernels._cpu_kernels"
 
 
+REBUILD = "rebuild it: pip install --no-build-isolation -e . (docs/cpp-backend.md)"
+
+
+def _schemas_built_for(path: str) -> str | None:
+    """The op signatures' digest compiled into the module at ``path``, read from its bytes
+    (None: a module older than the digest)."""
+    with open(path, "rb") as module_file:
+        data = module_file.read()
+    at = data.find(SCHEMA_MARK.encode())
+    return None if at < 0 else data[at + len(SCHEMA_MARK):at + len(SCHEMA_MARK) + 64].decode("ascii", "replace")
+
+
 def _load_extension() -> str | None:
     """Imports the kernels; returns why they cannot be used, or None."""
+    spec = importlib.util.find_spec(EXTENSION)
+    if spec is not None and spec.origin is not None:
+        built_for = _schemas_built_for(spec.origin)
+        if built_for != schema_digest(SIGNATURES):
+            return (f"the C++ extension {EXTENSION} ({spec.origin}) was built for other op signatures than "
+                    f"hadw_kernels/ops/signatures.py's{'' if built_for else ' (before they were recorded in it)'}: "
+                    f"{REBUILD}")
     try:
         module = importlib.import_module(EXTENSION)
     except ModuleNotFoundError as error:
@@ -45,7 +69,7 @@ def _load_extension() -> str | None:
     if built_with != fingerprint(vars(config)):
         return (
             f"the C++ extension {EXTENSION} was built from another hadw_kernels/config.py than the one "
-            "running (metric order, option codes or clamps differ): rebuild it (docs/cpp-backend.md)"
+            f"running (metric order, option codes or clamps differ): {REBUILD}"
         )
     return None
 

@@ -10,7 +10,19 @@ longer matches its declaration is a compile error.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 HEADER_NAME = "kernels.h"
+# Leads the schemas' digest in the compiled module's bytes, where the backend finds it
+# without importing the module (importing one built for other schemas aborts the process
+# when the dispatcher checks its kernels against them).
+SCHEMA_MARK = "hadw-op-schemas:"
+
+
+def schema_digest(signatures: dict) -> str:
+    """sha256 of the ops' signatures: what the compiled kernels were declared against."""
+    return hashlib.sha256(json.dumps(signatures, sort_keys=True).encode()).hexdigest()
 
 # The schema language's types as a C++ kernel takes them ("T?" is optional).
 _CPP_TYPES = {
@@ -67,6 +79,9 @@ def header(signatures: dict) -> str:
     for op, (arguments, returns) in signatures.items():
         lines.append(declaration(op, arguments, returns))
     lines += [
+        "// The signatures' digest: the module's SCHEMAS attribute, read from its file before import.",
+        f'constexpr char kSchemas[] = "{SCHEMA_MARK}{schema_digest(signatures)}";',
+        "",
         '// "avx512", "avx2" or "portable": the loops the softmax row sums run on this CPU',
         "// (tile_math.h); the module's ROW_KERNELS attribute.",
         "const char* row_kernels();",
