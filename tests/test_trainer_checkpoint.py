@@ -8,6 +8,7 @@ No model is built: a stand-in engine writes and reads what DeepSpeed would.
 import json
 import pickle
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -150,3 +151,55 @@ def test_resuming_a_run_that_does_not_exist_fails_unless_asked(tmp_path):
     save_checkpoint(existing / "checkpoints", 1, _Engine(), _anchor_after([0.5]), keep=2)
     assert resume_point(existing, resume=True, start_if_missing=False) == existing / "checkpoints" / "step-00000001"
     assert [step for step, _ in completed_checkpoints(existing / "checkpoints")] == [1]
+
+
+def test_a_run_directory_is_claimed_by_one_process(tmp_path):
+    """Two runs of one run.name started together both passed the check for an existing
+    run and trained into one directory: the first to start claims it (a lock file made
+    atomically), the second is refused naming the first's pid, and the lock goes with
+    the run; a lock whose process is gone is taken over."""
+    from trainer.run import LOCK_FILE, claimed_run_directory
+
+    run_dir = tmp_path / "runs" / "same-name"
+    with claimed_run_directory(run_dir):
+        assert (run_dir / LOCK_FILE).read_text() == str(__import__("os").getpid())
+        with pytest.raises(ConfigError, match=r"another trainer process \(pid \d+\) is running in .*another run.name"):
+            with claimed_run_directory(run_dir):
+                pass
+    assert not (run_dir / LOCK_FILE).exists()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (run_dir / LOCK_FILE).write_text(gone.stdout.strip())
+    with claimed_run_directory(run_dir):
+        pass
+    assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_a_second_run_of_a_claimed_name_stops_before_it_builds_anything(tmp_path):
+    from trainer.run import LOCK_FILE
+
+    run_dir = tmp_path / "runs" / "busy"
+    run_dir.mkdir(parents=True)
+    (run_dir / LOCK_FILE).write_text(str(__import__("os").getpid()))  # this test's process: alive
+    result = subprocess.run(
+        [sys.executable, str(REPO / "trainer" / "run.py"), "--set", "run.name=busy", "--set",
+         f"run.output_dir={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "another trainer process" in result.stderr, result.stderr[-2000:]
+    assert sorted(path.name for path in run_dir.iterdir()) == [LOCK_FILE]  # nothing written
+
+
+def test_an_exported_master_port_in_use_is_named(tmp_path):
+    """One process without a launcher on an exported MASTER_PORT that another run holds:
+    refused at startup saying what to do, not a torch.distributed traceback."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        environment = {key: value for key, value in __import__("os").environ.items()
+                       if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        result = subprocess.run(
+            [sys.executable, str(REPO / "trainer" / "run.py"), "--set", f"run.output_dir={tmp_path}"],
+            capture_output=True, text=True, timeout=300, env={**environment, "MASTER_PORT": str(port)})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"MASTER_PORT={port} is in use" in result.stderr and "unset MASTER_PORT" in result.stderr

@@ -53,11 +53,31 @@ def prepare_environment(config) -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "RANK" not in os.environ:  # one process, no launcher
+        if "MASTER_PORT" in os.environ:
+            _check_port_free(os.environ["MASTER_PORT"])
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
             MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
         )
+
+
+def _check_port_free(port: str) -> None:
+    """A MASTER_PORT the user exported, for a run without a launcher, must be free here:
+    a second run on the same port died inside torch.distributed with a traceback that did
+    not name it."""
+    from .config import ConfigError
+
+    try:
+        number = int(port)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", number))
+    except (ValueError, OverflowError) as error:
+        raise ConfigError(f"MASTER_PORT={port!r} is not a port number ({error}): unset it, and the trainer picks "
+                          "a free port") from None
+    except OSError:
+        raise ConfigError(f"MASTER_PORT={port} is in use (another trainer run, or another program): unset "
+                          "MASTER_PORT, and the trainer picks a free port, or export a free one") from None
 
 
 def world_size() -> int:

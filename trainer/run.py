@@ -17,6 +17,8 @@ it again, and the engines read environment variables set before they are importe
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -71,18 +73,70 @@ def resume_point(run_dir: Path, resume: bool, start_if_missing: bool) -> Path | 
     return checkpoint
 
 
+LOCK_FILE = ".trainer.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def claimed_run_directory(run_dir: Path):
+    """The run directory for this process alone while it runs (rank 0 claims it): a lock
+    file created atomically, holding the pid, removed at exit. Two runs of one run.name
+    started together would otherwise both pass the check for an existing run and write
+    each other's metrics and checkpoints. A lock whose process is gone (a run killed
+    outright) is taken over."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / LOCK_FILE
+    for _ in range(2):
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                owner = int(lock.read_text().strip() or 0)
+            except (OSError, ValueError):
+                owner = 0
+            if owner and _alive(owner):
+                raise ConfigError(
+                    f"another trainer process (pid {owner}) is running in {run_dir.resolve()}: wait for it to "
+                    "finish, or give this run another run.name") from None
+            lock.unlink(missing_ok=True)  # left by a run that is gone
+    else:
+        raise ConfigError(f"could not claim {run_dir.resolve()} for this run (its lock file kept reappearing)")
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(str(os.getpid()))
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-        # Before anything imports torch (validation does): it reads the thread count then.
-        prepare_environment(config)
-        validate(config, world_size())
-        checkpoint = resume_point(config.run_dir, args.resume, args.start_if_missing)
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as claim:
+        try:
+            config = load_config(args.config, args.overrides)
+            # Before anything imports torch (validation does): it reads the thread count then.
+            prepare_environment(config)
+            validate(config, world_size())
+            checkpoint = resume_point(config.run_dir, args.resume, args.start_if_missing)
+            if int(os.environ.get("RANK", "0")) == 0:
+                claim.enter_context(claimed_run_directory(config.run_dir))
+        except ConfigError as error:
+            print(f"config error: {error}", file=sys.stderr)
+            return 2
+        return _train(config, checkpoint)
 
+
+def _train(config, checkpoint) -> int:
     from trainer.environment import init_distributed
     from trainer.loop import Trainer
 
