@@ -107,7 +107,9 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     ``position_ids`` [N] or [1, N], whose positions restart at 0 at each sequence (as
     transformers' ``DataCollatorWithFlattening`` and padding-free trainers give them).
 
-    Reads the positions on the host (one synchronisation on a GPU): compute the offsets
+    Positions that do not count up by one within a sample (1, 2, 4 or 0, 2) are refused:
+    they are not a packed row's, and offsets read from them would cut other samples.
+    Reads the positions on the host (two synchronisations on a GPU): compute the offsets
     once per batch, where the batch is built, not inside a compiled step."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point():
         raise TypeError("position_ids must be an integer tensor [N] or [1, N]")
@@ -119,4 +121,13 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     if tokens and (starts.numel() == 0 or int(starts[0]) != 0):
         raise ValueError("position_ids must start at 0 (the first sequence's first token)")
     end = torch.full((1,), tokens, dtype=starts.dtype, device=starts.device)
-    return torch.cat([starts, end]).to(torch.int32)
+    offsets = torch.cat([starts, end])
+    expected = torch.arange(tokens, device=positions.device) - starts.repeat_interleave(offsets.diff())
+    wrong = (positions != expected).nonzero().flatten()
+    if wrong.numel():
+        at = int(wrong[0])
+        raise ValueError(
+            f"position_ids must count up by one within each sample and restart at 0 at the next: position "
+            f"{at} holds {int(positions[at])} where its sample's count gives {int(expected[at])}"
+        )
+    return offsets.to(torch.int32)

@@ -46,6 +46,10 @@ def test_offsets_from_position_ids():
 
 @pytest.mark.parametrize("positions, error, match", [
     (torch.tensor([1, 2, 0, 1]), ValueError, "must start at 0"),
+    # Not a packed row's positions: a gap, a repeat, a sample that does not restart at 0.
+    (torch.tensor([0, 1, 3, 0, 1]), ValueError, "position 2 holds 3 where its sample's count gives 2"),
+    (torch.tensor([0, 1, 1, 2]), ValueError, "position 2 holds 1 where its sample's count gives 2"),
+    (torch.tensor([0, 1, 2, 5, 6, 0]), ValueError, "position 3 holds 5 where its sample's count gives 3"),
     (torch.zeros(2, 4, dtype=torch.long), ValueError, r"\[N\] or \[1, N\]"),
     (torch.zeros(4), TypeError, "integer tensor"),
     ([0, 1, 0], TypeError, "integer tensor"),
