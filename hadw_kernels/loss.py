@@ -311,7 +311,7 @@ def fused_linear_hadw_grpo_loss(
         assert_cu_seqlens(layout)
     importance_weights = layout.per_token(importance_weights)
     corrected_metrics = {}
-    if _has_correction(config) and not _reads_current_policy(config, old):
+    if _has_correction(config) and not _reads_current_policy(config, old is not None):
         # Weights and filters from the behaviour and rollout log-probs alone: formed before
         # the sweep, whose rejected rows then enter no GEMM.
         correction = correct(config, layout, mask.bool(), old_logprobs=old, rollout_logprobs=rollout, logprobs=None,
@@ -344,12 +344,12 @@ def fused_linear_hadw_grpo_loss(
     return (loss, metrics) if return_metrics else loss
 
 
-def _reads_current_policy(config: LossConfig, old_logprobs: torch.Tensor | None) -> bool:
+def _reads_current_policy(config: LossConfig, old_logprobs_given: bool) -> bool:
     """Whether a correction or mask reads the current policy's log-probs or entropies (the
     off-policy and entropy masks, the bias-corrected KL, a rollout weight of an on-policy
     call, whose behaviour log-probs are the current ones): the linear loss then forms them
     first (its recompute path)."""
-    on_policy_weight = config.rollout_correction is not None and old_logprobs is None
+    on_policy_weight = config.rollout_correction is not None and not old_logprobs_given
     return needs_current_logprobs(config) or config.kl_bias_correction or on_policy_weight
 
 
@@ -428,26 +428,35 @@ def _checks_run(check_values: bool) -> bool:
     return check_values and not torch.compiler.is_compiling()
 
 
+def refuse_gradients_in_forward(config: LossConfig, old_logprobs_given: bool = True,
+                                option: str = "linear_path") -> None:
+    """Raises where ``config`` cannot take the gradients-in-forward path: a ratio per
+    response, or a correction or mask that reads the batch's log-probs first (with
+    ``old_logprobs_given`` False, a rollout correction of an on-policy call reads them
+    too). ``option``: the name the caller knows the path's option by."""
+    if config.sequence_level:
+        raise ValueError(
+            f"{option}='gradients_in_forward' needs a token ratio: with ratio_level={config.ratio_level!r} "
+            f"(objective {config.objective!r}) a token's gradient depends on every log-prob of its response; "
+            "use 'recompute' or 'auto'"
+        )
+    if _reads_current_policy(config, old_logprobs_given):
+        raise ValueError(
+            f"{option}='gradients_in_forward' forms each token's gradient before the batch's log-probs are "
+            "known: off_policy_mask_threshold, top_entropy_quantile < 1, kl_bias_correction and a rollout "
+            "correction without old_logprobs read them first; use 'recompute' or 'auto'"
+        )
+
+
 def _linear_path(requested: str, implementation, config: LossConfig, device: torch.device,
                  old_logprobs: torch.Tensor | None) -> str:
     available = implementation.linear_surrogate is not None and implementation.has_gradients_in_forward(device)
-    reads_current = _reads_current_policy(config, old_logprobs)
+    reads_current = _reads_current_policy(config, old_logprobs is not None)
     if requested == "auto":
         return "gradients_in_forward" if available and not config.sequence_level and not reads_current \
             else "recompute"
     if requested == "gradients_in_forward":
-        if config.sequence_level:
-            raise ValueError(
-                f"linear_path='gradients_in_forward' needs a token ratio: with ratio_level={config.ratio_level!r} "
-                f"(objective {config.objective!r}) a token's gradient depends on every log-prob of its response; "
-                "use 'recompute' or 'auto'"
-            )
-        if reads_current:
-            raise ValueError(
-                "linear_path='gradients_in_forward' forms each token's gradient before the batch's log-probs are "
-                "known: off_policy_mask_threshold, top_entropy_quantile < 1, kl_bias_correction and a rollout "
-                "correction without old_logprobs read them first; use 'recompute' or 'auto'"
-            )
+        refuse_gradients_in_forward(config, old_logprobs is not None)
         if not available:
             raise ValueError(f"backend {implementation.name!r} has no gradients-in-forward path here")
     return requested

@@ -347,12 +347,38 @@ def test_trl_s_default_bf16_trains_on_the_cpu(model_dir, tmp_path):
         (dict(hadw_linear_path="fast"), "unknown hadw_linear_path 'fast'"),
         (dict(hadw_anchor_rule="median"), "hadw_anchor_\\*: unknown rule 'median'"),
         (dict(hadw_anchor_initial=1.5), "hadw_anchor_\\*: initial must lie in"),
+        # What the first step would otherwise raise, after generating.
+        (dict(hadw_linear_path="gradients_in_forward", top_entropy_quantile=0.5),
+         "hadw_linear_path='gradients_in_forward' forms each token's gradient before"),
+        (dict(hadw_linear_path="gradients_in_forward", off_policy_mask_threshold=0.1),
+         "hadw_linear_path='gradients_in_forward' forms each token's gradient before"),
+        (dict(hadw_linear_path="gradients_in_forward", beta=0.05, use_bias_correction_kl=True),
+         "hadw_linear_path='gradients_in_forward' forms each token's gradient before"),
+        (dict(hadw_linear_path="gradients_in_forward", importance_sampling_level="sequence"),
+         "hadw_linear_path='gradients_in_forward' needs a token ratio"),
+        (dict(loss_type="gspo"), "TRL's GSPO is loss_type='grpo' with importance_sampling_level='sequence'"),
     ],
 )
 def test_bad_hadw_fields_are_refused_when_the_config_is_built(options, message, tmp_path):
     # Checked in __post_init__ with the library's own checks, not at the first loss.
     with pytest.raises(ValueError, match=message):
         HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "loss_type": "dapo", **options})
+
+
+def test_a_backend_that_cannot_serve_the_device_is_refused_when_the_trainer_is_built(model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """hadw_backend='triton' on the CPU without Triton's interpreter: refused when the
+    trainer is built, not at the first loss after a generation."""
+    import hadw_kernels.integrations.trl as integration
+    from hadw_kernels.ops import BackendUnavailable
+
+    def unavailable(name, device):
+        raise BackendUnavailable(f"backend {name!r} cannot serve {device}: its kernels run on CUDA")
+
+    monkeypatch.setattr(integration, "resolve_backend", unavailable)
+    with pytest.raises(ValueError, match=r"hadw_backend='triton': backend 'triton' cannot serve cpu"):
+        HADWGRPOTrainer(model=model_dir, reward_funcs=sevens, train_dataset=PROMPTS, processing_class=TOKENIZER,
+                        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "hadw_backend": "triton"}))
 
 
 def test_the_default_anchor_rule_is_the_library_s(tmp_path):

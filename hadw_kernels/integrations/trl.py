@@ -57,11 +57,11 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 from ..advantage import hadw_weights
 from ..anchor import (DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_RULE, DEFAULT_WINDOW, DifficultyAnchor,
                       batch_reward_statistics)
-from ..backends import check_backend_name
+from ..backends import BackendUnavailable, check_backend_name, resolve_backend
 from ..config import (AGGREGATIONS, DEFAULT_LAMBDA_SCALE, LOG_RATIO_CLAMP, LOSS_PRESETS, OBJECTIVES,
                       VESPO_LOG_WEIGHT_MIN, LossConfig, RolloutCorrection, check_block_rows, check_finite_positive,
                       check_linear_path)
-from ..loss import fused_linear_hadw_grpo_loss
+from ..loss import fused_linear_hadw_grpo_loss, refuse_gradients_in_forward
 from .rewards import require_unit_interval
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,10 @@ class HADWGRPOConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.loss_type not in TRL_LOSS_TYPES:
-            raise ValueError(f"HADWGRPOTrainer runs loss_type in {sorted(TRL_LOSS_TYPES)}, got {self.loss_type!r}")
+            hint = (": TRL's GSPO is loss_type='grpo' with importance_sampling_level='sequence'"
+                    if self.loss_type == "gspo" else "")
+            raise ValueError(f"HADWGRPOTrainer runs loss_type in {sorted(TRL_LOSS_TYPES)}, got "
+                             f"{self.loss_type!r}{hint}")
         cap = self.objective_options().get("ratio_cap")
         if cap is not None and cap < 1:
             # TRL leaves epsilon_high at epsilon (0.2) unless set, which caps every weight at 0.2.
@@ -195,8 +198,14 @@ class HADWGRPOConfig(GRPOConfig):
                 f"which must be at least 1, got epsilon_high={cap} (TRL leaves it at epsilon unless set); "
                 "set epsilon_high=5.0, TRL's recommended value"
             )
-        # The loss's own checks of these options (temperatures, gamma shapes, clip range).
-        LossConfig.build(TRL_LOSS_TYPES[self.loss_type].preset, **self.loss_choices())
+        # The loss's own checks of these options (temperatures, gamma shapes, clip range),
+        # and of its linear path, which the first step would otherwise raise after generating.
+        loss_config = LossConfig.build(
+            TRL_LOSS_TYPES[self.loss_type].preset, **self.loss_choices(),
+            top_entropy_quantile=self.top_entropy_quantile, off_policy_mask_threshold=self.off_policy_mask_threshold,
+            kl_bias_correction=self.beta != 0.0 and self.use_bias_correction_kl)
+        if self.hadw_linear_path == "gradients_in_forward":
+            refuse_gradients_in_forward(loss_config, option="hadw_linear_path")
         # The library's own checks, here so a bad value fails when the config is built
         # rather than at the first loss (TRL checks none of these fields).
         check_finite_positive("hadw_lambda_scale", self.hadw_lambda_scale)
@@ -264,6 +273,10 @@ class HADWGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, HADWGRPOConfig):
             raise TypeError(f"HADWGRPOTrainer needs args=HADWGRPOConfig(...), got {type(self.args).__name__}")
+        try:  # on the device training runs on, not at the first step after generating
+            resolve_backend(self.args.hadw_backend, self.accelerator.device)
+        except BackendUnavailable as error:
+            raise ValueError(f"hadw_backend={self.args.hadw_backend!r}: {error}") from None
         if self.aux_loss_enabled:
             raise ValueError("HADWGRPOTrainer's fused loss does not add the MoE router auxiliary loss "
                              "(set router_aux_loss_coef=0)")
