@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 # The suite runs on the CPU by default, the Triton kernels in Triton's interpreter, which
 # must be on before any @triton.jit function is defined. HADW_TEST_DEVICE=cuda runs the
@@ -6,6 +7,14 @@ import os
 TEST_DEVICE = os.environ.get("HADW_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under ATEN_CPU_CAPABILITY (the suite run with another instruction set: avx2, default),
+# Inductor's cache of compiled code and precompiled headers is kept apart: its keys do not
+# hold the capability, and code cached under another one failed to compile (default) or
+# crashed the process (avx2).
+if os.environ.get("ATEN_CPU_CAPABILITY"):
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
