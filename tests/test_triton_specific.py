@@ -330,7 +330,8 @@ def test_in_place_scaling_is_mul_(dtype, monkeypatch):
         scaled = scale_in_place_(values.clone(), scalar)
         expected = (values.to(compute) * scalar).to(dtype)
         torch.testing.assert_close(scaled, expected, rtol=0, atol=0, equal_nan=True)
-        assert torch.equal(scaled.view(-1)[2:3].signbit(), expected.view(-1)[2:3].signbit())
+        if not expected.view(-1)[2].isnan():  # -0.0 * inf: a NaN's sign is the instruction set's to choose
+            assert torch.equal(scaled.view(-1)[2:3].signbit(), expected.view(-1)[2:3].signbit())
     nan = torch.tensor(float("nan"), device=DEVICE)
     assert scale_in_place_(values.clone(), nan).isnan().all()
     strided = values.clone()[::2]
