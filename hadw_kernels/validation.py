@@ -162,8 +162,7 @@ def check_surrogate_inputs(
     _require_layout_shape("logprobs", logprobs, layout)
     check_batch_inputs(layout, response_mask, old_logprobs, config, inputs={"logprobs": logprobs}, **batch)
     if check_values:
-        _check_values(layout, response_mask, read_inputs(layout, config, logprobs=logprobs, old_logprobs=old_logprobs,
-                                                         **batch),
+        _check_values(layout, response_mask, read_inputs(config, logprobs=logprobs, old_logprobs=old_logprobs, **batch),
                       anchor=batch.get("anchor"), correction=(batch.get("rollout_logprobs"), batch.get("entropy")))
     else:
         assert_cu_seqlens(layout)
@@ -328,7 +327,7 @@ def _nonfinite_at(values: torch.Tensor, masked_out: torch.Tensor) -> torch.Tenso
     return (values * 0).masked_fill_(masked_out, 0).sum() != 0
 
 
-def read_inputs(layout: TokenLayout, config: LossConfig, **inputs) -> dict[str, torch.Tensor]:
+def read_inputs(config: LossConfig, **inputs) -> dict[str, torch.Tensor]:
     """The float inputs a call's loss reads, by name, for :func:`_check_values`: the
     log-probs, the old and (with a KL term) the reference log-probs, the rewards or
     advantages and the importance weights, per token or per response; None ones left out."""
@@ -347,7 +346,7 @@ def check_linear_values(
     the vocabulary, finite hidden states at response tokens) in one host read.
     ``hidden_states`` [N, H] and ``labels`` [N] are flat, the labels already
     ``ignore_index`` at padding; ``inputs`` as :func:`read_inputs` takes them."""
-    _check_values(layout, response_mask, read_inputs(layout, config, **inputs), anchor=anchor,
+    _check_values(layout, response_mask, read_inputs(config, **inputs), anchor=anchor,
                   linear=(hidden_states, labels, vocab, ignore_index), correction=(rollout_logprobs, None))
 
 
