@@ -10,8 +10,10 @@ Importing this module registers, in ``verl.trainer.ppo.core_algos``:
   ``hadw_gpg``, ``hadw_geo_mean`` and ``hadw_cispo`` (:data:`VERL_POLICY_LOSSES`): verl's
   losses of those names computed by :func:`hadw_kernels.fused_hadw_grpo_loss`, with
   verl's ActorConfig options, ``loss_agg_mode``, global-batch normalisation and rollout
-  weights, so they return verl's loss on the same tensors (where verl's geo_mean and
-  sapo ignore ``loss_agg_mode``, these follow it: docs/integrations/verl.md).
+  weights, so they return verl's loss, gradient and metrics on the same tensors, verl's
+  aggregation included (its sapo and geo_mean ignore ``loss_agg_mode``);
+  ``hadw_sapo_by_agg_mode`` and ``hadw_geo_mean_by_agg_mode`` are those two aggregated by
+  ``loss_agg_mode`` and the global counts instead (docs/integrations/verl.md).
 
 ``pip install hadw-kernels[verl]`` declares this module as a ``verl.plugins`` entry point,
 which verl imports in every process of a run: the names above are then known without
@@ -48,7 +50,7 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ..advantage import hadw_advantages
 from ..anchor import DifficultyAnchor
-from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP, OBJECTIVES, check_finite_positive
+from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP, check_finite_positive
 from ..loss import fused_hadw_grpo_loss
 from .rewards import require_unit_interval
 
@@ -224,31 +226,118 @@ class VerlPolicyLoss(NamedTuple):
     ``options``: the LossConfig fields it reads from verl's ActorConfig, by key.
     ``rollout_weights``: how ``rollout_is_weights`` [B, T] enter: "token" (each token's
     loss times its weight) or "geometric_mean" (one weight per response, the geometric
-    mean of its tokens', as verl's geo_mean)."""
+    mean of its tokens', as verl's geo_mean). ``aggregation``: how verl's function
+    aggregates (:data:`AGGREGATIONS`). ``metrics``: which of verl's metric rules it
+    reports (:data:`CLIP_METRICS`; None: no metrics, as verl's gpg)."""
 
     loss_mode: str
     objective: str
     ratio_level: str
     default_agg_mode: str
     options: dict
+    metrics: str | None
     rollout_weights: str = "token"
+    aggregation: str = "loss_agg_mode"
 
 
-# The fused versions of verl's policy losses, under verl's names prefixed "hadw_".
-VERL_POLICY_LOSSES = {
-    "hadw_vanilla": VerlPolicyLoss("vanilla", "clip", "token", "token-mean", {"dual_clip": "clip_ratio_c"}),
-    "hadw_gspo": VerlPolicyLoss("gspo", "clip", "gspo_token", "seq-mean-token-mean", {}),
-    "hadw_sapo": VerlPolicyLoss("sapo", "sapo", "token", "seq-mean-token-mean",
-                                {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}),
-    "hadw_gpg": VerlPolicyLoss("gpg", "gpg", "token", "token-mean", {}),
-    "hadw_geo_mean": VerlPolicyLoss("geo_mean", "gmpo", "sequence", "token-mean", {},
-                                    rollout_weights="geometric_mean"),
-    "hadw_cispo": VerlPolicyLoss("cispo", "cispo_clip", "token", "token-mean", {}),
+# How a verl policy loss aggregates its token losses: "loss_agg_mode" (verl's agg_loss with
+# the actor's mode and global_batch_info, as most of its losses), "seq-mean-token-mean"
+# (that agg_loss mode whatever loss_agg_mode says, as verl's sapo), or "row-mean" (the
+# micro-batch's mean over its rows, empty ones counted, global_batch_info ignored, as
+# verl's geo_mean).
+AGGREGATIONS = ("loss_agg_mode", "seq-mean-token-mean", "row-mean")
+
+
+def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # As verl's masked_mean: the count plus 1e-8 (in the default dtype: 0 without valid
+    # tokens); verl counts its fractions in float32, so they are formed here the same way.
+    if values.dtype == torch.bool:
+        values = values.float()
+    return (values * mask).sum() / (mask.sum() + 1e-8)
+
+
+def _ppo_clip_fraction(ratio, advantages, mask, epsilon_low, epsilon_high):
+    # The tokens whose clipped term is the larger loss (verl's vanilla and gspo).
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
+    return _token_mean(clipped > unclipped, mask)
+
+
+def _vanilla_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -advantages * ratio
+    clipped = torch.maximum(unclipped, -advantages * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high))
+    # Tokens whose loss the dual clip bounds: a negative advantage, a loss above -A c.
+    lower = (clipped > -advantages * dual_clip) & (advantages < 0)
+    return _ppo_clip_fraction(ratio, advantages, mask, epsilon_low, epsilon_high), _token_mean(lower, mask)
+
+
+def _gspo_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
+    # Each token carries its response's ratio, whose log verl clamps above at 10.
+    sequence = torch.where(mask, log_ratio, 0.0).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    ratio = torch.exp(sequence.clamp(max=10.0))[:, None].expand_as(log_ratio)
+    return _ppo_clip_fraction(ratio, advantages, mask, epsilon_low, epsilon_high), None
+
+
+def _cispo_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
+    # Ratios outside the range on either side, whatever the advantage.
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    outside = ratio != ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
+    return _token_mean(outside, mask), None
+
+
+def _geo_mean_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
+    # Log-ratios outside [-epsilon_low, epsilon_high]: with a positive advantage the clip
+    # fraction, with a negative one the lower fraction.
+    outside = log_ratio != log_ratio.clamp(-epsilon_low, epsilon_high)
+    return _token_mean(outside & (advantages > 0), mask), _token_mean(outside & (advantages < 0), mask)
+
+
+def _no_clip_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
+    return None, None
+
+
+# verl's metric rules, by the loss whose function defines them: each gives
+# (pg_clipfrac, pg_clipfrac_lower) as tensors (None: verl reports 0), and whether verl
+# clamps the log-ratio to +-20 before its ppo_kl.
+CLIP_METRICS = {
+    "vanilla": (_vanilla_metrics, True),
+    "gspo": (_gspo_metrics, False),
+    "sapo": (_no_clip_metrics, True),
+    "geo_mean": (_geo_mean_metrics, False),
+    "cispo": (_cispo_metrics, True),
 }
+
+
+# The fused versions of verl's policy losses, under verl's names prefixed "hadw_": each
+# gives verl's loss, gradient and metrics. The two "_by_agg_mode" rows aggregate by
+# loss_agg_mode and the global counts where verl's own function does not
+# (docs/integrations/verl.md).
+VERL_POLICY_LOSSES = {
+    "hadw_vanilla": VerlPolicyLoss("vanilla", "clip", "token", "token-mean", {"dual_clip": "clip_ratio_c"},
+                                   metrics="vanilla"),
+    "hadw_gspo": VerlPolicyLoss("gspo", "clip", "gspo_token", "seq-mean-token-mean", {}, metrics="gspo"),
+    "hadw_sapo": VerlPolicyLoss("sapo", "sapo", "token", "seq-mean-token-mean",
+                                {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"},
+                                metrics="sapo", aggregation="seq-mean-token-mean"),
+    "hadw_sapo_by_agg_mode": VerlPolicyLoss(
+        "sapo", "sapo", "token", "seq-mean-token-mean",
+        {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}, metrics="sapo"),
+    "hadw_gpg": VerlPolicyLoss("gpg", "gpg", "token", "token-mean", {}, metrics=None),
+    "hadw_geo_mean": VerlPolicyLoss("geo_mean", "gmpo", "sequence", "token-mean", {}, metrics="geo_mean",
+                                    rollout_weights="geometric_mean", aggregation="row-mean"),
+    "hadw_geo_mean_by_agg_mode": VerlPolicyLoss("geo_mean", "gmpo", "sequence", "token-mean", {},
+                                                metrics="geo_mean", rollout_weights="geometric_mean"),
+    "hadw_cispo": VerlPolicyLoss("cispo", "cispo_clip", "token", "token-mean", {}, metrics="cispo"),
+}
+# verl's ActorConfig defaults of the keys the rows read, for a config given as a plain mapping.
+ACTOR_DEFAULTS = {"clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05}
+assert all(key in ACTOR_DEFAULTS for loss in VERL_POLICY_LOSSES.values() for key in loss.options.values())
 # Other names of the same losses: "hadw", the first name of hadw_vanilla.
 VERL_POLICY_LOSS_ALIASES = {"hadw": "hadw_vanilla"}
 ROLLOUT_WEIGHTS = ("token", "geometric_mean")
-assert all(loss.rollout_weights in ROLLOUT_WEIGHTS for loss in VERL_POLICY_LOSSES.values())
+assert all(loss.rollout_weights in ROLLOUT_WEIGHTS and loss.aggregation in AGGREGATIONS
+           and (loss.metrics is None or loss.metrics in CLIP_METRICS) for loss in VERL_POLICY_LOSSES.values())
 
 
 def geometric_mean_per_response(weights: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -258,6 +347,24 @@ def geometric_mean_per_response(weights: torch.Tensor, response_mask: torch.Tens
     mask = response_mask.bool()
     log_weights = torch.where(mask, weights.log(), torch.zeros_like(weights))
     return torch.exp(log_weights.sum(dim=1) / mask.sum(dim=1).clamp(min=1))
+
+
+def verl_metrics(loss: VerlPolicyLoss, old_log_prob, log_prob, advantages, mask, epsilon_low, epsilon_high,
+                 dual_clip) -> dict[str, float]:
+    """verl's metrics of ``loss`` on these tensors, as its own function computes them."""
+    if loss.metrics is None:
+        return {}
+    rule, kl_clamped = CLIP_METRICS[loss.metrics]
+    with torch.no_grad():
+        log_ratio = (log_prob - old_log_prob).detach()
+        if kl_clamped:
+            log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        clip_fraction, lower = rule(log_ratio, advantages.detach(), mask, epsilon_low, epsilon_high, dual_clip)
+        return {
+            "actor/pg_clipfrac": 0.0 if clip_fraction is None else clip_fraction.item(),
+            "actor/ppo_kl": _token_mean(-log_ratio, mask).item(),
+            "actor/pg_clipfrac_lower": 0.0 if lower is None else lower.item(),
+        }
 
 
 def _fused_policy_loss(
@@ -276,34 +383,22 @@ def _fused_policy_loss(
     epsilon_high = config.get("clip_ratio_high", None)
     epsilon_low = clip_ratio if epsilon_low is None else epsilon_low
     epsilon_high = clip_ratio if epsilon_high is None else epsilon_high
-    options = {field: config.get(key, None) for field, key in loss.options.items()}
-    normalizer, max_length = batch_normalizer(loss_agg_mode, mask, config.get("global_batch_info", None) or {})
-    value, metrics = fused_hadw_grpo_loss(
+    options = {field: config.get(key, ACTOR_DEFAULTS[key]) for field, key in loss.options.items()}
+    if loss.aggregation == "row-mean":
+        # Every row counts, a response without valid tokens adding 0 to the sum.
+        loss_agg_mode, normalizer, max_length = "seq-mean-token-mean", float(mask.shape[0]) or None, None
+    else:
+        if loss.aggregation != "loss_agg_mode":
+            loss_agg_mode = loss.aggregation
+        normalizer, max_length = batch_normalizer(loss_agg_mode, mask, config.get("global_batch_info", None) or {})
+    value = fused_hadw_grpo_loss(
         log_prob, old_log_prob, None, mask, advantages=advantages, loss_agg_mode=loss_agg_mode,
         objective=loss.objective, ratio_level=loss.ratio_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
         importance_weights=rollout_is_weights, loss_normalizer=normalizer, max_response_length=max_length,
-        return_metrics=True, **options,
+        **options,
     )
-    with torch.no_grad():
-        log_ratio = torch.where(mask, (log_prob - old_log_prob).detach(), torch.zeros_like(log_prob))
-        tokens = mask.sum().clamp(min=1)
-        lower = torch.zeros((), device=log_prob.device)
-        dual_clip = options.get("dual_clip")
-        if dual_clip is not None:
-            # Tokens whose loss the dual clip bounds: a negative advantage and a PPO-clipped
-            # ratio above clip_ratio_c.
-            ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-            clipped = torch.maximum(ratio, ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high))
-            lower = ((clipped > dual_clip) & (advantages < 0) & mask).sum() / tokens
-        clip_fraction = metrics["clip_frac_low"] + metrics["clip_frac_high"]
-    return value, {
-        # verl's names. The clip fraction counts the ratios outside the clip range on the side
-        # the advantage makes active (responses where the ratio is per response); an objective
-        # without a clip range reports 0, as verl's sapo does.
-        "actor/pg_clipfrac": clip_fraction.item() if OBJECTIVES[loss.objective].clipped else 0.0,
-        "actor/ppo_kl": (-log_ratio.sum() / tokens).item(),
-        "actor/pg_clipfrac_lower": lower.item(),
-    }
+    return value, verl_metrics(loss, old_log_prob, log_prob, advantages, mask, epsilon_low, epsilon_high,
+                               options.get("dual_clip"))
 
 
 def _policy_loss(name: str, loss: VerlPolicyLoss):
