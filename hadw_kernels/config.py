@@ -57,6 +57,10 @@ AGG_MODES = tuple(AGGREGATIONS)
 #   k1: x    k2: x^2 / 2    k3: clamp(exp(-x') - 1 + x', -10, 10), x' = clamp(x, -20, 20)    abs: |x|
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 K3_LOG_RATIO_CLAMP = 20.0
+# The ratio that weighs the bias-corrected KL: the objective's own (its ratio form), or each
+# token's exp(l - l_old) whatever the objective's form (TRL's at importance_sampling_level
+# "token", where its VESPO's ratio is per response). docs/math.md, section 5d.
+KL_BIAS_RATIOS = ("objective", "token")
 K3_VALUE_CLAMP = 10.0
 
 # The metrics every implementation returns, in this order (kernels index them by name).
@@ -508,6 +512,7 @@ class LossConfig:
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
     kl_bias_correction: bool = False
+    kl_bias_ratio: str = "objective"
 
     @property
     def sequence_level(self) -> bool:
@@ -627,6 +632,11 @@ class LossConfig:
                              f"got {self.top_entropy_quantile!r}")
         if self.kl_bias_correction and self.beta == 0:
             raise ValueError("kl_bias_correction weighs the KL term by the ratio: it needs beta > 0")
+        if self.kl_bias_ratio not in KL_BIAS_RATIOS:
+            raise ValueError(f"kl_bias_ratio must be one of {KL_BIAS_RATIOS}, got {self.kl_bias_ratio!r}")
+        if self.kl_bias_ratio != "objective" and not self.kl_bias_correction:
+            raise ValueError(f"kl_bias_ratio={self.kl_bias_ratio!r} chooses the ratio of the bias-corrected KL: "
+                             "it needs kl_bias_correction=True")
         if self.max_response_length is not None and self.max_response_length < 1:
             raise ValueError(f"max_response_length must be positive, got {self.max_response_length}")
         if (
@@ -723,3 +733,4 @@ class LossOptions(TypedDict, total=False):
     off_policy_mask_threshold: float | None
     top_entropy_quantile: float | None
     kl_bias_correction: bool | None
+    kl_bias_ratio: str | None

@@ -13,6 +13,7 @@ from .config import (
     AGGREGATIONS,
     CORRECTION_METRIC_NAMES,
     IGNORE_INDEX,
+    LOG_RATIO_CLAMP,
     METRIC_NAMES,
     LossConfig,
     LossOptions,
@@ -133,7 +134,9 @@ def fused_hadw_grpo_loss(
             ``entropy`` [B, T] is at or above the (1 - q) quantile of the counted tokens'
             (over every rank when torch.distributed is initialised).
         kl_bias_correction: the KL term of each token weighed by its ratio (TRL's
-            use_bias_correction_kl).
+            use_bias_correction_kl); kl_bias_ratio: which ratio, "objective" (the
+            objective's, in its ratio form) or "token" (each token's own, as TRL at
+            importance_sampling_level="token" whatever the objective).
         loss_normalizer: the batch's count that replaces this call's in the aggregation
             (valid tokens for token-mean, responses for the seq-mean modes): pass the
             whole rollout batch's count to every micro-batch and their losses add up to
@@ -197,8 +200,8 @@ def _corrected_surrogate(implementation, logprobs, old_logprobs, mask, layout, c
             corrected_metrics["entropy_mean"] = masked_mean(entropy.detach(), mask.bool())
             entropy = entropy * correction.entropy_keep.to(entropy.dtype)
         corrected_metrics.update(correction.metrics)
-    kernel_config = dataclasses.replace(config, beta=0.0, kl_bias_correction=False) if config.kl_bias_correction \
-        else config
+    kernel_config = dataclasses.replace(config, beta=0.0, kl_bias_correction=False, kl_bias_ratio="objective") \
+        if config.kl_bias_correction else config
     loss, metrics = implementation.surrogate_loss(
         logprobs, old_logprobs, mask, layout, kernel_config, rewards=rewards, advantages=advantages, anchor=anchor,
         ref_logprobs=None if config.kl_bias_correction else ref_logprobs, importance_weights=importance_weights,
@@ -227,11 +230,16 @@ def _has_correction(config: LossConfig) -> bool:
 
 
 def _bias_corrected_kl(logprobs, old_logprobs, mask, layout, config, ref_logprobs, token_advantage):
-    """beta x the aggregated k(l, l_ref) x rho, rho the objective's ratio with its gradient
-    (TRL's use_bias_correction_kl), and the metric: the corrected estimate's mean. On [N]
-    tensors through autograd, beside the backend's op (docs/math.md, section 5d)."""
+    """beta x the aggregated k(l, l_ref) x rho, rho the ratio ``config.kl_bias_ratio`` names
+    with its gradient (TRL's use_bias_correction_kl), and the metric: the corrected
+    estimate's mean. On [N] tensors through autograd, beside the backend's op
+    (docs/math.md, section 5d)."""
     advantage = torch.where(mask, token_advantage.to(logprobs.dtype), torch.zeros_like(logprobs))
-    ratio, _, _ = token_ratio(logprobs, old_logprobs.detach(), mask, advantage, layout, config)
+    if config.kl_bias_ratio == "token":
+        log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    else:
+        ratio, _, _ = token_ratio(logprobs, old_logprobs.detach(), mask, advantage, layout, config)
     zero = torch.zeros_like(logprobs)
     own = torch.where(mask, logprobs, zero)
     corrected = kl_estimate(own, torch.where(mask, ref_logprobs.detach(), zero), config.kl_estimator) * ratio

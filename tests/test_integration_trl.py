@@ -55,16 +55,18 @@ LOSS_SETTINGS = {
     "grpo+entropy_mask": dict(loss_type="grpo", top_entropy_quantile=0.5),
     "grpo+off_policy_mask+kl_bias": dict(loss_type="grpo", beta=0.05, use_bias_correction_kl=True,
                                          off_policy_mask_threshold=0.02),
-    # TRL's VESPO weight is per response at either level.
+    # TRL's VESPO weight is per response at either level; at its default level "token" its
+    # bias-corrected KL weighs each token by the token's own ratio.
     "vespo+sequence": dict(loss_type="vespo", importance_sampling_level="sequence", vespo_k_pos=1.5,
                            vespo_lambda_pos=2.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5),
+    "vespo+kl_bias": dict(loss_type="vespo", beta=0.05, use_bias_correction_kl=True),
 }
 COMPARED_METRICS = ("loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                     "cispo_clip_ratio")
 # The clip fraction TRL logs, which must see clipping in one of the two steps (None: TRL
 # logs none; GSPO's range is 4e-4 wide).
 CLIP_METRIC = {"gspo": None, "cispo": "cispo_clip_ratio", "cispo+sequence": "cispo_clip_ratio",
-               "sapo+sequence": None, "vespo+sequence": None}
+               "sapo+sequence": None, "vespo+sequence": None, "vespo+kl_bias": None}
 # TRL counts its high clip fraction on the ratio after delta's cap, so with delta below
 # 1 + epsilon_high it logs 0 however many ratios pass 1 + epsilon_high; this integration
 # counts them (docs/math.md, "Where the hosts differ").
@@ -357,6 +359,8 @@ def test_trl_s_default_bf16_trains_on_the_cpu(model_dir, tmp_path):
         (dict(hadw_linear_path="gradients_in_forward", importance_sampling_level="sequence"),
          "hadw_linear_path='gradients_in_forward' needs a token ratio"),
         (dict(loss_type="gspo"), "TRL's GSPO is loss_type='grpo' with importance_sampling_level='sequence'"),
+        (dict(loss_type="vespo", beta=0.05, use_bias_correction_kl=True, use_vllm=True),
+         "'vespo' with vllm_importance_sampling_correction and use_bias_correction_kl"),
     ],
 )
 def test_bad_hadw_fields_are_refused_when_the_config_is_built(options, message, tmp_path):

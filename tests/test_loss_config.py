@@ -165,6 +165,7 @@ FIELD_TYPES = {
     "vespo_k_pos": "a number or None", "vespo_lambda_pos": "a number or None", "vespo_k_neg": "a number or None",
     "vespo_lambda_neg": "a number or None", "rollout_correction": "a RolloutCorrection or None",
     "off_policy_mask_threshold": "a number or None", "top_entropy_quantile": "a number", "kl_bias_correction": "a bool",
+    "kl_bias_ratio": "a string",
 }
 
 

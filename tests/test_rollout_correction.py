@@ -319,6 +319,8 @@ def test_malformed_verl_thresholds_are_refused_naming_the_option(option, thresho
     (dict(top_entropy_quantile=0.0), r"must be in \(0, 1\]"),
     (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold"),
     (dict(kl_bias_correction=True), "needs beta > 0"),
+    (dict(beta=0.1, kl_bias_correction=True, kl_bias_ratio="sequence"), "kl_bias_ratio must be one of"),
+    (dict(beta=0.1, kl_bias_ratio="token"), "needs kl_bias_correction=True"),
 ])
 def test_bad_correction_input(change, message):
     data = batch()

@@ -203,9 +203,18 @@ class HADWGRPOConfig(GRPOConfig):
         loss_config = LossConfig.build(
             TRL_LOSS_TYPES[self.loss_type].preset, **self.loss_choices(),
             top_entropy_quantile=self.top_entropy_quantile, off_policy_mask_threshold=self.off_policy_mask_threshold,
-            kl_bias_correction=self.beta != 0.0 and self.use_bias_correction_kl)
+            **self.kl_options())
         if self.hadw_linear_path == "gradients_in_forward":
             refuse_gradients_in_forward(loss_config, option="hadw_linear_path")
+        if (TRL_LOSS_TYPES[self.loss_type].ratio_in_weight and loss_config.kl_bias_correction
+                and self.use_vllm and self.vllm_importance_sampling_correction):
+            # The loss takes vLLM's ratio into VESPO's weight through the old log-probs
+            # (vespo_behaviour_logprobs), which TRL's KL weight does not read.
+            raise ValueError(
+                f"loss_type={self.loss_type!r} with vllm_importance_sampling_correction and use_bias_correction_kl "
+                "(beta != 0): TRL weighs the KL by the ratio to the old log-probs, which the fused loss replaces by "
+                "vLLM's to put its correction into VESPO's weight; set use_bias_correction_kl=False or "
+                "vllm_importance_sampling_correction=False")
         # The library's own checks, here so a bad value fails when the config is built
         # rather than at the first loss (TRL checks none of these fields).
         check_finite_positive("hadw_lambda_scale", self.hadw_lambda_scale)
@@ -239,6 +248,14 @@ class HADWGRPOConfig(GRPOConfig):
         objective = LOSS_PRESETS[TRL_LOSS_TYPES[self.loss_type].preset].objective
         return {name: getattr(self, field) for name, field in TRL_OBJECTIVE_OPTIONS.items()
                 if name in OBJECTIVES[objective].options}
+
+    def kl_options(self) -> dict:
+        """TRL's bias-corrected KL (its default; it acts only with beta != 0) as the loss's
+        options. TRL weighs each token's KL by its importance weight at the configured level:
+        at "token" each token's own ratio, even where VESPO's ratio is per response."""
+        corrected = self.beta != 0.0 and self.use_bias_correction_kl
+        token = corrected and self.importance_sampling_level != "sequence"
+        return dict(kl_bias_correction=corrected, kl_bias_ratio="token" if token else "objective")
 
     def loss_choices(self) -> dict:
         """The loss type's ratio form, clip range and objective options as the fused loss's
@@ -418,8 +435,7 @@ class HADWGRPOTrainer(GRPOTrainer):
             loss_type=loss_type.preset,
             **self.args.loss_choices(),
             kl_estimator="k3",
-            # TRL's default; it only acts on the KL term.
-            kl_bias_correction=self.beta != 0.0 and self.args.use_bias_correction_kl,
+            **self.args.kl_options(),
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             top_entropy_quantile=self.top_entropy_quantile,
             loss_normalizer=normalizer,
