@@ -1,9 +1,9 @@
 """Every fenced ```python block of README.md and docs/**/*.md runs, as written.
 
-The blocks of one file run in order in one namespace, so a block may use what an earlier
-block of its file defined. Each file's namespace starts from ``snippet_setup()``: the
-small batch the snippets assume without building it (its names are listed there). A
-block that cannot run here (it downloads a model, needs a GPU or a launcher) is marked
+Each block runs alone, as a reader copies it: in a fresh namespace holding only
+``snippet_setup()``'s names, the rollout batch README.md's "Use" says the snippets take
+from the reader's trainer (its names are listed there); a block never reads what an
+earlier block defined. A block that cannot run here (it downloads a model, needs a GPU or a launcher) is marked
 by an HTML comment on the line before its fence, ``<!-- snippet: not run: <reason> -->``:
 it is only compiled, and its test is skipped with that reason.
 """
@@ -73,22 +73,10 @@ def snippet_setup() -> dict:
     )
 
 
-# Per document: the namespace and how many of its blocks have run in it.
-_RUNS: dict[Path, tuple[dict, int]] = {}
-
-
-def _run_through(path: Path, index: int) -> None:
-    """Runs the blocks of ``path`` up to ``index`` in its namespace (the earlier ones once)."""
-    namespace, done = _RUNS.get(path, (None, 0))
-    if namespace is None or done > index:
-        namespace, done = snippet_setup(), 0
-    blocks = python_blocks(path)
-    for number in range(done, index + 1):
-        code, reason = blocks[number]
-        _RUNS[path] = (namespace, number)  # a failing block leaves the file to start again
-        if reason is None:
-            exec(compile(code, f"{_label(path)}, python block {number}", "exec"), namespace)
-        _RUNS[path] = (namespace, number + 1)
+def run_alone(path: Path, index: int) -> None:
+    """Runs block ``index`` of ``path`` in a namespace of its own."""
+    code, _ = python_blocks(path)[index]
+    exec(compile(code, f"{_label(path)}, python block {index}", "exec"), snippet_setup())
 
 
 @pytest.mark.parametrize("path, index", SNIPPETS, ids=[f"{_label(p)}-{i}" for p, i in SNIPPETS])
@@ -97,9 +85,7 @@ def test_the_snippet_runs_as_written(path, index):
     compile(code, f"{_label(path)}, python block {index}", "exec")  # marked or not: valid Python
     if reason is not None:
         pytest.skip(f"marked in the document: {reason}")
-    if _RUNS.get(path, (None, 0))[1] != index:
-        _RUNS.pop(path, None)  # run out of order (-k): from the file's first block
-    _run_through(path, index)
+    run_alone(path, index)
 
 
 def test_the_snippets_are_found_and_rarely_marked():
@@ -111,8 +97,9 @@ def test_the_snippets_are_found_and_rarely_marked():
 
 
 def test_a_broken_snippet_fails(tmp_path):
-    """The runner runs what the document says: a block that raises fails its test, and a
-    marker only exempts the block right after it."""
+    """The runner runs what the document says: a block that raises fails its test, a block
+    that reads a name only an earlier block defines fails, and a marker only exempts the
+    block right after it."""
     document = tmp_path / "doc.md"
     document.write_text(
         "<!-- snippet: not run: needs the network -->\n```python\nraise SystemExit('not run')\n```\n\n"
@@ -120,6 +107,6 @@ def test_a_broken_snippet_fails(tmp_path):
         "loss = fused(logprobs)\n```\n"
     )
     assert [reason for _, reason in python_blocks(document)] == ["needs the network", None, None]
-    _run_through(document, 1)
-    with pytest.raises(NameError, match="fused"):
-        _run_through(document, 2)
+    run_alone(document, 1)
+    with pytest.raises(NameError, match="value"):
+        run_alone(document, 2)
