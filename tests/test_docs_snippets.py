@@ -80,11 +80,12 @@ def run_alone(path: Path, index: int) -> None:
 
 
 @pytest.mark.parametrize("path, index", SNIPPETS, ids=[f"{_label(p)}-{i}" for p, i in SNIPPETS])
-def test_the_snippet_runs_as_written(path, index):
+def test_the_snippet_runs_as_written(path, index, tmp_path, monkeypatch):
     code, reason = python_blocks(path)[index]
     compile(code, f"{_label(path)}, python block {index}", "exec")  # marked or not: valid Python
     if reason is not None:
         pytest.skip(f"marked in the document: {reason}")
+    monkeypatch.chdir(tmp_path)  # away from the repository: what a snippet writes lands there
     run_alone(path, index)
 
 
