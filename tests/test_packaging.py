@@ -222,3 +222,31 @@ def test_supported_ranges(monkeypatch, package, version, supported):
     else:
         with pytest.raises(ImportError, match=rf"supports {package}{re.escape(versions.SUPPORTED[package])}"):
             versions.require_supported(package)
+
+
+def documented_pip_check_exceptions() -> set[tuple[str, str]]:
+    """(package, requirement) pairs of docs/packaging.md's "What pip check reports" table."""
+    text = (ROOT / "docs" / "packaging.md").read_text()
+    section = text.split("### What `pip check` reports there", 1)[1].split("\n## ", 1)[0]
+    pairs = set()
+    for row in re.findall(r"^\| ([\w.-]+) \| (.+?) \| .+ \|$", section, re.M):
+        package, requirements = row
+        pairs.update((package.lower(), name.lower()) for name in re.findall(r"`([\w.-]+)`", requirements))
+    return pairs
+
+
+def test_pip_check_reports_only_what_packaging_md_explains():
+    """Every unmet requirement pip check finds in this environment is one the docs list
+    with its reason; a new one (a dependency dropped or a conflict introduced) fails."""
+    documented = documented_pip_check_exceptions()
+    assert ("verl", "transformers") in documented and len(documented) >= 10
+    result = pip("check")
+    found = set()
+    for line in result.stdout.splitlines():
+        missing = re.match(r"([\w.-]+) \S+ requires ([\w.-]+), which is not installed\.$", line)
+        conflict = re.match(r"([\w.-]+) \S+ has requirement ([\w.-]+)\W.*, but you have ", line)
+        match = missing or conflict
+        assert match, f"pip check printed a line of another form: {line!r}"
+        found.add((match.group(1).lower(), match.group(2).lower()))
+    assert found <= documented, sorted(found - documented)
+    assert (result.returncode == 0) == (not found)
