@@ -223,3 +223,24 @@ def test_command_runs_end_to_end(tmp_path):
     assert "0.781157731010" in finished.stdout
     for name in ("bias_vs_p.png", "monte_carlo_advantage.png", "nonbinary_bias.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_figures_go_to_the_checkout_not_the_working_directory(tmp_path, monkeypatch, capsys):
+    """Without --out the figures go to the source checkout's docs/figures from any working
+    directory; where there is none (an installed package), --out is required."""
+    from hadw_kernels.theory import __main__ as command
+
+    checkout = tmp_path / "checkout" / "docs" / "figures"
+    checkout.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(command, "CHECKOUT_FIGURES", checkout)
+    command.main(["--groups", "200", "--nonbinary-groups", "100", "--spread-thresholds", "0.2"])
+    assert sorted(path.name for path in checkout.iterdir()) == [
+        "bias_vs_p.png", "monte_carlo_advantage.png", "nonbinary_bias.png"]
+    assert list(elsewhere.iterdir()) == []
+    monkeypatch.setattr(command, "CHECKOUT_FIGURES", tmp_path / "installed" / "docs" / "figures")
+    with pytest.raises(SystemExit):
+        command.main(["--groups", "200"])
+    assert "--out" in capsys.readouterr().err

@@ -166,10 +166,18 @@ def _save(figure, path: Path, pyplot) -> Path:
     return path
 
 
+# Where the figures go by default: the documentation's folder of a source checkout
+# (docs/theory.md shows them), whatever the working directory. An installed package has
+# none, and then --out is required.
+CHECKOUT_FIGURES = Path(__file__).resolve().parents[2] / "docs" / "figures"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hadw_kernels.theory", description=__doc__.splitlines()[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("docs/figures"), help="directory for the PNGs")
+    checkout = CHECKOUT_FIGURES.is_dir()
+    parser.add_argument("--out", type=Path, default=CHECKOUT_FIGURES if checkout else None, required=not checkout,
+                        help="directory for the PNGs (default: the source checkout's docs/figures)")
     parser.add_argument("--group-size", type=int_at_least(2), default=8, help="G of the binary Monte Carlo")
     parser.add_argument("--groups", type=POSITIVE_INT, default=100_000, help="binary groups per accuracy p")
     parser.add_argument("--anchor", type=finite_float(minimum=0.0, maximum=1.0), default=0.5,
