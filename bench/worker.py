@@ -42,6 +42,7 @@ from typing import Iterable, TextIO
 
 import torch
 
+from hadw_kernels.cli import summary
 from loss_impls import INPUTS, Shape, build_step, make_inputs
 
 MB = 1024 * 1024
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace, commands: Iterable[str], out: TextIO) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--impl", required=True, help="bound, eager, hadw[<backend>(,recompute)], liger, cce or trl")
     parser.add_argument("--input", choices=INPUTS, required=True)
     parser.add_argument("--prompts", type=int, required=True)

@@ -8,11 +8,23 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 from collections.abc import Callable
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every option's default after its help; the description and epilog as written."""
+    """Every option's default after its help, unless the help already says it
+    ("(default: ...)"); the description and epilog as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        return help_text if "(default: " in help_text else super()._get_help_string(action)
+
+
+def summary(docstring: str) -> str:
+    """A module docstring's first paragraph on one line: a parser's description (its first
+    line alone may stop mid-sentence), wrapped for a terminal."""
+    return textwrap.fill(" ".join(docstring.strip().split("\n\n", 1)[0].split()), width=79)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

@@ -12,11 +12,11 @@ import torch
 
 from . import LOSS_TYPES, DifficultyAnchor, available_backends, fused_linear_hadw_grpo_loss
 from .backends import BACKENDS
-from .cli import POSITIVE_INT, HelpFormatter, int_at_least
+from .cli import POSITIVE_INT, HelpFormatter, int_at_least, summary
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.demo", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.demo", description=summary(__doc__),
                                      formatter_class=HelpFormatter)
     parser.add_argument("--steps", type=POSITIVE_INT, default=5, help="rollout batches (one loss call each)")
     parser.add_argument("--prompts", type=POSITIVE_INT, default=4, help="prompts per rollout batch")

@@ -58,7 +58,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from .cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter
+from .cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, summary
 from .config import block_rows_for, head_accumulator_bytes
 
 GIB = 1024**3
@@ -371,7 +371,7 @@ def format_report(model: ModelShape, step: MicroStep, gpu_gib: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.plan", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.plan", description=summary(__doc__),
                                      formatter_class=HelpFormatter)
     parser.add_argument("--model", choices=sorted(PRESETS), default="Qwen3-4B", help="the model's shape")
     parser.add_argument("--group-size", "-G", type=POSITIVE_INT, default=8, help="responses per prompt")

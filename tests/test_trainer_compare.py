@@ -29,14 +29,22 @@ def test_table_and_plot_of_three_variants(tmp_path):
     table = results_table(runs, steps=10).splitlines()
     assert table[0] == ("| variant | learning rate | held-out easy: start -> end | held-out hard: start -> end | "
                         "held-out mean: start -> end | train reward, last 2 steps | train copy | train add | entropy | "
-                        "collapsed (entropy < 0.2, reward < 0.5) | minutes a run |")
+                        "collapsed (entropy < 0.2, reward < 0.5) | steps + evals a run |")
     # acc/add over the last 2 steps: step 9's 0.9 (step 10 drew no add prompt, logged None)
     assert table[2] == ("| GRPO | 0.001 | 0.50 -> 0.80 (0.70, 0.90) | 0.25 -> 0.25 (0.25, 0.25) | 0.50 -> 0.50 (0.50, 0.50) "
                         "| 0.300 ± 0.141 (0.20-0.40) | 0.400 ± 0.141 (0.30-0.50) | 0.900 ± 0.000 (0.90-0.90) "
-                        "| 0.300 ± 0.000 (0.30-0.30) | 0 of 2 | 8.0 |")
+                        "| 0.300 ± 0.000 (0.30-0.30) | 0 of 2 | 480 s |")
     assert len(table) == 2 + len(VARIANTS)
     plot_comparison(runs, tmp_path / "comparison.png", "test")
     assert (tmp_path / "comparison.png").stat().st_size > 10_000
+
+
+def test_run_times_read_in_seconds_under_ten_minutes():
+    """A 70-second run reads "70 s", not "minutes a run 0.1"."""
+    from trainer.compare import duration
+
+    assert [duration(70.4), duration(599.0), duration(600.0), duration(6600.0)] == [
+        "70 s", "599 s", "10.0 min", "110.0 min"]
 
 
 def test_collapse_needs_both_low_entropy_and_low_reward_over_the_last_fifth():

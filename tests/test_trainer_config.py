@@ -314,3 +314,21 @@ def test_bad_rollout_correction_with_vllm():
                                                 "algorithm.rollout_correction=sequence_mask"])
     assert "out of order" in _error(["rollout.engine=vllm", "algorithm.rollout_correction=token_mask",
                                      "algorithm.rollout_correction_min=4", "algorithm.rollout_correction_max=2"])
+
+
+def test_run_help_lists_every_config_key_with_its_default(capsys):
+    """trainer/run.py --help listed no config keys: every section's keys and defaults now."""
+    import dataclasses
+
+    from trainer.config import Config
+    from trainer.run import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for section in dataclasses.fields(Config):
+        assert f" {section.name}: " in text
+        for key in dataclasses.fields(section.default_factory()):
+            assert f"{key.name}=" in text, f"{section.name}.{key.name}"
+    assert "steps=200" in text and "loss_type='grpo'" in text

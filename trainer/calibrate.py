@@ -22,7 +22,7 @@ from trainer.environment import prepare_environment  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])  # argparse rewraps it
     parser.add_argument("--config", help="a YAML config (its model, task, rollout and reward sections are used)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--prompts", type=int, default=32, help="problems per level (default 32)")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter  # noqa: E402
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, summary  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.metrics_log import read_metrics  # noqa: E402
 
@@ -56,10 +56,10 @@ def run_name(name: str, label: str, seed: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description=summary(__doc__), formatter_class=HelpFormatter)
     parser.add_argument("--seeds", type=NON_NEGATIVE_INT, nargs="+", default=[0, 1, 2], help="train.seed of each run")
-    parser.add_argument("--steps", type=POSITIVE_INT, help="rollout batches per run (None: the config's)")
-    parser.add_argument("--config", help="a YAML config for every run")
+    parser.add_argument("--steps", type=POSITIVE_INT, help="rollout batches per run (default: the config's train.steps)")
+    parser.add_argument("--config", help="a YAML config for every run (default: the trainer's CPU default)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a config override for every run (repeatable)")
     parser.add_argument("--name", default="compare", help="directory under run.output_dir")
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr-scale", type=POSITIVE_FLOAT,
                         help=f"the factor on the learning rate of {LR_SCALED!r} (default: the mean Phi of this "
                              f"call's {KALMAN!r} runs, to 2 decimals)")
-    parser.add_argument("--table", type=Path, help="also write the results as markdown to this file")
-    parser.add_argument("--plot", type=Path, help="where the PNG goes (default <run.output_dir>/<name>/comparison.png)")
+    parser.add_argument("--table", type=Path, help="also write the results as markdown to this file (default: none)")
+    parser.add_argument("--plot", type=Path, help="where the PNG goes (default: <run.output_dir>/<name>/comparison.png)")
     args = parser.parse_args(argv)
     if LR_SCALED in args.variants and args.lr_scale is None and KALMAN not in args.variants:
         parser.error(f"{LR_SCALED!r} needs --lr-scale, or {KALMAN!r} among the variants to measure it on")
@@ -182,19 +182,26 @@ def spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f} ± {deviation:.3f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def duration(seconds: float) -> str:
+    """Seconds under ten minutes, minutes to one decimal beyond."""
+    return f"{seconds:.0f} s" if seconds < 600 else f"{seconds / 60:.1f} min"
+
+
 def results_table(runs: dict[str, list[dict]], steps: int) -> str:
     """Per variant: the learning rate; the held-out accuracy per level at the start and
     the end (mean over seeds, each seed's value after it) where the runs were evaluated;
     over the last fifth of the steps, the training reward, the training accuracy per level
     and the entropy (each the mean over seeds +- their sd, and their range); how many seeds
-    collapsed; and the wall time of a run."""
+    collapsed; and the time a run spent in its steps and evaluations (its start-up, the
+    model's load and the engine's, left out)."""
     last = final_window_steps(steps)
     first = next(iter(runs.values()))[0]
     held_out = [key.split("/", 1)[1] for key in first["eval"][0] if key.startswith("eval/")] if first["eval"] else []
     trained = [key.split("/", 1)[1] for key in first["metrics"][0] if key.startswith("acc/")]
     header = ["variant", "learning rate"] + [f"held-out {level}: start -> end" for level in held_out]
     header += [f"train reward, last {last} steps"] + [f"train {level}" for level in trained]
-    header += ["entropy", f"collapsed (entropy < {COLLAPSE_ENTROPY}, reward < {COLLAPSE_REWARD})", "minutes a run"]
+    header += ["entropy", f"collapsed (entropy < {COLLAPSE_ENTROPY}, reward < {COLLAPSE_REWARD})",
+               "steps + evals a run"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for label, seeds in runs.items():
         rates = sorted({row["lr"] for seed in seeds for row in seed["metrics"] if row.get("lr") is not None})
@@ -208,9 +215,9 @@ def results_table(runs: dict[str, list[dict]], steps: int) -> str:
         for key in ["reward/mean"] + [f"acc/{level}" for level in trained] + ["entropy_mean"]:
             cells.append(spread([window_mean(window, key) for window in windows]))
         cells.append(f"{sum(collapsed(seed['metrics'], steps) for seed in seeds)} of {len(seeds)}")
-        minutes = [(sum(row["time/step"] for row in seed["metrics"])
-                    + sum(row["time/eval"] for row in seed["eval"])) / 60 for seed in seeds]
-        cells.append(f"{statistics.fmean(minutes):.1f}")
+        seconds = [sum(row["time/step"] for row in seed["metrics"]) + sum(row["time/eval"] for row in seed["eval"])
+                   for seed in seeds]
+        cells.append(duration(statistics.fmean(seconds)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

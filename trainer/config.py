@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import importlib.util
 import os
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -201,6 +202,21 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def keys_help(width: int = 79) -> str:
+    """Every config key with its default, section by section: the trainer's --help epilog."""
+    lines = [textwrap.fill("config keys, set with --set SECTION.KEY=VALUE or in a --config YAML (defaults "
+                           "shown; docs/trainer.md explains them):", width=width)]
+    for section in dataclasses.fields(Config):
+        defaults = section.default_factory()
+        shown = []
+        for key in dataclasses.fields(defaults):
+            value = repr(getattr(defaults, key.name))
+            shown.append(f"{key.name}={value if len(value) <= 24 else value[:20] + '...'}")
+        lines.append(textwrap.fill(", ".join(shown), width=width, initial_indent=f"  {section.name}: ",
+                                   subsequent_indent="      ", break_on_hyphens=False))
+    return "\n".join(lines)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:

@@ -26,14 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `trainer` as a p
 
 try:
     from trainer.checkpoint_files import CheckpointError, select_checkpoint
-    from trainer.config import ConfigError, load_config, validate
+    from trainer.config import ConfigError, keys_help, load_config, validate
 except ModuleNotFoundError as missing:  # the library's own venv, without the trainer extra
     sys.exit(f"{missing}: the trainer needs its extra; run `bash scripts/setup_venv.sh` (docs/trainer.md)")
 from trainer.environment import prepare_environment, world_size  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="GRPO-family trainer with HA-DW")
+    parser = argparse.ArgumentParser(description="GRPO-family trainer with HA-DW", epilog=keys_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML file of sections (see docs/trainer.md)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one value; repeatable")

@@ -24,6 +24,7 @@ from ..cli import (
     HelpFormatter,
     finite_float,
     int_at_least,
+    summary,
 )
 from . import paper
 from .exact import average_prob_baseline_above, baseline_bias, conditional_advantage, corollary2_average
@@ -173,7 +174,7 @@ CHECKOUT_FIGURES = Path(__file__).resolve().parents[2] / "docs" / "figures"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.theory", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.theory", description=summary(__doc__),
                                      formatter_class=HelpFormatter)
     checkout = CHECKOUT_FIGURES.is_dir()
     parser.add_argument("--out", type=Path, default=CHECKOUT_FIGURES if checkout else None, required=not checkout,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..anchor import DifficultyAnchor
+from ..cli import summary
 
 STEPS = 300
 KINDS = ("ramp", "step")
@@ -71,7 +72,7 @@ def markdown(errors: dict[tuple[str, int, str], float]) -> str:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    argparse.ArgumentParser(description=summary(__doc__)).parse_args()
     print(f"mean |belief - accuracy| after batch {WARMUP}, {len(SEEDS)} seeds, {STEPS} batches")
     print(markdown(table()))
 
