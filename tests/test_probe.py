@@ -140,3 +140,18 @@ def test_bisection_goes_on_after_out_of_memory(tmp_path):
     failed = [trial for trial in result["budget_trials"] if not trial["fits"]]
     assert failed and all("out of memory" in trial["note"] for trial in failed)
     assert "rebuilding the engine" in completed.stderr
+
+
+def test_the_probe_builds_every_model_the_planner_knows():
+    """One list of models: the planner's presets (and the trainer's tiny model), each built
+    by the probe with the parameter count the planner computes from its shape."""
+    import torch
+
+    from hadw_kernels.plan import PRESETS as SHAPES
+    from trainer.probe import PRESETS, build_model
+
+    assert PRESETS == (*SHAPES, "tiny")
+    for name, shape in SHAPES.items():
+        model = build_model(name, torch.bfloat16, "meta", seed=0)
+        assert sum(parameter.numel() for parameter in model.parameters()) == shape.parameters, name
+        assert (type(model).__name__ == "Qwen3ForCausalLM") == shape.qk_norm

@@ -55,11 +55,10 @@ if __package__ in (None, ""):  # run as a file (python trainer/probe.py): `train
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float  # noqa: E402
+from hadw_kernels.plan import PRESETS as SHAPES  # noqa: E402
 
-# name: (hidden, intermediate, layers, heads, kv_heads, head_dim); Hugging Face config.json.
-# The architectures are the planner's (one description of each model's shape).
-QWEN3_PRESETS = ("Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B")
-PRESETS = (*QWEN3_PRESETS, "tiny")
+# The planner's models (one description of each model's shape), and the trainer's tiny one.
+PRESETS = (*SHAPES, "tiny")
 GIB = 1024**3
 FRACTION = finite_float(minimum=0.0, maximum=1.0)
 
@@ -243,12 +242,12 @@ def build_model(preset: str, dtype, device, seed: int):
 
         model = build_tiny_model(ModelConfig(), build_tokenizer(VOCABULARY), seed)
         return model.to(device=device, dtype=dtype)
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from hadw_kernels.plan import PRESETS as SHAPES
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     shape = SHAPES[preset]
-    config = Qwen3Config(
+    # The query/key RMSNorm is Qwen3's; the planner's other models are Llamas.
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if shape.qk_norm else (LlamaConfig, LlamaForCausalLM)
+    config = config_class(
         vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim, max_position_embeddings=40960, rms_norm_eps=1e-6,
@@ -260,7 +259,7 @@ def build_model(preset: str, dtype, device, seed: int):
     try:
         with torch.random.fork_rng(devices=[]), torch.device(device):
             torch.manual_seed(seed)
-            model = Qwen3ForCausalLM(config)
+            model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
     return model.to(dtype=dtype)
