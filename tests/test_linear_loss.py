@@ -158,3 +158,19 @@ def test_reference_entropy_is_finite_with_masked_logits():
     assert torch.isfinite(grads[0][1]).all() and torch.isfinite(grads[0][2]).all()
     for masked, unmasked in zip(grads[0], grads[1]):
         torch.testing.assert_close(masked, unmasked, rtol=1e-12, atol=1e-12)
+
+
+def test_the_torch_backend_has_no_gradients_in_forward_path_as_the_readme_says():
+    """README's option table: the torch backend refuses linear_path="gradients_in_forward"
+    (a ValueError naming the backend) and its "auto" is "recompute"."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "the `torch` backend has no such path and refuses it, its `auto` is `recompute`" in readme
+    h, w, labels, old, rewards, mask = _loss_case(8, 5, 16, 40, torch.float32)
+    with pytest.raises(ValueError, match="backend 'torch' has no gradients-in-forward path"):
+        fused_linear_hadw_grpo_loss(h, w, labels, old, rewards, mask, group_size=4, backend="torch",
+                                    linear_path="gradients_in_forward")
+    from hadw_kernels.backends import resolve_backend
+    from hadw_kernels.loss import _linear_path
+
+    assert _linear_path("auto", resolve_backend("torch", torch.device("cpu")), LossConfig.build("grpo"),
+                        torch.device("cpu"), old) == "recompute"
