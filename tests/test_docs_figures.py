@@ -1,0 +1,28 @@
+"""Measured figures are quoted from one place: the README's and docs/trainer.md's opening
+figures of the CPU default run are those of docs/trainer.md's measurement table (its
+shared-prompt column, the layout the default run uses)."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def table_cell(text: str, row: str) -> str:
+    """The shared-prompt (last) cell of the CPU default table's row starting ``row``."""
+    table = text.split("| CPU default, 200 steps | padded | packed | shared prompt |", 1)[1].split("\n\n", 1)[0]
+    (line,) = [line for line in table.splitlines() if line.startswith(f"| {row} ")]
+    return line.strip("| ").split(" | ")[-1]
+
+
+def test_the_cpu_default_figures_are_the_table_s():
+    trainer = (ROOT / "docs" / "trainer.md").read_text()
+    fastest = table_cell(trainer, "wall time").split("-")[0]  # "1 min 21 s" of "1 min 21 s-1 min 22 s"
+    reward_row = next(line for line in trainer.splitlines() if line.startswith("| mean reward, last 40 steps"))
+    first = float(re.search(r"first step (\d\.\d+)", reward_row).group(1))
+    last = float(reward_row.strip("| ").split(" | ")[-1])
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"2 cores: {fastest}; mean reward {first:.2f} at the first step, {last:.2f} over the last 40" in readme
+    trainer = " ".join(trainer.split())
+    assert f"It finished in {fastest} on 2 cores" in trainer
+    assert f"the mean reward going from {first:.2f} at the first step to {last:.2f} over the last 40" in trainer
