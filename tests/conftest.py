@@ -19,6 +19,12 @@ if os.environ.get("ATEN_CPU_CAPABILITY"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Under pytest-xdist (the README's -n 2) the workers share the machine's cores: one
+# intra-op thread each, rather than each worker's default of every core. Tests that
+# measure threading set their own counts.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed():
