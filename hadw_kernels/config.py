@@ -172,6 +172,14 @@ def block_rows_for(rows: int, vocab: int, element_size: int, device_type: str, r
 RATIO_LEVELS = ("token", "sequence", "gspo_token")
 
 
+# How an objective's gradient reaches a token's log-prob (objectives.SLOPES gives it):
+# "ratio": through its ratio alone (d loss / d logp = 0; in a sequence ratio form the
+# slopes are summed over the response); "detached_weight": a stop-gradient weight times
+# the log-prob (d loss / d rho = 0; its value's numerical derivative is not its gradient);
+# "log_prob": the log-prob itself, no ratio.
+GRADIENT_ROUTES = ("ratio", "detached_weight", "log_prob")
+
+
 @dataclass(frozen=True)
 class Objective:
     """A policy objective: the per-token loss to minimise as a function of the token's
@@ -182,34 +190,44 @@ class Objective:
     None field takes the default; set on another objective, it is refused).
     ``ratio_levels``: the ratio forms it takes (RATIO_LEVELS), the first its default.
     ``clipped``: whether epsilon_low / epsilon_high shape the loss (else they only set the
-    clip-fraction metrics' range)."""
+    clip-fraction metrics' range).
+    ``gradient``: how its gradient reaches the log-prob (GRADIENT_ROUTES); the kernels
+    branch on it."""
 
     options: dict
+    gradient: str
     ratio_levels: tuple[str, ...] = RATIO_LEVELS
     clipped: bool = True
+
+    @property
+    def through_ratio(self) -> bool:
+        return self.gradient == "ratio"
 
 
 OBJECTIVES = {
     # PPO's clip: -min(rho' A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho' = min(rho, delta)
     # (TRL's two-sided clip), then min(., -c A) for A < 0 (dual clip, c = dual_clip).
-    "clip": Objective(options={"dual_clip": None, "delta": None}),
+    "clip": Objective(options={"dual_clip": None, "delta": None}, gradient="ratio"),
     # CISPO as TRL defines it: -sg[min(rho, ratio_cap)] A l, an absolute cap (TRL's
     # epsilon_high; the ScaleRL paper's 5).
-    "cispo_cap": Objective(options={"ratio_cap": 5.0}, clipped=False),
+    "cispo_cap": Objective(options={"ratio_cap": 5.0}, gradient="detached_weight", clipped=False),
     # CISPO as verl defines it: -sg[clip(rho, 1 - eps_low, 1 + eps_high)] A l.
-    "cispo_clip": Objective(options={}),
+    "cispo_clip": Objective(options={}, gradient="detached_weight"),
     # SAPO: -(4 / tau) sigmoid(tau (rho - 1)) A, tau by the sign of A.
-    "sapo": Objective(options={"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, clipped=False),
+    "sapo": Objective(options={"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, gradient="ratio",
+                      clipped=False),
     # GMPO (verl's geo_mean): -A exp(mean over the response of l - lo clipped in log space
     # to [-eps_low, eps_high] on the side A's sign makes harmful).
-    "gmpo": Objective(options={}, ratio_levels=("sequence",)),
+    "gmpo": Objective(options={}, gradient="ratio", ratio_levels=("sequence",)),
     # VESPO (TRL): -sg[phi] A l, phi = w^k exp(lam (1 - w)), w the response's summed ratio,
     # (k, lam) by the sign of A.
     "vespo": Objective(options={"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
-                                "vespo_lambda_neg": 2.0}, ratio_levels=("sequence",), clipped=False),
+                                "vespo_lambda_neg": 2.0}, gradient="detached_weight", ratio_levels=("sequence",),
+                      clipped=False),
     # GPG (verl): -A l, no ratio.
-    "gpg": Objective(options={}, ratio_levels=("token",), clipped=False),
+    "gpg": Objective(options={}, gradient="log_prob", ratio_levels=("token",), clipped=False),
 }
+assert all(objective.gradient in GRADIENT_ROUTES for objective in OBJECTIVES.values())
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
 # Every objective-only option, with the objective that reads it.
 OBJECTIVE_OPTIONS = {option: name for name, objective in OBJECTIVES.items() for option in objective.options}

@@ -176,10 +176,5 @@ def vespo_weight(summed_log_ratio, advantage, config: LossConfig):
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
-
-# The objectives whose value holds a stop-gradient (a detached weight on l): their gradient
-# is not their value's numerical derivative.
-STOP_GRADIENT = frozenset({"cispo_cap", "cispo_clip", "vespo"})
-
 assert set(VALUES) == set(SLOPES), "every objective declares its value and its derivative"
 assert math.isfinite(VESPO_LOG_WEIGHT_MIN)

@@ -16,7 +16,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from hadw_kernels import fused_hadw_grpo_loss, objectives  # noqa: E402
-from hadw_kernels.config import OBJECTIVE_NAMES, RATIO_LEVELS, LossConfig  # noqa: E402
+from hadw_kernels.config import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS, LossConfig  # noqa: E402
 from hadw_kernels.triton import surrogate as triton_surrogate  # noqa: E402
 from hadw_kernels.triton import scale as scale_module  # noqa: E402
 from hadw_kernels.triton.scale import scale_in_place_  # noqa: E402
@@ -226,13 +226,13 @@ def test_dual_clip_tie_halves_the_slope():
     assert d_ratio.tolist() == [0.5, 0.0, 1.0, 0.0]  # the last one is clipped above 1.2
 
 
-def test_through_ratio_splits_the_objectives_as_their_slopes_do():
-    """The kernels' split of the objectives (triton/surrogate.py, THROUGH_RATIO): those
-    through the ratio have no log-prob slope, the others no ratio slope."""
+def test_the_gradient_route_splits_the_objectives_as_their_slopes_do():
+    """The table's gradient route (config.Objective.gradient), which the kernels branch on:
+    an objective through the ratio has no log-prob slope, the others no ratio slope."""
     for objective in OBJECTIVE_NAMES:
         config = objective_config(objective, OPTIONS[objective][0])
         d_ratio, d_logprob = objectives.SLOPES[objective](*objective_points(config), config)
-        if objective in triton_surrogate.THROUGH_RATIO:
+        if OBJECTIVES[objective].through_ratio:
             assert torch.all(d_logprob == 0) and torch.any(d_ratio != 0), objective
         else:
             assert torch.all(d_ratio == 0) and torch.any(d_logprob != 0), objective

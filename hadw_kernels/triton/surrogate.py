@@ -99,13 +99,6 @@ _GPG = tl.constexpr(OBJECTIVE_NAMES.index("gpg"))
 _TOKEN_RATIO = tl.constexpr(RATIO_LEVELS.index("token"))
 _SEQUENCE_RATIO = tl.constexpr(RATIO_LEVELS.index("sequence"))
 
-# How each objective's gradient reaches a token's log-prob (objectives.SLOPES): through its
-# ratio (d l / d logp = 0; the "sequence" form sums these slopes over the response), or
-# directly, the loss being a detached weight times the log-prob (d l / d rho = 0; the
-# kernel then reads the log-probs for the value). tests/test_triton_specific.py holds the
-# split to objectives.SLOPES.
-THROUGH_RATIO = frozenset({"clip", "sapo", "gmpo"})
-
 _LOG_RATIO_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)
 _VESPO_LOG_WEIGHT_MIN = tl.constexpr(VESPO_LOG_WEIGHT_MIN)
 _K3_LOG_RATIO_CLAMP = tl.constexpr(K3_LOG_RATIO_CLAMP)
@@ -799,7 +792,7 @@ def surrogate_forward(
             entropy_coef=float(entropy_coef),
             denominator=float(denominator),
             RATIO_LEVEL=ratio_level,
-            THROUGH_RATIO=name in THROUGH_RATIO,
+            THROUGH_RATIO=OBJECTIVES[name].through_ratio,
             PER_TOKEN_ADVANTAGES=not has_groups,
             PER_RESPONSE_MEAN=per_response_mean,
             COUNT_TOKENS=count_tokens,
