@@ -264,7 +264,7 @@ def test_float16_ratios_past_its_range_stay_finite(backend, device, layout, loss
         extra = dict(cu_seqlens=torch.arange(0, 13, 3, device=device))
     results = {}
     for dtype in (torch.float16, torch.float32):
-        leaf = logprobs.to(dtype).requires_grad_()
+        leaf = logprobs.detach().to(dtype).requires_grad_()
         loss, metrics = fused_hadw_grpo_loss(leaf, old.to(dtype), rewards, mask, group_size=2, loss_type=loss_type,
                                              return_metrics=True, backend=backend, **extra)
         loss.backward()
@@ -273,6 +273,7 @@ def test_float16_ratios_past_its_range_stay_finite(backend, device, layout, loss
     assert math.isfinite(float(loss)) and bool(torch.isfinite(grad).all())
     assert all(math.isfinite(float(value)) for value in metrics.values()), metrics
     torch.testing.assert_close(loss.float(), loss32, rtol=1e-3, atol=0)
+    torch.testing.assert_close(grad.float(), grad32, rtol=1e-3, atol=0)
     torch.testing.assert_close(metrics["ratio_mean"], metrics32["ratio_mean"], rtol=1e-3, atol=0)
 
 
