@@ -558,7 +558,7 @@ at::Tensor compute_copy(const at::Tensor& tensor, at::ScalarType compute) {
 }
 
 // w_i of config.AGG_MODES, from the mode's row of config.AGGREGATIONS
-// (hadw_kernels/reference/surrogate.py: agg_weights). `tokens`: the valid tokens of the call.
+// (hadw_kernels/aggregation.py: agg_weights). `tokens`: the valid tokens of the call.
 // The constant L of times_max_length arrives resolved (the losses default it to a padded
 // batch's width).
 std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t tokens, int64_t loss_agg_mode,

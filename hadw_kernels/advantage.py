@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS
+from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
 from .precision import accumulate_dtype
 from .validation import check_advantage_options
 
@@ -171,3 +171,34 @@ def hadw_advantages(
         sign = torch.where(degenerate, torch.zeros_like(centred), torch.sign(centred))
         advantage = advantage * lambda_scale * torch.exp(-sign * torch.sign(difficulty) * difficulty.abs())
     return advantage
+
+
+def weighted_advantages(
+    rewards: torch.Tensor | None,
+    advantages: torch.Tensor | None,
+    config: LossConfig,
+    anchor: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(A, Phi [S] or None): the caller's advantages (as given: per token [N] in the
+    losses' calls, [S] in hadw_advantages'), or A_hat * Phi [S] from rewards."""
+    if advantages is not None:
+        return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
+    rewards = rewards.detach()
+    advantage_hat = group_advantages(
+        rewards, config.group_size, normalize_std=config.normalize_std, std_eps=config.std_eps
+    )
+    if anchor is None:
+        phi = torch.ones_like(advantage_hat)
+    else:
+        phi = hadw_weights(rewards, config.group_size, anchor, lambda_scale=config.lambda_scale)
+    return advantage_hat * phi, phi
+
+
+def group_metrics(rewards: torch.Tensor, phi: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """phi_mean and zero_std_frac (groups whose rewards are all equal)."""
+    grouped = rewards.detach().view(-1, group_size)
+    degenerate = (grouped.amax(dim=1) == grouped.amin(dim=1)).float()
+    return {
+        "phi_mean": phi.float().sum() / max(phi.numel(), 1),
+        "zero_std_frac": degenerate.sum() / max(degenerate.numel(), 1),
+    }

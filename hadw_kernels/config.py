@@ -86,6 +86,14 @@ CORRECTION_METRIC_NAMES = (
     "off_policy_masked_frac",
     "entropy_masked_frac",
 )
+
+
+def ordered_metrics(metrics: dict) -> dict:
+    """The metrics a call returns: those present, in the order METRIC_NAMES then
+    CORRECTION_METRIC_NAMES give (every loss and the reference return them so)."""
+    return {name: metrics[name] for name in METRIC_NAMES + CORRECTION_METRIC_NAMES if name in metrics}
+
+
 # Metrics that describe the groups: unknown when the advantages come from the caller.
 GROUP_METRICS = ("phi_mean", "zero_std_frac")
 # What each metric is a mean over: "tokens" (the valid tokens), "ratios" (the importance

@@ -11,20 +11,20 @@ import torch
 from .backends import check_backend_name, resolve_backend
 from .config import (
     AGGREGATIONS,
-    CORRECTION_METRIC_NAMES,
     IGNORE_INDEX,
     LOG_RATIO_CLAMP,
-    METRIC_NAMES,
     LossConfig,
     LossOptions,
     check_block_rows,
     check_linear_path,
+    ordered_metrics,
 )
 from .correction import correct, needs_current_logprobs
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
-from .reference.surrogate import (agg_weights, aggregate, group_metrics, kl_estimate, masked_mean, token_ratio,
-                                  weighted_advantages)
+from .advantage import group_metrics, weighted_advantages
+from .aggregation import agg_weights, aggregate
+from .token_terms import kl_estimate, masked_mean, token_ratio
 from .layout import TokenLayout
 from .validation import (
     assert_cu_seqlens,
@@ -212,7 +212,7 @@ def _corrected_surrogate(implementation, logprobs, old_logprobs, mask, layout, c
                                                         ref_logprobs, token_advantage)
         loss = loss + kl_term
     metrics.update(corrected_metrics)
-    return loss, {name: metrics[name] for name in METRIC_NAMES + CORRECTION_METRIC_NAMES if name in metrics}
+    return loss, ordered_metrics(metrics)
 
 
 def _fold(correction, mask, importance_weights, dtype):
@@ -348,7 +348,7 @@ def fused_linear_hadw_grpo_loss(
         loss, metrics = _corrected_surrogate(implementation, logprobs, old, mask, layout, config, **data,
                                              rollout_logprobs=rollout, entropy=entropy, masked_entropy=entropy)
     metrics.update(corrected_metrics)
-    metrics = {name: metrics[name] for name in METRIC_NAMES + CORRECTION_METRIC_NAMES if name in metrics}
+    metrics = ordered_metrics(metrics)
     return (loss, metrics) if return_metrics else loss
 
 
@@ -505,7 +505,7 @@ def _gradients_in_forward(
     )
     if phi is not None:
         metrics.update(group_metrics(rewards, phi, config.group_size))
-        metrics = {name: metrics[name] for name in METRIC_NAMES if name in metrics}
+        metrics = ordered_metrics(metrics)
     inputs = [hidden_states, lm_head_weight, lm_head_bias]
     gradients = [grad_hidden.view_as(hidden_states), grad_weight, None if lm_head_bias is None else grad_bias]
     return attach_single_use_gradients(loss, inputs, gradients, implementation.scale_in_place), metrics

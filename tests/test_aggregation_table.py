@@ -11,7 +11,7 @@ from hadw_kernels import config
 from hadw_kernels.backends import cpp_constants
 from hadw_kernels.config import AGG_MODES, AGGREGATIONS, LossConfig
 from hadw_kernels.layout import TokenLayout
-from hadw_kernels.reference.surrogate import aggregate, agg_weights
+from hadw_kernels.aggregation import aggregate, agg_weights
 
 
 def _expected(rule, lengths, width, normalizer, max_length):
@@ -75,9 +75,9 @@ def test_a_new_row_reaches_every_backend(monkeypatch):
     header = cpp_constants.header(namespace)
     assert "kAggCount = 6" in header and "{1, true, true}" in header
     assert json.loads(json.dumps(cpp_constants.fingerprint(namespace)))["aggregations"][-1] == [1, 1, 1]
-    import hadw_kernels.reference.surrogate as reference
+    import hadw_kernels.aggregation as aggregation
 
-    monkeypatch.setattr(reference, "AGGREGATIONS", rows)
+    monkeypatch.setattr(aggregation, "AGGREGATIONS", rows)
     mask = torch.tensor([[True, True, False], [True, False, False]])
     loss_config = LossConfig(group_size=None, normalize_std=True, loss_agg_mode="token-mean",
                              epsilon_low=0.2, epsilon_high=0.2, max_response_length=10)

@@ -311,7 +311,7 @@ def kl_term(logprobs, ref, ESTIMATOR: tl.constexpr):
 
 @triton.jit
 def aggregation_weight(length, token_count_ptr, denominator, PER_RESPONSE_MEAN: tl.constexpr, COUNT_TOKENS: tl.constexpr):
-    """w of a valid token (reference.surrogate.agg_weights): 1 / (T_i * denominator) for
+    """w of a valid token (aggregation.agg_weights): 1 / (T_i * denominator) for
     seq-mean-token-mean, 1 / N_tok counted on the device for token-mean without a
     normaliser, else 1 / denominator (set by _aggregation on the host)."""
     if PER_RESPONSE_MEAN:
@@ -672,7 +672,7 @@ def aggregation(
     loss_agg_mode: int, loss_normalizer: float | None, max_response_length: int | None, segments: int
 ) -> tuple[float, bool, bool]:
     """(denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of ``aggregation_weight`` for an
-    aggregation mode, from its row of config.AGGREGATIONS (reference.surrogate.agg_weights).
+    aggregation mode, from its row of config.AGGREGATIONS (aggregation.agg_weights).
     The constant L of ``times_max_length`` arrives resolved (the losses default it to a
     padded batch's width)."""
     rule = AGGREGATIONS[AGG_MODES[loss_agg_mode]]

@@ -31,7 +31,8 @@ from hadw_kernels.config import (
 from hadw_kernels.layout import TokenLayout
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
 from hadw_kernels.correction import correct
-from hadw_kernels.reference.surrogate import masked_mean, surrogate_loss as reference_surrogate
+from hadw_kernels.reference.surrogate import surrogate_loss as reference_surrogate
+from hadw_kernels.token_terms import masked_mean
 
 GROUP_SIZE = 4
 IGNORE = IGNORE_INDEX
