@@ -18,6 +18,7 @@ import triton.language as tl  # noqa: E402
 from hadw_kernels import fused_hadw_grpo_loss, objectives  # noqa: E402
 from hadw_kernels.config import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS, LossConfig  # noqa: E402
 from hadw_kernels.triton import surrogate as triton_surrogate  # noqa: E402
+from hadw_kernels.triton import token_math as triton_token_math  # noqa: E402
 from hadw_kernels.triton import scale as scale_module  # noqa: E402
 from hadw_kernels.triton.scale import scale_in_place_  # noqa: E402
 from test_objectives import OPTIONS, _config as objective_config, _points as objective_points  # noqa: E402
@@ -173,7 +174,7 @@ def _objective_kernel(
     weight = tl.load(weight_ptr + index, mask=inside, other=0.0)
     # 0-d tensors, as the kernels pass the options: the interpreter rounds a bare float
     # scalar in tl.where to float32.
-    value, d_ratio, d_logprob = triton_surrogate.objective_terms(
+    value, d_ratio, d_logprob = triton_token_math.objective_terms(
         ratio, advantage, logprob, weight, tl.full([], ratio_low, tl.float64), tl.full([], ratio_high, tl.float64),
         tl.full([], delta, tl.float64), tl.full([], dual_clip, tl.float64), tl.full([], ratio_cap, tl.float64),
         tl.full([], temperature_pos, tl.float64), tl.full([], temperature_neg, tl.float64),
@@ -244,8 +245,8 @@ def _gmpo_kernel(log_ratio_ptr, advantage_ptr, clipped_ptr, passes_ptr, epsilon_
     index = tl.arange(0, BLOCK)
     log_ratio = tl.load(log_ratio_ptr + index)
     advantage = tl.load(advantage_ptr + index)
-    tl.store(clipped_ptr + index, triton_surrogate.gmpo_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high))
-    passes = triton_surrogate.gmpo_passes(log_ratio, advantage, epsilon_low, epsilon_high)
+    tl.store(clipped_ptr + index, triton_token_math.gmpo_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high))
+    passes = triton_token_math.gmpo_passes(log_ratio, advantage, epsilon_low, epsilon_high)
     tl.store(passes_ptr + index, passes.to(tl.float64))
 
 
@@ -272,7 +273,7 @@ def test_gmpo_clip_and_where_it_passes_the_gradient():
 @triton.jit
 def _vespo_kernel(summed_ptr, phi_ptr, k: tl.float64, lam: tl.float64, BLOCK: tl.constexpr):
     index = tl.arange(0, BLOCK)
-    tl.store(phi_ptr + index, triton_surrogate.vespo_weight(tl.load(summed_ptr + index), k, lam))
+    tl.store(phi_ptr + index, triton_token_math.vespo_weight(tl.load(summed_ptr + index), k, lam))
 
 
 @pytest.mark.parametrize("k, lam, overflows", [(1.5, 2.5, False), (2.5, 1.5, False), (60.0, 1e-30, True)])

@@ -14,7 +14,8 @@ import torch
 from .. import ops
 from ..triton.linear_logprob import linear_logprob_backward, linear_logprob_forward, linear_surrogate_forward
 from ..triton.scale import scale_in_place_
-from ..triton.surrogate import INTERPRETING, surrogate_forward
+from ..triton.surrogate import surrogate_forward
+from ..triton.token_math import INTERPRETING
 from .kernel_backend import KernelBackend
 
 NAME = "triton"

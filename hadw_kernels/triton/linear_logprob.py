@@ -29,15 +29,8 @@ import triton.language as tl
 
 from ..config import OBJECTIVE_NAMES, OBJECTIVES, block_rows_for, head_accumulator_bytes
 from ..precision import accumulate_dtype
-from .surrogate import (
-    INTERPRETING,
-    device_guard,
-    kl_term,
-    objective_arguments,
-    policy_term,
-    round_to_bfloat16,
-    token_ratio,
-)
+from .surrogate import device_guard, objective_arguments
+from .token_math import INTERPRETING, kl_term, policy_term, round_to_bfloat16, token_ratio
 
 __all__ = [
     "linear_logprob_backward",

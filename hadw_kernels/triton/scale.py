@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .surrogate import INTERPRETING, device_guard, round_to_bfloat16
+from .surrogate import device_guard
+from .token_math import INTERPRETING, round_to_bfloat16
 
 __all__ = ["scale_in_place_"]
 

@@ -1,0 +1,265 @@
+"""The per-token math of the Triton surrogate kernels (docs/math.md, section 5), shared by
+``surrogate.py``'s kernels and the gradients-in-forward linear kernels
+(``linear_logprob.py``), as ``csrc/token_math.h`` is by the C++ ones.
+
+``objective_terms`` transcribes objectives.py's values and derivatives, one branch per
+objective (its code in config.OBJECTIVE_NAMES); ``policy_term`` adds the ratio's chain
+rule, ``kl_term`` the KL estimators, ``aggregation_weight`` a token's weight by the
+aggregation mode. All arithmetic is in the compute dtype of the caller's tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from ..config import (
+    K3_LOG_RATIO_CLAMP,
+    K3_VALUE_CLAMP,
+    KL_ESTIMATORS,
+    LOG_RATIO_CLAMP,
+    OBJECTIVE_NAMES,
+    RATIO_LEVELS,
+    VESPO_LOG_WEIGHT_MIN,
+)
+
+_KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
+_KL_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
+_KL_K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
+
+# The objectives (config.OBJECTIVES) and the ratio forms (config.RATIO_LEVELS) by their codes.
+_CLIP = tl.constexpr(OBJECTIVE_NAMES.index("clip"))
+_CISPO_CAP = tl.constexpr(OBJECTIVE_NAMES.index("cispo_cap"))
+_CISPO_CLIP = tl.constexpr(OBJECTIVE_NAMES.index("cispo_clip"))
+_SAPO = tl.constexpr(OBJECTIVE_NAMES.index("sapo"))
+GMPO = tl.constexpr(OBJECTIVE_NAMES.index("gmpo"))
+VESPO = tl.constexpr(OBJECTIVE_NAMES.index("vespo"))
+_GPG = tl.constexpr(OBJECTIVE_NAMES.index("gpg"))
+TOKEN_RATIO = tl.constexpr(RATIO_LEVELS.index("token"))
+SEQUENCE_RATIO = tl.constexpr(RATIO_LEVELS.index("sequence"))
+
+LOG_RATIO_LIMIT = tl.constexpr(LOG_RATIO_CLAMP)
+_VESPO_LOG_WEIGHT_MIN = tl.constexpr(VESPO_LOG_WEIGHT_MIN)
+_K3_LOG_RATIO_CLAMP = tl.constexpr(K3_LOG_RATIO_CLAMP)
+_K3_VALUE_CLAMP = tl.constexpr(K3_VALUE_CLAMP)
+
+
+# Triton's interpreter casts fp32 to bf16 by truncation; GPUs (and eager PyTorch) round
+# to nearest even. Under the interpreter, kernels that store bf16 round by hand first.
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def round_to_bfloat16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+
+@triton.jit
+def sign(x):
+    # sgn(0) = 0 (docs/math.md, section 4): Phi of a zero advantage is lambda_scale; sgn(NaN) = 0
+    # as torch.sign.
+    return tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0)).to(x.dtype)
+
+
+@triton.jit
+def clamp(x, low, high):
+    """clamp that keeps NaN (tl.minimum / tl.maximum drop it by default)."""
+    return tl.minimum(tl.maximum(x, low, propagate_nan=tl.PropagateNan.ALL), high, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def exp_minus_one_minus_x(x):
+    """exp(x) - 1 - x without the cancellation of the literal formula near 0.
+
+    Below |x| = 1/2 the Taylor series to x^12 (truncation < 2e-13 relative); above it
+    the literal formula loses at most about 20 ulp. libdevice's expm1 is unavailable under
+    the interpreter, and the literal formula would lose all digits of an on-policy
+    log-ratio's k3 (~1e-7) in float32.
+    """
+    series = 1.0 / 479001600.0
+    series = series * x + 1.0 / 39916800.0
+    series = series * x + 1.0 / 3628800.0
+    series = series * x + 1.0 / 362880.0
+    series = series * x + 1.0 / 40320.0
+    series = series * x + 1.0 / 5040.0
+    series = series * x + 1.0 / 720.0
+    series = series * x + 1.0 / 120.0
+    series = series * x + 1.0 / 24.0
+    series = series * x + 1.0 / 6.0
+    series = series * x + 0.5
+    small = x * x * series
+    return tl.where(tl.abs(x) < 0.5, small, tl.exp(x) - 1.0 - x)
+
+
+@triton.jit
+def token_ratio(log_ratio):
+    """(rho, whether the clamp passes the gradient): rho = exp(log-ratio clamped to
+    +-LOG_RATIO_CLAMP); the clamp passes on the closed interval only (NaN: none), as
+    torch.clamp."""
+    passes = (log_ratio >= -LOG_RATIO_LIMIT) & (log_ratio <= LOG_RATIO_LIMIT)
+    return tl.exp(clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)), passes
+
+
+@triton.jit
+def clip_objective(ratio, advantage, ratio_low, ratio_high, delta, dual_clip, HAS_DELTA: tl.constexpr,
+                   HAS_DUAL_CLIP: tl.constexpr):
+    """objectives.clip_value and clip_slope: -min(rho' A, clip(rho) A), rho' = min(rho,
+    delta), bounded by -c A for A < 0 under dual clip, and its derivative with respect to
+    rho as autograd gives it for the reference: the larger branch passes its gradient, half
+    each at a tie; the unclipped branch's is -A where delta's cap passes it (rho <= delta),
+    the clipped one's -A where the clamp does (rho on [low, high]); at the dual-clip bound
+    torch.minimum splits the gradient, so half passes."""
+    if HAS_DELTA:
+        capped = tl.minimum(ratio, delta, propagate_nan=tl.PropagateNan.ALL)
+        through_unclipped = tl.where(ratio <= delta, -advantage, 0.0)
+    else:
+        capped = ratio
+        through_unclipped = -advantage
+    unclipped = -capped * advantage
+    clipped = -clamp(ratio, ratio_low, ratio_high) * advantage
+    through_clipped = tl.where((ratio >= ratio_low) & (ratio <= ratio_high), -advantage, 0.0)
+    slope = tl.where(unclipped > clipped, through_unclipped,
+                     tl.where(clipped > unclipped, through_clipped, 0.5 * (through_unclipped + through_clipped)))
+    objective = tl.maximum(unclipped, clipped, propagate_nan=tl.PropagateNan.ALL)
+    if HAS_DUAL_CLIP:
+        bound = -dual_clip * advantage
+        negative = advantage < 0
+        slope = tl.where(negative & (objective > bound), 0.0, tl.where(negative & (objective == bound), 0.5 * slope,
+                                                                        slope))
+        objective = tl.where(negative, tl.minimum(objective, bound, propagate_nan=tl.PropagateNan.ALL), objective)
+    return objective, slope
+
+
+@triton.jit
+def objective_terms(ratio, advantage, logprob, weight, ratio_low, ratio_high, delta, dual_clip, ratio_cap,
+                    temperature_pos, temperature_neg, OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr,
+                    HAS_DUAL_CLIP: tl.constexpr):
+    """(l, d l / d rho, d l / d logp) of a token: objectives.py's VALUES and SLOPES, one
+    branch per objective (docs/math.md, section 5). ``ratio`` is the token's rho in its
+    ratio form (GMPO: the response's geometric mean of clipped ratios), ``logprob`` its
+    log-prob (read only by the objectives that weigh it), ``weight`` VESPO's phi. Ratios
+    taken through a stop-gradient (CISPO's, VESPO's weight) pass no gradient to rho."""
+    zero = tl.zeros(ratio.shape, ratio.dtype)
+    if OBJECTIVE == _CLIP:
+        objective, d_ratio = clip_objective(ratio, advantage, ratio_low, ratio_high, delta, dual_clip, HAS_DELTA,
+                                            HAS_DUAL_CLIP)
+        d_logprob = zero
+    elif OBJECTIVE == _CISPO_CAP:
+        d_ratio = zero
+        d_logprob = -tl.minimum(ratio, ratio_cap, propagate_nan=tl.PropagateNan.ALL) * advantage
+        objective = d_logprob * logprob
+    elif OBJECTIVE == _CISPO_CLIP:
+        d_ratio = zero
+        d_logprob = -clamp(ratio, ratio_low, ratio_high) * advantage
+        objective = d_logprob * logprob
+    elif OBJECTIVE == _SAPO:
+        temperature = tl.where(advantage > 0, temperature_pos, temperature_neg)
+        gate = tl.sigmoid(temperature * (ratio - 1.0))
+        objective = -(4.0 / temperature) * gate * advantage
+        d_ratio = -4.0 * gate * (1.0 - gate) * advantage
+        d_logprob = zero
+    elif OBJECTIVE == GMPO:
+        objective = -advantage * ratio
+        d_ratio = -advantage
+        d_logprob = zero
+    elif OBJECTIVE == VESPO:
+        d_ratio = zero
+        d_logprob = -weight * advantage
+        objective = d_logprob * logprob
+    else:
+        tl.static_assert(OBJECTIVE == _GPG, "an objective of config.OBJECTIVE_NAMES without a branch here")
+        d_ratio = zero
+        d_logprob = -advantage
+        objective = d_logprob * logprob
+    return objective, d_ratio, d_logprob
+
+
+@triton.jit
+def policy_term(ratio, ratio_passes, advantage, logprob, weight, ratio_low, ratio_high, delta, dual_clip, ratio_cap,
+                temperature_pos, temperature_neg, OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr,
+                HAS_DUAL_CLIP: tl.constexpr):
+    """(l, d l / d logp) of a token whose ratio's gradient goes through its own log-prob
+    (the token and gspo_token forms): d rho / d logp = rho where the log-ratio's clamp
+    passes (``ratio_passes``), else 0 (docs/math.md, section 5)."""
+    objective, d_ratio, d_logprob = objective_terms(
+        ratio, advantage, logprob, weight, ratio_low, ratio_high, delta, dual_clip, ratio_cap, temperature_pos,
+        temperature_neg, OBJECTIVE, HAS_DELTA, HAS_DUAL_CLIP)
+    return objective, tl.where(ratio_passes, d_ratio * ratio, 0.0) + d_logprob
+
+
+@triton.jit
+def gmpo_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high):
+    """objectives.gmpo_log_ratio: the log-ratio clipped to [-eps_low, eps_high] on the side
+    A's sign makes harmful (above for A > 0, below for A < 0; 0 for A = 0)."""
+    direction = sign(advantage)
+    clipped = clamp(log_ratio, -epsilon_low, epsilon_high)
+    return direction * tl.minimum(direction * log_ratio, direction * clipped, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def gmpo_passes(log_ratio, advantage, epsilon_low, epsilon_high):
+    """Where :func:`gmpo_log_ratio` passes its log-ratio's gradient (all of it, ties
+    included, as autograd gives it): A > 0 and lr <= eps_high, or A < 0 and lr >= -eps_low."""
+    return ((advantage > 0) & (log_ratio <= epsilon_high)) | ((advantage < 0) & (log_ratio >= -epsilon_low))
+
+
+@triton.jit
+def vespo_weight(summed_log_ratio, k, lam):
+    """objectives.vespo_weight for one sign's (k, lam): phi = w^k exp(lam (1 - w)), log w
+    the response's summed log-ratio clamped to [log 1e-8, LOG_RATIO_CLAMP]; 0 where phi
+    is not finite (TRL's nan_to_num)."""
+    # The lower bound log(1e-8) is no float32 number: as a bare constant Triton would round
+    # it to one and clamp float64 sums 3e-7 off (seen on an H200, not in the interpreter).
+    lowest = tl.full(summed_log_ratio.shape, _VESPO_LOG_WEIGHT_MIN, summed_log_ratio.dtype)
+    log_weight = clamp(summed_log_ratio, lowest, LOG_RATIO_LIMIT)
+    phi = tl.exp(lam + k * log_weight - lam * tl.exp(log_weight))
+    return tl.where(tl.abs(phi) < float("inf"), phi, 0.0)
+
+
+@triton.jit
+def kl_term(logprobs, ref, ESTIMATOR: tl.constexpr):
+    """(KL estimate, its derivative with respect to logp) of one token
+    (config.KL_ESTIMATORS, with verl's clamps for k3)."""
+    log_ratio = logprobs - ref
+    if ESTIMATOR == _KL_K1:
+        value = log_ratio
+        slope = tl.full(log_ratio.shape, 1.0, log_ratio.dtype)
+    elif ESTIMATOR == _KL_K2:
+        value = 0.5 * log_ratio * log_ratio
+        slope = log_ratio
+    elif ESTIMATOR == _KL_K3:
+        ref_delta = -log_ratio
+        delta_in = (ref_delta >= -_K3_LOG_RATIO_CLAMP) & (ref_delta <= _K3_LOG_RATIO_CLAMP)
+        ref_delta = clamp(ref_delta, -_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)
+        raw = exp_minus_one_minus_x(ref_delta)
+        value_in = (raw >= -_K3_VALUE_CLAMP) & (raw <= _K3_VALUE_CLAMP)
+        value = clamp(raw, -_K3_VALUE_CLAMP, _K3_VALUE_CLAMP)
+        # d/dlogp (exp(d) - 1 - d) with d = ref - logp: -(exp(d) - 1) = -(raw + d)
+        slope = tl.where(delta_in & value_in, -(raw + ref_delta), 0.0)
+    else:
+        value = tl.abs(log_ratio)
+        slope = sign(log_ratio)
+    return value, slope
+
+
+@triton.jit
+def aggregation_weight(length, token_count_ptr, denominator, PER_RESPONSE_MEAN: tl.constexpr, COUNT_TOKENS: tl.constexpr):
+    """w of a valid token (aggregation.agg_weights): 1 / (T_i * denominator) for
+    seq-mean-token-mean, 1 / N_tok counted on the device for token-mean without a
+    normaliser, else 1 / denominator (set by _aggregation on the host)."""
+    if PER_RESPONSE_MEAN:
+        weight = 1.0 / (tl.maximum(length, 1).to(denominator.dtype) * denominator)
+    elif COUNT_TOKENS:
+        tokens = tl.maximum(tl.load(token_count_ptr), 1)
+        weight = 1.0 / tokens.to(denominator.dtype)
+    else:
+        weight = 1.0 / denominator
+    return weight
+
+
