@@ -131,7 +131,7 @@ def _extensions() -> tuple[list, dict]:
         EXTENSION_NAME,
         SOURCES,
         include_dirs=[GENERATED_DIR],
-        depends=["csrc/tile_math.h", "csrc/token_math.h", *headers],
+        depends=["csrc/scratch_memory.h", "csrc/tile_math.h", "csrc/token_math.h", *headers],
         extra_compile_args={"cxx": COMPILE_ARGS},
         extra_link_args=LINK_ARGS,
         py_limited_api=True,
