@@ -84,7 +84,10 @@ class TokenLayout:
         return self._token_segment
 
     def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
-        """[S] -> [N]: each token takes its segment's value."""
+        """[S] -> [N]: each token takes its segment's value (a padded batch's by broadcasting
+        over its width, without forming each token's segment index)."""
+        if self.padded_width is not None:
+            return per_segment[:, None].expand(self.segments, self.padded_width).reshape(self.tokens)
         return per_segment[self.token_segment]
 
     def segment_sum(self, values: torch.Tensor) -> torch.Tensor:

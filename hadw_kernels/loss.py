@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import TYPE_CHECKING
 
@@ -389,11 +390,44 @@ def _call_config(config: LossConfig | None, options: dict, backend: str, *, line
             raise TypeError(f"{name} needs the entropy of the token distribution: use fused_linear_hadw_grpo_loss")
     given = sorted(name for name, value in options.items() if value is not None)
     if config is None:
-        return LossConfig.build(options.pop("loss_type", None) or "grpo", **options)
+        loss_type = options.pop("loss_type", None) or "grpo"
+        if torch.compiler.is_compiling():  # traced once per graph; Dynamo does not trace the cache
+            return LossConfig.build(loss_type, **options)
+        # Keyed by each value's type too: True and 1 are equal but only one is valid.
+        key = (loss_type, tuple(sorted((name, type(value), value) for name, value in options.items())))
+        try:
+            return _built_config(key)
+        except TypeError as error:
+            if "unhashable" not in str(error):
+                raise
+            return LossConfig.build(loss_type, **options)
     if given:
         raise TypeError(f"pass the loss's options either as config= or as keywords, not both: got config and {given}")
-    config.validate()
+    if torch.compiler.is_compiling():
+        config.validate()
+        return config
+    try:
+        _validated(config)
+    except TypeError as error:
+        if "unhashable" not in str(error):
+            raise
+        config.validate()
     return config
+
+
+# A call's config is built and checked once per distinct set of options, not on every
+# call: that was a quarter of a small call's host time (docs/benchmarks.md, "Host time of
+# a small call"). A config holding an unhashable value (a RolloutCorrection with
+# rejection filters) is built each time. An invalid one raises and is not cached.
+@functools.lru_cache(maxsize=256)
+def _built_config(key: tuple) -> LossConfig:
+    loss_type, items = key
+    return LossConfig.build(loss_type, **{name: value for name, _, value in items})
+
+
+@functools.lru_cache(maxsize=256)
+def _validated(config: LossConfig) -> None:
+    config.validate()
 
 
 def _check_linear_options(*, linear_path, block_rows, temperature) -> None:

@@ -202,3 +202,27 @@ def test_every_metric_says_what_it_is_a_mean_over():
 
     assert tuple(METRIC_MEAN_OVER) == METRIC_NAMES + CORRECTION_METRIC_NAMES
     assert set(METRIC_MEAN_OVER.values()) <= {"tokens", "ratios", "responses", "groups"}
+
+
+def test_a_call_s_config_is_built_once_per_set_of_options_and_never_hides_an_error():
+    """The losses keep the config of each set of keyword options (a quarter of a small
+    call's host time was building it): the same options give the same object, a value of
+    another type is still refused (False == 0, but a bool is no number), and an invalid set
+    raises on every call."""
+    from hadw_kernels.loss import _call_config
+
+    first = _call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, "auto", linear=False)
+    assert _call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, "auto", linear=False) is first
+    assert _call_config(None, {"loss_type": "dapo", "epsilon_high": 0.4}, "auto", linear=False).epsilon_high == 0.4
+    assert _call_config(None, {"loss_type": "dapo", "epsilon_low": 0}, "auto", linear=False).epsilon_low == 0
+    for _ in range(2):
+        with pytest.raises(TypeError, match="epsilon_low must be a number"):
+            _call_config(None, {"loss_type": "dapo", "epsilon_low": False}, "auto", linear=False)
+        with pytest.raises(ValueError, match="epsilon_low"):
+            _call_config(None, {"loss_type": "dapo", "epsilon_low": -1.0}, "auto", linear=False)
+    # A config that holds rejection filters is not hashable: built on every call, as before.
+    from hadw_kernels import RolloutCorrection
+
+    correction = RolloutCorrection(rejection={"seq_mean_k3": 0.01})
+    built = _call_config(None, {"rollout_correction": correction}, "auto", linear=False)
+    assert built.rollout_correction == correction
