@@ -2,13 +2,13 @@
 "The rollout correction's cost"): one process, hadw[cpp], fp32, the cases in a shuffled order
 each round, median forward + backward. Run alone: ``python bench/correction_cost.py``."""
 
-import random
-import statistics
+import functools
 import time
 
 import torch
 
 from hadw_kernels import RolloutCorrection, fused_linear_hadw_grpo_loss
+from interleaved import interleaved_medians
 
 PROMPTS, GROUP, WIDTH, HIDDEN, VOCAB = 1, 8, 256, 512, 32768
 ROUNDS = 9
@@ -45,19 +45,10 @@ def main() -> None:
         loss.backward()
         return time.perf_counter() - start
 
-    for options in cases.values():  # warm-up
-        step(options)
-    times = {name: [] for name in cases}
-    order = list(cases)
-    shuffle = random.Random(0)
-    for _ in range(ROUNDS):
-        shuffle.shuffle(order)
-        for name in order:
-            times[name].append(step(cases[name]))
-    base = statistics.median(times["none (gradients in forward)"])
+    medians = interleaved_medians({name: functools.partial(step, options) for name, options in cases.items()}, ROUNDS)
+    base = medians["none (gradients in forward)"]
     print("| rules | ms | vs none |\n| --- | --- | --- |")
-    for name, values in times.items():
-        median = statistics.median(values)
+    for name, median in medians.items():
         print(f"| {name} | {median * 1000:.0f} | {median / base:.2f}x |")
 
 

@@ -12,15 +12,15 @@ median time over eager's, and the operators it dispatches in one forward + backw
 
 from __future__ import annotations
 
-import random
-import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hadw_kernels import available_backends, fused_hadw_grpo_loss
+from interleaved import interleaved_medians
 
 BATCH, WIDTH, GROUP = 8, 16, 4
 EPSILON = 0.2
@@ -86,28 +86,21 @@ def operator_counts(implementations: dict) -> dict:
     return counts
 
 
-def median_seconds(implementations: dict) -> dict:
-    for step in implementations.values():
-        step()
-    times = {name: [] for name in implementations}
-    order = list(implementations)
-    shuffle = random.Random(0)
-    for _ in range(ROUNDS):
-        shuffle.shuffle(order)
-        for name in order:
-            step = implementations[name]
-            started = time.perf_counter()
-            for _ in range(CALLS_PER_ROUND):
-                step()
-            times[name].append((time.perf_counter() - started) / CALLS_PER_ROUND)
-    return {name: statistics.median(values) for name, values in times.items()}
+def seconds_a_call(step) -> Callable[[], float]:
+    def timed() -> float:
+        started = time.perf_counter()
+        for _ in range(CALLS_PER_ROUND):
+            step()
+        return (time.perf_counter() - started) / CALLS_PER_ROUND
+
+    return timed
 
 
 def main() -> None:
     torch.set_num_threads(1)
     implementations = steps()
     counts = operator_counts(implementations)
-    seconds = median_seconds(implementations)
+    seconds = interleaved_medians({name: seconds_a_call(step) for name, step in implementations.items()}, ROUNDS)
     eager = seconds["eager (TRL's GRPO)"]
     print(f"B={BATCH} T={WIDTH}, one thread, forward + backward, median of {ROUNDS} rounds of "
           f"{CALLS_PER_ROUND} calls (torch {torch.__version__})")
