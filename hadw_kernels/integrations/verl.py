@@ -256,32 +256,30 @@ def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / (mask.sum() + 1e-8)
 
 
-def _ppo_clip_fraction(ratio, advantages, mask, epsilon_low, epsilon_high):
-    # The tokens whose clipped term is the larger loss (verl's vanilla and gspo).
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
-    return _token_mean(clipped > unclipped, mask)
+def _ppo_terms(ratio, advantages, epsilon_low, epsilon_high):
+    # PPO's two loss terms (verl's pg_losses1 and pg_losses2): unclipped and clipped.
+    return -advantages * ratio, -advantages * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
 
 
 def _vanilla_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    unclipped = -advantages * ratio
-    clipped = torch.maximum(unclipped, -advantages * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high))
-    # Tokens whose loss the dual clip bounds: a negative advantage, a loss above -A c.
-    lower = (clipped > -advantages * dual_clip) & (advantages < 0)
-    return _ppo_clip_fraction(ratio, advantages, mask, epsilon_low, epsilon_high), _token_mean(lower, mask)
+    unclipped, clipped = _ppo_terms(torch.exp(log_ratio), advantages, epsilon_low, epsilon_high)
+    # Tokens whose clipped term is the larger loss; and those whose loss the dual clip
+    # bounds: a negative advantage, a loss above -A c.
+    lower = (torch.maximum(unclipped, clipped) > -advantages * dual_clip) & (advantages < 0)
+    return _token_mean(clipped > unclipped, mask), _token_mean(lower, mask)
 
 
 def _gspo_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
     # Each token carries its response's ratio, whose log verl clamps above at 10.
     sequence = torch.where(mask, log_ratio, 0.0).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
     ratio = torch.exp(sequence.clamp(max=10.0))[:, None].expand_as(log_ratio)
-    return _ppo_clip_fraction(ratio, advantages, mask, epsilon_low, epsilon_high), None
+    unclipped, clipped = _ppo_terms(ratio, advantages, epsilon_low, epsilon_high)
+    return _token_mean(clipped > unclipped, mask), None
 
 
 def _cispo_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
     # Ratios outside the range on either side, whatever the advantage.
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    ratio = torch.exp(log_ratio)
     outside = ratio != ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
     return _token_mean(outside, mask), None
 
@@ -299,7 +297,8 @@ def _no_clip_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dua
 
 # verl's metric rules, by the loss whose function defines them: each gives
 # (pg_clipfrac, pg_clipfrac_lower) as tensors (None: verl reports 0), and whether verl
-# clamps the log-ratio to +-20 before its ppo_kl.
+# clamps the log-ratio to +-20 (before its ratio and its ppo_kl alike): the rule then
+# receives it clamped.
 CLIP_METRICS = {
     "vanilla": (_vanilla_metrics, True),
     "gspo": (_gspo_metrics, False),
