@@ -13,7 +13,6 @@ from .backends import check_backend_name, resolve_backend
 from .config import (
     AGGREGATIONS,
     IGNORE_INDEX,
-    LOG_RATIO_CLAMP,
     LossConfig,
     LossOptions,
     check_block_rows,
@@ -25,7 +24,7 @@ from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
 from .advantage import group_metrics, weighted_advantages
 from .aggregation import agg_weights, aggregate
-from .token_terms import kl_estimate, masked_mean, token_ratio
+from .token_terms import kl_estimate, masked_mean, own_token_ratio, token_ratio
 from .layout import TokenLayout
 from .validation import (
     assert_cu_seqlens,
@@ -237,8 +236,7 @@ def _bias_corrected_kl(logprobs, old_logprobs, mask, layout, config, ref_logprob
     (docs/math.md, section 5d)."""
     advantage = torch.where(mask, token_advantage.to(logprobs.dtype), torch.zeros_like(logprobs))
     if config.kl_bias_ratio == "token":
-        log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
-        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        ratio = own_token_ratio(logprobs, old_logprobs.detach(), mask)
     else:
         ratio, _, _ = token_ratio(logprobs, old_logprobs.detach(), mask, advantage, layout, config)
     zero = torch.zeros_like(logprobs)

@@ -31,18 +31,26 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
 
 
+def own_token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """rho_t = exp(l_t - l_old_t) [N] with its gradient, the log-ratio clamped to
+    +-LOG_RATIO_CLAMP (1 at uncounted tokens): the token ratio form's, and the one TRL's
+    bias-corrected KL weighs by at token level whatever the objective's form."""
+    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
 def token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, advantage: torch.Tensor,
                 layout: TokenLayout, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rho [N] with its gradient, the ratio the metrics count, the mask they count it
     over) in ``config.ratio_level``'s form (config.RATIO_LEVELS); GMPO's log-ratios are
     clipped first (objectives.gmpo_log_ratio). Every log-ratio entering exp is clamped to
     +-LOG_RATIO_CLAMP."""
+    if config.ratio_level == "token":  # (GMPO's ratio is per response only)
+        ratio = own_token_ratio(logprobs, old_logprobs, mask)
+        return ratio, ratio.detach(), mask
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
     if config.objective == "gmpo":
         log_ratio = torch.where(mask, gmpo_log_ratio(log_ratio, advantage, config), torch.zeros_like(log_ratio))
-    if config.ratio_level == "token":
-        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        return ratio, ratio.detach(), mask
     lengths = layout.segment_sum(mask)
     sequence_log_ratio = layout.segment_sum(log_ratio) / lengths.clamp(min=1)
     metric_ratio = torch.exp(sequence_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
