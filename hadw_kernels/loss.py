@@ -389,34 +389,33 @@ def _call_config(config: LossConfig | None, options: dict, backend: str, *, line
     given = sorted(name for name, value in options.items() if value is not None)
     if config is None:
         loss_type = options.pop("loss_type", None) or "grpo"
-        if torch.compiler.is_compiling():  # traced once per graph; Dynamo does not trace the cache
-            return LossConfig.build(loss_type, **options)
         # Keyed by each value's type too: True and 1 are equal but only one is valid.
-        key = (loss_type, tuple(sorted((name, type(value), value) for name, value in options.items())))
-        try:
-            return _built_config(key)
-        except TypeError as error:
-            if "unhashable" not in str(error):
-                raise
-            return LossConfig.build(loss_type, **options)
+        return _once(_built_config,
+                     lambda: (loss_type, tuple(sorted((name, type(value), value) for name, value in options.items()))),
+                     lambda: LossConfig.build(loss_type, **options))
     if given:
         raise TypeError(f"pass the loss's options either as config= or as keywords, not both: got config and {given}")
-    if torch.compiler.is_compiling():
-        config.validate()
-        return config
-    try:
-        _validated(config)
-    except TypeError as error:
-        if "unhashable" not in str(error):
-            raise
-        config.validate()
+    _once(_validated, lambda: config, config.validate)
     return config
 
 
 # A call's config is built and checked once per distinct set of options, not on every
 # call: that was a quarter of a small call's host time (docs/benchmarks.md, "Host time of
-# a small call"). A config holding an unhashable value (a RolloutCorrection with
-# rejection filters) is built each time. An invalid one raises and is not cached.
+# a small call"). An invalid one raises and is not cached.
+def _once(cached, key, direct):
+    """``cached(key())``, or ``direct()`` under torch.compile (traced once per graph;
+    Dynamo does not trace the cache) or for a key that does not hash (an option of the
+    wrong type, a list say, which ``direct`` then refuses by name)."""
+    if torch.compiler.is_compiling():
+        return direct()
+    key = key()
+    try:
+        hash(key)
+    except TypeError:
+        return direct()
+    return cached(key)
+
+
 @functools.lru_cache(maxsize=256)
 def _built_config(key: tuple) -> LossConfig:
     loss_type, items = key

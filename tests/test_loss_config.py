@@ -220,9 +220,14 @@ def test_a_call_s_config_is_built_once_per_set_of_options_and_never_hides_an_err
             _call_config(None, {"loss_type": "dapo", "epsilon_low": False}, "auto", linear=False)
         with pytest.raises(ValueError, match="epsilon_low"):
             _call_config(None, {"loss_type": "dapo", "epsilon_low": -1.0}, "auto", linear=False)
-    # A config that holds rejection filters is not hashable: built on every call, as before.
+    # A value that does not hash (a list) is not cached: it is refused by name, every time.
+    for _ in range(2):
+        with pytest.raises(TypeError, match="epsilon_low must be a number"):
+            _call_config(None, {"loss_type": "dapo", "epsilon_low": [0.1]}, "auto", linear=False)
+    # A rollout correction with rejection filters hashes: its config is kept too.
     from hadw_kernels import RolloutCorrection
 
     correction = RolloutCorrection(rejection={"seq_mean_k3": 0.01})
     built = _call_config(None, {"rollout_correction": correction}, "auto", linear=False)
     assert built.rollout_correction == correction
+    assert _call_config(None, {"rollout_correction": correction}, "auto", linear=False) is built
