@@ -57,11 +57,11 @@ AGG_MODES = tuple(AGGREGATIONS)
 #   k1: x    k2: x^2 / 2    k3: clamp(exp(-x') - 1 + x', -10, 10), x' = clamp(x, -20, 20)    abs: |x|
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 K3_LOG_RATIO_CLAMP = 20.0
+K3_VALUE_CLAMP = 10.0
 # The ratio that weighs the bias-corrected KL: the objective's own (its ratio form), or each
 # token's exp(l - l_old) whatever the objective's form (TRL's at importance_sampling_level
 # "token", where its VESPO's ratio is per response). docs/math.md, section 5d.
 KL_BIAS_RATIOS = ("objective", "token")
-K3_VALUE_CLAMP = 10.0
 
 # The metrics every implementation returns, in this order (kernels index them by name).
 METRIC_NAMES = (
