@@ -783,10 +783,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_su
     const at::Tensor& labels, const std::optional<at::Tensor>& old_logprobs, const at::Tensor& advantages,
     const at::Tensor& agg_weights, const std::optional<at::Tensor>& ref_logprobs,
     const std::optional<at::Tensor>& importance_weights, double temperature, int64_t ignore_index, int64_t objective,
-    double epsilon_low, double epsilon_high, std::optional<double> dual_clip, std::optional<double> delta,
-    double ratio_cap, double sapo_temperature_pos, double sapo_temperature_neg, double vespo_k_pos,
-    double vespo_lambda_pos, double vespo_k_neg, double vespo_lambda_neg, double beta, int64_t kl_estimator,
-    double entropy_coef, bool with_entropy, int64_t block_rows) {
+    double epsilon_low, double epsilon_high, c10::ArrayRef<double> objective_options, double beta,
+    int64_t kl_estimator, double entropy_coef, bool with_entropy, int64_t block_rows) {
   constexpr const char* op = "hadw_cpp::linear_surrogate_forward";
   (void)with_entropy;  // the entropy is always formed (see linear_logprob_forward_cpu)
   const LinearInputs in = prepare_inputs(op, hidden, weight, bias, labels, temperature, kSurrogateTile);
@@ -794,15 +792,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_su
               ": kl_estimator must index config.KL_ESTIMATORS, got ", kl_estimator);
   TORCH_CHECK(objective >= 0 && objective < config::kObjectiveCount, op,
               ": objective must index config.OBJECTIVE_NAMES, got ", objective);
+  check_objective_options(op, objective, objective_options);
   // A token's gradient here is known from its own log-prob alone; an objective that reads
   // its whole response (a sequence ratio) takes the linear loss's recompute path.
   TORCH_CHECK(config::kObjectiveTakesRatioLevel[objective][config::kRatioLevelToken], op, ": objective ", objective,
               " has no token ratio form (config.OBJECTIVES): use the recompute path");
-  // VESPO's options: no objective of the token ratio form reads them.
-  (void)vespo_k_pos;
-  (void)vespo_lambda_pos;
-  (void)vespo_k_neg;
-  (void)vespo_lambda_neg;
   // The default (0 at the hadw:: op) is config.block_rows_for's, resolved by the backend
   // in Python (hadw_kernels/backends/cpp_backend.py): one formula.
   TORCH_CHECK(block_rows > 0, op, ": block_rows must be positive, got ", block_rows);
@@ -829,8 +823,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_su
     tokens.ref_logprobs = ref.defined() ? ref.const_data_ptr<T>() : nullptr;
     tokens.importance_weights = importance.defined() ? importance.const_data_ptr<T>() : nullptr;
     tokens.objective = objective;
-    tokens.options = objective_options<T>(epsilon_low, epsilon_high, delta, dual_clip, ratio_cap,
-                                          sapo_temperature_pos, sapo_temperature_neg);
+    tokens.options = ObjectiveOptions<T>::from(epsilon_low, epsilon_high, objective_options);
     tokens.beta = static_cast<T>(beta);
     tokens.kl_estimator = kl_estimator;
     tokens.entropy_coef = static_cast<T>(entropy_coef);

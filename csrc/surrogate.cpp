@@ -130,8 +130,6 @@ struct Problem {
   int64_t objective;    // a config::kObjective code
   int64_t ratio_level;  // a config::kRatioLevel code
   ObjectiveOptions<T> options;
-  // VESPO's (k, lambda) for a non-negative and for a negative advantage.
-  double vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg;
   T beta;
   int64_t kl_estimator;
   T entropy_coef;
@@ -393,8 +391,10 @@ HADW_ALWAYS_INLINE SequenceRatio<T> sequence_ratio(const Problem<T>& problem, in
   }
   if constexpr (kObjective == config::kObjectiveVespo) {
     const double log_weight = clamp_keep_nan(clamped_log_ratio_sum, config::kVespoLogWeightMin, limit);
-    sequence.weights = {static_cast<T>(vespo_weight(log_weight, problem.vespo_k_pos, problem.vespo_lambda_pos)),
-                        static_cast<T>(vespo_weight(log_weight, problem.vespo_k_neg, problem.vespo_lambda_neg))};
+    const double* option = problem.options.exact;
+    sequence.weights = {
+        static_cast<T>(vespo_weight(log_weight, option[config::kOptionVespoKPos], option[config::kOptionVespoLambdaPos])),
+        static_cast<T>(vespo_weight(log_weight, option[config::kOptionVespoKNeg], option[config::kOptionVespoLambdaNeg]))};
   }
   if (problem.ratio_level == config::kRatioLevelSequence && passes) {
     double slope_sum = 0;
@@ -607,15 +607,7 @@ struct Options {
   int64_t objective;
   double epsilon_low;
   double epsilon_high;
-  std::optional<double> dual_clip;
-  std::optional<double> delta;
-  double ratio_cap;
-  double sapo_temperature_pos;
-  double sapo_temperature_neg;
-  double vespo_k_pos;
-  double vespo_lambda_pos;
-  double vespo_k_neg;
-  double vespo_lambda_neg;
+  c10::ArrayRef<double> objective_options;
   double beta;
   int64_t kl_estimator;
   double entropy_coef;
@@ -694,12 +686,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   problem.lengths = lengths.data();
   problem.objective = call.objective;
   problem.ratio_level = call.ratio_level;
-  problem.options = objective_options<T>(call.epsilon_low, call.epsilon_high, call.delta, call.dual_clip,
-                                         call.ratio_cap, call.sapo_temperature_pos, call.sapo_temperature_neg);
-  problem.vespo_k_pos = call.vespo_k_pos;
-  problem.vespo_lambda_pos = call.vespo_lambda_pos;
-  problem.vespo_k_neg = call.vespo_k_neg;
-  problem.vespo_lambda_neg = call.vespo_lambda_neg;
+  problem.options = ObjectiveOptions<T>::from(call.epsilon_low, call.epsilon_high, call.objective_options);
   problem.beta = static_cast<T>(call.beta);
   problem.kl_estimator = call.kl_estimator;
   problem.entropy_coef = static_cast<T>(call.entropy_coef);
@@ -757,9 +744,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     const std::optional<at::Tensor>& ref_logprobs, const std::optional<at::Tensor>& importance_weights,
     const std::optional<at::Tensor>& entropy, std::optional<int64_t> group_size, bool normalize_std, double std_eps,
     double lambda_scale, int64_t loss_agg_mode, int64_t ratio_level, int64_t objective, double epsilon_low,
-    double epsilon_high, std::optional<double> dual_clip, std::optional<double> delta, double ratio_cap,
-    double sapo_temperature_pos, double sapo_temperature_neg, double vespo_k_pos, double vespo_lambda_pos,
-    double vespo_k_neg, double vespo_lambda_neg, double beta, int64_t kl_estimator, double entropy_coef,
+    double epsilon_high, c10::ArrayRef<double> objective_options, double beta, int64_t kl_estimator,
+    double entropy_coef,
     std::optional<double> loss_normalizer, std::optional<int64_t> max_response_length) {
   TORCH_CHECK(logprobs.dim() == 1, "hadw_cpp::surrogate_loss: logprobs must be [N], got ", logprobs.sizes());
   TORCH_CHECK(at::isFloatingType(logprobs.scalar_type()), "hadw_cpp::surrogate_loss: logprobs must be floating "
@@ -782,6 +768,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
               "hadw_cpp::surrogate_loss: kl_estimator must index config.KL_ESTIMATORS, got ", kl_estimator);
   TORCH_CHECK(objective >= 0 && objective < config::kObjectiveCount,
               "hadw_cpp::surrogate_loss: objective must index config.OBJECTIVE_NAMES, got ", objective);
+  check_objective_options("hadw_cpp::surrogate_loss", objective, objective_options);
   TORCH_CHECK(ratio_level >= 0 && ratio_level < config::kRatioLevelCount,
               "hadw_cpp::surrogate_loss: ratio_level must index config.RATIO_LEVELS, got ", ratio_level);
   TORCH_CHECK(config::kObjectiveTakesRatioLevel[objective][ratio_level], "hadw_cpp::surrogate_loss: objective ",
@@ -806,9 +793,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
                 "), got ", group_size.has_value() ? std::to_string(*group_size) : std::string("None"));
     advantage_terms = group_advantages(*rewards, *group_size, normalize_std, std_eps, anchor, lambda_scale);
   }
-  const Options call{loss_agg_mode, ratio_level, objective, epsilon_low, epsilon_high, dual_clip, delta, ratio_cap,
-                     sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                     vespo_lambda_neg, beta, kl_estimator, entropy_coef, loss_normalizer, max_response_length};
+  const Options call{loss_agg_mode, ratio_level, objective, epsilon_low, epsilon_high, objective_options,
+                     beta, kl_estimator, entropy_coef, loss_normalizer, max_response_length};
   const auto compute = at::promote_types(logprobs.scalar_type(), at::kFloat);
   if (compute == at::kDouble) {
     return surrogate_impl<double>(logprobs, old_logprobs, response_mask, offsets, ref_logprobs, importance_weights,

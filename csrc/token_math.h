@@ -16,8 +16,10 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <c10/util/ArrayRef.h>
+
 #include <cstdint>
-#include <optional>
+#include <limits>
 
 #include "hadw_config.h"  // generated from hadw_kernels/config.py by setup.py
 #include "tile_math.h"
@@ -69,34 +71,38 @@ HADW_ALWAYS_INLINE T clamped_exp_minus_one_minus_x(T x, T limit) {
   return (x > T(-0.5) && x < T(0.5)) ? small : large;  // NaN: large, NaN
 }
 
-// The objectives' options (config.OBJECTIVES), in the compute type (the reference rounds
-// its Python-float thresholds to the tensors' dtype). An option the objective does not
-// read arrives neutral (LossConfig.token_options).
+// The clip range and the objective's option vector (config.OBJECTIVES,
+// LossConfig.objective_options) in the compute type (the reference rounds its Python-float
+// thresholds to the tensors' dtype), read by the generated kOption<Name> indices; an
+// option that is off arrives as +inf. `exact` keeps the vector in double for the
+// per-response steps that compute in double (VESPO's weight).
 template <typename T>
 struct ObjectiveOptions {
   T ratio_low;       // 1 - epsilon_low
   T ratio_high;      // 1 + epsilon_high
   T log_ratio_low;   // -epsilon_low: GMPO clips in log space
   T log_ratio_high;  // epsilon_high
-  bool has_delta;
-  T delta;
-  bool has_dual_clip;
-  T dual_clip;
-  T ratio_cap;
-  T sapo_temperature_pos;
-  T sapo_temperature_neg;
+  T values[config::kObjectiveOptionSlots] = {};
+  double exact[config::kObjectiveOptionSlots] = {};
+
+  HADW_ALWAYS_INLINE T operator[](int64_t index) const { return values[index]; }
+
+  static ObjectiveOptions from(double epsilon_low, double epsilon_high, c10::ArrayRef<double> vector) {
+    ObjectiveOptions options{static_cast<T>(1.0 - epsilon_low), static_cast<T>(1.0 + epsilon_high),
+                             static_cast<T>(-epsilon_low), static_cast<T>(epsilon_high)};
+    for (size_t index = 0; index < vector.size(); ++index) {
+      options.values[index] = static_cast<T>(vector[index]);
+      options.exact[index] = vector[index];
+    }
+    return options;
+  }
 };
 
-template <typename T>
-ObjectiveOptions<T> objective_options(double epsilon_low, double epsilon_high, std::optional<double> delta,
-                                      std::optional<double> dual_clip, double ratio_cap, double sapo_temperature_pos,
-                                      double sapo_temperature_neg) {
-  return {static_cast<T>(1.0 - epsilon_low),  static_cast<T>(1.0 + epsilon_high),
-          static_cast<T>(-epsilon_low),       static_cast<T>(epsilon_high),
-          delta.has_value(),                  static_cast<T>(delta.value_or(0.0)),
-          dual_clip.has_value(),              static_cast<T>(dual_clip.value_or(0.0)),
-          static_cast<T>(ratio_cap),          static_cast<T>(sapo_temperature_pos),
-          static_cast<T>(sapo_temperature_neg)};
+// The vector's length is the objective's (config.OBJECTIVES): the kernels index it blindly.
+inline void check_objective_options(const char* op, int64_t objective, c10::ArrayRef<double> vector) {
+  TORCH_CHECK(static_cast<int64_t>(vector.size()) == config::kObjectiveOptionCounts[objective], op,
+              ": objective ", objective, " takes ", config::kObjectiveOptionCounts[objective],
+              " options (config.OBJECTIVES), got ", vector.size());
 }
 
 // VESPO's weight phi of the token's response, for a non-negative and for a negative
@@ -126,24 +132,28 @@ HADW_ALWAYS_INLINE ObjectiveTerm<T> objective_term(T ratio, T advantage, T logpr
     // max(-rho' A, -clip(rho) A), rho' = min(rho, delta). torch.maximum passes the gradient
     // to the larger operand, half to each at a tie; each operand's own clamp passes it on
     // its closed interval.
-    const T capped = options.has_delta && ratio > options.delta ? options.delta : ratio;  // NaN kept
+    const T delta = options[config::kOptionDelta];
+    const T dual_clip = options[config::kOptionDualClip];
+    const bool has_delta = delta != std::numeric_limits<T>::infinity();
+    const T capped = ratio > delta ? delta : ratio;  // NaN kept
     const T unclipped = -capped * advantage;
     const T clipped = -clamp_keep_nan(ratio, options.ratio_low, options.ratio_high) * advantage;
     T value = (unclipped != unclipped || unclipped > clipped) ? unclipped : clipped;
-    const T through_unclipped = (!options.has_delta || ratio <= options.delta) ? -advantage : T(0);
+    const T through_unclipped = (!has_delta || ratio <= delta) ? -advantage : T(0);
     const T through_clipped = in_closed(ratio, options.ratio_low, options.ratio_high) ? -advantage : T(0);
     T d_ratio = unclipped > clipped   ? through_unclipped
                 : clipped > unclipped ? through_clipped
                                       : T(0.5) * (through_unclipped + through_clipped);
     // Dual clip: min(l, -c A) where A < 0; torch.minimum splits the gradient at the bound.
-    const bool bounded = options.has_dual_clip && advantage < 0;
-    const T bound = -options.dual_clip * advantage;
+    const bool bounded = dual_clip != std::numeric_limits<T>::infinity() && advantage < 0;
+    const T bound = -dual_clip * advantage;
     const bool above = bounded && value > bound;  // NaN: false, and NaN stays NaN
     d_ratio = above ? T(0) : ((bounded && value == bound) ? d_ratio * T(0.5) : d_ratio);
     value = above ? bound : value;
     return {value, d_ratio, T(0)};
   } else if constexpr (kObjective == config::kObjectiveCispoCap) {
-    const T weight = ratio > options.ratio_cap ? options.ratio_cap : ratio;  // NaN kept
+    const T cap = options[config::kOptionRatioCap];
+    const T weight = ratio > cap ? cap : ratio;  // NaN kept
     const T d_logprob = -weight * advantage;
     return {d_logprob * logprob, T(0), d_logprob};
   } else if constexpr (kObjective == config::kObjectiveCispoClip) {
@@ -151,7 +161,8 @@ HADW_ALWAYS_INLINE ObjectiveTerm<T> objective_term(T ratio, T advantage, T logpr
     return {d_logprob * logprob, T(0), d_logprob};
   } else if constexpr (kObjective == config::kObjectiveSapo) {
     // -(4 / tau) sigmoid(tau (rho - 1)) A; d / d rho = -4 sigmoid (1 - sigmoid) A.
-    const T temperature = advantage > 0 ? options.sapo_temperature_pos : options.sapo_temperature_neg;
+    const T temperature =
+        advantage > 0 ? options[config::kOptionSapoTemperaturePos] : options[config::kOptionSapoTemperatureNeg];
     const T sigmoid = T(1) / (T(1) + vector_exp(-temperature * (ratio - T(1))));
     return {-(T(4) / temperature) * sigmoid * advantage, T(-4) * sigmoid * (T(1) - sigmoid) * advantage, T(0)};
   } else if constexpr (kObjective == config::kObjectiveGmpo) {

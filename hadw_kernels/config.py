@@ -194,8 +194,12 @@ class Objective:
     ratio rho, its advantage A and its log-prob l (docs/math.md, section 5; the formulas
     and their derivatives are ``objectives.py``'s, the kernels' one branch each).
 
-    ``options``: the LossConfig fields only this objective reads, with their defaults (a
-    None field takes the default; set on another objective, it is refused).
+    ``options``: the LossConfig fields only this objective reads, in the order of its
+    option vector, with their defaults (a None field takes the default; set on another
+    objective, it is refused; a None default means off). The kernels take the resolved
+    values as one vector (:meth:`LossConfig.objective_options`, an option that is off as
+    +inf: no bound) and read them by the index constants generated from this table
+    (:data:`OPTION_INDEX`; ``kOption<Name>`` in C++, ``OPTION_<NAME>`` in Triton).
     ``ratio_levels``: the ratio forms it takes (RATIO_LEVELS), the first its default.
     ``clipped``: whether epsilon_low / epsilon_high shape the loss (else they only set the
     clip-fraction metrics' range).
@@ -237,8 +241,17 @@ OBJECTIVES = {
 }
 assert all(objective.gradient in GRADIENT_ROUTES for objective in OBJECTIVES.values())
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
-# Every objective-only option, with the objective that reads it.
-OBJECTIVE_OPTIONS = {option: name for name, objective in OBJECTIVES.items() for option in objective.options}
+# Every objective-only option, with the objectives that read it.
+OBJECTIVE_OPTIONS = {option: tuple(name for name, objective in OBJECTIVES.items() if option in objective.options)
+                     for objective in OBJECTIVES.values() for option in objective.options}
+# Each option's index in its objectives' option vectors (the same in every objective that
+# reads it), and the longest vector: the kernels' fixed number of option slots.
+OPTION_INDEX = {option: list(OBJECTIVES[owners[0]].options).index(option)
+                for option, owners in OBJECTIVE_OPTIONS.items()}
+assert all(list(OBJECTIVES[owner].options).index(option) == OPTION_INDEX[option]
+           for option, owners in OBJECTIVE_OPTIONS.items() for owner in owners), \
+    "an option shared by objectives sits at the same index of each one's vector"
+OBJECTIVE_OPTION_SLOTS = max(len(objective.options) for objective in OBJECTIVES.values())
 
 
 # Rollout correction (docs/math.md, section 5d; correction.py computes it). A rollout
@@ -619,9 +632,10 @@ class LossConfig:
         if self.ratio_level not in OBJECTIVES[self.objective].ratio_levels:
             raise ValueError(f"objective {self.objective!r} takes ratio_level in {OBJECTIVES[self.objective].ratio_levels}"
                              f", got {self.ratio_level!r}")
-        for name, owner in OBJECTIVE_OPTIONS.items():
-            if owner != self.objective and getattr(self, name) is not None:
-                raise ValueError(f"{name} is an option of the {owner!r} objective, not of {self.objective!r}")
+        for name, owners in OBJECTIVE_OPTIONS.items():
+            if self.objective not in owners and getattr(self, name) is not None:
+                readers = " or ".join(repr(owner) for owner in owners)
+                raise ValueError(f"{name} is an option of the {readers} objective, not of {self.objective!r}")
         if self.dual_clip is not None and not (1 < self.dual_clip < math.inf):
             raise ValueError(f"dual_clip must be finite and greater than 1, got {self.dual_clip!r}")
         if self.delta is not None:
@@ -692,28 +706,20 @@ class LossConfig:
             max_response_length=self.max_response_length,
         )
 
+    def objective_options(self) -> list[float]:
+        """The objective's option vector, as the ops take it: its options' values in the
+        order of its row of :data:`OBJECTIVES`, an option that is off (None) as +inf."""
+        return [math.inf if value is None else float(value)
+                for value in (self.option(name) for name in OBJECTIVES[self.objective].options)]
+
     def token_options(self) -> dict:
         """The options of the per-token objective, as the ops take them: the objective as
-        its index in :data:`OBJECTIVE_NAMES`, an option it does not read as its neutral
-        value (no cap, unit temperatures)."""
-
-        def value(name: str, neutral: float) -> float:
-            option = self.option(name) if name in OBJECTIVES[self.objective].options else None
-            return neutral if option is None else float(option)
-
+        its index in :data:`OBJECTIVE_NAMES` and its option vector."""
         return dict(
             objective=OBJECTIVE_NAMES.index(self.objective),
             epsilon_low=float(self.epsilon_low),
             epsilon_high=float(self.epsilon_high),
-            dual_clip=None if self.option("dual_clip") is None else float(self.option("dual_clip")),
-            delta=None if self.option("delta") is None else float(self.option("delta")),
-            ratio_cap=value("ratio_cap", math.inf),
-            sapo_temperature_pos=value("sapo_temperature_pos", 1.0),
-            sapo_temperature_neg=value("sapo_temperature_neg", 1.0),
-            vespo_k_pos=value("vespo_k_pos", 0.0),
-            vespo_lambda_pos=value("vespo_lambda_pos", 1.0),
-            vespo_k_neg=value("vespo_k_neg", 0.0),
-            vespo_lambda_neg=value("vespo_lambda_neg", 1.0),
+            objective_options=self.objective_options(),
             beta=float(self.beta),
             kl_estimator=KL_ESTIMATORS.index(self.kl_estimator),
             entropy_coef=float(self.entropy_coef),

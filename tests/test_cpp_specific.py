@@ -561,7 +561,8 @@ def test_declarations_follow_the_schemas():
         declared = text.split(f" {op}_cpu(", 1)[1].split(");", 1)[0]
         names = [part.split()[-1] for part in declared.split(",")]
         assert names == [name for _, name in cpp_declarations.parse(arguments)], op
-    assert "const std::optional<at::Tensor>& rewards" in text and "std::optional<double> dual_clip" in text
+    assert "const std::optional<at::Tensor>& rewards" in text and "std::optional<double> loss_normalizer" in text
+    assert "c10::ArrayRef<double> objective_options" in text
     with pytest.raises(ValueError, match=r"no C\+\+ type for the schema type 'str'"):
         cpp_declarations.parse("(Tensor a, str backend)")
 

@@ -162,9 +162,9 @@ def test_token_offsets_beyond_int32():
 @triton.jit
 def _objective_kernel(
     ratio_ptr, advantage_ptr, logprob_ptr, weight_ptr, value_ptr, d_ratio_ptr, d_logprob_ptr, count,
-    ratio_low: tl.float64, ratio_high: tl.float64, delta: tl.float64, dual_clip: tl.float64, ratio_cap: tl.float64,
-    temperature_pos: tl.float64, temperature_neg: tl.float64,
-    OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, BLOCK: tl.constexpr,
+    ratio_low: tl.float64, ratio_high: tl.float64,
+    option_0: tl.float64, option_1: tl.float64, option_2: tl.float64, option_3: tl.float64,
+    OBJECTIVE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     index = tl.arange(0, BLOCK)
     inside = index < count
@@ -176,9 +176,7 @@ def _objective_kernel(
     # scalar in tl.where to float32.
     value, d_ratio, d_logprob = triton_token_math.objective_terms(
         ratio, advantage, logprob, weight, tl.full([], ratio_low, tl.float64), tl.full([], ratio_high, tl.float64),
-        tl.full([], delta, tl.float64), tl.full([], dual_clip, tl.float64), tl.full([], ratio_cap, tl.float64),
-        tl.full([], temperature_pos, tl.float64), tl.full([], temperature_neg, tl.float64),
-        OBJECTIVE, HAS_DELTA, HAS_DUAL_CLIP)
+        triton_token_math.objective_option_values(option_0, option_1, option_2, option_3, tl.float64), OBJECTIVE)
     tl.store(value_ptr + index, value, mask=inside)
     tl.store(d_ratio_ptr + index, d_ratio, mask=inside)
     tl.store(d_logprob_ptr + index, d_logprob, mask=inside)
@@ -189,12 +187,9 @@ def _objective_terms(config, ratio, advantage, logprob, weight):
     inputs = [t.to(DEVICE) for t in (ratio, advantage, logprob, weight)]
     outputs = [torch.empty_like(inputs[0]) for _ in range(3)]
     options = config.token_options()
-    delta, dual_clip = options["delta"], options["dual_clip"]
     _objective_kernel[(1,)](
         *inputs, *outputs, ratio.numel(), 1.0 - config.epsilon_low, 1.0 + config.epsilon_high,
-        0.0 if delta is None else delta, 0.0 if dual_clip is None else dual_clip, options["ratio_cap"],
-        options["sapo_temperature_pos"], options["sapo_temperature_neg"], OBJECTIVE=options["objective"],
-        HAS_DELTA=delta is not None, HAS_DUAL_CLIP=dual_clip is not None,
+        **triton_token_math.option_slots(options["objective_options"]), OBJECTIVE=options["objective"],
         BLOCK=triton.next_power_of_2(ratio.numel()),
     )
     return [output.cpu() for output in outputs]

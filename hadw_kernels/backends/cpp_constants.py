@@ -35,6 +35,7 @@ def constants(config) -> dict:
         "kl_estimators": list(config["KL_ESTIMATORS"]),
         "objectives": list(config["OBJECTIVE_NAMES"]),
         "ratio_levels": list(config["RATIO_LEVELS"]),
+        "objective_options": [list(objective.options) for objective in config["OBJECTIVES"].values()],
         "objective_ratio_levels": [[int(level in objective.ratio_levels) for level in config["RATIO_LEVELS"]]
                                    for objective in config["OBJECTIVES"].values()],
         "vespo_log_weight_min": float(config["VESPO_LOG_WEIGHT_MIN"]),
@@ -83,6 +84,15 @@ def header(config) -> str:
     rows = ", ".join("{" + ", ".join("true" if taken else "false" for taken in levels) + "}"
                      for levels in values["objective_ratio_levels"])
     lines.append(f"constexpr bool kObjectiveTakesRatioLevel[kObjectiveCount][kRatioLevelCount] = {{{rows}}};")
+    lines.append("")
+    lines.append("// The objectives' option vectors (config.OBJECTIVES, LossConfig.objective_options): each")
+    lines.append("// objective's length, the longest, and each option's index in its objectives' vectors.")
+    counts = [len(options) for options in values["objective_options"]]
+    lines.append(f"constexpr int64_t kObjectiveOptionCounts[kObjectiveCount] = {{{', '.join(map(str, counts))}}};")
+    lines.append(f"constexpr int64_t kObjectiveOptionSlots = {max(counts)};")
+    indices = {option: index for options in values["objective_options"] for index, option in enumerate(options)}
+    for option, index in indices.items():
+        lines.append(f"constexpr int64_t kOption{_identifier(option)} = {index};  // {option}")
     lines.append("")
     for key in ("log_ratio_clamp", "k3_log_ratio_clamp", "k3_value_clamp", "vespo_log_weight_min"):
         lines.append(f"constexpr double k{_identifier(key)} = {values[key]!r};")

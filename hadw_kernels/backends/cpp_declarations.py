@@ -32,6 +32,7 @@ _CPP_TYPES = {
     "int?": "std::optional<int64_t>",
     "float": "double",
     "float?": "std::optional<double>",
+    "float[]": "c10::ArrayRef<double>",
     "bool": "bool",
 }
 

@@ -3,12 +3,11 @@
 ``backends/cpp_declarations.py``) both come from here. Plain strings, no torch: setup.py
 reads this file before the package is importable."""
 
-# The per-token objective (config.OBJECTIVES, as LossConfig.token_options gives it) and
-# the KL and entropy terms.
+# The per-token objective (config.OBJECTIVES, as LossConfig.token_options gives it: its
+# code, the clip range and its option vector) and the KL and entropy terms.
 _PER_TOKEN_OPTIONS = (
-    "int objective, float epsilon_low, float epsilon_high, float? dual_clip, float? delta, float ratio_cap, "
-    "float sapo_temperature_pos, float sapo_temperature_neg, float vespo_k_pos, float vespo_lambda_pos, "
-    "float vespo_k_neg, float vespo_lambda_neg, float beta, int kl_estimator, float entropy_coef"
+    "int objective, float epsilon_low, float epsilon_high, float[] objective_options, float beta, int kl_estimator, "
+    "float entropy_coef"
 )
 SIGNATURES = {
     "surrogate_loss": (

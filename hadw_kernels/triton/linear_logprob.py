@@ -30,7 +30,7 @@ import triton.language as tl
 from ..config import OBJECTIVE_NAMES, OBJECTIVES, block_rows_for, head_accumulator_bytes
 from ..precision import accumulate_dtype
 from .surrogate import device_guard, objective_arguments
-from .token_math import INTERPRETING, kl_term, policy_term, round_to_bfloat16, token_ratio
+from .token_math import INTERPRETING, kl_term, objective_option_values, policy_term, round_to_bfloat16, token_ratio
 
 __all__ = [
     "linear_logprob_backward",
@@ -97,10 +97,10 @@ def _token_gradient_kernel(
     rows_ptr, logprobs_ptr, old_ptr, ref_ptr, importance_ptr, advantage_ptr, agg_weight_ptr,
     grad_logprobs_ptr, grad_entropy_ptr,
     count,
-    epsilon_low: tl.float64, epsilon_high: tl.float64, delta: tl.float64, dual_clip: tl.float64,
-    ratio_cap: tl.float64, sapo_temperature_pos: tl.float64, sapo_temperature_neg: tl.float64,
+    epsilon_low: tl.float64, epsilon_high: tl.float64,
+    option_0: tl.float64, option_1: tl.float64, option_2: tl.float64, option_3: tl.float64,
     beta: tl.float64, entropy_coef: tl.float64,
-    OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, ON_POLICY: tl.constexpr,
+    OBJECTIVE: tl.constexpr, ON_POLICY: tl.constexpr,
     HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr, HAS_IMPORTANCE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """d loss / d logp and d loss / d entropy of the block's tokens for an objective in the
@@ -121,9 +121,7 @@ def _token_gradient_kernel(
     _, grad = policy_term(
         ratio, ratio_passes, advantage, logprobs, tl.zeros([BLOCK], compute),
         tl.full([], 1.0 - epsilon_low, compute), tl.full([], 1.0 + epsilon_high, compute),
-        tl.full([], delta, compute), tl.full([], dual_clip, compute), tl.full([], ratio_cap, compute),
-        tl.full([], sapo_temperature_pos, compute), tl.full([], sapo_temperature_neg, compute),
-        OBJECTIVE, HAS_DELTA, HAS_DUAL_CLIP,
+        objective_option_values(option_0, option_1, option_2, option_3, compute), OBJECTIVE,
     )
     if HAS_IMPORTANCE:
         grad *= tl.load(importance_ptr + rows, mask=inside, other=0.0).to(compute)
@@ -344,15 +342,14 @@ def linear_logprob_backward(grad_logprobs, grad_entropy, hidden, weight, bias, l
 
 def linear_surrogate_forward(
     hidden, weight, bias, labels, old_logprobs, advantages, agg_weights, ref_logprobs, importance_weights,
-    temperature, ignore_index, objective, epsilon_low, epsilon_high, dual_clip, delta, ratio_cap, sapo_temperature_pos,
-    sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, beta, kl_estimator,
+    temperature, ignore_index, objective, epsilon_low, epsilon_high, objective_options, beta, kl_estimator,
     entropy_coef, with_entropy, block_rows,
 ):
     """``hadw::linear_surrogate_forward``: per-row (logprobs, entropy) and the token-level
     surrogate's (grad_hidden, grad_weight, grad_bias), each block's logits formed once.
     Per-token inputs are [N]; ``old_logprobs`` None means on-policy (old = current). The
     objective is taken in its token ratio form, which GMPO and VESPO (whole responses) do
-    not have: they are refused, and the VESPO options go unread."""
+    not have: they are refused."""
     name = OBJECTIVE_NAMES[objective]
     if "token" not in OBJECTIVES[name].ratio_levels:
         raise ValueError(f"objective {name!r} reads whole responses: the gradients-in-forward linear path has no "
@@ -373,8 +370,7 @@ def linear_surrogate_forward(
                 rows, logprobs, logprobs if old_logprobs is None else old_logprobs,
                 ref_logprobs if has_kl else logprobs, importance_weights if importance_weights is not None else logprobs,
                 advantages, agg_weights, grad_logprobs, grad_entropy, count,
-                **objective_arguments(objective, epsilon_low, epsilon_high, dual_clip, delta, ratio_cap,
-                                      sapo_temperature_pos, sapo_temperature_neg),
+                **objective_arguments(objective, epsilon_low, epsilon_high, objective_options),
                 beta=float(beta), entropy_coef=float(entropy_coef),
                 ON_POLICY=old_logprobs is None, HAS_KL=has_kl, KL_ESTIMATOR=kl_estimator,
                 HAS_IMPORTANCE=importance_weights is not None, BLOCK=_TOKEN_BLOCK, num_warps=4,

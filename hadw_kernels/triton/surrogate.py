@@ -44,6 +44,10 @@ from ..precision import accumulate_dtype
 from .token_math import (
     GMPO,
     LOG_RATIO_LIMIT,
+    OPTION_VESPO_K_NEG,
+    OPTION_VESPO_K_POS,
+    OPTION_VESPO_LAMBDA_NEG,
+    OPTION_VESPO_LAMBDA_POS,
     SEQUENCE_RATIO,
     TOKEN_RATIO,
     VESPO,
@@ -53,7 +57,9 @@ from .token_math import (
     gmpo_log_ratio,
     gmpo_passes,
     kl_term,
+    objective_option_values,
     objective_terms,
+    option_slots,
     policy_term,
     sign,
     token_ratio,
@@ -164,15 +170,12 @@ def _surrogate_kernel(
     offsets_ptr,
     advantage_ptr, stride_advantage, length_ptr, token_count_ptr,
     grad_logprobs_ptr, grad_entropy_ptr, partials_ptr,
-    epsilon_low: tl.float64, epsilon_high: tl.float64, delta: tl.float64, dual_clip: tl.float64,
-    ratio_cap: tl.float64, sapo_temperature_pos: tl.float64, sapo_temperature_neg: tl.float64,
-    vespo_k_pos: tl.float64, vespo_lambda_pos: tl.float64, vespo_k_neg: tl.float64, vespo_lambda_neg: tl.float64,
+    epsilon_low: tl.float64, epsilon_high: tl.float64,
+    option_0: tl.float64, option_1: tl.float64, option_2: tl.float64, option_3: tl.float64,
     beta: tl.float64, entropy_coef: tl.float64, denominator: tl.float64,
     OBJECTIVE: tl.constexpr,
     RATIO_LEVEL: tl.constexpr,
     THROUGH_RATIO: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
-    HAS_DUAL_CLIP: tl.constexpr,
     PER_TOKEN_ADVANTAGES: tl.constexpr,
     PER_RESPONSE_MEAN: tl.constexpr,
     COUNT_TOKENS: tl.constexpr,
@@ -197,11 +200,7 @@ def _surrogate_kernel(
     # GMPO's clip range is in log space.
     log_range_low = tl.full([], epsilon_low, compute)
     log_range_high = tl.full([], epsilon_high, compute)
-    delta = tl.full([], delta, compute)
-    dual_clip = tl.full([], dual_clip, compute)
-    ratio_cap = tl.full([], ratio_cap, compute)
-    temperature_pos = tl.full([], sapo_temperature_pos, compute)
-    temperature_neg = tl.full([], sapo_temperature_neg, compute)
+    options = objective_option_values(option_0, option_1, option_2, option_3, compute)
     beta = tl.full([], beta, compute)
     entropy_coef = tl.full([], entropy_coef, compute)
     # Blocks rather than scalars for per-response values: the interpreter turns a scalar
@@ -239,10 +238,8 @@ def _surrogate_kernel(
         ratio, ratio_passes = token_ratio(zeros + tl.sum(log_ratio_sum, axis=0) / length_count)
         if OBJECTIVE == VESPO:
             summed_log_ratio = zeros + tl.sum(clamped_sum, axis=0)
-            weight_pos = vespo_weight(summed_log_ratio, tl.full([], vespo_k_pos, compute),
-                                      tl.full([], vespo_lambda_pos, compute))
-            weight_neg = vespo_weight(summed_log_ratio, tl.full([], vespo_k_neg, compute),
-                                      tl.full([], vespo_lambda_neg, compute))
+            weight_pos = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_POS], options[OPTION_VESPO_LAMBDA_POS])
+            weight_neg = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_NEG], options[OPTION_VESPO_LAMBDA_NEG])
         if RATIO_LEVEL == SEQUENCE_RATIO and THROUGH_RATIO:
             slope_sum = zeros
             for start in range(first, end, BLOCK_T):
@@ -250,9 +247,8 @@ def _surrogate_kernel(
                 valid = tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0
                 advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
                                               PER_TOKEN_ADVANTAGES)
-                _, d_ratio, _ = objective_terms(ratio, advantage, zeros, weight, ratio_low, ratio_high, delta,
-                                                dual_clip, ratio_cap, temperature_pos, temperature_neg, OBJECTIVE,
-                                                HAS_DELTA, HAS_DUAL_CLIP)
+                _, d_ratio, _ = objective_terms(ratio, advantage, zeros, weight, ratio_low, ratio_high, options,
+                                                OBJECTIVE)
                 if HAS_IMPORTANCE:
                     d_ratio *= tl.load(importance_ptr + tokens * stride_importance, mask=valid, other=0.0).to(compute)
                 slope_sum += tl.where(valid, d_ratio, 0.0)
@@ -293,13 +289,11 @@ def _surrogate_kernel(
             weight = tl.where(advantage >= 0, weight_pos, weight_neg)
         if RATIO_LEVEL == SEQUENCE_RATIO:
             # The ratio's share comes from the whole response (ratio_share, below).
-            objective, _, grad = objective_terms(ratio, advantage, logprobs, weight, ratio_low, ratio_high, delta,
-                                                 dual_clip, ratio_cap, temperature_pos, temperature_neg, OBJECTIVE,
-                                                 HAS_DELTA, HAS_DUAL_CLIP)
+            objective, _, grad = objective_terms(ratio, advantage, logprobs, weight, ratio_low, ratio_high, options,
+                                                 OBJECTIVE)
         else:
             objective, grad = policy_term(ratio, ratio_passes, advantage, logprobs, weight, ratio_low, ratio_high,
-                                          delta, dual_clip, ratio_cap, temperature_pos, temperature_neg, OBJECTIVE,
-                                          HAS_DELTA, HAS_DUAL_CLIP)
+                                          options, OBJECTIVE)
         if HAS_IMPORTANCE:
             token_importance = tl.load(importance_ptr + tokens * stride_importance, mask=valid, other=0.0).to(compute)
             objective *= token_importance
@@ -458,26 +452,18 @@ def aggregation(
 # --- the op's implementation ----------------------------------------------------------------
 
 
-def objective_arguments(objective, epsilon_low, epsilon_high, dual_clip, delta, ratio_cap, sapo_temperature_pos,
-                        sapo_temperature_neg) -> dict:
-    """The arguments of ``objective_terms`` that the kernels take from the op's options:
-    the objective's code and its options as fp64 scalars (an absent delta or dual clip as
-    an unread 0)."""
-    return dict(
-        epsilon_low=float(epsilon_low), epsilon_high=float(epsilon_high),
-        delta=0.0 if delta is None else float(delta), dual_clip=0.0 if dual_clip is None else float(dual_clip),
-        ratio_cap=float(ratio_cap), sapo_temperature_pos=float(sapo_temperature_pos),
-        sapo_temperature_neg=float(sapo_temperature_neg),
-        OBJECTIVE=objective, HAS_DELTA=delta is not None, HAS_DUAL_CLIP=dual_clip is not None,
-    )
+def objective_arguments(objective, epsilon_low, epsilon_high, objective_options) -> dict:
+    """The kernels' arguments for the op's objective: its code, the clip range and its
+    option vector as fp64 scalars."""
+    return dict(epsilon_low=float(epsilon_low), epsilon_high=float(epsilon_high), **option_slots(objective_options),
+                OBJECTIVE=objective)
 
 
 def surrogate_forward(
     logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, anchor, ref_logprobs, importance_weights,
     entropy, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
-    epsilon_low, epsilon_high, dual_clip, delta, ratio_cap, sapo_temperature_pos, sapo_temperature_neg,
-    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, beta, kl_estimator, entropy_coef,
-    loss_normalizer, max_response_length,
+    epsilon_low, epsilon_high, objective_options, beta, kl_estimator, entropy_coef, loss_normalizer,
+    max_response_length,
 ):
     """``hadw::surrogate_loss`` (schema in ``ops.schemas``): the loss, its gradient with
     respect to the log-probs and the entropy, and the metrics in METRIC_NAMES order.
@@ -548,10 +534,7 @@ def surrogate_forward(
             offsets,
             advantages, advantages.stride(0), lengths, token_count,
             grad_logprobs, grad_entropy, partials,
-            **objective_arguments(objective, epsilon_low, epsilon_high, dual_clip, delta, ratio_cap,
-                                  sapo_temperature_pos, sapo_temperature_neg),
-            vespo_k_pos=float(vespo_k_pos), vespo_lambda_pos=float(vespo_lambda_pos),
-            vespo_k_neg=float(vespo_k_neg), vespo_lambda_neg=float(vespo_lambda_neg),
+            **objective_arguments(objective, epsilon_low, epsilon_high, objective_options),
             beta=float(beta),
             entropy_coef=float(entropy_coef),
             denominator=float(denominator),

@@ -21,6 +21,8 @@ from ..config import (
     KL_ESTIMATORS,
     LOG_RATIO_CLAMP,
     OBJECTIVE_NAMES,
+    OBJECTIVE_OPTION_SLOTS,
+    OPTION_INDEX,
     RATIO_LEVELS,
     VESPO_LOG_WEIGHT_MIN,
 )
@@ -39,6 +41,16 @@ VESPO = tl.constexpr(OBJECTIVE_NAMES.index("vespo"))
 _GPG = tl.constexpr(OBJECTIVE_NAMES.index("gpg"))
 TOKEN_RATIO = tl.constexpr(RATIO_LEVELS.index("token"))
 SEQUENCE_RATIO = tl.constexpr(RATIO_LEVELS.index("sequence"))
+
+# Each objective option's index in the option vector, generated from config.OBJECTIVES as
+# OPTION_<NAME> (OPTION_DUAL_CLIP, OPTION_SAPO_TEMPERATURE_POS, ...): module-level
+# constexprs, the only globals a Triton function reads.
+globals().update({f"OPTION_{name.upper()}": tl.constexpr(index) for name, index in OPTION_INDEX.items()})
+# The kernels take the vector as this many fp64 scalars (Triton types a tuple's floats as
+# fp32, which would round fp64 thresholds): objective_option_values gathers them.
+if OBJECTIVE_OPTION_SLOTS > 4:
+    raise ImportError("an objective has more than 4 options: give the Triton kernels and objective_option_values "
+                      "more option slots")
 
 LOG_RATIO_LIMIT = tl.constexpr(LOG_RATIO_CLAMP)
 _VESPO_LOG_WEIGHT_MIN = tl.constexpr(VESPO_LOG_WEIGHT_MIN)
@@ -106,60 +118,71 @@ def token_ratio(log_ratio):
     return tl.exp(clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)), passes
 
 
+def option_slots(vector) -> dict:
+    """An option vector (LossConfig.objective_options) as the kernels' four fp64 option
+    arguments, unread slots 0."""
+    padded = [float(value) for value in vector] + [0.0] * (4 - len(vector))
+    return {f"option_{slot}": padded[slot] for slot in range(4)}
+
+
 @triton.jit
-def clip_objective(ratio, advantage, ratio_low, ratio_high, delta, dual_clip, HAS_DELTA: tl.constexpr,
-                   HAS_DUAL_CLIP: tl.constexpr):
+def objective_option_values(option_0, option_1, option_2, option_3, dtype: tl.constexpr):
+    """The option vector in the compute dtype, indexed by the OPTION_<NAME> constants."""
+    return (tl.full([], option_0, dtype), tl.full([], option_1, dtype), tl.full([], option_2, dtype),
+            tl.full([], option_3, dtype))
+
+
+@triton.jit
+def clip_objective(ratio, advantage, ratio_low, ratio_high, delta, dual_clip):
     """objectives.clip_value and clip_slope: -min(rho' A, clip(rho) A), rho' = min(rho,
-    delta), bounded by -c A for A < 0 under dual clip, and its derivative with respect to
-    rho as autograd gives it for the reference: the larger branch passes its gradient, half
-    each at a tie; the unclipped branch's is -A where delta's cap passes it (rho <= delta),
-    the clipped one's -A where the clamp does (rho on [low, high]); at the dual-clip bound
-    torch.minimum splits the gradient, so half passes."""
-    if HAS_DELTA:
-        capped = tl.minimum(ratio, delta, propagate_nan=tl.PropagateNan.ALL)
-        through_unclipped = tl.where(ratio <= delta, -advantage, 0.0)
-    else:
-        capped = ratio
-        through_unclipped = -advantage
+    delta), bounded by -c A for A < 0 under dual clip (each off at +inf), and its
+    derivative with respect to rho as autograd gives it for the reference: the larger
+    branch passes its gradient, half each at a tie; the unclipped branch's is -A where
+    delta's cap passes it (rho <= delta), the clipped one's -A where the clamp does (rho on
+    [low, high]); at the dual-clip bound torch.minimum splits the gradient, so half passes."""
+    # Blocks, not scalars, on either side of `|` and `&`: the interpreter turns a scalar
+    # boolean into float32 when broadcasting it.
+    delta = tl.zeros(ratio.shape, ratio.dtype) + delta
+    dual_clip = tl.zeros(ratio.shape, ratio.dtype) + dual_clip
+    capped = tl.minimum(ratio, delta, propagate_nan=tl.PropagateNan.ALL)
+    through_unclipped = tl.where((delta == float("inf")) | (ratio <= delta), -advantage, 0.0)
     unclipped = -capped * advantage
     clipped = -clamp(ratio, ratio_low, ratio_high) * advantage
     through_clipped = tl.where((ratio >= ratio_low) & (ratio <= ratio_high), -advantage, 0.0)
     slope = tl.where(unclipped > clipped, through_unclipped,
                      tl.where(clipped > unclipped, through_clipped, 0.5 * (through_unclipped + through_clipped)))
     objective = tl.maximum(unclipped, clipped, propagate_nan=tl.PropagateNan.ALL)
-    if HAS_DUAL_CLIP:
-        bound = -dual_clip * advantage
-        negative = advantage < 0
-        slope = tl.where(negative & (objective > bound), 0.0, tl.where(negative & (objective == bound), 0.5 * slope,
-                                                                        slope))
-        objective = tl.where(negative, tl.minimum(objective, bound, propagate_nan=tl.PropagateNan.ALL), objective)
+    bounded = (dual_clip != float("inf")) & (advantage < 0)
+    bound = -dual_clip * advantage
+    slope = tl.where(bounded & (objective > bound), 0.0, tl.where(bounded & (objective == bound), 0.5 * slope, slope))
+    objective = tl.where(bounded, tl.minimum(objective, bound, propagate_nan=tl.PropagateNan.ALL), objective)
     return objective, slope
 
 
 @triton.jit
-def objective_terms(ratio, advantage, logprob, weight, ratio_low, ratio_high, delta, dual_clip, ratio_cap,
-                    temperature_pos, temperature_neg, OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr,
-                    HAS_DUAL_CLIP: tl.constexpr):
+def objective_terms(ratio, advantage, logprob, weight, ratio_low, ratio_high, options, OBJECTIVE: tl.constexpr):
     """(l, d l / d rho, d l / d logp) of a token: objectives.py's VALUES and SLOPES, one
     branch per objective (docs/math.md, section 5). ``ratio`` is the token's rho in its
     ratio form (GMPO: the response's geometric mean of clipped ratios), ``logprob`` its
-    log-prob (read only by the objectives that weigh it), ``weight`` VESPO's phi. Ratios
-    taken through a stop-gradient (CISPO's, VESPO's weight) pass no gradient to rho."""
+    log-prob (read only by the objectives that weigh it), ``weight`` VESPO's phi,
+    ``options`` the option vector (objective_option_values). Ratios taken through a
+    stop-gradient (CISPO's, VESPO's weight) pass no gradient to rho."""
     zero = tl.zeros(ratio.shape, ratio.dtype)
     if OBJECTIVE == _CLIP:
-        objective, d_ratio = clip_objective(ratio, advantage, ratio_low, ratio_high, delta, dual_clip, HAS_DELTA,
-                                            HAS_DUAL_CLIP)
+        objective, d_ratio = clip_objective(ratio, advantage, ratio_low, ratio_high, options[OPTION_DELTA],
+                                            options[OPTION_DUAL_CLIP])
         d_logprob = zero
     elif OBJECTIVE == _CISPO_CAP:
         d_ratio = zero
-        d_logprob = -tl.minimum(ratio, ratio_cap, propagate_nan=tl.PropagateNan.ALL) * advantage
+        d_logprob = -tl.minimum(ratio, options[OPTION_RATIO_CAP], propagate_nan=tl.PropagateNan.ALL) * advantage
         objective = d_logprob * logprob
     elif OBJECTIVE == _CISPO_CLIP:
         d_ratio = zero
         d_logprob = -clamp(ratio, ratio_low, ratio_high) * advantage
         objective = d_logprob * logprob
     elif OBJECTIVE == _SAPO:
-        temperature = tl.where(advantage > 0, temperature_pos, temperature_neg)
+        temperature = tl.where(advantage > 0, options[OPTION_SAPO_TEMPERATURE_POS],
+                               options[OPTION_SAPO_TEMPERATURE_NEG])
         gate = tl.sigmoid(temperature * (ratio - 1.0))
         objective = -(4.0 / temperature) * gate * advantage
         d_ratio = -4.0 * gate * (1.0 - gate) * advantage
@@ -181,15 +204,13 @@ def objective_terms(ratio, advantage, logprob, weight, ratio_low, ratio_high, de
 
 
 @triton.jit
-def policy_term(ratio, ratio_passes, advantage, logprob, weight, ratio_low, ratio_high, delta, dual_clip, ratio_cap,
-                temperature_pos, temperature_neg, OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr,
-                HAS_DUAL_CLIP: tl.constexpr):
+def policy_term(ratio, ratio_passes, advantage, logprob, weight, ratio_low, ratio_high, options,
+                OBJECTIVE: tl.constexpr):
     """(l, d l / d logp) of a token whose ratio's gradient goes through its own log-prob
     (the token and gspo_token forms): d rho / d logp = rho where the log-ratio's clamp
     passes (``ratio_passes``), else 0 (docs/math.md, section 5)."""
-    objective, d_ratio, d_logprob = objective_terms(
-        ratio, advantage, logprob, weight, ratio_low, ratio_high, delta, dual_clip, ratio_cap, temperature_pos,
-        temperature_neg, OBJECTIVE, HAS_DELTA, HAS_DUAL_CLIP)
+    objective, d_ratio, d_logprob = objective_terms(ratio, advantage, logprob, weight, ratio_low, ratio_high, options,
+                                                    OBJECTIVE)
     return objective, tl.where(ratio_passes, d_ratio * ratio, 0.0) + d_logprob
 
 
