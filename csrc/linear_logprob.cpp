@@ -670,7 +670,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
       entropy_data[position] = total.entropy();
       const T old = tokens.old_logprobs == nullptr ? logprob : tokens.old_logprobs[position];
       const T agg_weight = tokens.agg_weights[position];
-      T slope = token_policy_term(tokens.objective, logprob - old, tokens.advantages[position], logprob,
+      // (No objective that selects tokens takes this path: the loss forms their log-probs first.)
+      T slope = token_policy_term(tokens.objective, logprob, old, tokens.advantages[position], T(0),
                                   tokens.options).slope;
       if (tokens.importance_weights != nullptr) {
         slope *= tokens.importance_weights[position];

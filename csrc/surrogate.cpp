@@ -123,6 +123,7 @@ struct Problem {
   const T* ref_logprobs;  // null unless beta > 0
   const T* importance;    // importance weights per token, or null
   const T* entropy;       // or null
+  const T* selected;      // the objective's selection per token (0 or 1), or null: none
   const T* token_advantage;  // the caller's advantages per token, or null
   const double* response_advantage;  // [S] A_i from rewards, or null
   const double* agg_weight;  // [S] w_i: a valid token's weight in the aggregate
@@ -211,13 +212,14 @@ HADW_ALWAYS_INLINE void masked_count_clipped(const T* ratio, const T* advantage,
 
 // Pass 1, token ratio: each token's objective, its d / d logp, its ratio and approx_kl.
 template <int64_t kObjective, typename T>
-HADW_ALWAYS_INLINE void token_ratio_pass(const T* logprobs, const T* old_logprobs, const T* advantage, int64_t count,
-                                         const ObjectiveOptions<T>& options, T* value, T* slope, T* ratio,
-                                         T* approx_kl) {
+HADW_ALWAYS_INLINE void token_ratio_pass(const T* logprobs, const T* old_logprobs, const T* advantage,
+                                         const T* selected, int64_t count, const ObjectiveOptions<T>& options,
+                                         T* value, T* slope, T* ratio, T* approx_kl) {
 #pragma omp simd
   for (int64_t t = 0; t < count; ++t) {
     const T log_ratio = logprobs[t] - old_logprobs[t];
-    const PolicyTerm<T> term = token_policy_term<kObjective>(log_ratio, advantage[t], logprobs[t], options);
+    const PolicyTerm<T> term =
+        token_policy_term<kObjective>(logprobs[t], old_logprobs[t], advantage[t], selected[t], options);
     value[t] = term.value;
     slope[t] = term.slope;
     ratio[t] = term.ratio;
@@ -235,7 +237,8 @@ HADW_ALWAYS_INLINE void sequence_ratio_pass(const T* logprobs, const T* old_logp
                                             T* value, T* slope, T* approx_kl) {
 #pragma omp simd
   for (int64_t t = 0; t < count; ++t) {
-    const ObjectiveTerm<T> term = objective_term<kObjective>(ratio, advantage[t], logprobs[t], weights, options);
+    const ObjectiveTerm<T> term =
+        objective_term<kObjective>(ratio, advantage[t], logprobs[t], old_logprobs[t], T(0), weights, options);
     value[t] = term.value;
     slope[t] = term.d_ratio * own_ratio_slope + term.d_logprob;
     approx_kl[t] = approx_kl_term(logprobs[t] - old_logprobs[t]);
@@ -267,7 +270,9 @@ HADW_ALWAYS_INLINE void ratio_slope_pass(const T* logprobs, const T* advantage, 
 #pragma omp simd
   for (int64_t t = 0; t < count; ++t) {
     const T weight = importance == nullptr ? T(1) : importance[t];
-    d_ratio[t] = weight * objective_term<kObjective>(ratio, advantage[t], logprobs[t], weights, options).d_ratio;
+    d_ratio[t] =
+        weight * objective_term<kObjective>(ratio, advantage[t], logprobs[t], logprobs[t], T(0), weights, options)
+                     .d_ratio;
   }
 }
 
@@ -415,29 +420,6 @@ HADW_ALWAYS_INLINE SequenceRatio<T> sequence_ratio(const Problem<T>& problem, in
   return sequence;
 }
 
-// Calls `pass` with the objective as a compile-time constant (a std::integral_constant), so
-// that the objective's token loops are compiled, and vectorised, for it alone.
-template <typename Pass>
-HADW_ALWAYS_INLINE decltype(auto) with_objective(int64_t objective, Pass&& pass) {
-  static_assert(config::kObjectiveCount == 7, "config.OBJECTIVES changed: dispatch the new one here");
-  switch (objective) {
-    case config::kObjectiveClip:
-      return pass(std::integral_constant<int64_t, config::kObjectiveClip>{});
-    case config::kObjectiveCispoCap:
-      return pass(std::integral_constant<int64_t, config::kObjectiveCispoCap>{});
-    case config::kObjectiveCispoClip:
-      return pass(std::integral_constant<int64_t, config::kObjectiveCispoClip>{});
-    case config::kObjectiveSapo:
-      return pass(std::integral_constant<int64_t, config::kObjectiveSapo>{});
-    case config::kObjectiveGmpo:
-      return pass(std::integral_constant<int64_t, config::kObjectiveGmpo>{});
-    case config::kObjectiveVespo:
-      return pass(std::integral_constant<int64_t, config::kObjectiveVespo>{});
-    default:
-      return pass(std::integral_constant<int64_t, config::kObjectiveGpg>{});
-  }
-}
-
 // The objective's part of a chunk of `count` tokens from `position`: each token's l_t and
 // d / d logp times its importance weight (plus the sequence form's share through s_i),
 // its ratio (token ratio only) and approx_kl.
@@ -447,8 +429,10 @@ HADW_ALWAYS_INLINE void policy_chunk(const Problem<T>& problem, int64_t position
   const T* logprobs = problem.logprobs + position;
   const T* old_logprobs = problem.old_logprobs + position;
   if (problem.ratio_level == config::kRatioLevelToken) {
-    token_ratio_pass<kObjective>(logprobs, old_logprobs, advantage, count, problem.options, value, slope, ratio,
-                                 approx_kl);
+    static const T kNoneSelected[kChunk] = {};
+    const T* selected = problem.selected == nullptr ? kNoneSelected : problem.selected + position;
+    token_ratio_pass<kObjective>(logprobs, old_logprobs, advantage, selected, count, problem.options, value, slope,
+                                 ratio, approx_kl);
   } else {
     sequence_ratio_pass<kObjective>(logprobs, old_logprobs, advantage, count, sequence.ratio,
                                     sequence.own_ratio_slope, sequence.weights, problem.options, value, slope,
@@ -620,7 +604,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
     const at::Tensor& logprobs_in, const at::Tensor& old_logprobs_in, const at::Tensor& response_mask,
     const std::vector<int64_t>& offsets, const std::optional<at::Tensor>& ref_logprobs_in,
     const std::optional<at::Tensor>& importance_weights_in, const std::optional<at::Tensor>& entropy_in,
-    const Advantages& advantages, const std::optional<at::Tensor>& token_advantages_in, at::ScalarType compute,
+    const std::optional<at::Tensor>& selected_in, const Advantages& advantages, const std::optional<at::Tensor>& token_advantages_in, at::ScalarType compute,
     const Options& call) {
   const int64_t tokens_in = logprobs_in.size(0);
   const int64_t segments = static_cast<int64_t>(offsets.size()) - 1;
@@ -648,6 +632,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   const at::Tensor importance =
       importance_weights_in.has_value() ? compute_copy(*importance_weights_in, compute) : at::Tensor();
   const at::Tensor entropy = entropy_in.has_value() ? compute_copy(*entropy_in, compute) : at::Tensor();
+  const at::Tensor selected = selected_in.has_value() ? compute_copy(*selected_in, compute) : at::Tensor();
   const at::Tensor token_advantages =
       token_advantages_in.has_value() ? compute_copy(*token_advantages_in, compute) : at::Tensor();
 
@@ -680,6 +665,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   problem.ref_logprobs = ref_logprobs.defined() ? ref_logprobs.const_data_ptr<T>() : nullptr;
   problem.importance = importance.defined() ? importance.const_data_ptr<T>() : nullptr;
   problem.entropy = entropy.defined() ? entropy.const_data_ptr<T>() : nullptr;
+  problem.selected = selected.defined() ? selected.const_data_ptr<T>() : nullptr;
   problem.token_advantage = token_advantages.defined() ? token_advantages.const_data_ptr<T>() : nullptr;
   problem.response_advantage = token_advantages.defined() ? nullptr : advantages.advantage.data();
   problem.agg_weight = agg_weight.data();
@@ -742,7 +728,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& rewards,
     const std::optional<at::Tensor>& advantages, const std::optional<at::Tensor>& anchor,
     const std::optional<at::Tensor>& ref_logprobs, const std::optional<at::Tensor>& importance_weights,
-    const std::optional<at::Tensor>& entropy, std::optional<int64_t> group_size, bool normalize_std, double std_eps,
+    const std::optional<at::Tensor>& entropy, const std::optional<at::Tensor>& selected,
+    std::optional<int64_t> group_size, bool normalize_std, double std_eps,
     double lambda_scale, int64_t loss_agg_mode, int64_t ratio_level, int64_t objective, double epsilon_low,
     double epsilon_high, c10::ArrayRef<double> objective_options, double beta, int64_t kl_estimator,
     double entropy_coef,
@@ -783,6 +770,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
   if (entropy.has_value()) {
     check_same_shape("entropy", *entropy, logprobs);
   }
+  if (selected.has_value()) {
+    check_same_shape("selected", *selected, logprobs);
+  }
 
   // From rewards, A_i per response (and the group metrics); the caller's advantages are
   // per token, and leave the group metrics at 0.
@@ -798,10 +788,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
   const auto compute = at::promote_types(logprobs.scalar_type(), at::kFloat);
   if (compute == at::kDouble) {
     return surrogate_impl<double>(logprobs, old_logprobs, response_mask, offsets, ref_logprobs, importance_weights,
-                                  entropy, advantage_terms, advantages, compute, call);
+                                  entropy, selected, advantage_terms, advantages, compute, call);
   }
   return surrogate_impl<float>(logprobs, old_logprobs, response_mask, offsets, ref_logprobs, importance_weights,
-                               entropy, advantage_terms, advantages, compute, call);
+                               entropy, selected, advantage_terms, advantages, compute, call);
 }
 
 }  // namespace hadw

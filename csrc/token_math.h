@@ -20,6 +20,8 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "hadw_config.h"  // generated from hadw_kernels/config.py by setup.py
 #include "tile_math.h"
@@ -120,37 +122,63 @@ struct ObjectiveTerm {
   T d_logprob;  // d l_t / d logp_t through the log-prob the objective holds itself
 };
 
-// The objective l_t of a token with ratio rho (in its ratio form), advantage A and log-prob
-// l, and its two partial derivatives: objectives.py's VALUES and SLOPES, one branch each.
-// A stop-gradient factor (CISPO's clipped ratio, VESPO's phi) enters d_logprob only.
+// PPO's clip of a token, max(-rho' A, -clip(rho) A), rho' = min(rho, delta), then
+// min(., -c A) for A < 0 (c = dual_clip), each bound off at +inf; and d / d rho.
+// torch.maximum passes the gradient to the larger operand, half to each at a tie; each
+// operand's own clamp passes it on its closed interval; torch.minimum splits it at the
+// dual-clip bound.
+template <typename T>
+HADW_ALWAYS_INLINE ObjectiveTerm<T> clip_term(T ratio, T advantage, const ObjectiveOptions<T>& options, T delta,
+                                              T dual_clip) {
+  const bool has_delta = delta != std::numeric_limits<T>::infinity();
+  const T capped = ratio > delta ? delta : ratio;  // NaN kept
+  const T unclipped = -capped * advantage;
+  const T clipped = -clamp_keep_nan(ratio, options.ratio_low, options.ratio_high) * advantage;
+  T value = (unclipped != unclipped || unclipped > clipped) ? unclipped : clipped;
+  const T through_unclipped = (!has_delta || ratio <= delta) ? -advantage : T(0);
+  const T through_clipped = in_closed(ratio, options.ratio_low, options.ratio_high) ? -advantage : T(0);
+  T d_ratio = unclipped > clipped   ? through_unclipped
+              : clipped > unclipped ? through_clipped
+                                    : T(0.5) * (through_unclipped + through_clipped);
+  const bool bounded = dual_clip != std::numeric_limits<T>::infinity() && advantage < 0;
+  const T bound = -dual_clip * advantage;
+  const bool above = bounded && value > bound;  // NaN: false, and NaN stays NaN
+  d_ratio = above ? T(0) : ((bounded && value == bound) ? d_ratio * T(0.5) : d_ratio);
+  value = above ? bound : value;
+  return {value, d_ratio, T(0)};
+}
+
+// Whether a token's probability moved within DPPO's range in the direction its advantage
+// favours (objectives._dppo_moved_within): by p - p_old (kTotalVariation) or by the
+// binary KL of (p_old, p), the log's +1e-8 as verl's.
+template <bool kTotalVariation, typename T>
+HADW_ALWAYS_INLINE bool dppo_moved_within(T logprob, T old_logprob, T advantage, const ObjectiveOptions<T>& options) {
+  const T prob = vector_exp(logprob);
+  const T old_prob = vector_exp(old_logprob);
+  if constexpr (kTotalVariation) {
+    return advantage > 0 ? prob - old_prob <= options.log_ratio_high : prob - old_prob >= options.log_ratio_low;
+  } else {
+    const T binary_kl = old_prob * (old_logprob - logprob) +
+                        (T(1) - old_prob) * std::log((T(1) - old_prob + T(1e-8)) / (T(1) - prob + T(1e-8)));
+    return advantage > 0 ? (binary_kl <= options.log_ratio_high || prob <= old_prob)
+                         : (binary_kl <= -options.log_ratio_low || prob >= old_prob);
+  }
+}
+
+// The objective l_t of a token with ratio rho (in its ratio form), advantage A, log-prob l
+// and behaviour log-prob l_old, and its two partial derivatives: objectives.py's VALUES and
+// SLOPES, one branch each. `selected` is the token's selection by the objective's batch
+// statistic (objectives.SELECTIONS; 0 or 1). A stop-gradient factor (CISPO's clipped ratio,
+// VESPO's phi, DPPO's mask) enters d_logprob only.
 template <int64_t kObjective, typename T>
-HADW_ALWAYS_INLINE ObjectiveTerm<T> objective_term(T ratio, T advantage, T logprob, const ResponseWeights<T>& weights,
+HADW_ALWAYS_INLINE ObjectiveTerm<T> objective_term(T ratio, T advantage, T logprob, T old_logprob, T selected,
+                                                   const ResponseWeights<T>& weights,
                                                    const ObjectiveOptions<T>& options) {
-  static_assert(config::kObjectiveCount == 7,
+  static_assert(config::kObjectiveCount == 12,
                 "config.OBJECTIVES changed: teach objective_term (csrc/token_math.h) the new one");
+  constexpr T kOff = std::numeric_limits<T>::infinity();
   if constexpr (kObjective == config::kObjectiveClip) {
-    // max(-rho' A, -clip(rho) A), rho' = min(rho, delta). torch.maximum passes the gradient
-    // to the larger operand, half to each at a tie; each operand's own clamp passes it on
-    // its closed interval.
-    const T delta = options[config::kOptionDelta];
-    const T dual_clip = options[config::kOptionDualClip];
-    const bool has_delta = delta != std::numeric_limits<T>::infinity();
-    const T capped = ratio > delta ? delta : ratio;  // NaN kept
-    const T unclipped = -capped * advantage;
-    const T clipped = -clamp_keep_nan(ratio, options.ratio_low, options.ratio_high) * advantage;
-    T value = (unclipped != unclipped || unclipped > clipped) ? unclipped : clipped;
-    const T through_unclipped = (!has_delta || ratio <= delta) ? -advantage : T(0);
-    const T through_clipped = in_closed(ratio, options.ratio_low, options.ratio_high) ? -advantage : T(0);
-    T d_ratio = unclipped > clipped   ? through_unclipped
-                : clipped > unclipped ? through_clipped
-                                      : T(0.5) * (through_unclipped + through_clipped);
-    // Dual clip: min(l, -c A) where A < 0; torch.minimum splits the gradient at the bound.
-    const bool bounded = dual_clip != std::numeric_limits<T>::infinity() && advantage < 0;
-    const T bound = -dual_clip * advantage;
-    const bool above = bounded && value > bound;  // NaN: false, and NaN stays NaN
-    d_ratio = above ? T(0) : ((bounded && value == bound) ? d_ratio * T(0.5) : d_ratio);
-    value = above ? bound : value;
-    return {value, d_ratio, T(0)};
+    return clip_term(ratio, advantage, options, options[config::kOptionDelta], options[config::kOptionDualClip]);
   } else if constexpr (kObjective == config::kObjectiveCispoCap) {
     const T cap = options[config::kOptionRatioCap];
     const T weight = ratio > cap ? cap : ratio;  // NaN kept
@@ -171,10 +199,46 @@ HADW_ALWAYS_INLINE ObjectiveTerm<T> objective_term(T ratio, T advantage, T logpr
   } else if constexpr (kObjective == config::kObjectiveVespo) {
     const T d_logprob = -(advantage >= 0 ? weights.nonnegative : weights.negative) * advantage;
     return {d_logprob * logprob, T(0), d_logprob};
-  } else {
-    static_assert(kObjective == config::kObjectiveGpg, "unknown objective");
+  } else if constexpr (kObjective == config::kObjectiveGpg) {
     return {-advantage * logprob, T(0), -advantage};
+  } else if constexpr (kObjective == config::kObjectiveDppoTv || kObjective == config::kObjectiveDppoKl) {
+    const T cap = options[config::kOptionRatioCap];
+    const T weight = ratio > cap ? cap : ratio;  // NaN kept
+    const bool moved = dppo_moved_within<kObjective == config::kObjectiveDppoTv>(logprob, old_logprob, advantage,
+                                                                                  options);
+    // Times the mask, not selected by it: a NaN (a NaN input) stays NaN, as the reference's.
+    const T d_logprob = -weight * advantage * (moved ? T(1) : T(0));
+    return {d_logprob * logprob, T(0), d_logprob};
+  } else if constexpr (kObjective == config::kObjectiveDro) {
+    // -(A l - beta / 2 (l - l_old)^2); d / d l = -A + beta (l - l_old).
+    const T beta = options[config::kOptionDroBeta];
+    const T log_ratio = logprob - old_logprob;
+    return {-(logprob * advantage - T(0.5) * beta * (log_ratio * log_ratio)), T(0), -advantage + beta * log_ratio};
+  } else if constexpr (kObjective == config::kObjectiveClipCov) {
+    ObjectiveTerm<T> term = clip_term(ratio, advantage, options, kOff, kOff);
+    const T kept = T(1) - selected;
+    return {term.value * kept, term.d_ratio * kept, T(0)};
+  } else {
+    static_assert(kObjective == config::kObjectiveKlCov, "unknown objective");
+    // -A rho + s c |l - l_old|; |x|'s derivative is sign(x), 0 at 0.
+    const T penalty = selected * options[config::kOptionPpoKlCoef];
+    const T log_ratio = logprob - old_logprob;
+    const T sign = log_ratio > 0 ? T(1) : (log_ratio < 0 ? T(-1) : T(0));
+    return {-advantage * ratio + penalty * (log_ratio < 0 ? -log_ratio : log_ratio), -advantage, penalty * sign};
   }
+}
+
+// Calls `f` with the objective as a compile-time constant (a std::integral_constant): one
+// instantiation per code of config.OBJECTIVES, so that each objective's token loops are
+// compiled, and vectorised, for it alone.
+template <int64_t kCode = 0, typename F>
+HADW_ALWAYS_INLINE decltype(auto) with_objective(int64_t objective, F&& f) {
+  if constexpr (kCode + 1 < config::kObjectiveCount) {
+    if (objective != kCode) {
+      return with_objective<kCode + 1>(objective, std::forward<F>(f));
+    }
+  }
+  return f(std::integral_constant<int64_t, kCode>{});
 }
 
 // A token's log-ratio as its response's mean takes it, and whether it passes its
@@ -214,11 +278,13 @@ struct PolicyTerm {
 // +-LOG_RATIO_CLAMP), the clamp passing the gradient on its closed interval only, and
 // d rho / d logp = rho.
 template <int64_t kObjective, typename T>
-HADW_ALWAYS_INLINE PolicyTerm<T> token_policy_term(T log_ratio, T advantage, T logprob,
+HADW_ALWAYS_INLINE PolicyTerm<T> token_policy_term(T logprob, T old_logprob, T advantage, T selected,
                                                    const ObjectiveOptions<T>& options) {
   const T limit = static_cast<T>(config::kLogRatioClamp);
+  const T log_ratio = logprob - old_logprob;
   const T ratio = vector_exp(clamp_keep_nan(log_ratio, -limit, limit));
-  const ObjectiveTerm<T> term = objective_term<kObjective>(ratio, advantage, logprob, ResponseWeights<T>{}, options);
+  const ObjectiveTerm<T> term =
+      objective_term<kObjective>(ratio, advantage, logprob, old_logprob, selected, ResponseWeights<T>{}, options);
   const T through_ratio = in_closed(log_ratio, -limit, limit) ? term.d_ratio * ratio : T(0);
   return {term.value, through_ratio + term.d_logprob, ratio};
 }
@@ -226,22 +292,11 @@ HADW_ALWAYS_INLINE PolicyTerm<T> token_policy_term(T log_ratio, T advantage, T l
 // token_policy_term for an objective code known only at run time (one token at a time);
 // the objective must take the token ratio form (config::kObjectiveTakesRatioLevel).
 template <typename T>
-PolicyTerm<T> token_policy_term(int64_t objective, T log_ratio, T advantage, T logprob,
+PolicyTerm<T> token_policy_term(int64_t objective, T logprob, T old_logprob, T advantage, T selected,
                                 const ObjectiveOptions<T>& options) {
-  switch (objective) {
-    case config::kObjectiveClip:
-      return token_policy_term<config::kObjectiveClip>(log_ratio, advantage, logprob, options);
-    case config::kObjectiveCispoCap:
-      return token_policy_term<config::kObjectiveCispoCap>(log_ratio, advantage, logprob, options);
-    case config::kObjectiveCispoClip:
-      return token_policy_term<config::kObjectiveCispoClip>(log_ratio, advantage, logprob, options);
-    case config::kObjectiveSapo:
-      return token_policy_term<config::kObjectiveSapo>(log_ratio, advantage, logprob, options);
-    default:
-      TORCH_CHECK(objective == config::kObjectiveGpg, "hadw_cpp: objective ", objective,
-                  " has no token ratio form");
-      return token_policy_term<config::kObjectiveGpg>(log_ratio, advantage, logprob, options);
-  }
+  return with_objective(objective, [&](auto code) {
+    return token_policy_term<decltype(code)::value>(logprob, old_logprob, advantage, selected, options);
+  });
 }
 
 // expm1(x) - x of the clamped log-ratio: the approx_kl metric's k3 of KL(pi_old || pi).

@@ -77,14 +77,15 @@ METRIC_NAMES = (
 # The metrics of the rollout correction and token masks (correction.py), after the
 # kernels' in a loss's metrics, each present when its rule is on: the rollout weights' mean
 # (after the rule, before batch normalisation), the shares of counted tokens whose weight
-# the rule changed, that the rejection filters removed, and that the off-policy and
-# entropy masks zeroed.
+# the rule changed, that the rejection filters removed, that the off-policy and entropy
+# masks zeroed, and that the objective's batch statistic selected (OBJECTIVES' selects_tokens).
 CORRECTION_METRIC_NAMES = (
     "rollout_is_mean",
     "rollout_is_corrected_frac",
     "rollout_rejected_frac",
     "off_policy_masked_frac",
     "entropy_masked_frac",
+    "selected_frac",
 )
 
 
@@ -184,8 +185,8 @@ RATIO_LEVELS = ("token", "sequence", "gspo_token")
 # "ratio": through its ratio alone (d loss / d logp = 0; in a sequence ratio form the
 # slopes are summed over the response); "detached_weight": a stop-gradient weight times
 # the log-prob (d loss / d rho = 0; its value's numerical derivative is not its gradient);
-# "log_prob": the log-prob itself, no ratio.
-GRADIENT_ROUTES = ("ratio", "detached_weight", "log_prob")
+# "log_prob": the log-prob itself, no ratio; "ratio_and_log_prob": both (a token form).
+GRADIENT_ROUTES = ("ratio", "detached_weight", "log_prob", "ratio_and_log_prob")
 
 
 @dataclass(frozen=True)
@@ -204,16 +205,19 @@ class Objective:
     ``clipped``: whether epsilon_low / epsilon_high shape the loss (else they only set the
     clip-fraction metrics' range).
     ``gradient``: how its gradient reaches the log-prob (GRADIENT_ROUTES); the kernels
-    branch on it."""
+    branch on it.
+    ``selects_tokens``: whether it reads a batch statistic that selects tokens before the
+    kernels run (``objectives.SELECTIONS``; the kernels receive the selection per token)."""
 
     options: dict
     gradient: str
     ratio_levels: tuple[str, ...] = RATIO_LEVELS
     clipped: bool = True
+    selects_tokens: bool = False
 
     @property
     def through_ratio(self) -> bool:
-        return self.gradient == "ratio"
+        return self.gradient in ("ratio", "ratio_and_log_prob")
 
 
 OBJECTIVES = {
@@ -238,6 +242,22 @@ OBJECTIVES = {
                       clipped=False),
     # GPG (verl): -A l, no ratio.
     "gpg": Objective(options={}, gradient="log_prob", ratio_levels=("token",), clipped=False),
+    # DPPO (verl's dppo_tv, dppo_kl): -sg[min(rho, ratio_cap)] A l on the tokens whose
+    # probability moved within the clip range, now a divergence bound, in the direction A's
+    # sign favours (A > 0: up by at most epsilon_high; else down by at most epsilon_low):
+    # p - p_old (tv), or the binary KL of (p_old, p) (kl); the other tokens give 0.
+    "dppo_tv": Objective(options={"ratio_cap": 20.0}, gradient="detached_weight", ratio_levels=("token",)),
+    "dppo_kl": Objective(options={"ratio_cap": 20.0}, gradient="detached_weight", ratio_levels=("token",)),
+    # DRO (verl): -(A l - dro_beta / 2 (l - l_old)^2); dro_beta has no default.
+    "dro": Objective(options={"dro_beta": None}, gradient="log_prob", ratio_levels=("token",), clipped=False),
+    # Clip-Cov (verl): PPO's clip, 0 on max(1, floor(clip_cov_ratio N)) tokens drawn at random
+    # among the unclipped ones whose (A - mean A)(l - mean l) lies in (clip_cov_lb, clip_cov_ub).
+    "clip_cov": Objective(options={"clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+                          gradient="ratio", ratio_levels=("token",), selects_tokens=True),
+    # KL-Cov (verl): -A rho, plus ppo_kl_coef |l - l_old| on the max(1, floor(kl_cov_ratio N))
+    # tokens of largest (A - mean A)(l - mean l).
+    "kl_cov": Objective(options={"kl_cov_ratio": 2e-4, "ppo_kl_coef": 0.1}, gradient="ratio_and_log_prob",
+                        ratio_levels=("token",), clipped=False, selects_tokens=True),
 }
 assert all(objective.gradient in GRADIENT_ROUTES for objective in OBJECTIVES.values())
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
@@ -462,6 +482,15 @@ LOSS_PRESETS = {
     "gmpo": LossPreset(normalize_std=True, loss_agg_mode="seq-mean-token-mean", clip_range=(0.4, 0.4),
                        objective="gmpo", ratio_level="sequence"),
     "gpg": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.2), objective="gpg"),
+    # verl's other policy losses, with the ranges verl's actor defaults to; dro's beta has no
+    # default (verl requires one), its preset takes 0.1.
+    "dppo_tv": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.2), objective="dppo_tv"),
+    "dppo_kl": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.2), objective="dppo_kl"),
+    "dro": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.2), objective="dro",
+                      options={"dro_beta": 0.1}),
+    "clip_cov": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.2),
+                           objective="clip_cov"),
+    "kl_cov": LossPreset(normalize_std=True, loss_agg_mode="token-mean", clip_range=(0.2, 0.2), objective="kl_cov"),
 }
 LOSS_TYPES = tuple(LOSS_PRESETS)
 
@@ -546,6 +575,12 @@ class LossConfig:
     vespo_lambda_pos: float | None = None
     vespo_k_neg: float | None = None
     vespo_lambda_neg: float | None = None
+    dro_beta: float | None = None
+    clip_cov_ratio: float | None = None
+    clip_cov_lb: float | None = None
+    clip_cov_ub: float | None = None
+    kl_cov_ratio: float | None = None
+    ppo_kl_coef: float | None = None
     # Rollout correction and token masks (docs/math.md, section 5d; correction.py).
     rollout_correction: RolloutCorrection | None = None
     off_policy_mask_threshold: float | None = None
@@ -642,10 +677,24 @@ class LossConfig:
             # At or above 1 + epsilon_high, delta bounds the negative advantages' loss as
             # dual_clip=delta does; below it, it also caps the positive ones (TRL allows both).
             check_finite_positive("delta", self.delta)
-        if self.objective == "cispo_cap" and not (1 <= self.option("ratio_cap") < math.inf):
+        if "ratio_cap" in OBJECTIVES[self.objective].options and not (1 <= self.option("ratio_cap") < math.inf):
             # TRL's epsilon_high left at its 0.2 would cap every weight far below 1 (docs/options.md).
-            raise ValueError(f"ratio_cap (CISPO's absolute cap on the detached ratio) must be finite and at least 1 "
+            raise ValueError(f"ratio_cap (the absolute cap on the detached ratio) must be finite and at least 1 "
                              f"(TRL recommends 5), got {self.option('ratio_cap')!r}")
+        if self.objective == "dro" and self.option("dro_beta") is None:
+            raise ValueError("objective 'dro' needs dro_beta (its quadratic log-ratio penalty; verl has no default)")
+        for name in ("dro_beta", "clip_cov_ratio", "kl_cov_ratio"):
+            if getattr(self, name) is not None:
+                check_finite_positive(name, getattr(self, name))
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if getattr(self, name) is not None and getattr(self, name) > 1:
+                raise ValueError(f"{name} (the share of tokens selected) must be in (0, 1], got {getattr(self, name)!r}")
+        if self.objective == "clip_cov" and not (-math.inf < self.option("clip_cov_lb") < self.option("clip_cov_ub")
+                                                 < math.inf):
+            raise ValueError(f"clip_cov_lb < clip_cov_ub, both finite (the covariance band of the candidates), got "
+                             f"{self.option('clip_cov_lb')!r} and {self.option('clip_cov_ub')!r}")
+        if self.ppo_kl_coef is not None and not (0 <= self.ppo_kl_coef < math.inf):
+            raise ValueError(f"ppo_kl_coef must be finite and non-negative, got {self.ppo_kl_coef!r}")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             if getattr(self, name) is not None:
                 check_finite_positive(name, getattr(self, name))
@@ -761,6 +810,12 @@ class LossOptions(TypedDict, total=False):
     vespo_lambda_pos: float | None
     vespo_k_neg: float | None
     vespo_lambda_neg: float | None
+    dro_beta: float | None
+    clip_cov_ratio: float | None
+    clip_cov_lb: float | None
+    clip_cov_ub: float | None
+    kl_cov_ratio: float | None
+    ppo_kl_coef: float | None
     rollout_correction: RolloutCorrection | None
     off_policy_mask_threshold: float | None
     top_entropy_quantile: float | None

@@ -14,12 +14,14 @@ from .config import (
     AGGREGATIONS,
     IGNORE_INDEX,
     LossConfig,
+    OBJECTIVES,
     LossOptions,
     check_block_rows,
     check_linear_path,
     ordered_metrics,
 )
 from .correction import correct, needs_current_logprobs
+from .objectives import SELECTIONS
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
 from .advantage import group_metrics, weighted_advantages
@@ -59,6 +61,7 @@ def fused_hadw_grpo_loss(
     importance_weights: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
     return_metrics: bool = False,
     backend: str = "auto",
     check_values: bool = True,
@@ -96,12 +99,11 @@ def fused_hadw_grpo_loss(
             (verl's, process rewards); rows may then come in any order and any split.
         group_index: [B] group id of each row (verl's uid as integers): checks that the
             rows of each group are contiguous and complete.
-        loss_type: a preset (``LOSS_PRESETS``): TRL's "grpo" (the default), "bnpo",
-            "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"; "gspo", "gmpo", "gpg";
-            each of its choices can be overridden below.
-        objective, ratio_level: the per-token loss ("clip", "cispo_cap", "cispo_clip",
-            "sapo", "gmpo", "vespo", "gpg") and the ratio's form ("token", "sequence",
-            "gspo_token"); docs/math.md, section 5.
+        loss_type: a preset (``config.LOSS_PRESETS``: TRL's loss types, "grpo" the
+            default, and verl's policy losses; docs/options.md); each of its choices can
+            be overridden below.
+        objective, ratio_level: the per-token loss (a row of ``config.OBJECTIVES``) and
+            the ratio's form ("token", "sequence", "gspo_token"); docs/math.md, section 5.
         loss_agg_mode: verl's aggregation ("token-mean", "seq-mean-token-mean",
             "seq-mean-token-sum", "seq-mean-token-sum-norm") or "token-sum".
         normalize_std, std_eps: divide A by the group's std (+ std_eps; TRL uses 1e-4).
@@ -112,12 +114,9 @@ def fused_hadw_grpo_loss(
         beta, kl_estimator, ref_logprobs: KL penalty to a reference policy (default
             beta 0: none), aggregated like the loss; estimators k1, k2, k3 (the default,
             verl's low_var_kl), abs.
-        dual_clip, delta, ratio_cap, sapo_temperature_pos, sapo_temperature_neg,
-            vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: the
-            objectives' own options (``config.OBJECTIVES``; docs/options.md): dual_clip
-            c > 1 bounding the loss of negative advantages, delta TRL's cap on the
-            unclipped ratio, ratio_cap CISPO's cap, the SAPO temperatures and VESPO's
-            gamma shapes and rates.
+        dual_clip, delta, ratio_cap, sapo_temperature_pos, ...: the objectives' own
+            options, each read by the objectives whose row of ``config.OBJECTIVES``
+            names it (docs/options.md).
         importance_weights: detached rollout-engine correction, [B, T] or [B] (packed:
             [N] or [1, N], or [S]; a 1-D tensor of length S is per response),
             multiplying each token's loss in every ratio form.
@@ -143,6 +142,8 @@ def fused_hadw_grpo_loss(
             the big-batch loss.
         max_response_length: L of seq-mean-token-sum-norm (Dr.GRPO; default: T;
             required with ``loss_normalizer`` and in a packed batch, which has no width).
+        generator: the random draws of an objective that draws its tokens (clip_cov:
+            ``torch.randperm``'s generator; None: the global one, as verl).
         return_metrics: also return a dict of 0-d tensors (config.METRIC_NAMES).
         backend: "auto", "torch", "triton" or "cpp".
         check_values: check finite inputs at response tokens, a 0/1 mask, rewards and
@@ -170,23 +171,27 @@ def fused_hadw_grpo_loss(
         ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
         importance_weights=layout.per_token(importance_weights),
         rollout_logprobs=layout.flat(rollout_logprobs), entropy=None, masked_entropy=layout.flat(entropy),
+        generator=generator,
     )
     return (loss, metrics) if return_metrics else loss
 
 
 def _corrected_surrogate(implementation, logprobs, old_logprobs, mask, layout, config, *, rewards, advantages, anchor,
-                         ref_logprobs, importance_weights, rollout_logprobs, entropy, masked_entropy):
+                         ref_logprobs, importance_weights, rollout_logprobs, entropy, masked_entropy, generator):
     """The backend's surrogate op on [N] tensors, with the rollout correction and token
     masks (correction.py) folded into its mask and importance weights, and the
     bias-corrected KL term added: every backend applies them in its kernels as it applies
     a caller's weights, so they compose with every objective. ``entropy``: what the op
     takes (the linear loss's, with its gradient: bonus and metric); ``masked_entropy``:
-    what the entropy mask reads."""
+    what the entropy mask reads. An objective that selects tokens (objectives.SELECTIONS)
+    selects them here, over the tokens the correction leaves counted, with ``generator``."""
     corrected_metrics = {}
+    selects_tokens = OBJECTIVES[config.objective].selects_tokens
     # Each token's advantage (A_hat Phi from rewards, or the caller's), for the rules that
-    # read it: the off-policy mask its sign, the bias-corrected KL GMPO's clip side.
+    # read it: the off-policy mask its sign, the bias-corrected KL GMPO's clip side, the
+    # selections their covariance.
     token_advantage = None
-    if config.off_policy_mask_threshold is not None or config.kl_bias_correction:
+    if config.off_policy_mask_threshold is not None or config.kl_bias_correction or selects_tokens:
         advantage, _ = weighted_advantages(rewards, advantages, config, anchor)
         token_advantage = advantage if advantages is not None else layout.expand(advantage)
     if _has_correction(config):
@@ -200,12 +205,18 @@ def _corrected_surrogate(implementation, logprobs, old_logprobs, mask, layout, c
             corrected_metrics["entropy_mean"] = masked_mean(entropy.detach(), mask.bool())
             entropy = entropy * correction.entropy_keep.to(entropy.dtype)
         corrected_metrics.update(correction.metrics)
+    selected = None
+    if selects_tokens:
+        counted = mask.bool()
+        selected = SELECTIONS[config.objective](logprobs.detach(), old_logprobs.detach(),
+                                                token_advantage.to(logprobs.dtype), counted, config, generator)
+        corrected_metrics["selected_frac"] = masked_mean(selected, counted)
     kernel_config = dataclasses.replace(config, beta=0.0, kl_bias_correction=False, kl_bias_ratio="objective") \
         if config.kl_bias_correction else config
     loss, metrics = implementation.surrogate_loss(
         logprobs, old_logprobs, mask, layout, kernel_config, rewards=rewards, advantages=advantages, anchor=anchor,
         ref_logprobs=None if config.kl_bias_correction else ref_logprobs, importance_weights=importance_weights,
-        entropy=entropy,
+        entropy=entropy, selected=selected,
     )
     if config.kl_bias_correction:
         kl_term, metrics["ref_kl"] = _bias_corrected_kl(logprobs, old_logprobs, mask.bool(), layout, config,
@@ -267,6 +278,7 @@ def fused_linear_hadw_grpo_loss(
     ignore_index: int = IGNORE_INDEX,
     block_rows: int | None = None,
     linear_path: str = "auto",
+    generator: torch.Generator | None = None,
     return_metrics: bool = False,
     backend: str = "auto",
     check_values: bool = True,
@@ -345,7 +357,8 @@ def fused_linear_hadw_grpo_loss(
         )
         old = logprobs.detach() if old is None else old
         loss, metrics = _corrected_surrogate(implementation, logprobs, old, mask, layout, config, **data,
-                                             rollout_logprobs=rollout, entropy=entropy, masked_entropy=entropy)
+                                             rollout_logprobs=rollout, entropy=entropy, masked_entropy=entropy,
+                                             generator=generator)
     metrics.update(corrected_metrics)
     metrics = ordered_metrics(metrics)
     return (loss, metrics) if return_metrics else loss
@@ -357,7 +370,8 @@ def _reads_current_policy(config: LossConfig, old_logprobs_given: bool) -> bool:
     call, whose behaviour log-probs are the current ones): the linear loss then forms them
     first (its recompute path)."""
     on_policy_weight = config.rollout_correction is not None and not old_logprobs_given
-    return needs_current_logprobs(config) or config.kl_bias_correction or on_policy_weight
+    return (needs_current_logprobs(config) or config.kl_bias_correction or on_policy_weight
+            or OBJECTIVES[config.objective].selects_tokens)
 
 
 def _with_layout_length(config: LossConfig, layout: TokenLayout) -> LossConfig:
@@ -482,8 +496,9 @@ def refuse_gradients_in_forward(config: LossConfig, old_logprobs_given: bool = T
     if _reads_current_policy(config, old_logprobs_given):
         raise ValueError(
             f"{option}='gradients_in_forward' forms each token's gradient before the batch's log-probs are "
-            "known: off_policy_mask_threshold, top_entropy_quantile < 1, kl_bias_correction and a rollout "
-            "correction without old_logprobs read them first; use 'recompute' or 'auto'"
+            "known: off_policy_mask_threshold, top_entropy_quantile < 1, kl_bias_correction, a rollout "
+            "correction without old_logprobs and an objective that selects tokens (clip_cov, kl_cov) read them "
+            "first; use 'recompute' or 'auto'"
         )
 
 

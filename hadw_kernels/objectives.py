@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .config import LOG_RATIO_CLAMP, VESPO_LOG_WEIGHT_MIN, LossConfig
+from .config import LOG_RATIO_CLAMP, OBJECTIVES, VESPO_LOG_WEIGHT_MIN, LossConfig
 
 
 def _where(condition, if_true, if_false):
@@ -28,7 +28,7 @@ def _where(condition, if_true, if_false):
 # --- values ---------------------------------------------------------------------------------
 
 
-def clip_value(rho, advantage, logprob, weight, config: LossConfig):
+def clip_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-min(rho' A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho' = min(rho, delta); then
     bounded by -c A for A < 0 under dual clip."""
     capped = rho if config.option("delta") is None else rho.clamp(max=config.option("delta"))
@@ -40,12 +40,12 @@ def clip_value(rho, advantage, logprob, weight, config: LossConfig):
     return loss
 
 
-def cispo_cap_value(rho, advantage, logprob, weight, config: LossConfig):
+def cispo_cap_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-sg[min(rho, ratio_cap)] A l."""
     return -rho.detach().clamp(max=config.option("ratio_cap")) * advantage * logprob
 
 
-def cispo_clip_value(rho, advantage, logprob, weight, config: LossConfig):
+def cispo_clip_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-sg[clip(rho, 1 - eps_low, 1 + eps_high)] A l."""
     return -rho.detach().clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high) * advantage * logprob
 
@@ -55,25 +55,66 @@ def sapo_temperature(advantage, config: LossConfig):
                   torch.full_like(advantage, config.option("sapo_temperature_neg")))
 
 
-def sapo_value(rho, advantage, logprob, weight, config: LossConfig):
+def sapo_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-(4 / tau) sigmoid(tau (rho - 1)) A, tau = sapo_temperature_pos if A > 0 else _neg."""
     tau = sapo_temperature(advantage, config)
     return -(4.0 / tau) * torch.sigmoid(tau * (rho - 1.0)) * advantage
 
 
-def gmpo_value(rho, advantage, logprob, weight, config: LossConfig):
+def gmpo_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-A rho, rho the response's geometric mean of clipped ratios (:func:`gmpo_log_ratio`)."""
     return -advantage * rho
 
 
-def vespo_value(rho, advantage, logprob, weight, config: LossConfig):
+def vespo_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-sg[phi] A l, phi the response's weight (:func:`vespo_weight`)."""
     return -weight.detach() * advantage * logprob
 
 
-def gpg_value(rho, advantage, logprob, weight, config: LossConfig):
+def gpg_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-A l."""
     return -advantage * logprob
+
+
+def _dppo_moved_within(logprob, old_logprob, advantage, config: LossConfig, divergence: str):
+    """DPPO's stop-gradient mask (verl's valid_mask): whether the token's probability moved
+    within the clip range in the direction its advantage favours; p = exp(l)."""
+    prob, old_prob = torch.exp(logprob.detach()), torch.exp(old_logprob)
+    if divergence == "tv":
+        up, down = (prob - old_prob) <= config.epsilon_high, (prob - old_prob) >= -config.epsilon_low
+    else:  # the binary KL of (p_old, p), +1e-8 in its log as verl's
+        binary_kl = old_prob * (old_logprob - logprob.detach()) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        up = (binary_kl <= config.epsilon_high) | (prob <= old_prob)
+        down = (binary_kl <= config.epsilon_low) | (prob >= old_prob)
+    return _where(advantage > 0, up, down).to(logprob.dtype)
+
+
+def dppo_tv_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    """-sg[min(rho, ratio_cap)] A l sg[p - p_old within the range on A's side]."""
+    moved = _dppo_moved_within(logprob, old_logprob, advantage, config, "tv")
+    return -rho.detach().clamp(max=config.option("ratio_cap")) * advantage * logprob * moved
+
+
+def dppo_kl_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    """-sg[min(rho, ratio_cap)] A l sg[binary KL within the range, or p moved A's way]."""
+    moved = _dppo_moved_within(logprob, old_logprob, advantage, config, "kl")
+    return -rho.detach().clamp(max=config.option("ratio_cap")) * advantage * logprob * moved
+
+
+def dro_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    """-(A l - dro_beta / 2 (l - l_old)^2)."""
+    return -(logprob * advantage - 0.5 * config.option("dro_beta") * (logprob - old_logprob).square())
+
+
+def clip_cov_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    """clip_value times 1 - s, s the token's selection (:func:`clip_cov_selection`)."""
+    return clip_value(rho, advantage, logprob, old_logprob, weight, config) * (1 - weight)
+
+
+def kl_cov_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    """-A rho + s ppo_kl_coef |l - l_old|, s the token's selection (:func:`kl_cov_selection`)."""
+    return -advantage * rho + weight * config.option("ppo_kl_coef") * (logprob - old_logprob).abs()
 
 
 VALUES = {
@@ -84,13 +125,18 @@ VALUES = {
     "gmpo": gmpo_value,
     "vespo": vespo_value,
     "gpg": gpg_value,
+    "dppo_tv": dppo_tv_value,
+    "dppo_kl": dppo_kl_value,
+    "dro": dro_value,
+    "clip_cov": clip_cov_value,
+    "kl_cov": kl_cov_value,
 }
 
 
 # --- derivatives -----------------------------------------------------------------------------
 
 
-def clip_slope(rho, advantage, logprob, weight, config: LossConfig):
+def clip_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """torch.maximum passes its gradient to the larger branch, half to each at a tie: the
     unclipped branch's is -A where delta's cap passes it (rho <= delta), the clipped
     one's -A where the clamp does (rho on [1 - eps_low, 1 + eps_high]). At the dual-clip
@@ -114,30 +160,54 @@ def clip_slope(rho, advantage, logprob, weight, config: LossConfig):
     return d_ratio, zero
 
 
-def cispo_cap_slope(rho, advantage, logprob, weight, config: LossConfig):
+def cispo_cap_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     return torch.zeros_like(rho), -rho.clamp(max=config.option("ratio_cap")) * advantage
 
 
-def cispo_clip_slope(rho, advantage, logprob, weight, config: LossConfig):
+def cispo_clip_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     return torch.zeros_like(rho), -rho.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high) * advantage
 
 
-def sapo_slope(rho, advantage, logprob, weight, config: LossConfig):
+def sapo_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """d/drho of -(4 / tau) sigmoid(tau (rho - 1)) A = -4 sigma (1 - sigma) A."""
     sigma = torch.sigmoid(sapo_temperature(advantage, config) * (rho - 1.0))
     return -4.0 * sigma * (1.0 - sigma) * advantage, torch.zeros_like(rho)
 
 
-def gmpo_slope(rho, advantage, logprob, weight, config: LossConfig):
+def gmpo_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     return -advantage, torch.zeros_like(rho)
 
 
-def vespo_slope(rho, advantage, logprob, weight, config: LossConfig):
+def vespo_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     return torch.zeros_like(rho), -weight * advantage
 
 
-def gpg_slope(rho, advantage, logprob, weight, config: LossConfig):
+def gpg_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     return torch.zeros_like(rho), -advantage
+
+
+def dppo_tv_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    moved = _dppo_moved_within(logprob, old_logprob, advantage, config, "tv")
+    return torch.zeros_like(rho), -rho.clamp(max=config.option("ratio_cap")) * advantage * moved
+
+
+def dppo_kl_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    moved = _dppo_moved_within(logprob, old_logprob, advantage, config, "kl")
+    return torch.zeros_like(rho), -rho.clamp(max=config.option("ratio_cap")) * advantage * moved
+
+
+def dro_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    return torch.zeros_like(rho), -advantage + config.option("dro_beta") * (logprob - old_logprob)
+
+
+def clip_cov_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    d_ratio, d_logprob = clip_slope(rho, advantage, logprob, old_logprob, weight, config)
+    return d_ratio * (1 - weight), d_logprob
+
+
+def kl_cov_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    """|x|'s derivative is sign(x), 0 at 0 (autograd's)."""
+    return -advantage, weight * config.option("ppo_kl_coef") * torch.sign(logprob - old_logprob)
 
 
 SLOPES = {
@@ -148,6 +218,11 @@ SLOPES = {
     "gmpo": gmpo_slope,
     "vespo": vespo_slope,
     "gpg": gpg_slope,
+    "dppo_tv": dppo_tv_slope,
+    "dppo_kl": dppo_kl_slope,
+    "dro": dro_slope,
+    "clip_cov": clip_cov_slope,
+    "kl_cov": kl_cov_slope,
 }
 
 
@@ -175,6 +250,59 @@ def vespo_weight(summed_log_ratio, advantage, config: LossConfig):
                  torch.full_like(log_w, config.option("vespo_lambda_neg")))
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+# --- the batch statistics that select tokens ------------------------------------------------
+# An objective with selects_tokens (config.OBJECTIVES) reads the whole call first: its
+# selection [N] (bool) reaches every backend's kernels as each token's weight s (1: selected).
+# Both read counts on the host, as verl's functions do: the number of tokens to select, and
+# clip_cov the number of candidates its random draw permutes (docs/architecture.md).
+
+
+def _covariance(advantage, logprobs, mask):
+    """(A - mean A)(l - mean l) of each token, the means over the counted tokens as verl's
+    masked_mean forms them (the sum over the count plus 1e-8)."""
+    count = mask.sum() + 1e-8
+    advantage_mean = torch.where(mask, advantage, torch.zeros_like(advantage)).sum() / count
+    logprob_mean = torch.where(mask, logprobs, torch.zeros_like(logprobs)).sum() / count
+    return (advantage - advantage_mean) * (logprobs - logprob_mean)
+
+
+@torch.no_grad()
+def clip_cov_selection(logprobs, old_logprobs, advantage, mask, config: LossConfig, generator=None):
+    """verl's clip_cov: max(1, floor(clip_cov_ratio N)) tokens drawn without replacement
+    (``torch.randperm`` with ``generator``, None: the global one) among the counted tokens
+    that PPO's clip leaves unclipped and whose covariance lies in (clip_cov_lb,
+    clip_cov_ub), in token order; N the counted tokens."""
+    ratio = torch.exp(logprobs - old_logprobs)  # unclamped, as verl's
+    unclipped, clipped = -advantage * ratio, -advantage * ratio.clamp(1 - config.epsilon_low, 1 + config.epsilon_high)
+    covariance = _covariance(advantage, logprobs, mask)
+    candidates = mask & ~(clipped > unclipped) & (covariance > config.option("clip_cov_lb")) \
+        & (covariance < config.option("clip_cov_ub"))
+    positions = torch.nonzero(candidates).flatten()
+    selected = torch.zeros_like(mask)
+    if positions.numel() > 0:
+        count = max(int(config.option("clip_cov_ratio") * int(mask.sum())), 1)
+        drawn = torch.randperm(positions.numel(), generator=generator)[:count].to(positions.device)
+        selected[positions[drawn]] = True
+    return selected
+
+
+@torch.no_grad()
+def kl_cov_selection(logprobs, old_logprobs, advantage, mask, config: LossConfig, generator=None):
+    """verl's kl_cov: the max(1, floor(kl_cov_ratio N)) counted tokens of largest covariance
+    (torch.topk), the means over the counted tokens."""
+    positions = torch.nonzero(mask).flatten()
+    selected = torch.zeros_like(mask)
+    if positions.numel() > 0:
+        valid_advantage, valid_logprobs = advantage[positions], logprobs[positions]
+        covariance = (valid_advantage - valid_advantage.mean()) * (valid_logprobs - valid_logprobs.mean())
+        count = max(1, int(positions.numel() * config.option("kl_cov_ratio")))
+        selected[positions[torch.topk(covariance, count, largest=True).indices]] = True
+    return selected
+
+
+SELECTIONS = {"clip_cov": clip_cov_selection, "kl_cov": kl_cov_selection}
+assert set(SELECTIONS) == {name for name, objective in OBJECTIVES.items() if objective.selects_tokens}
 
 assert set(VALUES) == set(SLOPES), "every objective declares its value and its derivative"
 assert math.isfinite(VESPO_LOG_WEIGHT_MIN)

@@ -81,7 +81,7 @@ def _surrogate_args(dtype=torch.float32, *, batch=16, width=300, advantages=Fals
         anchor=None if advantages else torch.tensor(0.4, dtype=torch.float64),
         ref_logprobs=(logprobs + 0.1 * torch.randn_like(logprobs)).to(dtype) if options else None,
         importance_weights=(torch.rand(tokens) + 0.5).to(dtype) if options else None,
-        entropy=torch.rand(tokens).to(dtype) if options else None,
+        entropy=torch.rand(tokens).to(dtype) if options else None, selected=None,
         **loss.kernel_options(),
     )
 

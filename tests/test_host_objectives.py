@@ -5,7 +5,8 @@ gradient, on every backend that runs here:
   (tests/trl_host.py), at token and sequence level, with TRL's options (delta, the SAPO
   temperatures, VESPO's k and lambda, epsilon_high as CISPO's cap, beta), per-response and
   per-token advantages, with and without vLLM's importance-sampling ratio;
-- verl 0.9.1's registered policy losses vanilla, gspo, sapo, gpg, geo_mean and cispo
+- verl 0.9.1's registered policy losses vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv,
+  dppo_kl, dro, clip_cov and kl_cov
   (``get_policy_loss_fn``), with verl's ActorConfig options, every aggregation mode, its
   global-batch counts and per-token rollout weights.
 
@@ -24,6 +25,7 @@ from hadw_kernels.config import AGGREGATIONS, OBJECTIVES
 pytest.importorskip("trl", reason="the trl extra is not installed")
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="the verl extra is not installed")
 from verl.workers.config import ActorConfig  # noqa: E402
+from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
 
 from hadw_kernels.integrations.trl import vespo_behaviour_logprobs  # noqa: E402
 from trl_host import TrlLoss, trl_config  # noqa: E402
@@ -201,14 +203,27 @@ VERL_LOSSES = {
     "gpg": (dict(objective="gpg", ratio_level="token"), {}),
     "geo_mean": (dict(objective="gmpo", ratio_level="sequence"), {}),
     "cispo": (dict(objective="cispo_clip", ratio_level="token"), {}),
+    "dppo_tv": (dict(objective="dppo_tv", ratio_level="token"), {"ratio_cap": "clip_ratio_c"}),
+    "dppo_kl": (dict(objective="dppo_kl", ratio_level="token"), {"ratio_cap": "clip_ratio_c"}),
+    "dro": (dict(objective="dro", ratio_level="token"), {"dro_beta": "policy_loss.dro_beta"}),
+    "clip_cov": (dict(objective="clip_cov", ratio_level="token"),
+                 {"clip_cov_ratio": "policy_loss.clip_cov_ratio", "clip_cov_lb": "policy_loss.clip_cov_lb",
+                  "clip_cov_ub": "policy_loss.clip_cov_ub"}),
+    "kl_cov": (dict(objective="kl_cov", ratio_level="token"),
+               {"kl_cov_ratio": "policy_loss.kl_cov_ratio", "ppo_kl_coef": "policy_loss.ppo_kl_coef"}),
 }
 # What verl's workers put in global_batch_info for one of two data-parallel ranks.
 GLOBAL_BATCH = {"dp_size": 2, "batch_num_tokens": 41, "global_batch_size": 14, "loss_scale_factor": 16}
 
 
 def verl_config(batch_info: dict) -> ActorConfig:
+    # dro's beta (verl has none) and shares of tokens wide enough that clip_cov and kl_cov
+    # select several of the batch's.
+    policy_loss = PolicyLossConfig(dro_beta=0.3, clip_cov_ratio=0.1, clip_cov_lb=0.05, clip_cov_ub=3.0,
+                                   kl_cov_ratio=0.15, ppo_kl_coef=0.7)
     config = ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
-                         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.2, tau_neg=1.6)
+                         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.2, tau_neg=1.6,
+                         policy_loss=policy_loss)
     config.global_batch_info.update(batch_info)
     return config
 
@@ -223,7 +238,9 @@ def verl_as_library(loss_mode: str, config: ActorConfig, loss_agg_mode: str) -> 
     return dict(
         **choices, loss_agg_mode=loss_agg_mode, epsilon_low=config.clip_ratio_low,
         epsilon_high=config.clip_ratio_high, loss_normalizer=count[AGGREGATIONS[loss_agg_mode].count] / info["dp_size"],
-        max_response_length=info["loss_scale_factor"], **{name: config.get(key) for name, key in keys.items()},
+        max_response_length=info["loss_scale_factor"],
+        **{name: config.policy_loss.get(key.split(".")[1]) if key.startswith("policy_loss.") else config.get(key)
+           for name, key in keys.items()},
     )
 
 
@@ -247,13 +264,16 @@ def geometric_mean_per_response(weights, mask):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("inputs", INPUTS)
 @pytest.mark.parametrize("loss_agg_mode", AGG_MODES)
-@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "gpg", "cispo"])
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "gpg", "cispo", "dppo_tv", "dppo_kl", "dro", "clip_cov",
+                                       "kl_cov"])
 def test_verl_policy_losses(loss_mode, loss_agg_mode, inputs, backend):
     per_token_advantages, with_is_weights = INPUTS[inputs]
     data = batch(per_token_advantages)
     weights = data["importance_ratio"] if with_is_weights else None
     config = verl_config(GLOBAL_BATCH)
+    torch.manual_seed(4)  # clip_cov draws from the global generator, in verl and here
     expected = verl_loss(loss_mode, data, loss_agg_mode, config, weights)
+    torch.manual_seed(4)
     got = library_loss(data, backend, importance_weights=weights, **verl_as_library(loss_mode, config, loss_agg_mode))
     assert_equal(got, expected, VERL)
 

@@ -159,3 +159,21 @@ def test_triton_surrogate_launches(monkeypatch):
             loss.backward()
             assert forward <= expected, launches
             assert len(launches) == forward, launches
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("loss_type, reads", [("clip_cov", 1), ("kl_cov", 0)])
+def test_a_selecting_objective_reads_its_counts(monkeypatch, loss_type, reads, backend):
+    """clip_cov reads the counted tokens (how many to draw) besides the candidates'
+    `nonzero`, kl_cov only its `nonzero` (no patched read): the host reads
+    docs/architecture.md names for them, and no other."""
+    logprobs = (-torch.rand(4, 6, generator=torch.Generator().manual_seed(0))).requires_grad_()
+    counted = _Reads(monkeypatch, refuse=False)
+    loss, metrics = fused_hadw_grpo_loss(
+        logprobs, logprobs.detach() - 0.1, None, torch.ones(4, 6), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        loss_type=loss_type, return_metrics=True, backend=backend, check_values=False,
+        clip_cov_lb=-10.0 if loss_type == "clip_cov" else None,
+    )
+    assert counted.count == reads
+    monkeypatch.undo()
+    assert metrics["selected_frac"].item() > 0 and torch.isfinite(loss)

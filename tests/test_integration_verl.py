@@ -1,6 +1,7 @@
 """hadw_kernels.integrations.verl through verl 0.9.1's own registries, on CPU tensors:
-the registered losses equal verl's vanilla, gspo, sapo, gpg, geo_mean and cispo losses
-(loss, gradient and metrics, at verl's own aggregation),
+the registered losses equal verl's twelve policy losses but bypass_mode (loss, gradient
+and metrics, at verl's own aggregation; clip_cov's random draw under the same generator
+state),
 the estimator equals verl's GRPO advantage with HA-DW off and trains with each of verl's
 losses (and their fused versions) through verl's actor loss, and the anchor round-trips
 through verl's checkpoint folder and its checkpoint-callback hook."""
@@ -39,6 +40,12 @@ BATCH_INFOS = {
 }
 
 
+# The policy_loss options of verl's dro, clip_cov and kl_cov, their shares of tokens wide
+# enough that the small batches select several.
+POLICY_LOSS_OPTIONS = dict(dro_beta=0.3, clip_cov_ratio=0.1, clip_cov_lb=0.05, clip_cov_ub=3.0, kl_cov_ratio=0.15,
+                           ppo_kl_coef=0.7)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_driver_anchor():
     hadw_verl.reset_driver_anchor()
@@ -50,7 +57,7 @@ def actor_config(batch_info: dict, loss_mode: str = "vanilla", loss_agg_mode: st
     config = ActorConfig(
         strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2, clip_ratio_low=0.2,
         clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.2, tau_neg=1.6, loss_agg_mode=loss_agg_mode,
-        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode, **POLICY_LOSS_OPTIONS),
     )
     config.global_batch_info.update(batch_info)
     return config
@@ -76,6 +83,7 @@ def policy_batch(with_is_weights: bool, per_token_advantages: bool = False, empt
 
 def run_loss(function, old, logprob, advantages, mask, mode, config, weights):
     logprob.grad = None
+    torch.manual_seed(5)  # clip_cov draws from the global generator, in verl and here
     loss, metrics = function(old, logprob, advantages, mask, loss_agg_mode=mode, config=config,
                              rollout_is_weights=weights)
     loss.backward()
@@ -91,7 +99,7 @@ def test_registries_return_the_integration():
 
 
 # verl's losses the integration fuses, each under hadw_<name>.
-VERL_LOSSES = ("vanilla", "gspo", "sapo", "gpg", "geo_mean", "cispo")
+VERL_LOSSES = ("vanilla", "gspo", "sapo", "gpg", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov")
 
 
 def assert_same_loss(got, expected):
@@ -119,9 +127,9 @@ def test_policy_loss_equals_verl(theirs, mode, batch_info, with_is_weights, per_
                    weights)
     assert_same_loss(got, expected)
     # The batch reaches the metrics' cases: clipped tokens wherever verl counts them.
-    if theirs in ("vanilla", "gspo", "geo_mean", "cispo"):
+    if theirs in ("vanilla", "gspo", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "clip_cov"):
         assert expected[2]["actor/pg_clipfrac"] > 0
-    if theirs in ("vanilla", "geo_mean"):
+    if theirs in ("vanilla", "geo_mean", "dppo_tv", "dppo_kl"):
         assert 0 < expected[2]["actor/pg_clipfrac_lower"]
 
 
@@ -180,6 +188,24 @@ def test_a_plain_mapping_config_takes_verl_s_actor_defaults():
         got = run_loss(hadw_verl.POLICY_LOSS_FUNCTIONS[f"hadw_{theirs}"], old, logprob, advantages, mask,
                        "token-mean", plain, None)
         assert_same_loss(got, expected)
+
+
+def test_dppo_reads_verl_s_own_truncation_default_where_the_key_is_absent():
+    """verl's dppo reads clip_ratio_c with a default of 20 (ActorConfig's is 3): a config
+    without the key (an OmegaConf mapping, as verl's own would be) gets 20 here too."""
+    old, logprob, advantages, mask, _ = policy_batch(False)
+    logprob = (old + 3.0 * (logprob.detach() - old)).requires_grad_()  # ratios past 3
+    config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                               "global_batch_info": {}})
+    for theirs in ("dppo_tv", "dppo_kl"):
+        expected = run_loss(core_algos.get_policy_loss_fn(theirs), old, logprob, advantages, mask, "token-mean",
+                            config, None)
+        got = run_loss(hadw_verl.POLICY_LOSS_FUNCTIONS[f"hadw_{theirs}"], old, logprob, advantages, mask,
+                       "token-mean", config, None)
+        assert_same_loss(got, expected)
+        capped_at_3 = run_loss(core_algos.get_policy_loss_fn(theirs), old, logprob, advantages, mask, "token-mean",
+                               OmegaConf.merge(config, {"clip_ratio_c": 3.0}), None)
+        assert not torch.allclose(capped_at_3[1], expected[1])
 
 
 def test_policy_loss_needs_global_counts_under_data_parallelism():
@@ -266,6 +292,7 @@ def actor_update(loss_mode: str, data: dict, advantages: torch.Tensor, micro_bat
     (``workers.utils.losses.ppo_loss``, which calls the policy loss registered under
     ``loss_mode``) with the global counts verl's engine assigns, then one SGD step."""
     model = BigramLM()
+    torch.manual_seed(6)  # clip_cov's draws, the same for verl's loss and its fused version
     config = actor_config({}, loss_mode, loss_agg_mode="seq-mean-token-mean")
     rows = len(data["prompts"])
     batch = TensorDict({**data, "advantages": advantages}, batch_size=rows)

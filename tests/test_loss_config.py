@@ -12,6 +12,7 @@ from hadw_kernels import (
     fused_hadw_grpo_loss,
     fused_linear_hadw_grpo_loss,
 )
+from hadw_kernels.config import OBJECTIVE_OPTIONS
 
 OPTIONS = dict(group_size=2, beta=0.04, kl_estimator="k2", dual_clip=3.0, epsilon_high=0.28, lambda_scale=1.5)
 
@@ -159,13 +160,11 @@ FIELD_TYPES = {
     "group_size": "an int or None", "normalize_std": "a bool", "loss_agg_mode": "a string",
     "objective": "a string", "ratio_level": "a string", "epsilon_low": "a number", "epsilon_high": "a number",
     "std_eps": "a number", "lambda_scale": "a number", "beta": "a number", "kl_estimator": "a string",
-    "dual_clip": "a number or None", "entropy_coef": "a number", "loss_normalizer": "a number or None",
-    "max_response_length": "an int or None", "delta": "a number or None", "ratio_cap": "a number or None",
-    "sapo_temperature_pos": "a number or None", "sapo_temperature_neg": "a number or None",
-    "vespo_k_pos": "a number or None", "vespo_lambda_pos": "a number or None", "vespo_k_neg": "a number or None",
-    "vespo_lambda_neg": "a number or None", "rollout_correction": "a RolloutCorrection or None",
-    "off_policy_mask_threshold": "a number or None", "top_entropy_quantile": "a number", "kl_bias_correction": "a bool",
-    "kl_bias_ratio": "a string",
+    "entropy_coef": "a number", "loss_normalizer": "a number or None", "max_response_length": "an int or None",
+    "rollout_correction": "a RolloutCorrection or None", "off_policy_mask_threshold": "a number or None",
+    "top_entropy_quantile": "a number", "kl_bias_correction": "a bool", "kl_bias_ratio": "a string",
+    # Every objective's own option (config.OBJECTIVES): a number, or None for its default.
+    **{name: "a number or None" for name in OBJECTIVE_OPTIONS},
 }
 
 

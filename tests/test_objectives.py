@@ -20,6 +20,11 @@ OPTIONS = {
     "gmpo": [dict()],
     "vespo": [dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)],
     "gpg": [dict()],
+    "dppo_tv": [dict(ratio_cap=1.4, epsilon_low=0.15, epsilon_high=0.25)],
+    "dppo_kl": [dict(ratio_cap=1.4, epsilon_low=0.05, epsilon_high=0.1)],
+    "dro": [dict(dro_beta=0.7)],
+    "clip_cov": [dict(epsilon_low=0.1, epsilon_high=0.3)],
+    "kl_cov": [dict(ppo_kl_coef=0.6)],
 }
 
 
@@ -42,20 +47,24 @@ def _points(config):
                                            dtype=torch.float64)
     logprob = -torch.rand(ratio.numel(), generator=generator, dtype=torch.float64) * 4
     weight = torch.rand(ratio.numel(), generator=generator, dtype=torch.float64) * 2
-    return ratio, advantage, logprob, weight
+    # The behaviour log-probs apart from the ratio (a variable of its own here), some equal
+    # to the current ones (|x| at 0), all <= 0 (DPPO's probabilities).
+    old_logprob = -torch.rand(ratio.numel(), generator=generator, dtype=torch.float64) * 4
+    old_logprob[::9] = logprob[::9]
+    return ratio, advantage, logprob, old_logprob, weight
 
 
 @pytest.mark.parametrize("objective, options", [(name, o) for name in OBJECTIVE_NAMES for o in OPTIONS[name]],
                          ids=lambda value: str(value))
 def test_declared_derivative_is_autograds(objective, options):
     config = _config(objective, options)
-    ratio, advantage, logprob, weight = _points(config)
+    ratio, advantage, logprob, old_logprob, weight = _points(config)
     ratio = ratio.clone().requires_grad_()
     logprob = logprob.clone().requires_grad_()
-    value = objectives.VALUES[objective](ratio, advantage, logprob, weight, config)
+    value = objectives.VALUES[objective](ratio, advantage, logprob, old_logprob, weight, config)
     d_ratio, d_logprob = torch.autograd.grad(value.sum(), [ratio, logprob], allow_unused=True, materialize_grads=True)
     declared_ratio, declared_logprob = objectives.SLOPES[objective](ratio.detach(), advantage, logprob.detach(),
-                                                                    weight, config)
+                                                                    old_logprob, weight, config)
     torch.testing.assert_close(declared_ratio, d_ratio, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(declared_logprob, d_logprob, rtol=1e-12, atol=1e-12)
 

@@ -70,7 +70,7 @@ def test_outputs_do_not_depend_on_recycled_memory():
         return triton_surrogate.surrogate_forward(
             logprobs=logprobs.view(-1), old_logprobs=old.view(-1), response_mask=mask.view(-1), cu_seqlens=cu_seqlens,
             rewards=rewards, advantages=None, anchor=None, ref_logprobs=None, importance_weights=None,
-            entropy=entropy.view(-1), **options,
+            entropy=entropy.view(-1), selected=None, **options,
         )
 
     clean = call()
@@ -161,8 +161,8 @@ def test_token_offsets_beyond_int32():
 
 @triton.jit
 def _objective_kernel(
-    ratio_ptr, advantage_ptr, logprob_ptr, weight_ptr, value_ptr, d_ratio_ptr, d_logprob_ptr, count,
-    ratio_low: tl.float64, ratio_high: tl.float64,
+    ratio_ptr, advantage_ptr, logprob_ptr, old_logprob_ptr, weight_ptr, value_ptr, d_ratio_ptr, d_logprob_ptr, count,
+    epsilon_low: tl.float64, epsilon_high: tl.float64,
     option_0: tl.float64, option_1: tl.float64, option_2: tl.float64, option_3: tl.float64,
     OBJECTIVE: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -171,24 +171,27 @@ def _objective_kernel(
     ratio = tl.load(ratio_ptr + index, mask=inside, other=1.0)
     advantage = tl.load(advantage_ptr + index, mask=inside, other=0.0)
     logprob = tl.load(logprob_ptr + index, mask=inside, other=0.0)
+    old_logprob = tl.load(old_logprob_ptr + index, mask=inside, other=0.0)
     weight = tl.load(weight_ptr + index, mask=inside, other=0.0)
     # 0-d tensors, as the kernels pass the options: the interpreter rounds a bare float
     # scalar in tl.where to float32.
     value, d_ratio, d_logprob = triton_token_math.objective_terms(
-        ratio, advantage, logprob, weight, tl.full([], ratio_low, tl.float64), tl.full([], ratio_high, tl.float64),
+        ratio, advantage, logprob, old_logprob, weight, tl.full([], 1.0 - epsilon_low, tl.float64),
+        tl.full([], 1.0 + epsilon_high, tl.float64), tl.full([], epsilon_low, tl.float64),
+        tl.full([], epsilon_high, tl.float64),
         triton_token_math.objective_option_values(option_0, option_1, option_2, option_3, tl.float64), OBJECTIVE)
     tl.store(value_ptr + index, value, mask=inside)
     tl.store(d_ratio_ptr + index, d_ratio, mask=inside)
     tl.store(d_logprob_ptr + index, d_logprob, mask=inside)
 
 
-def _objective_terms(config, ratio, advantage, logprob, weight):
+def _objective_terms(config, ratio, advantage, logprob, old_logprob, weight):
     """objective_terms of ``config``'s objective at float64 points, on the device."""
-    inputs = [t.to(DEVICE) for t in (ratio, advantage, logprob, weight)]
+    inputs = [t.to(DEVICE) for t in (ratio, advantage, logprob, old_logprob, weight)]
     outputs = [torch.empty_like(inputs[0]) for _ in range(3)]
     options = config.token_options()
     _objective_kernel[(1,)](
-        *inputs, *outputs, ratio.numel(), 1.0 - config.epsilon_low, 1.0 + config.epsilon_high,
+        *inputs, *outputs, ratio.numel(), config.epsilon_low, config.epsilon_high,
         **triton_token_math.option_slots(options["objective_options"]), OBJECTIVE=options["objective"],
         BLOCK=triton.next_power_of_2(ratio.numel()),
     )
@@ -201,11 +204,10 @@ def test_objective_terms_are_objectives_py(objective, options):
     (themselves autograd's, tests/test_objectives.py) at its random points and edges (the
     clip bounds, delta, the dual-clip bound, ties, A = 0), in float64."""
     config = objective_config(objective, options)
-    ratio, advantage, logprob, weight = objective_points(config)
-    value, d_ratio, d_logprob = _objective_terms(config, ratio, advantage, logprob, weight)
-    expected_ratio, expected_logprob = objectives.SLOPES[objective](ratio, advantage, logprob, weight, config)
-    torch.testing.assert_close(value, objectives.VALUES[objective](ratio, advantage, logprob, weight, config),
-                               rtol=1e-12, atol=1e-12)
+    points = objective_points(config)
+    value, d_ratio, d_logprob = _objective_terms(config, *points)
+    expected_ratio, expected_logprob = objectives.SLOPES[objective](*points, config)
+    torch.testing.assert_close(value, objectives.VALUES[objective](*points, config), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(d_ratio, expected_ratio, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(d_logprob, expected_logprob, rtol=1e-12, atol=1e-12)
 
@@ -217,8 +219,8 @@ def test_dual_clip_tie_halves_the_slope():
     config = LossConfig.build("grpo", epsilon_low=0.2, epsilon_high=0.2, dual_clip=3.0)
     ratio = torch.tensor([3.0, 3.5, 2.5, 3.0], dtype=torch.float64)
     advantage = torch.tensor([-1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
-    _, d_ratio, _ = _objective_terms(config, ratio, advantage, torch.zeros(4, dtype=torch.float64),
-                                     torch.zeros(4, dtype=torch.float64))
+    zeros = torch.zeros(4, dtype=torch.float64)
+    _, d_ratio, _ = _objective_terms(config, ratio, advantage, zeros, zeros, zeros)
     assert d_ratio.tolist() == [0.5, 0.0, 1.0, 0.0]  # the last one is clipped above 1.2
 
 
@@ -228,7 +230,9 @@ def test_the_gradient_route_splits_the_objectives_as_their_slopes_do():
     for objective in OBJECTIVE_NAMES:
         config = objective_config(objective, OPTIONS[objective][0])
         d_ratio, d_logprob = objectives.SLOPES[objective](*objective_points(config), config)
-        if OBJECTIVES[objective].through_ratio:
+        if OBJECTIVES[objective].gradient == "ratio_and_log_prob":
+            assert torch.any(d_logprob != 0) and torch.any(d_ratio != 0), objective
+        elif OBJECTIVES[objective].through_ratio:
             assert torch.all(d_logprob == 0) and torch.any(d_ratio != 0), objective
         else:
             assert torch.all(d_ratio == 0) and torch.any(d_logprob != 0), objective
@@ -299,7 +303,7 @@ def test_launchers_refuse_a_ratio_form_the_objective_lacks():
         triton_surrogate.surrogate_forward(
             logprobs=logprobs.view(-1), old_logprobs=old.view(-1), response_mask=mask.view(-1),
             cu_seqlens=torch.arange(3, device=DEVICE) * 3, rewards=None, advantages=torch.ones(6, device=DEVICE),
-            anchor=None, ref_logprobs=None, importance_weights=None, entropy=None, **kernel_options)
+            anchor=None, ref_logprobs=None, importance_weights=None, entropy=None, selected=None, **kernel_options)
     rows = torch.zeros(4, device=DEVICE)
     for loss_type in ("gmpo", "vespo"):
         with pytest.raises(ValueError, match=f"objective '{loss_type}' reads whole responses"):

@@ -39,11 +39,12 @@ cu_seqlens = torch.arange(batch + 1) * width
 # entropy, delta and dual clip) turning over along the list.
 FORMS = [(objective, level) for objective in OBJECTIVE_NAMES for level in OBJECTIVES[objective].ratio_levels]
 CLIP_OPTIONS = [dict(delta=1.5, dual_clip=3.0), dict(dual_clip=3.0), dict()]
+REQUIRED_OPTIONS = {"dro": dict(dro_beta=0.1)}  # an option without a default
 for dtype in (torch.bfloat16, torch.float32):
     values = lambda: torch.zeros(batch * width, dtype=dtype)  # noqa: E731
     for index, (objective, level) in enumerate(FORMS):
         from_rewards = index % 2 == 0
-        options = CLIP_OPTIONS[index % 3] if objective == "clip" else {}
+        options = CLIP_OPTIONS[index % 3] if objective == "clip" else REQUIRED_OPTIONS.get(objective, {})
         config = LossConfig.build(
             "grpo", 4 if from_rewards else None, objective=objective, ratio_level=level, beta=0.1,
             kl_estimator=KL_ESTIMATORS[index % len(KL_ESTIMATORS)], loss_agg_mode=AGG_MODES[index % len(AGG_MODES)],
@@ -54,7 +55,8 @@ for dtype in (torch.bfloat16, torch.float32):
             advantages=None if from_rewards else torch.zeros(batch * width),
             anchor=torch.tensor(0.5) if from_rewards else None, ref_logprobs=values(),
             importance_weights=torch.ones(batch * width) if index % 3 == 0 else None,
-            entropy=values() if index % 4 < 2 else None, **config.kernel_options())
+            entropy=values() if index % 4 < 2 else None,
+            selected=mask if OBJECTIVES[objective].selects_tokens else None, **config.kernel_options())
     hidden = torch.zeros(batch * width, 32, dtype=dtype)
     weight = torch.zeros(100, 32, dtype=dtype)
     bias = torch.zeros(100, dtype=dtype)
@@ -64,7 +66,7 @@ for dtype in (torch.bfloat16, torch.float32):
     linear_logprob.linear_logprob_backward(row, row, hidden, weight, bias, labels, row, row, 0.7, -100)
     token_forms = [(objective, options) for objective in OBJECTIVE_NAMES
                    if "token" in OBJECTIVES[objective].ratio_levels
-                   for options in (CLIP_OPTIONS if objective == "clip" else [{}])]
+                   for options in (CLIP_OPTIONS if objective == "clip" else [REQUIRED_OPTIONS.get(objective, {})])]
     for index, (objective, options) in enumerate(token_forms):
         config = LossConfig.build("grpo", objective=objective, beta=0.1 * (index % 2),
                                   kl_estimator=KL_ESTIMATORS[index % len(KL_ESTIMATORS)], entropy_coef=0.01, **options)

@@ -56,7 +56,7 @@ class KernelBackend:
 
     def surrogate_loss(
         self, logprobs, old_logprobs, response_mask, layout: TokenLayout, config: LossConfig, *, rewards=None,
-        advantages=None, anchor=None, ref_logprobs=None, importance_weights=None, entropy=None,
+        advantages=None, anchor=None, ref_logprobs=None, importance_weights=None, entropy=None, selected=None,
     ):
         loss, grad_logprobs, grad_entropy, metrics = ops.call(
             "surrogate_loss",
@@ -72,6 +72,7 @@ class KernelBackend:
             ref_logprobs=None if config.beta <= 0 else ref_logprobs.detach(),
             importance_weights=None if importance_weights is None else importance_weights.detach(),
             entropy=None if entropy is None else entropy.detach(),
+            selected=selected,
             **config.kernel_options(),
             backend=self.name,
         )

@@ -56,11 +56,13 @@ class Backend(Protocol):
         config: LossConfig, *, rewards: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
         anchor: float | torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
         importance_weights: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+        selected: torch.Tensor | None = None,
     ) -> LossAndMetrics:
         """The clipped surrogate of ``config`` on per-token log-probs [N] in ``layout``'s
         segments (per-token tensors [N], importance weights per token, rewards and
-        advantages [S]), differentiable with respect to ``logprobs`` and ``entropy``;
-        inputs are already validated."""
+        advantages [S], ``selected`` [N] bool the tokens an objective's batch statistic
+        selected), differentiable with respect to ``logprobs`` and ``entropy``; inputs are
+        already validated."""
         ...
 
     def token_logprobs(

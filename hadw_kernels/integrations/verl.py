@@ -228,7 +228,9 @@ class VerlPolicyLoss(NamedTuple):
     loss times its weight) or "geometric_mean" (one weight per response, the geometric
     mean of its tokens', as verl's geo_mean). ``aggregation``: how verl's function
     aggregates (:data:`AGGREGATIONS`). ``metrics``: which of verl's metric rules it
-    reports (:data:`CLIP_METRICS`; None: no metrics, as verl's gpg)."""
+    reports (:data:`CLIP_METRICS`; None: no metrics, as verl's gpg). ``absent``: the
+    defaults verl's function reads for keys absent from the config, where they differ from
+    ActorConfig's (:data:`ACTOR_DEFAULTS`)."""
 
     loss_mode: str
     objective: str
@@ -238,6 +240,7 @@ class VerlPolicyLoss(NamedTuple):
     metrics: str | None
     rollout_weights: str = "token"
     aggregation: str = "loss_agg_mode"
+    absent: dict = {}
 
 
 # How a verl policy loss aggregates its token losses: "loss_agg_mode" (verl's agg_loss with
@@ -261,57 +264,120 @@ def _ppo_terms(ratio, advantages, epsilon_low, epsilon_high):
     return -advantages * ratio, -advantages * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
 
 
-def _vanilla_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
-    unclipped, clipped = _ppo_terms(torch.exp(log_ratio), advantages, epsilon_low, epsilon_high)
+class MetricInputs(NamedTuple):
+    """What verl's metric rules read: the call's tensors (detached), its log-ratio (clamped
+    to +-20 where the loss's verl function clamps it), its clip range, the LossConfig
+    options it set, and the share of tokens its objective selected (None: it selects none)."""
+
+    log_prob: torch.Tensor
+    old_log_prob: torch.Tensor
+    log_ratio: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    epsilon_low: float
+    epsilon_high: float
+    options: dict
+    selected_frac: torch.Tensor | None
+
+
+def _ppo_kl(terms: MetricInputs) -> torch.Tensor:
+    return _token_mean(-terms.log_ratio, terms.mask)
+
+
+def _vanilla_metrics(terms: MetricInputs) -> dict:
+    unclipped, clipped = _ppo_terms(torch.exp(terms.log_ratio), terms.advantages, terms.epsilon_low,
+                                    terms.epsilon_high)
     # Tokens whose clipped term is the larger loss; and those whose loss the dual clip
     # bounds: a negative advantage, a loss above -A c.
-    lower = (torch.maximum(unclipped, clipped) > -advantages * dual_clip) & (advantages < 0)
-    return _token_mean(clipped > unclipped, mask), _token_mean(lower, mask)
+    lower = (torch.maximum(unclipped, clipped) > -terms.advantages * terms.options["dual_clip"]) \
+        & (terms.advantages < 0)
+    return {"actor/pg_clipfrac": _token_mean(clipped > unclipped, terms.mask), "actor/ppo_kl": _ppo_kl(terms),
+            "actor/pg_clipfrac_lower": _token_mean(lower, terms.mask)}
 
 
-def _gspo_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
+def _gspo_metrics(terms: MetricInputs) -> dict:
     # Each token carries its response's ratio, whose log verl clamps above at 10.
-    sequence = torch.where(mask, log_ratio, 0.0).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
-    ratio = torch.exp(sequence.clamp(max=10.0))[:, None].expand_as(log_ratio)
-    unclipped, clipped = _ppo_terms(ratio, advantages, epsilon_low, epsilon_high)
-    return _token_mean(clipped > unclipped, mask), None
+    mask = terms.mask
+    sequence = torch.where(mask, terms.log_ratio, 0.0).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    ratio = torch.exp(sequence.clamp(max=10.0))[:, None].expand_as(terms.log_ratio)
+    unclipped, clipped = _ppo_terms(ratio, terms.advantages, terms.epsilon_low, terms.epsilon_high)
+    return {"actor/pg_clipfrac": _token_mean(clipped > unclipped, mask), "actor/ppo_kl": _ppo_kl(terms),
+            "actor/pg_clipfrac_lower": 0.0}
 
 
-def _cispo_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
+def _cispo_metrics(terms: MetricInputs) -> dict:
     # Ratios outside the range on either side, whatever the advantage.
-    ratio = torch.exp(log_ratio)
-    outside = ratio != ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
-    return _token_mean(outside, mask), None
+    ratio = torch.exp(terms.log_ratio)
+    outside = ratio != ratio.clamp(1.0 - terms.epsilon_low, 1.0 + terms.epsilon_high)
+    return {"actor/pg_clipfrac": _token_mean(outside, terms.mask), "actor/ppo_kl": _ppo_kl(terms),
+            "actor/pg_clipfrac_lower": 0.0}
 
 
-def _geo_mean_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
+def _geo_mean_metrics(terms: MetricInputs) -> dict:
     # Log-ratios outside [-epsilon_low, epsilon_high]: with a positive advantage the clip
     # fraction, with a negative one the lower fraction.
-    outside = log_ratio != log_ratio.clamp(-epsilon_low, epsilon_high)
-    return _token_mean(outside & (advantages > 0), mask), _token_mean(outside & (advantages < 0), mask)
+    outside = terms.log_ratio != terms.log_ratio.clamp(-terms.epsilon_low, terms.epsilon_high)
+    return {"actor/pg_clipfrac": _token_mean(outside & (terms.advantages > 0), terms.mask),
+            "actor/ppo_kl": _ppo_kl(terms),
+            "actor/pg_clipfrac_lower": _token_mean(outside & (terms.advantages < 0), terms.mask)}
 
 
-def _no_clip_metrics(log_ratio, advantages, mask, epsilon_low, epsilon_high, dual_clip):
-    return None, None
+def _sapo_metrics(terms: MetricInputs) -> dict:
+    return {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": _ppo_kl(terms), "actor/pg_clipfrac_lower": 0.0}
 
 
-# verl's metric rules, by the loss whose function defines them: each gives
-# (pg_clipfrac, pg_clipfrac_lower) as tensors (None: verl reports 0), and whether verl
-# clamps the log-ratio to +-20 (before its ratio and its ppo_kl alike): the rule then
-# receives it clamped.
+def _dppo_metrics(terms: MetricInputs, divergence: str) -> dict:
+    # The tokens DPPO's mask drops, and those it keeps whose ratio its cap truncates.
+    prob, old_prob = torch.exp(terms.log_prob), torch.exp(terms.old_log_prob)
+    if divergence == "tv":
+        up, down = prob - old_prob <= terms.epsilon_high, prob - old_prob >= -terms.epsilon_low
+    else:
+        binary_kl = old_prob * (terms.old_log_prob - terms.log_prob) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        up = (binary_kl <= terms.epsilon_high) | (prob <= old_prob)
+        down = (binary_kl <= terms.epsilon_low) | (prob >= old_prob)
+    kept = torch.where(terms.advantages > 0, up, down).float()
+    capped = (torch.exp(terms.log_ratio) > terms.options["ratio_cap"]).float() * kept
+    return {"actor/pg_clipfrac": _token_mean(1.0 - kept, terms.mask), "actor/ppo_kl": _ppo_kl(terms),
+            "actor/pg_clipfrac_lower": _token_mean(capped, terms.mask)}
+
+
+def _clip_cov_metrics(terms: MetricInputs) -> dict:
+    # The tokens its draw zeroed: the loss's own selection.
+    return {"actor/pg_clipfrac": terms.selected_frac, "actor/ppo_kl": _ppo_kl(terms)}
+
+
+def _kl_cov_metrics(terms: MetricInputs) -> dict:
+    return {"actor/ppo_kl": _token_mean(terms.log_ratio.abs(), terms.mask)}
+
+
+def _dro_metrics(terms: MetricInputs) -> dict:
+    return {"actor/ppo_kl": _ppo_kl(terms)}
+
+
+# verl's metric rules, by the loss whose function defines them: each gives the metrics
+# verl's function returns, by name (a float 0.0 where verl reports a constant), and
+# whether verl clamps the log-ratio to +-20 (before its ratio and its ppo_kl alike): the
+# rule then receives it clamped.
 CLIP_METRICS = {
     "vanilla": (_vanilla_metrics, True),
     "gspo": (_gspo_metrics, False),
-    "sapo": (_no_clip_metrics, True),
+    "sapo": (_sapo_metrics, True),
     "geo_mean": (_geo_mean_metrics, False),
     "cispo": (_cispo_metrics, True),
+    "dppo_tv": (lambda terms: _dppo_metrics(terms, "tv"), True),
+    "dppo_kl": (lambda terms: _dppo_metrics(terms, "kl"), True),
+    "clip_cov": (_clip_cov_metrics, False),
+    "kl_cov": (_kl_cov_metrics, False),
+    "dro": (_dro_metrics, False),
 }
 
 
 # The fused versions of verl's policy losses, under verl's names prefixed "hadw_": each
 # gives verl's loss, gradient and metrics. The two "_by_agg_mode" rows aggregate by
 # loss_agg_mode and the global counts where verl's own function does not
-# (docs/integrations/verl.md).
+# (docs/integrations/verl.md). A key "policy_loss.<name>" is read from the actor config's
+# policy_loss.
 VERL_POLICY_LOSSES = {
     "hadw_vanilla": VerlPolicyLoss("vanilla", "clip", "token", "token-mean", {"dual_clip": "clip_ratio_c"},
                                    metrics="vanilla"),
@@ -328,9 +394,30 @@ VERL_POLICY_LOSSES = {
     "hadw_geo_mean_by_agg_mode": VerlPolicyLoss("geo_mean", "gmpo", "sequence", "token-mean", {},
                                                 metrics="geo_mean", rollout_weights="geometric_mean"),
     "hadw_cispo": VerlPolicyLoss("cispo", "cispo_clip", "token", "token-mean", {}, metrics="cispo"),
+    # DPPO reads clip_ratio_c as its truncation, with its own default where the key is absent.
+    "hadw_dppo_tv": VerlPolicyLoss("dppo_tv", "dppo_tv", "token", "token-mean", {"ratio_cap": "clip_ratio_c"},
+                                   metrics="dppo_tv", absent={"clip_ratio_c": 20.0}),
+    "hadw_dppo_kl": VerlPolicyLoss("dppo_kl", "dppo_kl", "token", "token-mean", {"ratio_cap": "clip_ratio_c"},
+                                   metrics="dppo_kl", absent={"clip_ratio_c": 20.0}),
+    "hadw_dro": VerlPolicyLoss("dro", "dro", "token", "token-mean", {"dro_beta": "policy_loss.dro_beta"},
+                               metrics="dro"),
+    "hadw_clip_cov": VerlPolicyLoss(
+        "clip_cov", "clip_cov", "token", "token-mean",
+        {"clip_cov_ratio": "policy_loss.clip_cov_ratio", "clip_cov_lb": "policy_loss.clip_cov_lb",
+         "clip_cov_ub": "policy_loss.clip_cov_ub"}, metrics="clip_cov"),
+    "hadw_kl_cov": VerlPolicyLoss(
+        "kl_cov", "kl_cov", "token", "token-mean",
+        {"kl_cov_ratio": "policy_loss.kl_cov_ratio", "ppo_kl_coef": "policy_loss.ppo_kl_coef"}, metrics="kl_cov"),
 }
-# verl's ActorConfig defaults of the keys the rows read, for a config given as a plain mapping.
-ACTOR_DEFAULTS = {"clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05}
+# verl's ActorConfig defaults of the keys the rows read, for a config given as a plain
+# mapping that lacks them.
+ACTOR_DEFAULTS = {"clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05, "policy_loss.dro_beta": None,
+                  "policy_loss.clip_cov_ratio": 2e-4, "policy_loss.clip_cov_lb": 1.0, "policy_loss.clip_cov_ub": 5.0,
+                  "policy_loss.kl_cov_ratio": 2e-4, "policy_loss.ppo_kl_coef": 0.1}
+# What verl's functions take where a policy_loss key holds None (kl_cov's coefficient is
+# then 1, not ActorConfig's 0.1); dro_beta has none (verl refuses it).
+NONE_DEFAULTS = {"policy_loss.clip_cov_ratio": 2e-4, "policy_loss.clip_cov_lb": 1.0, "policy_loss.clip_cov_ub": 5.0,
+                 "policy_loss.kl_cov_ratio": 2e-4, "policy_loss.ppo_kl_coef": 1.0}
 assert all(key in ACTOR_DEFAULTS for loss in VERL_POLICY_LOSSES.values() for key in loss.options.values())
 # Other names of the same losses: "hadw", the first name of hadw_vanilla.
 VERL_POLICY_LOSS_ALIASES = {"hadw": "hadw_vanilla"}
@@ -349,21 +436,32 @@ def geometric_mean_per_response(weights: torch.Tensor, response_mask: torch.Tens
 
 
 def verl_metrics(loss: VerlPolicyLoss, old_log_prob, log_prob, advantages, mask, epsilon_low, epsilon_high,
-                 dual_clip) -> dict[str, float]:
-    """verl's metrics of ``loss`` on these tensors, as its own function computes them."""
+                 options: dict, selected_frac=None) -> dict[str, float]:
+    """verl's metrics of ``loss`` on these tensors, as its own function computes them;
+    ``options``: the LossConfig options the call set, ``selected_frac`` the loss's metric
+    of that name (an objective that selects tokens)."""
     if loss.metrics is None:
         return {}
     rule, kl_clamped = CLIP_METRICS[loss.metrics]
     with torch.no_grad():
-        log_ratio = (log_prob - old_log_prob).detach()
+        log_prob, old_log_prob = log_prob.detach(), old_log_prob.detach()
+        log_ratio = log_prob - old_log_prob
         if kl_clamped:
             log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        clip_fraction, lower = rule(log_ratio, advantages.detach(), mask, epsilon_low, epsilon_high, dual_clip)
-        return {
-            "actor/pg_clipfrac": 0.0 if clip_fraction is None else clip_fraction.item(),
-            "actor/ppo_kl": _token_mean(-log_ratio, mask).item(),
-            "actor/pg_clipfrac_lower": 0.0 if lower is None else lower.item(),
-        }
+        metrics = rule(MetricInputs(log_prob, old_log_prob, log_ratio, advantages.detach(), mask, epsilon_low,
+                                    epsilon_high, options, selected_frac))
+        return {name: value if isinstance(value, float) else value.item() for name, value in metrics.items()}
+
+
+def _actor_option(config, key: str, absent: dict):
+    """The actor config's ``key`` ("policy_loss.<name>" inside policy_loss) as verl's
+    function reads it: absent, the row's or ActorConfig's default; None, the function's."""
+    if key.startswith("policy_loss."):
+        section = config.get("policy_loss", None) or {}
+        value = section.get(key.split(".", 1)[1], absent.get(key, ACTOR_DEFAULTS[key]))
+    else:
+        value = config.get(key, absent.get(key, ACTOR_DEFAULTS[key]))
+    return NONE_DEFAULTS.get(key) if value is None else value
 
 
 def _fused_policy_loss(
@@ -382,7 +480,7 @@ def _fused_policy_loss(
     epsilon_high = config.get("clip_ratio_high", None)
     epsilon_low = clip_ratio if epsilon_low is None else epsilon_low
     epsilon_high = clip_ratio if epsilon_high is None else epsilon_high
-    options = {field: config.get(key, ACTOR_DEFAULTS[key]) for field, key in loss.options.items()}
+    options = {field: _actor_option(config, key, loss.absent) for field, key in loss.options.items()}
     if loss.aggregation == "row-mean":
         # Every row counts, a response without valid tokens adding 0 to the sum.
         loss_agg_mode, normalizer, max_length = "seq-mean-token-mean", float(mask.shape[0]) or None, None
@@ -390,14 +488,14 @@ def _fused_policy_loss(
         if loss.aggregation != "loss_agg_mode":
             loss_agg_mode = loss.aggregation
         normalizer, max_length = batch_normalizer(loss_agg_mode, mask, config.get("global_batch_info", None) or {})
-    value = fused_hadw_grpo_loss(
+    value, metrics = fused_hadw_grpo_loss(
         log_prob, old_log_prob, None, mask, advantages=advantages, loss_agg_mode=loss_agg_mode,
         objective=loss.objective, ratio_level=loss.ratio_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
         importance_weights=rollout_is_weights, loss_normalizer=normalizer, max_response_length=max_length,
-        **options,
+        return_metrics=True, **options,
     )
-    return value, verl_metrics(loss, old_log_prob, log_prob, advantages, mask, epsilon_low, epsilon_high,
-                               options.get("dual_clip"))
+    return value, verl_metrics(loss, old_log_prob, log_prob, advantages, mask, epsilon_low, epsilon_high, options,
+                               metrics.get("selected_frac"))
 
 
 def _policy_loss(name: str, loss: VerlPolicyLoss):

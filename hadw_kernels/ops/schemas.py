@@ -68,7 +68,7 @@ def call(name: str, **arguments):
 
 
 def _surrogate_fake(logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, anchor, ref_logprobs,
-                    importance_weights, entropy, *_options):
+                    importance_weights, entropy, selected, *_options):
     accumulate = accumulate_dtype(logprobs.dtype)
     return (
         logprobs.new_empty((), dtype=accumulate),

@@ -13,7 +13,8 @@ SIGNATURES = {
     "surrogate_loss": (
         "(Tensor logprobs, Tensor old_logprobs, Tensor response_mask, Tensor cu_seqlens, Tensor? rewards, "
         "Tensor? advantages, "
-        "Tensor? anchor, Tensor? ref_logprobs, Tensor? importance_weights, Tensor? entropy, int? group_size, "
+        "Tensor? anchor, Tensor? ref_logprobs, Tensor? importance_weights, Tensor? entropy, Tensor? selected, "
+        "int? group_size, "
         "bool normalize_std, float std_eps, float lambda_scale, int loss_agg_mode, int ratio_level, "
         f"{_PER_TOKEN_OPTIONS}, float? loss_normalizer, int? max_response_length)",
         "(Tensor loss, Tensor grad_logprobs, Tensor grad_entropy, Tensor metrics)",

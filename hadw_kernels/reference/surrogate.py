@@ -14,7 +14,7 @@ import torch
 
 from ..advantage import group_metrics, weighted_advantages
 from ..aggregation import aggregate
-from ..config import LOG_RATIO_CLAMP, LossConfig, ordered_metrics
+from ..config import LOG_RATIO_CLAMP, OBJECTIVES, LossConfig, ordered_metrics
 from ..layout import TokenLayout
 from ..objectives import VALUES, vespo_weight
 from ..precision import accumulate_dtype
@@ -34,6 +34,7 @@ def surrogate_loss(
     ref_logprobs: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    selected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and its metrics. Inputs are assumed validated (see ``validation``).
 
@@ -41,7 +42,9 @@ def surrogate_loss(
     of ``rewards`` [S] (each group's ``config.group_size`` segments contiguous) and
     ``advantages`` [N] (the caller's, per token: a per-response one repeated) is given. ``importance_weights`` [N] are the
     rollout engine's correction per token (a per-response weight repeated over its
-    tokens); ``entropy`` [N] enters as ``- entropy_coef * aggregate(entropy)``.
+    tokens); ``entropy`` [N] enters as ``- entropy_coef * aggregate(entropy)``;
+    ``selected`` [N] bool: the tokens an objective's batch statistic selected
+    (objectives.SELECTIONS; None: none).
 
     The objective (``config.objective``, objectives.py) is a per-token loss of the
     token's ratio in ``config.ratio_level``'s form (token_terms.token_ratio), its advantage
@@ -63,13 +66,17 @@ def surrogate_loss(
     token_advantage = torch.where(mask, token_advantage, torch.zeros_like(token_advantage))
 
     ratio, metric_ratio, ratio_mask = token_ratio(logprobs, old_logprobs, mask, token_advantage, layout, config)
+    # The objective's per-token weight: VESPO's phi, or the batch statistic's selection.
     weight = None
+    if OBJECTIVES[config.objective].selects_tokens:
+        weight = torch.zeros_like(logprobs) if selected is None else (selected & mask).to(logprobs.dtype)
     if config.objective == "vespo":
         summed = layout.segment_sum(torch.where(mask, (logprobs - old_logprobs).detach(), torch.zeros_like(logprobs))
                                     .clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         weight = vespo_weight(layout.expand(summed), token_advantage, config)
     own_logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
-    per_token = VALUES[config.objective](ratio, token_advantage, own_logprobs, weight, config)
+    own_old_logprobs = torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs))
+    per_token = VALUES[config.objective](ratio, token_advantage, own_logprobs, own_old_logprobs, weight, config)
     if importance_weights is not None:
         per_token = per_token * torch.where(mask, importance_weights.detach(), torch.zeros_like(per_token))
     loss = aggregate(per_token, mask, layout, config)

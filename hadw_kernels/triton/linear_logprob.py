@@ -118,9 +118,11 @@ def _token_gradient_kernel(
     advantage = tl.load(advantage_ptr + rows, mask=inside, other=0.0).to(compute)
     agg_weight = tl.load(agg_weight_ptr + rows, mask=inside, other=0.0).to(compute)
     ratio, ratio_passes = token_ratio(logprobs - old)
+    # (No objective that selects tokens takes this path: the loss forms their log-probs first.)
     _, grad = policy_term(
-        ratio, ratio_passes, advantage, logprobs, tl.zeros([BLOCK], compute),
+        ratio, ratio_passes, advantage, logprobs, old, tl.zeros([BLOCK], compute),
         tl.full([], 1.0 - epsilon_low, compute), tl.full([], 1.0 + epsilon_high, compute),
+        tl.full([], epsilon_low, compute), tl.full([], epsilon_high, compute),
         objective_option_values(option_0, option_1, option_2, option_3, compute), OBJECTIVE,
     )
     if HAS_IMPORTANCE:

@@ -42,15 +42,15 @@ import triton.language as tl
 from ..config import AGG_MODES, AGGREGATIONS, METRIC_NAMES, OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS
 from ..precision import accumulate_dtype
 from .token_math import (
-    GMPO,
     LOG_RATIO_LIMIT,
+    OBJECTIVE_GMPO,
+    OBJECTIVE_VESPO,
     OPTION_VESPO_K_NEG,
     OPTION_VESPO_K_POS,
     OPTION_VESPO_LAMBDA_NEG,
     OPTION_VESPO_LAMBDA_POS,
     SEQUENCE_RATIO,
     TOKEN_RATIO,
-    VESPO,
     aggregation_weight,
     clamp,
     exp_minus_one_minus_x,
@@ -167,6 +167,7 @@ def _surrogate_kernel(
     ref_ptr, stride_ref,
     importance_ptr, stride_importance,
     entropy_ptr, stride_entropy,
+    selected_ptr, stride_selected,
     offsets_ptr,
     advantage_ptr, stride_advantage, length_ptr, token_count_ptr,
     grad_logprobs_ptr, grad_entropy_ptr, partials_ptr,
@@ -183,6 +184,7 @@ def _surrogate_kernel(
     KL_ESTIMATOR: tl.constexpr,
     HAS_IMPORTANCE: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
+    HAS_SELECTED: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """One response: the tokens of its segment, in the ratio form RATIO_LEVEL (docs/math.md,
@@ -197,7 +199,7 @@ def _surrogate_kernel(
     compute = grad_logprobs_ptr.dtype.element_ty
     ratio_low = tl.full([], 1.0 - epsilon_low, compute)
     ratio_high = tl.full([], 1.0 + epsilon_high, compute)
-    # GMPO's clip range is in log space.
+    # The clip range as it is: GMPO's is in log space, DPPO's a bound on the divergence.
     log_range_low = tl.full([], epsilon_low, compute)
     log_range_high = tl.full([], epsilon_high, compute)
     options = objective_option_values(option_0, option_1, option_2, option_3, compute)
@@ -212,7 +214,7 @@ def _surrogate_kernel(
                                     COUNT_TOKENS)
 
     approx_kl = zeros
-    weight = zeros  # VESPO's phi per token; no other objective reads it
+    weight = zeros  # VESPO's phi per token, or the objective's selection
     if RATIO_LEVEL != TOKEN_RATIO:
         # s_i = exp(mean log-ratio; GMPO's clipped on the harmful side first), and VESPO's
         # sum of the tokens' clamped log-ratios.
@@ -226,17 +228,17 @@ def _surrogate_kernel(
             log_ratio = logprobs - old
             clamped = clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
             approx_kl += tl.where(valid, exp_minus_one_minus_x(clamped), 0.0)
-            if OBJECTIVE == GMPO:
+            if OBJECTIVE == OBJECTIVE_GMPO:
                 advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
                                               PER_TOKEN_ADVANTAGES)
                 clipped_log_ratio = gmpo_log_ratio(log_ratio, advantage, log_range_low, log_range_high)
                 log_ratio_sum += tl.where(valid, clipped_log_ratio, 0.0)
             else:
                 log_ratio_sum += tl.where(valid, log_ratio, 0.0)
-            if OBJECTIVE == VESPO:
+            if OBJECTIVE == OBJECTIVE_VESPO:
                 clamped_sum += tl.where(valid, clamped, 0.0)
         ratio, ratio_passes = token_ratio(zeros + tl.sum(log_ratio_sum, axis=0) / length_count)
-        if OBJECTIVE == VESPO:
+        if OBJECTIVE == OBJECTIVE_VESPO:
             summed_log_ratio = zeros + tl.sum(clamped_sum, axis=0)
             weight_pos = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_POS], options[OPTION_VESPO_LAMBDA_POS])
             weight_neg = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_NEG], options[OPTION_VESPO_LAMBDA_NEG])
@@ -247,8 +249,8 @@ def _surrogate_kernel(
                 valid = tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0
                 advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
                                               PER_TOKEN_ADVANTAGES)
-                _, d_ratio, _ = objective_terms(ratio, advantage, zeros, weight, ratio_low, ratio_high, options,
-                                                OBJECTIVE)
+                _, d_ratio, _ = objective_terms(ratio, advantage, zeros, zeros, weight, ratio_low, ratio_high,
+                                                log_range_low, log_range_high, options, OBJECTIVE)
                 if HAS_IMPORTANCE:
                     d_ratio *= tl.load(importance_ptr + tokens * stride_importance, mask=valid, other=0.0).to(compute)
                 slope_sum += tl.where(valid, d_ratio, 0.0)
@@ -272,12 +274,14 @@ def _surrogate_kernel(
             advantage_sum += advantage  # the sign of the response's, for its clip fractions
         # The log-probs are read (again) where this token's terms need them: its own ratio,
         # the KL, an objective that weighs the log-prob, GMPO's clip of its log-ratio.
-        if RATIO_LEVEL == TOKEN_RATIO or HAS_KL or not THROUGH_RATIO or OBJECTIVE == GMPO:
+        if RATIO_LEVEL == TOKEN_RATIO or HAS_KL or not THROUGH_RATIO or OBJECTIVE == OBJECTIVE_GMPO:
             logprobs = tl.load(logprobs_ptr + tokens * stride_logprobs, mask=valid, other=0.0).to(compute)
         else:
             logprobs = zeros
-        if RATIO_LEVEL == TOKEN_RATIO or OBJECTIVE == GMPO:
-            log_ratio = logprobs - tl.load(old_ptr + tokens * stride_old, mask=valid, other=0.0).to(compute)
+        old = logprobs  # read below where a term needs it: every objective that does takes token ratios
+        if RATIO_LEVEL == TOKEN_RATIO or OBJECTIVE == OBJECTIVE_GMPO:
+            old = tl.load(old_ptr + tokens * stride_old, mask=valid, other=0.0).to(compute)
+            log_ratio = logprobs - old
         if RATIO_LEVEL == TOKEN_RATIO:
             ratio, ratio_passes = token_ratio(log_ratio)
             approx_kl += tl.where(valid, exp_minus_one_minus_x(clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)),
@@ -285,21 +289,23 @@ def _surrogate_kernel(
             clip_low += (valid & (ratio < ratio_low) & (advantage < 0)).to(compute)
             clip_high += (valid & (ratio > ratio_high) & (advantage > 0)).to(compute)
             ratio_sum += tl.where(valid, ratio, 0.0)
-        if OBJECTIVE == VESPO:
+        if OBJECTIVE == OBJECTIVE_VESPO:
             weight = tl.where(advantage >= 0, weight_pos, weight_neg)
+        if HAS_SELECTED:
+            weight = (tl.load(selected_ptr + tokens * stride_selected, mask=valid, other=0) != 0).to(compute)
         if RATIO_LEVEL == SEQUENCE_RATIO:
             # The ratio's share comes from the whole response (ratio_share, below).
-            objective, _, grad = objective_terms(ratio, advantage, logprobs, weight, ratio_low, ratio_high, options,
-                                                 OBJECTIVE)
+            objective, _, grad = objective_terms(ratio, advantage, logprobs, old, weight, ratio_low, ratio_high,
+                                                 log_range_low, log_range_high, options, OBJECTIVE)
         else:
-            objective, grad = policy_term(ratio, ratio_passes, advantage, logprobs, weight, ratio_low, ratio_high,
-                                          options, OBJECTIVE)
+            objective, grad = policy_term(ratio, ratio_passes, advantage, logprobs, old, weight, ratio_low, ratio_high,
+                                          log_range_low, log_range_high, options, OBJECTIVE)
         if HAS_IMPORTANCE:
             token_importance = tl.load(importance_ptr + tokens * stride_importance, mask=valid, other=0.0).to(compute)
             objective *= token_importance
             grad *= token_importance
         if RATIO_LEVEL == SEQUENCE_RATIO and THROUGH_RATIO:
-            if OBJECTIVE == GMPO:
+            if OBJECTIVE == OBJECTIVE_GMPO:
                 grad += tl.where(gmpo_passes(log_ratio, advantage, log_range_low, log_range_high), ratio_share, 0.0)
             else:
                 grad += ratio_share
@@ -461,7 +467,7 @@ def objective_arguments(objective, epsilon_low, epsilon_high, objective_options)
 
 def surrogate_forward(
     logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, anchor, ref_logprobs, importance_weights,
-    entropy, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
+    entropy, selected, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
     epsilon_low, epsilon_high, objective_options, beta, kl_estimator, entropy_coef, loss_normalizer,
     max_response_length,
 ):
@@ -500,6 +506,7 @@ def surrogate_forward(
 
     # bool storage read as bytes: one byte per token, and any dtype works through `!= 0`.
     mask = response_mask.view(torch.uint8) if response_mask.dtype == torch.bool else response_mask
+    selected_bytes = selected.view(torch.uint8) if selected is not None and selected.dtype == torch.bool else selected
     offsets = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
     denominator, per_response_mean, count_tokens = aggregation(
         loss_agg_mode, loss_normalizer, max_response_length, segments
@@ -531,6 +538,7 @@ def surrogate_forward(
             ref_logprobs if has_kl else None, stride(ref_logprobs if has_kl else None),
             importance_weights, stride(importance_weights),
             entropy, stride(entropy),
+            selected_bytes, stride(selected_bytes),
             offsets,
             advantages, advantages.stride(0), lengths, token_count,
             grad_logprobs, grad_entropy, partials,
@@ -547,6 +555,7 @@ def surrogate_forward(
             KL_ESTIMATOR=kl_estimator,
             HAS_IMPORTANCE=importance_weights is not None,
             HAS_ENTROPY=entropy is not None,
+            HAS_SELECTED=selected is not None,
             BLOCK_T=block_t,
             num_warps=num_warps,
         )

@@ -31,14 +31,7 @@ _KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
 _KL_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
 _KL_K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
 
-# The objectives (config.OBJECTIVES) and the ratio forms (config.RATIO_LEVELS) by their codes.
-_CLIP = tl.constexpr(OBJECTIVE_NAMES.index("clip"))
-_CISPO_CAP = tl.constexpr(OBJECTIVE_NAMES.index("cispo_cap"))
-_CISPO_CLIP = tl.constexpr(OBJECTIVE_NAMES.index("cispo_clip"))
-_SAPO = tl.constexpr(OBJECTIVE_NAMES.index("sapo"))
-GMPO = tl.constexpr(OBJECTIVE_NAMES.index("gmpo"))
-VESPO = tl.constexpr(OBJECTIVE_NAMES.index("vespo"))
-_GPG = tl.constexpr(OBJECTIVE_NAMES.index("gpg"))
+# The ratio forms (config.RATIO_LEVELS) by their codes.
 TOKEN_RATIO = tl.constexpr(RATIO_LEVELS.index("token"))
 SEQUENCE_RATIO = tl.constexpr(RATIO_LEVELS.index("sequence"))
 
@@ -46,6 +39,9 @@ SEQUENCE_RATIO = tl.constexpr(RATIO_LEVELS.index("sequence"))
 # OPTION_<NAME> (OPTION_DUAL_CLIP, OPTION_SAPO_TEMPERATURE_POS, ...): module-level
 # constexprs, the only globals a Triton function reads.
 globals().update({f"OPTION_{name.upper()}": tl.constexpr(index) for name, index in OPTION_INDEX.items()})
+# Each objective's code (its index in config.OBJECTIVE_NAMES), generated the same way as
+# OBJECTIVE_<NAME>: OBJECTIVE_CLIP, OBJECTIVE_GMPO, ...
+globals().update({f"OBJECTIVE_{name.upper()}": tl.constexpr(code) for code, name in enumerate(OBJECTIVE_NAMES)})
 # The kernels take the vector as this many fp64 scalars (Triton types a tuple's floats as
 # fp32, which would round fp64 thresholds): objective_option_values gathers them.
 if OBJECTIVE_OPTION_SLOTS > 4:
@@ -160,57 +156,105 @@ def clip_objective(ratio, advantage, ratio_low, ratio_high, delta, dual_clip):
 
 
 @triton.jit
-def objective_terms(ratio, advantage, logprob, weight, ratio_low, ratio_high, options, OBJECTIVE: tl.constexpr):
+def dppo_moved_within(logprob, old_logprob, advantage, epsilon_low, epsilon_high, TOTAL_VARIATION: tl.constexpr):
+    """objectives._dppo_moved_within: whether the token's probability moved within the
+    range in the direction its advantage favours, by p - p_old (TOTAL_VARIATION) or by the
+    binary KL of (p_old, p) (the log's +1e-8 as verl's)."""
+    prob = tl.exp(logprob)
+    old_prob = tl.exp(old_logprob)
+    if TOTAL_VARIATION:
+        up = (prob - old_prob) <= epsilon_high
+        down = (prob - old_prob) >= -epsilon_low
+    else:
+        # 1e-8 as a value of the compute dtype: a bare constant would be rounded to float32.
+        tiny = tl.full(prob.shape, 1e-8, prob.dtype)
+        binary_kl = old_prob * (old_logprob - logprob) + (1.0 - old_prob) * tl.log(
+            (1.0 - old_prob + tiny) / (1.0 - prob + tiny))
+        up = (binary_kl <= epsilon_high) | (prob <= old_prob)
+        down = (binary_kl <= epsilon_low) | (prob >= old_prob)
+    return tl.where(advantage > 0, up, down)
+
+
+@triton.jit
+def objective_terms(ratio, advantage, logprob, old_logprob, weight, ratio_low, ratio_high, epsilon_low, epsilon_high,
+                    options, OBJECTIVE: tl.constexpr):
     """(l, d l / d rho, d l / d logp) of a token: objectives.py's VALUES and SLOPES, one
     branch per objective (docs/math.md, section 5). ``ratio`` is the token's rho in its
-    ratio form (GMPO: the response's geometric mean of clipped ratios), ``logprob`` its
-    log-prob (read only by the objectives that weigh it), ``weight`` VESPO's phi,
-    ``options`` the option vector (objective_option_values). Ratios taken through a
-    stop-gradient (CISPO's, VESPO's weight) pass no gradient to rho."""
+    ratio form (GMPO: the response's geometric mean of clipped ratios), ``logprob`` and
+    ``old_logprob`` its log-probs (read only by the objectives that weigh them), ``weight``
+    the objective's per-token weight (VESPO's phi; the selection, 0 or 1, of an objective
+    that selects tokens), ``options`` the option vector (objective_option_values). Ratios
+    taken through a stop-gradient (CISPO's, VESPO's weight, DPPO's) pass no gradient to rho."""
     zero = tl.zeros(ratio.shape, ratio.dtype)
-    if OBJECTIVE == _CLIP:
+    off = zero + float("inf")
+    if OBJECTIVE == OBJECTIVE_CLIP:
         objective, d_ratio = clip_objective(ratio, advantage, ratio_low, ratio_high, options[OPTION_DELTA],
                                             options[OPTION_DUAL_CLIP])
         d_logprob = zero
-    elif OBJECTIVE == _CISPO_CAP:
+    elif OBJECTIVE == OBJECTIVE_CISPO_CAP:
         d_ratio = zero
         d_logprob = -tl.minimum(ratio, options[OPTION_RATIO_CAP], propagate_nan=tl.PropagateNan.ALL) * advantage
         objective = d_logprob * logprob
-    elif OBJECTIVE == _CISPO_CLIP:
+    elif OBJECTIVE == OBJECTIVE_CISPO_CLIP:
         d_ratio = zero
         d_logprob = -clamp(ratio, ratio_low, ratio_high) * advantage
         objective = d_logprob * logprob
-    elif OBJECTIVE == _SAPO:
+    elif OBJECTIVE == OBJECTIVE_SAPO:
         temperature = tl.where(advantage > 0, options[OPTION_SAPO_TEMPERATURE_POS],
                                options[OPTION_SAPO_TEMPERATURE_NEG])
         gate = tl.sigmoid(temperature * (ratio - 1.0))
         objective = -(4.0 / temperature) * gate * advantage
         d_ratio = -4.0 * gate * (1.0 - gate) * advantage
         d_logprob = zero
-    elif OBJECTIVE == GMPO:
+    elif OBJECTIVE == OBJECTIVE_GMPO:
         objective = -advantage * ratio
         d_ratio = -advantage
         d_logprob = zero
-    elif OBJECTIVE == VESPO:
+    elif OBJECTIVE == OBJECTIVE_VESPO:
         d_ratio = zero
         d_logprob = -weight * advantage
         objective = d_logprob * logprob
-    else:
-        tl.static_assert(OBJECTIVE == _GPG, "an objective of config.OBJECTIVE_NAMES without a branch here")
+    elif OBJECTIVE == OBJECTIVE_GPG:
         d_ratio = zero
         d_logprob = -advantage
         objective = d_logprob * logprob
+    elif (OBJECTIVE == OBJECTIVE_DPPO_TV) or (OBJECTIVE == OBJECTIVE_DPPO_KL):
+        moved = dppo_moved_within(logprob, old_logprob, advantage, epsilon_low, epsilon_high,
+                                  OBJECTIVE == OBJECTIVE_DPPO_TV)
+        d_ratio = zero
+        # Times the mask, not selected by it: a NaN (a NaN input) stays NaN, as the reference's.
+        d_logprob = -tl.minimum(ratio, options[OPTION_RATIO_CAP], propagate_nan=tl.PropagateNan.ALL) * advantage \
+            * moved.to(ratio.dtype)
+        objective = d_logprob * logprob
+    elif OBJECTIVE == OBJECTIVE_DRO:
+        beta = options[OPTION_DRO_BETA]
+        log_ratio = logprob - old_logprob
+        objective = -(logprob * advantage - 0.5 * beta * (log_ratio * log_ratio))
+        d_ratio = zero
+        d_logprob = -advantage + beta * log_ratio
+    elif OBJECTIVE == OBJECTIVE_CLIP_COV:
+        objective, d_ratio = clip_objective(ratio, advantage, ratio_low, ratio_high, off, off)
+        objective = objective * (1.0 - weight)
+        d_ratio = d_ratio * (1.0 - weight)
+        d_logprob = zero
+    else:
+        tl.static_assert(OBJECTIVE == OBJECTIVE_KL_COV, "an objective of config.OBJECTIVE_NAMES without a branch here")
+        penalty = weight * options[OPTION_PPO_KL_COEF]
+        log_ratio = logprob - old_logprob
+        objective = -advantage * ratio + penalty * tl.abs(log_ratio)
+        d_ratio = -advantage
+        d_logprob = penalty * sign(log_ratio)
     return objective, d_ratio, d_logprob
 
 
 @triton.jit
-def policy_term(ratio, ratio_passes, advantage, logprob, weight, ratio_low, ratio_high, options,
-                OBJECTIVE: tl.constexpr):
+def policy_term(ratio, ratio_passes, advantage, logprob, old_logprob, weight, ratio_low, ratio_high, epsilon_low,
+                epsilon_high, options, OBJECTIVE: tl.constexpr):
     """(l, d l / d logp) of a token whose ratio's gradient goes through its own log-prob
     (the token and gspo_token forms): d rho / d logp = rho where the log-ratio's clamp
     passes (``ratio_passes``), else 0 (docs/math.md, section 5)."""
-    objective, d_ratio, d_logprob = objective_terms(ratio, advantage, logprob, weight, ratio_low, ratio_high, options,
-                                                    OBJECTIVE)
+    objective, d_ratio, d_logprob = objective_terms(ratio, advantage, logprob, old_logprob, weight, ratio_low,
+                                                    ratio_high, epsilon_low, epsilon_high, options, OBJECTIVE)
     return objective, tl.where(ratio_passes, d_ratio * ratio, 0.0) + d_logprob
 
 

@@ -28,7 +28,9 @@ from hadw_kernels.config import (
     LossConfig,
     RolloutCorrection,
 )
+from hadw_kernels.advantage import weighted_advantages
 from hadw_kernels.layout import TokenLayout
+from hadw_kernels.objectives import SELECTIONS
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
 from hadw_kernels.correction import correct
 from hadw_kernels.reference.surrogate import surrogate_loss as reference_surrogate
@@ -172,7 +174,15 @@ OBJECTIVE_VARIANT_OPTIONS = {
     "gmpo": dict(epsilon_low=0.2, epsilon_high=0.3),
     "vespo": dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
     "gpg": dict(),
+    "dppo_tv": dict(ratio_cap=1.3, epsilon_low=0.1, epsilon_high=0.05),
+    "dppo_kl": dict(ratio_cap=1.3, epsilon_low=0.02, epsilon_high=0.05),
+    "dro": dict(dro_beta=0.6),
+    "clip_cov": dict(clip_cov_ratio=0.1, clip_cov_lb=0.05, clip_cov_ub=2.0),
+    "kl_cov": dict(kl_cov_ratio=0.1, ppo_kl_coef=0.7),
 }
+# The seed of the generator every call of an objective that draws its tokens gets afresh
+# (cast and rounded copy it per run), so that each run draws the same.
+SELECTION_SEED = 17
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 LAYOUTS = ("padded", "packed")
@@ -198,6 +208,8 @@ def loss_kwargs(batch: dict, loss_type: str, variant: Variant) -> dict:
     option, a ratio form it has no use for) are left out."""
     kwargs = dict(loss_type=loss_type, **variant.options)
     objective = OBJECTIVES[LOSS_PRESETS[loss_type].objective]
+    if OBJECTIVES[kwargs.get("objective", LOSS_PRESETS[loss_type].objective)].selects_tokens:
+        kwargs["generator"] = torch.Generator().manual_seed(SELECTION_SEED)
     if kwargs.get("ratio_level") not in (None, *objective.ratio_levels):
         del kwargs["ratio_level"]
     for name in set(kwargs) & set(OBJECTIVE_OPTIONS):
@@ -225,11 +237,18 @@ def with_required(kwargs: dict) -> dict:
     return {"old_logprobs": None, "rewards": None, **kwargs}
 
 
+def fresh(generator: torch.Generator) -> torch.Generator:
+    """A generator in ``generator``'s state: each run of a case draws what the others do."""
+    return torch.Generator().set_state(generator.get_state())
+
+
 def cast(kwargs: dict, dtype: torch.dtype, device: torch.device) -> dict:
     """Float tensors to ``dtype`` (rewards and advantages at least fp32, as a trainer
-    holds them) on ``device``."""
+    holds them) on ``device``; a generator copied."""
     out = {}
     for key, value in kwargs.items():
+        if isinstance(value, torch.Generator):
+            value = fresh(value)
         if isinstance(value, torch.Tensor):
             if value.is_floating_point():
                 target = torch.promote_types(dtype, torch.float32) if key in ("rewards", "advantages") else dtype
@@ -244,7 +263,7 @@ def rounded(kwargs: dict, dtype: torch.dtype) -> dict:
     computation of the fast path's inputs sees."""
     return {
         key: value.to(dtype).double() if isinstance(value, torch.Tensor) and value.is_floating_point()
-        and key not in ("rewards", "advantages") else value
+        and key not in ("rewards", "advantages") else fresh(value) if isinstance(value, torch.Generator) else value
         for key, value in kwargs.items()
     }
 
@@ -267,8 +286,10 @@ def run_surrogate(backend: str, logprobs, response_mask, kwargs) -> Outputs:
 
 
 def run_surrogate_op_with_entropy(backend: str, logprobs, entropy, response_mask, kwargs, entropy_coef) -> Outputs:
-    """The backend's surrogate op with an entropy input (what the linear loss feeds it)."""
+    """The backend's surrogate op with an entropy input (what the linear loss feeds it); an
+    objective that selects tokens selects none here (the op takes the selection as given)."""
     kwargs = dict(kwargs)
+    kwargs.pop("generator", None)
     loss_type = kwargs.pop("loss_type")
     config = LossConfig.build(
         loss_type, kwargs.pop("group_size", None), entropy_coef=entropy_coef,
@@ -412,11 +433,29 @@ def reference_linear_loss(hidden_states, lm_head_weight, labels, response_mask, 
         return Outputs({"loss": loss.detach(), "grad_hidden": leaves[0].grad, "grad_weight": leaves[1].grad,
                         **({"grad_bias": bias.grad} if bias is not None else {})}, metrics)
     loss_type = kwargs.pop("loss_type")
+    generator = kwargs.pop("generator", None)
     config = LossConfig.build(
         loss_type, kwargs.pop("group_size", None), entropy_coef=entropy_coef,
         **{key: kwargs.pop(key) for key in list(kwargs) if key not in _TENSOR_KEYS},
     )
-    loss, metrics = run_padded_op(reference_surrogate, logprobs, mask, config, entropy=entropy, **kwargs)
+    selection = {}
+    if OBJECTIVES[config.objective].selects_tokens:
+        # As the loss selects: over the counted tokens, by the eager log-probs.
+        layout = TokenLayout.padded(batch, width, mask.device)
+        old = kwargs.get("old_logprobs")
+        advantages = kwargs.get("advantages")
+        advantage, _ = weighted_advantages(kwargs.get("rewards"), layout.per_token(advantages), config,
+                                           kwargs.get("anchor"))
+        token_advantage = advantage if advantages is not None else layout.expand(advantage)
+        flat_logprobs = layout.flat(logprobs).detach()
+        selected = SELECTIONS[config.objective](
+            flat_logprobs, flat_logprobs if old is None else layout.flat(old).to(flat_logprobs.dtype),
+            token_advantage.to(flat_logprobs.dtype), mask.reshape(-1), config, generator)
+        selection = dict(selected=selected)
+    loss, metrics = run_padded_op(reference_surrogate, logprobs, mask, config, entropy=entropy, **kwargs,
+                                  **selection)
+    if selection:
+        metrics = dict(metrics, selected_frac=masked_mean(selection["selected"], mask.reshape(-1)))
     (loss * UPSTREAM).backward()
     values = {"loss": loss.detach(), "grad_hidden": leaves[0].grad, "grad_weight": leaves[1].grad}
     if bias is not None:

@@ -104,7 +104,7 @@ def test_outputs_match_the_fake_implementation(backend, device):
         surrogate = dict(logprobs=logprobs, old_logprobs=logprobs, response_mask=torch.ones(20, dtype=torch.bool,
                          device=device), cu_seqlens=torch.tensor([0, 5, 5, 12, 20], device=device),
                          rewards=torch.tensor([1.0, 0, 0, 1], device=device), advantages=None,
-                         anchor=None, ref_logprobs=None, importance_weights=None, entropy=logprobs,
+                         anchor=None, ref_logprobs=None, importance_weights=None, entropy=logprobs, selected=None,
                          **config.kernel_options())
         hidden, weight = torch.zeros(6, 8, dtype=dtype, device=device), torch.zeros(11, 8, dtype=dtype, device=device)
         labels, rows = torch.zeros(6, dtype=torch.long, device=device), torch.zeros(6, device=device)

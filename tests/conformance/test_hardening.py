@@ -12,6 +12,7 @@ import torch
 
 from cases import GROUP_SIZE, linear_batch, surrogate_batch
 from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
+from hadw_kernels.config import OBJECTIVES
 
 
 def _clean_batch(device, dtype=torch.float32, seed=0):
@@ -37,14 +38,14 @@ def test_data_inputs_receive_no_gradient(backend, device, loss_type):
     loss = fused_hadw_grpo_loss(
         logprobs, logprobs, data["rewards"], batch["response_mask"], group_size=GROUP_SIZE, loss_type=loss_type,
         anchor=0.4, beta=0.1, ref_logprobs=data["ref_logprobs"], importance_weights=data[weights],
-        backend=backend,
+        backend=backend, generator=torch.Generator().manual_seed(0),
     )
     loss.backward()
     detached = logprobs.detach().clone().requires_grad_()
     expected = fused_hadw_grpo_loss(
         detached, logprobs.detach(), batch["rewards"], batch["response_mask"], group_size=GROUP_SIZE,
         loss_type=loss_type, anchor=0.4, beta=0.1, ref_logprobs=batch["ref_logprobs"],
-        importance_weights=batch[weights], backend=backend,
+        importance_weights=batch[weights], backend=backend, generator=torch.Generator().manual_seed(0),
     )
     expected.backward()
     torch.testing.assert_close(logprobs.grad, detached.grad)
@@ -157,7 +158,8 @@ def test_empty_batches_give_exact_zeros(backend, device, loss_type, shape):
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(logprobs.grad, torch.zeros_like(logprobs))
-    assert set(metrics) == set(METRIC_NAMES) - {"entropy_mean"}
+    selection = {"selected_frac"} if OBJECTIVES[LOSS_PRESETS[loss_type].objective].selects_tokens else set()
+    assert set(metrics) == set(METRIC_NAMES) - {"entropy_mean"} | selection
     for name, value in metrics.items():
         expected = 1.3 if name == "phi_mean" and shape[0] else 0.0
         if name == "zero_std_frac" and shape[0]:
