@@ -12,6 +12,7 @@ module (``setup.py``), so the metric order and the option codes exist once.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import types
@@ -195,15 +196,14 @@ class Objective:
     ratio rho, its advantage A and its log-prob l (docs/math.md, section 5; the formulas
     and their derivatives are ``objectives.py``'s, the kernels' one branch each).
 
-    ``options``: the LossConfig fields only this objective reads, in the order of its
-    option vector, with their defaults (a None field takes the default; set on another
-    objective, it is refused; a None default means off). The kernels take the resolved
+    ``options``: the LossConfig fields that objectives alone read (an option some share sits
+    at one index of each one's vector), in the order of its option vector, with their
+    defaults (a None field takes the default; set on an objective that does not read it,
+    it is refused; a None default means off, or, as ``dro_beta``'s, required). The kernels take the resolved
     values as one vector (:meth:`LossConfig.objective_options`, an option that is off as
     +inf: no bound) and read them by the index constants generated from this table
     (:data:`OPTION_INDEX`; ``kOption<Name>`` in C++, ``OPTION_<NAME>`` in Triton).
     ``ratio_levels``: the ratio forms it takes (RATIO_LEVELS), the first its default.
-    ``clipped``: whether epsilon_low / epsilon_high shape the loss (else they only set the
-    clip-fraction metrics' range).
     ``gradient``: how its gradient reaches the log-prob (GRADIENT_ROUTES); the kernels
     branch on it.
     ``selects_tokens``: whether it reads a batch statistic that selects tokens before the
@@ -212,7 +212,6 @@ class Objective:
     options: dict
     gradient: str
     ratio_levels: tuple[str, ...] = RATIO_LEVELS
-    clipped: bool = True
     selects_tokens: bool = False
 
     @property
@@ -226,22 +225,20 @@ OBJECTIVES = {
     "clip": Objective(options={"dual_clip": None, "delta": None}, gradient="ratio"),
     # CISPO as TRL defines it: -sg[min(rho, ratio_cap)] A l, an absolute cap (TRL's
     # epsilon_high; the ScaleRL paper's 5).
-    "cispo_cap": Objective(options={"ratio_cap": 5.0}, gradient="detached_weight", clipped=False),
+    "cispo_cap": Objective(options={"ratio_cap": 5.0}, gradient="detached_weight"),
     # CISPO as verl defines it: -sg[clip(rho, 1 - eps_low, 1 + eps_high)] A l.
     "cispo_clip": Objective(options={}, gradient="detached_weight"),
     # SAPO: -(4 / tau) sigmoid(tau (rho - 1)) A, tau by the sign of A.
-    "sapo": Objective(options={"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, gradient="ratio",
-                      clipped=False),
+    "sapo": Objective(options={"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, gradient="ratio"),
     # GMPO (verl's geo_mean): -A exp(mean over the response of l - lo clipped in log space
     # to [-eps_low, eps_high] on the side A's sign makes harmful).
     "gmpo": Objective(options={}, gradient="ratio", ratio_levels=("sequence",)),
     # VESPO (TRL): -sg[phi] A l, phi = w^k exp(lam (1 - w)), w the response's summed ratio,
     # (k, lam) by the sign of A.
     "vespo": Objective(options={"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
-                                "vespo_lambda_neg": 2.0}, gradient="detached_weight", ratio_levels=("sequence",),
-                      clipped=False),
+                                "vespo_lambda_neg": 2.0}, gradient="detached_weight", ratio_levels=("sequence",)),
     # GPG (verl): -A l, no ratio.
-    "gpg": Objective(options={}, gradient="log_prob", ratio_levels=("token",), clipped=False),
+    "gpg": Objective(options={}, gradient="log_prob", ratio_levels=("token",)),
     # DPPO (verl's dppo_tv, dppo_kl): -sg[min(rho, ratio_cap)] A l on the tokens whose
     # probability moved within the clip range, now a divergence bound, in the direction A's
     # sign favours (A > 0: up by at most epsilon_high; else down by at most epsilon_low):
@@ -249,7 +246,7 @@ OBJECTIVES = {
     "dppo_tv": Objective(options={"ratio_cap": 20.0}, gradient="detached_weight", ratio_levels=("token",)),
     "dppo_kl": Objective(options={"ratio_cap": 20.0}, gradient="detached_weight", ratio_levels=("token",)),
     # DRO (verl): -(A l - dro_beta / 2 (l - l_old)^2); dro_beta has no default.
-    "dro": Objective(options={"dro_beta": None}, gradient="log_prob", ratio_levels=("token",), clipped=False),
+    "dro": Objective(options={"dro_beta": None}, gradient="log_prob", ratio_levels=("token",)),
     # Clip-Cov (verl): PPO's clip, 0 on max(1, floor(clip_cov_ratio N)) tokens drawn at random
     # among the unclipped ones whose (A - mean A)(l - mean l) lies in (clip_cov_lb, clip_cov_ub).
     "clip_cov": Objective(options={"clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
@@ -257,7 +254,7 @@ OBJECTIVES = {
     # KL-Cov (verl): -A rho, plus ppo_kl_coef |l - l_old| on the max(1, floor(kl_cov_ratio N))
     # tokens of largest (A - mean A)(l - mean l).
     "kl_cov": Objective(options={"kl_cov_ratio": 2e-4, "ppo_kl_coef": 0.1}, gradient="ratio_and_log_prob",
-                        ratio_levels=("token",), clipped=False, selects_tokens=True),
+                        ratio_levels=("token",), selects_tokens=True),
 }
 assert all(objective.gradient in GRADIENT_ROUTES for objective in OBJECTIVES.values())
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
@@ -742,7 +739,14 @@ class LossConfig:
 
     def kernel_options(self) -> dict:
         """The resolved options as the ops take them (``ops.schemas``): names of modes
-        become their index in :data:`AGG_MODES`, :data:`RATIO_LEVELS`, :data:`KL_ESTIMATORS`."""
+        become their index in :data:`AGG_MODES`, :data:`RATIO_LEVELS`, :data:`KL_ESTIMATORS`.
+        Formed once per config (a config is frozen), but under torch.compile; the caller
+        must not modify the dict."""
+        if _compiling():
+            return self._kernel_options()
+        return _cached_kernel_options(self)
+
+    def _kernel_options(self) -> dict:
         return dict(
             group_size=self.group_size,
             normalize_std=self.normalize_std,
@@ -773,6 +777,11 @@ class LossConfig:
             kl_estimator=KL_ESTIMATORS.index(self.kl_estimator),
             entropy_coef=float(self.entropy_coef),
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_kernel_options(config: LossConfig) -> dict:
+    return config._kernel_options()
 
 
 # Each LossConfig field's accepted types, from its annotation (NoneType where None is),

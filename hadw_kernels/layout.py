@@ -18,6 +18,8 @@ every kernel take this one form, so a feature is written once for both layouts.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -37,6 +39,16 @@ class TokenLayout:
 
     @classmethod
     def padded(cls, batch: int, width: int, device: torch.device) -> "TokenLayout":
+        """B rows of T tokens. The layout of a shape is formed once and shared by the calls
+        of that shape (it is never written to): its offsets were two of a small call's
+        operators. Under torch.compile it is formed in the graph, and under inference
+        mode afresh (an inference tensor kept would be refused by a later autograd call)."""
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return cls._padded(batch, width, device)
+        return _padded_layout(batch, width, torch.device(device))
+
+    @classmethod
+    def _padded(cls, batch: int, width: int, device: torch.device) -> "TokenLayout":
         cu_seqlens = torch.arange(batch + 1, dtype=torch.int64, device=device) * width
         return cls(cu_seqlens, batch * width, padded_width=width, shape=(batch, width))
 
@@ -103,6 +115,11 @@ class TokenLayout:
             return sums.index_add(0, self.token_segment, values.to(torch.float64)).to(values.dtype)
         sums = torch.zeros(self.segments, dtype=torch.int64, device=values.device)
         return sums.index_add(0, self.token_segment, values.to(torch.int64))
+
+
+@functools.lru_cache(maxsize=64)
+def _padded_layout(batch: int, width: int, device: torch.device) -> TokenLayout:
+    return TokenLayout._padded(batch, width, device)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from .objectives import SELECTIONS
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
 from .advantage import group_metrics, weighted_advantages
+from .batch import LinearHead, SurrogateBatch
 from .aggregation import agg_weights, aggregate
 from .token_terms import kl_estimate, masked_mean, own_token_ratio, token_ratio
 from .layout import TokenLayout
@@ -163,28 +164,26 @@ def fused_hadw_grpo_loss(
     config = _with_layout_length(config, layout)
     implementation = resolve_backend(backend, logprobs.device)
     flat_logprobs = layout.flat(logprobs)
-    loss, metrics = _corrected_surrogate(
-        implementation, flat_logprobs,
-        flat_logprobs.detach() if old_logprobs is None else layout.flat(old_logprobs),
-        layout.flat(response_mask), layout, config,
-        rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
+    batch = SurrogateBatch(
+        layout, config, flat_logprobs, flat_logprobs.detach() if old_logprobs is None else layout.flat(old_logprobs),
+        layout.flat(response_mask), rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
         ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
-        importance_weights=layout.per_token(importance_weights),
-        rollout_logprobs=layout.flat(rollout_logprobs), entropy=None, masked_entropy=layout.flat(entropy),
-        generator=generator,
+        importance_weights=layout.per_token(importance_weights), with_metrics=return_metrics,
     )
+    loss, metrics = _corrected_surrogate(implementation, batch, rollout_logprobs=layout.flat(rollout_logprobs),
+                                         masked_entropy=layout.flat(entropy), generator=generator)
     return (loss, metrics) if return_metrics else loss
 
 
-def _corrected_surrogate(implementation, logprobs, old_logprobs, mask, layout, config, *, rewards, advantages, anchor,
-                         ref_logprobs, importance_weights, rollout_logprobs, entropy, masked_entropy, generator):
-    """The backend's surrogate op on [N] tensors, with the rollout correction and token
-    masks (correction.py) folded into its mask and importance weights, and the
-    bias-corrected KL term added: every backend applies them in its kernels as it applies
-    a caller's weights, so they compose with every objective. ``entropy``: what the op
-    takes (the linear loss's, with its gradient: bonus and metric); ``masked_entropy``:
-    what the entropy mask reads. An objective that selects tokens (objectives.SELECTIONS)
-    selects them here, over the tokens the correction leaves counted, with ``generator``."""
+def _corrected_surrogate(implementation, batch: SurrogateBatch, *, rollout_logprobs, masked_entropy, generator):
+    """The backend's surrogate op on ``batch``, with the rollout correction and token masks
+    (correction.py) folded into its mask and importance weights, and the bias-corrected
+    KL term added: every backend applies them in its kernels as it applies a caller's
+    weights, so they compose with every objective. ``batch.entropy``: what the op takes
+    (the linear loss's, with its gradient: bonus and metric); ``masked_entropy``: what the
+    entropy mask reads. An objective that selects tokens (objectives.SELECTIONS) selects
+    them here, over the tokens the correction leaves counted, with ``generator``."""
+    config, layout, logprobs, old_logprobs = batch.config, batch.layout, batch.logprobs, batch.old_logprobs
     corrected_metrics = {}
     selects_tokens = OBJECTIVES[config.objective].selects_tokens
     # Each token's advantage (A_hat Phi from rewards, or the caller's), for the rules that
@@ -192,36 +191,37 @@ def _corrected_surrogate(implementation, logprobs, old_logprobs, mask, layout, c
     # selections their covariance.
     token_advantage = None
     if config.off_policy_mask_threshold is not None or config.kl_bias_correction or selects_tokens:
-        advantage, _ = weighted_advantages(rewards, advantages, config, anchor)
-        token_advantage = advantage if advantages is not None else layout.expand(advantage)
+        advantage, _ = weighted_advantages(batch.rewards, batch.advantages, config, batch.anchor)
+        token_advantage = advantage if batch.advantages is not None else layout.expand(advantage)
     if _has_correction(config):
-        correction = correct(config, layout, mask.bool(), old_logprobs=old_logprobs,
+        correction = correct(config, layout, batch.mask.bool(), old_logprobs=old_logprobs,
                              rollout_logprobs=rollout_logprobs, logprobs=logprobs, token_advantage=token_advantage,
                              entropy=masked_entropy)
-        mask, importance_weights = _fold(correction, mask, importance_weights, logprobs.dtype)
+        mask, importance_weights = _fold(correction, batch.mask, batch.importance_weights, logprobs.dtype)
+        entropy = batch.entropy
         if entropy is not None and correction.entropy_keep is not None and config.entropy_coef > 0:
             # The entropy bonus acts on the tokens the entropy mask keeps, as TRL's; the
             # metric stays the mean over every counted token.
             corrected_metrics["entropy_mean"] = masked_mean(entropy.detach(), mask.bool())
             entropy = entropy * correction.entropy_keep.to(entropy.dtype)
         corrected_metrics.update(correction.metrics)
-    selected = None
+        batch = batch.replace(mask=mask, importance_weights=importance_weights, entropy=entropy)
     if selects_tokens:
-        counted = mask.bool()
+        counted = batch.mask.bool()
         selected = SELECTIONS[config.objective](logprobs.detach(), old_logprobs.detach(),
                                                 token_advantage.to(logprobs.dtype), counted, config, generator)
         corrected_metrics["selected_frac"] = masked_mean(selected, counted)
-    kernel_config = dataclasses.replace(config, beta=0.0, kl_bias_correction=False, kl_bias_ratio="objective") \
-        if config.kl_bias_correction else config
-    loss, metrics = implementation.surrogate_loss(
-        logprobs, old_logprobs, mask, layout, kernel_config, rewards=rewards, advantages=advantages, anchor=anchor,
-        ref_logprobs=None if config.kl_bias_correction else ref_logprobs, importance_weights=importance_weights,
-        entropy=entropy, selected=selected,
-    )
+        batch = batch.replace(selected=selected)
     if config.kl_bias_correction:
-        kl_term, metrics["ref_kl"] = _bias_corrected_kl(logprobs, old_logprobs, mask.bool(), layout, config,
-                                                        ref_logprobs, token_advantage)
+        kernel_config = dataclasses.replace(config, beta=0.0, kl_bias_correction=False, kl_bias_ratio="objective")
+        loss, metrics = implementation.surrogate_loss(batch.replace(config=kernel_config, ref_logprobs=None))
+        kl_term, metrics["ref_kl"] = _bias_corrected_kl(logprobs, old_logprobs, batch.mask.bool(), layout, config,
+                                                        batch.ref_logprobs, token_advantage)
         loss = loss + kl_term
+    else:
+        loss, metrics = implementation.surrogate_loss(batch)
+    if not batch.with_metrics:
+        return loss, {}
     metrics.update(corrected_metrics)
     return loss, ordered_metrics(metrics)
 
@@ -342,26 +342,28 @@ def fused_linear_hadw_grpo_loss(
     implementation = resolve_backend(backend, hidden_states.device)
     path = _linear_path(linear_path, implementation, config, hidden_states.device, old)
     with_entropy = config.entropy_coef > 0 or return_metrics or config.top_entropy_quantile < 1.0
-    data = dict(rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
-                ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
-                importance_weights=importance_weights)
-    options = dict(lm_head_bias=lm_head_bias, temperature=temperature, ignore_index=ignore_index)
+    head = LinearHead(hidden_states, hidden, lm_head_weight, lm_head_bias, labels, temperature, ignore_index,
+                      block_rows)
+    batch = SurrogateBatch(
+        layout, config, None, old, mask, rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
+        ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None, importance_weights=importance_weights,
+        with_metrics=return_metrics,
+    )
     if path == "gradients_in_forward":
-        loss, metrics = _gradients_in_forward(
-            implementation, hidden_states, hidden, lm_head_weight, labels, old, mask, layout, config,
-            with_entropy=with_entropy, block_rows=block_rows or 0, **data, **options,
-        )
+        loss, metrics = _gradients_in_forward(implementation, head, batch, with_entropy)
     else:
         logprobs, entropy = implementation.token_logprobs(
-            hidden, lm_head_weight, labels, with_entropy=with_entropy, **options
+            hidden, lm_head_weight, labels, with_entropy=with_entropy, lm_head_bias=lm_head_bias,
+            temperature=temperature, ignore_index=ignore_index,
         )
-        old = logprobs.detach() if old is None else old
-        loss, metrics = _corrected_surrogate(implementation, logprobs, old, mask, layout, config, **data,
-                                             rollout_logprobs=rollout, entropy=entropy, masked_entropy=entropy,
+        batch = batch.replace(logprobs=logprobs, old_logprobs=logprobs.detach() if old is None else old,
+                              entropy=entropy)
+        loss, metrics = _corrected_surrogate(implementation, batch, rollout_logprobs=rollout, masked_entropy=entropy,
                                              generator=generator)
+    if not return_metrics:
+        return loss
     metrics.update(corrected_metrics)
-    metrics = ordered_metrics(metrics)
-    return (loss, metrics) if return_metrics else loss
+    return loss, ordered_metrics(metrics)
 
 
 def _reads_current_policy(config: LossConfig, old_logprobs_given: bool) -> bool:
@@ -516,44 +518,25 @@ def _linear_path(requested: str, implementation, config: LossConfig, device: tor
     return requested
 
 
-def _gradients_in_forward(
-    implementation, hidden_states, hidden, lm_head_weight, labels, old_logprobs, response_mask, layout, config, *,
-    rewards, advantages, anchor, ref_logprobs, importance_weights, lm_head_bias, temperature, ignore_index,
-    with_entropy, block_rows,
-):
+def _gradients_in_forward(implementation, head: LinearHead, batch: SurrogateBatch, with_entropy: bool):
     """One sweep forms the log-probs and the gradients; the surrogate op then gives the
     loss value and the metrics from the log-probs (its gradient is the one already
-    formed), and backward scales the stored gradients. ``hidden`` is ``hidden_states``
-    as rows [N, H]; every per-token tensor is [N]."""
-    accumulate = accumulate_dtype(hidden.dtype)
-    advantage, phi = weighted_advantages(rewards, advantages, config, anchor)
-    token_advantage = advantage if advantages is not None else layout.expand(advantage)
-
-    def per_token(values):
-        # Contiguous: the kernels index the active rows' entries directly.
-        return None if values is None else values.detach().to(accumulate).contiguous()
-
+    formed), and backward scales the stored gradients. Every per-token tensor is [N]."""
+    config, layout = batch.config, batch.layout
+    advantage, phi = weighted_advantages(batch.rewards, batch.advantages, config, batch.anchor)
+    token_advantage = advantage if batch.advantages is not None else layout.expand(advantage)
     logprobs, entropy, grad_hidden, grad_weight, grad_bias = implementation.linear_surrogate(
-        hidden, lm_head_weight, labels,
-        lm_head_bias=lm_head_bias,
-        old_logprobs=per_token(old_logprobs),
-        advantages=per_token(token_advantage),
-        agg_weights=per_token(layout.expand(agg_weights(response_mask.bool(), layout, config))),
-        ref_logprobs=per_token(ref_logprobs),
-        importance_weights=per_token(importance_weights),
-        config=config, temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
-        block_rows=block_rows,
+        head, batch, token_advantage, layout.expand(agg_weights(batch.mask.bool(), layout, config)), with_entropy,
     )
-    loss, metrics = implementation.surrogate_loss(
-        logprobs, logprobs if old_logprobs is None else old_logprobs, response_mask, layout, config,
-        advantages=token_advantage, ref_logprobs=ref_logprobs, importance_weights=importance_weights,
-        entropy=entropy if with_entropy else None,
-    )
-    if phi is not None:
-        metrics.update(group_metrics(rewards, phi, config.group_size))
+    loss, metrics = implementation.surrogate_loss(batch.replace(
+        logprobs=logprobs, old_logprobs=logprobs if batch.old_logprobs is None else batch.old_logprobs,
+        rewards=None, advantages=token_advantage, anchor=None, entropy=entropy if with_entropy else None,
+    ))
+    if phi is not None and batch.with_metrics:
+        metrics.update(group_metrics(batch.rewards, phi, config.group_size))
         metrics = ordered_metrics(metrics)
-    inputs = [hidden_states, lm_head_weight, lm_head_bias]
-    gradients = [grad_hidden.view_as(hidden_states), grad_weight, None if lm_head_bias is None else grad_bias]
+    inputs = [head.hidden_states, head.weight, head.bias]
+    gradients = [grad_hidden.view_as(head.hidden_states), grad_weight, None if head.bias is None else grad_bias]
     return attach_single_use_gradients(loss, inputs, gradients, implementation.scale_in_place), metrics
 
 

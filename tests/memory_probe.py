@@ -16,6 +16,7 @@ from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels.config import LossConfig
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
 from hadw_kernels.layout import TokenLayout
+from hadw_kernels.batch import SurrogateBatch
 from hadw_kernels.reference.surrogate import surrogate_loss
 
 
@@ -44,8 +45,8 @@ def main():
     if path == "eager":
         logp, _ = token_logprobs_reference(h.view(-1, hidden), w, labels.view(-1))
         layout = TokenLayout.padded(batch, width, mask.device)
-        loss, _ = surrogate_loss(logp, old.view(-1), mask.view(-1), layout, LossConfig.build("grpo", group),
-                                 rewards=rewards, anchor=0.5)
+        loss, _ = surrogate_loss(SurrogateBatch(layout, LossConfig.build("grpo", group), logp, old.view(-1),
+                                                mask.view(-1), rewards=rewards, anchor=0.5))
     else:
         loss = fused_linear_hadw_grpo_loss(h, w, labels, old, rewards, mask, group_size=group, anchor=0.5, backend="torch")
     loss.backward()

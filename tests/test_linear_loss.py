@@ -13,6 +13,7 @@ from hadw_kernels import fused_linear_hadw_grpo_loss, tiled_logprobs
 from hadw_kernels.config import LossConfig
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
 from hadw_kernels.layout import TokenLayout
+from hadw_kernels.batch import SurrogateBatch
 from hadw_kernels.reference.surrogate import surrogate_loss
 
 
@@ -50,10 +51,10 @@ def _loss_case(batch, width, hidden, vocab, dtype):
 def _reference_linear_loss(h, w, labels, old, rewards, mask, config, anchor):
     batch, width, hidden = h.shape
     logp, entropy = token_logprobs_reference(h.reshape(-1, hidden), w, labels.reshape(-1), with_entropy=True)
-    loss, _ = surrogate_loss(
-        logp, old.to(logp.dtype).reshape(-1), mask.reshape(-1), TokenLayout.padded(batch, width, mask.device), config,
+    loss, _ = surrogate_loss(SurrogateBatch(
+        TokenLayout.padded(batch, width, mask.device), config, logp, old.to(logp.dtype).reshape(-1), mask.reshape(-1),
         rewards=rewards.to(logp.dtype), anchor=anchor, entropy=entropy,
-    )
+    ))
     return loss
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..config import GROUP_METRICS, METRIC_NAMES, LossConfig
-from ..layout import TokenLayout
+from ..batch import LinearHead, SurrogateBatch
+from ..config import GROUP_METRICS, METRIC_NAMES
+from ..precision import accumulate_dtype
 
 
 def name_metrics(metrics: torch.Tensor, *, with_groups: bool, with_kl: bool, with_entropy: bool) -> dict:
@@ -54,34 +55,33 @@ class KernelBackend:
     def has_gradients_in_forward(self, device: torch.device) -> bool:
         return ops.has_kernel("linear_surrogate_forward", self.name, torch.device(device).type)
 
-    def surrogate_loss(
-        self, logprobs, old_logprobs, response_mask, layout: TokenLayout, config: LossConfig, *, rewards=None,
-        advantages=None, anchor=None, ref_logprobs=None, importance_weights=None, entropy=None, selected=None,
-    ):
+    def surrogate_loss(self, batch: SurrogateBatch):
+        config, entropy = batch.config, batch.entropy
         loss, grad_logprobs, grad_entropy, metrics = ops.call(
             "surrogate_loss",
             # The op forms its gradient with respect to the log-probs (and the entropy)
             # in the forward; it is attached below.
-            logprobs=logprobs.detach(),
-            old_logprobs=old_logprobs.detach(),
-            response_mask=response_mask,
-            cu_seqlens=layout.cu_seqlens,
-            rewards=None if rewards is None else rewards.detach(),
-            advantages=None if advantages is None else advantages.detach(),
-            anchor=anchor_tensor(anchor, logprobs.device),
-            ref_logprobs=None if config.beta <= 0 else ref_logprobs.detach(),
-            importance_weights=None if importance_weights is None else importance_weights.detach(),
+            logprobs=batch.logprobs.detach(),
+            old_logprobs=batch.old_logprobs.detach(),
+            response_mask=batch.mask,
+            cu_seqlens=batch.layout.cu_seqlens,
+            rewards=None if batch.rewards is None else batch.rewards.detach(),
+            advantages=None if batch.advantages is None else batch.advantages.detach(),
+            anchor=anchor_tensor(batch.anchor, batch.logprobs.device),
+            ref_logprobs=None if config.beta <= 0 else batch.ref_logprobs.detach(),
+            importance_weights=None if batch.importance_weights is None else batch.importance_weights.detach(),
             entropy=None if entropy is None else entropy.detach(),
-            selected=selected,
+            selected=batch.selected,
             **config.kernel_options(),
             backend=self.name,
         )
         loss = ops.attach_gradients(
-            loss, [logprobs, entropy], [grad_logprobs, None if entropy is None else grad_entropy]
+            loss, [batch.logprobs, entropy], [grad_logprobs, None if entropy is None else grad_entropy]
         )
-        return loss, name_metrics(
-            metrics, with_groups=rewards is not None, with_kl=config.beta > 0, with_entropy=entropy is not None
-        )
+        if not batch.with_metrics:
+            return loss, {}
+        return loss, name_metrics(metrics, with_groups=batch.rewards is not None, with_kl=config.beta > 0,
+                                  with_entropy=entropy is not None)
 
     def token_logprobs(self, hidden_states, lm_head_weight, labels, *, lm_head_bias, temperature, ignore_index,
                        with_entropy):
@@ -93,18 +93,23 @@ class KernelBackend:
         )
         return logprobs, entropy if with_entropy else None
 
-    def linear_surrogate(self, hidden_states, lm_head_weight, labels, *, lm_head_bias, old_logprobs, advantages,
-                         agg_weights, ref_logprobs, importance_weights, config: LossConfig, temperature,
-                         ignore_index, with_entropy, block_rows):
+    def linear_surrogate(self, head: LinearHead, batch: SurrogateBatch, advantages, agg_weights, with_entropy):
         """Per-row log-probs, entropy and the gradients of the token-level surrogate
         with respect to the hidden states, the head and the bias, in one sweep."""
+        accumulate = accumulate_dtype(head.hidden.dtype)
+
+        def per_token(values):
+            # Contiguous: the kernels index the active rows' entries directly.
+            return None if values is None else values.detach().to(accumulate).contiguous()
+
         return ops.call(
             "linear_surrogate_forward",
-            hidden=hidden_states.detach(), weight=lm_head_weight.detach(),
-            bias=None if lm_head_bias is None else lm_head_bias.detach(),
-            labels=labels, old_logprobs=old_logprobs, advantages=advantages, agg_weights=agg_weights,
-            ref_logprobs=ref_logprobs, importance_weights=importance_weights,
-            temperature=float(temperature), ignore_index=ignore_index,
-            **config.token_options(),
-            with_entropy=with_entropy, block_rows=block_rows, backend=self.name,
+            hidden=head.hidden.detach(), weight=head.weight.detach(),
+            bias=None if head.bias is None else head.bias.detach(), labels=head.labels,
+            old_logprobs=per_token(batch.old_logprobs), advantages=per_token(advantages),
+            agg_weights=per_token(agg_weights), ref_logprobs=per_token(batch.ref_logprobs),
+            importance_weights=per_token(batch.importance_weights),
+            temperature=float(head.temperature), ignore_index=head.ignore_index,
+            **batch.config.token_options(),
+            with_entropy=with_entropy, block_rows=head.block_rows or 0, backend=self.name,
         )

@@ -9,8 +9,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..config import LossConfig
-from ..layout import TokenLayout
+from ..batch import LinearHead, SurrogateBatch
 
 # (loss, metrics by name): the metrics that apply to the call, ``config.METRIC_NAMES`` order.
 LossAndMetrics = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -20,13 +19,12 @@ class LinearSurrogate(Protocol):
     """The gradients-in-forward linear loss of a token-level surrogate: per-row log-probs
     [N], entropy [N], and the gradients with respect to the hidden states, the head and
     the bias, from one sweep over blocks of rows (docs/architecture.md, "The linear loss").
-    Per-token data are [N]; ``agg_weights`` is each token's aggregation weight."""
+    ``batch`` holds the call's per-token data [N] (its log-probs are what the sweep forms);
+    ``advantages`` are each token's, ``agg_weights`` each token's aggregation weight."""
 
     def __call__(
-        self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, *,
-        lm_head_bias: torch.Tensor | None, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-        agg_weights: torch.Tensor, ref_logprobs: torch.Tensor | None, importance_weights: torch.Tensor | None,
-        config: LossConfig, temperature: float, ignore_index: int, with_entropy: bool, block_rows: int,
+        self, head: LinearHead, batch: SurrogateBatch, advantages: torch.Tensor, agg_weights: torch.Tensor,
+        with_entropy: bool,
     ) -> tuple[torch.Tensor, ...]: ...
 
 
@@ -51,17 +49,10 @@ class Backend(Protocol):
         """Whether ``linear_surrogate`` runs on ``device``."""
         ...
 
-    def surrogate_loss(
-        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor, layout: TokenLayout,
-        config: LossConfig, *, rewards: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
-        anchor: float | torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
-        importance_weights: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-        selected: torch.Tensor | None = None,
-    ) -> LossAndMetrics:
-        """The clipped surrogate of ``config`` on per-token log-probs [N] in ``layout``'s
-        segments (per-token tensors [N], importance weights per token, rewards and
-        advantages [S], ``selected`` [N] bool the tokens an objective's batch statistic
-        selected), differentiable with respect to ``logprobs`` and ``entropy``; inputs are
+    def surrogate_loss(self, batch: SurrogateBatch) -> LossAndMetrics:
+        """The clipped surrogate of ``batch.config`` on the call's flat tensors
+        (:class:`~hadw_kernels.batch.SurrogateBatch`), differentiable with respect to its
+        log-probs and entropy, and its metrics when ``batch.with_metrics``; inputs are
         already validated."""
         ...
 

@@ -6,9 +6,9 @@ Importing this module registers, in ``verl.trainer.ppo.core_algos``:
 - the advantage estimator ``"hadw"``: verl's GRPO advantage (groups by ``uid``, std
   normalisation by ``algorithm.norm_adv_by_std_in_grpo``) times the HA-DW weight Phi,
   with the difficulty anchor folded once per training step over the whole batch;
-- the policy losses ``hadw_vanilla`` (also ``hadw``), ``hadw_gspo``, ``hadw_sapo``,
-  ``hadw_gpg``, ``hadw_geo_mean`` and ``hadw_cispo`` (:data:`VERL_POLICY_LOSSES`): verl's
-  losses of those names computed by :func:`hadw_kernels.fused_hadw_grpo_loss`, with
+- the policy losses ``hadw_<name>`` of :data:`VERL_POLICY_LOSSES` (``hadw_vanilla``, also
+  ``hadw``, and every verl 0.9.1 loss but bypass_mode): verl's losses of those names
+  computed by :func:`hadw_kernels.fused_hadw_grpo_loss`, with
   verl's ActorConfig options, ``loss_agg_mode``, global-batch normalisation and rollout
   weights, so they return verl's loss, gradient and metrics on the same tensors, verl's
   aggregation included (its sapo and geo_mean ignore ``loss_agg_mode``);

@@ -22,6 +22,8 @@ class BackendUnavailable(RuntimeError):
 
 
 _KERNELS: dict[tuple[str, str, str], Callable] = {}
+# (backend, device type) of every registered kernel: a call asks whether its backend serves.
+_SERVED: set[tuple[str, str]] = set()
 # Why a backend has no kernel for a device type, for the error message.
 _REASONS: dict[tuple[str, str], str] = {}
 
@@ -30,6 +32,7 @@ def register_kernel(op: str, backend: str, device_type: str, implementation: Cal
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
     _KERNELS[(op, backend, device_type)] = implementation
+    _SERVED.add((backend, device_type))
 
 
 def set_unavailable_reason(backend: str, device_type: str, reason: str) -> None:
@@ -37,7 +40,7 @@ def set_unavailable_reason(backend: str, device_type: str, reason: str) -> None:
 
 
 def serves(backend: str, device_type: str) -> bool:
-    return any(key[1:] == (backend, device_type) for key in _KERNELS)
+    return (backend, device_type) in _SERVED
 
 
 def has_kernel(op: str, backend: str, device_type: str) -> bool:

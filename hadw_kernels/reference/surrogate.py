@@ -14,50 +14,35 @@ import torch
 
 from ..advantage import group_metrics, weighted_advantages
 from ..aggregation import aggregate
-from ..config import LOG_RATIO_CLAMP, OBJECTIVES, LossConfig, ordered_metrics
-from ..layout import TokenLayout
+from ..batch import SurrogateBatch
+from ..config import LOG_RATIO_CLAMP, OBJECTIVES, ordered_metrics
 from ..objectives import VALUES, vespo_weight
 from ..precision import accumulate_dtype
 from ..token_terms import kl_estimate, masked_mean, token_ratio
 
 
-def surrogate_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    response_mask: torch.Tensor,
-    layout: TokenLayout,
-    config: LossConfig,
-    *,
-    rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    anchor: float | torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    importance_weights: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    selected: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss and its metrics. Inputs are assumed validated (see ``validation``).
+def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and its metrics (none unless ``batch.with_metrics``). Inputs are assumed
+    validated (see ``validation``).
 
-    Per-token tensors are [N] in ``layout``'s segments (one response each); exactly one
-    of ``rewards`` [S] (each group's ``config.group_size`` segments contiguous) and
-    ``advantages`` [N] (the caller's, per token: a per-response one repeated) is given. ``importance_weights`` [N] are the
-    rollout engine's correction per token (a per-response weight repeated over its
-    tokens); ``entropy`` [N] enters as ``- entropy_coef * aggregate(entropy)``;
-    ``selected`` [N] bool: the tokens an objective's batch statistic selected
-    (objectives.SELECTIONS; None: none).
+    Exactly one of ``rewards`` [S] (each group's ``config.group_size`` segments
+    contiguous) and ``advantages`` [N] is given (batch.SurrogateBatch); ``entropy`` enters
+    as ``- entropy_coef * aggregate(entropy)``.
 
     The objective (``config.objective``, objectives.py) is a per-token loss of the
     token's ratio in ``config.ratio_level``'s form (token_terms.token_ratio), its advantage
     and its log-prob, times the token's importance weight, aggregated by
     ``config.loss_agg_mode``.
     """
-    mask = response_mask.bool()
+    layout, config, mask = batch.layout, batch.config, batch.mask.bool()
+    rewards, advantages, anchor = batch.rewards, batch.advantages, batch.anchor
+    importance_weights, selected = batch.importance_weights, batch.selected
     # In fp32 at least (precision.py), as every kernel computes: a float16 ratio overflows
     # once the log-ratio passes 11. The gradient reaches the inputs in their own dtype.
-    compute = accumulate_dtype(logprobs.dtype)
-    logprobs = logprobs.to(compute)
-    old_logprobs = old_logprobs.detach().to(compute)
-    entropy = None if entropy is None else entropy.to(compute)
+    compute = accumulate_dtype(batch.logprobs.dtype)
+    logprobs = batch.logprobs.to(compute)
+    old_logprobs = batch.old_logprobs.detach().to(compute)
+    entropy = None if batch.entropy is None else batch.entropy.to(compute)
     advantage, phi = weighted_advantages(rewards, advantages, config, anchor)
     advantage = advantage.to(torch.promote_types(advantage.dtype, logprobs.dtype))
     token_advantage = layout.expand(advantage) if advantages is None else advantage
@@ -84,13 +69,15 @@ def surrogate_loss(
     metrics: dict[str, torch.Tensor] = {}
     if config.beta > 0:
         zero = torch.zeros_like(logprobs)
-        ref_kl = kl_estimate(own_logprobs, torch.where(mask, ref_logprobs.detach(), zero), config.kl_estimator)
+        ref_kl = kl_estimate(own_logprobs, torch.where(mask, batch.ref_logprobs.detach(), zero), config.kl_estimator)
         loss = loss + config.beta * aggregate(ref_kl, mask, layout, config)
         metrics["ref_kl"] = masked_mean(ref_kl.detach(), mask)
     if entropy is not None:
         if config.entropy_coef > 0:
             loss = loss - config.entropy_coef * aggregate(entropy, mask, layout, config)
         metrics["entropy_mean"] = masked_mean(entropy.detach(), mask)
+    if not batch.with_metrics:
+        return loss, {}
 
     with torch.no_grad():
         # Where the ratio is per response, the sign of the response's advantage (of the
