@@ -149,7 +149,7 @@ HADW_ALWAYS_INLINE ObjectiveTerm<T> clip_term(T ratio, T advantage, const Object
 }
 
 // Whether a token's probability moved within DPPO's range in the direction its advantage
-// favours (objectives._dppo_moved_within): by p - p_old (kTotalVariation) or by the
+// favours (objectives.dppo_moved_within): by p - p_old (kTotalVariation) or by the
 // binary KL of (p_old, p), the log's +1e-8 as verl's.
 template <bool kTotalVariation, typename T>
 HADW_ALWAYS_INLINE bool dppo_moved_within(T logprob, T old_logprob, T advantage, const ObjectiveOptions<T>& options) {

@@ -13,8 +13,8 @@ from .backends import check_backend_name, resolve_backend
 from .config import (
     AGGREGATIONS,
     IGNORE_INDEX,
-    LossConfig,
     OBJECTIVES,
+    LossConfig,
     LossOptions,
     check_block_rows,
     check_linear_path,

@@ -76,29 +76,34 @@ def gpg_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     return -advantage * logprob
 
 
-def _dppo_moved_within(logprob, old_logprob, advantage, config: LossConfig, divergence: str):
-    """DPPO's stop-gradient mask (verl's valid_mask): whether the token's probability moved
-    within the clip range in the direction its advantage favours; p = exp(l)."""
+def dppo_moved_within(logprob, old_logprob, advantage, epsilon_low: float, epsilon_high: float, divergence: str):
+    """DPPO's stop-gradient mask (verl's valid_mask), as 0 or 1 in the log-probs' dtype:
+    whether the token's probability p = exp(l) moved within the clip range in the direction
+    its advantage favours, by p - p_old ("tv") or by the binary KL of (p_old, p) ("kl")."""
     prob, old_prob = torch.exp(logprob.detach()), torch.exp(old_logprob)
     if divergence == "tv":
-        up, down = (prob - old_prob) <= config.epsilon_high, (prob - old_prob) >= -config.epsilon_low
-    else:  # the binary KL of (p_old, p), +1e-8 in its log as verl's
+        up, down = (prob - old_prob) <= epsilon_high, (prob - old_prob) >= -epsilon_low
+    else:  # +1e-8 in its log as verl's
         binary_kl = old_prob * (old_logprob - logprob.detach()) + (1 - old_prob) * torch.log(
             (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
-        up = (binary_kl <= config.epsilon_high) | (prob <= old_prob)
-        down = (binary_kl <= config.epsilon_low) | (prob >= old_prob)
+        up = (binary_kl <= epsilon_high) | (prob <= old_prob)
+        down = (binary_kl <= epsilon_low) | (prob >= old_prob)
     return _where(advantage > 0, up, down).to(logprob.dtype)
+
+
+def _dppo_mask(logprob, old_logprob, advantage, config: LossConfig, divergence: str):
+    return dppo_moved_within(logprob, old_logprob, advantage, config.epsilon_low, config.epsilon_high, divergence)
 
 
 def dppo_tv_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-sg[min(rho, ratio_cap)] A l sg[p - p_old within the range on A's side]."""
-    moved = _dppo_moved_within(logprob, old_logprob, advantage, config, "tv")
+    moved = _dppo_mask(logprob, old_logprob, advantage, config, "tv")
     return -rho.detach().clamp(max=config.option("ratio_cap")) * advantage * logprob * moved
 
 
 def dppo_kl_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-sg[min(rho, ratio_cap)] A l sg[binary KL within the range, or p moved A's way]."""
-    moved = _dppo_moved_within(logprob, old_logprob, advantage, config, "kl")
+    moved = _dppo_mask(logprob, old_logprob, advantage, config, "kl")
     return -rho.detach().clamp(max=config.option("ratio_cap")) * advantage * logprob * moved
 
 
@@ -187,12 +192,12 @@ def gpg_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
 
 
 def dppo_tv_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
-    moved = _dppo_moved_within(logprob, old_logprob, advantage, config, "tv")
+    moved = _dppo_mask(logprob, old_logprob, advantage, config, "tv")
     return torch.zeros_like(rho), -rho.clamp(max=config.option("ratio_cap")) * advantage * moved
 
 
 def dppo_kl_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
-    moved = _dppo_moved_within(logprob, old_logprob, advantage, config, "kl")
+    moved = _dppo_mask(logprob, old_logprob, advantage, config, "kl")
     return torch.zeros_like(rho), -rho.clamp(max=config.option("ratio_cap")) * advantage * moved
 
 

@@ -52,6 +52,7 @@ from ..advantage import hadw_advantages
 from ..anchor import DifficultyAnchor
 from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP, check_finite_positive
 from ..loss import fused_hadw_grpo_loss
+from ..objectives import dppo_moved_within
 from .rewards import require_unit_interval
 
 logger = logging.getLogger(__name__)
@@ -328,15 +329,8 @@ def _sapo_metrics(terms: MetricInputs) -> dict:
 
 def _dppo_metrics(terms: MetricInputs, divergence: str) -> dict:
     # The tokens DPPO's mask drops, and those it keeps whose ratio its cap truncates.
-    prob, old_prob = torch.exp(terms.log_prob), torch.exp(terms.old_log_prob)
-    if divergence == "tv":
-        up, down = prob - old_prob <= terms.epsilon_high, prob - old_prob >= -terms.epsilon_low
-    else:
-        binary_kl = old_prob * (terms.old_log_prob - terms.log_prob) + (1 - old_prob) * torch.log(
-            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
-        up = (binary_kl <= terms.epsilon_high) | (prob <= old_prob)
-        down = (binary_kl <= terms.epsilon_low) | (prob >= old_prob)
-    kept = torch.where(terms.advantages > 0, up, down).float()
+    kept = dppo_moved_within(terms.log_prob, terms.old_log_prob, terms.advantages, terms.epsilon_low,
+                             terms.epsilon_high, divergence).float()
     capped = (torch.exp(terms.log_ratio) > terms.options["ratio_cap"]).float() * kept
     return {"actor/pg_clipfrac": _token_mean(1.0 - kept, terms.mask), "actor/ppo_kl": _ppo_kl(terms),
             "actor/pg_clipfrac_lower": _token_mean(capped, terms.mask)}

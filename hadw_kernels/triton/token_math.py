@@ -157,7 +157,7 @@ def clip_objective(ratio, advantage, ratio_low, ratio_high, delta, dual_clip):
 
 @triton.jit
 def dppo_moved_within(logprob, old_logprob, advantage, epsilon_low, epsilon_high, TOTAL_VARIATION: tl.constexpr):
-    """objectives._dppo_moved_within: whether the token's probability moved within the
+    """objectives.dppo_moved_within: whether the token's probability moved within the
     range in the direction its advantage favours, by p - p_old (TOTAL_VARIATION) or by the
     binary KL of (p_old, p) (the log's +1e-8 as verl's)."""
     prob = tl.exp(logprob)
