@@ -498,6 +498,21 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def cached_unless_compiling(cached, key, direct):
+    """``cached(key())``, a call's value formed once per key, or ``direct()`` under
+    torch.compile (traced once per graph; Dynamo does not trace the cache) or for a key
+    that does not hash (an option of the wrong type, a list say, which ``direct`` then
+    refuses by name)."""
+    if _compiling():
+        return direct()
+    key = key()
+    try:
+        hash(key)
+    except TypeError:
+        return direct()
+    return cached(key)
+
+
 # SAPO's temperatures for which every backend's float32 arithmetic stays finite.
 SAPO_TEMPERATURE_RANGE = (1e-30, 1e30)
 
@@ -740,11 +755,9 @@ class LossConfig:
     def kernel_options(self) -> dict:
         """The resolved options as the ops take them (``ops.schemas``): names of modes
         become their index in :data:`AGG_MODES`, :data:`RATIO_LEVELS`, :data:`KL_ESTIMATORS`.
-        Formed once per config (a config is frozen), but under torch.compile; the caller
-        must not modify the dict."""
-        if _compiling():
-            return self._kernel_options()
-        return _cached_kernel_options(self)
+        Formed once per config (a config is frozen), but under torch.compile; each call
+        gets its own dict, so a caller that edits one changes no other call's."""
+        return dict(cached_unless_compiling(_cached_kernel_options, lambda: self, self._kernel_options))
 
     def _kernel_options(self) -> dict:
         return dict(

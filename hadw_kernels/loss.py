@@ -16,6 +16,7 @@ from .config import (
     OBJECTIVES,
     LossConfig,
     LossOptions,
+    cached_unless_compiling,
     check_block_rows,
     check_linear_path,
     ordered_metrics,
@@ -210,7 +211,8 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch, *, rollout_logpr
         counted = batch.mask.bool()
         selected = SELECTIONS[config.objective](logprobs.detach(), old_logprobs.detach(),
                                                 token_advantage.to(logprobs.dtype), counted, config, generator)
-        corrected_metrics["selected_frac"] = masked_mean(selected, counted)
+        if batch.with_metrics:
+            corrected_metrics["selected_frac"] = masked_mean(selected, counted)
         batch = batch.replace(selected=selected)
     if config.kl_bias_correction:
         kernel_config = dataclasses.replace(config, beta=0.0, kl_bias_correction=False, kl_bias_ratio="objective")
@@ -406,32 +408,19 @@ def _call_config(config: LossConfig | None, options: dict, backend: str, *, line
     if config is None:
         loss_type = options.pop("loss_type", None) or "grpo"
         # Keyed by each value's type too: True and 1 are equal but only one is valid.
-        return _once(_built_config,
-                     lambda: (loss_type, tuple(sorted((name, type(value), value) for name, value in options.items()))),
-                     lambda: LossConfig.build(loss_type, **options))
+        return cached_unless_compiling(
+            _built_config,
+            lambda: (loss_type, tuple(sorted((name, type(value), value) for name, value in options.items()))),
+            lambda: LossConfig.build(loss_type, **options))
     if given:
         raise TypeError(f"pass the loss's options either as config= or as keywords, not both: got config and {given}")
-    _once(_validated, lambda: config, config.validate)
+    cached_unless_compiling(_validated, lambda: config, config.validate)
     return config
 
 
 # A call's config is built and checked once per distinct set of options, not on every
 # call: that was a quarter of a small call's host time (docs/benchmarks.md, "Host time of
 # a small call"). An invalid one raises and is not cached.
-def _once(cached, key, direct):
-    """``cached(key())``, or ``direct()`` under torch.compile (traced once per graph;
-    Dynamo does not trace the cache) or for a key that does not hash (an option of the
-    wrong type, a list say, which ``direct`` then refuses by name)."""
-    if torch.compiler.is_compiling():
-        return direct()
-    key = key()
-    try:
-        hash(key)
-    except TypeError:
-        return direct()
-    return cached(key)
-
-
 @functools.lru_cache(maxsize=256)
 def _built_config(key: tuple) -> LossConfig:
     loss_type, items = key

@@ -230,3 +230,12 @@ def test_a_call_s_config_is_built_once_per_set_of_options_and_never_hides_an_err
     built = _call_config(None, {"rollout_correction": correction}, "auto", linear=False)
     assert built.rollout_correction == correction
     assert _call_config(None, {"rollout_correction": correction}, "auto", linear=False) is built
+
+
+def test_kernel_options_are_a_fresh_dict_each_call():
+    """The op options are formed once per config, but a caller that edits its dict (tests
+    refusing a ratio form do) must not change the next call's."""
+    config = LossConfig.build("vespo")
+    edited = config.kernel_options()
+    edited["ratio_level"] = -1
+    assert config.kernel_options()["ratio_level"] != -1
