@@ -176,7 +176,6 @@ HADW_ALWAYS_INLINE ObjectiveTerm<T> objective_term(T ratio, T advantage, T logpr
                                                    const ObjectiveOptions<T>& options) {
   static_assert(config::kObjectiveCount == 12,
                 "config.OBJECTIVES changed: teach objective_term (csrc/token_math.h) the new one");
-  constexpr T kOff = std::numeric_limits<T>::infinity();
   if constexpr (kObjective == config::kObjectiveClip) {
     return clip_term(ratio, advantage, options, options[config::kOptionDelta], options[config::kOptionDualClip]);
   } else if constexpr (kObjective == config::kObjectiveCispoCap) {
@@ -215,6 +214,7 @@ HADW_ALWAYS_INLINE ObjectiveTerm<T> objective_term(T ratio, T advantage, T logpr
     const T log_ratio = logprob - old_logprob;
     return {-(logprob * advantage - T(0.5) * beta * (log_ratio * log_ratio)), T(0), -advantage + beta * log_ratio};
   } else if constexpr (kObjective == config::kObjectiveClipCov) {
+    constexpr T kOff = std::numeric_limits<T>::infinity();  // no delta, no dual clip
     ObjectiveTerm<T> term = clip_term(ratio, advantage, options, kOff, kOff);
     const T kept = T(1) - selected;
     return {term.value * kept, term.d_ratio * kept, T(0)};

@@ -76,12 +76,13 @@ def gpg_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     return -advantage * logprob
 
 
-def dppo_moved_within(logprob, old_logprob, advantage, epsilon_low: float, epsilon_high: float, divergence: str):
+def dppo_moved_within(logprob, old_logprob, advantage, epsilon_low: float, epsilon_high: float, objective: str):
     """DPPO's stop-gradient mask (verl's valid_mask), as 0 or 1 in the log-probs' dtype:
     whether the token's probability p = exp(l) moved within the clip range in the direction
-    its advantage favours, by p - p_old ("tv") or by the binary KL of (p_old, p) ("kl")."""
+    its advantage favours, by p - p_old (``dppo_tv``) or by the binary KL of (p_old, p)
+    (``dppo_kl``)."""
     prob, old_prob = torch.exp(logprob.detach()), torch.exp(old_logprob)
-    if divergence == "tv":
+    if objective == "dppo_tv":
         up, down = (prob - old_prob) <= epsilon_high, (prob - old_prob) >= -epsilon_low
     else:  # +1e-8 in its log as verl's
         binary_kl = old_prob * (old_logprob - logprob.detach()) + (1 - old_prob) * torch.log(
@@ -91,19 +92,15 @@ def dppo_moved_within(logprob, old_logprob, advantage, epsilon_low: float, epsil
     return _where(advantage > 0, up, down).to(logprob.dtype)
 
 
-def _dppo_mask(logprob, old_logprob, advantage, config: LossConfig, divergence: str):
-    return dppo_moved_within(logprob, old_logprob, advantage, config.epsilon_low, config.epsilon_high, divergence)
+def _dppo_mask(logprob, old_logprob, advantage, config: LossConfig):
+    return dppo_moved_within(logprob, old_logprob, advantage, config.epsilon_low, config.epsilon_high,
+                             config.objective)
 
 
-def dppo_tv_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
-    """-sg[min(rho, ratio_cap)] A l sg[p - p_old within the range on A's side]."""
-    moved = _dppo_mask(logprob, old_logprob, advantage, config, "tv")
-    return -rho.detach().clamp(max=config.option("ratio_cap")) * advantage * logprob * moved
-
-
-def dppo_kl_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
-    """-sg[min(rho, ratio_cap)] A l sg[binary KL within the range, or p moved A's way]."""
-    moved = _dppo_mask(logprob, old_logprob, advantage, config, "kl")
+def dppo_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    """-sg[min(rho, ratio_cap)] A l sg[m], m whether p moved within the range on A's side
+    (:func:`dppo_moved_within`; dppo_tv and dppo_kl differ in m alone)."""
+    moved = _dppo_mask(logprob, old_logprob, advantage, config)
     return -rho.detach().clamp(max=config.option("ratio_cap")) * advantage * logprob * moved
 
 
@@ -130,8 +127,8 @@ VALUES = {
     "gmpo": gmpo_value,
     "vespo": vespo_value,
     "gpg": gpg_value,
-    "dppo_tv": dppo_tv_value,
-    "dppo_kl": dppo_kl_value,
+    "dppo_tv": dppo_value,
+    "dppo_kl": dppo_value,
     "dro": dro_value,
     "clip_cov": clip_cov_value,
     "kl_cov": kl_cov_value,
@@ -191,13 +188,8 @@ def gpg_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     return torch.zeros_like(rho), -advantage
 
 
-def dppo_tv_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
-    moved = _dppo_mask(logprob, old_logprob, advantage, config, "tv")
-    return torch.zeros_like(rho), -rho.clamp(max=config.option("ratio_cap")) * advantage * moved
-
-
-def dppo_kl_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
-    moved = _dppo_mask(logprob, old_logprob, advantage, config, "kl")
+def dppo_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
+    moved = _dppo_mask(logprob, old_logprob, advantage, config)
     return torch.zeros_like(rho), -rho.clamp(max=config.option("ratio_cap")) * advantage * moved
 
 
@@ -223,8 +215,8 @@ SLOPES = {
     "gmpo": gmpo_slope,
     "vespo": vespo_slope,
     "gpg": gpg_slope,
-    "dppo_tv": dppo_tv_slope,
-    "dppo_kl": dppo_kl_slope,
+    "dppo_tv": dppo_slope,
+    "dppo_kl": dppo_slope,
     "dro": dro_slope,
     "clip_cov": clip_cov_slope,
     "kl_cov": kl_cov_slope,
@@ -256,6 +248,11 @@ def vespo_weight(summed_log_ratio, advantage, config: LossConfig):
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
+def ppo_terms(ratio, advantage, epsilon_low: float, epsilon_high: float):
+    """PPO's two loss terms (verl's pg_losses1 and pg_losses2): -A rho, -A clip(rho)."""
+    return -advantage * ratio, -advantage * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
+
+
 # --- the batch statistics that select tokens ------------------------------------------------
 # An objective with selects_tokens (config.OBJECTIVES) reads the whole call first: its
 # selection [N] (bool) reaches every backend's kernels as each token's weight s (1: selected).
@@ -279,7 +276,7 @@ def clip_cov_selection(logprobs, old_logprobs, advantage, mask, config: LossConf
     that PPO's clip leaves unclipped and whose covariance lies in (clip_cov_lb,
     clip_cov_ub), in token order; N the counted tokens."""
     ratio = torch.exp(logprobs - old_logprobs)  # unclamped, as verl's
-    unclipped, clipped = -advantage * ratio, -advantage * ratio.clamp(1 - config.epsilon_low, 1 + config.epsilon_high)
+    unclipped, clipped = ppo_terms(ratio, advantage, config.epsilon_low, config.epsilon_high)
     covariance = _covariance(advantage, logprobs, mask)
     candidates = mask & ~(clipped > unclipped) & (covariance > config.option("clip_cov_lb")) \
         & (covariance < config.option("clip_cov_ub"))

@@ -31,6 +31,7 @@ folder and restores it when verl resumes from one.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -52,7 +53,7 @@ from ..advantage import hadw_advantages
 from ..anchor import DifficultyAnchor
 from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP, check_finite_positive
 from ..loss import fused_hadw_grpo_loss
-from ..objectives import dppo_moved_within
+from ..objectives import dppo_moved_within, ppo_terms
 from .rewards import require_unit_interval
 
 logger = logging.getLogger(__name__)
@@ -260,11 +261,6 @@ def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / (mask.sum() + 1e-8)
 
 
-def _ppo_terms(ratio, advantages, epsilon_low, epsilon_high):
-    # PPO's two loss terms (verl's pg_losses1 and pg_losses2): unclipped and clipped.
-    return -advantages * ratio, -advantages * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
-
-
 class MetricInputs(NamedTuple):
     """What verl's metric rules read: the call's tensors (detached), its log-ratio (clamped
     to +-20 where the loss's verl function clamps it), its clip range, the LossConfig
@@ -286,7 +282,7 @@ def _ppo_kl(terms: MetricInputs) -> torch.Tensor:
 
 
 def _vanilla_metrics(terms: MetricInputs) -> dict:
-    unclipped, clipped = _ppo_terms(torch.exp(terms.log_ratio), terms.advantages, terms.epsilon_low,
+    unclipped, clipped = ppo_terms(torch.exp(terms.log_ratio), terms.advantages, terms.epsilon_low,
                                     terms.epsilon_high)
     # Tokens whose clipped term is the larger loss; and those whose loss the dual clip
     # bounds: a negative advantage, a loss above -A c.
@@ -301,7 +297,7 @@ def _gspo_metrics(terms: MetricInputs) -> dict:
     mask = terms.mask
     sequence = torch.where(mask, terms.log_ratio, 0.0).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
     ratio = torch.exp(sequence.clamp(max=10.0))[:, None].expand_as(terms.log_ratio)
-    unclipped, clipped = _ppo_terms(ratio, terms.advantages, terms.epsilon_low, terms.epsilon_high)
+    unclipped, clipped = ppo_terms(ratio, terms.advantages, terms.epsilon_low, terms.epsilon_high)
     return {"actor/pg_clipfrac": _token_mean(clipped > unclipped, mask), "actor/ppo_kl": _ppo_kl(terms),
             "actor/pg_clipfrac_lower": 0.0}
 
@@ -327,10 +323,10 @@ def _sapo_metrics(terms: MetricInputs) -> dict:
     return {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": _ppo_kl(terms), "actor/pg_clipfrac_lower": 0.0}
 
 
-def _dppo_metrics(terms: MetricInputs, divergence: str) -> dict:
+def _dppo_metrics(terms: MetricInputs, objective: str) -> dict:
     # The tokens DPPO's mask drops, and those it keeps whose ratio its cap truncates.
     kept = dppo_moved_within(terms.log_prob, terms.old_log_prob, terms.advantages, terms.epsilon_low,
-                             terms.epsilon_high, divergence).float()
+                             terms.epsilon_high, objective).float()
     capped = (torch.exp(terms.log_ratio) > terms.options["ratio_cap"]).float() * kept
     return {"actor/pg_clipfrac": _token_mean(1.0 - kept, terms.mask), "actor/ppo_kl": _ppo_kl(terms),
             "actor/pg_clipfrac_lower": _token_mean(capped, terms.mask)}
@@ -359,8 +355,8 @@ CLIP_METRICS = {
     "sapo": (_sapo_metrics, True),
     "geo_mean": (_geo_mean_metrics, False),
     "cispo": (_cispo_metrics, True),
-    "dppo_tv": (lambda terms: _dppo_metrics(terms, "tv"), True),
-    "dppo_kl": (lambda terms: _dppo_metrics(terms, "kl"), True),
+    "dppo_tv": (functools.partial(_dppo_metrics, objective="dppo_tv"), True),
+    "dppo_kl": (functools.partial(_dppo_metrics, objective="dppo_kl"), True),
     "clip_cov": (_clip_cov_metrics, False),
     "kl_cov": (_kl_cov_metrics, False),
     "dro": (_dro_metrics, False),

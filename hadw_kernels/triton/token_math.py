@@ -186,7 +186,6 @@ def objective_terms(ratio, advantage, logprob, old_logprob, weight, ratio_low, r
     that selects tokens), ``options`` the option vector (objective_option_values). Ratios
     taken through a stop-gradient (CISPO's, VESPO's weight, DPPO's) pass no gradient to rho."""
     zero = tl.zeros(ratio.shape, ratio.dtype)
-    off = zero + float("inf")
     if OBJECTIVE == OBJECTIVE_CLIP:
         objective, d_ratio = clip_objective(ratio, advantage, ratio_low, ratio_high, options[OPTION_DELTA],
                                             options[OPTION_DUAL_CLIP])
@@ -233,6 +232,7 @@ def objective_terms(ratio, advantage, logprob, old_logprob, weight, ratio_low, r
         d_ratio = zero
         d_logprob = -advantage + beta * log_ratio
     elif OBJECTIVE == OBJECTIVE_CLIP_COV:
+        off = zero + float("inf")  # no delta, no dual clip
         objective, d_ratio = clip_objective(ratio, advantage, ratio_low, ratio_high, off, off)
         objective = objective * (1.0 - weight)
         d_ratio = d_ratio * (1.0 - weight)
