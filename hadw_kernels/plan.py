@@ -8,7 +8,7 @@ with the largest group size G that fits a GPU. Example:
 
 ``--budget`` speaks in token budgets instead: the largest number of tokens (prompt +
 response, whole sequences) one micro-batch can hold with each loss. A trainer that packs
-micro-batches by tokens rather than by whole groups (``python -m trainer.probe
+micro-batches by tokens rather than by whole groups (``python -m trainer.tools.probe
 --micro-batch-tokens``) trains any G: a group of G responses becomes ceil(G / k)
 micro-batches of k sequences with their gradients accumulated, so the micro-step's
 memory no longer grows with G (only the number of micro-batches, hence the time, does).

@@ -1,10 +1,11 @@
 """The command-line tools: a bad argument is refused as argparse refuses one (the usage
 line, one message naming the flag, exit code 2, no traceback), ``--help`` shows every
-option's default, the demo prints the same for the same seed, and the probe runs as a
-file from any directory."""
+option's default, the demo prints the same for the same seed, and the trainer's
+commands run from any directory."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _demo(argv):
@@ -36,19 +36,19 @@ def _theory(argv):
 
 
 def _probe(argv):
-    from trainer.probe import parse_args
+    from trainer.tools.probe import parse_args
 
     return parse_args(argv)
 
 
 def _compare(argv):
-    from trainer.compare import main
+    from trainer.tools.compare import main
 
     return main(argv)
 
 
 def _calibrate(argv):
-    from trainer.calibrate import main
+    from trainer.tools.calibrate import main
 
     return main(argv)
 
@@ -172,29 +172,33 @@ def test_probe_help_describes_it_once_and_whole(capsys):
         _probe(["--help"])
     out = capsys.readouterr().out
     assert out.count("Peak memory and throughput of real train steps") == 1
-    assert "at a chosen token budget: ``python -m trainer.probe``." in " ".join(out.split())
+    assert "at a chosen token budget: ``python -m trainer.tools.probe``." in " ".join(out.split())
     assert "--find-max-budget`` bisects" in out  # the details follow, as written
 
 
-def test_probe_runs_as_a_file_from_any_directory(tmp_path):
-    """``python -m trainer.probe`` needs the repository root as the working directory
-    (docs/trainer.md); the file itself runs from anywhere. The library comes from a
-    directory holding only it, so that nothing else of the repository is importable."""
-    library = tmp_path / "site"
-    library.mkdir()
-    (library / "hadw_kernels").symlink_to(REPO / "hadw_kernels")
-    env = {**os.environ, "PYTHONPATH": str(library), "OMP_NUM_THREADS": "1"}
+def test_the_trainer_commands_run_from_any_directory(tmp_path):
+    """The trainer is installed with the library: each command runs as a module and as a
+    file from a directory outside the checkout, and the probe writes only where it is
+    told (--json)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
-    completed = subprocess.run(
-        [sys.executable, str(REPO / "trainer" / "probe.py"), "--preset", "tiny", "--device", "cpu", "-G", "2",
-         "-L", "4", "-P", "2", "--steps", "1", "--threads", "1"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )
+    env.pop("PYTHONPATH", None)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    figures = tmp_path / "out" / "probe.json"
+    probe = ["--preset", "tiny", "--device", "cpu", "-G", "2", "-L", "4", "-P", "2", "--steps", "1",
+             "--threads", "1", "--json", str(figures)]
+    completed = subprocess.run([sys.executable, "-m", "trainer.tools.probe", *probe], cwd=elsewhere, env=env,
+                               capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert '"preset": "tiny"' in completed.stdout
-    elsewhere = subprocess.run([sys.executable, "-m", "trainer.probe", "--help"], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=120)
-    assert "No module named 'trainer'" in elsewhere.stderr  # as docs/trainer.md says
+    assert json.loads(figures.read_text())["preset"] == "tiny"
+    assert list(elsewhere.iterdir()) == []
+    for module in ("trainer.run", "trainer.tools.probe", "trainer.tools.compare", "trainer.tools.calibrate"):
+        as_file = REPO.joinpath(*module.split(".")).with_suffix(".py")
+        for command in ([sys.executable, "-m", module, "--help"], [sys.executable, str(as_file), "--help"]):
+            shown = subprocess.run(command, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+            assert shown.returncode == 0 and shown.stdout.startswith("usage:"), (command, shown.stderr[-2000:])
+    assert list(elsewhere.iterdir()) == []
 
 
 def _demo_output(seed: int) -> str:

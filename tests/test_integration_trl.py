@@ -22,7 +22,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_weights  # noqa: E402
 from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
 from hadw_kernels.integrations.trl import ANCHOR_FILE, HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
-from trainer.tiny_model import build_tokenizer  # noqa: E402
+from trainer.models.tiny_model import build_tokenizer  # noqa: E402
 
 TOKENIZER = build_tokenizer(["[PAD]", "[BOS]", "[EOS]"] + [str(digit) for digit in range(10)])
 PROMPTS = Dataset.from_dict({"prompt": [f"{i} {i + 1}" for i in range(8)]})

@@ -23,7 +23,7 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "hadw_kernels")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "hadw_kernels", "trainer")
 
 
 def pip(*arguments, cwd=None) -> subprocess.CompletedProcess:
@@ -80,6 +80,11 @@ def test_wheel_declares_ranges_license_types_and_the_verl_plugin(wheel):
         (entry_points_name,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
         entry_points = archive.read(entry_points_name).decode()
     assert "hadw_kernels/py.typed" in names
+    # The trainer, every subpackage and its configs: `python -m trainer.run` from anywhere.
+    trainer_files = {name for name in names if name.startswith("trainer/")}
+    source_files = {path.relative_to(ROOT).as_posix() for path in (ROOT / "trainer").rglob("*")
+                    if path.suffix in (".py", ".yaml") and "__pycache__" not in path.parts}
+    assert trainer_files == source_files and "trainer/configs/smollm2_arithmetic.yaml" in trainer_files
     assert any(re.search(r"\.dist-info/licenses/LICENSE$", name) for name in names)
     assert metadata["License-Expression"] == "Apache-2.0"
     requirements = [Requirement(text) for text in metadata.get_all("Requires-Dist")]

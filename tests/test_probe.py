@@ -1,4 +1,4 @@
-"""The probe (python -m trainer.probe): its bisection on fake predicates, and the tiny
+"""The probe (python -m trainer.tools.probe): its bisection on fake predicates, and the tiny
 preset's real train steps on the CPU for both losses (a smoke test: the figures' fields,
 no assertion on time)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.probe import largest_fitting
+from trainer.tools.probe import largest_fitting
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def test_tiny_preset_runs_on_the_cpu(tmp_path, loss, layout, flags):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     completed = subprocess.run(
-        [sys.executable, "-m", "trainer.probe", "--preset", "tiny", "--loss", loss, "--device", "cpu",
+        [sys.executable, "-m", "trainer.tools.probe", "--preset", "tiny", "--loss", loss, "--device", "cpu",
          "-G", "4", "-L", "16", "-P", "4", "--micro-batch-tokens", "40", "--steps", "2", "--threads", "1",
          "--find-max-budget", "--memory-limit-gib", "64", "--max-budget-tokens", "160", "--json", str(out),
          *flags],
@@ -103,7 +103,7 @@ def test_tiny_preset_runs_on_the_cpu(tmp_path, loss, layout, flags):
 
 
 def test_the_cpu_bisection_needs_a_memory_limit():
-    from trainer.probe import parse_args
+    from trainer.tools.probe import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--device", "cpu", "--find-max-budget"])
@@ -113,7 +113,7 @@ def test_the_cpu_bisection_needs_a_memory_limit():
 # a GPU would: the bisection must count it as "does not fit" and go on with a new engine.
 FAKE_OUT_OF_MEMORY = """
 import sys, torch
-from trainer import probe
+from trainer.tools import probe
 real = probe.accumulate
 def accumulate(policy, batch, *args, **kwargs):
     if len(batch.response_lengths) > 5:
@@ -148,7 +148,7 @@ def test_the_probe_builds_every_model_the_planner_knows():
     import torch
 
     from hadw_kernels.plan import PRESETS as SHAPES
-    from trainer.probe import PRESETS, build_model
+    from trainer.tools.probe import PRESETS, build_model
 
     assert PRESETS == (*SHAPES, "tiny")
     for name, shape in SHAPES.items():

@@ -1,4 +1,4 @@
-"""The segment attention (trainer/segment_attention.py): each segment of a packed row
+"""The segment attention (trainer/models/segment_attention.py): each segment of a packed row
 attends within itself (and to its prefix, a shared prompt) at its own cost, equal to
 dense attention under the mask the segments describe, forward and backward; on the
 device the suite runs on (HADW_TEST_DEVICE=cuda: the varlen flash path in half precision
@@ -6,15 +6,12 @@ too). The models' side (hidden states, a train step's gradient) is in
 tests/test_trainer_micro_batches.py."""
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.segment_attention import VARLEN, Segments  # noqa: E402
+from trainer.models.segment_attention import VARLEN, Segments
 
 # The suite's device (tests/conftest.py): the CPU, or a GPU under HADW_TEST_DEVICE=cuda.
 DEVICE = torch.device(os.environ.get("HADW_TEST_DEVICE", "cpu"))

@@ -2,7 +2,6 @@
 that training never draws, and the math-verify scorer on the answers a model writes."""
 
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +10,8 @@ import pytest
 pytest.importorskip("math_verify", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from trainer.arithmetic_task import LEVELS, held_out_problems, make_problem, sample_problems, score_arithmetic  # noqa: E402
+from trainer.tasks.arithmetic_task import LEVELS, held_out_problems, make_problem, sample_problems, score_arithmetic
 
 TEMPLATE = "{question} Give the final answer as a number."
 

@@ -17,18 +17,17 @@ import pytest
 
 pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
 
-import torch  # noqa: E402
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from trainer.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from trainer.checkpoint_files import CheckpointError, completed_checkpoints, select_checkpoint  # noqa: E402
-from trainer.config import ConfigError  # noqa: E402
-from trainer.metrics_log import MetricsLog, read_metrics  # noqa: E402
-from trainer.run import resume_point  # noqa: E402
+from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
+from trainer.checkpoint_files import CheckpointError, completed_checkpoints, select_checkpoint
+from trainer.config import ConfigError
+from trainer.engine.metrics_log import MetricsLog, read_metrics
+from trainer.run import resume_point
 
-from hadw_kernels import DifficultyAnchor  # noqa: E402
+from hadw_kernels import DifficultyAnchor
 
 
 class _Engine:

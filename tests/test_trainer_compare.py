@@ -1,7 +1,6 @@
 """compare.py's outputs from given run logs: the markdown table and the side-by-side plot
 (the runs themselves are trainer/run.py, tested end to end elsewhere)."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,10 +8,9 @@ import pytest
 pytest.importorskip("matplotlib", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from trainer.compare import LR_SCALED, VARIANTS, collapsed, main, mean_phi, results_table, run_name  # noqa: E402
-from trainer.plotting import plot_comparison  # noqa: E402
+from trainer.tools.compare import LR_SCALED, VARIANTS, collapsed, main, mean_phi, results_table, run_name
+from trainer.engine.plotting import plot_comparison
 
 
 def _seed(start, end, reward, entropy=0.3, lr=1e-3):
@@ -41,7 +39,7 @@ def test_table_and_plot_of_three_variants(tmp_path):
 
 def test_run_times_read_in_seconds_under_ten_minutes():
     """A 70-second run reads "70 s", not "minutes a run 0.1"."""
-    from trainer.compare import duration
+    from trainer.tools.compare import duration
 
     assert [duration(70.4), duration(599.0), duration(600.0), duration(6600.0)] == [
         "70 s", "599 s", "10.0 min", "110.0 min"]

@@ -13,11 +13,10 @@ import pytest
 pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
-from trainer.config import ConfigError, load_config, validate  # noqa: E402
-from trainer.loop import build_anchor  # noqa: E402
+from hadw_kernels.anchor import DEFAULT_RULE
+from trainer.config import ConfigError, load_config, validate
+from trainer.engine.loop import build_anchor
 
 
 def _model_dir(tmp_path, head_dim=128) -> Path:
@@ -242,8 +241,8 @@ def test_export_hf_keeps_files_it_did_not_write(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainer.checkpoint_files import HF_EXPORT_MARKER
-    from trainer.policy import Policy
-    from trainer.tiny_model import build_tokenizer
+    from trainer.engine.policy import Policy
+    from trainer.models.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer(["[PAD]", "[BOS]", "[EOS]", "a", "b"])
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,

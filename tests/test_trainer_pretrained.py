@@ -12,16 +12,15 @@ import pytest
 pytest.importorskip("gguf", reason="the smollm2 extra is not installed (scripts/setup_venv.sh)")
 pytest.importorskip("accelerate", reason="the smollm2 extra is not installed (scripts/setup_venv.sh)")
 
-import torch  # noqa: E402
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_gguf import write_tiny_llama_gguf  # noqa: E402
+from tiny_gguf import write_tiny_llama_gguf
 
-from trainer import pretrained  # noqa: E402
-from trainer.config import ConfigError, load_config, validate  # noqa: E402
+from trainer.models import pretrained
+from trainer.config import ConfigError, load_config, validate
 
 
 def test_a_gguf_file_converts_once_into_the_same_model(tmp_path):

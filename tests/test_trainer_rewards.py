@@ -12,19 +12,18 @@ pytest.importorskip("math_verify", reason="the trainer extra is not installed (s
 pytest.importorskip("transformers", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from trainer.config import load_config  # noqa: E402
-from trainer.math_data import MathDataset, last_boxed  # noqa: E402
-from trainer.problem import Problem  # noqa: E402
-from trainer.rewards import InProcessReward, PooledReward, math_verify_reward  # noqa: E402
-from trainer.synthetic_task import LEVELS, VOCABULARY, make_problem, sample_problems, score_synthetic  # noqa: E402
+from trainer.config import load_config
+from trainer.tasks.math_data import MathDataset, last_boxed
+from trainer.tasks.problem import Problem
+from trainer.tasks.rewards import InProcessReward, PooledReward, math_verify_reward
+from trainer.tasks.synthetic_task import LEVELS, VOCABULARY, make_problem, sample_problems, score_synthetic
 
-import test_trainer_helpers as helpers  # noqa: E402
+import test_trainer_helpers as helpers
 
 MATH_CASES = [
     # (response, gold answer, reward)
@@ -147,8 +146,8 @@ def test_synthetic_answers_are_right():
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_a_random_policy_scores_between_5_and_40_percent(architecture):
     """Groups are then neither hopeless nor solved: GRPO has signal from the start."""
-    from trainer.rollout import HFRollout
-    from trainer.tiny_model import build_tiny_model, build_tokenizer
+    from trainer.engine.rollout import HFRollout
+    from trainer.models.tiny_model import build_tiny_model, build_tokenizer
 
     config = load_config(None, [f"model.architecture={architecture}"])
     tokenizer = build_tokenizer(VOCABULARY)

@@ -509,16 +509,16 @@ def _validate_batches(train: TrainConfig, world_size: int) -> None:
 def task_levels(task: str) -> tuple[str, ...]:
     """The difficulty levels a task draws from (MATH files bring their own)."""
     if task == "synthetic":
-        from .synthetic_task import LEVELS
+        from .tasks.synthetic_task import LEVELS
     elif task == "arithmetic":
-        from .arithmetic_task import LEVELS
+        from .tasks.arithmetic_task import LEVELS
     else:
         return ()
     return tuple(LEVELS)
 
 
 def _validate_model_path(path: str, engine: str) -> None:
-    from .pretrained import ModelSourceError, check_gguf, head_dim, resolve_model_source
+    from .models.pretrained import ModelSourceError, check_gguf, head_dim, resolve_model_source
 
     try:
         source = resolve_model_source(path)
@@ -536,7 +536,7 @@ def _validate_model_path(path: str, engine: str) -> None:
 
 
 def _validate_math_data(data: DataConfig) -> None:
-    from .math_data import DataError, load_problems
+    from .tasks.math_data import DataError, load_problems
 
     if not data.train_files:
         raise ConfigError("data.task='math' needs data.train_files (local JSON, JSONL or Parquet files)")
@@ -553,7 +553,7 @@ def _validate_math_data(data: DataConfig) -> None:
 
 
 def _validate_reward_function(spec: str) -> None:
-    from .rewards import load_function
+    from .tasks.rewards import load_function
 
     try:
         load_function(spec)

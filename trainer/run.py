@@ -22,14 +22,12 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `trainer` as a package
-
 try:
     from trainer.checkpoint_files import CheckpointError, select_checkpoint
     from trainer.config import ConfigError, keys_help, load_config, validate
 except ModuleNotFoundError as missing:  # the library's own venv, without the trainer extra
     sys.exit(f"{missing}: the trainer needs its extra; run `bash scripts/setup_venv.sh` (docs/trainer.md)")
-from trainer.environment import prepare_environment, world_size  # noqa: E402
+from trainer.engine.environment import prepare_environment, world_size
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -138,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(config, checkpoint) -> int:
-    from trainer.environment import init_distributed
-    from trainer.loop import Trainer
+    from trainer.engine.environment import init_distributed
+    from trainer.engine.loop import Trainer
 
     rank, size = init_distributed()
     trainer = Trainer(config, rank, size, checkpoint)

@@ -29,13 +29,13 @@ from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, hadw_advantages, hadw_w
 from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE, METRIC_MEAN_OVER
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, resolve_engine, save_config, task_levels
+from ..config import Config, resolve_engine, save_config, task_levels
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
 from .policy import Policy
-from .problem import Problem
-from .rewards import build_reward
-from .synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY, sample_problems
+from ..tasks.problem import Problem
+from ..tasks.rewards import build_reward
+from ..tasks.synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY, sample_problems
 
 MAX_ERROR_MESSAGES = 20
 # The all-degenerate warning: the first few times, then every this many steps.
@@ -205,7 +205,7 @@ class Trainer:
         model_config = self.config.model
         dtype = getattr(torch, model_config.dtype)
         if model_config.path:
-            from .pretrained import cached_model_dir, ensure_converted, resolve_model_source
+            from ..models.pretrained import cached_model_dir, ensure_converted, resolve_model_source
 
             source = resolve_model_source(model_config.path)
             if self.rank == 0:
@@ -215,7 +215,7 @@ class Trainer:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
             return tokenizer, model, model_dir
-        from .tiny_model import build_tiny_model, build_tokenizer, save_initial_model
+        from ..models.tiny_model import build_tiny_model, build_tokenizer, save_initial_model
 
         tokenizer = build_tokenizer(VOCABULARY)
         # Positions for the longest prompt (its context included) and response.
@@ -234,13 +234,13 @@ class Trainer:
         if data.task != "math":
             self.levels = list(data.levels) or list(task_levels(data.task))
             if data.task == "arithmetic" and self.config.eval.every:
-                from .arithmetic_task import held_out_problems
+                from ..tasks.arithmetic_task import held_out_problems
 
                 self.held_out = held_out_problems(self.levels, self.config.eval.problems_per_level,
                                                   data.prompt_template)
             self.held_out_prompts = frozenset(problem.prompt for problem in self.held_out)
         else:
-            from .math_data import MathDataset
+            from ..tasks.math_data import MathDataset
 
             self.math_data = MathDataset(data, self.config.train.seed)
             self.levels = sorted({item.level for item in self.math_data.items})
@@ -270,7 +270,7 @@ class Trainer:
             return self.math_data.problems(step, self.prompts_per_rank, self.rank, self.world_size)
         rng = np.random.default_rng([self.config.train.seed, step, self.rank])
         if self.config.data.task == "arithmetic":
-            from .arithmetic_task import sample_problems as sample_arithmetic
+            from ..tasks.arithmetic_task import sample_problems as sample_arithmetic
 
             return sample_arithmetic(self.levels, self.prompts_per_rank, rng, self.config.data.prompt_template,
                                      self.held_out_prompts)

@@ -66,7 +66,7 @@ def _check_port_free(port: str) -> None:
     """A MASTER_PORT the user exported, for a run without a launcher, must be free here:
     a second run on the same port died inside torch.distributed with a traceback that did
     not name it."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     try:
         number = int(port)

@@ -1,5 +1,5 @@
 """Step-0 accuracy per level of a config's model on its task, before any training:
-``python trainer/calibrate.py --config trainer/configs/smollm2_arithmetic.yaml``.
+``python trainer/tools/calibrate.py --config trainer/configs/smollm2_arithmetic.yaml``.
 
 For each level it samples ``--prompts`` problems with G responses each at the
 configured temperature (as a training step would) and one greedy response each (as the
@@ -15,10 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainer.config import ConfigError, load_config, task_levels, validate  # noqa: E402
-from trainer.environment import prepare_environment  # noqa: E402
+from trainer.config import ConfigError, load_config, task_levels, validate
+from trainer.engine.environment import prepare_environment
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,10 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from trainer.arithmetic_task import make_problem
+    from trainer.tasks.arithmetic_task import make_problem
     from trainer.config import resolve_engine
-    from trainer.pretrained import ensure_converted, resolve_model_source
-    from trainer.rewards import build_reward
+    from trainer.models.pretrained import ensure_converted, resolve_model_source
+    from trainer.tasks.rewards import build_reward
 
     model_dir = ensure_converted(resolve_model_source(config.model.path), config.model.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -87,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _engine(config, model_dir: Path, tokenizer, engine_name: str):
-    from trainer.rollout import HFRollout, VLLMRollout
+    from trainer.engine.rollout import HFRollout, VLLMRollout
 
     if engine_name == "hf":
         import torch

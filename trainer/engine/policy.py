@@ -23,8 +23,8 @@ from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels import token_logprobs as fused_token_logprobs
 from hadw_kernels.config import IGNORE_INDEX
 
-from .config import rollout_correction
-from .segment_attention import Segments, use_segment_attention
+from ..config import rollout_correction
+from ..models.segment_attention import Segments, use_segment_attention
 
 
 @dataclass
@@ -271,7 +271,7 @@ def choose_layout(model: torch.nn.Module, train) -> tuple[str, str]:
             if getattr(train, option) is True:
                 raise ValueError(
                     f"train.{option}=true, but this model's attention ({original}) cannot be confined to each "
-                    "sample of a packed row (the segment attention, trainer/segment_attention.py, does not serve "
+                    "sample of a packed row (the segment attention, trainer/models/segment_attention.py, does not serve "
                     f"it); use train.{option}=false (or null)"
                 )
     if not serves:
@@ -447,7 +447,7 @@ class Policy:
         left beside them and rank 0 raises, after the collective."""
         import torch.distributed as dist
 
-        from .checkpoint_files import hf_export_foreign_entries, write_hf_export_marker
+        from ..checkpoint_files import hf_export_foreign_entries, write_hf_export_marker
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         parameters = list(self.module.parameters())

@@ -16,7 +16,7 @@ own costs:
   "Packed micro-batches").
 
 A segment may read a prefix of keys before its own: each response of a group whose prompt
-is laid out once (shared-prompt packing, ``trainer/policy.py``'s ``SharedPromptBatch``)
+is laid out once (shared-prompt packing, ``trainer/engine/policy.py``'s ``SharedPromptBatch``)
 reads the prompt's keys and then its own causally. Its queries are then the suffix of its
 keys, so its causal mask is aligned bottom-right (flash's varlen alignment; sdpa's
 ``is_causal`` aligns top-left, so the buckets carry an explicit mask).
@@ -252,7 +252,7 @@ def _attention_function(original: str):
         if attention_mask is PACKED_ROW:
             raise ValueError(
                 "a packed row (positions restarting, no attention mask) reached the segment attention without "
-                "its segments: pass attention_segments= (trainer/segment_attention.py) with the row, or the "
+                "its segments: pass attention_segments= (trainer/models/segment_attention.py) with the row, or the "
                 "samples would attend to each other"
             )
         return AttentionInterface()[original](module, query, key, value, attention_mask, dropout=dropout,

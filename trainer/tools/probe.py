@@ -1,5 +1,5 @@
 """Peak memory and throughput of real train steps at a chosen token budget:
-``python -m trainer.probe``.
+``python -m trainer.tools.probe``.
 
 A model is built from an architecture preset with random weights (nothing is
 downloaded): Qwen3-0.6B, Qwen3-1.7B, Qwen3-4B (their config.json's shapes, vocabulary
@@ -51,11 +51,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file (python trainer/probe.py): `trainer` as a package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float  # noqa: E402
-from hadw_kernels.plan import PRESETS as SHAPES  # noqa: E402
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float
+from hadw_kernels.plan import PRESETS as SHAPES
 
 # The planner's models (one description of each model's shape), and the trainer's tiny one.
 PRESETS = (*SHAPES, "tiny")
@@ -237,8 +234,8 @@ def build_model(preset: str, dtype, device, seed: int):
 
     if preset == "tiny":
         from trainer.config import ModelConfig
-        from trainer.synthetic_task import VOCABULARY
-        from trainer.tiny_model import build_tiny_model, build_tokenizer
+        from trainer.tasks.synthetic_task import VOCABULARY
+        from trainer.models.tiny_model import build_tiny_model, build_tokenizer
 
         model = build_tiny_model(ModelConfig(), build_tokenizer(VOCABULARY), seed)
         return model.to(device=device, dtype=dtype)
@@ -292,7 +289,7 @@ def make_batch(rows: int, args, vocab: int, device, generator, *, layout: str):
     the micro-batch ``layout`` (``policy.LAYOUTS``): every layout gets the same tokens."""
     import torch
 
-    from trainer.policy import LAYOUTS
+    from trainer.engine.policy import LAYOUTS
 
     # Token ids from 1: 0 may be a pad id; every sequence is P + L long (no padding).
     groups = -(-rows // args.group_size)
@@ -304,7 +301,7 @@ def make_batch(rows: int, args, vocab: int, device, generator, *, layout: str):
 
 def fed_tokens(rows: int, args, layout: str) -> int:
     """Tokens through the model for ``rows`` sequences of :func:`make_batch` in ``layout``."""
-    from trainer.micro_batches import layout_tokens
+    from trainer.engine.micro_batches import layout_tokens
 
     return layout_tokens(layout, range(rows), [args.prompt_length] * rows, [args.response_length] * rows,
                          args.group_size)
@@ -385,7 +382,7 @@ class Probe:
         """The model and its DeepSpeed engine, from scratch (the same seed, the same weights)."""
         import gc
 
-        from trainer.policy import Policy
+        from trainer.engine.policy import Policy
 
         args = self.args
         if self.policy is not None:
@@ -571,7 +568,7 @@ class Probe:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     summary, _, details = __doc__.partition("\n\n")
-    parser = argparse.ArgumentParser(prog="python -m trainer.probe", description=" ".join(summary.split()),
+    parser = argparse.ArgumentParser(prog="python -m trainer.tools.probe", description=" ".join(summary.split()),
                                      epilog=details, formatter_class=HelpFormatter)
     parser.add_argument("--preset", choices=PRESETS, default="tiny", help="the model's architecture (random weights)")
     parser.add_argument("--loss", choices=("fused", "eager"), default="fused",
@@ -640,7 +637,7 @@ def _cuda_visible() -> bool:
 
 
 def prepare(args) -> None:
-    """The environment the trainer's run sets up for one process (trainer/environment.py)."""
+    """The environment the trainer's run sets up for one process (trainer/engine/environment.py)."""
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
         # torch read the variable when it loaded, with the argument types (hadw_kernels.cli).
@@ -649,7 +646,7 @@ def prepare(args) -> None:
         torch.set_num_threads(args.threads)
     else:
         os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-    from trainer.environment import DEFAULT_EXTENSIONS_DIR, _free_port
+    from trainer.engine.environment import DEFAULT_EXTENSIONS_DIR, _free_port
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
     if not args.device.startswith("cuda"):

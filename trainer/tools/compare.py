@@ -1,11 +1,11 @@
 """GRPO against GRPO + HA-DW (the default Kalman anchor, and the authors' preset), same
 seeds and prompts, curves side by side and a markdown table.
 
-    python trainer/compare.py                                     # the CPU default task, 3 seeds
-    python trainer/compare.py --seeds 0 2 --lr-scale 1.3          # two of these side by side,
-    python trainer/compare.py --seeds 1 3 --lr-scale 1.3          # on disjoint seeds, then one
-    python trainer/compare.py --seeds 0 1 2 3 --lr-scale 1.3      # call for the table (reuses all)
-    python trainer/compare.py --config trainer/configs/smollm2_arithmetic.yaml \\
+    python trainer/tools/compare.py                                     # the CPU default task, 3 seeds
+    python trainer/tools/compare.py --seeds 0 2 --lr-scale 1.3          # two of these side by side,
+    python trainer/tools/compare.py --seeds 1 3 --lr-scale 1.3          # on disjoint seeds, then one
+    python trainer/tools/compare.py --seeds 0 1 2 3 --lr-scale 1.3      # call for the table (reuses all)
+    python trainer/tools/compare.py --config trainer/configs/smollm2_arithmetic.yaml \\
         --seeds 0 1 --name compare-smollm2 --table docs/smollm2-experiment.md \\
         --plot docs/figures/smollm2-experiment.png
 
@@ -34,11 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, summary  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.metrics_log import read_metrics  # noqa: E402
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, summary
+from trainer.config import load_config
+from trainer.engine.metrics_log import read_metrics
 
 LR_SCALED = "GRPO (lr x mean Phi)"
 KALMAN = "GRPO+HA-DW (kalman)"
@@ -96,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             _check_learning_rate(output / name, learning_rate)
             rows = read_metrics(output / name / "metrics.jsonl")
             if not rows or rows[-1]["step"] < base.train.steps:
-                command = [sys.executable, str(Path(__file__).with_name("run.py"))]
+                command = [sys.executable, "-m", "trainer.run"]
                 if args.config:
                     command += ["--config", args.config]
                 overrides = shared + variant + [f"train.seed={seed}", f"run.name={name}"]
@@ -114,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                      if evaluations else ""), flush=True)
     runs = {label: runs[label] for label in args.variants}
 
-    from trainer.plotting import plot_comparison
+    from trainer.engine.plotting import plot_comparison
 
     path = args.plot or output / args.name / "comparison.png"
     title = f"{base.model.path or 'tiny model'}, {base.data.task} task, {len(args.seeds)} seeds, {base.train.steps} steps"
@@ -122,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     table = results_table(runs, base.train.steps)
     print(table)
     if args.table is not None:
-        command = "python trainer/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python trainer/tools/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
         args.table.write_text(
             f"# {title}\n\nWritten by `{command}` ({time.perf_counter() - started:.0f} s for the runs this call "
             f"made). Plot: `{path}`.\n\n{table}\n"

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint_files import file_sha256
+from ..checkpoint_files import file_sha256
 
 # name -> (pip package, file inside it, the pin of the smollm2 extra)
 PACKAGED_MODELS = {

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint_files import CheckpointError, completed_checkpoints, write_manifest
+from ..checkpoint_files import CheckpointError, completed_checkpoints, write_manifest
 
 DEEPSPEED_TAG = "state"
 TRAINER_STATE = "trainer_state.json"

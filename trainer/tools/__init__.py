@@ -1,0 +1,1 @@
+"""Commands beside the run: the memory probe, the GRPO / HA-DW comparison, the task calibration."""
