@@ -7,7 +7,7 @@ machine (torch and Triton installed, no network), ``--dry-run`` on the CPU (CI).
 2. meanwhile runs the main job, ``trainer/run.py``, on the device (tiny model, HF-engine
    rollouts, DeepSpeed), kills a second run inside a step and resumes it, and compares
    the two curves;
-3. runs real train steps through the trainer (``python -m trainer.probe``: Qwen3-1.7B
+3. runs real train steps through the trainer (``python -m trainer.tools.probe``: Qwen3-1.7B
    with random weights, bf16, ZeRO-2, gradient checkpointing): G = 64 responses of 4096
    tokens with the fused loss, the largest micro-batch token budget with each loss
    (bisection, catching out-of-memory) and the throughput at it, and whether one
@@ -19,7 +19,9 @@ machine (torch and Triton installed, no network), ``--dry-run`` on the CPU (CI).
    log-prob kernel (each + the surrogate), with CUDA events (warm-up, median), and the
    peak memory above the inputs; the surrogate alone; and at the paper's scale (Qwen3-4B
    head, responses of 4096 tokens, G = 8..64, bf16) the loss step's peak memory for eager
-   and this library against the memory planner's loss part;
+   and this library against the memory planner's loss part. The implementations, the
+   bound and their inputs are the CPU benchmark's (bench/loss_impls.py), on CUDA in bf16
+   or fp32;
 5. writes one markdown report (``--report``) after every stage, and exits non-zero if a
    correctness test failed, a run failed or a section crashed. ``--time-limit`` shares
    a short lease among the stages.
@@ -31,9 +33,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
-import math
 import os
 import platform
 import statistics
@@ -44,7 +46,10 @@ import traceback
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # loaded where the benchmarks run: it imports torch
+    from loss_impls import Inputs, Shape, Step
 
 ROOT = Path(__file__).resolve().parents[1]
 START = time.time()
@@ -118,143 +123,61 @@ def run_tests(dry_run: bool, junit: Path, seconds: float | None) -> TestRun:
 
 
 # --- 2. loss-step benchmark -----------------------------------------------------------
+# The rows run the CPU benchmark's implementations, inputs and bound (bench/loss_impls.py,
+# which has the GPU's peers too): one copy, so a change to a call reaches both.
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
-    batch: int
-    width: int
-    hidden: int
-    vocab: int
+    shape: Shape
     dtype: str
-    padded: bool = False  # half of each response is padding
+    padded: bool = False  # every response T/2 long
     block_rows: tuple = ()  # extra rows of this library at these block sizes
 
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.width
-
     def label(self) -> str:
-        pad = ", half padding" if self.padded else ", dense on-policy"
-        return f"{self.name}: B={self.batch} T={self.width} H={self.hidden} V={self.vocab} {self.dtype}{pad}"
+        shape, pad = self.shape, ", half padding" if self.padded else ", dense on-policy"
+        return f"{self.name}: B={shape.batch} T={shape.length} H={shape.hidden} V={shape.vocab} {self.dtype}{pad}"
+
+    def inputs(self) -> Inputs:
+        """On this machine's device; on-policy: the old log-probs are the current ones."""
+        import torch
+
+        from loss_impls import make_inputs
+
+        return make_inputs(self.shape, "hidden", dense=True, lengths="half" if self.padded else "dense",
+                           device=_device(), dtype=getattr(torch, self.dtype))
 
 
-GROUP_SIZE = 8
-EPSILON = 0.2
+def implementations(case: Case) -> dict[str, tuple[str, dict]]:
+    """The rows of a case's table: their labels (docs/gpu-report.md's) -> the loss_impls
+    implementation (with its GPU peers: CCE's kernel, Liger's Triton op) and the
+    keywords of this library's call."""
+    from loss_impls import BASELINE, BOUND, hadw_impl
 
-
-def make_inputs(case: Case, device):
-    import torch
-
-    dtype = getattr(torch, case.dtype)
-    generator = torch.Generator(device=device).manual_seed(0)
-    hidden = torch.randn(case.batch, case.width, case.hidden, device=device, generator=generator).to(dtype)
-    weight = (torch.randn(case.vocab, case.hidden, device=device, generator=generator) / math.sqrt(case.hidden)).to(dtype)
-    labels = torch.randint(0, case.vocab, (case.batch, case.width), device=device, generator=generator)
-    rewards = torch.bernoulli(torch.full((case.batch,), 0.5, device=device), generator=generator)
-    rewards[0], rewards[1] = 0.0, 1.0  # no group of only equal rewards in a one-group batch
-    lengths = torch.full((case.batch,), case.width, device=device)
-    if case.padded:
-        lengths = lengths // 2
-    mask = torch.arange(case.width, device=device)[None, :] < lengths[:, None]
-    return dict(hidden=hidden, weight=weight, labels=labels, rewards=rewards, mask=mask)
-
-
-def plain_surrogate(logprobs, old, rewards, mask):
-    """GRPO's clipped surrogate as TRL and verl write it (eager baseline)."""
-    import torch
-
-    grouped = rewards.view(-1, min(GROUP_SIZE, rewards.numel()))
-    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1, 1)
-    ratio = torch.exp(logprobs - old)
-    loss = -torch.minimum(ratio * advantages, ratio.clamp(1 - EPSILON, 1 + EPSILON) * advantages)
-    mask = mask.to(loss.dtype)
-    return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-
-
-def implementations(case: Case) -> dict[str, Callable]:
-    """name -> step(inputs) running one forward + backward; peers imported lazily."""
-    import torch
-
-    import hadw_kernels
-
-    def leaves(x):
-        return x["hidden"].detach().requires_grad_(), x["weight"].detach().requires_grad_()
-
-    def eager(x):
-        hidden, weight = leaves(x)
-        logits = hidden @ weight.t()
-        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, x["labels"][..., None]).squeeze(-1)
-        plain_surrogate(logprobs, logprobs.detach(), x["rewards"], x["mask"]).backward()
-
-    def hadw(path, block_rows=None):
-        def step(x):
-            hidden, weight = leaves(x)
-            loss = hadw_kernels.fused_linear_hadw_grpo_loss(
-                hidden, weight, x["labels"], None, x["rewards"], x["mask"], group_size=min(GROUP_SIZE, case.batch),
-                anchor=0.5, backend="triton", linear_path=path, block_rows=block_rows, check_values=False,
-            )
-            loss.backward()
-        return step
-
-    def liger_chunked(x):
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="grpo", epsilon_low=EPSILON,
-                                           epsilon_high=EPSILON)
-        hidden, weight = leaves(x)
-        advantages = hadw_kernels.group_advantages(x["rewards"], min(GROUP_SIZE, case.batch))
-        loss, _ = loss_fn(hidden, weight, x["labels"], x["mask"].float(), advantages)
-        loss.backward()
-
-    def liger_triton_op(x):
-        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
-
-        hidden, weight = leaves(x)
-        logits = hidden @ weight.t()
-        # Liger's op takes the logits of T + 1 positions and drops the last.
-        logits = torch.cat([logits, logits[:, -1:]], dim=1)
-        advantages = hadw_kernels.group_advantages(x["rewards"], min(GROUP_SIZE, case.batch))
-        per_token, _, _ = triton_grpo_loss(logits, None, None, x["labels"], advantages, x["mask"].float(),
-                                           temperature=1.0, beta=0.0, eps_low=EPSILON, eps_high=EPSILON,
-                                           loss_type="grpo")
-        mask = x["mask"].float()
-        ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().backward()
-
-    def trl_chunked(x):
-        from trl.kernels import ChunkedLogProbFunction
-
-        try:
-            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
-        except ImportError:  # trl.trainer imports datasets; TRL 1.16's GRPO trainer uses 32k-token chunks
-            chunk = 32768
-        hidden, weight = leaves(x)
-        # The GRPO trainer asks for the entropy too (logging, entropy masking).
-        logprobs, *_ = ChunkedLogProbFunction.apply(hidden.reshape(-1, case.hidden), weight, None,
-                                                    x["labels"].reshape(-1), 1.0, chunk, None, 1.0, ("entropy",))
-        logprobs = logprobs.view(x["labels"].shape)
-        plain_surrogate(logprobs, logprobs.detach(), x["rewards"], x["mask"]).backward()
-
-    def cce(x):
-        from cut_cross_entropy import linear_cross_entropy
-
-        hidden, weight = leaves(x)
-        labels = x["labels"].masked_fill(~x["mask"], -100)
-        logprobs = -linear_cross_entropy(hidden, weight, labels, impl="cce", reduction="none")
-        plain_surrogate(logprobs, logprobs.detach(), x["rewards"], x["mask"]).backward()
-
+    # No value checks: their host read would wait for the GPU inside the timed step.
+    ours = dict(check_values=False)
+    in_forward = hadw_impl("triton", "gradients_in_forward")
     return {
-        "eager": eager,
-        "hadw[triton] gradients in forward": hadw("gradients_in_forward"),
-        **{f"hadw[triton] gradients in forward, block_rows={rows}": hadw("gradients_in_forward", rows)
+        "bound (3 GEMMs)": (BOUND, {}),
+        "eager": (BASELINE, {}),
+        "hadw[triton] gradients in forward": (in_forward, ours),
+        **{f"hadw[triton] gradients in forward, block_rows={rows}": (in_forward, {**ours, "block_rows": rows})
            for rows in case.block_rows},
-        "hadw[triton] recompute": hadw("recompute"),
-        "liger chunked": liger_chunked,
-        "liger triton op": liger_triton_op,
-        "cce + surrogate": cce,
-        "trl chunked + surrogate": trl_chunked,
+        "hadw[triton] recompute": (hadw_impl("triton", "recompute"), ours),
+        "liger chunked": ("liger", {}),
+        "liger triton op": ("liger_triton", {}),
+        "cce + surrogate": ("cce_kernel", {}),
+        "trl chunked + surrogate": ("trl", {}),
     }
+
+
+def row_step(case: Case, name: str) -> Step:
+    """The step of the row ``name`` (ImportError where its peer is missing)."""
+    from loss_impls import build_step
+
+    impl, options = implementations(case)[name]
+    return build_step(impl, "hidden", case.shape, **options)
 
 
 @dataclass
@@ -306,37 +229,20 @@ def _peak_mib(step: Callable) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def measure(step: Callable, rounds: int) -> Timing:
+def measure(case: Case, name: str, x: Inputs, rounds: int) -> Timing:
+    """Row ``name`` of ``case`` on ``x``; a row that cannot run (a missing peer, a case it
+    does not support, out of memory) says why, and the others still run."""
     import torch
 
     try:
+        step = functools.partial(row_step(case, name), x)
         timing = Timing(_cuda_time(step, rounds), _peak_mib(step))
     except torch.cuda.OutOfMemoryError:
         timing = Timing(None, None, "out of memory")
-    except Exception as error:  # a peer that does not support the case reports why
+    except Exception as error:
         timing = Timing(None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
     torch.cuda.empty_cache()
     return timing
-
-
-def bound_step(case: Case, x: dict) -> Callable:
-    """The three GEMMs of any exact method on preallocated buffers: logits, then the
-    gradients of the hidden states and of the head from a logits-sized gradient."""
-    import torch
-
-    hidden = x["hidden"].reshape(-1, case.hidden)
-    if case.padded:
-        hidden = hidden[x["mask"].reshape(-1)]
-    weight = x["weight"]
-    logits = torch.empty(hidden.shape[0], case.vocab, dtype=hidden.dtype, device=hidden.device)
-    grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
-
-    def step():
-        torch.mm(hidden, weight.t(), out=logits)
-        torch.mm(logits, weight, out=grad_hidden)
-        torch.mm(logits.t(), hidden, out=grad_weight)
-
-    return step
 
 
 def _device() -> str:
@@ -355,49 +261,38 @@ def benchmark(cases: list[Case], rounds: int) -> list[tuple[Case, dict[str, Timi
     results = []
     for case in cases:
         say(f"bench: {case.label()}")
-        x = make_inputs(case, _device())
-        row = {"bound (3 GEMMs)": measure(bound_step(case, x), rounds)}
-        for name, step in implementations(case).items():
-            row[name] = measure(lambda: step(x), rounds)
-            timing = row[name]
+        x = case.inputs()
+        row = {}
+        for name in implementations(case):
+            row[name] = timing = measure(case, name, x, rounds)
             say(f"  {name:34s} " + (f"{timing.milliseconds:9.2f} ms {_mib(timing.peak_mib):>9s} MiB"
                                     if timing.milliseconds is not None else timing.note))
         results.append((case, row))
-        del x
+        del x  # before the next case's inputs
         torch.cuda.empty_cache()
     return results
 
 
-def surrogate_benchmark(batch: int, width: int, dtypes: list[str], rounds: int) -> list[tuple[str, dict]]:
-    """The surrogate alone from log-probs [B, T]: wall time of the call (CUDA events),
-    and GPU kernel time from a CUDA-graph replay (no launch overhead)."""
+def surrogate_benchmark(shape: Shape, dtypes: list[str], rounds: int) -> list[tuple[str, dict]]:
+    """The surrogate alone from log-probs [B, T] (lengths in [T/2, T], old log-probs a
+    little off): wall time of the call (CUDA events), and GPU kernel time from a
+    CUDA-graph replay (no launch overhead)."""
     import torch
 
-    import hadw_kernels
+    from loss_impls import BASELINE, build_step, hadw_impl, make_inputs
 
+    calls = {
+        "eager": build_step(BASELINE, "logprobs", shape),
+        # No value checks: a host read cannot be captured in a CUDA graph.
+        "hadw[triton]": build_step(hadw_impl("triton"), "logprobs", shape, check_values=False),
+    }
+    device = _device()
     results = []
     for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
-        device = _device()
-        generator = torch.Generator(device=device).manual_seed(0)
-        logprobs = (-torch.rand(batch, width, device=device, generator=generator) * 3).to(dtype)
-        old = logprobs + (0.1 * torch.randn(batch, width, device=device, generator=generator)).to(dtype)
-        rewards = torch.bernoulli(torch.full((batch,), 0.5, device=device), generator=generator)
-        lengths = torch.randint(width // 2, width + 1, (batch,), device=device, generator=generator)
-        mask = torch.arange(width, device=device)[None] < lengths[:, None]
-        calls = {
-            "eager": lambda lp: plain_surrogate(lp, old, rewards, mask),
-            "hadw[triton]": lambda lp: hadw_kernels.fused_hadw_grpo_loss(
-                lp, old, rewards, mask, group_size=GROUP_SIZE, anchor=0.5, backend="triton", check_values=False),
-        }
+        x = make_inputs(shape, "logprobs", device=device, dtype=getattr(torch, dtype_name))
         row = {}
         for name, call in calls.items():
-            leaf = logprobs.detach().requires_grad_()
-
-            def step():
-                leaf.grad = None
-                call(leaf).backward()
-
+            step = functools.partial(call, x)
             try:
                 wall = _cuda_time(step, rounds)
             except Exception as error:
@@ -420,7 +315,7 @@ def surrogate_benchmark(batch: int, width: int, dtypes: list[str], rounds: int) 
             except Exception as error:
                 say(f"  {name}: no CUDA graph ({type(error).__name__}: {str(error)[:100]})")
             row[name] = (wall, graph_ms)
-            say(f"  surrogate B={batch} T={width} {dtype_name} {name:14s} wall {wall * 1e3:8.1f} us"
+            say(f"  surrogate B={shape.batch} T={shape.length} {dtype_name} {name:14s} wall {wall * 1e3:8.1f} us"
                 + (f", graph replay {graph_ms * 1e3:8.1f} us" if graph_ms is not None else ""))
         results.append((dtype_name, row))
     return results
@@ -434,37 +329,38 @@ def paper_scale(group_sizes: list[int], width: int, hidden: int, vocab: int) -> 
     import torch
 
     from hadw_kernels import plan
+    from loss_impls import Shape
 
     rows = []
     for group_size in group_sizes:
-        case = Case(f"G={group_size}", group_size, width, hidden, vocab, "bfloat16")
-        row = {"G": group_size, "tokens": case.tokens}
+        case = Case(f"G={group_size}", Shape(1, group_size, width, hidden, vocab), "bfloat16")
+        tokens = case.shape.tokens
+        row = {"G": group_size, "tokens": tokens}
         try:
-            x = make_inputs(case, _device())
+            x = case.inputs()
         except torch.cuda.OutOfMemoryError:
             rows.append({**row, "note": "inputs do not fit"})
             break
-        steps = implementations(case)
         for name in ("eager", "hadw[triton] gradients in forward"):
             try:
-                row[name] = _peak_mib(lambda: steps[name](x))
+                row[name] = _peak_mib(functools.partial(row_step(case, name), x))
             except torch.cuda.OutOfMemoryError:
                 row[name] = None
             torch.cuda.empty_cache()
-        parts = plan.loss_part_bytes(case.tokens, hidden, vocab, fused=True, dtype_bytes=2)
+        parts = plan.loss_part_bytes(tokens, hidden, vocab, fused=True, dtype_bytes=2)
         row["planner"] = sum(parts.values()) / 2**20
-        row["planner eager"] = sum(plan.loss_part_bytes(case.tokens, hidden, vocab, fused=False,
+        row["planner eager"] = sum(plan.loss_part_bytes(tokens, hidden, vocab, fused=False,
                                                         dtype_bytes=2).values()) / 2**20
         say(f"paper scale G={group_size}: " + ", ".join(
             f"{key} {_mib(value)} MiB" if key not in ("G", "tokens") else f"{key} {value}"
             for key, value in row.items()))
         rows.append(row)
-        del x
+        del x  # before the next G's inputs
         torch.cuda.empty_cache()
     return rows
 
 
-# --- 4. train steps through the trainer (trainer.probe) ---------------------------------------
+# --- 4. train steps through the trainer (trainer.tools.probe) ---------------------------------------
 
 
 @dataclass
@@ -476,7 +372,7 @@ class ProbeRun:
 
 
 def probe_runs(dry_run: bool, seconds: float | None = None) -> list[ProbeRun]:
-    """``python -m trainer.probe`` in child processes, one a question (a crash or an
+    """``python -m trainer.tools.probe`` in child processes, one a question (a crash or an
     out-of-memory error stays in its own process)."""
     if dry_run:
         common = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--zero-stage", "2", "-P", "4",
@@ -517,7 +413,7 @@ def probe_runs(dry_run: bool, seconds: float | None = None) -> list[ProbeRun]:
             out.append(run)
             continue
         json_path = ROOT / f".probe-{len(out)}.json"
-        command = [sys.executable, "-m", "trainer.probe", *run.arguments, "--json", str(json_path)]
+        command = [sys.executable, "-m", "trainer.tools.probe", *run.arguments, "--json", str(json_path)]
         say(f"probe {label}: {' '.join(command[3:-2])}")
         try:
             completed = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True,
@@ -563,7 +459,7 @@ def probe_lines(runs: list[ProbeRun], dry_run: bool) -> list[str]:
         if torch.cuda.is_available():
             gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     model = "the tiny preset on the CPU" if dry_run else "Qwen3-1.7B (random weights), bf16, ZeRO-2, one GPU"
-    lines = ["## Train steps through the trainer: `python -m trainer.probe`", "",
+    lines = ["## Train steps through the trainer: `python -m trainer.tools.probe`", "",
              f"{model}; gradient checkpointing; responses cut by tokens into micro-batches, laid out as the "
              "layout column says (padded rows; packed: one row, the segment attention; shared prompt: packed, "
              "each group's prompt once); forward, loss, `engine.backward`, `engine.step` (AdamW). Peak: " +
@@ -628,9 +524,8 @@ def trainer_check(dry_run: bool, seconds: float | None) -> TrainerCheck:
     import shutil
     import tempfile
 
-    sys.path.insert(0, str(ROOT))
     from trainer.checkpoint_files import completed_checkpoints
-    from trainer.metrics_log import read_metrics
+    from trainer.engine.metrics_log import read_metrics
 
     check = TrainerCheck()
     steps, every, crash_after = (3, 1, 2) if dry_run else (20, 5, 12)
@@ -897,24 +792,32 @@ def main(argv: list[str] | None = None) -> int:
             crashed.append(f"probe: {traceback.format_exc()[-1500:]}")
             say(f"section probe CRASHED:\n{crashed[-1]}")
         report()
-    if args.dry_run and not args.skip_bench:
-        # The same code on the CPU with tiny shapes (Triton in its interpreter), so that
-        # it cannot rot; the figures mean nothing.
-        sizes = dict(cases=[Case("tiny", 2, 16, 32, 300, "float32"), Case("tiny", 2, 16, 32, 300, "bfloat16",
-                                                                          padded=True, block_rows=(16,))],
-                     surrogate=(8, 16), paper=([2, 4], 16, 32, 300), rounds=1)
-    elif not args.skip_bench:
-        sizes = dict(cases=[
-            Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", block_rows=(2048, 8192)),
-            Case("Qwen3-4B head", 2, 4096, 2560, 151936, "bfloat16", padded=True),
-            Case("small dense shape", 8, 256, 512, 32768, "bfloat16"),
-            Case("small dense shape", 8, 256, 512, 32768, "float32"),
-            Case("Qwen vocabulary", 4, 256, 1024, 151936, "float32"),
-        ], surrogate=(256, 4096), paper=([8, 16, 32, 64], 4096, 2560, 151936), rounds=args.rounds)
     if not args.skip_bench:
+        from loss_impls import Shape
+
+        if args.dry_run:
+            # The same code on the CPU with tiny shapes (Triton in its interpreter), so that
+            # it cannot rot; the figures mean nothing.
+            tiny = Shape(1, 2, 16, 32, 300)
+            sizes = dict(cases=[Case("tiny", tiny, "float32"),
+                                Case("tiny", tiny, "bfloat16", padded=True, block_rows=(16,))],
+                         surrogate=Shape(1, 8, 16, 32, 300), paper=([2, 4], 16, 32, 300), rounds=1)
+        else:
+            # P x G responses of T tokens, H and V the LM head's (V only sets the log-probs'
+            # scale in the surrogate's case).
+            qwen3_4b_head = Shape(1, 2, 4096, 2560, 151936)
+            small = Shape(1, 8, 256, 512, 32768)
+            sizes = dict(cases=[
+                Case("Qwen3-4B head", qwen3_4b_head, "bfloat16", block_rows=(2048, 8192)),
+                Case("Qwen3-4B head", qwen3_4b_head, "bfloat16", padded=True),
+                Case("small dense shape", small, "bfloat16"),
+                Case("small dense shape", small, "float32"),
+                Case("Qwen vocabulary", Shape(1, 4, 256, 1024, 151936), "float32"),
+            ], surrogate=Shape(32, 8, 4096, 2560, 151936), paper=([8, 16, 32, 64], 4096, 2560, 151936),
+                rounds=args.rounds)
         sections = {
             "bench": lambda: benchmark(sizes["cases"], sizes["rounds"]),
-            "surrogate": lambda: surrogate_benchmark(*sizes["surrogate"], ["float32", "bfloat16"], sizes["rounds"]),
+            "surrogate": lambda: surrogate_benchmark(sizes["surrogate"], ["float32", "bfloat16"], sizes["rounds"]),
             "paper": lambda: paper_scale(*sizes["paper"]),
         }
         for name, section in sections.items():

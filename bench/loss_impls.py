@@ -1,31 +1,54 @@
-"""The loss steps the benchmark compares, each built from the same seeded inputs.
+"""The loss steps the benchmarks compare, each built from the same seeded inputs: the one
+registry of implementations and of the bound, for the CPU benchmark (``pytest bench/``:
+matrix.py, worker.py) and the GPU check's loss-step, surrogate and paper-scale sections
+(gpu_check.py).
 
 A step is one forward and backward of a GRPO loss: from hidden states [B, T, H] and the
 LM head [V, H] (the "hidden" input), or from per-token log-probs [B, T] (the "logprobs"
-input, the part of the loss that is left once a trainer has the log-probs).
+input, the part of the loss that is left once a trainer has the log-probs). It leaves no
+gradient behind (as a trainer's ``zero_grad(set_to_none=True)``), so every step allocates
+the same. The inputs are fp32 on the CPU unless ``make_inputs`` is given a device and a
+dtype (the GPU check: CUDA, bf16 or fp32); the steps run on whatever device the inputs
+are on.
 
     bound        the three GEMMs any exact method needs (logits, the hidden states'
-                 and the LM head's gradients) on preallocated buffers: the physical limit
-    eager        materialised fp32 logits [B, T, V], log_softmax, gather, then the
+                 and the LM head's gradients) on preallocated buffers, of the valid rows
+                 alone (gathered once): the physical limit
+    eager        materialised logits [B, T, V], fp32 log_softmax, gather, then the
                  clipped surrogate in plain PyTorch (verl's default path)
     hadw[<b>]    this library, backend <b>, with HA-DW on (anchor 0.5), the default path
                  (gradients formed in the forward where the backend has it);
-                 hadw[<b>,recompute] forces the recompute path
+                 hadw[<b>,<path>] forces a linear path ("recompute",
+                 "gradients_in_forward"); ``build_step``'s keywords go to the library's
+                 call (the GPU check's ``block_rows``, ``check_values=False``)
     liger        liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss (chunked, torch.compile)
     cce          cut_cross_entropy.linear_cross_entropy(impl="torch_compile") for
                  logp = -nll, then the plain surrogate
     trl          TRL 1.16's own chunked fused LM head (trl.kernels.ChunkedLogProbFunction,
-                 the GRPO trainer's log-prob path, its chunk size) for logp, then the
-                 plain surrogate
+                 the GRPO trainer's log-prob path, its chunk size: 32768 tokens where
+                 trl.trainer does not import, e.g. without ``datasets``) for logp, then
+                 the plain surrogate
+
+The GPU check's peers, chosen by name (their Triton kernels need CUDA, so they are not
+among the CPU matrix's PEERS):
+
+    cce_kernel   Cut Cross-Entropy's own kernel, linear_cross_entropy(impl="cce"), with
+                 padding as its ignore_index (its kernel skips those rows, as a trainer
+                 on a GPU feeds it), then the plain surrogate
+    liger_triton Liger's Triton GRPO op (liger_kernel.transformers.grpo_loss.
+                 triton_grpo_loss) on materialised logits h @ W.T of T + 1 positions
+                 (a causal LM's output; the op drops the last), then the token mean
+                 per response and the mean over responses
 
 A "dense" case is the first mini-batch of a GRPO step: on-policy (old log-probs = the
 current ones, ratio 1), no padding, every token with a gradient. Otherwise responses are
 padded to T from lengths in [T/2, T] and the behaviour policy differs a little; or, in a
 "long-tail" case, their lengths are lognormal (sigma 1, mean about T/10, capped at T,
 the first response T long: reasoning traces), padded to T, or "packed" without padding
-(per-token tensors [N] and cu_seqlens: docs/options.md, "Packed batches"). Liger's GRPO
-loss takes padded [B, T] only; TRL's and CCE's log-probs take the packed rows as they
-take any rows.
+(per-token tensors [N] and cu_seqlens: docs/options.md, "Packed batches"); or, in the
+GPU check's "half padding" cases, on-policy with every response T/2 long. Liger's GRPO
+loss and op take padded [B, T] only; TRL's and CCE's log-probs take the packed rows as
+they take any rows.
 
 Peers and backends are imported only when their case runs, so a missing or broken one
 fails its own case (reported in the table) and nothing else.
@@ -47,6 +70,8 @@ BOUND = "bound"
 EPSILON = 0.2
 # HA-DW's difficulty belief: any value in (0, 1) costs the same.
 ANCHOR = 0.5
+# Cut Cross-Entropy's label of a token outside the loss.
+IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -125,12 +150,13 @@ def plain_grpo_surrogate_packed(
     """The same on packed tokens [N] (every token valid), each segment one response: what
     a padding-free trainer writes without this library (verl's remove-padding path)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
     advantages = plain_group_advantages(rewards, group_size)[segment]
     ratio = torch.exp(logprobs - old_logprobs)
     clipped_ratio = torch.clamp(ratio, 1.0 - EPSILON, 1.0 + EPSILON)
     token_loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
-    per_response = torch.zeros(lengths.numel(), dtype=token_loss.dtype).index_add(0, segment, token_loss)
+    per_response = torch.zeros(lengths.numel(), dtype=token_loss.dtype, device=token_loss.device).index_add(
+        0, segment, token_loss)
     return (per_response / lengths.clamp(min=1)).mean()
 
 
@@ -165,12 +191,14 @@ LONG_TAIL_MEAN_FRACTION = 0.1
 
 
 def response_lengths(shape: Shape, lengths: str, seed: int = 0) -> torch.Tensor:
-    """[B] response lengths: "dense" (all T), "uniform" (in [T/2, T]) or "long_tail"
-    (lognormal, mean about T/10, in [1, T], the first one T)."""
+    """[B] response lengths (on the CPU): "dense" (all T), "half" (all T/2), "uniform"
+    (in [T/2, T]) or "long_tail" (lognormal, mean about T/10, in [1, T], the first one T)."""
     generator = torch.Generator().manual_seed(seed + 1)
     batch, length = shape.batch, shape.length
     if lengths == "dense":
         return torch.full((batch,), length)
+    if lengths == "half":
+        return torch.full((batch,), length // 2)
     if lengths == "uniform":
         return torch.randint(length // 2, length + 1, (batch,), generator=generator)
     if lengths != "long_tail":
@@ -183,55 +211,70 @@ def response_lengths(shape: Shape, lengths: str, seed: int = 0) -> torch.Tensor:
 
 
 def make_inputs(shape: Shape, input_kind: str, dense: bool = False, seed: int = 0, lengths: str | None = None,
-                packed: bool = False) -> Inputs:
-    """fp32 inputs. Labels are valid everywhere (padding is masked, as TRL and verl do),
-    so every padded implementation computes the same [B*T, V] products. ``lengths``: the
-    distribution (:func:`response_lengths`; default dense or uniform); ``packed``: the
-    responses' tokens in segments, no padding."""
-    generator = torch.Generator().manual_seed(seed)
+                packed: bool = False, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> Inputs:
+    """The seeded inputs of a case. Labels are valid everywhere (padding is masked, as TRL
+    and verl do), so every padded implementation computes the same [B*T, V] products.
+    ``dense``: on-policy (old log-probs None) and, unless ``lengths`` says otherwise, no
+    padding; ``lengths``: the distribution (:func:`response_lengths`; default dense or
+    uniform); ``packed``: the responses' tokens in segments, no padding. ``dtype``: of
+    the hidden states and the head, or of the log-probs and old log-probs (rewards stay
+    fp32); drawn in fp32 on ``device``'s generator, then cast, so a dtype changes no draw."""
+    generator = torch.Generator(device=device).manual_seed(seed)
     batch, length = shape.batch, shape.length
     # Uniform-ish log-probs around -log V, and a behaviour policy a little off them, so
     # that some ratios leave the clip range.
     typical_logprob = -math.log(shape.vocab)
-    old_logprobs = None if dense else typical_logprob + 0.1 * torch.randn(batch, length, generator=generator)
-    rewards = torch.bernoulli(torch.full((batch,), 0.5), generator=generator)
-    rewards[:2] = torch.tensor([0.0, 1.0])  # a one-group batch still has a gradient
-    response_mask = torch.arange(length)[None, :] < response_lengths(
-        shape, lengths or ("dense" if dense else "uniform"), seed)[:, None]
+    old_logprobs = None
+    if not dense:
+        old_logprobs = typical_logprob + 0.1 * torch.randn(batch, length, generator=generator, device=device)
+    rewards = torch.bernoulli(torch.full((batch,), 0.5, device=device), generator=generator)
+    rewards[:2] = torch.tensor([0.0, 1.0], device=device)  # a one-group batch still has a gradient
+    response_mask = (torch.arange(length)[None, :] < response_lengths(
+        shape, lengths or ("dense" if dense else "uniform"), seed)[:, None]).to(device)
     cu_seqlens = None
     if packed:
-        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), response_mask.sum(dim=1).cumsum(0)])
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), response_mask.sum(dim=1).cumsum(0)])
 
     def layout(values: torch.Tensor) -> torch.Tensor:
         return values[response_mask] if packed else values
 
     if old_logprobs is not None:
-        old_logprobs = layout(old_logprobs)
+        old_logprobs = layout(old_logprobs).to(dtype)
     mask = layout(response_mask)
     if input_kind == "logprobs":
-        logprobs = layout(typical_logprob + 0.1 * torch.randn(batch, length, generator=generator))
-        return Inputs(None, None, None, logprobs.requires_grad_(), old_logprobs, rewards, mask, cu_seqlens)
-    hidden = layout(torch.randn(batch, length, shape.hidden, generator=generator))
-    weight = torch.randn(shape.vocab, shape.hidden, generator=generator) / math.sqrt(shape.hidden)
-    labels = layout(torch.randint(0, shape.vocab, (batch, length), generator=generator))
-    return Inputs(
-        hidden.requires_grad_(), weight.requires_grad_(), labels, None, old_logprobs, rewards, mask, cu_seqlens
-    )
+        logprobs = layout(typical_logprob + 0.1 * torch.randn(batch, length, generator=generator, device=device))
+        return Inputs(None, None, None, logprobs.to(dtype).requires_grad_(), old_logprobs, rewards, mask, cu_seqlens)
+    hidden = layout(torch.randn(batch, length, shape.hidden, generator=generator, device=device))
+    weight = torch.randn(shape.vocab, shape.hidden, generator=generator, device=device) / math.sqrt(shape.hidden)
+    labels = layout(torch.randint(0, shape.vocab, (batch, length), generator=generator, device=device))
+    return Inputs(hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_(), labels, None, old_logprobs,
+                  rewards, mask, cu_seqlens)
 
 
 Step = Callable[[Inputs], None]
 
 
-def build_step(impl: str, input_kind: str, shape: Shape, packed: bool = False, loss_type: str = "grpo") -> Step:
+def build_step(impl: str, input_kind: str, shape: Shape, packed: bool = False, loss_type: str = "grpo",
+               **options) -> Step:
     """One forward + backward of an implementation with ``loss_type`` (this library's
     preset; Liger's of the same name); imports its package (ImportError if missing;
-    ValueError if it takes no packed batch, or no such loss type)."""
+    ValueError if it takes no packed batch, or no such loss type). ``options``: more
+    keywords of this library's loss call (a peer or the baseline takes none)."""
+    if options and backend_of(impl) is None:
+        raise ValueError(f"{impl} takes no options of this library's call, got {sorted(options)}")
     if impl == BOUND:
         return _bound_step(shape)
     if loss_type != "grpo" and impl not in ("liger",) and backend_of(impl) is None:
         raise ValueError(f"{impl} runs GRPO only here (the baseline the objectives are timed against)")
-    loss_fn = _build_loss(impl, input_kind, shape, packed, loss_type)
-    return lambda x: loss_fn(x).backward()
+    loss_fn = _build_loss(impl, input_kind, shape, packed, loss_type, options)
+
+    def step(x: Inputs) -> None:
+        loss_fn(x).backward()
+        for leaf in x.leaves():
+            leaf.grad = None
+
+    return step
 
 
 def plain_surrogate(logprobs, x: Inputs, group_size: int) -> torch.Tensor:
@@ -245,12 +288,16 @@ def _bound_step(shape: Shape) -> Step:
     buffers = {}
 
     def step(x: Inputs) -> None:
-        hidden = x.hidden.detach().reshape(-1, shape.hidden)[x.response_mask.reshape(-1)]
         weight = x.weight.detach()
         if not buffers:
-            buffers["logits"] = torch.empty(hidden.shape[0], shape.vocab)
+            # The valid rows are gathered once, beside the outputs: the bound is the GEMMs
+            # alone (on a GPU, a boolean index would also wait for the host every step).
+            hidden = x.hidden.detach().reshape(-1, shape.hidden)[x.response_mask.reshape(-1)]
+            buffers["hidden"] = hidden
+            buffers["logits"] = hidden.new_empty(hidden.shape[0], shape.vocab)
             buffers["grad_hidden"] = torch.empty_like(hidden)
             buffers["grad_weight"] = torch.empty_like(weight)
+        hidden = buffers["hidden"]
         torch.mm(hidden, weight.T, out=buffers["logits"])
         torch.mm(buffers["logits"], weight, out=buffers["grad_hidden"])
         torch.mm(buffers["logits"].T, hidden, out=buffers["grad_weight"])
@@ -263,8 +310,8 @@ def _bound_step(shape: Shape) -> Step:
 LIGER_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
 
-def _build_loss(impl: str, input_kind: str, shape: Shape, packed: bool,
-                loss_type: str) -> Callable[[Inputs], torch.Tensor]:
+def _build_loss(impl: str, input_kind: str, shape: Shape, packed: bool, loss_type: str,
+                options: dict) -> Callable[[Inputs], torch.Tensor]:
     group_size = shape.group_size
     backend = backend_of(impl)
     if backend is not None:
@@ -275,12 +322,12 @@ def _build_loss(impl: str, input_kind: str, shape: Shape, packed: bool,
         if input_kind == "logprobs":
             return lambda x: hadw_kernels.fused_hadw_grpo_loss(
                 x.logprobs, x.old_logprobs, x.rewards, x.response_mask, cu_seqlens=x.cu_seqlens,
-                group_size=group_size, loss_type=loss_type, anchor=ANCHOR, backend=backend, **length,
+                group_size=group_size, loss_type=loss_type, anchor=ANCHOR, backend=backend, **length, **options,
             )
         return lambda x: hadw_kernels.fused_linear_hadw_grpo_loss(
             x.hidden, x.weight, x.labels, x.old_logprobs, x.rewards, x.response_mask, cu_seqlens=x.cu_seqlens,
             group_size=group_size, loss_type=loss_type, anchor=ANCHOR, backend=backend,
-            linear_path=linear_path_of(impl), **length,
+            linear_path=linear_path_of(impl), **length, **options,
         )
     if impl == BASELINE:
         if input_kind == "logprobs":
@@ -288,9 +335,9 @@ def _build_loss(impl: str, input_kind: str, shape: Shape, packed: bool,
         return lambda x: plain_surrogate(eager_token_logprobs(x.hidden, x.weight, x.labels), x, group_size)
     if input_kind != "hidden":
         raise ValueError(f"{impl} takes hidden states only")
+    if impl in ("liger", "liger_triton") and packed:
+        raise ValueError("Liger's GRPO loss takes padded [B, T] batches only")
     if impl == "liger":
-        if packed:
-            raise ValueError("Liger's GRPO loss takes padded [B, T] batches only")
         if loss_type not in LIGER_LOSS_TYPES:
             raise ValueError(f"Liger's GRPO loss has no loss type {loss_type!r}")
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
@@ -311,23 +358,45 @@ def _build_loss(impl: str, input_kind: str, shape: Shape, packed: bool,
             return loss
 
         return liger_step
-    if impl == "cce":
+    if impl == "liger_triton":
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        def liger_triton_step(x: Inputs) -> torch.Tensor:
+            logits = x.hidden @ x.weight.T
+            # A causal LM's logits: T + 1 positions, of which the op drops the last.
+            logits = torch.cat([logits, logits[:, -1:]], dim=1)
+            mask = x.response_mask.float()
+            per_token, _, _ = triton_grpo_loss(
+                logits, x.old_logprobs, None, x.labels, plain_group_advantages(x.rewards, group_size), mask,
+                temperature=1.0, beta=0.0, eps_low=EPSILON, eps_high=EPSILON, loss_type="grpo",
+            )
+            return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+
+        return liger_triton_step
+    if impl in ("cce", "cce_kernel"):
         from cut_cross_entropy import linear_cross_entropy
 
+        kernel = "torch_compile" if impl == "cce" else "cce"
+
         def cce_step(x: Inputs) -> torch.Tensor:
-            logprobs = -linear_cross_entropy(x.hidden, x.weight, x.labels, impl="torch_compile", reduction="none")
+            labels = x.labels if impl == "cce" else x.labels.masked_fill(~x.response_mask, IGNORE_INDEX)
+            logprobs = -linear_cross_entropy(x.hidden, x.weight, labels, impl=kernel, reduction="none")
             return plain_surrogate(logprobs, x, group_size)
 
         return cce_step
     if impl == "trl":
         from trl.kernels import ChunkedLogProbFunction
-        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+        try:
+            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk_size
+        except ImportError:  # trl.trainer imports datasets; TRL 1.16's GRPO trainer's chunk
+            chunk_size = 32768
 
         def trl_step(x: Inputs) -> torch.Tensor:
             # The GRPO trainer asks for the entropy too (logging, entropy masking).
             logprobs, *_ = ChunkedLogProbFunction.apply(
                 x.hidden.reshape(-1, x.hidden.shape[-1]), x.weight, None, x.labels.reshape(-1), 1.0,
-                _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("entropy",),
+                chunk_size, None, 1.0, ("entropy",),
             )
             return plain_surrogate(logprobs.view(x.labels.shape), x, group_size)
 

@@ -124,8 +124,6 @@ def run(args: argparse.Namespace, commands: Iterable[str], out: TextIO) -> None:
 
     def step() -> None:
         impl_step(inputs)
-        for leaf in inputs.leaves():
-            leaf.grad = None
 
     gc.collect()
     if args.memory_cap_gb > 0:
