@@ -367,13 +367,12 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
     non-negative) at counted tokens."""
     rollout_logprobs, entropy = correction
     segments = None if layout is None else layout.segments
-    per_response = {name: values for name, values in inputs.items() if _shape(values) == (segments,)
-                    or (layout is None and name == "rewards")}
-    per_token = {name: values for name, values in inputs.items() if name not in per_response}
-    if layout is not None:
-        # [B, T], [N] and [1, N] may come mixed: one form for the masked checks below.
-        per_token = {name: layout.flat(values) for name, values in per_token.items()}
-        response_mask, rollout_logprobs, entropy = (layout.flat(t) for t in (response_mask, rollout_logprobs, entropy))
+    per_response, per_token = {}, {}
+    for name, values in inputs.items():
+        if (values.dim() == 1 and values.shape[0] == segments) or (layout is None and name == "rewards"):
+            per_response[name] = values
+        else:
+            per_token[name] = values
     if isinstance(anchor, (int, float)) and not math.isfinite(anchor):
         raise ValueError(f"anchor must be finite, got {anchor}")
     probes = {}
@@ -386,6 +385,8 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
         # finite everywhere (the usual case). Otherwise (a NaN in padding, or finite values
         # overflowing the sum) the masked checks below decide.
         values = list(per_token.values())
+        if layout is not None and any(other.shape != values[0].shape for other in values[1:]):
+            values = [layout.flat(other) for other in values]  # [B, T], [N] and [1, N] may come mixed
         combined = values[0]
         for sign, other in enumerate(values[1:]):
             combined = combined - other if sign % 2 == 0 else combined + other
@@ -398,7 +399,8 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
     if isinstance(anchor, torch.Tensor):
         probes["anchor"] = anchor
     if rollout_logprobs is not None or entropy is not None:
-        counted = response_mask != 0
+        counted = layout.flat(response_mask) != 0
+        rollout_logprobs, entropy = layout.flat(rollout_logprobs), layout.flat(entropy)
         if rollout_logprobs is not None:
             probes["rollout_nan"] = (torch.isnan(rollout_logprobs) & counted).any()
             probes["rollout_positive"] = ((rollout_logprobs > 0) & counted).any()
@@ -419,12 +421,13 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
     if read.get("mask", 0) != 0:
         raise ValueError("response_mask must contain only 0 and 1")
     if not math.isfinite(read.get("tokens", 0)):
-        masked_out = ~response_mask if response_mask.dtype == torch.bool else response_mask == 0
+        flat_mask = layout.flat(response_mask)
+        masked_out = ~flat_mask if flat_mask.dtype == torch.bool else flat_mask == 0
         for name, values in per_token.items():
-            if bool(_nonfinite_at(values, masked_out)):
+            if bool(_nonfinite_at(layout.flat(values), masked_out)):
                 raise ValueError(f"{name} contain NaN or inf at response tokens")
     for name in per_response:
-        if not all(math.isfinite(read.get(name + bound, 0)) for bound in ("_min", "_max")):
+        if not (math.isfinite(read.get(name + "_min", 0)) and math.isfinite(read.get(name + "_max", 0))):
             raise ValueError(f"{name} contain NaN or inf")
     hadw = anchor is not None
     if hadw and not (read.get("rewards_min", 0) >= 0 and read.get("rewards_max", 1) <= 1):

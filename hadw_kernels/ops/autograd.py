@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .schemas import LIBRARY, argument_names, call
+from .routing import call
+from .schemas import LIBRARY, argument_names
 
 
 def _scaled(stored_grad: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,16 +5,19 @@ which runs the implementation that the named backend registered for the tensors'
 device type, or raises :class:`BackendUnavailable` saying why there is none. No backend
 ever runs another's code, and autograd, fake tensors and ``torch.compile`` see the same
 op whichever kernel serves it. Backends register with :func:`register_kernel` when
-their module is imported (``hadw_kernels.backends``).
+their module is imported (``hadw_kernels.backends``). The library calls the ops through
+:func:`call`, which runs the same implementation without the dispatcher where nothing
+could observe the op.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
 
-from .schemas import LIBRARY, OPS
+from .schemas import LIBRARY, OPS, argument_names, tensor_positions
 
 
 class BackendUnavailable(RuntimeError):
@@ -75,3 +78,50 @@ def _router(op: str) -> Callable:
 
 for _op in OPS:
     torch.library.impl(f"{LIBRARY}::{_op}", ["CPU", "CUDA"])(_router(_op))
+
+
+def call(name: str, **arguments):
+    """Calls ``hadw::<name>`` with its arguments given by name (all of them).
+
+    A call nothing needs to observe runs the implementation the op's device kernel would
+    pick, without the dispatcher: its two passes box every argument into Python and back,
+    a fifth of a small call's host time on the CPU (docs/benchmarks.md, "Host time of a
+    small call"). Whatever must see the op goes through it: torch.compile, fake tensors
+    and other subclasses, a dispatch or function mode, functorch's transforms, the
+    profiler, and autograd (a tensor that requires grad)."""
+    names, values_of, tensors_at = _SIGNATURES[name]
+    if arguments.keys() != names:
+        missing, unknown = names - set(arguments), set(arguments) - names
+        raise TypeError(f"hadw::{name}: missing arguments {sorted(missing)}, unknown {sorted(unknown)}")
+    if torch.compiler.is_compiling():  # Dynamo traces the op (and no itemgetter)
+        return getattr(torch.ops.hadw, name)(*(arguments[key] for key in argument_names(name)))
+    values = values_of(arguments)
+    device = _unobserved_device([values[index] for index in tensors_at])
+    if device is not None:
+        implementation = _KERNELS.get((name, values[-1], device.type))
+        if implementation is not None:
+            return implementation(*values[:-1])
+    return getattr(torch.ops.hadw, name)(*values)
+
+
+# Per op, read once: its argument names, a getter of their values in the schema's order,
+# and where its tensors are.
+_SIGNATURES = {
+    _op: (frozenset(argument_names(_op)), operator.itemgetter(*argument_names(_op)), tensor_positions(_op))
+    for _op in OPS
+}
+
+
+def _unobserved_device(tensors) -> torch.device | None:
+    """The device of an eager call nothing observes (:func:`call`) with these tensor
+    arguments (None for an optional one not given), or None."""
+    if (torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch.autograd.profiler._is_profiler_enabled or torch._C._functorch.peek_interpreter_stack() is not None):
+        return None
+    device = None
+    for tensor in tensors:
+        if tensor is not None:
+            if type(tensor) is not torch.Tensor or tensor.requires_grad:
+                return None
+            device = device or tensor.device
+    return device

@@ -53,18 +53,20 @@ _ARGUMENT_NAMES = {
 }
 
 
+_TENSOR_POSITIONS = {
+    _name: tuple(index for index, argument in enumerate(getattr(torch.ops.hadw, _name).default._schema.arguments)
+                 if str(argument.type) in ("Tensor", "Optional[Tensor]"))
+    for _name in OPS
+}
+
+
 def argument_names(name: str) -> tuple[str, ...]:
     return _ARGUMENT_NAMES[name]
 
 
-def call(name: str, **arguments):
-    """Calls ``hadw::<name>`` with its arguments given by name (all of them)."""
-    names = argument_names(name)
-    missing = set(names) - set(arguments)
-    unknown = set(arguments) - set(names)
-    if missing or unknown:
-        raise TypeError(f"hadw::{name}: missing arguments {sorted(missing)}, unknown {sorted(unknown)}")
-    return getattr(torch.ops.hadw, name)(*(arguments[key] for key in names))
+def tensor_positions(name: str) -> tuple[int, ...]:
+    """The positions of ``hadw::<name>``'s tensor arguments (a tensor or None)."""
+    return _TENSOR_POSITIONS[name]
 
 
 def _surrogate_fake(logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, anchor, ref_logprobs,

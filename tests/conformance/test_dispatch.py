@@ -92,6 +92,17 @@ def test_unknown_backend_is_rejected():
         load_backend("cuda-magic")
 
 
+def _surrogate_arguments(config, dtype, device) -> dict:
+    """``surrogate_loss``'s arguments: four segments of 20 tokens, one empty (hadw_kernels/layout.py)."""
+    generator = torch.Generator().manual_seed(0)
+    logprobs = (-torch.rand(20, generator=generator)).to(dtype=dtype, device=device)
+    return dict(logprobs=logprobs, old_logprobs=logprobs.flip(0), response_mask=torch.ones(20, dtype=torch.bool,
+                device=device), cu_seqlens=torch.tensor([0, 5, 5, 12, 20], device=device),
+                rewards=torch.tensor([1.0, 0, 0, 1], device=device), advantages=None,
+                anchor=None, ref_logprobs=None, importance_weights=None, entropy=logprobs, selected=None,
+                **config.kernel_options())
+
+
 def test_outputs_match_the_fake_implementation(backend, device):
     """Shapes and dtypes of every op equal its fake (meta) outputs, which torch.compile trusts."""
     from hadw_kernels import ops
@@ -99,13 +110,7 @@ def test_outputs_match_the_fake_implementation(backend, device):
 
     config = LossConfig.build("grpo", 2, entropy_coef=0.01)
     for dtype in (torch.float32, torch.bfloat16):
-        # Four segments of 20 tokens, one empty (hadw_kernels/layout.py).
-        logprobs = torch.zeros(20, dtype=dtype, device=device)
-        surrogate = dict(logprobs=logprobs, old_logprobs=logprobs, response_mask=torch.ones(20, dtype=torch.bool,
-                         device=device), cu_seqlens=torch.tensor([0, 5, 5, 12, 20], device=device),
-                         rewards=torch.tensor([1.0, 0, 0, 1], device=device), advantages=None,
-                         anchor=None, ref_logprobs=None, importance_weights=None, entropy=logprobs, selected=None,
-                         **config.kernel_options())
+        surrogate = _surrogate_arguments(config, dtype, device)
         hidden, weight = torch.zeros(6, 8, dtype=dtype, device=device), torch.zeros(11, 8, dtype=dtype, device=device)
         labels, rows = torch.zeros(6, dtype=torch.long, device=device), torch.zeros(6, device=device)
         calls = {
@@ -128,6 +133,60 @@ def test_outputs_match_the_fake_implementation(backend, device):
             fake = ops.call(op, **meta, backend=backend)
             for index, (out, expected) in enumerate(zip(real, fake)):
                 assert (out.shape, out.dtype) == (expected.shape, expected.dtype), (op, index)
+
+
+def test_an_unobserved_call_skips_the_dispatcher_and_every_observer_sees_the_op(backend, device, monkeypatch):
+    """``ops.call`` runs a backend's kernel without the dispatcher only when nothing could
+    observe the op (hadw_kernels/ops/routing.py): the same outputs either way, and a
+    dispatch mode, the profiler and autograd see ``hadw::surrogate_loss``. The dispatcher
+    calls a kernel from the op's router, ``ops.call`` from itself: the caller tells them apart."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hadw_kernels import ops
+    from hadw_kernels.config import LossConfig
+    from hadw_kernels.ops import routing
+
+    if backend == "torch":
+        pytest.skip("the torch backend calls no op")
+    key = ("surrogate_loss", backend, device.type)
+    kernel = routing._KERNELS[key]
+    dispatched_calls = []
+
+    def observed_kernel(*arguments):
+        dispatched_calls.append(sys._getframe(1).f_code.co_name == "kernel")  # routing._router's kernel
+        return kernel(*arguments)
+
+    monkeypatch.setitem(routing._KERNELS, key, observed_kernel)
+    arguments = _surrogate_arguments(LossConfig.build("grpo", 2, entropy_coef=0.01), torch.float32, device)
+
+    def surrogate():
+        return ops.call("surrogate_loss", **arguments, backend=backend)
+
+    direct = surrogate()
+    dispatched = torch.ops.hadw.surrogate_loss(*(arguments[name] for name in ops.argument_names("surrogate_loss")
+                                                 if name != "backend"), backend)
+    assert dispatched_calls == [False, True]
+    for out, expected in zip(direct, dispatched):
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        surrogate()
+    assert "hadw.surrogate_loss.default" in seen.ops
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        surrogate()
+    assert "hadw::surrogate_loss" in {event.name for event in profile.events()}
+    arguments["logprobs"] = arguments["logprobs"].clone().requires_grad_()
+    surrogate()
+    assert dispatched_calls[2:] == [True, True, True]
 
 
 def test_loss_compiles_with_torch_compile(backend, device):
