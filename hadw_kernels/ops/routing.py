@@ -85,7 +85,7 @@ def call(name: str, **arguments):
 
     A call nothing needs to observe runs the implementation the op's device kernel would
     pick, without the dispatcher: its two passes box every argument into Python and back,
-    a fifth of a small call's host time on the CPU (docs/benchmarks.md, "Host time of a
+    much of a small call's host time on the CPU (docs/benchmarks.md, "Host time of a
     small call"). Whatever must see the op goes through it: torch.compile, fake tensors
     and other subclasses, a dispatch or function mode, functorch's transforms, the
     profiler, and autograd (a tensor that requires grad)."""
