@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .batch import SurrogateBatch
 from .config import CORRECTION_RULES, LOG_RATIO_CLAMP, REJECTION_STATISTICS, RejectionFilter
 from .layout import TokenLayout
 from .precision import accumulate_dtype
@@ -85,13 +86,16 @@ def needs_current_logprobs(config) -> bool:
 
 
 @torch.no_grad()
-def correct(config, layout: TokenLayout, mask: torch.Tensor, *, old_logprobs: torch.Tensor,
-            rollout_logprobs: torch.Tensor | None, logprobs: torch.Tensor | None,
-            token_advantage: torch.Tensor | None, entropy: torch.Tensor | None) -> TokenCorrection:
-    """The weights and masks of ``config``'s rollout correction, off-policy mask and entropy
-    mask, from [N] tensors in ``layout`` (``mask`` bool). ``logprobs`` are the current
-    policy's (the off-policy mask reads them), ``token_advantage`` each token's advantage
-    (its sign), ``entropy`` each token's entropy (the entropy mask)."""
+def correct(batch: SurrogateBatch, *, rollout_logprobs: torch.Tensor | None, token_advantage: torch.Tensor | None,
+            entropy: torch.Tensor | None) -> TokenCorrection:
+    """The weights and masks of the batch's rollout correction, off-policy mask and entropy
+    mask, from [N] tensors in its layout: its mask, its behaviour log-probs and its
+    current ones (which the off-policy mask reads; None in the linear loss before its
+    sweep, where no rule that reads them runs), the rollout engine's log-probs,
+    ``token_advantage`` each token's advantage (its sign), ``entropy`` each token's
+    entropy (the entropy mask)."""
+    config, layout, old_logprobs, logprobs = batch.config, batch.layout, batch.old_logprobs, batch.logprobs
+    mask = batch.mask.bool()
     dtype = torch.float64 if old_logprobs.dtype == torch.float64 else torch.float32
     counted = mask.sum().clamp(min=1).to(dtype)
     weights = None

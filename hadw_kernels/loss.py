@@ -195,8 +195,7 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch, *, rollout_logpr
         advantage, _ = weighted_advantages(batch.rewards, batch.advantages, config, batch.anchor)
         token_advantage = advantage if batch.advantages is not None else layout.expand(advantage)
     if _has_correction(config):
-        correction = correct(config, layout, batch.mask.bool(), old_logprobs=old_logprobs,
-                             rollout_logprobs=rollout_logprobs, logprobs=logprobs, token_advantage=token_advantage,
+        correction = correct(batch, rollout_logprobs=rollout_logprobs, token_advantage=token_advantage,
                              entropy=masked_entropy)
         mask, importance_weights = _fold(correction, batch.mask, batch.importance_weights, logprobs.dtype)
         entropy = batch.entropy
@@ -330,27 +329,26 @@ def fused_linear_hadw_grpo_loss(
     else:
         assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
         assert_cu_seqlens(layout)
-    importance_weights = layout.per_token(importance_weights)
+    batch = SurrogateBatch(
+        layout, config, None, old, mask, rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
+        ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
+        importance_weights=layout.per_token(importance_weights), with_metrics=return_metrics,
+    )
     corrected_metrics = {}
     if _has_correction(config) and not _reads_current_policy(config, old is not None):
         # Weights and filters from the behaviour and rollout log-probs alone: formed before
         # the sweep, whose rejected rows then enter no GEMM.
-        correction = correct(config, layout, mask.bool(), old_logprobs=old, rollout_logprobs=rollout, logprobs=None,
-                             token_advantage=None, entropy=None)
-        mask, importance_weights = _fold(correction, mask, importance_weights, old.dtype)
+        correction = correct(batch, rollout_logprobs=rollout, token_advantage=None, entropy=None)
+        mask, importance_weights = _fold(correction, mask, batch.importance_weights, old.dtype)
         labels = labels.masked_fill(~mask.bool(), ignore_index)
         corrected_metrics = correction.metrics
         config = dataclasses.replace(config, rollout_correction=None)
+        batch = batch.replace(config=config, mask=mask, importance_weights=importance_weights)
     implementation = resolve_backend(backend, hidden_states.device)
     path = _linear_path(linear_path, implementation, config, hidden_states.device, old)
     with_entropy = config.entropy_coef > 0 or return_metrics or config.top_entropy_quantile < 1.0
     head = LinearHead(hidden_states, hidden, lm_head_weight, lm_head_bias, labels, temperature, ignore_index,
                       block_rows)
-    batch = SurrogateBatch(
-        layout, config, None, old, mask, rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
-        ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None, importance_weights=importance_weights,
-        with_metrics=return_metrics,
-    )
     if path == "gradients_in_forward":
         loss, metrics = _gradients_in_forward(implementation, head, batch, with_entropy)
     else:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hadw_kernels import (RolloutCorrection, available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss)
+from hadw_kernels.batch import SurrogateBatch
 from hadw_kernels.config import REJECTION_FILTERS, LossConfig, RejectionFilter
 from hadw_kernels.correction import correct
 from hadw_kernels.layout import TokenLayout
@@ -58,9 +59,10 @@ def corrected(data, **options):
     config = LossConfig.build("grpo", **options)
     layout = TokenLayout.padded(*data["mask"].shape, data["mask"].device)
     advantage = data["advantages"][:, None].expand_as(data["mask"])
-    result = correct(config, layout, data["mask"].reshape(-1), old_logprobs=data["old"].reshape(-1),
-                     rollout_logprobs=data["rollout"].reshape(-1), logprobs=data["logprobs"].reshape(-1),
-                     token_advantage=advantage.reshape(-1), entropy=data["entropy"].reshape(-1))
+    batch = SurrogateBatch(layout, config, data["logprobs"].reshape(-1), data["old"].reshape(-1),
+                           data["mask"].reshape(-1))
+    result = correct(batch, rollout_logprobs=data["rollout"].reshape(-1), token_advantage=advantage.reshape(-1),
+                     entropy=data["entropy"].reshape(-1))
     weights = None if result.weights is None else result.weights.view_as(data["old"])
     kept = data["mask"] if result.keep is None else result.keep.view_as(data["mask"])
     return weights, kept, result.metrics

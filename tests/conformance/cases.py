@@ -425,9 +425,10 @@ def reference_linear_loss(hidden_states, lm_head_weight, labels, response_mask, 
         config = LossConfig.build(kwargs["loss_type"], rollout_correction=kwargs.get("rollout_correction"))
         layout = TokenLayout.padded(batch, width, mask.device)
         old = kwargs.get("old_logprobs")
-        kept = correct(config, layout, mask.reshape(-1), old_logprobs=layout.flat(old if old is not None else logprobs),
-                       rollout_logprobs=layout.flat(kwargs.get("rollout_logprobs")), logprobs=layout.flat(logprobs),
-                       token_advantage=None, entropy=layout.flat(entropy)).keep
+        corrected = SurrogateBatch(layout, config, layout.flat(logprobs),
+                                   layout.flat(old if old is not None else logprobs), mask.reshape(-1))
+        kept = correct(corrected, rollout_logprobs=layout.flat(kwargs.get("rollout_logprobs")), token_advantage=None,
+                       entropy=layout.flat(entropy)).keep
         counted = mask.reshape(-1) if kept is None else kept
         metrics = dict(metrics, entropy_mean=masked_mean(entropy.detach().reshape(-1), counted))
         metrics = {name: metrics[name] for name in METRIC_NAMES + CORRECTION_METRIC_NAMES if name in metrics}
