@@ -248,6 +248,7 @@ def vespo_weight(summed_log_ratio, advantage, config: LossConfig):
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
+
 def ppo_terms(ratio, advantage, epsilon_low: float, epsilon_high: float):
     """PPO's two loss terms (verl's pg_losses1 and pg_losses2): -A rho, -A clip(rho)."""
     return -advantage * ratio, -advantage * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)

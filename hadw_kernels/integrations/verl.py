@@ -51,7 +51,7 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ..advantage import hadw_advantages
 from ..anchor import DifficultyAnchor
-from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP, check_finite_positive
+from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP, OBJECTIVES, check_finite_positive
 from ..loss import fused_hadw_grpo_loss
 from ..objectives import dppo_moved_within, ppo_terms
 from .rewards import require_unit_interval
@@ -404,10 +404,11 @@ VERL_POLICY_LOSSES = {
 ACTOR_DEFAULTS = {"clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05, "policy_loss.dro_beta": None,
                   "policy_loss.clip_cov_ratio": 2e-4, "policy_loss.clip_cov_lb": 1.0, "policy_loss.clip_cov_ub": 5.0,
                   "policy_loss.kl_cov_ratio": 2e-4, "policy_loss.ppo_kl_coef": 0.1}
-# What verl's functions take where a policy_loss key holds None (kl_cov's coefficient is
-# then 1, not ActorConfig's 0.1); dro_beta has none (verl refuses it).
-NONE_DEFAULTS = {"policy_loss.clip_cov_ratio": 2e-4, "policy_loss.clip_cov_lb": 1.0, "policy_loss.clip_cov_ub": 5.0,
-                 "policy_loss.kl_cov_ratio": 2e-4, "policy_loss.ppo_kl_coef": 1.0}
+# What verl's functions take where a policy_loss key holds None: ActorConfig's default,
+# except kl_cov's coefficient (1, not 0.1); dro_beta has none (verl refuses it).
+NONE_DEFAULTS = {**{key: value for key, value in ACTOR_DEFAULTS.items()
+                    if key.startswith("policy_loss.") and value is not None},
+                 "policy_loss.ppo_kl_coef": 1.0}
 assert all(key in ACTOR_DEFAULTS for loss in VERL_POLICY_LOSSES.values() for key in loss.options.values())
 # Other names of the same losses: "hadw", the first name of hadw_vanilla.
 VERL_POLICY_LOSS_ALIASES = {"hadw": "hadw_vanilla"}
@@ -478,14 +479,20 @@ def _fused_policy_loss(
         if loss.aggregation != "loss_agg_mode":
             loss_agg_mode = loss.aggregation
         normalizer, max_length = batch_normalizer(loss_agg_mode, mask, config.get("global_batch_info", None) or {})
-    value, metrics = fused_hadw_grpo_loss(
+    # The loss's own metrics only where verl's rule reads one: the share its selection took.
+    selects_tokens = OBJECTIVES[loss.objective].selects_tokens
+    value = fused_hadw_grpo_loss(
         log_prob, old_log_prob, None, mask, advantages=advantages, loss_agg_mode=loss_agg_mode,
         objective=loss.objective, ratio_level=loss.ratio_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
         importance_weights=rollout_is_weights, loss_normalizer=normalizer, max_response_length=max_length,
-        return_metrics=True, **options,
+        return_metrics=selects_tokens, **options,
     )
+    selected_frac = None
+    if selects_tokens:
+        value, metrics = value
+        selected_frac = metrics["selected_frac"]
     return value, verl_metrics(loss, old_log_prob, log_prob, advantages, mask, epsilon_low, epsilon_high, options,
-                               metrics.get("selected_frac"))
+                               selected_frac)
 
 
 def _policy_loss(name: str, loss: VerlPolicyLoss):
