@@ -125,7 +125,7 @@ struct Problem {
   const T* entropy;       // or null
   const T* selected;      // the objective's selection per token (0 or 1), or null: none
   const T* token_advantage;  // the caller's advantages per token, or null
-  const double* response_advantage;  // [S] A_i from rewards, or null
+  const double* response_advantage;  // [S] A_i (from rewards, or the caller's), or null
   const double* agg_weight;  // [S] w_i: a valid token's weight in the aggregate
   const int64_t* lengths;      // [S] valid tokens per response
   int64_t objective;    // a config::kObjective code
@@ -726,8 +726,8 @@ std::vector<int64_t> checked_offsets(const at::Tensor& cu_seqlens, int64_t token
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& response_mask,
     const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& rewards,
-    const std::optional<at::Tensor>& advantages, const std::optional<at::Tensor>& anchor,
-    const std::optional<at::Tensor>& ref_logprobs, const std::optional<at::Tensor>& importance_weights,
+    const std::optional<at::Tensor>& advantages, const std::optional<at::Tensor>& response_advantages,
+    const std::optional<at::Tensor>& anchor, const std::optional<at::Tensor>& ref_logprobs, const std::optional<at::Tensor>& importance_weights,
     const std::optional<at::Tensor>& entropy, const std::optional<at::Tensor>& selected,
     std::optional<int64_t> group_size, bool normalize_std, double std_eps,
     double lambda_scale, int64_t loss_agg_mode, int64_t ratio_level, int64_t objective, double epsilon_low,
@@ -741,11 +741,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
   const int64_t segments = static_cast<int64_t>(offsets.size()) - 1;
   check_same_shape("old_logprobs", old_logprobs, logprobs);
   check_same_shape("response_mask", response_mask, logprobs);
-  TORCH_CHECK(rewards.has_value() != advantages.has_value(),
-              "hadw_cpp::surrogate_loss: pass exactly one of rewards and advantages");
+  TORCH_CHECK(rewards.has_value() + advantages.has_value() + response_advantages.has_value() == 1,
+              "hadw_cpp::surrogate_loss: pass exactly one of rewards, advantages and response_advantages");
   if (rewards.has_value()) {
     TORCH_CHECK(rewards->dim() == 1 && rewards->size(0) == segments, "hadw_cpp::surrogate_loss: rewards must be "
                 "[S] = [", segments, "], got ", rewards->sizes());
+  } else if (response_advantages.has_value()) {
+    TORCH_CHECK(response_advantages->dim() == 1 && response_advantages->size(0) == segments,
+                "hadw_cpp::surrogate_loss: response_advantages must be [S] = [", segments, "], got ",
+                response_advantages->sizes());
   } else {
     check_same_shape("advantages", *advantages, logprobs);
   }
@@ -774,10 +778,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     check_same_shape("selected", *selected, logprobs);
   }
 
-  // From rewards, A_i per response (and the group metrics); the caller's advantages are
-  // per token, and leave the group metrics at 0.
+  // A_i per response: from rewards (with the group metrics), or the caller's; the
+  // caller's advantages per token are read in the token loop. The caller's leave the
+  // group metrics at 0.
   Advantages advantage_terms;
-  if (rewards.has_value()) {
+  if (response_advantages.has_value()) {
+    // Each rounds to the compute type in the token loop, as a per-token copy would.
+    advantage_terms.advantage = to_doubles(*response_advantages);
+  } else if (rewards.has_value()) {
     TORCH_CHECK(group_size.has_value() && *group_size >= 2 && segments % *group_size == 0,
                 "hadw_cpp::surrogate_loss: rewards need a group_size >= 2 that divides the segments (", segments,
                 "), got ", group_size.has_value() ? std::to_string(*group_size) : std::string("None"));

@@ -12,12 +12,16 @@ micro-batches may split and shuffle the rows freely.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
 from .precision import accumulate_dtype
 from .validation import check_advantage_options
+
+if TYPE_CHECKING:
+    from .batch import SurrogateBatch
 
 # Kept for callers of the first release.
 STD_EPS = DEFAULT_STD_EPS
@@ -179,8 +183,8 @@ def weighted_advantages(
     config: LossConfig,
     anchor: float | torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(A, Phi [S] or None): the caller's advantages (as given: per token [N] in the
-    losses' calls, [S] in hadw_advantages'), or A_hat * Phi [S] from rewards."""
+    """(A, Phi [S] or None): the caller's advantages (as given: per token [N] or per
+    response [S]), or A_hat * Phi [S] from rewards."""
     if advantages is not None:
         return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
     rewards = rewards.detach()
@@ -192,6 +196,15 @@ def weighted_advantages(
     else:
         phi = hadw_weights(rewards, config.group_size, anchor, lambda_scale=config.lambda_scale)
     return advantage_hat * phi, phi
+
+
+def batch_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A call's advantages, detached: each token's [N]; each response's [S] (None where
+    the caller's are per token); and Phi [S] (None unless formed from rewards)."""
+    if batch.advantages is not None:
+        return weighted_advantages(None, batch.advantages, batch.config, None)[0], None, None
+    response, phi = weighted_advantages(batch.rewards, batch.response_advantages, batch.config, batch.anchor)
+    return batch.layout.expand(response), response, phi
 
 
 def group_metrics(rewards: torch.Tensor, phi: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:

@@ -19,7 +19,9 @@ class SurrogateBatch:
 
     ``logprobs``: None in the linear loss until its sweep forms them, ``old_logprobs``
     None there for an on-policy call (they are then the log-probs formed).
-    ``advantages``: the caller's, per token (None: formed from ``rewards``).
+    ``advantages``: the caller's per token, or ``response_advantages`` theirs per response
+    [S], which the kernels read without repeating them over the tokens (both None: formed
+    from ``rewards``).
     ``importance_weights``: per token (a per-response weight repeated over its tokens).
     ``entropy``: the entropy the op takes, with its gradient (the linear loss's bonus and
     metric). ``selected``: the tokens an objective's batch statistic selected
@@ -33,6 +35,7 @@ class SurrogateBatch:
     mask: torch.Tensor
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    response_advantages: torch.Tensor | None = None
     anchor: float | torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     importance_weights: torch.Tensor | None = None
@@ -42,6 +45,15 @@ class SurrogateBatch:
 
     def replace(self, **changes) -> "SurrogateBatch":
         return dataclasses.replace(self, **changes)
+
+
+def caller_advantages(layout: TokenLayout, advantages: torch.Tensor | None) -> dict:
+    """The caller's advantages as a :class:`SurrogateBatch` holds them: per token [N], or
+    per response [S] as given (the kernels read those per response: repeating them over
+    the tokens was a copy in every call)."""
+    if layout.is_per_response(advantages):
+        return {"advantages": None, "response_advantages": advantages}
+    return {"advantages": layout.flat(advantages), "response_advantages": None}
 
 
 @dataclass(slots=True)

@@ -752,12 +752,30 @@ class LossConfig:
                 "needs max_response_length: the constant length every micro-batch divides by"
             )
 
+    def validated(self) -> None:
+        """:meth:`validate`, once per config (a config is frozen): a call given a config
+        checks it on every call."""
+        self._checked
+
+    @functools.cached_property
+    def _checked(self) -> bool:
+        self.validate()
+        return True
+
     def kernel_options(self) -> dict:
         """The resolved options as the ops take them (``ops.schemas``): names of modes
         become their index in :data:`AGG_MODES`, :data:`RATIO_LEVELS`, :data:`KL_ESTIMATORS`.
         Formed once per config (a config is frozen), but under torch.compile; each call
         gets its own dict, so a caller that edits one changes no other call's."""
-        return dict(cached_unless_compiling(_cached_kernel_options, lambda: self, self._kernel_options))
+        if _compiling():
+            return self._kernel_options()
+        return dict(self._formed_kernel_options)
+
+    @functools.cached_property
+    def _formed_kernel_options(self) -> dict:
+        # Kept on the instance, not in a cache keyed by the config: hashing a config's
+        # fields cost as much as forming the dict.
+        return self._kernel_options()
 
     def _kernel_options(self) -> dict:
         return dict(
@@ -790,11 +808,6 @@ class LossConfig:
             kl_estimator=KL_ESTIMATORS.index(self.kl_estimator),
             entropy_coef=float(self.entropy_coef),
         )
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_kernel_options(config: LossConfig) -> dict:
-    return config._kernel_options()
 
 
 # Each LossConfig field's accepted types, from its annotation (NoneType where None is),

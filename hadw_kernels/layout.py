@@ -71,9 +71,14 @@ class TokenLayout:
         repeated over its segment's tokens, a per-token one flattened."""
         if values is None:
             return None
-        if values.dim() == 1 and values.shape[0] == self.segments:
+        if self.is_per_response(values):
             return self.expand(values)
         return self.flat(values)
+
+    def is_per_response(self, values: torch.Tensor | None) -> bool:
+        """Whether ``values`` (per token or per response, as :meth:`per_token` takes them)
+        hold one value per response."""
+        return values is not None and values.dim() == 1 and values.shape[0] == self.segments
 
     def flat_rows(self, values: torch.Tensor) -> torch.Tensor:
         """Per-token rows ([B, T, H], [N, H] or [1, N, H]) as [N, H]."""

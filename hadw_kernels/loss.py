@@ -25,8 +25,8 @@ from .correction import correct, needs_current_logprobs
 from .objectives import SELECTIONS
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
-from .advantage import group_metrics, weighted_advantages
-from .batch import LinearHead, SurrogateBatch
+from .advantage import batch_advantages, group_metrics
+from .batch import LinearHead, SurrogateBatch, caller_advantages
 from .aggregation import agg_weights, aggregate
 from .token_terms import kl_estimate, masked_mean, own_token_ratio, token_ratio
 from .layout import TokenLayout
@@ -167,7 +167,7 @@ def fused_hadw_grpo_loss(
     flat_logprobs = layout.flat(logprobs)
     batch = SurrogateBatch(
         layout, config, flat_logprobs, flat_logprobs.detach() if old_logprobs is None else layout.flat(old_logprobs),
-        layout.flat(response_mask), rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
+        layout.flat(response_mask), rewards=rewards, **caller_advantages(layout, advantages), anchor=anchor,
         ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
         importance_weights=layout.per_token(importance_weights), with_metrics=return_metrics,
     )
@@ -192,8 +192,7 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch, *, rollout_logpr
     # selections their covariance.
     token_advantage = None
     if config.off_policy_mask_threshold is not None or config.kl_bias_correction or selects_tokens:
-        advantage, _ = weighted_advantages(batch.rewards, batch.advantages, config, batch.anchor)
-        token_advantage = advantage if batch.advantages is not None else layout.expand(advantage)
+        token_advantage, _, _ = batch_advantages(batch)
     if _has_correction(config):
         correction = correct(batch, rollout_logprobs=rollout_logprobs, token_advantage=token_advantage,
                              entropy=masked_entropy)
@@ -330,7 +329,7 @@ def fused_linear_hadw_grpo_loss(
         assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
         assert_cu_seqlens(layout)
     batch = SurrogateBatch(
-        layout, config, None, old, mask, rewards=rewards, advantages=layout.per_token(advantages), anchor=anchor,
+        layout, config, None, old, mask, rewards=rewards, **caller_advantages(layout, advantages), anchor=anchor,
         ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
         importance_weights=layout.per_token(importance_weights), with_metrics=return_metrics,
     )
@@ -393,27 +392,33 @@ def _call_config(config: LossConfig | None, options: dict, backend: str, *, line
     """The LossConfig of a call: ``config`` as given, or the preset of ``loss_type`` with
     the option keywords given (not None) overriding it; and the backend's name checked."""
     check_backend_name(backend)
-    unknown = sorted(set(options) - set(LossOptions.__annotations__))
-    if unknown:
-        raise TypeError(f"unknown options {unknown}; the loss's options are {sorted(LossOptions.__annotations__)}")
+    if not options.keys() <= _OPTION_NAMES:
+        raise TypeError(f"unknown options {sorted(options.keys() - _OPTION_NAMES)}; the loss's options are "
+                        f"{sorted(_OPTION_NAMES)}")
     if config is not None and not isinstance(config, LossConfig):
         raise TypeError(f"config must be a LossConfig (LossConfig.build(loss_type, ...)), got {type(config).__name__}")
     for name in () if linear else _LINEAR_ONLY_OPTIONS:
         # Refused however it arrives: as a keyword, or held by a config (never dropped).
         if options.get(name) is not None or (config is not None and getattr(config, name)):
             raise TypeError(f"{name} needs the entropy of the token distribution: use fused_linear_hadw_grpo_loss")
-    given = sorted(name for name, value in options.items() if value is not None)
     if config is None:
         loss_type = options.pop("loss_type", None) or "grpo"
         # Keyed by each value's type too: True and 1 are equal but only one is valid.
         return cached_unless_compiling(
             _built_config,
-            lambda: (loss_type, tuple(sorted((name, type(value), value) for name, value in options.items()))),
+            lambda: (loss_type, tuple((name, type(value), value) for name, value in options.items())),
             lambda: LossConfig.build(loss_type, **options))
+    given = sorted(name for name, value in options.items() if value is not None)
     if given:
         raise TypeError(f"pass the loss's options either as config= or as keywords, not both: got config and {given}")
-    cached_unless_compiling(_validated, lambda: config, config.validate)
+    if torch.compiler.is_compiling():
+        config.validate()
+    else:
+        config.validated()
     return config
+
+
+_OPTION_NAMES = frozenset(LossOptions.__annotations__)
 
 
 # A call's config is built and checked once per distinct set of options, not on every
@@ -423,11 +428,6 @@ def _call_config(config: LossConfig | None, options: dict, backend: str, *, line
 def _built_config(key: tuple) -> LossConfig:
     loss_type, items = key
     return LossConfig.build(loss_type, **{name: value for name, _, value in items})
-
-
-@functools.lru_cache(maxsize=256)
-def _validated(config: LossConfig) -> None:
-    config.validate()
 
 
 def _check_linear_options(*, linear_path, block_rows, temperature) -> None:
@@ -510,14 +510,14 @@ def _gradients_in_forward(implementation, head: LinearHead, batch: SurrogateBatc
     loss value and the metrics from the log-probs (its gradient is the one already
     formed), and backward scales the stored gradients. Every per-token tensor is [N]."""
     config, layout = batch.config, batch.layout
-    advantage, phi = weighted_advantages(batch.rewards, batch.advantages, config, batch.anchor)
-    token_advantage = advantage if batch.advantages is not None else layout.expand(advantage)
+    token_advantage, _, phi = batch_advantages(batch)
     logprobs, entropy, grad_hidden, grad_weight, grad_bias = implementation.linear_surrogate(
         head, batch, token_advantage, layout.expand(agg_weights(batch.mask.bool(), layout, config)), with_entropy,
     )
     loss, metrics = implementation.surrogate_loss(batch.replace(
         logprobs=logprobs, old_logprobs=logprobs if batch.old_logprobs is None else batch.old_logprobs,
-        rewards=None, advantages=token_advantage, anchor=None, entropy=entropy if with_entropy else None,
+        rewards=None, advantages=token_advantage, response_advantages=None, anchor=None,
+        entropy=entropy if with_entropy else None,
     ))
     if phi is not None and batch.with_metrics:
         metrics.update(group_metrics(batch.rewards, phi, config.group_size))

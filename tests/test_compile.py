@@ -160,7 +160,7 @@ def test_fake_kernels_match_the_cpp_ops(with_optional):
     logprobs = -torch.rand(rows)
     check("surrogate_loss", logprobs=logprobs, old_logprobs=logprobs - 0.1,
           response_mask=torch.rand(rows) > 0.2, cu_seqlens=cu_seqlens, rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]),
-          advantages=None, anchor=torch.tensor(0.4, dtype=torch.float64) if with_optional else None,
+          advantages=None, response_advantages=None, anchor=torch.tensor(0.4, dtype=torch.float64) if with_optional else None,
           ref_logprobs=logprobs + 0.05 if with_optional else None,
           importance_weights=torch.rand(rows) + 0.5 if with_optional else None,
           entropy=torch.rand(rows) if with_optional else None, selected=None, **config.kernel_options(), backend="cpp")

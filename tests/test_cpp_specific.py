@@ -77,7 +77,7 @@ def _surrogate_args(dtype=torch.float32, *, batch=16, width=300, advantages=Fals
         logprobs=logprobs.to(dtype), old_logprobs=(logprobs + 0.3 * torch.randn_like(logprobs)).to(dtype),
         response_mask=mask, cu_seqlens=cu_seqlens,
         rewards=None if advantages else torch.randint(0, 2, (batch,)).float(),
-        advantages=torch.randn(tokens) if advantages else None,
+        advantages=torch.randn(tokens) if advantages else None, response_advantages=None,
         anchor=None if advantages else torch.tensor(0.4, dtype=torch.float64),
         ref_logprobs=(logprobs + 0.1 * torch.randn_like(logprobs)).to(dtype) if options else None,
         importance_weights=(torch.rand(tokens) + 0.5).to(dtype) if options else None,

@@ -52,7 +52,7 @@ for dtype in (torch.bfloat16, torch.float32):
         surrogate.surrogate_forward(
             logprobs=values(), old_logprobs=values(), response_mask=mask, cu_seqlens=cu_seqlens,
             rewards=torch.zeros(batch) if from_rewards else None,
-            advantages=None if from_rewards else torch.zeros(batch * width),
+            advantages=None if from_rewards else torch.zeros(batch * width), response_advantages=None,
             anchor=torch.tensor(0.5) if from_rewards else None, ref_logprobs=values(),
             importance_weights=torch.ones(batch * width) if index % 3 == 0 else None,
             entropy=values() if index % 4 < 2 else None,

@@ -67,6 +67,7 @@ class KernelBackend:
             cu_seqlens=batch.layout.cu_seqlens,
             rewards=None if batch.rewards is None else batch.rewards.detach(),
             advantages=None if batch.advantages is None else batch.advantages.detach(),
+            response_advantages=None if batch.response_advantages is None else batch.response_advantages.detach(),
             anchor=anchor_tensor(batch.anchor, batch.logprobs.device),
             ref_logprobs=None if config.beta <= 0 else batch.ref_logprobs.detach(),
             importance_weights=None if batch.importance_weights is None else batch.importance_weights.detach(),

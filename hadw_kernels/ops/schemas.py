@@ -69,8 +69,8 @@ def tensor_positions(name: str) -> tuple[int, ...]:
     return _TENSOR_POSITIONS[name]
 
 
-def _surrogate_fake(logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, anchor, ref_logprobs,
-                    importance_weights, entropy, selected, *_options):
+def _surrogate_fake(logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, response_advantages,
+                    anchor, ref_logprobs, importance_weights, entropy, selected, *_options):
     accumulate = accumulate_dtype(logprobs.dtype)
     return (
         logprobs.new_empty((), dtype=accumulate),

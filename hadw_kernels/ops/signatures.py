@@ -12,7 +12,7 @@ _PER_TOKEN_OPTIONS = (
 SIGNATURES = {
     "surrogate_loss": (
         "(Tensor logprobs, Tensor old_logprobs, Tensor response_mask, Tensor cu_seqlens, Tensor? rewards, "
-        "Tensor? advantages, "
+        "Tensor? advantages, Tensor? response_advantages, "
         "Tensor? anchor, Tensor? ref_logprobs, Tensor? importance_weights, Tensor? entropy, Tensor? selected, "
         "int? group_size, "
         "bool normalize_std, float std_eps, float lambda_scale, int loss_agg_mode, int ratio_level, "

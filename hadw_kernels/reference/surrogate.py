@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..advantage import group_metrics, weighted_advantages
+from ..advantage import batch_advantages, group_metrics
 from ..aggregation import aggregate
 from ..batch import SurrogateBatch
 from ..config import LOG_RATIO_CLAMP, OBJECTIVES, ordered_metrics
@@ -26,7 +26,8 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
     validated (see ``validation``).
 
     Exactly one of ``rewards`` [S] (each group's ``config.group_size`` segments
-    contiguous) and ``advantages`` [N] is given (batch.SurrogateBatch); ``entropy`` enters
+    contiguous), ``advantages`` [N] and ``response_advantages`` [S] is given
+    (batch.SurrogateBatch); ``entropy`` enters
     as ``- entropy_coef * aggregate(entropy)``.
 
     The objective (``config.objective``, objectives.py) is a per-token loss of the
@@ -35,7 +36,6 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
     ``config.loss_agg_mode``.
     """
     layout, config, mask = batch.layout, batch.config, batch.mask.bool()
-    rewards, advantages, anchor = batch.rewards, batch.advantages, batch.anchor
     importance_weights, selected = batch.importance_weights, batch.selected
     # In fp32 at least (precision.py), as every kernel computes: a float16 ratio overflows
     # once the log-ratio passes 11. The gradient reaches the inputs in their own dtype.
@@ -43,9 +43,8 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
     logprobs = batch.logprobs.to(compute)
     old_logprobs = batch.old_logprobs.detach().to(compute)
     entropy = None if batch.entropy is None else batch.entropy.to(compute)
-    advantage, phi = weighted_advantages(rewards, advantages, config, anchor)
-    advantage = advantage.to(torch.promote_types(advantage.dtype, logprobs.dtype))
-    token_advantage = layout.expand(advantage) if advantages is None else advantage
+    token_advantage, response_advantage, phi = batch_advantages(batch)
+    token_advantage = token_advantage.to(torch.promote_types(token_advantage.dtype, logprobs.dtype))
     # Every per-token input is masked before it meets another: padding may hold inf or
     # NaN, and a sequence ratio gathers its tokens' gradients (NaN * 0 is NaN).
     token_advantage = torch.where(mask, token_advantage, torch.zeros_like(token_advantage))
@@ -84,8 +83,8 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
         # sum of its tokens' advantages).
         if not config.sequence_level:
             signed_advantage = token_advantage
-        elif advantages is None:
-            signed_advantage = advantage
+        elif response_advantage is not None:
+            signed_advantage = response_advantage
         else:
             signed_advantage = layout.segment_sum(torch.where(mask, token_advantage, torch.zeros_like(token_advantage)))
         low = (metric_ratio < 1.0 - config.epsilon_low) & (signed_advantage < 0)
@@ -98,7 +97,7 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
             -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         metrics["approx_kl"] = masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask)
         if phi is not None:
-            metrics.update(group_metrics(rewards, phi, config.group_size))
+            metrics.update(group_metrics(batch.rewards, phi, config.group_size))
     return loss, ordered_metrics(metrics)
 
 

@@ -466,8 +466,8 @@ def objective_arguments(objective, epsilon_low, epsilon_high, objective_options)
 
 
 def surrogate_forward(
-    logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, anchor, ref_logprobs, importance_weights,
-    entropy, selected, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
+    logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, response_advantages, anchor, ref_logprobs,
+    importance_weights, entropy, selected, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
     epsilon_low, epsilon_high, objective_options, beta, kl_estimator, entropy_coef, loss_normalizer,
     max_response_length,
 ):
@@ -475,7 +475,8 @@ def surrogate_forward(
     respect to the log-probs and the entropy, and the metrics in METRIC_NAMES order.
 
     Inputs are assumed validated (``validation``): per-token tensors [N] in the segments
-    of ``cu_seqlens`` [S+1], rewards [S] or the caller's advantages [N]. Only shapes and
+    of ``cu_seqlens`` [S+1], rewards [S] or the caller's advantages, per token [N] or
+    per response [S]. Only shapes and
     Python scalars steer the launches; no tensor value reaches the host.
     """
     name = OBJECTIVE_NAMES[objective]
@@ -495,12 +496,15 @@ def surrogate_forward(
     grad_entropy = allocate((tokens,) if entropy is not None else (0,), dtype=compute, device=device)
     loss = allocate((), dtype=compute, device=device)
     metrics = allocate(len(METRIC_NAMES), dtype=torch.float32, device=device)
-    has_groups = advantages is None
+    has_groups = rewards is not None
+    per_token_advantages = advantages is not None
     groups = segments // group_size if has_groups else 0
     group_stats = torch.empty((max(groups, 1), 2), dtype=torch.float32, device=device)
     if has_groups:
         # At least the compute dtype: float64 log-probs with float32 rewards get float64 advantages.
         advantages = torch.empty(segments, dtype=torch.promote_types(rewards.dtype, compute), device=device)
+    elif not per_token_advantages:
+        advantages = response_advantages
     if segments == 0:
         return loss, grad_logprobs, grad_entropy, metrics
 
@@ -548,7 +552,7 @@ def surrogate_forward(
             denominator=float(denominator),
             RATIO_LEVEL=ratio_level,
             THROUGH_RATIO=OBJECTIVES[name].through_ratio,
-            PER_TOKEN_ADVANTAGES=not has_groups,
+            PER_TOKEN_ADVANTAGES=per_token_advantages,
             PER_RESPONSE_MEAN=per_response_mean,
             COUNT_TOKENS=count_tokens,
             HAS_KL=has_kl,

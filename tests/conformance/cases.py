@@ -29,7 +29,7 @@ from hadw_kernels.config import (
     RolloutCorrection,
 )
 from hadw_kernels.advantage import weighted_advantages
-from hadw_kernels.batch import SurrogateBatch
+from hadw_kernels.batch import SurrogateBatch, caller_advantages
 from hadw_kernels.layout import TokenLayout
 from hadw_kernels.objectives import SELECTIONS
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
@@ -321,7 +321,7 @@ def run_padded_op(run, logprobs, response_mask, config, *, entropy=None, old_log
     return run(SurrogateBatch(
         layout, config, flat(logprobs), flat(logprobs.detach() if old_logprobs is None else old_logprobs),
         flat(response_mask), entropy=flat(entropy), ref_logprobs=flat(ref_logprobs),
-        importance_weights=layout.per_token(importance_weights), advantages=layout.per_token(advantages),
+        importance_weights=layout.per_token(importance_weights), **caller_advantages(layout, advantages),
         **per_response,
     ))
 
