@@ -7,5 +7,7 @@ import torch
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32, or fp64 for fp64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
+    """fp32, or fp64 for fp64 inputs (of the floating types: the library takes no other).
+    Not ``torch.promote_types``, which is a dispatched operator: a small call's host time
+    is counted in operators (docs/benchmarks.md, "Host time of a small call")."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -21,6 +21,7 @@ import torch
 
 from .config import AGGREGATIONS, LossConfig, check_finite_positive
 from .layout import TokenLayout
+from .ops import detached
 from .precision import accumulate_dtype
 
 
@@ -350,7 +351,6 @@ def check_linear_values(
                   linear=(hidden_states, labels, vocab, ignore_index), correction=(rollout_logprobs, None))
 
 
-@torch.no_grad()
 def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, torch.Tensor], *, anchor,
                   linear=None, correction=(None, None)) -> None:
     """Every check from a few reductions read in one host synchronisation; a failure is
@@ -364,11 +364,15 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
     ``linear``: (hidden_states, labels, vocab, ignore_index) of the linear loss, whose
     screens join the same read. ``correction``: (rollout log-probs, entropies), each None
     where the call has none: log-probs (<= 0, not NaN) and entropies (finite,
-    non-negative) at counted tokens."""
-    rollout_logprobs, entropy = correction
+    non-negative) at counted tokens.
+
+    Every tensor is read detached (not under ``torch.no_grad()``, whose context costs a
+    small call more than a detach does)."""
+    rollout_logprobs, entropy = detached(correction[0]), detached(correction[1])
     segments = None if layout is None else layout.segments
     per_response, per_token = {}, {}
     for name, values in inputs.items():
+        values = detached(values)
         if (values.dim() == 1 and values.shape[0] == segments) or (layout is None and name == "rewards"):
             per_response[name] = values
         else:
@@ -379,11 +383,14 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
     if response_mask is not None and response_mask.dtype != torch.bool:
         # m (1 - m) is 0 exactly for m in {0, 1} (NaN for NaN).
         probes["mask"] = (response_mask * (1 - response_mask)).any()
+    # One screen, a sum over every position of every float input (padding included): NaN
+    # or inf wherever one of them is, so it clears them all when they are finite
+    # everywhere (the usual case). Otherwise (a NaN in padding, or finite values
+    # overflowing the sum) the precise checks below decide. Each operator here costs a
+    # small call more than its arithmetic (docs/benchmarks.md, "Host time of a small
+    # call"): the per-token inputs are combined before their one sum, x - y + z ...
+    screen = None
     if per_token:
-        # A screen over every position, padding included: x - y + z ... is NaN or inf
-        # wherever one of them is, so one sum clears every per-token input when they are
-        # finite everywhere (the usual case). Otherwise (a NaN in padding, or finite values
-        # overflowing the sum) the masked checks below decide.
         values = list(per_token.values())
         if layout is not None and any(other.shape != values[0].shape for other in values[1:]):
             values = [layout.flat(other) for other in values]  # [B, T], [N] and [1, N] may come mixed
@@ -391,11 +398,17 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
         for sign, other in enumerate(values[1:]):
             combined = combined - other if sign % 2 == 0 else combined + other
         # (Summed in fp32 at least: fp16 would overflow at a few thousand tokens.)
-        probes["tokens"] = combined.sum(dtype=accumulate_dtype(combined.dtype))
+        screen = combined.sum(dtype=accumulate_dtype(combined.dtype))
+    hadw = anchor is not None
     for name, values in per_response.items():
-        if values.numel() > 0:
-            # min and max are NaN when any value is, inf when any is.
-            probes[name + "_min"], probes[name + "_max"] = torch.aminmax(values)
+        if values.numel() == 0:
+            continue
+        if hadw and name == "rewards":
+            # Their range is read too: min and max are NaN when any value is, inf when any is.
+            probes["rewards_min"], probes["rewards_max"] = torch.aminmax(values)
+        else:
+            total = values.sum(dtype=accumulate_dtype(values.dtype))
+            screen = total if screen is None else screen + total
     if isinstance(anchor, torch.Tensor):
         probes["anchor"] = anchor
     if rollout_logprobs is not None or entropy is not None:
@@ -411,25 +424,36 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
     if linear is not None:
         hidden_states, labels, vocab, ignore_index = linear
         probes["labels"] = _out_of_range(labels, vocab, ignore_index).any()
-        probes["hidden"] = hidden_states.sum(dtype=accumulate_dtype(hidden_states.dtype))
+        hidden_states = detached(hidden_states)
+        hidden = hidden_states.sum(dtype=accumulate_dtype(hidden_states.dtype))
+        screen = hidden if screen is None else screen + hidden
+    if screen is not None:
+        probes["finite"] = screen
     if not probes:
         return
-    # 0-d each; stack promotes them to the widest dtype, so no value is rounded.
-    read = dict(zip(probes, torch.stack(list(probes.values())).tolist()))
+    if len(probes) == 1:
+        read = {name: probe.item() for name, probe in probes.items()}
+    else:
+        # 0-d each; stack promotes them to the widest dtype, so no value is rounded.
+        read = dict(zip(probes, torch.stack(list(probes.values())).tolist()))
+    screened = math.isfinite(read.get("finite", 0))
     if read.get("cu_seqlens", 0) != 0:
         _raise_cu_seqlens(layout.cu_seqlens, layout.tokens)
     if read.get("mask", 0) != 0:
         raise ValueError("response_mask must contain only 0 and 1")
-    if not math.isfinite(read.get("tokens", 0)):
+    if not screened and per_token:
         flat_mask = layout.flat(response_mask)
         masked_out = ~flat_mask if flat_mask.dtype == torch.bool else flat_mask == 0
         for name, values in per_token.items():
             if bool(_nonfinite_at(layout.flat(values), masked_out)):
                 raise ValueError(f"{name} contain NaN or inf at response tokens")
-    for name in per_response:
-        if not (math.isfinite(read.get(name + "_min", 0)) and math.isfinite(read.get(name + "_max", 0))):
+    for name, values in per_response.items():
+        if name + "_min" in read:
+            finite = math.isfinite(read[name + "_min"]) and math.isfinite(read[name + "_max"])
+        else:
+            finite = screened or bool(torch.isfinite(values).all())
+        if not finite:
             raise ValueError(f"{name} contain NaN or inf")
-    hadw = anchor is not None
     if hadw and not (read.get("rewards_min", 0) >= 0 and read.get("rewards_max", 1) <= 1):
         raise ValueError(
             "rewards must lie in [0, 1] with HA-DW (the anchor is a belief about an accuracy); "
@@ -447,7 +471,7 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
     if linear is not None:
         if read["labels"] != 0:
             _raise_label_range(vocab, ignore_index)
-        if not math.isfinite(read["hidden"]):
+        if not screened:
             _check_hidden_at(hidden_states, labels != ignore_index)
 
 

@@ -182,6 +182,29 @@ def test_finite_logprobs_whose_sum_overflows_are_accepted():
     assert loss.dim() == 0
 
 
+@pytest.mark.parametrize("name", ["advantages", "importance_weights", "rewards"])
+def test_finite_per_response_values_whose_sum_overflows_are_accepted(name):
+    """Per-response values join the same screen (rewards without HA-DW too: their range
+    is read only with an anchor); finite values that overflow it are accepted, and a
+    NaN among them still refused."""
+    large = torch.tensor([3e38, 3e38, -1.0, 0.0])
+    overrides = {"rewards": None, "advantages": large} if name == "advantages" else {name: large}
+    assert _call(**overrides).dim() == 0
+    with pytest.raises(ValueError, match=f"^{name} contain NaN or inf$"):
+        _call(**{key: torch.where(value == 0, float("nan"), value) if key == name else value
+                 for key, value in overrides.items()})
+
+
+def test_finite_hidden_states_whose_sum_overflows_are_accepted():
+    """The linear loss's hidden states join the screen too."""
+    hidden = torch.full((4, 3, 2), 3e38)
+    weight = torch.zeros(5, 2)
+    loss = fused_linear_hadw_grpo_loss(hidden, weight, torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3),
+                                       torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(4, 3), group_size=2,
+                                       backend="torch")
+    assert loss.dim() == 0
+
+
 @pytest.mark.parametrize("bad", [2.0, -1.0, float("nan")])
 def test_mask_values_other_than_zero_and_one_are_refused(bad):
     mask = torch.ones(4, 3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..ops import detached
 from ..batch import LinearHead, SurrogateBatch
 from ..config import GROUP_METRICS, METRIC_NAMES
 from ..precision import accumulate_dtype
@@ -61,17 +62,17 @@ class KernelBackend:
             "surrogate_loss",
             # The op forms its gradient with respect to the log-probs (and the entropy)
             # in the forward; it is attached below.
-            logprobs=batch.logprobs.detach(),
-            old_logprobs=batch.old_logprobs.detach(),
+            logprobs=detached(batch.logprobs),
+            old_logprobs=detached(batch.old_logprobs),
             response_mask=batch.mask,
             cu_seqlens=batch.layout.cu_seqlens,
-            rewards=None if batch.rewards is None else batch.rewards.detach(),
-            advantages=None if batch.advantages is None else batch.advantages.detach(),
-            response_advantages=None if batch.response_advantages is None else batch.response_advantages.detach(),
+            rewards=detached(batch.rewards),
+            advantages=detached(batch.advantages),
+            response_advantages=detached(batch.response_advantages),
             anchor=anchor_tensor(batch.anchor, batch.logprobs.device),
-            ref_logprobs=None if config.beta <= 0 else batch.ref_logprobs.detach(),
-            importance_weights=None if batch.importance_weights is None else batch.importance_weights.detach(),
-            entropy=None if entropy is None else entropy.detach(),
+            ref_logprobs=None if config.beta <= 0 else detached(batch.ref_logprobs),
+            importance_weights=detached(batch.importance_weights),
+            entropy=detached(entropy),
             selected=batch.selected,
             **config.kernel_options(),
             backend=self.name,

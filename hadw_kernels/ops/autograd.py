@@ -20,6 +20,8 @@ from .schemas import LIBRARY, argument_names
 
 def _scaled(stored_grad: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """grad_loss * stored_grad written straight into ``dtype``: one kernel, no fp32 temp."""
+    if stored_grad.dtype == dtype:
+        return stored_grad * grad_loss  # (a 0-d factor keeps the gradient's dtype)
     return torch.mul(stored_grad, grad_loss, out=torch.empty_like(stored_grad, dtype=dtype))
 
 
@@ -65,7 +67,7 @@ class _AttachGradients(torch.autograd.Function):
         count = len(inputs_and_gradients) // 2
         ctx.gradients = inputs_and_gradients[count:]
         ctx.scale_in_place = scale_in_place
-        ctx.dtypes = [None if t is None else t.dtype for t in inputs_and_gradients[:count]]
+        ctx.dtypes = [tensor.dtype for tensor in inputs_and_gradients[:count]]
         return loss.clone()
 
     @staticmethod
@@ -76,8 +78,7 @@ class _AttachGradients(torch.autograd.Function):
                 "compute the loss again for another one"
             )
         if ctx.scale_in_place is None:  # kept (attach_gradients): scaled into new tensors
-            scaled = [None if gradient is None else _scaled(gradient, grad_loss, dtype)
-                      for gradient, dtype in zip(ctx.gradients, ctx.dtypes)]
+            scaled = [_scaled(gradient, grad_loss, dtype) for gradient, dtype in zip(ctx.gradients, ctx.dtypes)]
             return (None, None, *scaled, *[None] * len(scaled))
         # The stored gradients belong to this graph alone: scale them in place rather
         # than copying tensors the size of the LM head (docs/cpp-backend.md). The
@@ -91,9 +92,7 @@ class _AttachGradients(torch.autograd.Function):
         )
         scaled = []
         for gradient, dtype in zip(ctx.gradients, ctx.dtypes):
-            if gradient is None:
-                scaled.append(None)
-            elif gradient.dtype == dtype and unit:
+            if gradient.dtype == dtype and unit:
                 scaled.append(gradient)
             elif gradient.dtype == dtype:
                 scaled.append(ctx.scale_in_place(gradient, grad_loss))
@@ -106,12 +105,27 @@ class _AttachGradients(torch.autograd.Function):
 def attach_gradients(loss: torch.Tensor, inputs, gradients) -> torch.Tensor:
     """``loss`` as a function of ``inputs`` whose gradients were formed in the forward:
     its backward returns ``gradients`` times the upstream scalar, as new tensors in the
-    inputs' dtypes, as often as the graph is differentiated (``retain_graph``)."""
-    return _AttachGradients.apply(loss.detach(), None, *inputs, *gradients)
+    inputs' dtypes, as often as the graph is differentiated (``retain_graph``). An input
+    given as None (an optional one) has none."""
+    return _AttachGradients.apply(detached(loss), None, *_given(inputs, gradients))
 
 
 def attach_single_use_gradients(loss: torch.Tensor, inputs, gradients, scale_in_place=None) -> torch.Tensor:
     """The same for gradients too large to copy (the LM head's): one backward scales them
     in place with ``scale_in_place(gradient, grad_loss)`` (default: ``mul_``) and hands
     them over; a second backward of the graph is refused."""
-    return _AttachGradients.apply(loss.detach(), scale_in_place or _multiply_in_place, *inputs, *gradients)
+    return _AttachGradients.apply(detached(loss), scale_in_place or _multiply_in_place, *_given(inputs, gradients))
+
+
+def _given(inputs, gradients) -> list:
+    """The inputs that are given, then their gradients: an argument list of the function
+    (each argument costs its call)."""
+    pairs = [(tensor, gradient) for tensor, gradient in zip(inputs, gradients) if tensor is not None]
+    return [tensor for tensor, _ in pairs] + [gradient for _, gradient in pairs]
+
+
+def detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """``tensor`` without its autograd history, detached only where it has one: a detach
+    is an operator, and a small call's host time is counted in operators
+    (docs/benchmarks.md, "Host time of a small call")."""
+    return tensor.detach() if tensor is not None and tensor.requires_grad else tensor

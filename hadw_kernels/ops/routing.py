@@ -16,6 +16,7 @@ import operator
 from typing import Callable
 
 import torch
+from torch.autograd import profiler as _autograd_profiler  # (its flag is read on each call)
 
 from .schemas import LIBRARY, OPS, argument_names, tensor_positions
 
@@ -115,8 +116,8 @@ _SIGNATURES = {
 def _unobserved_device(tensors) -> torch.device | None:
     """The device of an eager call nothing observes (:func:`call`) with these tensor
     arguments (None for an optional one not given), or None."""
-    if (torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
-            or torch.autograd.profiler._is_profiler_enabled or torch._C._functorch.peek_interpreter_stack() is not None):
+    if (_dispatch_modes() > 0 or _function_mode_enabled() or _autograd_profiler._is_profiler_enabled
+            or _functorch_transform() is not None):
         return None
     device = None
     for tensor in tensors:
@@ -125,3 +126,9 @@ def _unobserved_device(tensors) -> torch.device | None:
                 return None
             device = device or tensor.device
     return device
+
+
+# What could observe an op, looked up once (their dotted paths cost a small call more).
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_functorch_transform = torch._C._functorch.peek_interpreter_stack
