@@ -16,6 +16,7 @@
 // order, so the results do not depend on the thread count. Masked positions are never
 // read into arithmetic: padding may hold inf or NaN.
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -51,10 +52,18 @@ struct Advantages {
   int64_t degenerate_groups = 0;
 };
 
+// Read in place, not through a double copy: a small call's host time is counted in
+// the tensors it forms (docs/benchmarks.md, "Host time of a small call").
 std::vector<double> to_doubles(const at::Tensor& tensor) {
-  const at::Tensor values = tensor.detach().to(at::kDouble).contiguous();
-  const double* data = values.const_data_ptr<double>();
-  return std::vector<double>(data, data + values.numel());
+  const at::Tensor values = tensor.contiguous();
+  std::vector<double> result(values.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "to_doubles", [&] {
+    const scalar_t* data = values.const_data_ptr<scalar_t>();
+    for (size_t i = 0; i < result.size(); ++i) {
+      result[i] = static_cast<double>(data[i]);
+    }
+  });
+  return result;
 }
 
 // A_hat_i * Phi_i (hadw_kernels/advantage.py), in double.
@@ -537,8 +546,11 @@ void process_rows(const Problem<double>& problem, int64_t first, int64_t last, R
   }
 }
 
+// The kernels run below autograd (the losses attach the gradients they form), so no
+// input is detached: a detach forms a tensor, and none is formed where the input already
+// is contiguous in the compute type.
 at::Tensor compute_copy(const at::Tensor& tensor, at::ScalarType compute) {
-  return tensor.detach().to(compute).contiguous();
+  return tensor.to(compute).contiguous();
 }
 
 // w_i of config.AGG_MODES, from the mode's row of config.AGGREGATIONS
@@ -626,8 +638,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
 
   const at::Tensor logprobs = compute_copy(logprobs_in, compute);
   const at::Tensor old_logprobs = compute_copy(old_logprobs_in, compute);
-  const at::Tensor mask = response_mask.scalar_type() == at::kBool ? response_mask.detach().contiguous()
-                                                                   : at::ne(response_mask.detach(), 0).contiguous();
+  const at::Tensor mask = response_mask.scalar_type() == at::kBool ? response_mask.contiguous()
+                                                                   : at::ne(response_mask, 0).contiguous();
   const at::Tensor ref_logprobs = call.beta > 0 ? compute_copy(*ref_logprobs_in, compute) : at::Tensor();
   const at::Tensor importance =
       importance_weights_in.has_value() ? compute_copy(*importance_weights_in, compute) : at::Tensor();
@@ -710,7 +722,7 @@ std::vector<int64_t> checked_offsets(const at::Tensor& cu_seqlens, int64_t token
                   (cu_seqlens.scalar_type() == at::kLong || cu_seqlens.scalar_type() == at::kInt),
               "hadw_cpp::surrogate_loss: cu_seqlens must be int32 or int64 [S+1], got ", cu_seqlens.scalar_type(),
               " ", cu_seqlens.sizes());
-  const at::Tensor values = cu_seqlens.detach().to(at::kLong).contiguous();
+  const at::Tensor values = cu_seqlens.to(at::kLong).contiguous();
   const int64_t* data = values.const_data_ptr<int64_t>();
   std::vector<int64_t> offsets(data, data + values.numel());
   TORCH_CHECK(offsets.front() == 0 && offsets.back() == tokens, "hadw_cpp::surrogate_loss: cu_seqlens must start "
