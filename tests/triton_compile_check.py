@@ -35,15 +35,16 @@ batch, width = 8, 64
 mask = torch.ones(batch * width, dtype=torch.bool)
 cu_seqlens = torch.arange(batch + 1) * width
 # Every objective in every ratio form it takes, each with other options (advantages from
-# rewards or per token, importance weights, a KL estimator, an aggregation mode, the
-# entropy, delta and dual clip) turning over along the list.
+# rewards, the caller's per token or per response, importance weights, a KL estimator, an
+# aggregation mode, the entropy, delta and dual clip) turning over along the list.
 FORMS = [(objective, level) for objective in OBJECTIVE_NAMES for level in OBJECTIVES[objective].ratio_levels]
 CLIP_OPTIONS = [dict(delta=1.5, dual_clip=3.0), dict(dual_clip=3.0), dict()]
 REQUIRED_OPTIONS = {"dro": dict(dro_beta=0.1)}  # an option without a default
 for dtype in (torch.bfloat16, torch.float32):
     values = lambda: torch.zeros(batch * width, dtype=dtype)  # noqa: E731
     for index, (objective, level) in enumerate(FORMS):
-        from_rewards = index % 2 == 0
+        source = ("rewards", "token", "response")[index % 3]
+        from_rewards = source == "rewards"
         options = CLIP_OPTIONS[index % 3] if objective == "clip" else REQUIRED_OPTIONS.get(objective, {})
         config = LossConfig.build(
             "grpo", 4 if from_rewards else None, objective=objective, ratio_level=level, beta=0.1,
@@ -52,9 +53,10 @@ for dtype in (torch.bfloat16, torch.float32):
         surrogate.surrogate_forward(
             logprobs=values(), old_logprobs=values(), response_mask=mask, cu_seqlens=cu_seqlens,
             rewards=torch.zeros(batch) if from_rewards else None,
-            advantages=None if from_rewards else torch.zeros(batch * width), response_advantages=None,
+            advantages=torch.zeros(batch * width) if source == "token" else None,
+            response_advantages=torch.zeros(batch) if source == "response" else None,
             anchor=torch.tensor(0.5) if from_rewards else None, ref_logprobs=values(),
-            importance_weights=torch.ones(batch * width) if index % 3 == 0 else None,
+            importance_weights=torch.ones(batch * width) if index % 2 == 0 else None,
             entropy=values() if index % 4 < 2 else None,
             selected=mask if OBJECTIVES[objective].selects_tokens else None, **config.kernel_options())
     hidden = torch.zeros(batch * width, 32, dtype=dtype)
