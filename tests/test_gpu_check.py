@@ -29,11 +29,16 @@ def test_dry_run_writes_a_report(tmp_path):
 
 
 def test_the_shell_entry_point_passes_its_flags(tmp_path):
+    """Every section skipped (the dry run above runs them): the flags reach the check,
+    which then writes a report without them."""
     report = tmp_path / "report.md"
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--skip-bench", "--skip-tests",
-         "--report", str(report)],
+         "--skip-trainer", "--skip-probe", "--report", str(report)],
         capture_output=True, text=True, cwd=ROOT, timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "DRY RUN" in report.read_text()
+    text = report.read_text()
+    assert "DRY RUN" in text
+    for section in ("## Loss step", "## Train steps through the trainer", "## The trainer on this device"):
+        assert section not in text, section
