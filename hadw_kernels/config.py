@@ -753,9 +753,9 @@ class LossConfig:
             )
 
     def validated(self) -> None:
-        """:meth:`validate`, once per config (a config is frozen): a call given a config
-        checks it on every call."""
-        self._checked
+        """:meth:`validate`, run once per config (a config is frozen; a failing one is
+        checked again next time): a call given ``config=`` asks on every call."""
+        self._checked  # (its first read validates; a failure is not kept, and raises again)
 
     @functools.cached_property
     def _checked(self) -> bool:

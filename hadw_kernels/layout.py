@@ -41,8 +41,9 @@ class TokenLayout:
     def padded(cls, batch: int, width: int, device: torch.device) -> "TokenLayout":
         """B rows of T tokens. The layout of a shape is formed once and shared by the calls
         of that shape (what it forms later, its token index, is the same for every call):
-        its offsets were two of a small call's operators. Under torch.compile it is formed in the graph, and under inference
-        mode afresh (an inference tensor kept would be refused by a later autograd call)."""
+        its offsets were two of a small call's operators. Under torch.compile it is formed
+        in the graph, and under inference mode afresh (an inference tensor kept would be
+        refused by a later autograd call)."""
         if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
             return cls._padded(batch, width, device)
         return _padded_layout(batch, width, torch.device(device))

@@ -467,9 +467,9 @@ def objective_arguments(objective, epsilon_low, epsilon_high, objective_options)
 
 def surrogate_forward(
     logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, response_advantages, anchor, ref_logprobs,
-    importance_weights, entropy, selected, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
-    epsilon_low, epsilon_high, objective_options, beta, kl_estimator, entropy_coef, loss_normalizer,
-    max_response_length,
+    importance_weights, entropy, selected, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode,
+    ratio_level, objective, epsilon_low, epsilon_high, objective_options, beta, kl_estimator, entropy_coef,
+    loss_normalizer, max_response_length,
 ):
     """``hadw::surrogate_loss`` (schema in ``ops.schemas``): the loss, its gradient with
     respect to the log-probs and the entropy, and the metrics in METRIC_NAMES order.
