@@ -178,7 +178,7 @@ def test_existing_run_needs_resume(tmp_path):
 
 
 def test_every_data_row_is_checked_before_anything_is_built(tmp_path):
-    """Issue 12 item 12: only the first row was checked; a later row without the answer
+    """Only the first row was checked once; a later row without the answer
     failed with a KeyError after the model was built, and "answer": null trained
     against the string "None"."""
     model_dir = _model_dir(tmp_path)
@@ -197,8 +197,8 @@ def test_every_data_row_is_checked_before_anything_is_built(tmp_path):
 
 
 def test_reward_function_is_resolved_in_validation():
-    """Issue 12 item 13: a reward function that does not import passed validation and
-    failed after the model was built."""
+    """A reward function that does not import passed validation once and failed
+    after the model was built."""
     assert "cannot import module 'no_such_module'" in _error(["reward.function=no_such_module:f"])
     assert "has no attribute 'no_such_function'" in _error(["reward.function=json:no_such_function"])
     assert "not a function" in _error(["reward.function=json:__name__"])
