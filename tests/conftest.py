@@ -29,3 +29,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked slow run first, in their collected order, then the rest.
+
+    The README's command splits the items between its two workers in order and lets an
+    idle worker take over the other's last pending ones (``--dist worksteal``): with
+    the slow tests first, the short ones are what is left to share at the end, and the
+    workers finish together. In the files' order the trainer's tests came last, and one
+    worker ran them while the other had nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

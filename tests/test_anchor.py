@@ -382,6 +382,7 @@ def _rank_main(rank, world_size, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_observation_is_all_reduced_across_ranks():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

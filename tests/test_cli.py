@@ -176,6 +176,7 @@ def test_probe_help_describes_it_once_and_whole(capsys):
     assert "--find-max-budget`` bisects" in out  # the details follow, as written
 
 
+@pytest.mark.slow
 def test_the_trainer_commands_run_from_any_directory(tmp_path):
     """The trainer is installed with the library: each command runs as a module and as a
     file from a directory outside the checkout, and the probe writes only where it is
@@ -211,6 +212,7 @@ def _demo_output(seed: int) -> str:
     return completed.stdout
 
 
+@pytest.mark.slow
 def test_the_demo_prints_the_same_for_the_same_seed():
     """Its LM head came from the global generator: every run printed another loss."""
     first = _demo_output(0)

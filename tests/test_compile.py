@@ -121,6 +121,7 @@ def test_packed_compiled_matches_eager(loss, backend):
     torch.testing.assert_close(eager[0], padded[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss, backend", [
     pytest.param("surrogate", "cpp", marks=_needs("cpp"), id="surrogate-cpp"),
     pytest.param("linear", "torch", id="linear-torch"),

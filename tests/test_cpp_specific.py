@@ -485,6 +485,7 @@ def _capped_env(cap: str | None) -> dict:
     return env if cap is None else {**env, "HADW_CPP_ROW_KERNELS": cap}
 
 
+@pytest.mark.slow
 @needs_extension
 def test_row_kernels_follow_the_cpu_and_the_switch():
     """The widest row kernels the CPU has run, unless HADW_CPP_ROW_KERNELS caps them."""
@@ -495,6 +496,7 @@ def test_row_kernels_follow_the_cpu_and_the_switch():
     assert _row_kernels_in_child(_capped_env("avx512")) == widest
 
 
+@pytest.mark.slow
 @needs_extension
 @pytest.mark.parametrize("kernels", ROW_KERNELS[1:])
 def test_narrower_row_kernels_pass_the_linear_conformance_suite(kernels):
@@ -723,6 +725,7 @@ _BIG_VOCAB, _BIG_HIDDEN = 1 << 20, 2112
 _BIG_HEAD_BYTES = _BIG_VOCAB * _BIG_HIDDEN * 2
 
 
+@pytest.mark.slow
 @needs_extension
 @pytest.mark.skipif(
     _available_memory_bytes() < 2 * _BIG_HEAD_BYTES,

@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # each test runs the check in a subprocess
 
 
 def test_dry_run_writes_a_report(tmp_path):

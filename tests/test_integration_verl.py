@@ -460,6 +460,7 @@ def test_anchor_round_trips_through_a_verl_checkpoint(tmp_path):
     assert hadw_verl._driver_anchor is None
 
 
+@pytest.mark.slow
 def test_entry_point_registers_the_names_when_verl_is_imported(tmp_path):
     """verl imports its "verl.plugins" entry points in every process of a run: declare
     pyproject.toml's in a bare distribution on the path and import only verl."""

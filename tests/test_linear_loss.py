@@ -85,6 +85,7 @@ def test_tied_embedding_accumulates_both_gradients():
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_peak_memory_grows_with_hidden_not_logits():
     """Measured in fresh processes: at N = 8192, H = 512, V = 32768 the tiled path's
     peak (forward + backward) stays under a quarter of the eager path's."""

@@ -140,6 +140,7 @@ def link_distribution(name: str, target: Path, seen: set[str]) -> None:
             link_distribution(requirement.name, target, seen)
 
 
+@pytest.mark.slow
 def test_package_installs_beside_a_real_torch_and_imports_without_triton(wheel, tmp_path):
     python = fresh_venv(tmp_path / "cpu")
     present = tmp_path / "present"

@@ -197,6 +197,7 @@ def measure(impl: str) -> dict:
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, fused", [("eager", False)])
 def test_loss_part_matches_the_measured_cpu_peak(impl, fused):
     """The eager formula against a CPU measurement (the fused one is the GPU path's,

@@ -66,6 +66,7 @@ def test_bisection_with_a_tolerance_stops_early_within_it(threshold):
     assert len(calls) <= len(exact_calls)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss, layout, flags", [
     ("fused", "shared_prompt", []), ("fused", "packed", ["--packing", "--no-share-prompt"]),
     ("eager", "padded", ["--no-packing"]), ("eager", "shared_prompt", ["--share-prompt"]),
@@ -124,6 +125,7 @@ sys.exit(probe.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_bisection_goes_on_after_out_of_memory(tmp_path):
     out = tmp_path / "probe.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

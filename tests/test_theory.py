@@ -209,6 +209,7 @@ def test_truncated_gaussian_bias_has_the_binary_sign_and_vanishes_without_thresh
     assert (np.abs(loose.bias) < 4 * loose.standard_error).all()
 
 
+@pytest.mark.slow
 def test_command_runs_end_to_end(tmp_path):
     command = [
         sys.executable, "-m", "hadw_kernels.theory", "--out", str(tmp_path),

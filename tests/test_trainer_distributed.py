@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("deepspeed", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
+pytestmark = pytest.mark.slow  # trainer runs in subprocesses
 
 REPO = Path(__file__).resolve().parents[1]
 

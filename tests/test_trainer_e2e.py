@@ -16,6 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
+pytestmark = pytest.mark.slow  # trainer runs in subprocesses
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +91,7 @@ def test_hf_engine_dapo_authors_preset_survives_a_failing_reward(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="the smollm2 extra is not installed")
 def test_gguf_model_with_chat_template_on_the_hf_engine_skips_batches_without_signal(tmp_path):
-    """Issue 16: model.path a GGUF file (the packaged SmolLM2's path, on a tiny model),
+    """model.path a GGUF file (the packaged SmolLM2's path, on a tiny model),
     data.apply_chat_template=true (it sent a BatchEncoding's keys as token ids), the
     arithmetic task with its held-out evaluation, and a reward that is always 0: no
     group has an advantage, so each update is skipped while the step is still logged

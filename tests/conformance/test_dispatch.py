@@ -189,6 +189,7 @@ def test_an_unobserved_call_skips_the_dispatcher_and_every_observer_sees_the_op(
     assert dispatched_calls[2:] == [True, True, True]
 
 
+@pytest.mark.slow
 def test_loss_compiles_with_torch_compile(backend, device):
     """Without a graph break on every backend, once an eager call has loaded it
     (docs/architecture.md, "torch.compile"; tests/test_compile.py has the rest)."""

@@ -111,6 +111,7 @@ def test_int32_offsets(backend, device):
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["gspo", "luspo"])
 def test_long_segments_are_summed_as_accurately_as_padded_rows(backend, device, loss_type):
     """Two responses of 100,000 float32 tokens each, whose per-response sums (GSPO's mean
