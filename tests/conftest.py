@@ -7,6 +7,9 @@ import tempfile
 TEST_DEVICE = os.environ.get("HADW_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton_interpreter import skip_repeated_language_patches
+
+    skip_repeated_language_patches()
 
 # Under ATEN_CPU_CAPABILITY (the suite run with another instruction set: avx2, default),
 # Inductor's cache of compiled code and precompiled headers is kept apart: its keys do not
