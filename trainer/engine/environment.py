@@ -5,15 +5,26 @@ DeepSpeed without a launcher looks for MPI unless RANK/WORLD_SIZE/... are set; i
 shared-memory comm op compiles once with g++ and is cached under TORCH_EXTENSIONS_DIR.
 Everything here is a default: a value already in the environment (from torchrun, the
 deepspeed launcher or the user) wins, except an explicit ``run.threads``.
+
+``python -m trainer.engine.environment`` compiles DeepSpeed's op now, as a first run
+would (scripts/setup_venv.sh runs it beside the library's own build).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
+import sys
 from pathlib import Path
 
-DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "hadw-trainer" / "torch_extensions"
+
+def extensions_dir() -> Path:
+    """DeepSpeed's compiled ops, one folder per Python environment: an op links the torch
+    of the environment that built it, and two environments sharing a folder rebuilt it in
+    turn, each on its first run after the other's."""
+    environment = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    return Path.home() / ".cache" / "hadw-trainer" / "torch_extensions" / environment
 
 
 def _free_port() -> int:
@@ -49,7 +60,7 @@ def prepare_environment(config) -> None:
     # vLLM logs every weight reload at INFO (and a harmless rotary warning): once a step.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm_cpu_kv_cache_gib))
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "RANK" not in os.environ:  # one process, no launcher
@@ -95,3 +106,26 @@ def init_distributed() -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend=backend)
     return dist.get_rank(), dist.get_world_size()
+
+
+def build_deepspeed_ops() -> str:
+    """Compiles the ops DeepSpeed would compile when the trainer starts it on this machine
+    (on the CPU its shared-memory comm op) into the folder the trainer reads; returns what
+    was done, for the setup's log."""
+    import torch
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return "DeepSpeed builds no shared-memory comm op on this accelerator"
+    builder.load()
+    return f"DeepSpeed's {builder.absolute_name()} is built in {os.environ['TORCH_EXTENSIONS_DIR']}"
+
+
+if __name__ == "__main__":
+    print(build_deepspeed_ops())

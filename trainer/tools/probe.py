@@ -646,9 +646,9 @@ def prepare(args) -> None:
         torch.set_num_threads(args.threads)
     else:
         os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-    from trainer.engine.environment import DEFAULT_EXTENSIONS_DIR, _free_port
+    from trainer.engine.environment import _free_port, extensions_dir
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     if not args.device.startswith("cuda"):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "RANK" not in os.environ:
