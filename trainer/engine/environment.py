@@ -27,6 +27,14 @@ def extensions_dir() -> Path:
     return Path.home() / ".cache" / "hadw-trainer" / "torch_extensions" / environment
 
 
+def set_deepspeed_defaults(cuda: bool) -> None:
+    """Where DeepSpeed keeps its compiled ops, and its CPU accelerator where there is no
+    CUDA; set before DeepSpeed is imported."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -60,9 +68,7 @@ def prepare_environment(config) -> None:
     # vLLM logs every weight reload at INFO (and a harmless rotary warning): once a step.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm_cpu_kv_cache_gib))
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    set_deepspeed_defaults(cuda=torch.cuda.is_available())
     if "RANK" not in os.environ:  # one process, no launcher
         if "MASTER_PORT" in os.environ:
             _check_port_free(os.environ["MASTER_PORT"])
@@ -114,9 +120,7 @@ def build_deepspeed_ops() -> str:
     was done, for the setup's log."""
     import torch
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    set_deepspeed_defaults(cuda=torch.cuda.is_available())
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 

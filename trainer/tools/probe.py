@@ -646,11 +646,9 @@ def prepare(args) -> None:
         torch.set_num_threads(args.threads)
     else:
         os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-    from trainer.engine.environment import _free_port, extensions_dir
+    from trainer.engine.environment import _free_port, set_deepspeed_defaults
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
-    if not args.device.startswith("cuda"):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    set_deepspeed_defaults(cuda=args.device.startswith("cuda"))
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
