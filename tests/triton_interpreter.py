@@ -32,7 +32,9 @@ def skip_repeated_language_patches() -> bool:
     scope_type = getattr(interpreter, "_LangPatchScope", None)
     if original is None or scope_type is None or getattr(original, "_hadw_shortcut", False):
         return False
-    in_force: list[set[int]] = []  # the language modules each running kernel patched
+    # The language modules the running kernel patched; None between kernels (a kernel
+    # launch never happens inside another).
+    patched: set[int] | None = None
 
     def languages(fn) -> set[int]:
         return {id(value) for value in fn.__globals__.values()
@@ -46,18 +48,20 @@ def skip_repeated_language_patches() -> bool:
             self._changes = scope._changes
 
         def restore(self) -> None:
-            in_force.pop()
+            nonlocal patched
+            patched = None
             super().restore()
 
     def patch_lang(fn):
+        nonlocal patched
         needed = languages(fn)
-        if in_force and needed <= in_force[-1]:
+        if patched is not None and needed <= patched:
             return scope_type()  # a helper inside the kernel: its patches are in force
         scope = original(fn)
-        if in_force:  # a helper seeing another module: patched, and kept as before
-            in_force[-1] |= needed
+        if patched is not None:  # a helper seeing another module: patched, and kept as before
+            patched |= needed
             return scope
-        in_force.append(needed)
+        patched = needed
         return KernelScope(scope)
 
     patch_lang._hadw_shortcut = True
