@@ -115,20 +115,17 @@ def init_distributed() -> tuple[int, int]:
 
 
 def build_deepspeed_ops() -> str:
-    """Compiles the ops DeepSpeed would compile when the trainer starts it on this machine
-    (on the CPU its shared-memory comm op) into the folder the trainer reads; returns what
-    was done, for the setup's log."""
+    """Compiles the ops DeepSpeed compiles when the trainer starts it on this machine (on
+    the CPU its shared-memory comm op, through the function its comm backend calls) into
+    the folder the trainer reads; returns what was done, for the setup's log."""
     import torch
 
     set_deepspeed_defaults(cuda=torch.cuda.is_available())
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    if build_shm_op() is None:
         return "DeepSpeed builds no shared-memory comm op on this accelerator"
-    builder.load()
-    return f"DeepSpeed's {builder.absolute_name()} is built in {os.environ['TORCH_EXTENSIONS_DIR']}"
+    return f"DeepSpeed's shared-memory comm op is built in {os.environ['TORCH_EXTENSIONS_DIR']}"
 
 
 if __name__ == "__main__":
