@@ -9,7 +9,7 @@ pytest.importorskip("matplotlib", reason="the trainer extra is not installed (sc
 
 REPO = Path(__file__).resolve().parents[1]
 
-from trainer.tools.compare import LR_SCALED, VARIANTS, collapsed, main, mean_phi, results_table, run_name
+from trainer.tools.compare import KALMAN, LR_SCALED, VARIANTS, collapsed, main, mean_phi, results_table, run_name
 from trainer.engine.plotting import plot_comparison
 
 
@@ -89,3 +89,71 @@ def test_run_names_are_plain_paths():
     assert [run_name("compare", label, 1) for label in VARIANTS] == [
         "compare/grpo-seed1", "compare/grpo-lr-x-mean-phi-seed1", "compare/grpo-ha-dw-kalman-seed1",
         "compare/grpo-ha-dw-authors-seed1"]
+
+
+def _write_run(directory: Path, seed: int, reward: float, add: float) -> None:
+    """A finished 10-step run's metrics, which compare.py reads back instead of running."""
+    import json
+
+    directory.mkdir(parents=True)
+    rows = [{"step": s, "reward/mean": reward, "acc/copy": reward + 0.1, "acc/add": add, "entropy_mean": 0.5,
+             "phi_mean": 1.3, "lr": 4e-4, "time/step": 0.5} for s in range(1, 11)]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_a_sweep_tables_each_value_and_the_paired_differences(tmp_path):
+    """Over G = 2, 4 with two seeds: HA-DW's reward is GRPO's + 0.02 on seed 0 and + 0.04
+    on seed 1 at each G, so the paired difference is 0.03 with the interval of two values
+    (t at 1 degree of freedom, 12.706, times the sd 0.01414 over sqrt 2: 0.127)."""
+    output = tmp_path / "runs"
+    for value in (2, 4):
+        for seed in (0, 1):
+            grpo = 0.5 + 0.1 * seed + 0.1 * (value == 4)
+            _write_run(output / run_name(f"sweep/group_size-{value}", "GRPO", seed), seed, grpo, 0.3)
+            _write_run(output / run_name(f"sweep/group_size-{value}", KALMAN, seed), seed, grpo + 0.02 * (seed + 1), 0.4)
+    table_path = tmp_path / "sweep.md"
+    main(["--sweep", "rollout.group_size=2,4", "--seeds", "0", "1", "--steps", "10", "--variants", "GRPO", KALMAN,
+          "--name", "sweep", "--set", f"run.output_dir={output}", "--table", str(table_path)])
+    text = table_path.read_text()
+    assert "| rollout.group_size | variant | seeds | reward | copy | add |" in text
+    assert "| 2 | GRPO | 2 | 0.550 [-0.085, 1.185] | 0.650 [0.015, 1.285] | 0.300 [0.300, 0.300] |" in text
+    assert f"| 2 | {KALMAN} - GRPO | +0.030 [-0.097, +0.157] | +0.030 [-0.097, +0.157] | +0.100 [+0.100, +0.100] |" in text
+    # HA-DW at G = 2 against GRPO at G = 4: 0.52 - 0.6 and 0.64 - 0.7
+    assert f"| {KALMAN} at 2 - GRPO at 4 | -0.070 [-0.197, +0.057] |" in text
+    assert "Machine time: 0 s over 0 run processes" in text
+    assert (output / "sweep" / "sweep.png").stat().st_size > 10_000
+    assert (output / "sweep" / "group_size-4" / "comparison.png").exists()
+
+
+@pytest.mark.parametrize("sweep, message", [
+    ("rollout.group_size", "expected SECTION.KEY=V1,V2"),
+    ("rollout.group_size=2,,4", "expected SECTION.KEY=V1,V2"),
+    ("rollout.group_size=2,2", "given twice"),
+    ("train.seed=0,1", "cannot be swept"),
+    ("rollout.group_size=1,4", "rollout.group_size=1: rollout.group_size must be at least 2"),
+    ("rollout.group_sise=2,4", "rollout.group_sise"),
+])
+def test_a_bad_sweep_is_refused_naming_the_flag(sweep, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--sweep", sweep, "--variants", "GRPO"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "argument --sweep" in error and message in error
+
+
+def test_the_swept_setting_cannot_also_be_set(capsys):
+    with pytest.raises(SystemExit):
+        main(["--sweep", "rollout.group_size=2,4", "--set", "rollout.group_size=8", "--variants", "GRPO"])
+    assert "rollout.group_size is also given by --set" in capsys.readouterr().err
+
+
+def test_the_t_interval_matches_student_s_quantiles():
+    from trainer.tools.intervals import mean_interval, t_critical
+
+    # two-sided 95% and 99% quantiles (any statistics table)
+    for df, expected in [(1, 12.7062), (2, 4.3027), (3, 3.1824), (7, 2.3646), (8, 2.3060), (30, 2.0423)]:
+        assert t_critical(0.95, df) == pytest.approx(expected, abs=1e-4)
+    assert t_critical(0.99, 4) == pytest.approx(4.6041, abs=1e-4)
+    mean, half = mean_interval([0.1, 0.2, 0.3])
+    assert (mean, half) == pytest.approx((0.2, 4.3027 * 0.1 / 3 ** 0.5), abs=1e-5)
+    assert mean_interval([0.4])[1] != mean_interval([0.4])[1]  # nan: one value has no interval

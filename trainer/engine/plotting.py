@@ -94,3 +94,46 @@ def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str) -> None
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
+
+
+def plot_sweep(summary: dict, key: str, path: Path, title: str) -> None:
+    """A sweep's figures (compare.py's ``sweep_summary``): top, each variant's mean over
+    seeds at each value with its 95% interval; bottom, each variant minus the baseline at
+    the same value (filled) and at the next value (hollow). One column per figure: the
+    reward, then each level's training accuracy."""
+    values, keys = summary["values"], summary["keys"]
+    figure, axes = plt.subplots(2, len(keys), figsize=(4.2 * len(keys), 7.5), squeeze=False)
+    positions = np.arange(len(values))
+    labels = summary["labels"]
+    offsets = np.linspace(-0.12, 0.12, len(labels))
+    for column, figure_key in enumerate(keys):
+        name = "reward" if figure_key == "reward/mean" else figure_key.split("/", 1)[1]
+        top, bottom = axes[0, column], axes[1, column]
+        for offset, label in zip(offsets, labels):
+            means = np.array([summary["means"][value][label][figure_key] for value in values])
+            top.errorbar(positions + offset, means[:, 0], yerr=np.nan_to_num(means[:, 1]), marker="o", capsize=3,
+                         label=label)
+        for index, label in enumerate(labels[1:], start=1):
+            color = f"C{index}"
+            same = np.array([summary["differences"][value][label][figure_key] for value in values])
+            bottom.errorbar(positions - 0.06, same[:, 0], yerr=np.nan_to_num(same[:, 1]), marker="o", capsize=3,
+                            color=color, linestyle="none", label=f"{label} - {summary['baseline']}, same {key}")
+            following = [summary["next_differences"][value][label][figure_key] for value in values[:-1]]
+            if following:
+                following = np.array(following)
+                bottom.errorbar(positions[:-1] + 0.06, following[:, 0], yerr=np.nan_to_num(following[:, 1]),
+                                marker="o", markerfacecolor="white", capsize=3, color=color, linestyle="none",
+                                label=f"{label} - {summary['baseline']} at the next {key}")
+        bottom.axhline(0.0, color="grey", linewidth=0.8)
+        for axis in (top, bottom):
+            axis.set_xticks(positions, [str(value) for value in values])
+            axis.set_xlabel(key)
+        top.set_title(f"{name}, last fifth of the steps")
+        bottom.set_title(f"{name}: difference (95% CI)")
+        if column == 0:
+            top.legend(fontsize=7)
+            bottom.legend(fontsize=7)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)

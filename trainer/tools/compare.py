@@ -8,6 +8,8 @@ seeds and prompts, curves side by side and a markdown table.
     python trainer/tools/compare.py --config trainer/configs/smollm2_arithmetic.yaml \\
         --seeds 0 1 --name compare-smollm2 --table docs/smollm2-experiment.md \\
         --plot docs/figures/smollm2-experiment.png
+    python trainer/tools/compare.py --sweep rollout.group_size=2,4,8,16 --seeds 0 1 2 3 4 5 6 7 \\
+        --variants GRPO "GRPO+HA-DW (kalman)" --name sweep-group-size    # every variant at each G
 
 Each run is ``trainer/run.py`` in its own process (one engine per process), named
 ``<name>/<variant>-seed<k>`` under ``run.output_dir``. A seed fixes the prompts of every
@@ -16,6 +18,17 @@ Finished runs are reused and unfinished ones resumed, so an interrupted comparis
 up where it stopped. The PNG (``<name>/comparison.png`` unless ``--plot``) shows the training reward and, where the
 task has a held-out set (eval.every > 0), the held-out greedy accuracy of each level
 (otherwise the training accuracy per level): the mean over seeds with the min-max band.
+
+``--sweep SECTION.KEY=V1,V2,...`` runs the comparison at each value of one setting (every
+other setting as given, so ``rollout.group_size`` changes G at a fixed number of prompts a
+step), each value's runs under ``<name>/<key>-<value>/``, and adds three tables: per value
+and variant, the last fifth's mean over seeds with its 95% t interval; per value, each
+variant minus the first variant (the baseline) on the same seeds (a seed fixes the model's
+initial weights and the prompts, so the difference is paired); and each variant at one
+value minus the baseline at the next (with G = 2, 4, 8, 16: HA-DW at G against GRPO at 2G).
+Its plot (``--plot``, default ``<name>/sweep.png``) shows both. Every run's wall time is
+appended to ``<name>/run_times.jsonl``, resumed and failed attempts included, and the
+tables give their sum: the machine time the comparison cost.
 
 "GRPO (lr x mean Phi)" is GRPO at the learning rate times HA-DW's mean Phi: by default the
 mean of ``phi_mean`` over the steps and seeds of this call's "GRPO+HA-DW (kalman)" runs
@@ -28,6 +41,8 @@ rate (docs/trainer.md).
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import subprocess
 import sys
@@ -35,8 +50,9 @@ import time
 from pathlib import Path
 
 from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, summary
-from trainer.config import load_config
+from trainer.config import ConfigError, load_config, validate
 from trainer.engine.metrics_log import read_metrics
+from trainer.tools.intervals import format_interval, mean_interval
 
 LR_SCALED = "GRPO (lr x mean Phi)"
 KALMAN = "GRPO+HA-DW (kalman)"
@@ -53,6 +69,26 @@ def run_name(name: str, label: str, seed: int) -> str:
     return f"{name}/{slug}-seed{seed}"
 
 
+def parse_sweep(text: str) -> tuple[str, list[str]]:
+    """``rollout.group_size=2,4,8`` -> (``rollout.group_size``, ["2", "4", "8"]); the values
+    are parsed as the config parses any override (YAML)."""
+    key, sep, values = text.partition("=")
+    parts = [value.strip() for value in values.split(",")]
+    if not sep or "." not in key or not all(parts):
+        raise argparse.ArgumentTypeError(f"expected SECTION.KEY=V1,V2,..., got {text!r}")
+    if len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(f"a value is given twice in {text!r}")
+    if key in ("train.seed", "run.name", "run.output_dir"):
+        raise argparse.ArgumentTypeError(f"{key} cannot be swept (seeds are --seeds, the directories --name)")
+    return key, parts
+
+
+def sweep_directory(name: str, key: str, value: str) -> str:
+    """Where one value's runs go: ``sweep/group_size-8`` for rollout.group_size=8."""
+    slug = "".join(char if char.isalnum() or char in "._-" else "_" for char in value)
+    return f"{name}/{key.rsplit('.', 1)[-1]}-{slug}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=summary(__doc__), formatter_class=HelpFormatter)
     parser.add_argument("--seeds", type=NON_NEGATIVE_INT, nargs="+", default=[0, 1, 2], help="train.seed of each run")
@@ -60,14 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="a YAML config for every run (default: the trainer's CPU default)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a config override for every run (repeatable)")
+    parser.add_argument("--sweep", type=parse_sweep, metavar="SECTION.KEY=V1,V2,...",
+                        help="run the comparison at each of these values of one setting (default: none)")
     parser.add_argument("--name", default="compare", help="directory under run.output_dir")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="LABEL",
-                        help=f"which of {list(VARIANTS)}")
+                        help=f"which of {list(VARIANTS)}; the first is the baseline of a sweep's differences")
     parser.add_argument("--lr-scale", type=POSITIVE_FLOAT,
                         help=f"the factor on the learning rate of {LR_SCALED!r} (default: the mean Phi of this "
                              f"call's {KALMAN!r} runs, to 2 decimals)")
     parser.add_argument("--table", type=Path, help="also write the results as markdown to this file (default: none)")
-    parser.add_argument("--plot", type=Path, help="where the PNG goes (default: <run.output_dir>/<name>/comparison.png)")
+    parser.add_argument("--plot", type=Path, help="where the PNG goes (default: <run.output_dir>/<name>/comparison.png, "
+                                                  "or sweep.png with --sweep)")
     args = parser.parse_args(argv)
     if LR_SCALED in args.variants and args.lr_scale is None and KALMAN not in args.variants:
         parser.error(f"{LR_SCALED!r} needs --lr-scale, or {KALMAN!r} among the variants to measure it on")
@@ -75,11 +114,64 @@ def main(argv: list[str] | None = None) -> int:
     shared = list(args.overrides) + ["run.plot=false"]
     if args.steps is not None:
         shared.append(f"train.steps={args.steps}")
+    if args.sweep is None:
+        levels = [(args.name, [])]
+    else:
+        key, values = args.sweep
+        if any(override.partition("=")[0] == key for override in args.overrides):
+            parser.error(f"argument --sweep: {key} is also given by --set")
+        levels = [(sweep_directory(args.name, key, value), [f"{key}={value}"]) for value in values]
+        for _, setting in levels:
+            try:
+                validate(load_config(args.config, shared + setting))
+            except ConfigError as error:
+                parser.error(f"argument --sweep: {setting[0]}: {error}")
     base = load_config(args.config, shared)
     output = Path(base.run.output_dir)
-    runs: dict[str, list[dict]] = {}
     started = time.perf_counter()
-    total = len(args.variants) * len(args.seeds)
+    progress = {"done": 0, "total": len(levels) * len(args.variants) * len(args.seeds), "started": started}
+    results = {}
+    for directory, setting in levels:
+        runs = run_variants(args, shared + setting, output, directory, progress, output / args.name / "run_times.jsonl")
+        results[setting[0].partition("=")[2] if setting else None] = runs
+
+    from trainer.engine.plotting import plot_comparison, plot_sweep
+
+    title = f"{base.model.path or 'tiny model'}, {base.data.task} task, {len(args.seeds)} seeds, {base.train.steps} steps"
+    tables = []
+    for (directory, setting), runs in zip(levels, results.values()):
+        path = args.plot if args.sweep is None and args.plot else output / directory / "comparison.png"
+        plot_comparison(runs, path, f"{title}, {setting[0]}" if setting else title)
+        print(f"plot: {path}")
+        tables.append((f"## {setting[0]}\n\n" if setting else "") + results_table(runs, base.train.steps))
+    machine = machine_time(output / args.name / "run_times.jsonl")
+    if args.sweep is not None:
+        path = args.plot or output / args.name / "sweep.png"
+        summary_rows = sweep_summary(results, base.train.steps)
+        plot_sweep(summary_rows, args.sweep[0], path, title)
+        print(f"plot: {path}")
+        tables.append(sweep_tables(summary_rows, args.sweep[0], base.train.steps))
+        tables.append(f"Machine time: {duration(machine)} over {run_count(output / args.name / 'run_times.jsonl')} run "
+                      f"processes (the sum of their wall times, resumed and failed attempts included).")
+    table = "\n\n".join(tables)
+    print(table)
+    if args.table is not None:
+        command = "python trainer/tools/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.table.write_text(
+            f"# {title}\n\nWritten by `{command}` ({time.perf_counter() - started:.0f} s for the runs this call "
+            f"made). Plot: `{path}`.\n\n{table}\n"
+        )
+        print(f"table: {args.table}")
+    return 0
+
+
+def run_variants(args, shared: list[str], output: Path, directory: str, progress: dict,
+                 times: Path) -> dict[str, list[dict]]:
+    """Every variant at every seed under ``output/directory``: finished runs read back,
+    the others run (or resumed) in turn. Per label, one ``{"seed", "metrics", "eval"}`` per
+    seed, in the order of ``args.variants``."""
+    base = load_config(args.config, shared)
+    runs: dict[str, list[dict]] = {}
     # The scaled variant's factor is measured on the Kalman runs, so those run before it.
     for label in sorted(args.variants, key=lambda label: label == LR_SCALED):
         variant = list(VARIANTS[label])
@@ -90,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate = load_config(args.config, shared + variant).train.learning_rate
         runs[label] = []
         for seed in args.seeds:
-            name = run_name(args.name, label, seed)
+            name = run_name(directory, label, seed)
             _check_learning_rate(output / name, learning_rate)
             rows = read_metrics(output / name / "metrics.jsonl")
             if not rows or rows[-1]["step"] < base.train.steps:
@@ -100,34 +192,41 @@ def main(argv: list[str] | None = None) -> int:
                 overrides = shared + variant + [f"train.seed={seed}", f"run.name={name}"]
                 command += [arg for override in overrides for arg in ("--set", override)]
                 command += ["--resume", "--start-if-missing"]
-                done = sum(len(seeds) for seeds in runs.values()) - 1
-                print(f"== run {done + 1}/{total}: {label}, seed {seed} ({time.perf_counter() - started:.0f} s "
-                      f"so far): {' '.join(command[2:])}", flush=True)
-                subprocess.run(command, check=True)
+                print(f"== run {progress['done'] + 1}/{progress['total']}: {label}, seed {seed} "
+                      f"({time.perf_counter() - progress['started']:.0f} s so far): {' '.join(command[2:])}", flush=True)
+                _timed_run(command, name, times)
                 rows = read_metrics(output / name / "metrics.jsonl")
+            progress["done"] += 1
             evaluations = read_metrics(output / name / "eval.jsonl")
-            runs[label].append({"metrics": rows, "eval": evaluations})
+            runs[label].append({"seed": seed, "metrics": rows, "eval": evaluations})
             print(f"   {label} seed {seed}: reward {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f}"
                   + (f", held-out {evaluations[0]['eval/mean']:.3f} -> {evaluations[-1]['eval/mean']:.3f}"
                      if evaluations else ""), flush=True)
-    runs = {label: runs[label] for label in args.variants}
+    return {label: runs[label] for label in args.variants}
 
-    from trainer.engine.plotting import plot_comparison
 
-    path = args.plot or output / args.name / "comparison.png"
-    title = f"{base.model.path or 'tiny model'}, {base.data.task} task, {len(args.seeds)} seeds, {base.train.steps} steps"
-    plot_comparison(runs, path, title)
-    table = results_table(runs, base.train.steps)
-    print(table)
-    if args.table is not None:
-        command = "python trainer/tools/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        args.table.write_text(
-            f"# {title}\n\nWritten by `{command}` ({time.perf_counter() - started:.0f} s for the runs this call "
-            f"made). Plot: `{path}`.\n\n{table}\n"
-        )
-        print(f"table: {args.table}")
-    print(f"plot: {path}")
-    return 0
+def _timed_run(command: list[str], name: str, times: Path) -> None:
+    """One run's process, its wall time appended to ``times`` whether it finished or not."""
+    started = time.perf_counter()
+    returncode = None
+    try:
+        returncode = subprocess.run(command).returncode
+    finally:
+        times.parent.mkdir(parents=True, exist_ok=True)
+        with times.open("a") as handle:
+            handle.write(json.dumps({"run": name, "seconds": round(time.perf_counter() - started, 1),
+                                     "returncode": returncode}) + "\n")
+    if returncode != 0:
+        raise subprocess.CalledProcessError(returncode, command)
+
+
+def machine_time(times: Path) -> float:
+    """The sum of the recorded run processes' wall times (seconds)."""
+    return sum(row["seconds"] for row in read_metrics(times))
+
+
+def run_count(times: Path) -> int:
+    return len(read_metrics(times))
 
 
 def _check_learning_rate(run_dir: Path, learning_rate: float) -> None:
@@ -217,6 +316,79 @@ def results_table(runs: dict[str, list[dict]], steps: int) -> str:
                    for seed in seeds]
         cells.append(duration(statistics.fmean(seconds)))
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _figure_name(key: str) -> str:
+    return "reward" if key == "reward/mean" else key.split("/", 1)[1]
+
+
+def _paired(first: dict[int, float], second: dict[int, float]) -> list[float]:
+    """first - second on the seeds both have."""
+    return [first[seed] - second[seed] for seed in first if seed in second]
+
+
+def sweep_summary(results: dict[str, dict[str, list[dict]]], steps: int) -> dict:
+    """The figures of a sweep's tables and plot, each a (mean, 95% half-width) pair over
+    the seeds of each run's mean over the last fifth of the steps: ``means[value][label][key]``;
+    ``differences[value][label][key]``, label minus the baseline (the first label) on the
+    same seeds; ``next_differences[value][label][key]``, label at ``value`` minus the
+    baseline at the next value (none for the last). Keys: the reward, then each level's
+    training accuracy."""
+    values = list(results)
+    labels = list(results[values[0]])
+    first = results[values[0]][labels[0]][0]["metrics"][0]
+    keys = ["reward/mean"] + [key for key in first if key.startswith("acc/")]
+    per_seed = {value: {label: {key: {seed["seed"]: window_mean(final_window(seed["metrics"], steps), key)
+                                      for seed in seeds} for key in keys}
+                        for label, seeds in runs.items()} for value, runs in results.items()}
+    baseline = labels[0]
+    summary = {"values": values, "labels": labels, "baseline": baseline, "keys": keys, "means": {},
+               "differences": {}, "next_differences": {},
+               "seeds": {value: {label: len(seeds) for label, seeds in runs.items()} for value, runs in results.items()}}
+    for index, value in enumerate(values):
+        figures = per_seed[value]
+        summary["means"][value] = {label: {key: mean_interval(list(figures[label][key].values())) for key in keys}
+                                   for label in labels}
+        summary["differences"][value] = {
+            label: {key: mean_interval(_paired(figures[label][key], figures[baseline][key])) for key in keys}
+            for label in labels[1:]}
+        if index + 1 < len(values):
+            following = per_seed[values[index + 1]][baseline]
+            summary["next_differences"][value] = {
+                label: {key: mean_interval(_paired(figures[label][key], following[key])) for key in keys}
+                for label in labels[1:]}
+    return summary
+
+
+def sweep_tables(summary: dict, key: str, steps: int) -> str:
+    """The sweep's three markdown tables (``sweep_summary``'s figures)."""
+    last = final_window_steps(steps)
+    names = [_figure_name(figure) for figure in summary["keys"]]
+    baseline, values = summary["baseline"], summary["values"]
+    lines = [f"## Over {key}\n",
+             f"Each figure: a run's mean over the last {last} steps, then the mean over the seeds [its 95% t "
+             f"interval]; the reward, then each level's training accuracy (sampled).\n",
+             "| " + " | ".join([key, "variant", "seeds"] + names) + " |", "|" + " --- |" * (3 + len(names))]
+    for value in values:
+        for label, figures in summary["means"][value].items():
+            cells = [value, label, str(summary["seeds"][value][label])]
+            lines.append("| " + " | ".join(cells + [format_interval(*figures[k]) for k in summary["keys"]]) + " |")
+    lines += ["", f"Each variant minus {baseline} on the same seeds (paired) [95% t interval]:\n",
+              "| " + " | ".join([key, "difference"] + names) + " |", "|" + " --- |" * (2 + len(names))]
+    for value in values:
+        for label, figures in summary["differences"][value].items():
+            cells = [value, f"{label} - {baseline}"]
+            lines.append("| " + " | ".join(
+                cells + [format_interval(*figures[k], signed=True) for k in summary["keys"]]) + " |")
+    if summary["next_differences"]:
+        lines += ["", f"Each variant at one value minus {baseline} at the next, on the same seeds [95% t interval]:\n",
+                  "| " + " | ".join(["difference"] + names) + " |", "|" + " --- |" * (1 + len(names))]
+        for index, value in enumerate(values[:-1]):
+            for label, figures in summary["next_differences"][value].items():
+                cells = [f"{label} at {value} - {baseline} at {values[index + 1]}"]
+                lines.append("| " + " | ".join(
+                    cells + [format_interval(*figures[k], signed=True) for k in summary["keys"]]) + " |")
     return "\n".join(lines)
 
 
