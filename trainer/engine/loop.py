@@ -33,7 +33,7 @@ from ..config import Config, resolve_engine, save_config, task_levels
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
 from .policy import Policy
-from ..tasks.problem import Problem
+from ..tasks.problem import Problem, encode_prompt
 from ..tasks.rewards import build_reward
 from ..tasks.synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY, sample_problems
 
@@ -278,16 +278,8 @@ class Trainer:
 
     def _encode(self, prompt: str) -> list[int]:
         data = self.config.data
-        if data.apply_chat_template:
-            # return_dict=False: transformers 5 otherwise returns a BatchEncoding (a
-            # Mapping, not a dict), whose keys were once sent to vLLM as token ids.
-            ids = list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            ))
-        else:
-            ids = self.tokenizer(prompt).input_ids
-        # Keep the end: the template's instruction comes after the question.
-        return ids[-data.max_prompt_tokens:]
+        return encode_prompt(self.tokenizer, prompt, apply_chat_template=data.apply_chat_template,
+                             max_prompt_tokens=data.max_prompt_tokens)
 
     def train_step(self, step: int) -> dict:
         config = self.config

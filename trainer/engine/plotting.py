@@ -137,3 +137,43 @@ def plot_sweep(summary: dict, key: str, path: Path, title: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
+
+
+def plot_bias(result: dict, path: Path, title: str) -> None:
+    """trainer/tools/bias.py's figures at one checkpoint: per G (rows) and per scale and
+    outcome (columns), each estimate's mean error against the true advantage over the
+    prompts of each bin of the true accuracy p, with its 95% interval (0: no bias)."""
+    sizes = list(result["sizes"])
+    columns = [(scale, outcome) for scale in ("centred", "std-normalised") for outcome in ("correct", "wrong")]
+    figure, axes = plt.subplots(len(sizes), len(columns), figsize=(4.2 * len(columns), 3.4 * len(sizes)),
+                                squeeze=False)
+    for row, size in enumerate(sizes):
+        bins = result["sizes"][size]["bins"]
+        for column, (scale, outcome) in enumerate(columns):
+            axis = axes[row, column]
+            cells = [(key.split("|", 1)[1], cell[outcome]) for key, cell in bins.items() if key.startswith(scale + "|")]
+            for offset, estimate in zip((-0.006, 0.0, 0.006), ("GRPO", "HA-DW", "HA-DW / lambda")):
+                points = [(_bin_middle(band) + offset, *cell[estimate]["signed"]) for band, cell in cells
+                          if cell["prompts"]]
+                if points:
+                    x, mean, half = (np.array(values) for values in zip(*points))
+                    axis.errorbar(x, mean, yerr=np.nan_to_num(half), marker="o", markersize=3, capsize=2,
+                                  label=estimate)
+            axis.axhline(0.0, color="grey", linewidth=0.8)
+            axis.set_xlim(0, 1)
+            axis.set_title(f"G = {size}, {scale}, {outcome} responses", fontsize=9)
+            axis.set_xlabel("true accuracy p (reference draws)")
+            if column == 0:
+                axis.set_ylabel("estimate - true advantage")
+            if row == 0 and column == 0:
+                axis.legend(fontsize=7)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def _bin_middle(band: str) -> float:
+    """The middle of a bin written "[0.1, 0.2)"."""
+    low, high = (float(edge) for edge in band.strip("[]()").split(","))
+    return 0.5 * (low + high)

@@ -11,3 +11,18 @@ class Problem:
     prompt: str
     answer: str
     level: str
+
+
+def encode_prompt(tokenizer, prompt: str, *, apply_chat_template: bool, max_prompt_tokens: int) -> list[int]:
+    """A prompt's token ids as the policy sees it: the chat template's user turn or the
+    plain text, cut to its last ``max_prompt_tokens`` (the template's instruction comes
+    after the question)."""
+    if apply_chat_template:
+        # return_dict=False: transformers 5 otherwise returns a BatchEncoding (a Mapping,
+        # not a dict), whose keys were once sent to vLLM as token ids.
+        ids = list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+    else:
+        ids = tokenizer(prompt).input_ids
+    return ids[-max_prompt_tokens:]

@@ -45,21 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from trainer.tasks.arithmetic_task import make_problem
+    from trainer.tasks.problem import encode_prompt
     from trainer.config import resolve_engine
     from trainer.models.pretrained import ensure_converted, resolve_model_source
     from trainer.tasks.rewards import build_reward
 
     model_dir = ensure_converted(resolve_model_source(config.model.path), config.model.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = _engine(config, model_dir, tokenizer, resolve_engine(config.rollout.engine))
+    engine = rollout_engine(config, model_dir, tokenizer, resolve_engine(config.rollout.engine))
     reward = build_reward(config.data, config.reward)
     group = config.rollout.group_size
 
     def encode(prompt: str) -> list[int]:
-        if config.data.apply_chat_template:
-            return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
-        return tokenizer(prompt).input_ids
+        return encode_prompt(tokenizer, prompt, apply_chat_template=config.data.apply_chat_template,
+                             max_prompt_tokens=config.data.max_prompt_tokens)
 
     print(f"{config.model.path}, temperature {config.rollout.temperature}, G={group}, {args.prompts} prompts a level")
     print("| level | sampled | greedy | mixed groups | time |")
@@ -84,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _engine(config, model_dir: Path, tokenizer, engine_name: str):
+def rollout_engine(config, model_dir: Path, tokenizer, engine_name: str):
+    """The run's rollout engine (``hf`` or ``vllm``) on the model in ``model_dir``, sampling
+    as ``config.rollout`` says (G = ``rollout.group_size`` responses a prompt)."""
+    from transformers import AutoConfig
+
     from trainer.engine.rollout import HFRollout, VLLMRollout
 
     if engine_name == "hf":
@@ -94,8 +97,9 @@ def _engine(config, model_dir: Path, tokenizer, engine_name: str):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, config.model.dtype))
         return HFRollout(model, config.rollout, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, synced_gpus=False)
+    positions = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     return VLLMRollout(model_dir, config.rollout, dtype=config.model.dtype,
-                       max_model_len=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
+                       max_model_len=min(positions, config.data.max_prompt_tokens + config.rollout.max_new_tokens),
                        eos_token_id=tokenizer.eos_token_id, world_size=1, seed=config.train.seed)
 
 
