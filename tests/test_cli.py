@@ -53,8 +53,14 @@ def _calibrate(argv):
     return main(argv)
 
 
+def _bias(argv):
+    from trainer.tools.bias import main
+
+    return main(argv)
+
+
 TOOLS = {"demo": _demo, "plan": _plan, "theory": _theory, "probe": _probe, "compare": _compare,
-         "calibrate": _calibrate}
+         "calibrate": _calibrate, "bias": _bias}
 
 BAD_ARGUMENTS = [
     ("demo", ["--steps", "0"], "--steps"),
@@ -99,6 +105,10 @@ BAD_ARGUMENTS = [
     ("compare", ["--lr-scale", "-1"], "--lr-scale"),
     ("calibrate", ["--prompts", "0"], "--prompts"),
     ("calibrate", ["--seed", "-1"], "--seed"),
+    ("bias", ["--groups", "0"], "--groups"),
+    ("bias", ["--reference", "1"], "--reference"),
+    ("bias", ["--group-sizes", "4", "1"], "--group-sizes"),
+    ("bias", ["--steps", "0"], "--steps"),
 ]
 
 
@@ -140,7 +150,7 @@ def _option_entries(help_text: str) -> dict[str, str]:
     return {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries}
 
 
-@pytest.mark.parametrize("tool", ["demo", "plan", "probe", "theory", "compare"])
+@pytest.mark.parametrize("tool", ["demo", "plan", "probe", "theory", "compare", "bias"])
 def test_help_shows_every_option_s_default(tool, capsys):
     """The demo's, probe's and plan's --help described few options and no defaults."""
     with pytest.raises(SystemExit) as exited:
@@ -194,7 +204,8 @@ def test_the_trainer_commands_run_from_any_directory(tmp_path):
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert json.loads(figures.read_text())["preset"] == "tiny"
     assert list(elsewhere.iterdir()) == []
-    for module in ("trainer.run", "trainer.tools.probe", "trainer.tools.compare", "trainer.tools.calibrate"):
+    for module in ("trainer.run", "trainer.tools.probe", "trainer.tools.compare", "trainer.tools.calibrate",
+                   "trainer.tools.bias"):
         as_file = REPO.joinpath(*module.split(".")).with_suffix(".py")
         for command in ([sys.executable, "-m", module, "--help"], [sys.executable, str(as_file), "--help"]):
             shown = subprocess.run(command, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)

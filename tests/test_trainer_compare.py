@@ -145,15 +145,3 @@ def test_the_swept_setting_cannot_also_be_set(capsys):
     with pytest.raises(SystemExit):
         main(["--sweep", "rollout.group_size=2,4", "--set", "rollout.group_size=8", "--variants", "GRPO"])
     assert "rollout.group_size is also given by --set" in capsys.readouterr().err
-
-
-def test_the_t_interval_matches_student_s_quantiles():
-    from trainer.tools.intervals import mean_interval, t_critical
-
-    # two-sided 95% and 99% quantiles (any statistics table)
-    for df, expected in [(1, 12.7062), (2, 4.3027), (3, 3.1824), (7, 2.3646), (8, 2.3060), (30, 2.0423)]:
-        assert t_critical(0.95, df) == pytest.approx(expected, abs=1e-4)
-    assert t_critical(0.99, 4) == pytest.approx(4.6041, abs=1e-4)
-    mean, half = mean_interval([0.1, 0.2, 0.3])
-    assert (mean, half) == pytest.approx((0.2, 4.3027 * 0.1 / 3 ** 0.5), abs=1e-5)
-    assert mean_interval([0.4])[1] != mean_interval([0.4])[1]  # nan: one value has no interval

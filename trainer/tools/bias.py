@@ -15,8 +15,8 @@ that update count (not all rewards equal: the set S of the paper). It reports, p
   one-wrong group's is below a prompt's p > 1 - 1/G, whose wrong response is punished
   more than its true advantage says;
 - per band of p and per outcome (the correct responses, the wrong ones), the true
-  advantage and the errors of three estimates of it, each averaged over a prompt's
-  responses and then over the band's prompts with a 95% t interval: GRPO's A_hat
+  advantage and the errors of three estimates of it, each the mean over the band's
+  responses with a 95% interval that takes each prompt's responses as a cluster: GRPO's A_hat
   (``group_advantages``), HA-DW's A_hat * Phi (``hadw_weights`` with the run's anchor:
   restored from the checkpoint, ``DifficultyAnchor.update`` with the drawn batch as the
   run's next batch, the run's lambda), and A_hat * Phi / lambda (Phi's shape alone:
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from trainer.checkpoint_files import CheckpointError, completed_checkpoints, verify_checkpoint
 from trainer.config import ConfigError, load_config, resolve_engine, task_levels
-from trainer.tools.intervals import format_interval, mean_interval
+from trainer.tools.intervals import clustered_mean_interval, format_interval, mean_interval
 
 # Bands of the true accuracy p (lower edge inclusive; the last includes 1).
 BANDS = (0.0, 0.1, 0.3, 0.7, 0.9, 1.0)
@@ -181,8 +181,9 @@ def _spread(one_correct: list[float], one_wrong: list[float], size: int) -> dict
 
 def _bands(accuracy, errors, truths, updating, repeats, edges: tuple[float, ...], with_all: bool) -> dict:
     """Per scale, band of ``edges`` (and "all") and outcome: the prompts, the responses,
-    the true advantage and each estimate's signed and absolute error (mean, 95%
-    half-width over the prompts, each prompt's responses averaged first)."""
+    the true advantage and each estimate's signed and absolute error: the mean over the
+    responses and its 95% half-width with each prompt's responses a cluster (a prompt's
+    responses share its p and, within a group, their baseline)."""
     bands = {}
     names = [_band_name(index, edges) for index in range(len(edges) - 1)] + (["all"] if with_all else [])
     for scale in SCALES:
@@ -192,20 +193,17 @@ def _bands(accuracy, errors, truths, updating, repeats, edges: tuple[float, ...]
                    "updating_share": sum(updating[i] for i in members) / max(1, repeats * len(members))}
             for outcome in OUTCOMES:
                 present = [i for i in members if truths[scale, outcome][i]]
-                cell = {"prompts": len(present),
-                        "responses": sum(len(truths[scale, outcome][i]) for i in present),
-                        "truth": mean_interval([_mean(truths[scale, outcome][i]) for i in present])}
+                counts = [len(truths[scale, outcome][i]) for i in present]
+                cell = {"prompts": len(present), "responses": sum(counts),
+                        "truth": clustered_mean_interval([sum(truths[scale, outcome][i]) for i in present], counts)}
                 for estimate in ESTIMATES:
                     per_prompt = [errors[scale, estimate, outcome][i] for i in present]
-                    cell[estimate] = {"signed": mean_interval([_mean(e) for e in per_prompt]),
-                                      "absolute": mean_interval([_mean([abs(v) for v in e]) for e in per_prompt])}
+                    cell[estimate] = {
+                        "signed": clustered_mean_interval([sum(e) for e in per_prompt], counts),
+                        "absolute": clustered_mean_interval([sum(abs(v) for v in e) for e in per_prompt], counts)}
                 row[outcome] = cell
             bands[scale, band] = row
     return {f"{scale}|{band}": row for (scale, band), row in bands.items()}
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def report(step: int, result: dict, anchor_line: str) -> str:

@@ -58,6 +58,24 @@ def mean_interval(values: list[float], level: float = 0.95) -> tuple[float, floa
     return mean, t_critical(level, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
+def clustered_mean_interval(totals: list[float], counts: list[int], level: float = 0.95) -> tuple[float, float]:
+    """The mean per item over clusters of correlated items (a prompt's responses): the
+    sum of the clusters' ``totals`` over the sum of their ``counts``, and the half-width
+    of its ``level`` interval from the clusters' spread (the ratio estimator's linearised
+    variance, t with clusters - 1 degrees of freedom; with equal counts, the t interval of
+    the clusters' means). Nan without items, and the half-width nan with one cluster."""
+    pairs = [(total, count) for total, count in zip(totals, counts) if count]
+    if not pairs:
+        return math.nan, math.nan
+    clusters, items = len(pairs), sum(count for _, count in pairs)
+    mean = sum(total for total, _ in pairs) / items
+    if clusters < 2:
+        return mean, math.nan
+    average = items / clusters
+    spread = sum(((total - mean * count) / average) ** 2 for total, count in pairs) / (clusters * (clusters - 1))
+    return mean, t_critical(level, clusters - 1) * math.sqrt(spread)
+
+
 def format_interval(mean: float, half_width: float, digits: int = 3, signed: bool = False) -> str:
     """``0.812 [0.796, 0.828]``: the mean, then the interval's ends (with ``signed``, a
     difference: ``+0.012 [-0.004, +0.028]``)."""
