@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hadw_kernels import DifficultyAnchor
-from trainer.tools.bias import Draws, analyse, anchor_beliefs, main
+from trainer.tools.bias import Draws, analyse, anchor_beliefs, main, summary_table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,15 @@ def test_an_unbiased_group_has_no_grpo_error_and_phi_s_error_is_its_own():
     assert spread["one_correct"]["groups"] == 3 and spread["one_correct"]["counts"][3] == 3  # p in [0.2, 0.3)
     assert spread["one_correct"]["baseline_above_p"] == 0.0  # p = 1/4 is not below 1/G
     assert result["sizes"][4]["updating_share"] == 1.0
+    # the hard prompts' row is this band's; "any" pools both outcomes' responses
+    assert _cell(result, 4, "centred", "p < 0.3", "correct") == correct
+    both = _cell(result, 4, "centred", "all", "any")
+    assert both["responses"] == 12 and both["GRPO"]["absolute"][0] == pytest.approx(0.0, abs=1e-12)
+    assert both["HA-DW"]["signed"][0] == pytest.approx(
+        (3 * 0.75 * (1.3 * math.exp(0.25) - 1) + 9 * -0.25 * (1.3 * math.exp(-0.25) - 1)) / 12)
+    summary = summary_table({40: result}).splitlines()
+    assert summary[2].startswith("| 40 | 4 | centred | 0.000 ± 0.000 | ")
+    assert summary[2].endswith(" | - | - | - |")  # no easy prompt
 
 
 def test_groups_that_do_not_update_are_left_out():

@@ -50,6 +50,9 @@ from trainer.tools.intervals import clustered_mean_interval, format_interval, me
 BANDS = (0.0, 0.1, 0.3, 0.7, 0.9, 1.0)
 # Bins of p for the spread of the one-correct and one-wrong groups.
 SPREAD_BINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0)
+# Rows over several bands: the hard prompts (where a correct response is the rare one),
+# the easy ones (where a wrong one is), and every prompt.
+AGGREGATES = {"p < 0.3": lambda p: p < 0.3, "p >= 0.7": lambda p: p >= 0.7, "all": lambda p: True}
 ESTIMATES = ("GRPO", "HA-DW", "HA-DW / lambda")
 SCALES = ("centred", "std-normalised")
 OUTCOMES = ("correct", "wrong")
@@ -146,8 +149,8 @@ def analyse(draws: Draws, lambda_scale: float) -> dict:
             "beliefs": draws.beliefs[size],
             "updating_share": sum(updating) / total,
             "spread": _spread(one_correct, one_wrong, size),
-            "bands": _bands(accuracy, errors, truths, updating, len(repeats), BANDS, with_all=True),
-            "bins": _bands(accuracy, errors, truths, updating, len(repeats), SPREAD_BINS, with_all=False),
+            "bands": _bands(accuracy, errors, truths, updating, len(repeats), BANDS, with_aggregates=True),
+            "bins": _bands(accuracy, errors, truths, updating, len(repeats), SPREAD_BINS, with_aggregates=False),
         }
     result["levels"] = {level: statistics_of([a for a, name in zip(accuracy, draws.levels) if name == level])
                         for level in dict.fromkeys(draws.levels)}
@@ -179,31 +182,42 @@ def _spread(one_correct: list[float], one_wrong: list[float], size: int) -> dict
     }
 
 
-def _bands(accuracy, errors, truths, updating, repeats, edges: tuple[float, ...], with_all: bool) -> dict:
-    """Per scale, band of ``edges`` (and "all") and outcome: the prompts, the responses,
-    the true advantage and each estimate's signed and absolute error: the mean over the
-    responses and its 95% half-width with each prompt's responses a cluster (a prompt's
-    responses share its p and, within a group, their baseline)."""
+def _bands(accuracy, errors, truths, updating, repeats, edges: tuple[float, ...], with_aggregates: bool) -> dict:
+    """Per scale, band of ``edges`` (and the ``AGGREGATES``) and outcome (``any``: both
+    outcomes): the prompts, the responses, the true advantage and each estimate's signed
+    and absolute error: the mean over the responses and its 95% half-width, each prompt's
+    responses a cluster (they share its p and, within a group, their baseline)."""
+    groups = [(_band_name(index, edges), lambda p, index=index: _bin(p, edges) == index)
+              for index in range(len(edges) - 1)]
+    if with_aggregates:
+        groups += list(AGGREGATES.items())
+    prompts = range(len(accuracy))
     bands = {}
-    names = [_band_name(index, edges) for index in range(len(edges) - 1)] + (["all"] if with_all else [])
     for scale in SCALES:
-        for band_index, band in enumerate(names):
-            members = [i for i, p in enumerate(accuracy) if band == "all" or _bin(p, edges) == band_index]
+        # per outcome, per prompt: the true advantages and each estimate's errors
+        truth = {outcome: [truths[scale, outcome][i] for i in prompts] for outcome in OUTCOMES}
+        error = {(estimate, outcome): [errors[scale, estimate, outcome][i] for i in prompts]
+                 for estimate in ESTIMATES for outcome in OUTCOMES}
+        truth["any"] = [truth["correct"][i] + truth["wrong"][i] for i in prompts]
+        for estimate in ESTIMATES:
+            error[estimate, "any"] = [error[estimate, "correct"][i] + error[estimate, "wrong"][i] for i in prompts]
+        for band, belongs in groups:
+            members = [i for i in prompts if belongs(accuracy[i])]
             row = {"prompts": len(members),
                    "updating_share": sum(updating[i] for i in members) / max(1, repeats * len(members))}
-            for outcome in OUTCOMES:
-                present = [i for i in members if truths[scale, outcome][i]]
-                counts = [len(truths[scale, outcome][i]) for i in present]
+            for outcome in OUTCOMES + ("any",):
+                present = [i for i in members if truth[outcome][i]]
+                counts = [len(truth[outcome][i]) for i in present]
                 cell = {"prompts": len(present), "responses": sum(counts),
-                        "truth": clustered_mean_interval([sum(truths[scale, outcome][i]) for i in present], counts)}
+                        "truth": clustered_mean_interval([sum(truth[outcome][i]) for i in present], counts)}
                 for estimate in ESTIMATES:
-                    per_prompt = [errors[scale, estimate, outcome][i] for i in present]
+                    values = [error[estimate, outcome][i] for i in present]
                     cell[estimate] = {
-                        "signed": clustered_mean_interval([sum(e) for e in per_prompt], counts),
-                        "absolute": clustered_mean_interval([sum(abs(v) for v in e) for e in per_prompt], counts)}
+                        "signed": clustered_mean_interval([sum(v) for v in values], counts),
+                        "absolute": clustered_mean_interval([sum(abs(x) for x in v) for v in values], counts)}
                 row[outcome] = cell
-            bands[scale, band] = row
-    return {f"{scale}|{band}": row for (scale, band), row in bands.items()}
+            bands[f"{scale}|{band}"] = row
+    return bands
 
 
 def report(step: int, result: dict, anchor_line: str) -> str:
@@ -249,6 +263,33 @@ def report(step: int, result: dict, anchor_line: str) -> str:
                         cells += [format_interval(*cell[estimate]["signed"], signed=True),
                                   format_interval(*cell[estimate]["absolute"])]
                     lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_table(figures: dict[int, dict]) -> str:
+    """Every checkpoint's headline figures in one table: per step, G and scale, each
+    estimate's mean absolute error over every response of the groups that update, and its
+    signed error on the rare outcomes: the correct responses of the hard prompts (p < 0.3)
+    and the wrong responses of the easy ones (p >= 0.7). Mean ± 95% half-width."""
+    def cell(figure, signed):
+        mean, half = figure
+        text = f"{mean:+.3f}" if signed else f"{mean:.3f}"
+        return text if math.isnan(half) else f"{text} ± {half:.3f}"
+
+    columns = [("all", "any", "absolute", "abs error, all responses"),
+               ("p < 0.3", "correct", "signed", "error, correct responses at p < 0.3"),
+               ("p >= 0.7", "wrong", "signed", "error, wrong responses at p >= 0.7")]
+    header = ["step", "G", "scale"] + [f"{title}: {estimate}" for *_, title in columns for estimate in ESTIMATES]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for step, result in figures.items():
+        for size, per_size in result["sizes"].items():
+            for scale in SCALES:
+                cells = [str(step), str(size), scale]
+                for band, outcome, kind, _ in columns:
+                    row = per_size["bands"][f"{scale}|{band}"]
+                    for estimate in ESTIMATES:
+                        cells.append(cell(row[outcome][estimate][kind], kind == "signed") if row[outcome]["prompts"] else "-")
+                lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -388,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         parser.error(f"argument run: {error}")
     figures, draws_out, tables = run_checkpoints(args, config, problems, steps, available)
-    text = "\n\n".join(tables)
+    text = "\n\n".join(["## Summary", summary_table(figures)] + tables)
     print(text)
     header = (f"# The advantage's bias in {args.run}\n\nWritten by `python -m trainer.tools.bias "
               + " ".join(argv) + f"` ({time.perf_counter() - started:.0f} s).\n\n")
