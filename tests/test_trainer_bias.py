@@ -55,8 +55,10 @@ def test_an_unbiased_group_has_no_grpo_error_and_phi_s_error_is_its_own():
     assert both["HA-DW"]["signed"][0] == pytest.approx(
         (3 * 0.75 * (1.3 * math.exp(0.25) - 1) + 9 * -0.25 * (1.3 * math.exp(-0.25) - 1)) / 12)
     summary = summary_table({40: result}).splitlines()
-    assert summary[2].startswith("| 40 | 4 | centred | 0.000 ± 0.000 | ")
-    assert summary[2].endswith(" | - | - | - |")  # no easy prompt
+    assert summary[0] == "Centred scale:"
+    assert summary[2].startswith("| step | G | C | abs error, all: GRPO | HA-DW | HA-DW / λ | correct, p < 0.3: GRPO |")
+    assert summary[4].startswith("| 40 | 4 | 0.50 | 0.00 ± 0.00 | ")
+    assert summary[4].endswith(" | - | - | - |")  # no easy prompt
 
 
 def test_groups_that_do_not_update_are_left_out():

@@ -267,30 +267,36 @@ def report(step: int, result: dict, anchor_line: str) -> str:
 
 
 def summary_table(figures: dict[int, dict]) -> str:
-    """Every checkpoint's headline figures in one table: per step, G and scale, each
-    estimate's mean absolute error over every response of the groups that update, and its
-    signed error on the rare outcomes: the correct responses of the hard prompts (p < 0.3)
-    and the wrong responses of the easy ones (p >= 0.7). Mean ± 95% half-width."""
+    """Every checkpoint's headline figures, one table a scale: per step and G, the anchor's
+    belief C, each estimate's mean absolute error over every response of the groups that
+    update, and its signed error on the rare outcomes: the correct responses to the hard
+    prompts (p < 0.3) and the wrong responses to the easy ones (p >= 0.7). Mean ± 95%
+    half-width, to 2 decimals (the full tables have 3)."""
     def cell(figure, signed):
         mean, half = figure
-        text = f"{mean:+.3f}" if signed else f"{mean:.3f}"
-        return text if math.isnan(half) else f"{text} ± {half:.3f}"
+        text = f"{mean:+.2f}" if signed else f"{mean:.2f}"
+        return text if math.isnan(half) else f"{text} ± {half:.2f}"
 
-    columns = [("all", "any", "absolute", "abs error, all responses"),
-               ("p < 0.3", "correct", "signed", "error, correct responses at p < 0.3"),
-               ("p >= 0.7", "wrong", "signed", "error, wrong responses at p >= 0.7")]
-    header = ["step", "G", "scale"] + [f"{title}: {estimate}" for *_, title in columns for estimate in ESTIMATES]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for step, result in figures.items():
-        for size, per_size in result["sizes"].items():
-            for scale in SCALES:
-                cells = [str(step), str(size), scale]
+    columns = [("all", "any", "absolute", "abs error, all"), ("p < 0.3", "correct", "signed", "correct, p < 0.3"),
+               ("p >= 0.7", "wrong", "signed", "wrong, p ≥ 0.7")]
+    short = {"GRPO": "GRPO", "HA-DW": "HA-DW", "HA-DW / lambda": "HA-DW / λ"}
+    lines = []
+    for scale in SCALES:
+        header = ["step", "G", "C"] + [f"{title}: {short[estimate]}" if index == 0 else short[estimate]
+                                       for *_, title in columns for index, estimate in enumerate(ESTIMATES)]
+        lines += ["", f"{scale.capitalize()} scale:", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        for step, result in figures.items():
+            for size, per_size in result["sizes"].items():
+                beliefs = per_size["beliefs"]
+                belief = f"{beliefs[0]:.2f}" if max(beliefs) - min(beliefs) < 0.005 else \
+                    f"{min(beliefs):.2f}-{max(beliefs):.2f}"
+                cells = [str(step), str(size), belief]
                 for band, outcome, kind, _ in columns:
-                    row = per_size["bands"][f"{scale}|{band}"]
+                    row = per_size["bands"][f"{scale}|{band}"][outcome]
                     for estimate in ESTIMATES:
-                        cells.append(cell(row[outcome][estimate][kind], kind == "signed") if row[outcome]["prompts"] else "-")
+                        cells.append(cell(row[estimate][kind], kind == "signed") if row["prompts"] else "-")
                 lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines[1:])
 
 
 # -- drawing ---------------------------------------------------------------------------
