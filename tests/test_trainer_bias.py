@@ -135,11 +135,12 @@ def test_the_command_on_a_tiny_run_s_checkpoints(tmp_path):
     out = tmp_path / "bias"
     result = subprocess.run(
         [sys.executable, "-m", "trainer.tools.bias", str(tmp_path / "tiny"), "--steps", "2", "4",
-         "--group-sizes", "2", "4", "--groups", "2", "--reference", "16", "--prompts-per-level", "4",
+         "--group-sizes", "2", "4", "--groups", "2", "--reference", "16", "--prompts-per-level", "4", "--chunk", "8",
          "--output", f"{out}.md", "--json", f"{out}.json", "--plot", f"{out}.png"],
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 4: draw 5/5: 16 reference responses a prompt" in result.stderr
+    assert "step 4: draw 5: 8/16 prompts" in result.stderr  # progress after each chunk of 8
     text = (tmp_path / "bias.md").read_text()
     assert text.count("## Step ") == 2 and text.count("### G = 4") == 2
     saved = json.loads((tmp_path / "bias.json").read_text())

@@ -347,15 +347,19 @@ def checkpoint_weights(checkpoint: Path, zero_stage: int) -> dict:
 
 
 def draw(engine, rollout_config, prompt_ids: list[list[int]], responses_per_prompt: int, seed_key: list[int],
-         reward, problems, tokenizer, chunk: int) -> list[list[float]]:
-    """Each prompt's ``responses_per_prompt`` rewards, sampled ``chunk`` prompts at a time,
-    each prompt's draw seeded from ``seed_key`` and its index."""
+         reward, problems, tokenizer, chunk: int, label: str) -> list[list[float]]:
+    """Each prompt's ``responses_per_prompt`` rewards, sampled ``chunk`` prompts at a time
+    (progress after each chunk but the last), each prompt's draw seeded from ``seed_key``
+    and its index."""
     import numpy as np
 
     engine.config = replace(rollout_config, group_size=responses_per_prompt)
     seeds = [int(s) for s in np.random.SeedSequence(seed_key).generate_state(len(prompt_ids))]
     rewards = []
+    started = time.perf_counter()
     for start in range(0, len(prompt_ids), chunk):
+        if start:
+            _progress(f"{label}: {start}/{len(prompt_ids)} prompts ({time.perf_counter() - started:.0f} s)")
         ids = prompt_ids[start:start + chunk]
         responses, _ = engine.generate(ids, seeds[start:start + chunk])
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -402,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="reference draws a prompt (its true accuracy)")
     parser.add_argument("--prompts-per-level", type=POSITIVE_INT, default=64,
                         help="prompts of each level (the arithmetic task: its held-out problems)")
-    parser.add_argument("--chunk", type=POSITIVE_INT, default=64, help="prompts per engine call (progress is shown "
-                                                                       "after each)")
+    parser.add_argument("--chunk", type=POSITIVE_INT, default=64,
+                        help="prompts per engine call (progress is shown after each)")
     parser.add_argument("--seed", type=int_at_least(0), default=0, help="seeds the draws")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override the run's config (run.threads, rollout.engine; repeatable)")
@@ -493,11 +497,11 @@ def run_checkpoints(args, config, problems, steps: list[int], available: dict[in
                     _progress(f"step {step}: draw {done}/{total}: G = {size}, group {repeat + 1} of {args.groups} "
                               f"({time.perf_counter() - began:.0f} s)")
                     groups[size].append(draw(engine, config.rollout, prompt_ids, size, [args.seed, 1, size, repeat],
-                                             reward, problems, tokenizer, args.chunk))
+                                             reward, problems, tokenizer, args.chunk, f"step {step}: draw {done}"))
             _progress(f"step {step}: draw {total}/{total}: {args.reference} reference responses a prompt "
                       f"({time.perf_counter() - began:.0f} s)")
             reference = draw(engine, config.rollout, prompt_ids, args.reference, [args.seed, 2], reward, problems,
-                             tokenizer, args.chunk)
+                             tokenizer, args.chunk, f"step {step}: draw {total}")
             draws = Draws(levels=[problem.level for problem in problems],
                           reference_correct=[int(round(sum(rewards))) for rewards in reference],
                           reference=args.reference, groups=groups, beliefs=anchor_beliefs(anchor, groups))
