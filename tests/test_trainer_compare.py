@@ -97,8 +97,10 @@ def _write_run(directory: Path, seed: int, reward: float, add: float) -> None:
 
     directory.mkdir(parents=True)
     rows = [{"step": s, "reward/mean": reward, "acc/copy": reward + 0.1, "acc/add": add, "entropy_mean": 0.5,
-             "phi_mean": 1.3, "lr": 4e-4, "time/step": 0.5} for s in range(1, 11)]
+             "phi_mean": 1.3, "lr": 4e-4, "time/step": 0.5, "anchor/belief": 0.1} for s in range(1, 11)]
     (directory / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    samples = [{"step": s, "group_rewards": rewards} for s in range(1, 11) for rewards in ([1.0, 0.0], [0.0, 0.0])]
+    (directory / "samples.jsonl").write_text("".join(json.dumps(row) + "\n" for row in samples))
 
 
 def test_a_sweep_tables_each_value_and_the_paired_differences(tmp_path):
@@ -120,6 +122,9 @@ def test_a_sweep_tables_each_value_and_the_paired_differences(tmp_path):
     assert f"| 2 | {KALMAN} - GRPO | +0.030 [-0.097, +0.157] | +0.030 [-0.097, +0.157] | +0.100 [+0.100, +0.100] |" in text
     # HA-DW at G = 2 against GRPO at G = 4: 0.52 - 0.6 and 0.64 - 0.7
     assert f"| {KALMAN} at 2 - GRPO at 4 | -0.070 [-0.197, +0.057] |" in text
+    # a group (1, 0) against the belief 0.1: Phi = lambda exp(-0.4) on the right answer, lambda exp(+0.4)
+    # on the wrong one, so the wrong one weighs exp(0.8) = 2.23 times as much; the (0, 0) groups do not count
+    assert f"| 2 | {KALMAN} | 0.100 [0.100, 0.100] | 2.23 [2.23, 2.23] |" in text
     assert "Machine time: 0 s over 0 run processes" in text
     assert (output / "sweep" / "sweep.png").stat().st_size > 10_000
     assert (output / "sweep" / "group_size-4" / "comparison.png").exists()

@@ -198,7 +198,8 @@ def run_variants(args, shared: list[str], output: Path, directory: str, progress
                 rows = read_metrics(output / name / "metrics.jsonl")
             progress["done"] += 1
             evaluations = read_metrics(output / name / "eval.jsonl")
-            runs[label].append({"seed": seed, "metrics": rows, "eval": evaluations})
+            runs[label].append({"seed": seed, "metrics": rows, "eval": evaluations,
+                                "samples": read_metrics(output / name / "samples.jsonl")})
             print(f"   {label} seed {seed}: reward {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f}"
                   + (f", held-out {evaluations[0]['eval/mean']:.3f} -> {evaluations[-1]['eval/mean']:.3f}"
                      if evaluations else ""), flush=True)
@@ -346,6 +347,11 @@ def sweep_summary(results: dict[str, dict[str, list[dict]]], steps: int) -> dict
     summary = {"values": values, "labels": labels, "baseline": baseline, "keys": keys, "means": {},
                "differences": {}, "next_differences": {},
                "seeds": {value: {label: len(seeds) for label, seeds in runs.items()} for value, runs in results.items()}}
+    summary["weighing"] = {
+        value: {label: {"belief": mean_interval([window_mean(seed["metrics"], "anchor/belief") for seed in seeds]),
+                        "balance": mean_interval([phi_balance(seed) for seed in seeds])}
+                for label, seeds in runs.items() if "algorithm.hadw=true" in VARIANTS[label]}
+        for value, runs in results.items()}
     for index, value in enumerate(values):
         figures = per_seed[value]
         summary["means"][value] = {label: {key: mean_interval(list(figures[label][key].values())) for key in keys}
@@ -359,6 +365,30 @@ def sweep_summary(results: dict[str, dict[str, list[dict]]], steps: int) -> dict
                 label: {key: mean_interval(_paired(figures[label][key], following[key])) for key in keys}
                 for label in labels[1:]}
     return summary
+
+
+def phi_balance(seed: dict) -> float:
+    """How HA-DW's Phi weighed a run's logged groups (samples.jsonl: every rollout batch's
+    first groups, their rewards whole) that update: the sum of Phi * |A_hat| over the
+    responses below their group's mean over that over the responses above it, Phi from
+    each step's logged belief. Without Phi the two sums are equal (the advantages of a
+    group sum to 0): above 1, the update pushes the below-mean responses down harder than
+    it pulls the above-mean ones up. Nan where no logged group updates."""
+    import torch
+
+    from hadw_kernels import group_advantages, hadw_weights
+
+    beliefs = {row["step"]: row["anchor/belief"] for row in seed["metrics"]}
+    below = above = 0.0
+    for sample in seed["samples"]:
+        rewards = torch.tensor(sample["group_rewards"], dtype=torch.float64)
+        if rewards.numel() < 2 or rewards.max() == rewards.min():
+            continue
+        weighted = group_advantages(rewards, rewards.numel()) * hadw_weights(rewards, rewards.numel(),
+                                                                           beliefs[sample["step"]])
+        below -= float(weighted[weighted < 0].sum())
+        above += float(weighted[weighted > 0].sum())
+    return below / above if above else math.nan
 
 
 def sweep_tables(summary: dict, key: str, steps: int) -> str:
@@ -389,6 +419,16 @@ def sweep_tables(summary: dict, key: str, steps: int) -> str:
                 cells = [f"{label} at {value} - {baseline} at {values[index + 1]}"]
                 lines.append("| " + " | ".join(
                     cells + [format_interval(*figures[k], signed=True) for k in summary["keys"]]) + " |")
+    weighing = [(value, label, figures) for value, per_label in summary["weighing"].items()
+                for label, figures in per_label.items()]
+    if weighing:
+        lines += ["", "How HA-DW weighed the groups: the anchor's belief C (mean over the steps), and Phi's weight on "
+                      "the responses below their group's mean over its weight on those above (the logged groups that "
+                      "update; 1: as GRPO), mean over the seeds [95% t interval]:\n",
+                  f"| {key} | variant | belief C | below-mean / above-mean weight |", "| --- | --- | --- | --- |"]
+        for value, label, figures in weighing:
+            lines.append(f"| {value} | {label} | {format_interval(*figures['belief'])} | "
+                         f"{format_interval(*figures['balance'], digits=2)} |")
     return "\n".join(lines)
 
 
