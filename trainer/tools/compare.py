@@ -21,14 +21,17 @@ task has a held-out set (eval.every > 0), the held-out greedy accuracy of each l
 
 ``--sweep SECTION.KEY=V1,V2,...`` runs the comparison at each value of one setting (every
 other setting as given, so ``rollout.group_size`` changes G at a fixed number of prompts a
-step), each value's runs under ``<name>/<key>-<value>/``, and adds three tables: per value
+step), each value's runs under ``<name>/<key>-<value>/``, and adds four tables: per value
 and variant, the last fifth's mean over seeds with its 95% t interval; per value, each
 variant minus the first variant (the baseline) on the same seeds (a seed fixes the model's
-initial weights and the prompts, so the difference is paired); and each variant at one
-value minus the baseline at the next (with G = 2, 4, 8, 16: HA-DW at G against GRPO at 2G).
-Its plot (``--plot``, default ``<name>/sweep.png``) shows both. Every run's wall time is
-appended to ``<name>/run_times.jsonl``, resumed and failed attempts included, and the
-tables give their sum: the machine time the comparison cost.
+initial weights and the prompts, so the difference is paired); each variant at one value
+minus the baseline at the next (with G = 2, 4, 8, 16: HA-DW at G against GRPO at 2G); and
+how the HA-DW variants weighed their groups (``phi_balance``). Its plot (``--plot``,
+default ``<name>/sweep.png``) shows the first three.
+
+Every run's wall time is appended to ``<name>/run_times.jsonl``, resumed and failed
+attempts included, and the output ends with their sum: the machine time the comparison
+cost.
 
 "GRPO (lr x mean Phi)" is GRPO at the learning rate times HA-DW's mean Phi: by default the
 mean of ``phi_mean`` over the steps and seeds of this call's "GRPO+HA-DW (kalman)" runs
@@ -144,15 +147,15 @@ def main(argv: list[str] | None = None) -> int:
         plot_comparison(runs, path, f"{title}, {setting[0]}" if setting else title)
         print(f"plot: {path}")
         tables.append((f"## {setting[0]}\n\n" if setting else "") + results_table(runs, base.train.steps))
-    machine = machine_time(output / args.name / "run_times.jsonl")
     if args.sweep is not None:
         path = args.plot or output / args.name / "sweep.png"
         summary_rows = sweep_summary(results, base.train.steps)
         plot_sweep(summary_rows, args.sweep[0], path, title)
         print(f"plot: {path}")
         tables.append(sweep_tables(summary_rows, args.sweep[0], base.train.steps))
-        tables.append(f"Machine time: {duration(machine)} over {run_count(output / args.name / 'run_times.jsonl')} run "
-                      f"processes (the sum of their wall times, resumed and failed attempts included).")
+    times = read_metrics(output / args.name / "run_times.jsonl")
+    tables.append(f"Machine time: {duration(sum(row['seconds'] for row in times))} over {len(times)} run processes "
+                  "(the sum of their wall times, resumed and failed attempts included).")
     table = "\n\n".join(tables)
     print(table)
     if args.table is not None:
@@ -219,15 +222,6 @@ def _timed_run(command: list[str], name: str, times: Path) -> None:
                                      "returncode": returncode}) + "\n")
     if returncode != 0:
         raise subprocess.CalledProcessError(returncode, command)
-
-
-def machine_time(times: Path) -> float:
-    """The sum of the recorded run processes' wall times (seconds)."""
-    return sum(row["seconds"] for row in read_metrics(times))
-
-
-def run_count(times: Path) -> int:
-    return len(read_metrics(times))
 
 
 def _check_learning_rate(run_dir: Path, learning_rate: float) -> None:
