@@ -26,3 +26,20 @@ def test_the_cpu_default_figures_are_the_table_s():
     trainer = " ".join(trainer.split())
     assert f"It finished in {fastest} on 2 cores" in trainer
     assert f"the mean reward going from {first:.2f} at the first step to {last:.2f} over the last 40" in trainer
+
+
+def test_the_readme_s_hadw_evidence_is_the_sweep_table_s():
+    """The README's result of the sweep over G quotes docs/hadw-evidence.md's table of
+    HA-DW minus GRPO (the reward over the last 40 steps, 95% interval) at every G, and the
+    page's rows are those compare.py wrote."""
+    evidence = (ROOT / "docs" / "hadw-evidence.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| GRPO\+HA-DW \(kalman\) - GRPO \| ([^|]+) \|", evidence, re.M)
+    assert [size for size, _ in rows] == ["2", "4", "8", "16"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for size, reward in rows:
+        assert f"{reward.strip()} at G = {size}" in readme, (size, reward)
+    assert "(docs/hadw-evidence.md)" in readme
+    # and the page's tables are compare.py's output, which docs/hadw-sweep-group-size.md holds whole
+    output = (ROOT / "docs" / "hadw-sweep-group-size.md").read_text()
+    table_rows = [line for line in evidence.splitlines() if line.startswith("| 2 | ") or " at 8 - GRPO at 16 |" in line]
+    assert table_rows and all(line in output.splitlines() for line in table_rows)

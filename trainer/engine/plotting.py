@@ -130,11 +130,15 @@ def plot_sweep(summary: dict, key: str, path: Path, title: str) -> None:
             axis.set_xlabel(key)
         top.set_title(f"{name}, last fifth of the steps")
         bottom.set_title(f"{name}: difference (95% CI)")
-        if column == 0:
-            top.legend(fontsize=7)
-            bottom.legend(fontsize=7)
+    # One legend below the panels, where it hides no point.
+    handles, names = [], []
+    for axis in axes[:, 0]:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            handles.append(handle)
+            names.append(label)
+    figure.legend(handles, names, loc="lower center", ncol=min(4, len(names)), fontsize=8)
     figure.suptitle(title)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(path, dpi=90)
     plt.close(figure)
 

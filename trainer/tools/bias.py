@@ -37,6 +37,7 @@ import argparse
 import copy
 import json
 import math
+import shlex
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -442,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join(["## Summary", summary_table(figures)] + tables)
     print(text)
     header = (f"# The advantage's bias in {args.run}\n\nWritten by `python -m trainer.tools.bias "
-              + " ".join(argv) + f"` ({time.perf_counter() - started:.0f} s).\n\n")
+              + shlex.join(argv) + f"` ({time.perf_counter() - started:.0f} s).\n\n")
     if args.output is not None:
         args.output.write_text(header + text + "\n")
         _progress(f"tables: {args.output}")

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import statistics
 import subprocess
 import sys
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n\n".join(tables)
     print(table)
     if args.table is not None:
-        command = "python trainer/tools/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python trainer/tools/compare.py " + shlex.join(argv if argv is not None else sys.argv[1:])
         args.table.write_text(
             f"# {title}\n\nWritten by `{command}` ({time.perf_counter() - started:.0f} s for the runs this call "
             f"made). Plot: `{path}`.\n\n{table}\n"
