@@ -100,6 +100,20 @@ def test_the_anchor_gives_each_batch_the_belief_the_run_would():
     assert anchor.value == 0.0
 
 
+def test_a_reward_that_is_not_right_or_wrong_is_refused():
+    """p is a count of right answers: a reward of 0.5 would be counted as neither."""
+    from types import SimpleNamespace
+
+    from trainer.config import load_config
+    from trainer.tools.bias import draw
+
+    engine = SimpleNamespace(generate=lambda ids, seeds: ([[1]] * (2 * len(ids)), None))
+    tokenizer = SimpleNamespace(batch_decode=lambda responses, skip_special_tokens: ["x"] * len(responses))
+    reward = lambda texts, problems: SimpleNamespace(rewards=[1.0, 0.5] * (len(texts) // 2))  # noqa: E731
+    with pytest.raises(ValueError, match="needs rewards of 0 or 1; this run's reward gave 0.5"):
+        draw(engine, load_config().rollout, [[1], [2]], 2, [0], reward, ["a", "b"], tokenizer, chunk=2, label="test")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["{run}", "--groups", "0"], "argument --groups: must be at least 1"),
     (["{run}", "--reference", "1"], "argument --reference: must be at least 2"),

@@ -6,8 +6,9 @@ prompt of a fixed set (the arithmetic task's held-out problems; on the synthetic
 distinct problems of each level drawn from a fixed seed, which training draws too), it
 samples ``--groups`` groups of G responses for each G of ``--group-sizes`` (4 and 8) and
 ``--reference`` more (128), as the run samples (its temperature, top-p and response
-length). The reference draws' accuracy p is the prompt's true accuracy. Only the groups
-that update count (not all rewards equal: the set S of the paper). It reports, per G:
+length); the rewards must be 0 or 1 (right or wrong, as both tasks' verifiers score).
+The reference draws' accuracy p is the prompt's true accuracy. Only the groups that
+update count (not all rewards equal: the set S of the paper). It reports, per G:
 
 - how the groups with one correct response, and those with one wrong response, spread
   over p: a one-correct group's baseline 1/G is above a prompt's p < 1/G, whose correct
@@ -366,6 +367,10 @@ def draw(engine, rollout_config, prompt_ids: list[list[int]], responses_per_prom
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
         per_response = [problem for problem in problems[start:start + chunk] for _ in range(responses_per_prompt)]
         scored = reward(texts, per_response).rewards
+        other = next((value for value in scored if value not in (0.0, 1.0)), None)
+        if other is not None:
+            raise ValueError(f"the bias tool counts right and wrong answers, so it needs rewards of 0 or 1; this "
+                             f"run's reward gave {other!r}")
         rewards += [scored[i:i + responses_per_prompt] for i in range(0, len(scored), responses_per_prompt)]
     return rewards
 
