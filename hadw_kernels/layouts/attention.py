@@ -126,11 +126,15 @@ def own_attention(model: torch.nn.Module) -> str:
     return str(model.config._attn_implementation).removeprefix(NAME_PREFIX)
 
 
-def enable_segment_attention(model: torch.nn.Module) -> None:
+def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> None:
     """Switches a transformers causal LM to the segment attention over its own attention,
     which keeps serving every call without segments, so that the packed layouts
-    (``builders.LAYOUTS``) can feed it; then checks that it keeps each sample of a packed
-    and a shared-prompt row to itself (:func:`keeps_samples_apart`).
+    (``builders.LAYOUTS``) can feed it; then (``check``) runs three samples through it to
+    see that it keeps each sample of a packed and a shared-prompt row to itself
+    (:func:`keeps_samples_apart`). Skip the check where the model cannot run a forward
+    yet (its parameters partitioned by DeepSpeed ZeRO-3 before its engine exists): a
+    packed row that reaches an attention without its segments is refused at run time
+    either way.
 
     Raises :class:`SegmentAttentionUnavailable` (a ValueError naming the model's attention
     and why) where it cannot, and leaves the model as it was. Calling it again is a no-op."""
@@ -139,7 +143,7 @@ def enable_segment_attention(model: torch.nn.Module) -> None:
         return
     name = _registered_name(model)
     model.set_attn_implementation(name)
-    if not keeps_samples_apart(model):
+    if check and not keeps_samples_apart(model):
         model.set_attn_implementation(original)
         raise SegmentAttentionUnavailable(
             f"this model's attention ({original}) does not keep the samples of a packed row apart under the segment "
