@@ -216,3 +216,38 @@ def test_vision_language_inputs_stay_padded(tmp_path):
     trainer.args.hadw_layout = "shared_prompt"
     with pytest.raises(ValueError, match="hadw_layout='shared_prompt': vision-language inputs stay padded"):
         HADWGRPOTrainer._choose_layout(trainer, None)
+
+
+@pytest.mark.parametrize(("layout", "distribution"), [("shared_prompt", None), ("packed", "zero2"),
+                                                      ("shared_prompt", "zero3")],
+                         ids=["ddp", "zero2", "zero3"])
+def test_two_ranks(layout, distribution, model_dirs, tmp_path):
+    """Two CPU ranks under torchrun (DDP, and DeepSpeed ZeRO-2 and ZeRO-3 with every
+    parameter partitioned): the drop-in in a layout trains as stock TRL does, each rank's
+    old-log-prob forwards as many as TRL's (ZeRO-3 gathers the weights in each)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("deepspeed", reason="the trainer extra is not installed")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "runs.pt"
+    script = Path(__file__).resolve().parent / "trl_two_ranks.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               str(script), model_dirs["plain"], str(out), layout, *([distribution] if distribution else [])]
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path, env=environment)
+    assert done.returncode == 0, done.stderr[-4000:]
+    runs = torch.load(out)
+    stock, fused = runs["stock"], runs["drop-in"]
+    assert fused["layout"] == layout
+    assert len(stock["steps"]) == len(fused["steps"]) == 2
+    for expected, got in zip(stock["steps"], fused["steps"]):
+        for name in ("loss", "grad_norm", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+            assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-6), name
+    for name, expected in stock["parameters"].items():
+        torch.testing.assert_close(fused["parameters"][name], expected, rtol=1e-5, atol=1e-6)

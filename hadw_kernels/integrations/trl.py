@@ -405,9 +405,9 @@ class HADWGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's, in the packed layouts: the old and reference log-probs (and entropies)
-        from the backbone and the LM head without logits, back in TRL's [B, logits_to_keep].
-        The rows go in forwards of at most what TRL's ``batch_size`` rows would feed padded,
-        each prompt's completions together."""
+        from the backbone and the LM head without logits, back in TRL's [B, logits_to_keep],
+        in as many forwards of ``batch_size`` rows as TRL's, each prompt's completions
+        together."""
         if not self.layout.packs or any(value is not None for value in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
@@ -420,8 +420,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         weight, bias = lm_head.weight, lm_head.bias
         logps = input_ids.new_zeros(input_ids.shape[0], logits_to_keep, dtype=torch.float32)
         entropies = torch.zeros_like(logps) if compute_entropy else None
-        budget = (batch_size or input_ids.shape[0]) * input_ids.shape[1]
-        for rows in _forwards_under(self.layout, prompts, completions, budget):
+        for rows in _forwards_of(prompts, batch_size or input_ids.shape[0]):
             batch = self.layout.build([prompts[row] for row in rows], [completions[row] for row in rows],
                                       device=input_ids.device)
             with self.accelerator.autocast():
@@ -675,21 +674,12 @@ def _unpadded(ids, mask, *, left: bool) -> list[list[int]]:
     return [row[len(row) - n:] if left else row[:n] for row, n in zip(ids.tolist(), lengths.tolist())]
 
 
-def _forwards_under(layout, prompts, completions, budget: int) -> list[list[int]]:
-    """The rows cut into forwards of at most ``budget`` tokens as ``layout`` feeds them
-    (one row alone may exceed it), each prompt's rows one after another."""
-    groups = prompt_groups(prompts)
-    prompt_lengths, completion_lengths = [len(p) for p in prompts], [len(c) for c in completions]
-    forwards: list[list[int]] = []
-    current: list[int] = []
-    tally = layout.tally(prompt_lengths, completion_lengths, groups)
-    for row in (row for members in rows_by_group(groups) for row in members):
-        if current and tally.with_rows([row]) > budget:
-            forwards.append(current)
-            current, tally = [], layout.tally(prompt_lengths, completion_lengths, groups)
-        current.append(row)
-        tally.add([row])
-    return forwards + [current] if current else forwards
+def _forwards_of(prompts, rows: int) -> list[list[int]]:
+    """The rows cut into forwards of ``rows`` rows, as many as TRL's own chunks (under
+    ZeRO-3 every rank must run as many forwards), each prompt's rows one after another so
+    that a forward holds a group's completions together."""
+    ordered = [row for members in rows_by_group(prompt_groups(prompts)) for row in members]
+    return [ordered[start:start + rows] for start in range(0, len(ordered), rows)]
 
 
 def _shuffled_by_group(batch: dict) -> dict:
