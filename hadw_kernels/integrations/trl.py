@@ -7,7 +7,7 @@ import: versions.py).
     trainer = HADWGRPOTrainer(model=model, reward_funcs=accuracy, args=args, train_dataset=data)
     trainer.train()
 
-:class:`HADWGRPOTrainer` changes three things of the stock trainer and keeps the rest
+:class:`HADWGRPOTrainer` changes four things of the stock trainer and keeps the rest
 (generation, rewards, reference model, logging, checkpoints):
 
 - after TRL scores a generation batch (gathered over all processes), the batch's mean
@@ -26,6 +26,11 @@ import: versions.py).
   TRL's;
 - the anchor is saved in each checkpoint folder (``hadw_anchor.json``) and restored with
   the optimizer when training resumes from one, as TRL does for its entropy controller.
+- the model's forwards (the training forward and those of the old and reference
+  log-probs) feed it packed rows, each prompt laid out once for its completions
+  (``hadw_layout``, :mod:`hadw_kernels.layouts`), wherever the segment attention serves
+  the model; a generation batch is shuffled by whole groups where that changes no
+  optimizer step (``hadw_shuffle``).
 
 Options TRL has and this loss does not (the entropy bonus, MoE auxiliary loss, logit
 soft-capping), and CISPO with a cap below 1, are refused when the trainer is built, with the
