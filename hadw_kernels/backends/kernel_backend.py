@@ -58,7 +58,7 @@ class KernelBackend:
 
     def surrogate_loss(self, batch: SurrogateBatch):
         config, entropy = batch.config, batch.entropy
-        loss, grad_logprobs, grad_entropy, metrics = ops.call(
+        loss, grad_logprobs, grad_entropy, metrics, grad_scale = ops.call(
             "surrogate_loss",
             # The op forms its gradient with respect to the log-probs (and the entropy)
             # in the forward; it is attached below.
@@ -78,7 +78,10 @@ class KernelBackend:
             backend=self.name,
         )
         loss = ops.attach_gradients(
-            loss, [batch.logprobs, entropy], [grad_logprobs, None if entropy is None else grad_entropy]
+            loss, [batch.logprobs, entropy], [grad_logprobs, None if entropy is None else grad_entropy],
+            # 0-d where the gradients leave token-mean's 1 / N_tok to it (ops/schemas.py): a
+            # shape, known without reading a value.
+            grad_scale if grad_scale.dim() == 0 else None,
         )
         if not batch.with_metrics:
             return loss, {}
