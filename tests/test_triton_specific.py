@@ -435,3 +435,80 @@ def test_a_bound_kernel_launches_its_compiled_kernel_directly(monkeypatch):
     assert len(kernel.compiles) == 5  # each a specialisation of its own
     with pytest.raises(TypeError, match="expected arguments"):
         bound((1,), x, 32, 0.5)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss", ["surrogate", "linear"])
+def test_a_call_is_captured_in_a_cuda_graph(loss, loss_type):
+    """With values unchecked and a tensor anchor (a Python float would be captured as the
+    value it had), a forward and backward of either loss is captured in one CUDA graph and
+    replayed on new values into the same tensors: eager's loss and gradients
+    (docs/architecture.md, "Taking the host out of the loop")."""
+    from hadw_kernels import fused_linear_hadw_grpo_loss
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rewards = torch.tensor([1.0, 0.0] * 4, device="cuda")
+    mask = torch.ones(8, 16, dtype=torch.bool, device="cuda")
+    mask[::3, 10:] = False
+    anchor = torch.tensor(0.4, device="cuda")
+    if loss == "surrogate":
+        leaves = [torch.zeros(8, 16, device="cuda", requires_grad=True)]
+        others = [torch.zeros(8, 16, device="cuda")]
+
+        def fill():
+            with torch.no_grad():
+                leaves[0].copy_(-torch.rand(8, 16, device="cuda", generator=generator))
+                others[0].copy_(leaves[0] + 0.1 * torch.randn(8, 16, device="cuda", generator=generator))
+
+        def call():
+            return fused_hadw_grpo_loss(leaves[0], others[0], rewards, mask, group_size=2, anchor=anchor,
+                                        loss_type=loss_type, backend="triton", check_values=False)
+    else:
+        leaves = [torch.zeros(8, 16, 32, device="cuda", requires_grad=True),
+                  torch.zeros(64, 32, device="cuda", requires_grad=True)]
+        others = [torch.zeros(8, 16, dtype=torch.long, device="cuda"), torch.zeros(8, 16, device="cuda")]
+
+        def fill():
+            with torch.no_grad():
+                leaves[0].copy_(torch.randn(8, 16, 32, device="cuda", generator=generator))
+                leaves[1].copy_(0.1 * torch.randn(64, 32, device="cuda", generator=generator))
+                others[0].copy_(torch.randint(0, 64, (8, 16), device="cuda", generator=generator))
+                others[1].copy_(-2 - torch.rand(8, 16, device="cuda", generator=generator))
+
+        def call():
+            return fused_linear_hadw_grpo_loss(leaves[0], leaves[1], others[0], others[1], rewards, mask,
+                                               group_size=2, anchor=anchor, loss_type=loss_type, backend="triton",
+                                               check_values=False)
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        value = call()
+        value.backward()
+        return value
+
+    fill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture: compiles, caches, allocator pools
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    # The graph accumulates into the gradients the leaves hold when it is captured.
+    grads = [torch.zeros_like(leaf) for leaf in leaves]
+    for leaf, grad in zip(leaves, grads):
+        leaf.grad = grad
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+        captured.backward()
+    for _ in range(2):
+        fill()
+        for grad in grads:
+            grad.zero_()
+        graph.replay()
+        replayed = [captured.detach().clone()] + [grad.clone() for grad in grads]
+        expected = [step().detach()] + [leaf.grad for leaf in leaves]
+        for got, want in zip(replayed, expected):
+            torch.testing.assert_close(got, want)

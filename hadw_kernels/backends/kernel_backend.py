@@ -48,7 +48,8 @@ class KernelBackend:
         self.scale_in_place = scale_in_place
 
     def serves(self, device: torch.device) -> bool:
-        return ops.serves(self.name, torch.device(device).type)
+        # A device's type as it is (building a torch.device again costs a small call more).
+        return ops.serves(self.name, device.type if isinstance(device, torch.device) else torch.device(device).type)
 
     def unavailable_message(self, device: torch.device) -> str:
         return ops.unavailable_message(self.name, device)
