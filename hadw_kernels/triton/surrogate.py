@@ -511,23 +511,50 @@ def objective_arguments(objective, epsilon_low, epsilon_high, objective_options)
                 OBJECTIVE=objective)
 
 
+class _OptionSet:
+    """What one option set fixes of the launch, formed once: the kernel's option
+    arguments, the aggregation's rule, and a bound kernel per shape of a call (its inputs'
+    presence, the tile)."""
+
+    def __init__(self, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
+                 epsilon_low, epsilon_high, objective_options, beta, kl_estimator, entropy_coef, loss_normalizer,
+                 max_response_length):
+        name = OBJECTIVE_NAMES[objective]
+        if RATIO_LEVELS[ratio_level] not in OBJECTIVES[name].ratio_levels:
+            # LossConfig refuses it too; the kernel has no such variant (VESPO's weight, for
+            # one, is formed per response).
+            raise ValueError(f"objective {name!r} takes ratio_level in {OBJECTIVES[name].ratio_levels}, got "
+                             f"{RATIO_LEVELS[ratio_level]!r}")
+        self.has_kl = beta > 0
+        self.arguments = dict(
+            group_size=group_size or 1, std_eps=float(std_eps), lambda_scale=float(lambda_scale),
+            **objective_arguments(objective, epsilon_low, epsilon_high, objective_options),
+            beta=float(beta), entropy_coef=float(entropy_coef),
+            RATIO_LEVEL=ratio_level, THROUGH_RATIO=OBJECTIVES[name].through_ratio, NORMALIZE_STD=normalize_std,
+            BLOCK_G=triton.next_power_of_2(group_size or 1), HAS_KL=self.has_kl, KL_ESTIMATOR=kl_estimator,
+        )
+        # (denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of a call of S segments.
+        self.aggregation = functools.partial(aggregation, loss_agg_mode, loss_normalizer, max_response_length)
+        self.count_tokens = counts_batch_tokens(loss_agg_mode, loss_normalizer)
+        self._kernels: dict[tuple, object] = {}
+
+    def kernel(self, shape: tuple):
+        """The bound kernel for a call of this ``shape``: (HAS_GROUPS, HAS_ANCHOR,
+        PER_TOKEN_ADVANTAGES, PER_RESPONSE_MEAN, HAS_IMPORTANCE, HAS_ENTROPY, HAS_SELECTED,
+        BLOCK_T, num_warps)."""
+        kernel = self._kernels.get(shape)
+        if kernel is None:
+            flags = dict(zip(("HAS_GROUPS", "HAS_ANCHOR", "PER_TOKEN_ADVANTAGES", "PER_RESPONSE_MEAN",
+                              "HAS_IMPORTANCE", "HAS_ENTROPY", "HAS_SELECTED", "BLOCK_T", "num_warps"), shape))
+            kernel = self._kernels[shape] = bound_kernel(
+                _surrogate_kernel, **self.arguments, **flags, COUNT_TOKENS=self.count_tokens,
+                FINISH_ROWS=32 * flags["num_warps"])
+        return kernel
+
+
 @functools.lru_cache(maxsize=256)
-def _options_of(group_size, normalize_std, std_eps, lambda_scale, ratio_level, objective, epsilon_low, epsilon_high,
-                objective_options, beta, kl_estimator, entropy_coef) -> dict:
-    """The kernel's arguments that only the options set: formed once per option set."""
-    name = OBJECTIVE_NAMES[objective]
-    if RATIO_LEVELS[ratio_level] not in OBJECTIVES[name].ratio_levels:
-        # LossConfig refuses it too; the kernel has no such variant (VESPO's weight, for one,
-        # is formed per response).
-        raise ValueError(f"objective {name!r} takes ratio_level in {OBJECTIVES[name].ratio_levels}, got "
-                         f"{RATIO_LEVELS[ratio_level]!r}")
-    return dict(
-        group_size=group_size or 1, std_eps=float(std_eps), lambda_scale=float(lambda_scale),
-        **objective_arguments(objective, epsilon_low, epsilon_high, objective_options),
-        beta=float(beta), entropy_coef=float(entropy_coef),
-        RATIO_LEVEL=ratio_level, THROUGH_RATIO=OBJECTIVES[name].through_ratio, NORMALIZE_STD=normalize_std,
-        BLOCK_G=triton.next_power_of_2(group_size or 1), HAS_KL=beta > 0, KL_ESTIMATOR=kl_estimator,
-    )
+def _option_set(*options) -> _OptionSet:
+    return _OptionSet(*options)
 
 
 def surrogate_forward(
@@ -546,15 +573,14 @@ def surrogate_forward(
     per response [S]. Only shapes and Python scalars steer the launch; no tensor value
     reaches the host.
     """
-    options = _options_of(group_size, normalize_std, std_eps, lambda_scale, ratio_level, objective, epsilon_low,
-                          epsilon_high, tuple(objective_options), beta, kl_estimator, entropy_coef)
+    options = _option_set(group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
+                          epsilon_low, epsilon_high, tuple(objective_options), beta, kl_estimator, entropy_coef,
+                          loss_normalizer, max_response_length)
     (tokens,) = logprobs.shape
     segments = cu_seqlens.shape[0] - 1
     device = logprobs.device
     compute = accumulate_dtype(logprobs.dtype)
-    denominator, per_response_mean, count_tokens = aggregation(
-        loss_agg_mode, loss_normalizer, max_response_length, segments
-    )
+    denominator, per_response_mean, count_tokens = options.aggregation(segments)
     # The kernel writes every element of the outputs (without segments, there are none
     # but the loss and the metrics, zeros): no fill launches before it.
     if segments == 0:
@@ -578,15 +604,10 @@ def surrogate_forward(
     mask = response_mask.view(torch.uint8) if response_mask.dtype == torch.bool else response_mask
     selected_bytes = selected.view(torch.uint8) if selected is not None and selected.dtype == torch.bool else selected
     offsets = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
-    ref = ref_logprobs if options["HAS_KL"] else None
-    block_t, num_warps = _token_launch(-(-tokens // segments), device)
-    kernel = bound_kernel(
-        _surrogate_kernel, **options,
-        HAS_GROUPS=has_groups, HAS_ANCHOR=anchor is not None, PER_TOKEN_ADVANTAGES=per_token_advantages,
-        PER_RESPONSE_MEAN=per_response_mean, COUNT_TOKENS=count_tokens, HAS_IMPORTANCE=importance_weights is not None,
-        HAS_ENTROPY=entropy is not None, HAS_SELECTED=selected is not None, BLOCK_T=block_t,
-        FINISH_ROWS=32 * num_warps, num_warps=num_warps,
-    )
+    ref = ref_logprobs if options.has_kl else None
+    kernel = options.kernel((has_groups, anchor is not None, per_token_advantages, per_response_mean,
+                             importance_weights is not None, entropy is not None, selected is not None,
+                             *_token_launch(-(-tokens // segments), device)))
 
     def stride(tensor):
         return 0 if tensor is None else tensor.stride(0)
