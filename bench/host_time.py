@@ -1,6 +1,6 @@
 """The host's share of a small call (docs/benchmarks.md, "Host time of a small call"): the
 log-prob loss and the linear loss at B = 8 responses of T = 16 tokens (the linear loss
-from hidden states of H = 32 and a head of V = 256) on the CPU, one thread, forward and
+from hidden states of H = 16 and a head of V = 64) on the CPU, one thread, forward and
 backward, where the arithmetic is negligible and what is measured is the Python, the
 dispatcher and the operators around the kernels.
 
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hadw_kernels import available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
 
 BATCH, WIDTH, GROUP = 8, 16, 4
-HIDDEN, VOCAB = 32, 256
+HIDDEN, VOCAB = 16, 64
 EPSILON = 0.2
 ROUNDS = 15
 CALLS_PER_ROUND = 200
