@@ -125,7 +125,7 @@ def test_packed_compiled_matches_eager(loss, backend):
     torch.testing.assert_close(eager[0], padded[0])
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cpp", marks=_needs("cpp")), pytest.param("triton", marks=_needs("triton"))])
+@pytest.mark.parametrize("backend", [pytest.param(name, marks=_needs(name)) for name in ("cpp", "triton")])
 @pytest.mark.parametrize("loss", ["surrogate", "linear"])
 def test_token_mean_compiles(loss, backend):
     """token-mean (dapo): the kernels leave its 1 / N_tok to the op's grad_scale, which

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hadw_kernels.config import block_rows_for
 from hadw_kernels import RolloutCorrection, available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from hadw_kernels.config import block_rows_for
 from hadw_kernels.ops import routing
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
