@@ -5,6 +5,7 @@ vocabulary are refused on every call, and the KL keeps its digits near on-policy
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,41 @@ def test_advantages_receive_no_gradient(backend, device):
     fused_hadw_grpo_loss(logprobs, batch["old_logprobs"], None, batch["response_mask"],
                          advantages=advantages, backend=backend).backward()
     assert advantages.grad is None and torch.any(logprobs.grad != 0)
+
+
+@pytest.mark.parametrize("loss", ["surrogate", "linear"])
+def test_a_tensor_anchor_receives_no_gradient(backend, device, loss):
+    """A 0-d anchor that requires grad (an anchor kept in a module's state) is data: it
+    gets no gradient, and the call gives the loss and gradients of the same anchor as a
+    float (docs/math.md: the loss differentiates only through the current log-probs)."""
+    batch = _clean_batch(device)
+    mask, rewards = batch["response_mask"], batch["rewards"]
+
+    def run(anchor):
+        if loss == "surrogate":
+            logprobs = batch["logprobs"].clone().requires_grad_()
+            value = fused_hadw_grpo_loss(logprobs, batch["old_logprobs"], rewards, mask, group_size=GROUP_SIZE,
+                                         anchor=anchor, backend=backend)
+            value.backward()
+            return value.detach(), logprobs.grad
+        data = linear_batch(0)
+        hidden = data["hidden_states"].nan_to_num().float().to(device).requires_grad_()
+        value = fused_linear_hadw_grpo_loss(
+            hidden, data["lm_head_weight"].float().to(device), data["labels"].to(device),
+            data["old_logprobs"].nan_to_num().float().to(device), data["rewards"].float().to(device),
+            data["response_mask"].to(device), group_size=GROUP_SIZE, anchor=anchor, backend=backend)
+        value.backward()
+        return value.detach(), hidden.grad
+
+    anchor = torch.tensor(0.3, device=device, requires_grad=True)
+    with warnings.catch_warnings():
+        # A kernel op handed an input that requires grad warns (in backward) that it has no autograd formula.
+        warnings.filterwarnings("error", message=".*autograd kernel was not registered")
+        loss_value, gradient = run(anchor)
+    assert anchor.grad is None
+    expected_loss, expected_gradient = run(0.3)
+    torch.testing.assert_close(loss_value, expected_loss)
+    torch.testing.assert_close(gradient, expected_gradient)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
