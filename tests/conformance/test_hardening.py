@@ -98,6 +98,27 @@ def test_a_tensor_anchor_receives_no_gradient(backend, device, loss):
     torch.testing.assert_close(gradient, expected_gradient)
 
 
+def test_clip_cov_draws_with_a_generator_on_the_inputs_device(backend, device):
+    """A generator on the inputs' device (a CUDA one on a GPU, where the draw ran on the CPU
+    and failed) draws there: the same seed, the same tokens; another seed, others."""
+    batch = _clean_batch(device)
+
+    def run(seed):
+        generator = torch.Generator(device=device).manual_seed(seed)
+        logprobs = batch["logprobs"].clone().requires_grad_()
+        loss, metrics = fused_hadw_grpo_loss(
+            logprobs, batch["old_logprobs"], batch["rewards"], batch["response_mask"], group_size=GROUP_SIZE,
+            loss_type="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-10.0, clip_cov_ub=10.0, return_metrics=True,
+            backend=backend, generator=generator)
+        loss.backward()
+        return logprobs.grad, metrics["selected_frac"]
+
+    first, again, other = run(0), run(0), run(1)
+    assert first[1] > 0
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert not torch.equal(first[0], other[0])
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_nan_logprob_gives_nan_loss(backend, device, loss_type):
     batch = _clean_batch(device)
