@@ -80,6 +80,12 @@ BAD_ARGUMENTS = [
     ("theory", ["--lambda-scale", "0"], "--lambda-scale"),
     ("theory", ["--reward-scale", "nan"], "--reward-scale"),
     ("theory", ["--spread-thresholds", "0.1", "-1"], "--spread-thresholds"),
+    ("theory", ["--out", str(REPO / "README.md")], "--out"),  # an existing file
+    ("theory", ["--out", str(REPO / "README.md" / "figures")], "--out"),  # inside one
+    ("probe", ["--json", str(REPO / "docs")], "--json"),  # a directory
+    ("probe", ["--json", str(REPO / "README.md" / "probe.json")], "--json"),
+    ("compare", ["--table", str(REPO / "README.md" / "table.md")], "--table"),
+    ("compare", ["--plot", str(REPO / "docs")], "--plot"),
     ("probe", ["--micro-batch-tokens", "-5"], "--micro-batch-tokens"),
     ("probe", ["--micro-batch-tokens", "5"], "--micro-batch-tokens"),  # below one sequence's 80 tokens
     ("probe", ["--max-budget-tokens", "0"], "--max-budget-tokens"),

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float, output_file
 from hadw_kernels.plan import PRESETS as SHAPES
 
 # The planner's models (one description of each model's shape), and the trainer's tiny one.
@@ -611,7 +611,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=NON_NEGATIVE_INT, default=0,
                         help="OpenMP threads; 0: the environment's or all cores")
     parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seeds the weights and the batches")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here (default: print them)")
+    parser.add_argument("--json", type=output_file, default=None, help="write the figures here (default: print them)")
     args = parser.parse_args(argv)
     sequence = args.prompt_length + args.response_length
     if 0 < args.micro_batch_tokens < sequence:
