@@ -664,12 +664,13 @@ class LossConfig:
             raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; expected one of {AGG_MODES}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+        # epsilon_low >= 1 is taken, as verl takes it: a ratio's lower bound 1 - eps at or
+        # below 0 clips nothing (verl's CISPO runs use 10), and GMPO's log-ratio bound and
+        # DPPO's divergence thresholds read it as they are.
         for name in ("epsilon_low", "epsilon_high"):
             value = getattr(self, name)
             if not (0 <= value < math.inf):
                 raise ValueError(f"{name} (clip range) must be a finite non-negative number, got {value!r}")
-        if self.epsilon_low >= 1:
-            raise ValueError(f"epsilon_low must be below 1 (the ratio is positive), got {self.epsilon_low}")
         check_finite_positive("std_eps", self.std_eps)
         check_finite_positive("lambda_scale", self.lambda_scale)
         if not (0 <= self.beta < math.inf):

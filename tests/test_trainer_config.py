@@ -272,7 +272,7 @@ def test_export_hf_keeps_files_it_did_not_write(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("algorithm.lambda_scale=-1", "lambda_scale must be a finite positive number"),
     ("algorithm.entropy_coef=-0.1", "entropy_coef must be finite and non-negative"),
-    ("algorithm.epsilon_low=1.5", "epsilon_low must be below 1"),
+    ("algorithm.epsilon_low=-0.1", "epsilon_low (clip range) must be a finite non-negative number"),
     ("algorithm.loss_backend=cuda-fast", "unknown backend 'cuda-fast'"),
 ])
 def test_the_loss_options_are_the_loss_checks(override, message):

@@ -293,7 +293,7 @@ def test_finite_half_precision_inputs_pass_the_screen(monkeypatch):
         ("HADWGRPOLoss", dict(kl_estimator="k4"), "unknown kl_estimator"),
         ("HADWGRPOLoss", dict(lambda_scale=0.0), "lambda_scale"),
         ("HADWGRPOLoss", dict(lambda_scale=-1.0), "lambda_scale"),
-        ("HADWGRPOLoss", dict(epsilon_low=1.0), "epsilon_low must be below 1"),
+        ("HADWGRPOLoss", dict(epsilon_low=-1.0), r"epsilon_low \(clip range\) must be a finite non-negative"),
         ("HADWGRPOLoss", dict(group_size=1), "group_size must be at least 2"),
         ("HADWGRPOLoss", dict(backend="cuda"), "unknown backend"),
         ("HADWGRPOLoss", dict(loss_normalizer=0.0), "loss_normalizer"),

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cases import GROUP_SIZE, linear_batch, surrogate_batch
+from cases import GROUP_SIZE, Variant, linear_batch, surrogate_batch
+from check import compare_padded
 from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from hadw_kernels.config import OBJECTIVES
 
@@ -117,6 +118,24 @@ def test_clip_cov_draws_with_a_generator_on_the_inputs_device(backend, device):
     assert first[1] > 0
     torch.testing.assert_close(first, again, rtol=0, atol=0)
     assert not torch.equal(first[0], other[0])
+
+
+# Every objective that reads epsilon_low, as the ratio's lower bound 1 - eps (clip, cispo_clip,
+# clip_cov), a log-ratio bound (gmpo) or a divergence threshold (dppo_tv, dppo_kl).
+LOWER_CLIP_READERS = [("grpo", {}), ("gspo", {}), ("cispo", {"objective": "cispo_clip"}), ("gmpo", {}),
+                      ("dppo_tv", {}), ("dppo_kl", {}), ("clip_cov", {"clip_cov_lb": -10.0, "clip_cov_ub": 10.0})]
+
+
+@pytest.mark.parametrize("epsilon_low", [1.0, 10.0])
+@pytest.mark.parametrize("loss_type, options", LOWER_CLIP_READERS, ids=[case[0] for case in LOWER_CLIP_READERS])
+def test_epsilon_low_of_one_or_more_computes_as_written(backend, device, loss_type, options, epsilon_low):
+    """epsilon_low >= 1 (verl's clip_ratio_low=10 in its CISPO tests: no lower clip) is
+    taken and computed by its formula on every backend, loss, gradient and metrics as
+    the reference: a lower bound 1 - eps at or below 0 clips no ratio."""
+    variant = Variant(f"epsilon_low_{epsilon_low:g}", {"epsilon_low": epsilon_low, "anchor": 0.4, **options})
+    fast = compare_padded(backend, device, loss_type, variant, torch.float32)
+    if loss_type in ("grpo", "gspo", "cispo", "clip_cov"):
+        assert fast.metrics["clip_frac_low"] == 0
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
