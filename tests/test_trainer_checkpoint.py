@@ -202,3 +202,49 @@ def test_an_exported_master_port_in_use_is_named(tmp_path):
             capture_output=True, text=True, timeout=300, env={**environment, "MASTER_PORT": str(port)})
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"MASTER_PORT={port} is in use" in result.stderr and "unset MASTER_PORT" in result.stderr
+
+
+# One process without a launcher whose rendezvous port another process binds after the
+# trainer's check and before its rendezvous: two runs started at once.
+_PORT_TAKEN_BETWEEN = """
+import os, socket, sys
+from types import SimpleNamespace
+from trainer.config import ConfigError
+from trainer.engine import environment
+if sys.argv[1] == "exported":
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+config = SimpleNamespace(run=SimpleNamespace(threads=1), model=SimpleNamespace(path=None),
+                         rollout=SimpleNamespace(vllm_cpu_kv_cache_gib=1))
+environment.prepare_environment(config)
+checked = os.environ["MASTER_PORT"]
+taken = socket.socket()
+taken.bind(("127.0.0.1", int(checked)))
+taken.listen()
+try:
+    print("started", environment.init_distributed(), os.environ["MASTER_PORT"] != checked)
+except ConfigError as error:
+    print("refused", error)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("port", ["exported", "picked"])
+def test_a_port_taken_between_the_check_and_the_rendezvous(port):
+    """Two runs started at once with one exported MASTER_PORT both passed the check before
+    either bound it, and the loser died in torch.distributed with a DistNetworkError
+    traceback: it gets the named error. A port the trainer picked itself is replaced by
+    another free one."""
+    import os
+
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    result = subprocess.run([sys.executable, "-c", _PORT_TAKEN_BETWEEN, port], capture_output=True, text=True,
+                            timeout=300, env={**environment, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    if port == "exported":
+        assert "refused MASTER_PORT=" in result.stdout, result.stdout + result.stderr[-2000:]
+        assert "taken by another process after the trainer found it free" in result.stdout
+        assert "unset MASTER_PORT" in result.stdout
+    else:
+        assert "started (0, 1) True" in result.stdout, result.stdout + result.stderr[-2000:]

@@ -139,7 +139,11 @@ def _train(config, checkpoint) -> int:
     from trainer.engine.environment import init_distributed
     from trainer.engine.loop import Trainer
 
-    rank, size = init_distributed()
+    try:
+        rank, size = init_distributed()
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
     trainer = Trainer(config, rank, size, checkpoint)
     rows = trainer.run()
     if rank == 0 and rows:

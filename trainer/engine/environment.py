@@ -35,6 +35,14 @@ def set_deepspeed_defaults(cuda: bool) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+# How a run without a launcher got its rendezvous port (prepare_environment): "exported"
+# (the user's MASTER_PORT) or "picked" (a free port found here); None under a launcher,
+# whose port is the launcher's.
+_standalone_port: str | None = None
+# Ports a run that picked its own tries before giving up, when each is taken before it binds.
+PORT_ATTEMPTS = 5
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -70,7 +78,9 @@ def prepare_environment(config) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm_cpu_kv_cache_gib))
     set_deepspeed_defaults(cuda=torch.cuda.is_available())
     if "RANK" not in os.environ:  # one process, no launcher
-        if "MASTER_PORT" in os.environ:
+        global _standalone_port
+        _standalone_port = "exported" if "MASTER_PORT" in os.environ else "picked"
+        if _standalone_port == "exported":
             _check_port_free(os.environ["MASTER_PORT"])
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
@@ -102,7 +112,12 @@ def world_size() -> int:
 
 
 def init_distributed() -> tuple[int, int]:
-    """Starts torch.distributed through DeepSpeed; returns (rank, world size)."""
+    """Starts torch.distributed through DeepSpeed; returns (rank, world size).
+
+    A run without a launcher binds its rendezvous port here, after prepare_environment
+    found it free: another process may take it in between (two runs started at once). An
+    exported MASTER_PORT is then a ConfigError naming it; a port picked here is replaced by
+    another free one."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -110,7 +125,24 @@ def init_distributed() -> tuple[int, int]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend=backend)
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            deepspeed.init_distributed(dist_backend=backend)
+            break
+        except dist.DistNetworkError as error:
+            if _standalone_port is None or "EADDRINUSE" not in str(error):
+                raise
+            port = os.environ["MASTER_PORT"]
+            if _standalone_port == "exported":
+                from ..config import ConfigError
+
+                raise ConfigError(
+                    f"MASTER_PORT={port} was taken by another process after the trainer found it free (another "
+                    "run started at the same time with the same MASTER_PORT?): unset MASTER_PORT, and the trainer "
+                    "picks a free port, or export another") from None
+            if attempt == PORT_ATTEMPTS - 1:
+                raise
+            os.environ["MASTER_PORT"] = str(_free_port())
     return dist.get_rank(), dist.get_world_size()
 
 
