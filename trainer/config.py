@@ -181,6 +181,10 @@ class RunConfig:
     threads: int = 0
     # responses written to samples.jsonl each step (one per prompt, the first prompts)
     log_samples: int = 4
+    # the libraries' own setup output too: DeepSpeed's op loading, vLLM's warnings and
+    # weight-loading bars, transformers' save bars (false: the trainer's messages, the
+    # progress bar and every warning that asks for action, alone)
+    verbose: bool = False
     # save the trained policy as a Hugging Face directory (hf_model/) at the end
     export_hf: bool = True
 

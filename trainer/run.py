@@ -140,7 +140,7 @@ def _train(config, checkpoint) -> int:
     from trainer.engine.loop import Trainer
 
     try:
-        rank, size = init_distributed()
+        rank, size = init_distributed(verbose=config.run.verbose)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2

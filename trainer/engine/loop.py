@@ -255,7 +255,7 @@ class Trainer:
                              eos_token_id=self.tokenizer.eos_token_id, synced_gpus=synced)
         positions = self.policy.module.config.max_position_embeddings
         return VLLMRollout(
-            model_dir, rollout,
+            model_dir, rollout, verbose=self.config.run.verbose,
             dtype=self.config.model.dtype,
             max_model_len=min(positions, self.config.data.max_prompt_tokens + rollout.max_new_tokens),
             eos_token_id=self.tokenizer.eos_token_id,
