@@ -15,7 +15,7 @@ pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/
 REPO = Path(__file__).resolve().parents[1]
 
 from hadw_kernels.anchor import DEFAULT_RULE
-from trainer.config import ConfigError, load_config, validate
+from trainer.config import SENSIBLE_RANGES, ConfigError, load_config, range_warnings, validate
 from trainer.engine.loop import build_anchor
 
 
@@ -96,6 +96,36 @@ def test_wrong_types():
     assert "train.steps must be an integer" in _error(["train.steps=many"])
     assert "algorithm.hadw must be true or false" in _error(["algorithm.hadw=3"])
     assert "must look like section.key=value" in _error(["steps=3"])
+
+
+@pytest.mark.parametrize("override", ["train.learning_rate=.inf", "train.learning_rate=inf", "train.learning_rate=.nan",
+                                      "algorithm.epsilon_low=-.inf", "rollout.temperature=.inf",
+                                      "algorithm.rollout_correction_max=.inf"])
+def test_non_finite_numbers_are_refused_at_startup(override):
+    """train.learning_rate=.inf passed validation and died at the first step in a rank
+    traceback, leaving an empty metrics.jsonl that blocked the run name."""
+    key = override.split("=")[0]
+    assert f"{key} must be a finite number" in _error([override])
+
+
+def test_a_value_far_outside_any_sensible_range_is_named_in_a_warning():
+    """train.learning_rate=1e3 trained on silently with a zero gradient norm from step 2:
+    it still runs (validate accepts it), with a warning naming the key."""
+    assert range_warnings(load_config(None, [])) == []
+    for override in ("train.learning_rate=1e3", "train.weight_decay=-0.5", "rollout.temperature=500",
+                     "algorithm.entropy_coef=3"):
+        config = load_config(None, [override])
+        validate(config)
+        [warning] = range_warnings(config)
+        key = override.split("=")[0]
+        assert key in SENSIBLE_RANGES and warning.startswith(f"{key}=") and "far outside" in warning
+
+
+def test_a_run_refused_at_startup_leaves_no_run_directory(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "trainer" / "run.py"), "--set", f"run.output_dir={tmp_path}",
+                             "--set", "train.learning_rate=.inf"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "train.learning_rate must be a finite number" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_group_size_below_two():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 import textwrap
 from dataclasses import dataclass, field
@@ -301,6 +302,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            # (.inf passed validation and ended the first step in a rank traceback.)
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if not isinstance(value, str):
         raise ConfigError(f"{key} must be a string, got {value!r}")
@@ -428,6 +432,30 @@ def validate(config: Config, world_size: int = 1) -> None:
                 f"run.export_hf writes {export}, which holds {foreign[:8]} that the trainer did not write and "
                 "would delete: move them elsewhere, or set run.export_hf=false"
             )
+
+
+# Where each of these keys trains at all, however the rest is set: a value outside is legal
+# but almost surely a slip (train.learning_rate=1e3 trained on with a zero gradient norm
+# from its second step). Beyond the bounds, not near them.
+SENSIBLE_RANGES = {
+    "train.learning_rate": (1e-8, 1e-1),
+    "train.weight_decay": (0.0, 1.0),
+    "rollout.temperature": (1e-2, 10.0),
+    "algorithm.entropy_coef": (0.0, 1.0),
+}
+
+
+def range_warnings(config: Config) -> list[str]:
+    """A warning naming each key of :data:`SENSIBLE_RANGES` whose value lies outside its
+    range (the run still starts: validate() refuses only what cannot run)."""
+    found = []
+    for key, (low, high) in SENSIBLE_RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if not low <= value <= high:
+            found.append(f"{key}={value:g} lies far outside the range where training works ({low:g} to {high:g}): "
+                         "a slip? The run goes on with it")
+    return found
 
 
 def _validate_loss_options(config: Config) -> None:

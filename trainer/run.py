@@ -24,7 +24,7 @@ from pathlib import Path
 
 try:
     from trainer.checkpoint_files import CheckpointError, select_checkpoint
-    from trainer.config import ConfigError, keys_help, load_config, validate
+    from trainer.config import ConfigError, keys_help, load_config, range_warnings, validate
 except ModuleNotFoundError as missing:  # the library's own venv, without the trainer extra
     sys.exit(f"{missing}: the trainer needs its extra; run `bash scripts/setup_venv.sh` (docs/trainer.md)")
 from trainer.engine.environment import prepare_environment, world_size
@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             # Before anything imports torch (validation does): it reads the thread count then.
             prepare_environment(config)
             validate(config, world_size())
+            if int(os.environ.get("RANK", "0")) == 0:
+                for warning in range_warnings(config):
+                    print(f"warning: {warning}", file=sys.stderr)
             checkpoint = resume_point(config.run_dir, args.resume, args.start_if_missing)
             if int(os.environ.get("RANK", "0")) == 0:
                 claim.enter_context(claimed_run_directory(config.run_dir))
