@@ -139,16 +139,18 @@ def test_resuming_a_run_that_does_not_exist_fails_unless_asked(tmp_path):
     missing = tmp_path / "runs" / "typo"
     with pytest.raises(ConfigError, match="there is no run at .*typo.*--start-if-missing"):
         resume_point(missing, resume=True, start_if_missing=False)
-    assert resume_point(missing, resume=True, start_if_missing=True) is None
+    assert resume_point(missing, resume=True, start_if_missing=True) == (None, [])
 
     existing = tmp_path / "runs" / "real"
     existing.mkdir(parents=True)
     (existing / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match="pass --resume"):
         resume_point(existing, resume=False, start_if_missing=False)
-    assert resume_point(existing, resume=True, start_if_missing=False) is None  # no checkpoint yet
+    assert resume_point(existing, resume=True, start_if_missing=False) == (
+        None, [f"{existing} has no checkpoint yet: it starts again at step 0"])
     save_checkpoint(existing / "checkpoints", 1, _Engine(), _anchor_after([0.5]), keep=2)
-    assert resume_point(existing, resume=True, start_if_missing=False) == existing / "checkpoints" / "step-00000001"
+    assert resume_point(existing, resume=True, start_if_missing=False) == (
+        existing / "checkpoints" / "step-00000001", [])
     assert [step for step, _ in completed_checkpoints(existing / "checkpoints")] == [1]
 
 
@@ -184,6 +186,23 @@ def test_a_second_run_of_a_claimed_name_stops_before_it_builds_anything(tmp_path
          f"run.output_dir={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "another trainer process" in result.stderr, result.stderr[-2000:]
     assert sorted(path.name for path in run_dir.iterdir()) == [LOCK_FILE]  # nothing written
+
+
+def test_a_resume_of_a_live_run_is_refused_before_it_says_anything_else(tmp_path):
+    """It first printed "has no checkpoint yet: it starts again at step 0" and only then
+    was refused by the lock."""
+    from trainer.run import LOCK_FILE
+
+    run_dir = tmp_path / "runs" / "live"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / LOCK_FILE).write_text(str(__import__("os").getpid()))  # this test's process: alive
+    result = subprocess.run(
+        [sys.executable, str(REPO / "trainer" / "run.py"), "--resume", "--set", "run.name=live", "--set",
+         f"run.output_dir={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("config error: another trainer process"), result.stderr[-2000:]
+    assert "no checkpoint" not in result.stderr
 
 
 def test_an_exported_master_port_in_use_is_named(tmp_path):

@@ -128,6 +128,33 @@ def test_a_run_refused_at_startup_leaves_no_run_directory(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_resume_may_change_only_what_does_not_change_the_training(tmp_path):
+    """--resume with other training settings overwrote config.yaml and trained on: the
+    changes are listed and refused; what only sets how long it runs, what it logs or
+    evaluates is returned (to be recorded); a key an older config.yaml lacks is its default."""
+    from trainer.config import RESUMABLE_KEYS, resumed_settings, save_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    started = load_config(None, [])
+    started.rollout.engine = "hf"  # saved resolved
+    save_config(started, run_dir / "config.yaml")
+    with pytest.raises(ConfigError) as refused:
+        resumed_settings(run_dir, load_config(None, ["train.learning_rate=1e-2", "rollout.group_size=4",
+                                                      "rollout.engine=hf", "train.steps=300"]))
+    message = str(refused.value)
+    assert "rollout.group_size 8 -> 4, train.learning_rate 0.0004 -> 0.01." in message
+    assert "start a new run.name" in message and "train.steps" not in message.split("A resume may change")[0]
+    allowed = ["train.steps=300", "run.plot=false", "eval.problems_per_level=8", "run.verbose=true"]
+    assert resumed_settings(run_dir, load_config(None, allowed + ["rollout.engine=hf", "run.output_dir=elsewhere"])) \
+        == {"train.steps": [200, 300], "run.plot": [True, False], "eval.problems_per_level": [32, 8],
+            "run.verbose": [False, True]}
+    assert {"train.steps", "run.plot", "eval.every"} <= RESUMABLE_KEYS
+    older = (run_dir / "config.yaml").read_text().replace("  verbose: false\n", "")
+    (run_dir / "config.yaml").write_text(older)
+    assert resumed_settings(run_dir, load_config(None, ["rollout.engine=hf"])) == {}
+
+
 def test_group_size_below_two():
     assert "at least 2" in _error(["rollout.group_size=1"])
 

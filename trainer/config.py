@@ -595,3 +595,47 @@ def _validate_reward_function(spec: str) -> None:
 
 def save_config(config: Config, path: Path) -> None:
     path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+# What a resumed run may change: how long it runs, what it logs, shows and evaluates, where
+# and how often it saves, and machine resources; none changes what a step computes. Any
+# other key changed on --resume would make the steps after it another run's.
+# run.name and run.output_dir locate the run (the same directory, however written).
+RESUMABLE_KEYS = frozenset({
+    "train.steps", "run.checkpoint_every", "run.keep_checkpoints", "run.plot", "run.progress", "run.verbose",
+    "run.threads", "run.log_samples", "run.export_hf", "eval.every", "eval.problems_per_level", "reward.workers",
+    "rollout.vllm_cpu_kv_cache_gib", "rollout.vllm_gpu_memory_utilization", "model.cache_dir",
+})
+_RUN_LOCATION = ("run.name", "run.output_dir")
+
+
+def _flat(values: dict) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, keys in values.items() if isinstance(keys, dict)
+            for key, value in keys.items()}
+
+
+def resumed_settings(run_dir: Path, config: Config) -> dict[str, list]:
+    """The settings a ``--resume`` of ``run_dir`` changes against its ``config.yaml``, as
+    {key: [the run's value, this one's]}. Refused (ConfigError listing them) when any is
+    outside :data:`RESUMABLE_KEYS`. A key the saved file lacks (an older trainer's) counts
+    as its default; the engine compares resolved, as it is saved."""
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        return {}
+    try:
+        saved = _flat(yaml.safe_load(saved_path.read_text()) or {})
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{saved_path} is not the YAML the trainer wrote ({error})") from None
+    current = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
+                                                                      engine=resolve_engine(config.rollout.engine)))
+    defaults = _flat(Config().to_dict())
+    changed = {key: [saved.get(key, defaults[key]), value] for key, value in _flat(current.to_dict()).items()
+               if key not in _RUN_LOCATION and saved.get(key, defaults[key]) != value}
+    refused = sorted(key for key in changed if key not in RESUMABLE_KEYS)
+    if refused:
+        listed = ", ".join(f"{key} {changed[key][0]!r} -> {changed[key][1]!r}" for key in refused)
+        raise ConfigError(
+            f"--resume continues the run in {run_dir}, whose {saved_path.name} trains with other settings: "
+            f"{listed}. The steps after the resume would be another run's: start a new run.name with these "
+            f"settings, or resume without them. A resume may change only: {', '.join(sorted(RESUMABLE_KEYS))}")
+    return changed
