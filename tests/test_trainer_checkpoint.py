@@ -134,6 +134,18 @@ def test_a_torn_last_line_of_metrics_is_ignored_on_resume(tmp_path):
         read_metrics(path)
 
 
+def test_the_progress_bar_tells_step_times_apart():
+    """t(roll/rew/train/sync) had 0.1 s resolution: two layouts' train times of 12 and 46 ms
+    both read 0.0. Three significant digits, in ms below a second."""
+    from trainer.engine.metrics_log import summary
+
+    row = {"reward/mean": 0.5, "acc/copy": 0.5, "anchor/belief": 0.4, "anchor/eta": 0.1, "phi_mean": 1.0,
+           "clip_frac": 0.0, "entropy_mean": 2.0, "tokens_per_s": 300.0, "time/rollout": 0.0987,
+           "time/reward": 0.0004, "time/train": 0.0123, "time/sync": 1.5}
+    assert "t(roll/rew/train/sync)=98.7ms/0.4ms/12.3ms/1.5s" in summary(row)
+    assert "train/sync)=98.7ms/0.4ms/45.6ms/1.5s" in summary({**row, "time/train": 0.0456})
+
+
 def test_resuming_a_run_that_does_not_exist_fails_unless_asked(tmp_path):
     """Item 14: --resume of a mistyped run name silently started a new run at step 0."""
     missing = tmp_path / "runs" / "typo"
