@@ -53,15 +53,17 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def default_threads(config) -> int:
-    """OpenMP threads per process when neither run.threads nor OMP_NUM_THREADS says.
+def default_threads(tiny_model: bool) -> int:
+    """OpenMP threads per process when neither run.threads (the probe's --threads) nor
+    OMP_NUM_THREADS says.
 
     The tiny model: one. vLLM pins the process's threads, and a second OpenMP thread
     spinning on the pinned core made a tiny-model step 30x slower on 2 busy cores (6.6 s
-    against 0.22 s). A real model (model.path) has work enough for every core: one
-    thread cost SmolLM2-135M 1.6x per step against two on 2 cores.
+    against 0.22 s); the probe's tiny steps took 4.8-6.6 s on all cores of a busy 2-core
+    machine and 0.087 s on one. A real model (model.path, a probe preset) has work enough
+    for every core: one thread cost SmolLM2-135M 1.6x per step against two on 2 cores.
     """
-    if not config.model.path:
+    if tiny_model:
         return 1
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, len(os.sched_getaffinity(0)) // local_ranks)
@@ -89,7 +91,7 @@ def prepare_environment(config) -> None:
     if config.run.threads:
         os.environ["OMP_NUM_THREADS"] = str(config.run.threads)
     else:
-        os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(config)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(tiny_model=not config.model.path)))
     if not config.run.verbose:
         quiet_libraries()
     import torch
