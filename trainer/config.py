@@ -224,14 +224,30 @@ def keys_help(width: int = 79) -> str:
     return "\n".join(lines)
 
 
+# The configs the trainer ships (package data), which --config takes by name.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def config_file(given: str | os.PathLike) -> Path:
+    """A ``--config``: a YAML file, or the name of one the trainer ships
+    (``smollm2_arithmetic``, or with ``.yaml``), which resolves from any directory."""
+    path = Path(given)
+    if path.is_file():
+        return path
+    shipped = SHIPPED_CONFIGS / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    if path.parent == Path(".") and shipped.is_file():
+        return shipped
+    names = sorted(file.stem for file in SHIPPED_CONFIGS.glob("*.yaml"))
+    raise ConfigError(f"config file {path} does not exist (the trainer's own configs, by name: {names})")
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file at ``path``, then ``section.key=value`` overrides
-    (values parsed as YAML: ``train.steps=20``, ``data.levels=[copy,add]``)."""
+    """Defaults, then the YAML file at ``path`` (a file, or a shipped config's name:
+    :func:`config_file`), then ``section.key=value`` overrides (values parsed as YAML:
+    ``train.steps=20``, ``data.levels=[copy,add]``)."""
     merged: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+        path = config_file(path)
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")

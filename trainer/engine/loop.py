@@ -565,12 +565,8 @@ class Trainer:
             self.reward.close()
         rows = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
         if self.rank == 0 and config.run.plot and rows:
-            from .plotting import plot_run
+            from .plotting import plot_run, run_title
 
-            plot_run(rows, self.run_dir / "curves.png", f"{config.run.name}: {self._title()}")
+            plot_run(rows, self.run_dir / "curves.png", run_title(config, self.engine_name))
         return rows
 
-    def _title(self) -> str:
-        algo = self.config.algorithm
-        hadw = f"+HA-DW ({algo.anchor_preset})" if algo.hadw else ""
-        return f"{algo.loss_type}{hadw}, G={self.group_size}, engine={self.engine_name}"
