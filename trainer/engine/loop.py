@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, hadw_advantages, hadw_weights
 from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE, METRIC_MEAN_OVER
+from hadw_kernels.layouts import prompt_groups
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config, resolve_engine, resumed_settings, save_config, task_levels
@@ -194,7 +195,7 @@ class Trainer:
                                     enabled=rank == 0 and config.eval.every > 0)
         if checkpoint is not None:
             self.log.message(f"resumed from {checkpoint} at step {self.start_step}")
-        self.log.message(f"micro-batches: {self.policy.layout.replace('_', '-')} ({self.policy.layout_because})")
+        self.log.message(f"micro-batches: {self.policy.layout.name.replace('_', '-')} ({self.policy.layout_because})")
         correction = self.policy.correction
         self.log.message("rollout correction: " + (
             f"{correction.level}_{correction.rule} of the engine's log-probs within [{correction.lower or 0}, "
@@ -432,15 +433,17 @@ class Trainer:
             f"{level} {row[f'eval/{level}']:.2f}" for level in self.levels) + f" ({row['time/eval']:.0f} s)")
         return row
 
-    def _micro_batches(self, rows: list[int], prompt_lengths: list[int], response_lengths: list[int]) -> list[list[int]]:
+    def _micro_batches(self, rows: list[int], prompt_lengths: list[int], response_lengths: list[int],
+                       groups: list[int]) -> list[list[int]]:
         """The micro-batches of ``rows``: packed under the token budget, or by prompt count;
-        as many on every rank (each forward is collective under ZeRO-3)."""
+        as many on every rank (each forward is collective under ZeRO-3). ``groups``: which
+        rows share a prompt (``hadw_kernels.layouts.prompt_groups``)."""
         train = self.config.train
         if not train.micro_batch_tokens:
             return by_prompt_count(rows, train.micro_batch_prompts * self.group_size)
         layout = self.policy.layout
         micro_batches, oversized = pack_by_tokens(rows, prompt_lengths, response_lengths, train.micro_batch_tokens,
-                                                  layout=layout, group_size=self.group_size)
+                                                  layout=layout, groups=groups)
         if oversized and not self.warned_oversized:
             self.warned_oversized = True
             longest = max(prompt_lengths[row] + response_lengths[row] for row in oversized)
@@ -449,8 +452,7 @@ class Trainer:
                 f"{train.micro_batch_tokens}; such responses get a micro-batch of their own (said once)"
             )
         count = int(_all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
-        return split_to_count(micro_batches, count, prompt_lengths, response_lengths, layout=layout,
-                              group_size=self.group_size)
+        return split_to_count(micro_batches, count, prompt_lengths, response_lengths, layout=layout, groups=groups)
 
     def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, belief, tallies) -> dict:
         train, algo = self.config.train, self.config.algorithm
@@ -462,17 +464,18 @@ class Trainer:
         prompt_lengths = [len(prompt) for prompt in row_prompts]
         response_lengths = [len(response) for response in responses]
 
-        layout = self.policy.batch_type
+        groups = prompt_groups(row_prompts)
 
         def batch_of(rows):
-            return layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows], pad, self.policy.device)
+            return self.policy.layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows],
+                                            pad_token_id=pad, device=self.policy.device)
 
         advantages, group_figures = batch_advantages(rewards, group, algo, self.lambda_scale, belief)
 
         # Behaviour log-probs: the policy before this batch's first update, kept per row.
         old_logprobs: list[torch.Tensor] = [None] * len(responses)
         gaps = []
-        for rows in self._micro_batches(list(range(len(responses))), prompt_lengths, response_lengths):
+        for rows in self._micro_batches(list(range(len(responses))), prompt_lengths, response_lengths, groups):
             batch = batch_of(rows)
             per_response = batch.per_response(self.policy.token_logprobs(batch))
             for row, logprobs in zip(rows, per_response):
@@ -505,7 +508,7 @@ class Trainer:
             for mini in range(mini_batches):
                 runs = order[mini * runs_per_mini_batch:(mini + 1) * runs_per_mini_batch]
                 rows = [(first * run + p) * group + g for first in runs for p in range(run) for g in range(group)]
-                micro_batches = self._micro_batches(rows, prompt_lengths, response_lengths)
+                micro_batches = self._micro_batches(rows, prompt_lengths, response_lengths, groups)
                 for index, micro_rows in enumerate(micro_batches):
                     batch = batch_of(micro_rows)
                     micro_figures = self.policy.accumulate(

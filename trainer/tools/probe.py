@@ -284,27 +284,24 @@ def policy_config(args, micro_batches: int):
     return config
 
 
-def make_batch(rows: int, args, vocab: int, device, generator, *, layout: str):
+def make_batch(rows: int, args, vocab: int, device, generator, *, layout):
     """``rows`` sequences in groups of G (one prompt a group, the last group partial), in
-    the micro-batch ``layout`` (``policy.LAYOUTS``): every layout gets the same tokens."""
+    the micro-batch ``layout`` (a ``hadw_kernels.layouts.Layout``): every layout gets the
+    same tokens."""
     import torch
-
-    from trainer.engine.policy import LAYOUTS
 
     # Token ids from 1: 0 may be a pad id; every sequence is P + L long (no padding).
     groups = -(-rows // args.group_size)
     prompts = torch.randint(1, vocab, (groups, args.prompt_length), generator=generator)
     responses = torch.randint(1, vocab, (rows, args.response_length), generator=generator)
-    return LAYOUTS[layout].build([prompts[row // args.group_size].tolist() for row in range(rows)],
-                                 responses.tolist(), pad_token_id=0, device=device)
+    return layout.build([prompts[row // args.group_size].tolist() for row in range(rows)],
+                        responses.tolist(), pad_token_id=0, device=device)
 
 
-def fed_tokens(rows: int, args, layout: str) -> int:
+def fed_tokens(rows: int, args, layout) -> int:
     """Tokens through the model for ``rows`` sequences of :func:`make_batch` in ``layout``."""
-    from trainer.engine.micro_batches import layout_tokens
-
-    return layout_tokens(layout, range(rows), [args.prompt_length] * rows, [args.response_length] * rows,
-                         args.group_size)
+    return layout.fed_tokens(range(rows), [args.prompt_length] * rows, [args.response_length] * rows,
+                             [row // args.group_size for row in range(rows)])
 
 
 # --- one micro-step ----------------------------------------------------------------------
@@ -334,8 +331,8 @@ def accumulate(policy, batch, old_logprobs, advantages, *, loss_normalizer: floa
     labels = batch.labels.clamp(min=0)
     token_logprobs = logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     value = fused_hadw_grpo_loss(
-        token_logprobs, old_logprobs, None, batch.response_mask, cu_seqlens=batch.cu_seqlens, advantages=advantages,
-        loss_normalizer=loss_normalizer, max_response_length=policy.config.rollout.max_new_tokens,
+        token_logprobs, old_logprobs, None, batch.response_mask, cu_seqlens=batch.cu_seqlens,
+        advantages=batch.per_segment(advantages), loss_normalizer=loss_normalizer, max_response_length=policy.config.rollout.max_new_tokens,
         backend="torch",
     )
     policy.engine.backward(value, scale_wrt_gas=False)
@@ -478,7 +475,7 @@ class Probe:
             "dtype": args.dtype, "device": str(self.device), "zero_stage": args.zero_stage,
             "gradient_checkpointing": args.gradient_checkpointing, "group_size": args.group_size,
             "prompts": args.prompts, "prompt_length": args.prompt_length, "response_length": args.response_length,
-            "layout": self.policy.layout,
+            "layout": self.policy.layout.name,
             "micro_batch_tokens": self.rows * self.sequence_tokens, "sequences_per_micro_batch": self.rows,
             "micro_batch_fed_tokens": fed_tokens(self.rows, args, self.policy.layout),
             "micro_batches_per_step": self.micro_batches, "memory_method": self.meter.method,
