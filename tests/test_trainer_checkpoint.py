@@ -239,16 +239,13 @@ def test_an_exported_master_port_in_use_is_named(tmp_path):
 # trainer's check and before its rendezvous: two runs started at once.
 _PORT_TAKEN_BETWEEN = """
 import os, socket, sys
-from types import SimpleNamespace
-from trainer.config import ConfigError
+from trainer.config import ConfigError, load_config
 from trainer.engine import environment
 if sys.argv[1] == "exported":
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
-config = SimpleNamespace(run=SimpleNamespace(threads=1), model=SimpleNamespace(path=None),
-                         rollout=SimpleNamespace(vllm_cpu_kv_cache_gib=1))
-environment.prepare_environment(config)
+environment.prepare_environment(load_config(None, ["run.threads=1"]))
 checked = os.environ["MASTER_PORT"]
 taken = socket.socket()
 taken.bind(("127.0.0.1", int(checked)))
