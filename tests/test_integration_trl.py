@@ -361,3 +361,16 @@ def test_under_zero3_the_options_that_read_the_policy_first_are_refused(model_di
     with pytest.raises(ValueError, match=r"ZeRO-3 .* use_bias_correction_kl"):
         train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path, loss_type="grpo", beta=0.05,
               use_bias_correction_kl=True, max_steps=1)
+
+
+def test_the_entropy_mask_reads_the_entropies_in_float32_as_trl(tmp_path):
+    """TRL's trainer forms its entropies in float32 whatever the model's dtype (its fused LM
+    head accumulates in float32) and masks by their float32 quantile; the drop-in's loss
+    forms them in the head's dtype and reads them in float32 for the mask
+    (test_rollout_correction.py, test_trl_entropy_mask_reads_the_entropies_in_float32)."""
+    args = HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "loss_type": "grpo", "top_entropy_quantile": 0.2})
+    trainer = types.SimpleNamespace(
+        args=args, loss_type=args.loss_type, current_gradient_accumulation_steps=1, off_policy_mask_threshold=None,
+        top_entropy_quantile=args.top_entropy_quantile, max_completion_length=args.max_completion_length)
+    options = HADWGRPOTrainer._loss_options(trainer, {}, torch.ones(2, 3, dtype=torch.bool), "train")
+    assert options["top_entropy_quantile"] == 0.2 and options["entropy_mask_dtype"] == "float32"

@@ -27,8 +27,10 @@ def name_metrics(metrics: torch.Tensor, *, with_groups: bool, with_kl: bool, wit
 
 
 def anchor_tensor(anchor, device: torch.device) -> torch.Tensor | None:
-    if anchor is None or isinstance(anchor, torch.Tensor):
-        return anchor
+    if anchor is None:
+        return None
+    if isinstance(anchor, torch.Tensor):
+        return anchor.detach()  # data, as every input but the log-probs and the entropy
     # torch.full, not torch.tensor: no blocking host-to-device copy on CUDA. float64: a
     # Python float is a double, and fp32 would round it for fp64 inputs.
     if torch.compiler.is_compiling():

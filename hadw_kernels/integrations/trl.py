@@ -576,6 +576,8 @@ class HADWGRPOTrainer(GRPOTrainer):
             **self.args.kl_options(),
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             top_entropy_quantile=self.top_entropy_quantile,
+            # TRL takes the quantile of the entropies rounded to float32 (its own mask's).
+            entropy_mask_dtype="float32",
             loss_normalizer=normalizer,
             # Dr.GRPO's constant length, where the aggregation divides by one.
             max_response_length=(self.max_completion_length

@@ -18,6 +18,7 @@ anchor, since its accuracy is an observation like any other.
 from __future__ import annotations
 
 import copy
+import json
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE, METR
 from hadw_kernels.layouts import prompt_groups
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from ..config import Config, resolve_engine, save_config, task_levels
+from ..config import Config, resolve_engine, resumed_settings, save_config, task_levels
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
 from .policy import Policy
@@ -147,11 +148,17 @@ class Trainer:
         self.group_size = config.rollout.group_size
         self.prompts_per_rank = config.train.prompts_per_step // world_size
         self.engine_name = resolve_engine(config.rollout.engine)
+        # A resumed run keeps the config it trained with: the settings a resume may change
+        # (run.py checked them) are recorded in resumes.jsonl instead.
+        resumed_changes = None
         if rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            resolved = copy.deepcopy(config)
-            resolved.rollout.engine = self.engine_name
-            save_config(resolved, self.run_dir / "config.yaml")
+            if checkpoint is not None and (self.run_dir / "config.yaml").exists():
+                resumed_changes = resumed_settings(self.run_dir, config)
+            else:
+                resolved = copy.deepcopy(config)
+                resolved.rollout.engine = self.engine_name
+                save_config(resolved, self.run_dir / "config.yaml")
         _barrier()
 
         self.tokenizer, model, model_dir = self._build_model()
@@ -166,6 +173,10 @@ class Trainer:
         self.start_step = 0
         if checkpoint is not None:
             self.start_step = load_checkpoint(checkpoint, self.policy.engine, self.anchor)
+        if resumed_changes is not None:
+            with (self.run_dir / "resumes.jsonl").open("a") as handle:
+                handle.write(json.dumps({"step": self.start_step, "checkpoint": checkpoint.name,
+                                         "changed": resumed_changes}) + "\n")
         self.rollout = self._build_rollout(model_dir)
         # The engine starts from the files on disk; after a resume they are stale.
         if self.rollout.needs_weight_sync and self.start_step > 0:
@@ -256,7 +267,7 @@ class Trainer:
                              eos_token_id=self.tokenizer.eos_token_id, synced_gpus=synced)
         positions = self.policy.module.config.max_position_embeddings
         return VLLMRollout(
-            model_dir, rollout,
+            model_dir, rollout, verbose=self.config.run.verbose,
             dtype=self.config.model.dtype,
             max_model_len=min(positions, self.config.data.max_prompt_tokens + rollout.max_new_tokens),
             eos_token_id=self.tokenizer.eos_token_id,
@@ -557,12 +568,8 @@ class Trainer:
             self.reward.close()
         rows = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
         if self.rank == 0 and config.run.plot and rows:
-            from .plotting import plot_run
+            from .plotting import plot_run, run_title
 
-            plot_run(rows, self.run_dir / "curves.png", f"{config.run.name}: {self._title()}")
+            plot_run(rows, self.run_dir / "curves.png", run_title(config, self.engine_name))
         return rows
 
-    def _title(self) -> str:
-        algo = self.config.algorithm
-        hadw = f"+HA-DW ({algo.anchor_preset})" if algo.hadw else ""
-        return f"{algo.loss_type}{hadw}, G={self.group_size}, engine={self.engine_name}"

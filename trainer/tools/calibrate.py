@@ -96,7 +96,8 @@ def _engine(config, model_dir: Path, tokenizer, engine_name: str):
                          eos_token_id=tokenizer.eos_token_id, synced_gpus=False)
     return VLLMRollout(model_dir, config.rollout, dtype=config.model.dtype,
                        max_model_len=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
-                       eos_token_id=tokenizer.eos_token_id, world_size=1, seed=config.train.seed)
+                       eos_token_id=tokenizer.eos_token_id, world_size=1, seed=config.train.seed,
+                       verbose=config.run.verbose)
 
 
 if __name__ == "__main__":

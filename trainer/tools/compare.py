@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, summary
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, output_file, summary
 from trainer.config import load_config
 from trainer.engine.metrics_log import read_metrics
 
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr-scale", type=POSITIVE_FLOAT,
                         help=f"the factor on the learning rate of {LR_SCALED!r} (default: the mean Phi of this "
                              f"call's {KALMAN!r} runs, to 2 decimals)")
-    parser.add_argument("--table", type=Path, help="also write the results as markdown to this file (default: none)")
-    parser.add_argument("--plot", type=Path, help="where the PNG goes (default: <run.output_dir>/<name>/comparison.png)")
+    parser.add_argument("--table", type=output_file, help="also write the results as markdown to this file (default: none)")
+    parser.add_argument("--plot", type=output_file, help="where the PNG goes (default: <run.output_dir>/<name>/comparison.png)")
     args = parser.parse_args(argv)
     if LR_SCALED in args.variants and args.lr_scale is None and KALMAN not in args.variants:
         parser.error(f"{LR_SCALED!r} needs --lr-scale, or {KALMAN!r} among the variants to measure it on")

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float, output_file
 from hadw_kernels.plan import PRESETS as SHAPES
 
 # The planner's models (one description of each model's shape), and the trainer's tiny one.
@@ -606,9 +606,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-budget-tokens", type=POSITIVE_INT, default=1 << 21,
                         help="the bisection's upper end, at least one sequence's tokens")
     parser.add_argument("--threads", type=NON_NEGATIVE_INT, default=0,
-                        help="OpenMP threads; 0: the environment's or all cores")
+                        help="OpenMP threads; 0: OMP_NUM_THREADS, else the trainer's rule (1 for the tiny preset, "
+                             "the cores over the local ranks for the others)")
     parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seeds the weights and the batches")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here (default: print them)")
+    parser.add_argument("--json", type=output_file, default=None, help="write the figures here (default: print them)")
     args = parser.parse_args(argv)
     sequence = args.prompt_length + args.response_length
     if 0 < args.micro_batch_tokens < sequence:
@@ -634,16 +635,16 @@ def _cuda_visible() -> bool:
 
 
 def prepare(args) -> None:
-    """The environment the trainer's run sets up for one process (trainer/engine/environment.py)."""
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-        # torch read the variable when it loaded, with the argument types (hadw_kernels.cli).
-        import torch
+    """The environment the trainer's run sets up for one process (trainer/engine/environment.py),
+    its thread rule included."""
+    from trainer.engine.environment import _free_port, default_threads, set_deepspeed_defaults
 
-        torch.set_num_threads(args.threads)
-    else:
-        os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-    from trainer.engine.environment import _free_port, set_deepspeed_defaults
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or default_threads(args.preset == "tiny"))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    # torch read the variable when it loaded, with the argument types (hadw_kernels.cli).
+    import torch
+
+    torch.set_num_threads(threads)
 
     set_deepspeed_defaults(cuda=args.device.startswith("cuda"))
     if "RANK" not in os.environ:
