@@ -565,12 +565,15 @@ def trainer_check(dry_run: bool, seconds: float | None) -> TrainerCheck:
             return check
         check.reference = read_metrics(output / "reference" / "metrics.jsonl")
         check.checkpoints = [f"step-{step}" for step, _ in completed_checkpoints(output / "reference" / "checkpoints")]
-        crashed = run("resumed", "killed inside a step", ["reward.function=test_trainer_helpers:synthetic_then_crash"],
+        # The resume keeps the reward function (a resume may not change the training); it then
+        # never crashes, and scores as the synthetic verifier of the uninterrupted run.
+        crashing = ["reward.function=test_trainer_helpers:synthetic_then_crash"]
+        crashed = run("resumed", "killed inside a step", crashing,
                       env={"CRASH_AFTER_RESPONSES": str(crash_after * prompts * group_size)})
         if crashed != 17:
             check.error = check.error or f"the run meant to die inside step {crash_after + 1} exited {crashed}"
             return check
-        if run("resumed", "resumed", [], resume=True) != 0:
+        if run("resumed", "resumed", crashing, resume=True, env={"CRASH_AFTER_RESPONSES": str(10**9)}) != 0:
             return check
         check.resumed = read_metrics(output / "resumed" / "metrics.jsonl")
     except subprocess.TimeoutExpired:

@@ -553,24 +553,30 @@ at::Tensor compute_copy(const at::Tensor& tensor, at::ScalarType compute) {
   return tensor.to(compute).contiguous();
 }
 
+// Whether the aggregation divides by the batch's valid tokens (token-mean without a
+// normaliser): the op's gradients then leave that 1 / N_tok to its grad_scale output
+// (hadw_kernels/aggregation.py: counts_batch_tokens; the contract in ops/schemas.py).
+bool counts_batch_tokens(int64_t loss_agg_mode, std::optional<double> loss_normalizer) {
+  return config::kAggregations[loss_agg_mode].denominator == config::kDenominatorTokens &&
+         !loss_normalizer.has_value();
+}
+
 // w_i of config.AGG_MODES, from the mode's row of config.AGGREGATIONS
-// (hadw_kernels/aggregation.py: agg_weights). `tokens`: the valid tokens of the call.
-// The constant L of times_max_length arrives resolved (the losses default it to a padded
-// batch's width).
-std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t tokens, int64_t loss_agg_mode,
+// (hadw_kernels/aggregation.py: agg_weights), but for the count of the batch's valid
+// tokens that grad_scale holds (counts_batch_tokens). The constant L of times_max_length
+// arrives resolved (the losses default it to a padded batch's width).
+std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t loss_agg_mode,
                                 std::optional<double> loss_normalizer, std::optional<int64_t> max_length) {
   const config::Aggregation& rule = config::kAggregations[loss_agg_mode];
   const int64_t batch = static_cast<int64_t>(lengths.size());
   double count = 1.0;
   switch (rule.denominator) {
-    case config::kDenominatorTokens:
-      count = static_cast<double>(std::max<int64_t>(tokens, 1));
+    case config::kDenominatorTokens:  // grad_scale's
+    case config::kDenominatorOne:
+      count = 1.0;
       break;
     case config::kDenominatorResponses:
       count = static_cast<double>(std::max<int64_t>(batch, 1));
-      break;
-    case config::kDenominatorOne:
-      count = 1.0;
       break;
     default:
       TORCH_CHECK(false, "hadw_cpp::surrogate_loss: config.AGGREGATIONS names an unknown denominator ",
@@ -612,7 +618,7 @@ struct Options {
 };
 
 template <typename T>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
     const at::Tensor& logprobs_in, const at::Tensor& old_logprobs_in, const at::Tensor& response_mask,
     const std::vector<int64_t>& offsets, const std::optional<at::Tensor>& ref_logprobs_in,
     const std::optional<at::Tensor>& importance_weights_in, const std::optional<at::Tensor>& entropy_in,
@@ -630,10 +636,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
     metric[config::kMetricZeroStdFrac] = static_cast<float>(
         static_cast<double>(advantages.degenerate_groups) / std::max<int64_t>(advantages.groups, 1));
   }
+  const bool counted = counts_batch_tokens(call.loss_agg_mode, call.loss_normalizer);
   if (segments == 0 || tokens_in == 0) {
     grad_logprobs.zero_();
     grad_entropy.zero_();
-    return {at::zeros({}, options), grad_logprobs, grad_entropy, metrics};
+    return {at::zeros({}, options), grad_logprobs, grad_entropy, metrics,
+            counted ? at::scalar_tensor(1.0, options) : at::empty({0}, options)};
   }
 
   const at::Tensor logprobs = compute_copy(logprobs_in, compute);
@@ -648,7 +656,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   const at::Tensor token_advantages =
       token_advantages_in.has_value() ? compute_copy(*token_advantages_in, compute) : at::Tensor();
 
-  // Valid tokens per response, first: token-mean's weight needs the batch's count.
+  // Valid tokens per response, first: seq-mean-token-mean's weight needs them, and
+  // token-mean's grad_scale their sum.
   // Read as bytes (0 or 1): loops over bool do not vectorise.
   const uint8_t* mask_data = reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>());
   const int64_t grain = segment_grain(tokens_in, segments);
@@ -667,7 +676,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
     tokens += length;
   }
   const std::vector<double> agg_weight =
-      agg_weights(lengths, tokens, call.loss_agg_mode, call.loss_normalizer, call.max_response_length);
+      agg_weights(lengths, call.loss_agg_mode, call.loss_normalizer, call.max_response_length);
 
   Problem<T> problem;
   problem.offsets = offsets.data();
@@ -708,7 +717,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_impl(
   metric[config::kMetricApproxKl] = static_cast<float>(total.approx_kl / token_count);
   metric[config::kMetricRefKl] = call.beta > 0 ? static_cast<float>(total.ref_kl / token_count) : 0.0f;
   metric[config::kMetricEntropyMean] = entropy.defined() ? static_cast<float>(total.entropy / token_count) : 0.0f;
-  return {at::scalar_tensor(total.loss, options), grad_logprobs, grad_entropy, metrics};
+  if (counted) {
+    const double grad_scale = 1.0 / token_count;
+    return {at::scalar_tensor(total.loss * grad_scale, options), grad_logprobs, grad_entropy, metrics,
+            at::scalar_tensor(grad_scale, options)};
+  }
+  return {at::scalar_tensor(total.loss, options), grad_logprobs, grad_entropy, metrics, at::empty({0}, options)};
 }
 
 void check_same_shape(const char* name, const at::Tensor& tensor, const at::Tensor& logprobs) {
@@ -735,7 +749,7 @@ std::vector<int64_t> checked_offsets(const at::Tensor& cu_seqlens, int64_t token
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate_loss_cpu(
     const at::Tensor& logprobs, const at::Tensor& old_logprobs, const at::Tensor& response_mask,
     const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& rewards,
     const std::optional<at::Tensor>& advantages, const std::optional<at::Tensor>& response_advantages,

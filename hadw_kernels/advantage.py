@@ -68,11 +68,13 @@ def group_advantages(
 def _anchor_operand(anchor: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
     """The anchor as an operand of ``like``'s arithmetic, in its dtype, without a copy to
     its device: a Python number or a 0-d CPU tensor enters as a scalar (a blocking copy
-    to a GPU would wait for all the work queued there)."""
+    to a GPU would wait for all the work queued there). Detached: it is data, which
+    nothing here differentiates through (docs/math.md)."""
     if not isinstance(anchor, torch.Tensor):
         return float(anchor)
     if anchor.dim() != 0:
         raise ValueError(f"anchor must be a scalar, got shape {tuple(anchor.shape)}")
+    anchor = anchor.detach()
     return anchor if anchor.device.type == "cpu" else anchor.to(like.dtype)
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -63,6 +65,37 @@ def finite_float(*, minimum: float = -math.inf, above: float | None = None, maxi
         return value
 
     return parse
+
+
+def output_directory(text: str) -> Path:
+    """An argparse ``type``: a directory to write into, existing or to be made; refused
+    when the path, or a folder above it, is a file, or when the nearest existing folder
+    cannot be written (checked before the tool works, not when it saves)."""
+    path = Path(text)
+    _require_writable_folder(path, text)
+    return path
+
+
+def output_file(text: str) -> Path:
+    """An argparse ``type``: a file to write, in a folder existing or to be made; refused
+    when it is a directory, or as :func:`output_directory` refuses its folder."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a directory, not a file")
+    _require_writable_folder(path.parent, text)
+    return path
+
+
+def _require_writable_folder(path: Path, text: str) -> None:
+    for existing in (path, *path.parents):
+        if not existing.exists():
+            continue
+        if not existing.is_dir():
+            where = "" if str(existing) == text else f" (in {text!r})"
+            raise argparse.ArgumentTypeError(f"{existing} is a file, not a directory{where}")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"cannot write in {existing}")
+        return
 
 
 POSITIVE_INT = int_at_least(1)

@@ -63,6 +63,11 @@ K3_VALUE_CLAMP = 10.0
 # token's exp(l - l_old) whatever the objective's form (TRL's at importance_sampling_level
 # "token", where its VESPO's ratio is per response). docs/math.md, section 5d.
 KL_BIAS_RATIOS = ("objective", "token")
+# The dtype the entropy mask reads the entropies in (their quantile and the comparison with
+# it): their own, fp32 at least, so that a token at the quantile compares equal to it and is
+# kept; or float32 whatever their dtype, as TRL's trainer, whose LM head forms float32
+# entropies for a float64 model too. docs/math.md, section 5d.
+ENTROPY_MASK_DTYPES = ("entropy", "float32")
 
 # The metrics every implementation returns, in this order (kernels index them by name).
 METRIC_NAMES = (
@@ -597,6 +602,7 @@ class LossConfig:
     rollout_correction: RolloutCorrection | None = None
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
+    entropy_mask_dtype: str = "entropy"
     kl_bias_correction: bool = False
     kl_bias_ratio: str = "objective"
 
@@ -664,12 +670,13 @@ class LossConfig:
             raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; expected one of {AGG_MODES}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+        # epsilon_low >= 1 is taken, as verl takes it: a ratio's lower bound 1 - eps at or
+        # below 0 clips nothing (verl's CISPO runs use 10), and GMPO's log-ratio bound and
+        # DPPO's divergence thresholds read it as they are.
         for name in ("epsilon_low", "epsilon_high"):
             value = getattr(self, name)
             if not (0 <= value < math.inf):
                 raise ValueError(f"{name} (clip range) must be a finite non-negative number, got {value!r}")
-        if self.epsilon_low >= 1:
-            raise ValueError(f"epsilon_low must be below 1 (the ratio is positive), got {self.epsilon_low}")
         check_finite_positive("std_eps", self.std_eps)
         check_finite_positive("lambda_scale", self.lambda_scale)
         if not (0 <= self.beta < math.inf):
@@ -731,6 +738,9 @@ class LossConfig:
         if not (0 < self.top_entropy_quantile <= 1):
             raise ValueError(f"top_entropy_quantile (the share of tokens kept, by entropy) must be in (0, 1], "
                              f"got {self.top_entropy_quantile!r}")
+        if self.entropy_mask_dtype not in ENTROPY_MASK_DTYPES:
+            raise ValueError(f"entropy_mask_dtype must be one of {ENTROPY_MASK_DTYPES}, got "
+                             f"{self.entropy_mask_dtype!r}")
         if self.kl_bias_correction and self.beta == 0:
             raise ValueError("kl_bias_correction weighs the KL term by the ratio: it needs beta > 0")
         if self.kl_bias_ratio not in KL_BIAS_RATIOS:
@@ -854,5 +864,6 @@ class LossOptions(TypedDict, total=False):
     rollout_correction: RolloutCorrection | None
     off_policy_mask_threshold: float | None
     top_entropy_quantile: float | None
+    entropy_mask_dtype: str | None
     kl_bias_correction: bool | None
     kl_bias_ratio: str | None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from .batch import SurrogateBatch
@@ -139,8 +140,12 @@ def correct(batch: SurrogateBatch, *, rollout_logprobs: torch.Tensor | None, tok
         weights = _times(weights, kept.to(dtype))
 
     if config.top_entropy_quantile < 1.0:
-        threshold = _entropy_threshold(entropy, mask, 1.0 - config.top_entropy_quantile)
-        entropy_keep = mask & (entropy.detach() >= threshold)
+        # In fp32 at least, the comparison too: a bfloat16 one would round the quantile to
+        # bfloat16 and keep tokens below it.
+        read = accumulate_dtype(entropy.dtype) if config.entropy_mask_dtype == "entropy" else torch.float32
+        entropies = entropy.detach().to(read)
+        threshold = _entropy_threshold(entropies, mask, 1.0 - config.top_entropy_quantile)
+        entropy_keep = mask & (entropies >= threshold)
         metrics["entropy_masked_frac"] = counted_mean(mask & ~entropy_keep)
         weights = _times(weights, entropy_keep.to(dtype))
     return TokenCorrection(weights, keep, entropy_keep, metrics)
@@ -189,21 +194,26 @@ def _batch_mean(weights: torch.Tensor, mask: torch.Tensor, layout: TokenLayout, 
     return torch.where(mean > BATCH_NORMALIZE_MIN_MEAN, mean, torch.ones_like(mean))
 
 
-def _entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """The ``quantile`` of the counted tokens' entropies over every rank (torch.quantile's
-    linear interpolation), from a sort of [N] floats in the entropies' dtype (fp32 at
-    least), so that a token at the quantile compares equal to it and is kept; the ranks'
-    entropies are gathered when torch.distributed is initialised (a collective)."""
-    values = entropy.detach()[mask].to(accumulate_dtype(entropy.dtype))
+def _entropy_threshold(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The ``quantile`` of the counted tokens' ``entropies`` (float32 or float64) over every
+    rank, from a sort of [N] floats, by torch.quantile's own arithmetic (its rank and
+    interpolation in the entropies' dtype: the value TRL's torch.quantile gives, without
+    its limit of 2^24 values); the ranks' entropies are gathered when torch.distributed is
+    initialised (a collective)."""
+    values = entropies[mask]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         values = _gather_variable(values)
     if values.numel() == 0:
-        return torch.full((), math.inf, device=entropy.device)
+        return torch.full((), math.inf, device=entropies.device)
     ordered = values.sort().values
-    position = quantile * (ordered.numel() - 1)
-    below = math.floor(position)
-    above = min(below + 1, ordered.numel() - 1)
-    return ordered[below] + (position - below) * (ordered[above] - ordered[below])
+    # The rank q (N - 1) rounded as a product in ``dtype`` (torch.quantile's), on the host.
+    host_float = _HOST_FLOATS[ordered.dtype]
+    rank = float(host_float(quantile) * host_float(ordered.numel() - 1))
+    below = math.floor(rank)
+    return torch.lerp(ordered[below], ordered[math.ceil(rank)], rank - below)
+
+
+_HOST_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def _gather_variable(values: torch.Tensor) -> torch.Tensor:

@@ -103,9 +103,15 @@ class TokenLayout:
 
     def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
         """[S] -> [N]: each token takes its segment's value (a padded batch's by broadcasting
-        over its width, without forming each token's segment index)."""
+        over its width, without forming each token's segment index). Differentiable: the
+        gradient of a segment is the sum of its tokens', formed as :meth:`segment_sum` forms
+        a sum (a packed segment's in float64: the gather's own backward adds the tokens one
+        after another in their dtype, whose float32 error grows with the segment's length)."""
         if self.padded_width is not None:
             return per_segment[:, None].expand(self.segments, self.padded_width).reshape(self.tokens)
+        if per_segment.requires_grad and per_segment.is_floating_point() and per_segment.dtype != torch.float64:
+            # The same values (a cast up and back is exact); the backward accumulates in float64.
+            return per_segment.to(torch.float64)[self.token_segment].to(per_segment.dtype)
         return per_segment[self.token_segment]
 
     def segment_sum(self, values: torch.Tensor) -> torch.Tensor:

@@ -160,7 +160,7 @@ def fused_hadw_grpo_loss(
         logprobs, old_logprobs, response_mask, config, cu_seqlens=cu_seqlens, rewards=rewards,
         advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
         importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, entropy=entropy,
-        check_values=_checks_run(check_values),
+        generator=generator, check_values=_checks_run(check_values),
     )
     config = _with_layout_length(config, layout)
     implementation = resolve_backend(backend, logprobs.device)
@@ -308,7 +308,7 @@ def fused_linear_hadw_grpo_loss(
     check_batch_inputs(
         layout, response_mask, old_logprobs, config, inputs={"hidden_states": hidden_states}, rewards=rewards,
         advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
+        importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, generator=generator,
     )
     config = _with_layout_length(config, layout)
     mask = layout.flat(response_mask)

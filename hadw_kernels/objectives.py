@@ -285,7 +285,9 @@ def clip_cov_selection(logprobs, old_logprobs, advantage, mask, config: LossConf
     selected = torch.zeros_like(mask)
     if positions.numel() > 0:
         count = max(int(config.option("clip_cov_ratio") * int(mask.sum())), 1)
-        drawn = torch.randperm(positions.numel(), generator=generator)[:count].to(positions.device)
+        # On the generator's device: the CPU by default (verl's draw), or the inputs'.
+        on = None if generator is None else generator.device
+        drawn = torch.randperm(positions.numel(), generator=generator, device=on)[:count].to(positions.device)
         selected[positions[drawn]] = True
     return selected
 

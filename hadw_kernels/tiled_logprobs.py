@@ -4,9 +4,12 @@ Tokens and vocabulary are cut into tiles and the log-sum-exp is formed online, s
 [N, V] tensor exists: peak memory grows with N*H + V*H plus one tile, which gives a CPU
 user without the C++ kernels the memory win of the fused ones (the "torch" backend).
 
-Only the rows whose label is not ``ignore_index`` enter the tiles: padding costs no
-GEMM, and whatever it holds (inf, NaN) reaches no output and no gradient. A label
-outside the vocabulary gives a NaN log-prob rather than a wrong number.
+Every row enters the tiles, a row whose label is ``ignore_index`` (padding) zeroed and
+masked out of the outputs and gradients: whatever it holds (inf, NaN) reaches no output
+and no gradient. The host never reads how many rows count (on a GPU the read would wait
+for it, and a compiled graph cannot loop over a count it does not know:
+docs/architecture.md, "Host synchronisation"), so padding costs its share of the GEMMs. A label outside the
+vocabulary gives a NaN log-prob rather than a wrong number.
 
 Backward recomputes each logits tile rather than forming the gradients during forward:
 the log-probs feed an arbitrary function, whose gradient is known only once every
@@ -28,9 +31,9 @@ class _TiledLinearLogprob(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, with_entropy):
         num_tokens, vocab = hidden.shape[0], weight.shape[0]
         accumulate = accumulate_dtype(hidden.dtype)
-        rows, row_labels, hidden_rows, padding = _active_rows(hidden, labels, ignore_index, accumulate)
+        row_labels, hidden_rows, padding = _counted_rows(hidden, labels, ignore_index, accumulate)
         in_vocab = (row_labels >= 0) & (row_labels < vocab)
-        running_max = torch.full((rows.numel(),), float("-inf"), device=hidden.device, dtype=accumulate)
+        running_max = torch.full((num_tokens,), float("-inf"), device=hidden.device, dtype=accumulate)
         sum_exp = torch.zeros_like(running_max)
         # Entropy needs E_p[z]; summing exp(z - m) * (z - m) relative to the running max
         # avoids subtracting two logit-sized numbers at the end.
@@ -59,35 +62,26 @@ class _TiledLinearLogprob(torch.autograd.Function):
             picked = logits.gather(1, column).squeeze(1)
             label_logit[tile_rows] = torch.where(in_tile, picked, label_logit[tile_rows])
         lse = running_max + torch.log(sum_exp)
-        row_logp = torch.where(in_vocab, label_logit - lse, torch.full_like(lse, float("nan")))
-        if padding is not None:
-            row_logp = row_logp.masked_fill(padding, 0)
         # Out of place: an output made by an in-place op got no gradient under torch.compile
         # (torch 2.11: every hidden-state and head gradient came back zero).
-        logp = torch.zeros(num_tokens, device=hidden.device, dtype=accumulate).index_copy(0, rows, row_logp)
+        logp = torch.where(in_vocab, label_logit - lse, torch.full_like(lse, float("nan"))).masked_fill(padding, 0)
         entropy = mean_logit = None
         if with_entropy:
             mean_shifted = sum_exp_shifted / sum_exp
             mean_logit = running_max + mean_shifted
-            row_entropy = torch.log(sum_exp) - mean_shifted
-            if padding is not None:
-                row_entropy = row_entropy.masked_fill(padding, 0)
-            entropy = torch.zeros_like(logp).index_copy(0, rows, row_entropy)
-        ctx.save_for_backward(hidden, weight, bias, rows, row_labels, lse, mean_logit, padding)
+            entropy = (torch.log(sum_exp) - mean_shifted).masked_fill(padding, 0)
+        ctx.save_for_backward(hidden, weight, bias, row_labels, lse, mean_logit, padding)
         ctx.temperature = temperature
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, rows, row_labels, lse, mean_logit, padding = ctx.saved_tensors
+        hidden, weight, bias, row_labels, lse, mean_logit, padding = ctx.saved_tensors
         accumulate = lse.dtype
-        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp[rows].to(accumulate)
-        grad_entropy = None if grad_entropy is None or mean_logit is None else grad_entropy[rows].to(accumulate)
-        hidden_rows = hidden[rows].to(accumulate)
-        if padding is not None:
-            grad_logp = grad_logp.masked_fill(padding, 0)
-            grad_entropy = None if grad_entropy is None else grad_entropy.masked_fill(padding, 0)
-            hidden_rows = hidden_rows.masked_fill(padding[:, None], 0)
+        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(accumulate).masked_fill(padding, 0)
+        grad_entropy = None if grad_entropy is None or mean_logit is None else \
+            grad_entropy.to(accumulate).masked_fill(padding, 0)
+        hidden_rows = hidden.to(accumulate).masked_fill(padding[:, None], 0)
         grad_hidden_rows = torch.zeros_like(hidden_rows) if ctx.needs_input_grad[0] else None
         grad_weight = (
             torch.zeros(weight.shape, device=weight.device, dtype=accumulate) if ctx.needs_input_grad[1] else None
@@ -116,11 +110,8 @@ class _TiledLinearLogprob(torch.autograd.Function):
                 grad_weight[columns].addmm_(grad_logits.T, hidden_rows[tile_rows])
             if grad_bias is not None:
                 grad_bias[columns] += grad_logits.sum(dim=0)
-        grad_hidden = None
-        if grad_hidden_rows is not None:
-            grad_hidden = torch.zeros_like(hidden).index_copy_(0, rows, grad_hidden_rows.to(hidden.dtype))
         return (
-            grad_hidden,
+            None if grad_hidden_rows is None else grad_hidden_rows.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
             None,
@@ -130,19 +121,12 @@ class _TiledLinearLogprob(torch.autograd.Function):
         )
 
 
-def _active_rows(hidden, labels, ignore_index, accumulate):
-    """(row index, their labels, their hidden states in ``accumulate``, padding mask or
-    None). Eagerly only the rows whose label is not ignored; under ``torch.compile``,
-    which cannot loop over a data-dependent count of rows, every row, the ignored ones
-    zeroed (label 0, hidden 0: finite whatever padding held) and masked out of the
-    outputs and gradients (docs/architecture.md, "torch.compile")."""
-    active = labels != ignore_index
-    if torch.compiler.is_compiling():
-        rows = torch.arange(labels.shape[0], device=labels.device)
-        padding = ~active
-        return rows, labels.long().masked_fill(padding, 0), hidden.to(accumulate).masked_fill(padding[:, None], 0), padding
-    rows = active.nonzero().flatten()
-    return rows, labels[rows].long(), hidden[rows].to(accumulate), None
+def _counted_rows(hidden, labels, ignore_index, accumulate):
+    """(labels, hidden states in ``accumulate``, padding mask) of every row, the rows whose
+    label is ignored zeroed (label 0, hidden 0: finite whatever padding held), to be masked
+    out of the outputs and gradients."""
+    padding = labels == ignore_index
+    return labels.long().masked_fill(padding, 0), hidden.to(accumulate).masked_fill(padding[:, None], 0), padding
 
 
 def _logit_tiles(hidden, weight, bias, temperature):

@@ -185,12 +185,13 @@ def check_batch_inputs(
     importance_weights: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    generator=None,
 ) -> None:
     """Shapes, dtypes and devices of a batch's tensors besides what the loss is computed
     from (``inputs``: the log-probs, or the hidden states; only their device is read
     here), against the batch's ``layout`` (:func:`batch_layout`): per-token tensors in
-    its shape, per-response ones [S]. Options that need a layout's width are checked
-    here too."""
+    its shape, per-response ones [S]; and the ``generator`` of a draw. Options that need
+    a layout's width are checked here too."""
     batch = layout.segments
     tensors = {**inputs, "response_mask": response_mask}
     if layout.is_packed:
@@ -263,8 +264,37 @@ def check_batch_inputs(
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")
+    device = next(iter(devices.values()))
+    require_values_device(next(iter(devices)), device)
+    check_generator(generator, device)
     if group_index is not None and not torch.compiler.is_compiling():  # a value check (docs/architecture.md)
         _check_group_index(group_index, config.group_size)
+
+
+def require_values_device(name: str, device: torch.device) -> None:
+    """Tensors on the meta device have shapes and no values, which every call here computes
+    and checks: refused by name before a value is read."""
+    if device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device, which holds shapes but no values: hadw-kernels computes values (and "
+            "checks them), so it takes tensors on a real device (cpu, cuda); torch.compile traces its calls with "
+            "fake tensors of that device"
+        )
+
+
+def check_generator(generator, device: torch.device) -> None:
+    """The draw's generator (objectives.SELECTIONS; clip_cov alone draws): None (torch's
+    global one, as verl's), or a ``torch.Generator`` on the CPU (where the draw runs by
+    default) or on the inputs' ``device``. Checked whatever the objective, so a wrong
+    value is refused on the call that passes it, not on the first that draws."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator (or None: torch's global one), got "
+                        f"{type(generator).__module__}.{type(generator).__qualname__}")
+    if generator.device.type != "cpu" and generator.device != device:
+        raise ValueError(f"generator is on {generator.device}, the inputs on {device}: pass a generator on the "
+                         "CPU or on the inputs' device")
 
 
 def _correction_inputs(layout: TokenLayout, config: LossConfig, rollout_logprobs, entropy, *,
@@ -300,6 +330,7 @@ def check_advantage_options(rewards: torch.Tensor, anchor, lambda_scale, std_eps
     host sync on CUDA, once per rollout batch."""
     check_finite_positive("std_eps", std_eps)
     check_finite_positive("lambda_scale", lambda_scale)
+    require_values_device("rewards", rewards.device)
     check_anchor(anchor)
     if isinstance(anchor, torch.Tensor):
         anchor = anchor.to(rewards.device)  # (a 0-d CPU anchor with CUDA rewards is accepted)
@@ -572,6 +603,7 @@ def check_linear_inputs(
     devices = {hidden_states.device, lm_head_weight.device, labels.device}
     if len(devices) > 1:
         raise ValueError(f"hidden_states, lm_head_weight and labels must be on one device, got {devices}")
+    require_values_device("hidden_states", hidden_states.device)
 
 
 def _check_hidden_at(hidden_states: torch.Tensor, active: torch.Tensor) -> None:

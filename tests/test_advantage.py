@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hadw_kernels import group_advantages, hadw_weights
+from hadw_kernels import group_advantages, hadw_advantages, hadw_weights
 
 
 def test_std_normalised_advantage_by_hand():
@@ -48,6 +48,15 @@ def test_phi_is_lambda_where_advantage_or_difficulty_is_zero():
 def test_phi_carries_no_gradient():
     rewards = torch.tensor([1.0, 0.0], requires_grad=True)
     assert not hadw_weights(rewards, 2, 0.3).requires_grad
+
+
+def test_a_tensor_anchor_that_requires_grad_gives_no_gradient():
+    """The anchor is data, in Phi and in the advantages of a whole batch alike."""
+    anchor = torch.tensor(0.3, requires_grad=True)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    assert not hadw_weights(rewards, 2, anchor).requires_grad
+    assert not hadw_advantages(rewards, group_size=2, anchor=anchor).requires_grad
+    assert not hadw_advantages(rewards, group_index=torch.tensor([0, 0, 1, 1]), anchor=anchor).requires_grad
 
 
 def test_advantage_rejects_ragged_groups():

@@ -59,8 +59,14 @@ def _bias(argv):
     return main(argv)
 
 
+def _plot(argv):
+    from trainer.tools.plot import main
+
+    return main(argv)
+
+
 TOOLS = {"demo": _demo, "plan": _plan, "theory": _theory, "probe": _probe, "compare": _compare,
-         "calibrate": _calibrate, "bias": _bias}
+         "calibrate": _calibrate, "plot": _plot, "bias": _bias}
 
 BAD_ARGUMENTS = [
     ("demo", ["--steps", "0"], "--steps"),
@@ -86,6 +92,12 @@ BAD_ARGUMENTS = [
     ("theory", ["--lambda-scale", "0"], "--lambda-scale"),
     ("theory", ["--reward-scale", "nan"], "--reward-scale"),
     ("theory", ["--spread-thresholds", "0.1", "-1"], "--spread-thresholds"),
+    ("theory", ["--out", str(REPO / "README.md")], "--out"),  # an existing file
+    ("theory", ["--out", str(REPO / "README.md" / "figures")], "--out"),  # inside one
+    ("probe", ["--json", str(REPO / "docs")], "--json"),  # a directory
+    ("probe", ["--json", str(REPO / "README.md" / "probe.json")], "--json"),
+    ("compare", ["--table", str(REPO / "README.md" / "table.md")], "--table"),
+    ("compare", ["--plot", str(REPO / "docs")], "--plot"),
     ("probe", ["--micro-batch-tokens", "-5"], "--micro-batch-tokens"),
     ("probe", ["--micro-batch-tokens", "5"], "--micro-batch-tokens"),  # below one sequence's 80 tokens
     ("probe", ["--max-budget-tokens", "0"], "--max-budget-tokens"),
@@ -104,6 +116,8 @@ BAD_ARGUMENTS = [
     ("compare", ["--seeds", "0", "-1"], "--seeds"),
     ("compare", ["--lr-scale", "-1"], "--lr-scale"),
     ("calibrate", ["--prompts", "0"], "--prompts"),
+    ("plot", [str(REPO / "docs")], "run_dir"),  # no metrics.jsonl
+    ("plot", [str(REPO), "--out", str(REPO / "docs")], "--out"),
     ("calibrate", ["--seed", "-1"], "--seed"),
     ("bias", ["--groups", "0"], "--groups"),
     ("bias", ["--reference", "1"], "--reference"),
@@ -205,7 +219,7 @@ def test_the_trainer_commands_run_from_any_directory(tmp_path):
     assert json.loads(figures.read_text())["preset"] == "tiny"
     assert list(elsewhere.iterdir()) == []
     for module in ("trainer.run", "trainer.tools.probe", "trainer.tools.compare", "trainer.tools.calibrate",
-                   "trainer.tools.bias"):
+                   "trainer.tools.plot", "trainer.tools.bias"):
         as_file = REPO.joinpath(*module.split(".")).with_suffix(".py")
         for command in ([sys.executable, "-m", module, "--help"], [sys.executable, str(as_file), "--help"]):
             shown = subprocess.run(command, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)

@@ -1,7 +1,7 @@
 """torch.compile(fullgraph=True) through both losses and the module forms on the CPU,
-for the torch and cpp backends (docs/architecture.md, "torch.compile"): no graph break,
-the eager loss, gradients and metrics, and a batch size that changes without a
-recompile storm.
+for the torch and cpp backends and the triton one under Triton's interpreter
+(docs/architecture.md, "torch.compile"): no graph break, the eager loss, gradients and
+metrics, and a batch size that changes without a recompile storm.
 
 Compiling is slow on a small machine, so the cases are few and small, and most use the
 "aot_eager" backend: it runs Dynamo, the fake (meta) kernels and AOTAutograd, where
@@ -77,8 +77,10 @@ def _assert_same(compiled, eager):
 CASES = [
     pytest.param("surrogate", "function", "torch", "aot_eager", id="surrogate-torch"),
     pytest.param("surrogate", "module", "cpp", "inductor", marks=_needs("cpp"), id="surrogate-module-cpp-inductor"),
+    pytest.param("surrogate", "function", "triton", "aot_eager", marks=_needs("triton"), id="surrogate-triton"),
     pytest.param("linear", "module", "torch", "aot_eager", id="linear-module-torch"),
     pytest.param("linear", "function", "cpp", "aot_eager", marks=_needs("cpp"), id="linear-cpp"),
+    pytest.param("linear", "function", "triton", "aot_eager", marks=_needs("triton"), id="linear-triton"),
 ]
 
 
@@ -98,6 +100,8 @@ def test_compiled_matches_eager(loss, form, backend, compiler):
     pytest.param("surrogate", "torch", id="surrogate-torch"),
     pytest.param("surrogate", "cpp", marks=_needs("cpp"), id="surrogate-cpp"),
     pytest.param("linear", "cpp", marks=_needs("cpp"), id="linear-cpp"),
+    pytest.param("surrogate", "triton", marks=_needs("triton"), id="surrogate-triton"),
+    pytest.param("linear", "triton", marks=_needs("triton"), id="linear-triton"),
 ])
 def test_packed_compiled_matches_eager(loss, backend):
     """A packed batch ([N] tokens, cu_seqlens) compiles without a graph break: the
@@ -119,6 +123,22 @@ def test_packed_compiled_matches_eager(loss, backend):
     _assert_same(compiled, eager)
     padded = _run(_callable(loss, "function", backend), leaves, others)
     torch.testing.assert_close(eager[0], padded[0])
+
+
+@pytest.mark.parametrize("backend", [pytest.param(name, marks=_needs(name)) for name in ("cpp", "triton")])
+@pytest.mark.parametrize("loss", ["surrogate", "linear"])
+def test_token_mean_compiles(loss, backend):
+    """token-mean (dapo): the kernels leave its 1 / N_tok to the op's grad_scale, which
+    backward applies (ops/schemas.py): one graph, eager's loss and gradients."""
+    torch._dynamo.reset()
+    function = fused_hadw_grpo_loss if loss == "surrogate" else fused_linear_hadw_grpo_loss
+
+    def fn(*tensors):
+        return function(*tensors, backend=backend, loss_type="dapo", check_values=False, **OPTIONS)
+
+    leaves, others = _batch(loss, 4)
+    _assert_same(_run(torch.compile(fn, fullgraph=True, backend="aot_eager"), leaves, others),
+                 _run(fn, leaves, others))
 
 
 @pytest.mark.slow

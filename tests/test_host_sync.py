@@ -1,24 +1,30 @@
 """Host overhead of a call (docs/architecture.md, "Host synchronisation"): with
 ``check_values=False`` no tensor value reaches Python, with the default checks one read
-does (every screen in one flag vector); and the Triton surrogate's kernel launches.
+does (every screen in one flag vector); and the Triton kernels' launches.
 
-On the CPU a host read is no device synchronisation, but it is the same Python call
-that is one on CUDA: every way Python reads a tensor's value is patched to raise or to
-count. (The CUDA check with the synchronisation debug mode is in
-test_triton_specific.py and needs a GPU.)"""
+On the CPU a host read is no device synchronisation, but it is the same operator that is
+one on CUDA: the operators that read a value (``_local_scalar_dense``, ``is_nonzero``,
+``nonzero``) fail the forward, seen by a dispatch mode that also runs inside the hadw ops'
+implementations, and every way Python reads a tensor's value is patched to raise or to
+count. (The CUDA check with the synchronisation debug mode is in test_triton_specific.py
+and needs a GPU.)"""
 
 import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hadw_kernels import RolloutCorrection, available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from hadw_kernels.config import block_rows_for
+from hadw_kernels.ops import routing
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 HOST_BACKENDS = [
     pytest.param(name, marks=[] if name in available_backends("cpu") else [pytest.mark.skip(reason=f"no {name}")])
     for name in ("torch", "cpp", "triton")
 ]
+LAYOUTS = ("padded", "packed")
 
 
 class _Reads:
@@ -41,77 +47,140 @@ class _Reads:
         return read
 
 
-def _surrogate_call(backend, check_values):
-    logprobs = (-torch.rand(4, 6)).requires_grad_()
+class _HostReadOperators(TorchDispatchMode):
+    """Raises at an operator that reads a tensor's value on the host: on a GPU each waits
+    for the device. A hadw op's implementation runs under this mode too (as ``ops.call``'s
+    router would run it), so the Python around a backend's kernels is seen as well."""
+
+    NAMES = ("_local_scalar_dense", "is_nonzero", "nonzero")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, name = func._schema.name.split("::")
+        if namespace == "aten" and name in self.NAMES:
+            raise AssertionError(f"aten::{name}: a tensor value was read on the host")
+        if namespace == "hadw":
+            *inputs, backend = args
+            device = next(value.device for value in inputs if isinstance(value, torch.Tensor))
+            with self:
+                return routing._KERNELS[(name, backend, device.type)](*inputs)
+        return func(*args, **(kwargs or {}))
+
+
+def _tokens(layout, batch, width, values):
+    """A per-token tensor [B, T] as the layout passes it: padded as it is, packed as [N]
+    (the padded rows' segments of ``width`` tokens each, padding masked)."""
+    return values if layout == "padded" else values.reshape(batch * width, *values.shape[2:])
+
+
+def _packing(layout, batch, width):
+    return {} if layout == "padded" else {"cu_seqlens": torch.arange(batch + 1) * width}
+
+
+def _surrogate_call(backend, check_values, layout="padded"):
+    logprobs = -torch.rand(4, 6)
     mask = torch.ones(4, 6)
     mask[:, -2:] = 0
+    leaf = _tokens(layout, 4, 6, logprobs).requires_grad_()
     loss = fused_hadw_grpo_loss(
-        logprobs, logprobs.detach() - 0.1, torch.tensor([1.0, 0.0, 1.0, 1.0]), mask, group_size=2,
-        anchor=torch.tensor(0.4), beta=0.04, ref_logprobs=logprobs.detach() + 0.05, return_metrics=True,
-        backend=backend, check_values=check_values,
+        leaf, _tokens(layout, 4, 6, logprobs - 0.1), torch.tensor([1.0, 0.0, 1.0, 1.0]), _tokens(layout, 4, 6, mask),
+        group_size=2, anchor=torch.tensor(0.4), beta=0.04, ref_logprobs=_tokens(layout, 4, 6, logprobs + 0.05),
+        return_metrics=True, backend=backend, check_values=check_values, **_packing(layout, 4, 6),
     )
-    return loss, [logprobs]
+    return loss, [leaf]
 
 
-def _linear_call(backend, check_values):
-    hidden = torch.randn(4, 6, 8, requires_grad=True)
+def _token_mean_call(backend, check_values, layout="padded"):
+    """dapo: token-mean, whose count of the batch's tokens the kernels form with the gradients."""
+    logprobs = -torch.rand(4, 6)
+    mask = torch.ones(4, 6)
+    mask[:, -2:] = 0
+    leaf = _tokens(layout, 4, 6, logprobs).requires_grad_()
+    loss = fused_hadw_grpo_loss(
+        leaf, _tokens(layout, 4, 6, logprobs - 0.1), None, _tokens(layout, 4, 6, mask),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]), loss_type="dapo", return_metrics=True, backend=backend,
+        check_values=check_values, **_packing(layout, 4, 6),
+    )
+    return loss, [leaf]
+
+
+def _linear_call(backend, check_values, layout="padded", **options):
+    hidden = torch.randn(4, 6, 8)
     weight = torch.randn(16, 8, requires_grad=True)
     mask = torch.ones(4, 6, dtype=torch.bool)
     mask[:, -2:] = False
+    leaf = _tokens(layout, 4, 6, hidden).requires_grad_()
     loss = fused_linear_hadw_grpo_loss(
-        hidden, weight, torch.randint(0, 16, (4, 6)), -torch.rand(4, 6) - 2, torch.tensor([1.0, 0.0, 1.0, 1.0]),
-        mask, group_size=2, anchor=0.4, return_metrics=True, backend=backend, check_values=check_values,
+        leaf, weight, _tokens(layout, 4, 6, torch.randint(0, 16, (4, 6))),
+        _tokens(layout, 4, 6, -torch.rand(4, 6) - 2), torch.tensor([1.0, 0.0, 1.0, 1.0]), _tokens(layout, 4, 6, mask),
+        group_size=2, anchor=0.4, return_metrics=True, backend=backend, check_values=check_values,
+        **_packing(layout, 4, 6), **options,
     )
-    return loss, [hidden, weight]
+    return loss, [leaf, weight]
 
 
-def _corrected_surrogate_call(backend, check_values):
+def _recomputed_linear_call(backend, check_values, layout="padded"):
+    """The linear loss's other path: log-probs first, backward recomputing the logits."""
+    return _linear_call(backend, check_values, layout, loss_type="gspo")
+
+
+def _corrected_surrogate_call(backend, check_values, layout="padded"):
     """Every rule of the rollout correction and both token masks, batch-normalised."""
-    logprobs = (-torch.rand(4, 6)).requires_grad_()
+    logprobs = -torch.rand(4, 6)
     mask = torch.ones(4, 6)
     mask[:, -2:] = 0
+    leaf = _tokens(layout, 4, 6, logprobs).requires_grad_()
     correction = RolloutCorrection(level="token", rule="mask", lower=0.5, upper=2.0, batch_normalize=True,
                                    rejection={"seq_max_k3": 0.5, "token_k1": (0.5, 2.0)})
     loss = fused_hadw_grpo_loss(
-        logprobs, logprobs.detach() - 0.1, torch.tensor([1.0, 0.0, 1.0, 1.0]), mask, group_size=2,
-        anchor=torch.tensor(0.4), rollout_logprobs=logprobs.detach() - 0.15, rollout_correction=correction,
-        off_policy_mask_threshold=0.1, top_entropy_quantile=0.5, entropy=torch.rand(4, 6), return_metrics=True,
-        backend=backend, check_values=check_values,
+        leaf, _tokens(layout, 4, 6, logprobs - 0.1), torch.tensor([1.0, 0.0, 1.0, 1.0]), _tokens(layout, 4, 6, mask),
+        group_size=2, anchor=torch.tensor(0.4), rollout_logprobs=_tokens(layout, 4, 6, logprobs - 0.15),
+        rollout_correction=correction, off_policy_mask_threshold=0.1, top_entropy_quantile=0.5,
+        entropy=_tokens(layout, 4, 6, torch.rand(4, 6)), return_metrics=True, backend=backend,
+        check_values=check_values, **_packing(layout, 4, 6),
     )
-    return loss, [logprobs]
+    return loss, [leaf]
 
 
-def _corrected_linear_call(backend, check_values):
-    hidden = torch.randn(4, 6, 8, requires_grad=True)
-    weight = torch.randn(16, 8, requires_grad=True)
-    mask = torch.ones(4, 6, dtype=torch.bool)
-    mask[:, -2:] = False
+def _corrected_linear_call(backend, check_values, layout="padded"):
     old = -torch.rand(4, 6) - 2
-    loss = fused_linear_hadw_grpo_loss(
-        hidden, weight, torch.randint(0, 16, (4, 6)), old, torch.tensor([1.0, 0.0, 1.0, 1.0]),
-        mask, group_size=2, anchor=0.4, rollout_logprobs=old - 0.05, rollout_correction=RolloutCorrection(),
-        return_metrics=True, backend=backend, check_values=check_values,
-    )
-    return loss, [hidden, weight]
+    return _linear_call(backend, check_values, layout, rollout_logprobs=_tokens(layout, 4, 6, old - 0.05),
+                        rollout_correction=RolloutCorrection())
 
 
-CALLS = {"surrogate": _surrogate_call, "linear": _linear_call, "corrected_surrogate": _corrected_surrogate_call,
+CALLS = {"surrogate": _surrogate_call, "token_mean": _token_mean_call, "linear": _linear_call,
+         "recomputed_linear": _recomputed_linear_call, "corrected_surrogate": _corrected_surrogate_call,
          "corrected_linear": _corrected_linear_call}
+# The linear loss's gradients-in-forward path (cpp and triton): its backward's shortcut for
+# an upstream gradient of exactly 1 on the CPU reads that value (ops/autograd.py).
+GRADIENTS_IN_FORWARD = ("linear", "corrected_linear")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("loss", list(CALLS))
+def test_unchecked_forward_reads_no_value(monkeypatch, loss, backend, layout):
+    """check_values=False: no operator of the forward reads a value on the host, inside the
+    backends' implementations too, and Python reads none."""
+    _Reads(monkeypatch, refuse=True)
+    with _HostReadOperators():
+        value, metrics = CALLS[loss](backend, check_values=False, layout=layout)[0]
+    monkeypatch.undo()
+    assert torch.isfinite(value) and all(torch.isfinite(metric) for metric in metrics.values())
 
 
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
 @pytest.mark.parametrize("loss", list(CALLS))
 def test_unchecked_call_reads_no_value(monkeypatch, loss, backend):
-    """check_values=False: the forward reads no tensor value. The backward reads none
-    either, except the cpp/triton linear loss's shortcut for an upstream gradient of
-    exactly 1 on the CPU (ops/autograd.py), one read of host memory that is no device
-    synchronisation and is not taken on CUDA."""
+    """check_values=False: the forward and the backward read no tensor value in Python,
+    except the cpp/triton linear loss's shortcut for an upstream gradient of exactly 1 on
+    the CPU (ops/autograd.py), one read of host memory that is no device synchronisation
+    and is not taken on CUDA."""
     reads = _Reads(monkeypatch, refuse=True)
     (value, metrics), leaves = CALLS[loss](backend, check_values=False)
     reads.refuse = False
     value.backward()
     monkeypatch.undo()
-    gradients_in_forward = loss in ("linear", "corrected_linear") and backend != "torch"
+    gradients_in_forward = loss in GRADIENTS_IN_FORWARD and backend != "torch"
     assert reads.count == (1 if gradients_in_forward else 0)
     assert torch.isfinite(value) and all(torch.isfinite(leaf.grad).all() for leaf in leaves)
     assert all(torch.isfinite(metric) for metric in metrics.values())
@@ -131,11 +200,12 @@ def test_checked_call_reads_once(monkeypatch, loss, backend):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in available_backends("cpu"),
                     reason="counts launches under Triton's interpreter")
-def test_triton_surrogate_launches(monkeypatch):
-    """At most 4 kernel launches for the surrogate's forward and backward with rewards
-    (response lengths, group advantages with Phi, the per-response surrogate, the final
-    reduction), 3 with the caller's advantages (no group kernel), none in backward: the
-    gradient is formed in the forward and scaled by one torch.mul (ops/autograd.py)."""
+def test_triton_launches_per_call(monkeypatch):
+    """The Triton launches of each path (docs/triton-surrogate.md, "Launches"): the
+    surrogate one in its forward for every objective, ratio form and aggregation, none in
+    backward (the gradient formed in the forward is scaled by torch.mul, ops/autograd.py);
+    the linear loss's gradients-in-forward path two a block of rows and the surrogate's
+    one, none in backward; its recompute path one a block each way and the surrogate's."""
     from triton.runtime.interpreter import InterpretedFunction
 
     launches = []
@@ -146,19 +216,41 @@ def test_triton_surrogate_launches(monkeypatch):
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", counted)
+
+    def launches_of(call):
+        launches.clear()
+        loss = call()
+        forward = list(launches)
+        launches.clear()
+        loss.backward()
+        return forward, list(launches)
+
     logprobs = (-torch.rand(8, 5)).requires_grad_()
     mask = torch.ones(8, 5, dtype=torch.bool)
     common = dict(backend="triton", check_values=False, beta=0.04, ref_logprobs=logprobs.detach())
-    for loss_type in ("grpo", "gspo"):
-        for data, expected in ((dict(rewards=torch.tensor([1.0, 0.0] * 4), group_size=2, anchor=0.3), 4),
-                               (dict(rewards=None, advantages=torch.randn(8)), 3)):
-            launches.clear()
-            loss = fused_hadw_grpo_loss(logprobs, logprobs.detach() + 0.1, response_mask=mask,
-                                        loss_type=loss_type, **data, **common)
-            forward = len(launches)
-            loss.backward()
-            assert forward <= expected, launches
-            assert len(launches) == forward, launches
+    sources = (dict(rewards=torch.tensor([1.0, 0.0] * 4), group_size=2, anchor=0.3),
+               dict(rewards=None, advantages=torch.randn(8)), dict(rewards=None, advantages=torch.randn(8, 5)))
+    for loss_type in ("grpo", "gspo", "dapo", "luspo", "dr_grpo", "vespo", "gmpo"):
+        for data in sources:
+            forward, backward = launches_of(lambda: fused_hadw_grpo_loss(
+                logprobs, logprobs.detach() + 0.1, response_mask=mask, loss_type=loss_type, **data, **common))
+            assert (forward, backward) == (["_surrogate_kernel"], []), (loss_type, data.keys())
+
+    # The gradients-in-forward path in three blocks of rows, the last one short; the
+    # recompute path's ops plan their own (config.block_rows_for): one.
+    rows, block_rows = 8 * 5, 16
+    hidden = torch.randn(8, 5, 4, requires_grad=True)
+    weight = torch.randn(11, 4, requires_grad=True)
+    labels = torch.randint(0, 11, (8, 5))
+    blocks = -(-rows // block_rows)
+    assert block_rows_for(rows, 11, 4, "cpu") >= rows
+    for path, expected in (("gradients_in_forward", (["_row_surrogate_kernel", "_logit_gradient_kernel"] * blocks
+                                                     + ["_surrogate_kernel"], [])),
+                           ("recompute", (["_row_stats_kernel", "_surrogate_kernel"], ["_logit_gradient_kernel"]))):
+        launched = launches_of(lambda: fused_linear_hadw_grpo_loss(
+            hidden, weight, labels, None, torch.tensor([1.0, 0.0] * 4), mask, group_size=2, backend="triton",
+            check_values=False, linear_path=path, block_rows=block_rows))
+        assert launched == expected, path
 
 
 @pytest.mark.parametrize("backend", HOST_BACKENDS)

@@ -15,25 +15,14 @@ import pytest
 import torch
 
 trl = pytest.importorskip("trl", reason="the trl extra is not installed")
-from datasets import Dataset  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_weights  # noqa: E402
 from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
 from hadw_kernels.integrations.trl import ANCHOR_FILE, HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
-from trainer.models.tiny_model import build_tokenizer  # noqa: E402
+from trl_runs import (PROMPTS, RUN, TOKENIZER, assert_masks_do_not_rest_on_rounding, logged_steps,  # noqa: E402
+                      sevens, tiny_model_dir, train, train_recording_bounds)
 
-TOKENIZER = build_tokenizer(["[PAD]", "[BOS]", "[EOS]"] + [str(digit) for digit in range(10)])
-PROMPTS = Dataset.from_dict({"prompt": [f"{i} {i + 1}" for i in range(8)]})
-# 4 prompts x 4 completions a generation batch, split into 4 micro-batches (shuffled),
-# 2 per optimizer step: the second step has old log-probs and clips. SGD with a large
-# rate, so that parameters after a step reflect the gradient and ratios move.
-RUN = dict(
-    per_device_train_batch_size=4, num_generations=4, steps_per_generation=4, gradient_accumulation_steps=2,
-    max_completion_length=8, learning_rate=1.0, optim="sgd", logging_steps=1, report_to="none",
-    save_strategy="no", use_cpu=True, bf16=False, seed=0,
-)
 # Each TRL loss type, with its options set away from their defaults where it has them:
 # delta above and below 1 + epsilon_high, CISPO's cap low enough to bind, other SAPO
 # temperatures and VESPO shapes; SAPO at sequence level is what Liger's loss refuses.
@@ -73,28 +62,9 @@ CLIP_METRIC = {"gspo": None, "cispo": "cispo_clip_ratio", "cispo+sequence": "cis
 HIGH_CLIP_UNDER_DELTA = ("clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
-def _tiny_llama(directory, head_scale: float = 1.0) -> str:
-    """A tiny Llama saved to disk: TRL builds its reference model (beta > 0) from the path.
-    ``head_scale`` multiplies the LM head's weights: the initialised model's next-token
-    distributions are nearly uniform (entropies within 1e-5 of log V), a scaled head's are
-    not."""
-    config = LlamaConfig(
-        vocab_size=len(TOKENIZER), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=TOKENIZER.bos_token_id,
-        eos_token_id=TOKENIZER.eos_token_id, pad_token_id=TOKENIZER.pad_token_id, tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(head_scale)
-    model.save_pretrained(directory)
-    return str(directory)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    return _tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -102,77 +72,7 @@ def spread_model_dir(tmp_path_factory) -> str:
     """For the entropy mask: entropies spread over [0.3, 2.3] rather than within 1e-5 of
     log V, so that which tokens pass the quantile does not rest on the last bits each side
     computes them to (test_the_entropy_quantile_is_far_from_every_other_entropy)."""
-    return _tiny_llama(tmp_path_factory.mktemp("tiny-llama-spread"), head_scale=16.0)
-
-
-def sevens(completions, **_):
-    return [completion.split().count("7") / max(len(completion.split()), 1) for completion in completions]
-
-
-def train(trainer_class, config_class, model, output_dir, **options):
-    trainer = trainer_class(
-        model=model, reward_funcs=sevens, args=config_class(output_dir=str(output_dir), **{**RUN, **options}),
-        train_dataset=PROMPTS, processing_class=TOKENIZER,
-    )
-    trainer.train()
-    return trainer
-
-
-def logged_steps(trainer) -> list[dict]:
-    return [entry for entry in trainer.state.log_history if "loss" in entry]
-
-
-class BoundaryRecordingTrainer(GRPOTrainer):
-    """Stock TRL, keeping what each of its token masks compares with its bound: the
-    entropies and their quantile, and each response's mean KL and advantage."""
-
-    recorded: dict[str, list] = {}  # reset for each run (train_recording_bounds)
-
-    def get_high_entropy_mask(self, entropies, mask, threshold):
-        local = entropies[mask.bool()].float().detach()
-        BoundaryRecordingTrainer.recorded["entropy"].append((local, torch.quantile(local, threshold)))
-        return super().get_high_entropy_mask(entropies, mask, threshold)
-
-    @staticmethod
-    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
-        kl = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
-        mean_kl = (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-        BoundaryRecordingTrainer.recorded["off_policy"].append((mean_kl, advantages.flatten().detach()))
-        return GRPOTrainer.get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
-                                               off_policy_threshold)
-
-
-def train_recording_bounds(model, output_dir, **options):
-    BoundaryRecordingTrainer.recorded = {"entropy": [], "off_policy": []}
-    stock = train(BoundaryRecordingTrainer, GRPOConfig, model, output_dir, **options)
-    return stock, BoundaryRecordingTrainer.recorded
-
-
-# Two implementations' float32 values of one quantity differ by a few units in the last
-# place (2.4e-7 at 2): a value this far from its bound is on the same side of it in both.
-SIDE_MARGIN = 1e-5
-
-
-def assert_masks_do_not_rest_on_rounding(recorded, options):
-    """Why the integration's token masks equal TRL's: every entropy is the quantile itself
-    (tokens of one context, equal on both sides) or farther from it than the two sides'
-    rounding; every response's mean KL is 0 (before the first update, exactly 0 on both
-    sides) or far from the off-policy threshold; and each mask removes something."""
-    if options.get("top_entropy_quantile", 1.0) < 1.0:
-        assert recorded["entropy"]
-        for entropies, quantile in recorded["entropy"]:
-            distances = (entropies - quantile).abs()
-            assert float(distances[distances > 0].min()) > SIDE_MARGIN, (quantile, entropies)
-            assert bool((entropies < quantile).any())
-    if options.get("off_policy_mask_threshold") is not None:
-        threshold = options["off_policy_mask_threshold"]
-        assert recorded["off_policy"]
-        dropped = 0
-        for mean_kl, advantages in recorded["off_policy"]:
-            moved = mean_kl[mean_kl != 0]
-            assert bool(((moved - threshold).abs() > SIDE_MARGIN).all()), (threshold, mean_kl)
-            dropped += int(((advantages < 0) & (mean_kl > threshold)).sum())
-        assert dropped > 0
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-spread"), head_scale=16.0)
 
 
 @pytest.mark.parametrize("setting", LOSS_SETTINGS)
@@ -461,3 +361,16 @@ def test_under_zero3_the_options_that_read_the_policy_first_are_refused(model_di
     with pytest.raises(ValueError, match=r"ZeRO-3 .* use_bias_correction_kl"):
         train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path, loss_type="grpo", beta=0.05,
               use_bias_correction_kl=True, max_steps=1)
+
+
+def test_the_entropy_mask_reads_the_entropies_in_float32_as_trl(tmp_path):
+    """TRL's trainer forms its entropies in float32 whatever the model's dtype (its fused LM
+    head accumulates in float32) and masks by their float32 quantile; the drop-in's loss
+    forms them in the head's dtype and reads them in float32 for the mask
+    (test_rollout_correction.py, test_trl_entropy_mask_reads_the_entropies_in_float32)."""
+    args = HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "loss_type": "grpo", "top_entropy_quantile": 0.2})
+    trainer = types.SimpleNamespace(
+        args=args, loss_type=args.loss_type, current_gradient_accumulation_steps=1, off_policy_mask_threshold=None,
+        top_entropy_quantile=args.top_entropy_quantile, max_completion_length=args.max_completion_length)
+    options = HADWGRPOTrainer._loss_options(trainer, {}, torch.ones(2, 3, dtype=torch.bool), "train")
+    assert options["top_entropy_quantile"] == 0.2 and options["entropy_mask_dtype"] == "float32"

@@ -7,6 +7,7 @@ losses (and their fused versions) through verl's actor loss, and the anchor roun
 through verl's checkpoint folder and its checkpoint-callback hook."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,9 +54,10 @@ def _fresh_driver_anchor():
     hadw_verl.reset_driver_anchor()
 
 
-def actor_config(batch_info: dict, loss_mode: str = "vanilla", loss_agg_mode: str = "token-mean") -> ActorConfig:
+def actor_config(batch_info: dict, loss_mode: str = "vanilla", loss_agg_mode: str = "token-mean",
+                 clip_ratio_low: float = 0.2) -> ActorConfig:
     config = ActorConfig(
-        strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2, clip_ratio_low=0.2,
+        strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2, clip_ratio_low=clip_ratio_low,
         clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.2, tau_neg=1.6, loss_agg_mode=loss_agg_mode,
         policy_loss=PolicyLossConfig(loss_mode=loss_mode, **POLICY_LOSS_OPTIONS),
     )
@@ -131,6 +133,71 @@ def test_policy_loss_equals_verl(theirs, mode, batch_info, with_is_weights, per_
         assert expected[2]["actor/pg_clipfrac"] > 0
     if theirs in ("vanilla", "geo_mean", "dppo_tv", "dppo_kl"):
         assert 0 < expected[2]["actor/pg_clipfrac_lower"]
+
+
+@pytest.mark.parametrize("clip_ratio_low", [1.0, 10.0])
+@pytest.mark.parametrize("theirs", VERL_LOSSES)
+def test_policy_loss_equals_verl_without_a_lower_clip(theirs, clip_ratio_low):
+    """verl takes clip_ratio_low >= 1 (its CISPO's lower bound 1 - 10 clips nothing; DPPO's
+    is a probability or KL threshold, GMPO's a log-ratio bound) and every loss computes
+    with it: so do the drop-ins, which refused it ("epsilon_low must be below 1")."""
+    old, logprob, advantages, mask, weights = policy_batch(True, True)
+    config = actor_config({}, clip_ratio_low=clip_ratio_low)
+    expected = run_loss(core_algos.get_policy_loss_fn(theirs), old, logprob, advantages, mask, "token-mean", config,
+                        weights)
+    got = run_loss(core_algos.get_policy_loss_fn(f"hadw_{theirs}"), old, logprob, advantages, mask, "token-mean",
+                   config, weights)
+    assert_same_loss(got, expected)
+
+
+@pytest.mark.parametrize("theirs", ["clip_cov", "kl_cov"])
+def test_clip_cov_and_kl_cov_differ_from_verl_past_the_ratio_clamp_as_documented(theirs):
+    """verl's clip_cov and kl_cov exponentiate the log-ratio unclamped, the library clamps
+    it at 20: equal below, different past it, and verl.md says so among the deliberate
+    differences (it said a swap changed nothing a run records)."""
+    old, logprob, advantages, mask, weights = policy_batch(False, True)
+    config = actor_config({})
+    for shift, same in ((0.0, True), (25.0, False)):
+        moved = (logprob.detach() + shift * mask).requires_grad_()
+        expected = run_loss(core_algos.get_policy_loss_fn(theirs), old, moved, advantages, mask, "token-mean",
+                            config, None)
+        got = run_loss(core_algos.get_policy_loss_fn(f"hadw_{theirs}"), old, moved, advantages, mask, "token-mean",
+                       config, None)
+        assert torch.allclose(got[0], expected[0]) == same, (shift, got[0], expected[0])
+    differences = (ROOT / "docs" / "integrations" / "verl.md").read_text().split(
+        "## Where it differs from verl, on purpose")[1].split("\n## ")[0]
+    assert "clip_cov's and kl_cov's ratio" in differences and "unclamped" in differences
+
+
+def _cispo_case(function, with_is_weights: bool):
+    """verl's own CPU cases of CISPO, with no lower clip (clip_ratio_low=10): three
+    tokens whose ratios are above, below and (masked) above the range."""
+    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
+                         clip_ratio_low=10.0, clip_ratio_high=0.2, policy_loss=PolicyLossConfig(loss_mode="cispo"))
+    old = torch.tensor([[-2.0, -2.0, -2.0]])
+    logprob = torch.tensor([[-1.5, -3.0, -1.0]], requires_grad=True)
+    advantages = torch.tensor([[2.0, -3.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    weights = torch.tensor([[0.5, 2.0, 1.0]]) if with_is_weights else None
+    loss, metrics = function(old, logprob, advantages, mask, loss_agg_mode="token-mean", config=config,
+                             rollout_is_weights=weights)
+    loss.backward()
+    return loss.detach(), logprob.grad, metrics, logprob.detach(), advantages, mask, weights
+
+
+@pytest.mark.parametrize("with_is_weights", [False, True])
+@pytest.mark.parametrize("name", ["cispo", "hadw_cispo"])
+def test_cispo_without_a_lower_clip_as_verl_s_own_cases(name, with_is_weights):
+    """The below-range ratio e^-1 keeps its value (no lower floor), the others are capped
+    at 1 + 0.2, and the gradient flows through the log-prob; half the counted tokens
+    clipped."""
+    loss, grad, metrics, logprob, advantages, mask, weights = _cispo_case(core_algos.get_policy_loss_fn(name),
+                                                                          with_is_weights)
+    clipped_ratio = torch.tensor([[1.2, math.exp(-1.0), 1.2]])
+    weight = clipped_ratio * (1.0 if weights is None else weights)
+    torch.testing.assert_close(loss, (-weight * advantages * logprob * mask).sum() / mask.sum())
+    torch.testing.assert_close(grad, -weight * advantages * mask / mask.sum())
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("batch_info", BATCH_INFOS, ids=str)

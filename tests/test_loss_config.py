@@ -162,7 +162,8 @@ FIELD_TYPES = {
     "std_eps": "a number", "lambda_scale": "a number", "beta": "a number", "kl_estimator": "a string",
     "entropy_coef": "a number", "loss_normalizer": "a number or None", "max_response_length": "an int or None",
     "rollout_correction": "a RolloutCorrection or None", "off_policy_mask_threshold": "a number or None",
-    "top_entropy_quantile": "a number", "kl_bias_correction": "a bool", "kl_bias_ratio": "a string",
+    "top_entropy_quantile": "a number", "entropy_mask_dtype": "a string", "kl_bias_correction": "a bool",
+    "kl_bias_ratio": "a string",
     # Every objective's own option (config.OBJECTIVES): a number, or None for its default.
     **{name: "a number or None" for name in OBJECTIVE_OPTIONS},
 }

@@ -184,6 +184,50 @@ def test_trl_top_entropy_quantile(backend, quantile):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("quantile", [0.2, 0.5, 0.8])
+def test_trl_entropy_mask_reads_the_entropies_in_float32(backend, quantile):
+    """TRL's trainer forms float32 entropies (its fused LM head accumulates them in float32,
+    a float64 model's too) and takes their quantile and its mask in float32. Entropies closer
+    together than float32 resolves (within 1e-6 of log 13) share values there: with
+    entropy_mask_dtype="float32" (the TRL drop-in's) the loss of float64 entropies masks
+    TRL's tokens; read in float64, as the library's default, it masks others."""
+    data = batch(seed=5)
+    generator = torch.Generator().manual_seed(1)
+    entropy = math.log(13) + 1e-6 * torch.randn(data["mask"].shape, generator=generator, dtype=torch.float64)
+    args = trl_config("bnpo", top_entropy_quantile=quantile)
+    logprobs = data["logprobs"].clone().requires_grad_()
+    expected_loss = TrlLoss(args)(logprobs, data["old"], data["advantages"], data["mask"], entropies=entropy.float())
+    (expected_grad,) = torch.autograd.grad(expected_loss, logprobs)
+    got = library_loss(data, backend, loss_type="bnpo", top_entropy_quantile=quantile, entropy=entropy,
+                       entropy_mask_dtype="float32")
+    torch.testing.assert_close(got, (expected_loss.detach(), expected_grad), **EXACT)
+    own = library_loss(data, backend, loss_type="bnpo", top_entropy_quantile=quantile, entropy=entropy)
+    assert not torch.allclose(own[0], expected_loss.detach())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_entropies_meet_the_quantile_in_float32(backend):
+    """The quantile of bfloat16 entropies falls between two bfloat16 values: compared in
+    bfloat16 it was rounded down onto the lower one, which was kept; compared in float32,
+    as TRL compares, that token is masked."""
+    data = batch(seed=5)
+    mask = torch.zeros_like(data["mask"])
+    mask[0, :4] = True
+    entropy = torch.ones(mask.shape, dtype=torch.bfloat16)
+    entropy[0, :4] = torch.tensor([1.0, 1.0078125, 1.015625, 1.0234375])  # consecutive bfloat16 values
+    args = trl_config("bnpo", top_entropy_quantile=0.9)  # quantile 1 + 0.3 x 2^-7
+    logprobs = data["logprobs"].clone().requires_grad_()
+    expected_loss = TrlLoss(args)(logprobs, data["old"], data["advantages"], mask, entropies=entropy)
+    (expected_grad,) = torch.autograd.grad(expected_loss, logprobs)
+    got = library_loss(data, backend, mask=mask, loss_type="bnpo", top_entropy_quantile=0.9, entropy=entropy)
+    torch.testing.assert_close(got, (expected_loss.detach(), expected_grad), **EXACT)
+    _, metrics = fused_hadw_grpo_loss(data["logprobs"], data["old"], None, mask, advantages=data["advantages"],
+                                      loss_type="bnpo", top_entropy_quantile=0.9, entropy=entropy,
+                                      return_metrics=True, backend=backend)
+    assert float(metrics["entropy_masked_frac"]) == 0.25
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_trl_bias_corrected_kl(backend, level):
     data = batch(seed=6)

@@ -1,4 +1,4 @@
-"""The segment attention (trainer/models/segment_attention.py): each segment of a packed row
+"""The segment attention (hadw_kernels/layouts/segments.py): each segment of a packed row
 attends within itself (and to its prefix, a shared prompt) at its own cost, equal to
 dense attention under the mask the segments describe, forward and backward; on the
 device the suite runs on (HADW_TEST_DEVICE=cuda: the varlen flash path in half precision
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 
-from trainer.models.segment_attention import VARLEN, Segments
+from hadw_kernels.layouts.segments import VARLEN, Segments
 
 # The suite's device (tests/conftest.py): the CPU, or a GPU under HADW_TEST_DEVICE=cuda.
 DEVICE = torch.device(os.environ.get("HADW_TEST_DEVICE", "cpu"))

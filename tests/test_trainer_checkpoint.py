@@ -134,21 +134,35 @@ def test_a_torn_last_line_of_metrics_is_ignored_on_resume(tmp_path):
         read_metrics(path)
 
 
+def test_the_progress_bar_tells_step_times_apart():
+    """t(roll/rew/train/sync) had 0.1 s resolution: two layouts' train times of 12 and 46 ms
+    both read 0.0. Three significant digits, in ms below a second."""
+    from trainer.engine.metrics_log import summary
+
+    row = {"reward/mean": 0.5, "acc/copy": 0.5, "anchor/belief": 0.4, "anchor/eta": 0.1, "phi_mean": 1.0,
+           "clip_frac": 0.0, "entropy_mean": 2.0, "tokens_per_s": 300.0, "time/rollout": 0.0987,
+           "time/reward": 0.0004, "time/train": 0.0123, "time/sync": 1.5}
+    assert "t(roll/rew/train/sync)=98.7ms/0.4ms/12.3ms/1.5s" in summary(row)
+    assert "train/sync)=98.7ms/0.4ms/45.6ms/1.5s" in summary({**row, "time/train": 0.0456})
+
+
 def test_resuming_a_run_that_does_not_exist_fails_unless_asked(tmp_path):
     """Item 14: --resume of a mistyped run name silently started a new run at step 0."""
     missing = tmp_path / "runs" / "typo"
     with pytest.raises(ConfigError, match="there is no run at .*typo.*--start-if-missing"):
         resume_point(missing, resume=True, start_if_missing=False)
-    assert resume_point(missing, resume=True, start_if_missing=True) is None
+    assert resume_point(missing, resume=True, start_if_missing=True) == (None, [])
 
     existing = tmp_path / "runs" / "real"
     existing.mkdir(parents=True)
     (existing / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match="pass --resume"):
         resume_point(existing, resume=False, start_if_missing=False)
-    assert resume_point(existing, resume=True, start_if_missing=False) is None  # no checkpoint yet
+    assert resume_point(existing, resume=True, start_if_missing=False) == (
+        None, [f"{existing} has no checkpoint yet: it starts again at step 0"])
     save_checkpoint(existing / "checkpoints", 1, _Engine(), _anchor_after([0.5]), keep=2)
-    assert resume_point(existing, resume=True, start_if_missing=False) == existing / "checkpoints" / "step-00000001"
+    assert resume_point(existing, resume=True, start_if_missing=False) == (
+        existing / "checkpoints" / "step-00000001", [])
     assert [step for step, _ in completed_checkpoints(existing / "checkpoints")] == [1]
 
 
@@ -186,6 +200,23 @@ def test_a_second_run_of_a_claimed_name_stops_before_it_builds_anything(tmp_path
     assert sorted(path.name for path in run_dir.iterdir()) == [LOCK_FILE]  # nothing written
 
 
+def test_a_resume_of_a_live_run_is_refused_before_it_says_anything_else(tmp_path):
+    """It first printed "has no checkpoint yet: it starts again at step 0" and only then
+    was refused by the lock."""
+    from trainer.run import LOCK_FILE
+
+    run_dir = tmp_path / "runs" / "live"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / LOCK_FILE).write_text(str(__import__("os").getpid()))  # this test's process: alive
+    result = subprocess.run(
+        [sys.executable, str(REPO / "trainer" / "run.py"), "--resume", "--set", "run.name=live", "--set",
+         f"run.output_dir={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("config error: another trainer process"), result.stderr[-2000:]
+    assert "no checkpoint" not in result.stderr
+
+
 def test_an_exported_master_port_in_use_is_named(tmp_path):
     """One process without a launcher on an exported MASTER_PORT that another run holds:
     refused at startup saying what to do, not a torch.distributed traceback."""
@@ -202,3 +233,46 @@ def test_an_exported_master_port_in_use_is_named(tmp_path):
             capture_output=True, text=True, timeout=300, env={**environment, "MASTER_PORT": str(port)})
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"MASTER_PORT={port} is in use" in result.stderr and "unset MASTER_PORT" in result.stderr
+
+
+# One process without a launcher whose rendezvous port another process binds after the
+# trainer's check and before its rendezvous: two runs started at once.
+_PORT_TAKEN_BETWEEN = """
+import os, socket, sys
+from trainer.config import ConfigError, load_config
+from trainer.engine import environment
+if sys.argv[1] == "exported":
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+environment.prepare_environment(load_config(None, ["run.threads=1"]))
+checked = os.environ["MASTER_PORT"]
+taken = socket.socket()
+taken.bind(("127.0.0.1", int(checked)))
+taken.listen()
+try:
+    print("started", environment.init_distributed(), os.environ["MASTER_PORT"] != checked)
+except ConfigError as error:
+    print("refused", error)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("port", ["exported", "picked"])
+def test_a_port_taken_between_the_check_and_the_rendezvous(port):
+    """Two runs started at once with one exported MASTER_PORT both passed the check before
+    either bound it, and the loser died in torch.distributed with a DistNetworkError
+    traceback: it gets the named error. A port the trainer picked itself is replaced by
+    another free one."""
+    import os
+
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    result = subprocess.run([sys.executable, "-c", _PORT_TAKEN_BETWEEN, port], capture_output=True, text=True,
+                            timeout=300, env={**environment, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    if port == "exported":
+        assert "refused MASTER_PORT=" in result.stdout, result.stdout + result.stderr[-2000:]
+        assert "taken by another process after the trainer found it free" in result.stdout
+        assert "unset MASTER_PORT" in result.stdout
+    else:
+        assert "started (0, 1) True" in result.stdout, result.stdout + result.stderr[-2000:]

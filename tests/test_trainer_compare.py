@@ -37,6 +37,27 @@ def test_table_and_plot_of_three_variants(tmp_path):
     assert (tmp_path / "comparison.png").stat().st_size > 10_000
 
 
+def test_a_run_s_curves_are_drawn_from_its_metrics(tmp_path):
+    """A killed run has no curves.png (a run draws it at its end), and nothing redrew it:
+    `python -m trainer.tools.plot <run>` draws it from metrics.jsonl with the run's title."""
+    from trainer.config import load_config, save_config
+    from trainer.engine.metrics_log import MetricsLog
+    from trainer.tools.plot import main as plot
+
+    run_dir = tmp_path / "killed"
+    run_dir.mkdir()
+    config = load_config(None, ["run.name=killed", "rollout.engine=hf"])
+    save_config(config, run_dir / "config.yaml")
+    log = MetricsLog(run_dir / "metrics.jsonl", total_steps=10, first_step=0, enabled=True, progress=False)
+    for row in _seed(0.5, 0.7, 0.3)["metrics"][:6]:
+        log.write(row)
+    log.close()
+    assert plot([str(run_dir)]) == 0
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+    assert plot([str(run_dir), "--out", str(tmp_path / "elsewhere.png")]) == 0
+    assert (tmp_path / "elsewhere.png").stat().st_size > 10_000
+
+
 def test_run_times_read_in_seconds_under_ten_minutes():
     """A 70-second run reads "70 s", not "minutes a run 0.1"."""
     from trainer.tools.compare import duration

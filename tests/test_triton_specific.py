@@ -2,6 +2,7 @@
 synchronisation in the surrogate, launch geometry for any batch, int64 offsets, and the
 device helpers' tie rules. The numbers are in the conformance suite."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -51,12 +52,12 @@ def test_kernels_compile_for_a100_and_h100(tmp_path):
                             timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.splitlines()[0] == str(sorted([
-        "_finish_kernel", "_group_kernel", "_lengths_kernel", "_logit_gradient_kernel", "_row_stats_kernel",
-        "_scale_kernel", "_surrogate_kernel", "_token_gradient_kernel"]))
+        "_logit_gradient_kernel", "_row_stats_kernel", "_row_surrogate_kernel", "_scale_kernel", "_surrogate_kernel"]))
 
 
-def test_outputs_do_not_depend_on_recycled_memory():
-    """The surrogate's outputs are allocated without a fill: the kernels must write every
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])  # dapo: token-mean, whose grad_scale is an output too
+def test_outputs_do_not_depend_on_recycled_memory(loss_type):
+    """The surrogate's outputs are allocated without a fill: the kernel must write every
     element. Freed NaN blocks of the outputs' sizes come back from the allocator (CUDA's
     caching allocator; glibc's free lists under the interpreter)."""
     logprobs, old, rewards, mask = _batch(batch=8, width=37)
@@ -65,7 +66,7 @@ def test_outputs_do_not_depend_on_recycled_memory():
     mask[2] = False
     cu_seqlens = torch.arange(9, device=DEVICE) * 37
 
-    options = LossConfig.build("grpo", 4, lambda_scale=1.5, entropy_coef=0.01).kernel_options()
+    options = LossConfig.build(loss_type, 4, lambda_scale=1.5, entropy_coef=0.01).kernel_options()
 
     def call():
         return triton_surrogate.surrogate_forward(
@@ -101,8 +102,9 @@ def test_no_host_synchronisation(monkeypatch):
 
 
 class _LaunchRecorder:
-    def __init__(self):
+    def __init__(self, kernel):
         self.grids = []
+        self.arg_names = kernel.arg_names  # launch.BoundKernel binds by name
 
     def __getitem__(self, grid):
         self.grids.append(grid)
@@ -111,20 +113,15 @@ class _LaunchRecorder:
 
 def test_rows_are_on_grid_axis_0(monkeypatch):
     """70,000 responses exceed CUDA's 65,535 limit on grid axes 1 and 2 (the interpreter
-    has none and would take minutes): one program per group / response, all on axis 0."""
-    names = ("_lengths_kernel", "_group_kernel", "_surrogate_kernel", "_finish_kernel")
-    recorders = {name: _LaunchRecorder() for name in names}
-    for name, recorder in recorders.items():
-        monkeypatch.setattr(triton_surrogate, name, recorder)
+    has none and would take minutes): one program per response, all on axis 0."""
+    recorder = _LaunchRecorder(triton_surrogate._surrogate_kernel)
+    monkeypatch.setattr(triton_surrogate, "_surrogate_kernel", recorder)
     zeros = torch.zeros(70_000, 2, device=DEVICE)
     for loss_type in ("grpo", "gspo"):
         fused_hadw_grpo_loss(zeros, zeros, torch.zeros(70_000, device=DEVICE),
                              torch.ones(70_000, 2, dtype=torch.bool, device=DEVICE),
                              group_size=2, loss_type=loss_type, backend="triton", check_values=False)
-    assert recorders["_lengths_kernel"].grids == [(70_000,), (70_000,)]
-    assert recorders["_group_kernel"].grids == [(35_000,), (35_000,)]
-    assert recorders["_surrogate_kernel"].grids == [(70_000,), (70_000,)]
-    assert recorders["_finish_kernel"].grids == [(1,), (1,)]
+    assert recorder.grids == [(70_000,), (70_000,)]
 
 
 def test_token_offsets_beyond_int32():
@@ -341,10 +338,11 @@ def test_in_place_scaling_is_mul_(dtype, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or DEVICE != "cuda", reason="CUDA's synchronisation debug mode")
-def test_linear_loss_synchronises_once_on_cuda():
-    """The fused linear loss with values unchecked waits for the GPU once: the count of
-    active rows that sizes its blocks. A second wait, after the model's forward was queued,
-    would leave the GPU idle while Python runs (a Python anchor once made a blocking copy)."""
+def test_linear_loss_never_synchronises_on_cuda():
+    """The fused linear loss with values unchecked never waits for the GPU: its blocks are
+    planned over every row, not the count of active ones. A wait, after the model's forward
+    was queued, would leave the GPU idle while Python runs (a Python anchor once made a
+    blocking copy; the count of active rows was one on every call)."""
     import warnings
 
     from hadw_kernels import fused_linear_hadw_grpo_loss
@@ -366,4 +364,151 @@ def test_linear_loss_synchronises_once_on_cuda():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [str(w.message) for w in caught if str(w.message).startswith("called a synchronizing")]
-        assert len(syncs) == 1, syncs
+        assert syncs == []
+
+
+class _StandInCompiled:
+    """What Triton's launch returns on a GPU: a compiled kernel with its launcher."""
+
+    function = "cu-function"
+    packed_metadata = "packed-metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *arguments):
+        self.launches.append(arguments)
+
+    def launch_metadata(self, grid, stream, *values):
+        return None
+
+
+class _StandInKernel:
+    """A JIT function's face: its parameters' names and ``kernel[grid](**arguments)``."""
+
+    __name__ = "_stand_in_kernel"
+    arg_names = ["x_ptr", "count", "scale", "BLOCK", "y_ptr"]
+
+    def __init__(self):
+        self.compiles = []
+
+    def __getitem__(self, grid):
+        def launch(**arguments):
+            compiled = _StandInCompiled()
+            self.compiles.append((grid, arguments, compiled))
+            return compiled
+
+        return launch
+
+
+def test_a_bound_kernel_launches_its_compiled_kernel_directly(monkeypatch):
+    """On a GPU (stood in for here) a BoundKernel goes through Triton's launch once per
+    specialisation of its per-call arguments (Triton's own: dtype and 16-byte alignment of
+    a tensor, an integer's divisibility by 16 and whether it is 1; floats not at all), then
+    calls that compiled kernel's launcher itself with every parameter in the kernel's
+    order, the constants in their places, the grid on three axes and the current stream."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from hadw_kernels.triton import launch
+
+    monkeypatch.setattr(launch, "_direct_launches", lambda: True)
+    monkeypatch.setattr(launch, "_specialiser", lambda: functools.partial(native_specialize_impl, BaseBackend))
+    monkeypatch.setattr(launch, "_current_stream", lambda device: f"stream-{device}")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = _StandInKernel()
+    bound = launch.BoundKernel(kernel, BLOCK=128, num_warps=4)
+    x, y = torch.zeros(64), torch.zeros(64)
+    bound((3,), x, 32, 0.5, y)
+    assert len(kernel.compiles) == 1
+    grid, arguments, compiled = kernel.compiles[0]
+    assert grid == (3,) and arguments == dict(x_ptr=x, count=32, scale=0.5, y_ptr=y, BLOCK=128, num_warps=4)
+    assert compiled.launches == []  # Triton's launch ran it
+    bound((5, 2), x, 48, 0.25, y)  # same specialisation: another count divisible by 16, another float
+    assert len(kernel.compiles) == 1
+    (launched,) = compiled.launches
+    assert launched[:9] == (5, 2, 1, "stream-0", "cu-function", "packed-metadata", None,
+                            triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    assert launched[9:] == (x, 48, 0.25, 128, y)
+    for other in ((x, 17, 0.5, y), (x, 1, 0.5, y), (x[1:], 32, 0.5, y), (x.double(), 32, 0.5, y)):
+        bound((1,), *other)
+    assert len(kernel.compiles) == 5  # each a specialisation of its own
+    with pytest.raises(TypeError, match="expected arguments"):
+        bound((1,), x, 32, 0.5)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss", ["surrogate", "linear"])
+def test_a_call_is_captured_in_a_cuda_graph(loss, loss_type):
+    """With values unchecked and a tensor anchor (a Python float would be captured as the
+    value it had), a forward and backward of either loss is captured in one CUDA graph and
+    replayed on new values into the same tensors: eager's loss and gradients
+    (docs/architecture.md, "Taking the host out of the loop")."""
+    from hadw_kernels import fused_linear_hadw_grpo_loss
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rewards = torch.tensor([1.0, 0.0] * 4, device="cuda")
+    mask = torch.ones(8, 16, dtype=torch.bool, device="cuda")
+    mask[::3, 10:] = False
+    anchor = torch.tensor(0.4, device="cuda")
+    if loss == "surrogate":
+        leaves = [torch.zeros(8, 16, device="cuda", requires_grad=True)]
+        others = [torch.zeros(8, 16, device="cuda")]
+
+        def fill():
+            with torch.no_grad():
+                leaves[0].copy_(-torch.rand(8, 16, device="cuda", generator=generator))
+                others[0].copy_(leaves[0] + 0.1 * torch.randn(8, 16, device="cuda", generator=generator))
+
+        def call():
+            return fused_hadw_grpo_loss(leaves[0], others[0], rewards, mask, group_size=2, anchor=anchor,
+                                        loss_type=loss_type, backend="triton", check_values=False)
+    else:
+        leaves = [torch.zeros(8, 16, 32, device="cuda", requires_grad=True),
+                  torch.zeros(64, 32, device="cuda", requires_grad=True)]
+        others = [torch.zeros(8, 16, dtype=torch.long, device="cuda"), torch.zeros(8, 16, device="cuda")]
+
+        def fill():
+            with torch.no_grad():
+                leaves[0].copy_(torch.randn(8, 16, 32, device="cuda", generator=generator))
+                leaves[1].copy_(0.1 * torch.randn(64, 32, device="cuda", generator=generator))
+                others[0].copy_(torch.randint(0, 64, (8, 16), device="cuda", generator=generator))
+                others[1].copy_(-2 - torch.rand(8, 16, device="cuda", generator=generator))
+
+        def call():
+            return fused_linear_hadw_grpo_loss(leaves[0], leaves[1], others[0], others[1], rewards, mask,
+                                               group_size=2, anchor=anchor, loss_type=loss_type, backend="triton",
+                                               check_values=False)
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        value = call()
+        value.backward()
+        return value
+
+    fill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture: compiles, caches, allocator pools
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    # The graph accumulates into the gradients the leaves hold when it is captured.
+    grads = [torch.zeros_like(leaf) for leaf in leaves]
+    for leaf, grad in zip(leaves, grads):
+        leaf.grad = grad
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+        captured.backward()
+    for _ in range(2):
+        fill()
+        for grad in grads:
+            grad.zero_()
+        graph.replay()
+        replayed = [captured.detach().clone()] + [grad.clone() for grad in grads]
+        expected = [step().detach()] + [leaf.grad for leaf in leaves]
+        for got, want in zip(replayed, expected):
+            torch.testing.assert_close(got, want)

@@ -1,9 +1,10 @@
 """Bad calls fail before any computation, with a message that names the problem."""
 
+import numpy as np
 import pytest
 import torch
 
-from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, hadw_advantages, token_logprobs
 
 
 def _inputs(batch=4, width=3):
@@ -292,7 +293,7 @@ def test_finite_half_precision_inputs_pass_the_screen(monkeypatch):
         ("HADWGRPOLoss", dict(kl_estimator="k4"), "unknown kl_estimator"),
         ("HADWGRPOLoss", dict(lambda_scale=0.0), "lambda_scale"),
         ("HADWGRPOLoss", dict(lambda_scale=-1.0), "lambda_scale"),
-        ("HADWGRPOLoss", dict(epsilon_low=1.0), "epsilon_low must be below 1"),
+        ("HADWGRPOLoss", dict(epsilon_low=-1.0), r"epsilon_low \(clip range\) must be a finite non-negative"),
         ("HADWGRPOLoss", dict(group_size=1), "group_size must be at least 2"),
         ("HADWGRPOLoss", dict(backend="cuda"), "unknown backend"),
         ("HADWGRPOLoss", dict(loss_normalizer=0.0), "loss_normalizer"),
@@ -420,3 +421,64 @@ def test_bad_packed_linear_input_raises(overrides, match):
     for check_values in (True, False):
         with pytest.raises(ValueError, match=match):
             fused_linear_hadw_grpo_loss(**inputs, group_size=2, check_values=check_values)
+
+
+class _GeneratorOnCuda(torch.Generator):
+    """A CPU generator that reports a CUDA device: another device than CPU inputs' (a real
+    CUDA generator needs a GPU)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def _drawing_batch(loss):
+    """Inputs whose counted tokens' covariances spread over (-1, 1): some fall in the band
+    (-10, 10), none in (100, 200)."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = _linear_inputs() if loss == "linear" else _inputs()
+    if loss == "linear":
+        inputs["hidden_states"] = torch.randn(4, 3, 8, generator=generator)
+        inputs["lm_head_weight"] = torch.randn(16, 8, generator=generator)
+    else:
+        inputs["logprobs"] = -torch.rand(4, 3, generator=generator)
+    return inputs
+
+
+@pytest.mark.parametrize("loss", ["surrogate", "linear"])
+@pytest.mark.parametrize("options", [dict(loss_type="clip_cov", clip_cov_lb=-10.0, clip_cov_ub=10.0),
+                                     dict(loss_type="clip_cov", clip_cov_lb=100.0, clip_cov_ub=200.0), dict(loss_type="kl_cov"), dict(loss_type="grpo")],
+                         ids=["clip_cov-draws", "clip_cov-no-candidate", "kl_cov", "grpo"])
+@pytest.mark.parametrize("generator, error, match", [
+    ("0", TypeError, r"generator must be a torch.Generator \(or None: torch's global one\), got builtins.str"),
+    (7, TypeError, "generator must be a torch.Generator .*got builtins.int"),
+    (np.random.default_rng(0), TypeError, "generator must be a torch.Generator .*got numpy.random"),
+    (_GeneratorOnCuda(), ValueError, "generator is on cuda:0, the inputs on cpu"),
+], ids=["str", "int", "numpy", "other-device"])
+def test_a_generator_that_is_not_a_torch_generator_of_the_inputs_is_refused(loss, options, generator, error, match):
+    """Refused before any computation, by every objective, whether it draws or not: a
+    wrong value must not pass silently on the calls that happen to draw nothing."""
+    call = fused_linear_hadw_grpo_loss if loss == "linear" else fused_hadw_grpo_loss
+    inputs = _drawing_batch(loss)
+    assert call(**inputs, group_size=2, generator=torch.Generator().manual_seed(0), **options).isfinite()
+    with pytest.raises(error, match=match):
+        call(**inputs, group_size=2, generator=generator, **options)
+
+
+@pytest.mark.parametrize("call", ["surrogate", "surrogate-unchecked", "linear", "token_logprobs", "hadw_advantages"])
+def test_meta_tensors_are_refused_by_name(call):
+    """The meta device holds shapes, no values: refused with the reason, not with torch's
+    "Tensor.item() cannot be called on meta tensors" from inside a check."""
+    meta = {name: value.to("meta") for name, value in _inputs().items()}
+    linear = {name: value.to("meta") for name, value in _linear_inputs().items()}
+    run = {
+        "surrogate": lambda: fused_hadw_grpo_loss(**meta, group_size=2),
+        "surrogate-unchecked": lambda: fused_hadw_grpo_loss(**meta, group_size=2, check_values=False),
+        "linear": lambda: fused_linear_hadw_grpo_loss(**linear, group_size=2),
+        "token_logprobs": lambda: token_logprobs(linear["hidden_states"], linear["lm_head_weight"], linear["labels"]),
+        "hadw_advantages": lambda: hadw_advantages(meta["rewards"], group_size=2, anchor=0.5),
+    }[call]
+    name = {"surrogate": "logprobs", "surrogate-unchecked": "logprobs", "hadw_advantages": "rewards"}.get(
+        call, "hidden_states")
+    with pytest.raises(ValueError, match=f"{name} is on the meta device, which holds shapes but no values"):
+        run()

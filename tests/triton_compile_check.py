@@ -20,6 +20,7 @@ launches = []
 class Recorder:
     def __init__(self, kernel):
         self.kernel = kernel
+        self.arg_names = kernel.arg_names  # launch.BoundKernel binds by name
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))

@@ -30,6 +30,11 @@ def completed_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint directory (``step-<n>``) was saved at."""
+    return int(STEP_DIR.match(path.name).group(1))
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     found = completed_checkpoints(root)
     return found[-1][1] if found else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 import textwrap
 from dataclasses import dataclass, field
@@ -181,6 +182,10 @@ class RunConfig:
     threads: int = 0
     # responses written to samples.jsonl each step (one per prompt, the first prompts)
     log_samples: int = 4
+    # the libraries' own setup output too: DeepSpeed's op loading, vLLM's warnings and
+    # weight-loading bars, transformers' save bars (false: the trainer's messages, the
+    # progress bar and every warning that asks for action, alone)
+    verbose: bool = False
     # save the trained policy as a Hugging Face directory (hf_model/) at the end
     export_hf: bool = True
 
@@ -219,14 +224,30 @@ def keys_help(width: int = 79) -> str:
     return "\n".join(lines)
 
 
+# The configs the trainer ships (package data), which --config takes by name.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def config_file(given: str | os.PathLike) -> Path:
+    """A ``--config``: a YAML file, or the name of one the trainer ships
+    (``smollm2_arithmetic``, or with ``.yaml``), which resolves from any directory."""
+    path = Path(given)
+    if path.is_file():
+        return path
+    shipped = SHIPPED_CONFIGS / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    if path.parent == Path(".") and shipped.is_file():
+        return shipped
+    names = sorted(file.stem for file in SHIPPED_CONFIGS.glob("*.yaml"))
+    raise ConfigError(f"config file {path} does not exist (the trainer's own configs, by name: {names})")
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file at ``path``, then ``section.key=value`` overrides
-    (values parsed as YAML: ``train.steps=20``, ``data.levels=[copy,add]``)."""
+    """Defaults, then the YAML file at ``path`` (a file, or a shipped config's name:
+    :func:`config_file`), then ``section.key=value`` overrides (values parsed as YAML:
+    ``train.steps=20``, ``data.levels=[copy,add]``)."""
     merged: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+        path = config_file(path)
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
@@ -297,6 +318,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            # (.inf passed validation and ended the first step in a rank traceback.)
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if not isinstance(value, str):
         raise ConfigError(f"{key} must be a string, got {value!r}")
@@ -424,6 +448,30 @@ def validate(config: Config, world_size: int = 1) -> None:
                 f"run.export_hf writes {export}, which holds {foreign[:8]} that the trainer did not write and "
                 "would delete: move them elsewhere, or set run.export_hf=false"
             )
+
+
+# Where each of these keys trains at all, however the rest is set: a value outside is legal
+# but almost surely a slip (train.learning_rate=1e3 trained on with a zero gradient norm
+# from its second step). Beyond the bounds, not near them.
+SENSIBLE_RANGES = {
+    "train.learning_rate": (1e-8, 1e-1),
+    "train.weight_decay": (0.0, 1.0),
+    "rollout.temperature": (1e-2, 10.0),
+    "algorithm.entropy_coef": (0.0, 1.0),
+}
+
+
+def range_warnings(config: Config) -> list[str]:
+    """A warning naming each key of :data:`SENSIBLE_RANGES` whose value lies outside its
+    range (the run still starts: validate() refuses only what cannot run)."""
+    found = []
+    for key, (low, high) in SENSIBLE_RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if not low <= value <= high:
+            found.append(f"{key}={value:g} lies far outside the range where training works ({low:g} to {high:g}): "
+                         "a slip? The run goes on with it")
+    return found
 
 
 def _validate_loss_options(config: Config) -> None:
@@ -563,3 +611,47 @@ def _validate_reward_function(spec: str) -> None:
 
 def save_config(config: Config, path: Path) -> None:
     path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+# What a resumed run may change: how long it runs, what it logs, shows and evaluates, where
+# and how often it saves, and machine resources; none changes what a step computes. Any
+# other key changed on --resume would make the steps after it another run's.
+# run.name and run.output_dir locate the run (the same directory, however written).
+RESUMABLE_KEYS = frozenset({
+    "train.steps", "run.checkpoint_every", "run.keep_checkpoints", "run.plot", "run.progress", "run.verbose",
+    "run.threads", "run.log_samples", "run.export_hf", "eval.every", "eval.problems_per_level", "reward.workers",
+    "rollout.vllm_cpu_kv_cache_gib", "rollout.vllm_gpu_memory_utilization", "model.cache_dir",
+})
+_RUN_LOCATION = ("run.name", "run.output_dir")
+
+
+def _flat(values: dict) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, keys in values.items() if isinstance(keys, dict)
+            for key, value in keys.items()}
+
+
+def resumed_settings(run_dir: Path, config: Config) -> dict[str, list]:
+    """The settings a ``--resume`` of ``run_dir`` changes against its ``config.yaml``, as
+    {key: [the run's value, this one's]}. Refused (ConfigError listing them) when any is
+    outside :data:`RESUMABLE_KEYS`. A key the saved file lacks (an older trainer's) counts
+    as its default; the engine compares resolved, as it is saved."""
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        return {}
+    try:
+        saved = _flat(yaml.safe_load(saved_path.read_text()) or {})
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{saved_path} is not the YAML the trainer wrote ({error})") from None
+    current = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
+                                                                      engine=resolve_engine(config.rollout.engine)))
+    defaults = _flat(Config().to_dict())
+    changed = {key: [saved.get(key, defaults[key]), value] for key, value in _flat(current.to_dict()).items()
+               if key not in _RUN_LOCATION and saved.get(key, defaults[key]) != value}
+    refused = sorted(key for key in changed if key not in RESUMABLE_KEYS)
+    if refused:
+        listed = ", ".join(f"{key} {changed[key][0]!r} -> {changed[key][1]!r}" for key in refused)
+        raise ConfigError(
+            f"--resume continues the run in {run_dir}, whose {saved_path.name} trains with other settings: "
+            f"{listed}. The steps after the resume would be another run's: start a new run.name with these "
+            f"settings, or resume without them. A resume may change only: {', '.join(sorted(RESUMABLE_KEYS))}")
+    return changed

@@ -21,10 +21,11 @@ import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 try:
-    from trainer.checkpoint_files import CheckpointError, select_checkpoint
-    from trainer.config import ConfigError, keys_help, load_config, validate
+    from trainer.checkpoint_files import HF_EXPORT_MARKER, CheckpointError, checkpoint_step, select_checkpoint
+    from trainer.config import ConfigError, keys_help, load_config, range_warnings, resumed_settings, validate
 except ModuleNotFoundError as missing:  # the library's own venv, without the trainer extra
     sys.exit(f"{missing}: the trainer needs its extra; run `bash scripts/setup_venv.sh` (docs/trainer.md)")
 from trainer.engine.environment import prepare_environment, world_size
@@ -45,31 +46,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resume_point(run_dir: Path, resume: bool, start_if_missing: bool) -> Path | None:
-    """The checkpoint to continue from (None: start at step 0), chosen before any model
-    is built; a run that cannot be resumed as asked is a ConfigError."""
+class ResumePoint(NamedTuple):
+    """The checkpoint to continue from (None: start at step 0) and the warnings to print
+    once the run directory is claimed (a live run is refused first, without them)."""
+
+    checkpoint: Path | None
+    warnings: list[str]
+
+
+def resume_point(run_dir: Path, resume: bool, start_if_missing: bool) -> ResumePoint:
+    """Where the run starts, chosen before any model is built; a run that cannot be
+    resumed as asked is a ConfigError."""
     if start_if_missing and not resume:
         raise ConfigError("--start-if-missing only applies with --resume")
     if not resume:
         if (run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"{run_dir} already holds a run: pass --resume to continue it, or set run.name")
-        return None
+        return ResumePoint(None, [])
     if not ((run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()):
         if not start_if_missing:
             raise ConfigError(
                 f"--resume: there is no run at {run_dir.resolve()} (a typo in run.name, or another "
                 f"run.output_dir or working directory?); pass --start-if-missing as well to start it"
             )
-        return None
+        return ResumePoint(None, [])
     try:
         checkpoint, warnings = select_checkpoint(run_dir / "checkpoints")
     except CheckpointError as error:
         raise ConfigError(str(error)) from None
-    for warning in warnings:
-        print(f"warning: {warning}", file=sys.stderr)
     if checkpoint is None:
-        print(f"warning: {run_dir} has no checkpoint yet: it starts again at step 0", file=sys.stderr)
-    return checkpoint
+        warnings.append(f"{run_dir} has no checkpoint yet: it starts again at step 0")
+    return ResumePoint(checkpoint, warnings)
+
+
+def completed_message(config, checkpoint: Path | None) -> str | None:
+    """What to say instead of training when ``checkpoint`` already ends the run (its step
+    at or past train.steps) and everything the run writes at its end is there; None
+    otherwise. A missing hf_model/ export is still written (the model is built for it)."""
+    if checkpoint is None or checkpoint_step(checkpoint) < config.train.steps:
+        return None
+    if config.run.export_hf and not (config.run_dir / "hf_model" / HF_EXPORT_MARKER).is_file():
+        return None
+    return (f"{config.run_dir} is complete: its last checkpoint is step {checkpoint_step(checkpoint)}, "
+            f"train.steps={config.train.steps}; nothing to do (raise train.steps to train it further)")
 
 
 LOCK_FILE = ".trainer.lock"
@@ -126,12 +145,22 @@ def main(argv: list[str] | None = None) -> int:
             # Before anything imports torch (validation does): it reads the thread count then.
             prepare_environment(config)
             validate(config, world_size())
-            checkpoint = resume_point(config.run_dir, args.resume, args.start_if_missing)
+            if int(os.environ.get("RANK", "0")) == 0:
+                for warning in range_warnings(config):
+                    print(f"warning: {warning}", file=sys.stderr)
+            checkpoint, warnings = resume_point(config.run_dir, args.resume, args.start_if_missing)
             if int(os.environ.get("RANK", "0")) == 0:
                 claim.enter_context(claimed_run_directory(config.run_dir))
+                for warning in warnings:
+                    print(f"warning: {warning}", file=sys.stderr)
+            if checkpoint is not None:
+                resumed_settings(config.run_dir, config)
         except ConfigError as error:
             print(f"config error: {error}", file=sys.stderr)
             return 2
+        if (complete := completed_message(config, checkpoint)) is not None:
+            print(complete)
+            return 0
         return _train(config, checkpoint)
 
 
@@ -139,7 +168,11 @@ def _train(config, checkpoint) -> int:
     from trainer.engine.environment import init_distributed
     from trainer.engine.loop import Trainer
 
-    rank, size = init_distributed()
+    try:
+        rank, size = init_distributed(verbose=config.run.verbose)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
     trainer = Trainer(config, rank, size, checkpoint)
     rows = trainer.run()
     if rank == 0 and rows:

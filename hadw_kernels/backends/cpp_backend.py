@@ -76,21 +76,21 @@ def _load_extension() -> str | None:
 
 def _with_default_blocks(kernel):
     """The C++ linear surrogate, its default blocks (``block_rows`` 0) resolved here by
-    ``config.block_rows_for`` on the CPU, the one formula every backend uses: over the
-    active rows, with the kernel's buffer in its compute type. Inside the op, so a
-    compiled graph does not see the count of active rows."""
+    ``config.block_rows_for`` on the CPU, the one formula every backend uses, with the
+    kernel's buffer in its compute type: over the N rows, as on every backend, whose rows
+    that count are known to the kernels only (reading their count here was a host read
+    of every call, docs/architecture.md, "Host synchronisation"). The kernel then cuts its
+    active rows into blocks of at most that many."""
     names = [name for name in ops.argument_names("linear_surrogate_forward") if name != "backend"]
+    block_rows_at, hidden_at, weight_at = (names.index(name) for name in ("block_rows", "hidden", "weight"))
 
     def linear_surrogate_forward(*arguments):
-        named = dict(zip(names, arguments))
-        if named["block_rows"] == 0:
-            hidden, labels = named["hidden"], named["labels"]
+        if arguments[block_rows_at] == 0:
+            hidden, weight = arguments[hidden_at], arguments[weight_at]
             buffer_element = accumulate_dtype(hidden.dtype).itemsize
-            # The active rows as the kernel finds them (nonzero): a shape, not a value read
-            # back (the backend's host reads are tests/test_host_sync.py's to count).
-            active = (labels != named["ignore_index"]).nonzero().shape[0]
-            named["block_rows"] = config.block_rows_for(active, named["weight"].shape[0], buffer_element, "cpu")
-        return kernel(*named.values())
+            arguments = list(arguments)
+            arguments[block_rows_at] = config.block_rows_for(hidden.shape[0], weight.shape[0], buffer_element, "cpu")
+        return kernel(*arguments)
 
     return linear_surrogate_forward
 

@@ -27,8 +27,10 @@ def name_metrics(metrics: torch.Tensor, *, with_groups: bool, with_kl: bool, wit
 
 
 def anchor_tensor(anchor, device: torch.device) -> torch.Tensor | None:
-    if anchor is None or isinstance(anchor, torch.Tensor):
-        return anchor
+    if anchor is None:
+        return None
+    if isinstance(anchor, torch.Tensor):
+        return anchor.detach()  # data, as every input but the log-probs and the entropy
     # torch.full, not torch.tensor: no blocking host-to-device copy on CUDA. float64: a
     # Python float is a double, and fp32 would round it for fp64 inputs.
     if torch.compiler.is_compiling():
@@ -48,7 +50,8 @@ class KernelBackend:
         self.scale_in_place = scale_in_place
 
     def serves(self, device: torch.device) -> bool:
-        return ops.serves(self.name, torch.device(device).type)
+        # A device's type as it is (building a torch.device again costs a small call more).
+        return ops.serves(self.name, device.type if isinstance(device, torch.device) else torch.device(device).type)
 
     def unavailable_message(self, device: torch.device) -> str:
         return ops.unavailable_message(self.name, device)
@@ -58,7 +61,7 @@ class KernelBackend:
 
     def surrogate_loss(self, batch: SurrogateBatch):
         config, entropy = batch.config, batch.entropy
-        loss, grad_logprobs, grad_entropy, metrics = ops.call(
+        loss, grad_logprobs, grad_entropy, metrics, grad_scale = ops.call(
             "surrogate_loss",
             # The op forms its gradient with respect to the log-probs (and the entropy)
             # in the forward; it is attached below.
@@ -78,7 +81,10 @@ class KernelBackend:
             backend=self.name,
         )
         loss = ops.attach_gradients(
-            loss, [batch.logprobs, entropy], [grad_logprobs, None if entropy is None else grad_entropy]
+            loss, [batch.logprobs, entropy], [grad_logprobs, None if entropy is None else grad_entropy],
+            # 0-d where the gradients leave token-mean's 1 / N_tok to it (ops/schemas.py): a
+            # shape, known without reading a value.
+            grad_scale if grad_scale.dim() == 0 else None,
         )
         if not batch.with_metrics:
             return loss, {}

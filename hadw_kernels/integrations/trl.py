@@ -7,7 +7,7 @@ import: versions.py).
     trainer = HADWGRPOTrainer(model=model, reward_funcs=accuracy, args=args, train_dataset=data)
     trainer.train()
 
-:class:`HADWGRPOTrainer` changes three things of the stock trainer and keeps the rest
+:class:`HADWGRPOTrainer` changes four things of the stock trainer and keeps the rest
 (generation, rewards, reference model, logging, checkpoints):
 
 - after TRL scores a generation batch (gathered over all processes), the batch's mean
@@ -26,6 +26,11 @@ import: versions.py).
   TRL's;
 - the anchor is saved in each checkpoint folder (``hadw_anchor.json``) and restored with
   the optimizer when training resumes from one, as TRL does for its entropy controller.
+- the model's forwards (the training forward and those of the old and reference
+  log-probs) feed it packed rows, each prompt laid out once for its completions
+  (``hadw_layout``, :mod:`hadw_kernels.layouts`), wherever the segment attention serves
+  the model; a generation batch is shuffled by whole groups where that changes no
+  optimizer step (``hadw_shuffle``).
 
 Options TRL has and this loss does not (the entropy bonus, MoE auxiliary loss, logit
 soft-capping), and CISPO with a cap below 1, are refused when the trainer is built, with the
@@ -52,7 +57,8 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import _ForwardRedirection
-from trl.trainer.utils import maybe_gather_lm_head_ctx
+from trl.trainer.utils import (maybe_gather_lm_head_ctx, split_pixel_values_by_grid, split_tensor_dict,
+                               unsplit_pixel_values_by_grid)
 
 from ..advantage import hadw_weights
 from ..anchor import (DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_RULE, DEFAULT_WINDOW, DifficultyAnchor,
@@ -61,7 +67,10 @@ from ..backends import BackendUnavailable, check_backend_name, resolve_backend
 from ..config import (AGGREGATIONS, DEFAULT_LAMBDA_SCALE, LOG_RATIO_CLAMP, LOSS_PRESETS, OBJECTIVES,
                       VESPO_LOG_WEIGHT_MIN, LossConfig, RolloutCorrection, check_block_rows, check_finite_positive,
                       check_linear_path)
-from ..loss import fused_linear_hadw_grpo_loss, refuse_gradients_in_forward
+from ..layouts import (LAYOUTS, LaidOutBatch, SegmentAttentionUnavailable, disable_segment_attention,
+                       enable_segment_attention)
+from ..layouts.rows import prompt_groups, rows_by_group
+from ..loss import fused_linear_hadw_grpo_loss, refuse_gradients_in_forward, token_logprobs
 from .rewards import require_unit_interval
 
 logger = logging.getLogger(__name__)
@@ -169,6 +178,21 @@ class HADWGRPOConfig(GRPOConfig):
             `"gradients_in_forward"`, whose backward does not read the gathered LM head again.
         hadw_block_rows (`int` or `None`, *optional*, defaults to `None`):
             Rows whose logits are held at once; `None` is the backend's default.
+
+        > Parameters that control the model's forwards
+
+        hadw_layout (`str`, *optional*, defaults to `"auto"`):
+            How prompts and completions are fed to the model in the training forward and in the forwards of the
+            old and reference log-probs: `"padded"` (TRL's own rows), `"packed"` (every prompt and completion in
+            one row, no padding), `"shared_prompt"` (packed, each prompt laid out once for its completions in a
+            forward) or `"auto"` (`"shared_prompt"` where the segment attention serves the model, else
+            `"padded"`; checked when the trainer is built). Vision-language inputs stay padded.
+        hadw_shuffle (`str`, *optional*, defaults to `"auto"`):
+            How a generation batch is shuffled before it is split into micro-batches: `"rows"` (TRL's),
+            `"groups"` (whole groups of one prompt, so that a shared-prompt forward holds a group's completions
+            together) or `"auto"` (`"groups"` under the shared-prompt layout where that changes no optimizer step:
+            each step takes a whole generation batch, `steps_per_generation == gradient_accumulation_steps`, and
+            the loss type is not `"bnpo"`, which divides each micro-batch by its own tokens; else `"rows"`).
     """
 
     use_hadw: bool = field(default=True, metadata={"help": "Multiply the advantages by the HA-DW weight Phi."})
@@ -182,6 +206,10 @@ class HADWGRPOConfig(GRPOConfig):
     hadw_backend: str = field(default="auto", metadata={"help": "Backend of the fused loss."})
     hadw_linear_path: str = field(default="auto", metadata={"help": "Linear path of the fused loss."})
     hadw_block_rows: int | None = field(default=None, metadata={"help": "Rows whose logits are held at once."})
+    hadw_layout: str = field(default="auto", metadata={
+        "help": "The model's forwards: 'padded', 'packed', 'shared_prompt' or 'auto'."})
+    hadw_shuffle: str = field(default="auto", metadata={
+        "help": "Shuffle a generation batch by 'rows', 'groups' or 'auto'."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -221,6 +249,10 @@ class HADWGRPOConfig(GRPOConfig):
         check_backend_name(self.hadw_backend, "hadw_backend")
         check_linear_path(self.hadw_linear_path, "hadw_linear_path")
         check_block_rows(self.hadw_block_rows, "hadw_block_rows")
+        if self.hadw_layout not in ("auto", *LAYOUTS):
+            raise ValueError(f"unknown hadw_layout {self.hadw_layout!r}; choose 'auto' or one of {sorted(LAYOUTS)}")
+        if self.hadw_shuffle not in ("auto", "rows", "groups"):
+            raise ValueError(f"unknown hadw_shuffle {self.hadw_shuffle!r}; choose 'auto', 'rows' or 'groups'")
         try:
             self.anchor()  # DifficultyAnchor checks the rule, gains, window, belief, initial
         except (TypeError, ValueError) as error:
@@ -310,6 +342,103 @@ class HADWGRPOTrainer(GRPOTrainer):
         self.anchor = self.args.anchor() if self.args.use_hadw else None
         self._forward_redirection = _ForwardRedirection()
         self._gathered_rewards_per_func = None
+        self.layout, because = self._choose_layout(model)
+        logger.info("HADWGRPOTrainer: the model's forwards in the %s layout (%s)", self.layout.name, because)
+        shuffle = self.args.hadw_shuffle
+        if shuffle == "auto":
+            shuffle = "groups" if self.layout.shares_prompts and self._steps_see_whole_generation_batches() else "rows"
+        self.shuffles_groups = shuffle == "groups"
+
+    def _steps_see_whole_generation_batches(self) -> bool:
+        """Whether every optimizer step takes a whole generation batch and weighs each
+        micro-batch's rows by counts that do not depend on which rows it holds: then how
+        the batch is shuffled changes no step (docs/integrations/trl.md, "Layouts")."""
+        whole = self.args.steps_per_generation == self.args.gradient_accumulation_steps
+        return whole and TRL_LOSS_TYPES[self.loss_type].normalizer != "tokens"
+
+    def _choose_layout(self, model) -> tuple:
+        """(layout, why): ``hadw_layout``, or under "auto" the shared-prompt layout where
+        the segment attention serves the policy (and the reference model), else padded;
+        the models switched to the segment attention for a packed layout."""
+        wanted = self.args.hadw_layout
+        if wanted == "padded":
+            return LAYOUTS["padded"], "hadw_layout='padded'"
+        if self._is_vlm:
+            if wanted != "auto":
+                raise ValueError(f"hadw_layout={wanted!r}: vision-language inputs stay padded (their image tokens and "
+                                 "pixel values are laid out per row); use hadw_layout='padded' or 'auto'")
+            return LAYOUTS["padded"], "vision-language inputs stay padded"
+        models = [model]
+        if self.ref_model is not None:
+            reference = self.accelerator.unwrap_model(self.ref_model)
+            models.append(reference.get_base_model() if is_peft_model(reference) else reference)
+        original = model.config._attn_implementation
+        try:
+            for each in models:
+                # Under ZeRO-3 the weights are partitioned until the engine runs: no trial forward.
+                enable_segment_attention(each, check=not is_deepspeed_zero3_enabled())
+        except SegmentAttentionUnavailable as error:
+            for each in models:
+                disable_segment_attention(each)
+            if wanted != "auto":
+                raise ValueError(f"hadw_layout={wanted!r}: {error}; use hadw_layout='padded' (or 'auto')") from None
+            return LAYOUTS["padded"], f"the segment attention does not serve this model: {error}"
+        return LAYOUTS["shared_prompt" if wanted == "auto" else wanted], f"the segment attention over {original}"
+
+    # -- the layouts ----------------------------------------------------------------------
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's, with each generation batch shuffled by whole groups instead of rows when
+        ``shuffles_groups`` (docs/integrations/trl.md, "Layouts"): the micro-batches then
+        hold a group's completions together, which the shared-prompt layout feeds once."""
+        if not (self.shuffles_groups and self.model.training):
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            generation_batch = self._generate_and_score_completions(generation_batch)
+            generation_batch = split_pixel_values_by_grid(generation_batch)
+            generation_batch = _shuffled_by_group(generation_batch)
+            batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(batch) for batch in batches]
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _laid_out(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> LaidOutBatch:
+        """TRL's rows (left-padded prompts, right-padded completions) in the packed layout."""
+        return self.layout.build(*_rows(prompt_ids, prompt_mask, completion_ids, completion_mask),
+                                 device=completion_ids.device)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's, in the packed layouts: the old and reference log-probs (and entropies)
+        from the backbone and the LM head without logits, back in TRL's [B, logits_to_keep],
+        in as many forwards of ``batch_size`` rows as TRL's, each prompt's completions
+        together."""
+        if not self.layout.packs or any(value is not None for value in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        prompts, completions = _rows(input_ids[:, :-logits_to_keep], attention_mask[:, :-logits_to_keep],
+                                     input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:])
+        unwrapped = self.accelerator.unwrap_model(model)
+        unwrapped = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+        lm_head = unwrapped.get_output_embeddings()
+        weight, bias = lm_head.weight, lm_head.bias
+        logps = input_ids.new_zeros(input_ids.shape[0], logits_to_keep, dtype=torch.float32)
+        entropies = torch.zeros_like(logps) if compute_entropy else None
+        for rows in _forwards_of(prompts, batch_size or input_ids.shape[0]):
+            batch = self.layout.build([prompts[row] for row in rows], [completions[row] for row in rows],
+                                      device=input_ids.device)
+            with self.accelerator.autocast():
+                hidden = unwrapped.base_model(**batch.model_inputs(), use_cache=False).last_hidden_state
+            hidden = batch.loss_hidden_states(hidden).to(device=weight.device, dtype=weight.dtype)
+            with torch.autocast(weight.device.type, enabled=False), maybe_gather_lm_head_ctx(weight, bias):
+                values = token_logprobs(hidden, weight, batch.labels, temperature=self.temperature, lm_head_bias=bias,
+                                        with_entropy=compute_entropy, backend=self.args.hadw_backend)
+            values = values if compute_entropy else (values,)
+            index = torch.tensor(rows, device=logps.device)
+            for out, value in zip((logps, entropies), values):
+                out[index] = batch.to_padded(value.float(), logits_to_keep)
+        return logps, entropies, None
 
     # -- HA-DW on the advantages ------------------------------------------------------
 
@@ -370,18 +499,23 @@ class HADWGRPOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"].bool()
         if "tool_mask" in inputs:  # tool outputs inside a completion are not the policy's tokens
             mask = mask & inputs["tool_mask"].bool()
-        model_inputs = {
-            "input_ids": torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
-            "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-            "use_cache": False,
-            **{key: inputs[key] for key in MULTIMODAL_INPUTS if key in inputs},
-        }
+        multimodal = {key: inputs[key] for key in MULTIMODAL_INPUTS if key in inputs}
+        batch = None
+        if self.layout.packs and not multimodal:
+            batch = self._laid_out(inputs["prompt_ids"], inputs["prompt_mask"], completion_ids,
+                                   inputs["completion_mask"])
         model = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-        # The decoder without the LM head, in TRL's mixed precision; position t's hidden
-        # state predicts token t + 1.
+        # The decoder without the LM head, in TRL's mixed precision.
         with self.accelerator.autocast():
-            hidden_states = model.base_model(**model_inputs).last_hidden_state
-        hidden_states = hidden_states[:, -completion_ids.size(1) - 1 : -1]
+            if batch is None:  # TRL's own rows: position t's hidden state predicts token t + 1
+                hidden_states = model.base_model(
+                    input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+                    attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                    use_cache=False, **multimodal,
+                ).last_hidden_state[:, -completion_ids.size(1) - 1 : -1]
+            else:
+                hidden_states = batch.loss_hidden_states(
+                    model.base_model(**batch.model_inputs(), use_cache=False).last_hidden_state)
         lm_head = model.get_output_embeddings()
         weight, bias = lm_head.weight, lm_head.bias
         if isinstance(weight, DTensor):  # FSDP2 shards; the loss needs the whole head
@@ -405,12 +539,16 @@ class HADWGRPOTrainer(GRPOTrainer):
                                  "(use_bias_correction_kl=False), or train under ZeRO-2")
             linear_path = "gradients_in_forward"
         old_logprobs, behaviour = self._behaviour(inputs)
+        per_token = dict(labels=completion_ids, old_logprobs=old_logprobs, response_mask=mask,
+                         ref_logprobs=inputs.get("ref_per_token_logps"), advantages=inputs["advantages"], **behaviour)
+        if batch is not None:  # TRL's [B, T] and [B] tensors in the layout's
+            per_token = {name: _in_layout(batch, value) for name, value in per_token.items()}
+            per_token["labels"] = batch.labels
         with torch.autocast(weight.device.type, enabled=False), maybe_gather_lm_head_ctx(weight, bias):
             loss, metrics = fused_linear_hadw_grpo_loss(
-                hidden_states, weight, completion_ids, old_logprobs, None, mask,
-                advantages=inputs["advantages"], lm_head_bias=bias,
-                temperature=self.temperature, ref_logprobs=inputs.get("ref_per_token_logps"),
-                **behaviour, return_metrics=True,
+                hidden_states, weight, per_token.pop("labels"), per_token.pop("old_logprobs"), None,
+                per_token.pop("response_mask"), cu_seqlens=None if batch is None else batch.cu_seqlens,
+                lm_head_bias=bias, temperature=self.temperature, **per_token, return_metrics=True,
                 backend=self.args.hadw_backend, linear_path=linear_path, block_rows=self.args.hadw_block_rows,
                 **options,
             )
@@ -438,6 +576,8 @@ class HADWGRPOTrainer(GRPOTrainer):
             **self.args.kl_options(),
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             top_entropy_quantile=self.top_entropy_quantile,
+            # TRL takes the quantile of the entropies rounded to float32 (its own mask's).
+            entropy_mask_dtype="float32",
             loss_normalizer=normalizer,
             # Dr.GRPO's constant length, where the aggregation divides by one.
             max_response_length=(self.max_completion_length
@@ -514,3 +654,53 @@ class HADWGRPOTrainer(GRPOTrainer):
             return
         with open(path) as handle:
             self.anchor.load_state_dict(json.load(handle))
+
+
+def _in_layout(batch: LaidOutBatch, value):
+    """A TRL per-row tensor in ``batch``'s layout: [B] per response in the order of its
+    segments, [B, T] per token in its positions; anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return batch.per_segment(value) if value.dim() == 1 else batch.from_padded(value)
+
+
+def _rows(prompt_ids, prompt_mask, completion_ids, completion_mask) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's prompt tokens (TRL left-pads them) and completion tokens (right-padded),
+    as lists for a layout: one host read of the ids and masks."""
+    return _unpadded(prompt_ids, prompt_mask, left=True), _unpadded(completion_ids, completion_mask, left=False)
+
+
+def _unpadded(ids, mask, *, left: bool) -> list[list[int]]:
+    lengths = mask.sum(dim=1)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    kept = positions >= mask.shape[1] - lengths[:, None] if left else positions < lengths[:, None]
+    if not torch.equal(mask.bool(), kept):
+        raise ValueError(
+            "the packed layouts take left-padded prompts and right-padded completions (masks a run of ones beside "
+            "the padding); a mask with a gap inside a prompt or completion needs hadw_layout='padded'")
+    return [row[len(row) - n:] if left else row[:n] for row, n in zip(ids.tolist(), lengths.tolist())]
+
+
+def _forwards_of(prompts, rows: int) -> list[list[int]]:
+    """The rows cut into forwards of ``rows`` rows, as many as TRL's own chunks (under
+    ZeRO-3 every rank must run as many forwards), each prompt's rows one after another so
+    that a forward holds a group's completions together."""
+    ordered = [row for members in rows_by_group(prompt_groups(prompts)) for row in members]
+    return [ordered[start:start + rows] for start in range(0, len(ordered), rows)]
+
+
+def _shuffled_by_group(batch: dict) -> dict:
+    """TRL's shuffle of a generation batch (every row-wise value permuted in unison) over
+    whole groups, rows of equal prompt tokens, instead of single rows: the groups in a
+    random order (torch's generator, as TRL's), each group's rows together."""
+    groups = rows_by_group(prompt_groups(_unpadded(batch["prompt_ids"], batch["prompt_mask"], left=True)))
+    permutation = [row for group in torch.randperm(len(groups)).tolist() for row in groups[group]]
+
+    def permute(value):
+        if value is None or (isinstance(value, torch.Tensor) and value.dim() == 0):
+            return value
+        if isinstance(value, torch.Tensor):
+            return value[torch.tensor(permutation, device=value.device)]
+        return [value[row] for row in permutation]
+
+    return {key: permute(value) for key, value in batch.items()}

@@ -63,10 +63,11 @@ class _AttachGradients(torch.autograd.Function):
     # The inputs and their gradients come as one flat argument list (inputs first):
     # Dynamo traces tensors passed one by one, not a tuple of them.
     @staticmethod
-    def forward(ctx, loss, scale_in_place, *inputs_and_gradients):
+    def forward(ctx, loss, scale_in_place, grad_scale, *inputs_and_gradients):
         count = len(inputs_and_gradients) // 2
         ctx.gradients = inputs_and_gradients[count:]
         ctx.scale_in_place = scale_in_place
+        ctx.grad_scale = grad_scale
         ctx.dtypes = [tensor.dtype for tensor in inputs_and_gradients[:count]]
         return loss.clone()
 
@@ -77,9 +78,11 @@ class _AttachGradients(torch.autograd.Function):
                 "the fused linear loss's gradients were already handed to a backward; "
                 "compute the loss again for another one"
             )
+        if ctx.grad_scale is not None:  # a factor the gradients left out (ops/schemas.py)
+            grad_loss = grad_loss * ctx.grad_scale
         if ctx.scale_in_place is None:  # kept (attach_gradients): scaled into new tensors
             scaled = [_scaled(gradient, grad_loss, dtype) for gradient, dtype in zip(ctx.gradients, ctx.dtypes)]
-            return (None, None, *scaled, *[None] * len(scaled))
+            return (None, None, None, *scaled, *[None] * len(scaled))
         # The stored gradients belong to this graph alone: scale them in place rather
         # than copying tensors the size of the LM head (docs/cpp-backend.md). The
         # usual upstream gradient is exactly 1 (``loss.backward()``): on the CPU, where
@@ -99,29 +102,42 @@ class _AttachGradients(torch.autograd.Function):
             else:
                 scaled.append(_scaled(gradient, grad_loss, dtype))
         ctx.gradients = None
-        return (None, None, *scaled, *[None] * len(scaled))
+        return (None, None, None, *scaled, *[None] * len(scaled))
 
 
-def attach_gradients(loss: torch.Tensor, inputs, gradients) -> torch.Tensor:
+def attach_gradients(loss: torch.Tensor, inputs, gradients, grad_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``loss`` as a function of ``inputs`` whose gradients were formed in the forward:
-    its backward returns ``gradients`` times the upstream scalar, as new tensors in the
-    inputs' dtypes, as often as the graph is differentiated (``retain_graph``). An input
-    given as None (an optional one) has none."""
-    return _AttachGradients.apply(detached(loss), None, *_given(inputs, gradients))
+    its backward returns ``gradients`` times the upstream scalar (and ``grad_scale``, a
+    0-d factor they left out), as new tensors in the inputs' dtypes, as often as the graph
+    is differentiated (``retain_graph``). An input given as None (an optional one) has none."""
+    return _apply(detached(loss), None, grad_scale, inputs, gradients)
 
 
 def attach_single_use_gradients(loss: torch.Tensor, inputs, gradients, scale_in_place=None) -> torch.Tensor:
     """The same for gradients too large to copy (the LM head's): one backward scales them
     in place with ``scale_in_place(gradient, grad_loss)`` (default: ``mul_``) and hands
     them over; a second backward of the graph is refused."""
-    return _AttachGradients.apply(detached(loss), scale_in_place or _multiply_in_place, *_given(inputs, gradients))
+    return _apply(detached(loss), scale_in_place or _multiply_in_place, None, inputs, gradients)
 
 
-def _given(inputs, gradients) -> list:
-    """The inputs that are given, then their gradients: an argument list of the function
-    (each argument costs its call)."""
+# Function.apply without its generic argument handling (a binding of every argument and
+# an unwrap of each tensor, a third of its cost), where nothing needs it: no torch.compile
+# (Dynamo traces Function.apply itself) and no functorch transform; the caller's inputs are
+# unwrapped as Function.apply would, should a finished transform have left them wrapped.
+_apply_function = super(torch.autograd.Function, _AttachGradients).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def _apply(loss, scale_in_place, grad_scale, inputs, gradients) -> torch.Tensor:
+    """_AttachGradients of the inputs that are given, then their gradients: one argument
+    list (Dynamo traces tensors passed one by one, and each argument costs the call)."""
     pairs = [(tensor, gradient) for tensor, gradient in zip(inputs, gradients) if tensor is not None]
-    return [tensor for tensor, _ in pairs] + [gradient for _, gradient in pairs]
+    if torch.compiler.is_compiling() or _transforms_active():
+        return _AttachGradients.apply(loss, scale_in_place, grad_scale, *[tensor for tensor, _ in pairs],
+                                      *[gradient for _, gradient in pairs])
+    return _apply_function(loss, scale_in_place, grad_scale, *[_unwrap_if_dead(tensor) for tensor, _ in pairs],
+                           *[gradient for _, gradient in pairs])
 
 
 def detached(tensor: torch.Tensor | None) -> torch.Tensor | None:

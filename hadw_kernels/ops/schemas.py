@@ -2,7 +2,12 @@
 
     hadw::surrogate_loss             the clipped surrogate from log-probs [N] in segments
                                      (cu_seqlens, hadw_kernels/layout.py): loss, its
-                                     gradient (formed in the forward), metrics
+                                     gradient (formed in the forward), metrics, and the
+                                     gradient's factor ``grad_scale``: under token-mean
+                                     without a normaliser (aggregation.counts_batch_tokens)
+                                     a 0-d 1 / N_tok that the gradients leave out, the
+                                     batch's count being formed in the launch that writes
+                                     them; otherwise empty [0] (the gradients are whole)
     hadw::linear_logprob_forward     log-probs (and entropy) from hidden states and the
     hadw::linear_logprob_backward    LM head, tile by tile; backward recomputes the logits
     hadw::linear_surrogate_forward   log-probs from hidden states with the token-level
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..aggregation import counts_batch_tokens
 from ..config import METRIC_NAMES
 from ..precision import accumulate_dtype
 from .signatures import OPS, SIGNATURES
@@ -69,14 +75,17 @@ def tensor_positions(name: str) -> tuple[int, ...]:
     return _TENSOR_POSITIONS[name]
 
 
-def _surrogate_fake(logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, response_advantages,
-                    anchor, ref_logprobs, importance_weights, entropy, selected, *_options):
+def _surrogate_fake(*arguments):
+    named = dict(zip(argument_names("surrogate_loss"), arguments))
+    logprobs, entropy = named["logprobs"], named["entropy"]
     accumulate = accumulate_dtype(logprobs.dtype)
+    counted = counts_batch_tokens(named["loss_agg_mode"], named["loss_normalizer"])
     return (
         logprobs.new_empty((), dtype=accumulate),
         logprobs.new_empty(logprobs.shape, dtype=accumulate),
         logprobs.new_empty(entropy.shape if entropy is not None else (0,), dtype=accumulate),
         logprobs.new_empty((len(METRIC_NAMES),), dtype=torch.float32),
+        logprobs.new_empty(() if counted else (0,), dtype=accumulate),
     )
 
 

@@ -17,7 +17,7 @@ SIGNATURES = {
         "int? group_size, "
         "bool normalize_std, float std_eps, float lambda_scale, int loss_agg_mode, int ratio_level, "
         f"{_PER_TOKEN_OPTIONS}, float? loss_normalizer, int? max_response_length)",
-        "(Tensor loss, Tensor grad_logprobs, Tensor grad_entropy, Tensor metrics)",
+        "(Tensor loss, Tensor grad_logprobs, Tensor grad_entropy, Tensor metrics, Tensor grad_scale)",
     ),
     "linear_logprob_forward": (
         "(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, float temperature, int ignore_index, "

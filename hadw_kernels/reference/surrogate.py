@@ -3,8 +3,8 @@
 Plain PyTorch with autograd: the reference every fast path is tested against, and the
 "torch" backend. It computes in the inputs' dtype, as eager PyTorch code would.
 
-Everything that is data (old and reference log-probs, rewards, advantages, importance
-weights) is detached: the loss differentiates with respect to the current log-probs
+Everything that is data (old and reference log-probs, rewards, advantages, the anchor,
+importance weights) is detached: the loss differentiates with respect to the current log-probs
 (and the entropy) only, whatever the caller's tensors require.
 """
 

@@ -24,6 +24,7 @@ from ..cli import (
     HelpFormatter,
     finite_float,
     int_at_least,
+    output_directory,
     summary,
 )
 from . import paper
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hadw_kernels.theory", description=summary(__doc__),
                                      formatter_class=HelpFormatter)
     checkout = CHECKOUT_FIGURES.is_dir()
-    parser.add_argument("--out", type=Path, default=CHECKOUT_FIGURES if checkout else None, required=not checkout,
+    parser.add_argument("--out", type=output_directory, default=CHECKOUT_FIGURES if checkout else None, required=not checkout,
                         help="directory for the PNGs (default: the source checkout's docs/figures)")
     parser.add_argument("--group-size", type=int_at_least(2), default=8, help="G of the binary Monte Carlo")
     parser.add_argument("--groups", type=POSITIVE_INT, default=100_000, help="binary groups per accuracy p")

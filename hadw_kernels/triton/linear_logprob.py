@@ -1,24 +1,29 @@
 """The Triton implementations of the linear ops: log-probs (and entropy) of labels under
 softmax((h W^T + b) / temperature), and their gradients, one block of rows at a time.
 
-A block of ``block_rows`` rows (only rows whose label is not ``ignore_index``: padding
-costs nothing and whatever it holds reaches no output) is handled as
+The blocks are planned over the N rows (``config.block_rows_for``): which rows count (a
+label other than ``ignore_index``) is known on the device only, and reading their count
+back would make the host wait for the GPU, so no call does. A block of rows is handled as
 
     z  = h_rows W^T (+ b)              one cuBLAS GEMM into a [rows, V] buffer
     _row_stats_kernel                  lse, logp, entropy, E_p[z] of each row
-    (linear_surrogate_forward only)    _token_gradient_kernel: the token-level
-                                       surrogate's d loss / d logp, d loss / d entropy
+      or _row_surrogate_kernel         the same, and the token-level surrogate's
+         (linear_surrogate_forward)    d loss / d logp, d loss / d entropy of each row
     _logit_gradient_kernel             dz = g (onehot - p) - g_ent p (z - E_p[z]),
                                        divided by the temperature, in place
     grad_h_rows = dz W ; grad_W += dz^T h_rows    two cuBLAS GEMMs
 
 so the gradients-in-forward path (``linear_surrogate_forward``) costs the three GEMMs
-that any exact method needs, and the recompute path (``linear_logprob_forward`` then
-``_backward``, for losses whose gradient is known only after every log-prob, GSPO) costs
-four. The GEMMs are cuBLAS's, in the inputs' dtype with fp32 accumulation, exactly as
-eager PyTorch forms the logits and their gradients; the row kernels compute in fp32 (fp64
-for fp64 inputs). Memory: the [rows, V] buffer (``block_rows``, docs/fused-linear-logprob.md)
-plus, for 16-bit heads over several blocks, an fp32 accumulator for grad_W.
+that any exact method needs and two row launches a block, and the recompute path
+(``linear_logprob_forward`` then ``_backward``, for losses whose gradient is known only
+after every log-prob, GSPO) four GEMMs and one row launch a block each way. A row whose
+label is ignored (padding) enters its block's GEMMs, its hidden state zeroed where a
+gradient GEMM reads it (it may hold inf or NaN); the row kernels read none of its logits
+and give it zeros and no gradient. The GEMMs are cuBLAS's, in the inputs' dtype with fp32
+accumulation, exactly as eager PyTorch forms the logits and their gradients; the row
+kernels compute in fp32 (fp64 for fp64 inputs). Memory: the [rows, V] buffer
+(``block_rows``, docs/fused-linear-logprob.md) plus, for 16-bit heads over several blocks,
+an fp32 accumulator for grad_W.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import triton.language as tl
 
 from ..config import OBJECTIVE_NAMES, OBJECTIVES, block_rows_for, head_accumulator_bytes
 from ..precision import accumulate_dtype
+from .launch import bound_kernel
 from .surrogate import device_guard, objective_arguments
 from .token_math import INTERPRETING, kl_term, objective_option_values, policy_term, round_to_bfloat16, token_ratio
 
@@ -43,29 +49,26 @@ _BLOCK_V = 4096
 
 
 @triton.jit
-def _row_stats_kernel(
-    logits_ptr, stride_logits, labels_ptr, rows_ptr, temperature_ptr,
-    logprobs_ptr, entropy_ptr, lse_ptr, mean_logit_ptr,
-    vocab,
-    WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """One row of the block: online log-sum-exp over the vocabulary, a tile of columns at
-    a time. The running max is the row's (one reduction per tile), so each logit costs one
-    exp; the sums stay per lane. With u = z - running max each lane keeps sum exp(u) and,
-    for the entropy, sum exp(u) u; keeping u (not z) avoids cancelling two large numbers in
+def _row_stats(logits_ptr, stride_logits, labels_ptr, first_row, temperature, vocab, ignore_index,
+               WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row of the block: (its row, whether its label counts, logp, lse, entropy, E_p[z]),
+    by an online log-sum-exp over the vocabulary, a tile of columns at a time. The running
+    max is the row's (one reduction per tile), so each logit costs one exp; the sums stay
+    per lane. With u = z - running max each lane keeps sum exp(u) and, for the entropy,
+    sum exp(u) u; keeping u (not z) avoids cancelling two large numbers in
     entropy = lse - E_p[z]. A NaN logit makes the sums, hence every output, NaN; a label
-    outside the vocabulary gives a NaN log-prob.
-    """
+    outside the vocabulary gives a NaN log-prob. A row whose label is ``ignore_index``
+    (padding) reads no logit, whatever its hidden state made of them, and gives zeros."""
     block_row = tl.program_id(0).to(tl.int64)
+    row = first_row + block_row
     row_logits = logits_ptr + block_row * stride_logits
-    row = tl.load(rows_ptr + block_row)
     label = tl.load(labels_ptr + row).to(tl.int64)
-    compute = lse_ptr.dtype.element_ty
-    temperature = tl.load(temperature_ptr)
+    active = label != ignore_index
+    compute = temperature.dtype
     row_max = tl.full([], float("-inf"), compute)
     lane_sum = tl.zeros([BLOCK_V], compute)
     lane_shifted = tl.zeros([BLOCK_V], compute)
-    for start in range(0, vocab, BLOCK_V):
+    for start in range(0, tl.where(active, vocab, 0), BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         z = tl.load(row_logits + cols, mask=cols < vocab, other=float("-inf")).to(compute) / temperature
         new_max = tl.maximum(row_max, tl.max(z, axis=0))
@@ -81,152 +84,179 @@ def _row_stats_kernel(
         row_max = new_max
     total = tl.sum(lane_sum, axis=0)
     log_total = tl.log(total)
-    lse = row_max + log_total
+    lse = tl.where(active, row_max + log_total, 0.0)
     in_vocab = (label >= 0) & (label < vocab)
-    label_logit = tl.load(row_logits + tl.where(in_vocab, label, 0)).to(compute) / temperature
-    tl.store(lse_ptr + row, lse)
-    tl.store(logprobs_ptr + row, tl.where(in_vocab, label_logit - lse, float("nan")))
+    label_logit = tl.load(row_logits + tl.where(in_vocab & active, label, 0)).to(compute) / temperature
+    logprob = tl.where(active, tl.where(in_vocab, label_logit - lse, float("nan")), 0.0)
+    entropy = tl.zeros([], compute)
+    mean_logit = tl.zeros([], compute)
     if WITH_ENTROPY:
         mean_shifted = tl.sum(lane_shifted, axis=0) / total  # E_p[z] - row max
-        tl.store(mean_logit_ptr + row, row_max + mean_shifted)
-        tl.store(entropy_ptr + row, log_total - mean_shifted)
+        mean_logit = tl.where(active, row_max + mean_shifted, 0.0)
+        entropy = tl.where(active, log_total - mean_shifted, 0.0)
+    return row, active, logprob, lse, entropy, mean_logit
 
 
 @triton.jit
-def _token_gradient_kernel(
-    rows_ptr, logprobs_ptr, old_ptr, ref_ptr, importance_ptr, advantage_ptr, agg_weight_ptr,
-    grad_logprobs_ptr, grad_entropy_ptr,
-    count,
+def _row_stats_kernel(
+    logits_ptr, stride_logits, labels_ptr, first_row, temperature: tl.float64,
+    logprobs_ptr, entropy_ptr, lse_ptr, mean_logit_ptr,
+    vocab, ignore_index,
+    WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Rows first_row + program of the block: their log-probs, lse, entropy and E_p[z]."""
+    temperature = tl.full([], temperature, lse_ptr.dtype.element_ty)
+    row, _, logprob, lse, entropy, mean_logit = _row_stats(
+        logits_ptr, stride_logits, labels_ptr, first_row, temperature, vocab, ignore_index, WITH_ENTROPY, BLOCK_V)
+    tl.store(lse_ptr + row, lse)
+    tl.store(logprobs_ptr + row, logprob)
+    tl.store(entropy_ptr + row, entropy)
+    tl.store(mean_logit_ptr + row, mean_logit)
+
+
+@triton.jit
+def _row_surrogate_kernel(
+    logits_ptr, stride_logits, labels_ptr, first_row, temperature: tl.float64,
+    logprobs_ptr, entropy_ptr, lse_ptr, mean_logit_ptr,
+    old_ptr, ref_ptr, importance_ptr, advantage_ptr, agg_weight_ptr, grad_logprobs_ptr, grad_entropy_ptr,
+    vocab, ignore_index,
     epsilon_low: tl.float64, epsilon_high: tl.float64,
     option_0: tl.float64, option_1: tl.float64, option_2: tl.float64, option_3: tl.float64,
     beta: tl.float64, entropy_coef: tl.float64,
-    OBJECTIVE: tl.constexpr, ON_POLICY: tl.constexpr,
-    HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr, HAS_IMPORTANCE: tl.constexpr, BLOCK: tl.constexpr,
+    OBJECTIVE: tl.constexpr, ON_POLICY: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+    HAS_IMPORTANCE: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """d loss / d logp and d loss / d entropy of the block's tokens for an objective in the
-    token ratio form: w (iw * d policy_term + beta * d kl_term) and -entropy_coef * w, with
-    the per-token formulas of the surrogate kernels."""
-    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = index < count
-    rows = tl.load(rows_ptr + index, mask=inside, other=0)
-    compute = grad_logprobs_ptr.dtype.element_ty
-    logprobs = tl.load(logprobs_ptr + rows, mask=inside, other=0.0).to(compute)
+    """``_row_stats_kernel``, and then the row's token-level surrogate gradient from its
+    log-prob: d loss / d logp = w (iw * d policy_term + beta * d kl_term) and
+    d loss / d entropy = -entropy_coef * w, with the per-token formulas of the surrogate
+    kernel (0 on rows whose label is ignored), for the logits' gradient of the block."""
+    temperature = tl.full([], temperature, lse_ptr.dtype.element_ty)
+    row, active, logprob, lse, entropy, mean_logit = _row_stats(
+        logits_ptr, stride_logits, labels_ptr, first_row, temperature, vocab, ignore_index, WITH_ENTROPY, BLOCK_V)
+    tl.store(lse_ptr + row, lse)
+    tl.store(logprobs_ptr + row, logprob)
+    tl.store(entropy_ptr + row, entropy)
+    tl.store(mean_logit_ptr + row, mean_logit)
+    # The row's token as a block of one: the per-token helpers take blocks.
+    index = row + tl.arange(0, 1)
+    compute = temperature.dtype
+    logprobs = tl.zeros([1], compute) + logprob
     if ON_POLICY:
         old = logprobs
     else:
-        old = tl.load(old_ptr + rows, mask=inside, other=0.0).to(compute)
-    advantage = tl.load(advantage_ptr + rows, mask=inside, other=0.0).to(compute)
-    agg_weight = tl.load(agg_weight_ptr + rows, mask=inside, other=0.0).to(compute)
+        old = tl.load(old_ptr + index).to(compute)
+    advantage = tl.load(advantage_ptr + index).to(compute)
+    agg_weight = tl.where(active, tl.load(agg_weight_ptr + index).to(compute), 0.0)
     ratio, ratio_passes = token_ratio(logprobs - old)
     # (No objective that selects tokens takes this path: the loss forms their log-probs first.)
     _, grad = policy_term(
-        ratio, ratio_passes, advantage, logprobs, old, tl.zeros([BLOCK], compute),
+        ratio, ratio_passes, advantage, logprobs, old, tl.zeros([1], compute),
         tl.full([], 1.0 - epsilon_low, compute), tl.full([], 1.0 + epsilon_high, compute),
         tl.full([], epsilon_low, compute), tl.full([], epsilon_high, compute),
         objective_option_values(option_0, option_1, option_2, option_3, compute), OBJECTIVE,
     )
     if HAS_IMPORTANCE:
-        grad *= tl.load(importance_ptr + rows, mask=inside, other=0.0).to(compute)
+        grad *= tl.load(importance_ptr + index).to(compute)
     if HAS_KL:
-        ref = tl.load(ref_ptr + rows, mask=inside, other=0.0).to(compute)
-        _, kl_slope = kl_term(logprobs, ref, KL_ESTIMATOR)
+        _, kl_slope = kl_term(logprobs, tl.load(ref_ptr + index).to(compute), KL_ESTIMATOR)
         grad += tl.full([], beta, compute) * kl_slope
-    tl.store(grad_logprobs_ptr + index, grad * agg_weight, mask=inside)
-    tl.store(grad_entropy_ptr + index, -tl.full([], entropy_coef, compute) * agg_weight, mask=inside)
+    tl.store(grad_logprobs_ptr + index, tl.where(active, grad * agg_weight, 0.0))
+    tl.store(grad_entropy_ptr + index, -tl.full([], entropy_coef, compute) * agg_weight)
 
 
 @triton.jit
 def _logit_gradient_kernel(
-    logits_ptr, stride_logits, labels_ptr, rows_ptr, temperature_ptr,
+    logits_ptr, stride_logits, labels_ptr, first_row, temperature: tl.float64,
     grad_logprobs_ptr, stride_grad_logprobs, grad_entropy_ptr, stride_grad_entropy, lse_ptr, mean_logit_ptr,
-    vocab,
+    vocab, ignore_index,
     HAS_GRAD_ENTROPY: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """In place: z -> dz = (g (onehot - p) - g_ent p (z - E_p[z])) / temperature, in the
-    buffer's dtype (the rounding eager applies to a bf16 model's logits gradient)."""
+    buffer's dtype (the rounding eager applies to a bf16 model's logits gradient); exactly
+    0 on a row whose label is ignored, whatever its logits hold."""
     block_row = tl.program_id(0).to(tl.int64)
+    row = first_row + block_row
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     inside = cols < vocab
-    row = tl.load(rows_ptr + block_row)
     label = tl.load(labels_ptr + row).to(tl.int64)
+    # A block, not a scalar: the interpreter breaks a scalar boolean broadcast in a block's op.
+    active = tl.zeros([BLOCK_V], tl.int64) + label != ignore_index
     compute = lse_ptr.dtype.element_ty
-    temperature = tl.load(temperature_ptr)
+    temperature = tl.full([], temperature, compute)
     lse = tl.load(lse_ptr + row)
-    grad_logprobs = tl.load(grad_logprobs_ptr + block_row * stride_grad_logprobs).to(compute)
+    grad_logprobs = tl.load(grad_logprobs_ptr + row * stride_grad_logprobs).to(compute)
     pointer = logits_ptr + block_row * stride_logits + cols
     z = tl.load(pointer, mask=inside, other=0.0).to(compute) / temperature
     probs = tl.exp(z - lse)
     grad = tl.where(cols == label, grad_logprobs, 0.0) - grad_logprobs * probs
     if HAS_GRAD_ENTROPY:
-        grad_entropy = tl.load(grad_entropy_ptr + block_row * stride_grad_entropy).to(compute)
+        grad_entropy = tl.load(grad_entropy_ptr + row * stride_grad_entropy).to(compute)
         # p (z - E_p[z]) is 0 at a -inf logit (p = 0), not 0 * -inf (docs/math.md, section 8, "Entropy").
         centred = tl.where(z == float("-inf"), 0.0, z - tl.load(mean_logit_ptr + row))
         grad -= grad_entropy * probs * centred
-    grad = grad / temperature
+    grad = tl.where(active, grad / temperature, 0.0)
     if ROUND_BF16_BY_HAND:
         grad = round_to_bfloat16(grad)
     tl.store(pointer, grad.to(pointer.dtype.element_ty), mask=inside)
 
 
-_TOKEN_BLOCK = 1024
-
-
 class _BlockSweep:
-    """The blocks of active rows and the GEMMs around the row kernels."""
+    """The blocks of rows and the GEMMs around the row kernels.
+
+    The blocks are planned over all N rows, a count the host knows: the rows whose label
+    counts are never counted on the host (a read of the device, which would wait for it),
+    so a padding row enters the GEMMs of its block, zeroed where a gradient GEMM would read
+    it, and the row kernels give it zeros and no gradient (docs/fused-linear-logprob.md)."""
 
     def __init__(self, hidden, weight, bias, labels, ignore_index, block_rows):
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels.contiguous()
+        self.ignore_index = ignore_index
         self.device = hidden.device
         self.vocab = weight.shape[0]
+        self.rows = hidden.shape[0]
         self.accumulate = accumulate_dtype(hidden.dtype)
-        # One host synchronisation: the count of active rows sizes the blocks.
-        self.rows = (self.labels != ignore_index).nonzero().flatten()
-        count = self.rows.numel()
         self.block_rows = block_rows_for(
-            count, self.vocab, hidden.element_size(), self.device.type, block_rows,
+            self.rows, self.vocab, hidden.element_size(), self.device.type, block_rows,
             accumulator_bytes=head_accumulator_bytes(self.vocab, hidden.shape[1], hidden.element_size()),
         )
-        # Every row active (no padding): blocks are slices, no gather or scatter.
-        self.dense = count == hidden.shape[0]
-        self.buffer = torch.empty((min(self.block_rows, max(count, 1)), self.vocab), dtype=hidden.dtype,
+        self.buffer = torch.empty((min(self.block_rows, max(self.rows, 1)), self.vocab), dtype=hidden.dtype,
                                   device=self.device)
+        self._ignored = None
 
     def blocks(self):
-        """(rows, span): the block's row indices, and its slice of the rows when the
-        rows are all active (then ``rows`` is that slice's range), else None."""
-        for start in range(0, self.rows.numel(), self.block_rows):
-            rows = self.rows[start:start + self.block_rows]
-            yield rows, slice(start, start + rows.numel()) if self.dense else None
+        """Each block's slice of the rows."""
+        for start in range(0, self.rows, self.block_rows):
+            yield slice(start, min(start + self.block_rows, self.rows))
 
-    def logits(self, rows, span):
-        """The block's z = h W^T + b, in the inputs' dtype, in the shared buffer, and
-        the block's hidden states."""
-        logits = self.buffer[: rows.numel()]
-        hidden_rows = self.hidden[span] if span is not None else self.hidden.index_select(0, rows)
+    def logits(self, span, hidden_rows=None):
+        """The block's z = h W^T + b, in the inputs' dtype, in the shared buffer."""
+        logits = self.buffer[: span.stop - span.start]
+        hidden_rows = self.hidden[span] if hidden_rows is None else hidden_rows
         if self.bias is None:
             torch.mm(hidden_rows, self.weight.t(), out=logits)
         else:
             torch.addmm(self.bias, hidden_rows, self.weight.t(), out=logits)
-        return logits, hidden_rows
+        return logits
 
-    def stats(self, logits, rows, temperature, outputs, with_entropy):
-        logprobs, entropy, lse, mean_logit = outputs
-        _row_stats_kernel[(rows.numel(),)](
-            logits, logits.stride(0), self.labels, rows, temperature,
-            logprobs, entropy, lse, mean_logit, self.vocab,
-            WITH_ENTROPY=with_entropy, BLOCK_V=_BLOCK_V, num_warps=8,
+    def counted_hidden(self, span):
+        """The block's hidden states with the rows whose label is ignored zeroed: a gradient
+        GEMM multiplies them by a zero gradient, and padding may hold inf or NaN."""
+        if self._ignored is None:
+            self._ignored = (self.labels == self.ignore_index)[:, None]
+        return self.hidden[span].masked_fill(self._ignored[span], 0)
+
+    def logit_gradient(self, logits, span, temperature, grad_logprobs, grad_entropy, lse, mean_logit):
+        kernel = bound_kernel(
+            _logit_gradient_kernel, HAS_GRAD_ENTROPY=grad_entropy is not None,
+            ROUND_BF16_BY_HAND=INTERPRETING and logits.dtype == torch.bfloat16, BLOCK_V=_BLOCK_V, num_warps=8,
         )
-
-    def logit_gradient(self, logits, rows, temperature, grad_logprobs, grad_entropy, lse, mean_logit):
-        _logit_gradient_kernel[(rows.numel(), triton.cdiv(self.vocab, _BLOCK_V))](
-            logits, logits.stride(0), self.labels, rows, temperature,
+        kernel(
+            (span.stop - span.start, triton.cdiv(self.vocab, _BLOCK_V)),
+            logits, logits.stride(0), self.labels, span.start, temperature,
             grad_logprobs, grad_logprobs.stride(0),
             grad_logprobs if grad_entropy is None else grad_entropy,
             0 if grad_entropy is None else grad_entropy.stride(0),
-            lse, mean_logit, self.vocab,
-            HAS_GRAD_ENTROPY=grad_entropy is not None,
-            ROUND_BF16_BY_HAND=INTERPRETING and logits.dtype == torch.bfloat16,
-            BLOCK_V=_BLOCK_V, num_warps=8,
+            lse, mean_logit, self.vocab, self.ignore_index,
         )
 
 
@@ -260,21 +290,19 @@ class _Gradients:
     def __init__(self, sweep: _BlockSweep):
         self.sweep = sweep
         hidden, weight, bias = sweep.hidden, sweep.weight, sweep.bias
-        self.grad_hidden = torch.empty_like(hidden) if sweep.dense else torch.zeros_like(hidden)
+        # Every block writes its rows (a padding row's gradient is 0: its logits' is).
+        self.grad_hidden = torch.empty_like(hidden)
         # 16-bit heads over several blocks accumulate grad_W in fp32 (head_accumulator_bytes).
-        several = sweep.rows.numel() > sweep.block_rows
+        several = sweep.rows > sweep.block_rows
         self.weight_dtype = sweep.accumulate if several else weight.dtype
         # The first block writes grad_W (no zero fill); later ones add to it.
         self.grad_weight = torch.empty_like(weight, dtype=self.weight_dtype)
         self.first = True
         self.grad_bias = None if bias is None else torch.zeros_like(bias, dtype=sweep.accumulate)
 
-    def add(self, logit_grad, rows, span, hidden_rows):
+    def add(self, logit_grad, span, hidden_rows):
         weight = self.sweep.weight
-        if span is not None:
-            torch.mm(logit_grad, weight, out=self.grad_hidden[span])
-        else:
-            self.grad_hidden.index_copy_(0, rows, torch.mm(logit_grad, weight))
+        torch.mm(logit_grad, weight, out=self.grad_hidden[span])
         if self.weight_dtype != logit_grad.dtype:
             _widening_addmm_(self.grad_weight, logit_grad.t(), hidden_rows, first=self.first)
         elif self.first:
@@ -287,32 +315,28 @@ class _Gradients:
 
     def result(self):
         weight, bias = self.sweep.weight, self.sweep.bias
-        if self.first:  # no active row: no block wrote grad_W
+        if self.first:  # no row: no block wrote grad_W
             self.grad_weight.zero_()
         grad_bias = weight.new_empty((0,)) if bias is None else self.grad_bias.to(bias.dtype)
         return self.grad_hidden, self.grad_weight.to(weight.dtype), grad_bias
 
 
-def _temperature(temperature: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # A Python float reaches a kernel as fp32; fp64 inputs need the fp64 temperature.
-    return torch.full((), float(temperature), dtype=dtype, device=device)
-
-
 def _row_outputs(num_rows: int, dtype: torch.dtype, device: torch.device):
-    # logprobs, entropy (0 on ignored rows), lse, mean_logit
-    return tuple(torch.zeros(num_rows, dtype=dtype, device=device) for _ in range(4))
+    # logprobs, entropy, lse, mean_logit: the row kernels write every row (0 on ignored ones).
+    return tuple(torch.empty(num_rows, dtype=dtype, device=device) for _ in range(4))
 
 
 def linear_logprob_forward(hidden, weight, bias, labels, temperature, ignore_index, with_entropy):
     """``hadw::linear_logprob_forward``: (logprobs, entropy, lse, mean_logit), each [N]
     in fp32 (fp64 for fp64 inputs); ignored rows give 0."""
     sweep = _BlockSweep(hidden, weight, bias, labels, ignore_index, 0)
-    outputs = _row_outputs(hidden.shape[0], sweep.accumulate, sweep.device)
-    temperature = _temperature(temperature, sweep.accumulate, sweep.device)
+    outputs = _row_outputs(sweep.rows, sweep.accumulate, sweep.device)
+    kernel = bound_kernel(_row_stats_kernel, WITH_ENTROPY=with_entropy, BLOCK_V=_BLOCK_V, num_warps=8)
     with device_guard(sweep.device):
-        for rows, span in sweep.blocks():
-            logits, _ = sweep.logits(rows, span)
-            sweep.stats(logits, rows, temperature, outputs, with_entropy)
+        for span in sweep.blocks():
+            logits = sweep.logits(span)
+            kernel((span.stop - span.start,), logits, logits.stride(0), sweep.labels, span.start, float(temperature),
+                   *outputs, sweep.vocab, ignore_index)
     return outputs
 
 
@@ -328,17 +352,14 @@ def linear_logprob_backward(grad_logprobs, grad_entropy, hidden, weight, bias, l
         )
     sweep = _BlockSweep(hidden, weight, bias, labels, ignore_index, 0)
     gradients = _Gradients(sweep)
-    temperature = _temperature(temperature, sweep.accumulate, sweep.device)
     grad_logprobs = grad_logprobs.to(sweep.accumulate)
     grad_entropy = None if grad_entropy is None else grad_entropy.to(sweep.accumulate)
     with device_guard(sweep.device):
-        for rows, span in sweep.blocks():
-            logits, hidden_rows = sweep.logits(rows, span)
-            sweep.logit_gradient(
-                logits, rows, temperature, grad_logprobs[rows],
-                None if grad_entropy is None else grad_entropy[rows], lse, mean_logit,
-            )
-            gradients.add(logits, rows, span, hidden_rows)
+        for span in sweep.blocks():
+            hidden_rows = sweep.counted_hidden(span)
+            logits = sweep.logits(span, hidden_rows)
+            sweep.logit_gradient(logits, span, float(temperature), grad_logprobs, grad_entropy, lse, mean_logit)
+            gradients.add(logits, span, hidden_rows)
     return gradients.result()
 
 
@@ -358,28 +379,26 @@ def linear_surrogate_forward(
                          "token form of it (linear_path='recompute')")
     sweep = _BlockSweep(hidden, weight, bias, labels, ignore_index, block_rows)
     gradients = _Gradients(sweep)
-    logprobs, entropy, lse, mean_logit = outputs = _row_outputs(hidden.shape[0], sweep.accumulate, sweep.device)
-    temperature = _temperature(temperature, sweep.accumulate, sweep.device)
-    grad_logprobs = torch.empty(sweep.buffer.shape[0], dtype=sweep.accumulate, device=sweep.device)
+    logprobs, entropy, lse, mean_logit = outputs = _row_outputs(sweep.rows, sweep.accumulate, sweep.device)
+    grad_logprobs = torch.empty(sweep.rows, dtype=sweep.accumulate, device=sweep.device)
     grad_entropy = torch.empty_like(grad_logprobs)
     has_kl = beta > 0
+    kernel = bound_kernel(
+        _row_surrogate_kernel, **objective_arguments(objective, epsilon_low, epsilon_high, objective_options),
+        beta=float(beta), entropy_coef=float(entropy_coef), ON_POLICY=old_logprobs is None, HAS_KL=has_kl,
+        KL_ESTIMATOR=kl_estimator, HAS_IMPORTANCE=importance_weights is not None,
+        WITH_ENTROPY=with_entropy or entropy_coef > 0, BLOCK_V=_BLOCK_V, num_warps=8,
+    )
     with device_guard(sweep.device):
-        for rows, span in sweep.blocks():
-            count = rows.numel()
-            logits, hidden_rows = sweep.logits(rows, span)
-            sweep.stats(logits, rows, temperature, outputs, with_entropy or entropy_coef > 0)
-            _token_gradient_kernel[(triton.cdiv(count, _TOKEN_BLOCK),)](
-                rows, logprobs, logprobs if old_logprobs is None else old_logprobs,
-                ref_logprobs if has_kl else logprobs, importance_weights if importance_weights is not None else logprobs,
-                advantages, agg_weights, grad_logprobs, grad_entropy, count,
-                **objective_arguments(objective, epsilon_low, epsilon_high, objective_options),
-                beta=float(beta), entropy_coef=float(entropy_coef),
-                ON_POLICY=old_logprobs is None, HAS_KL=has_kl, KL_ESTIMATOR=kl_estimator,
-                HAS_IMPORTANCE=importance_weights is not None, BLOCK=_TOKEN_BLOCK, num_warps=4,
+        for span in sweep.blocks():
+            hidden_rows = sweep.counted_hidden(span)
+            logits = sweep.logits(span, hidden_rows)
+            kernel(
+                (span.stop - span.start,), logits, logits.stride(0), sweep.labels, span.start, float(temperature),
+                *outputs, old_logprobs, ref_logprobs if has_kl else None, importance_weights, advantages, agg_weights,
+                grad_logprobs, grad_entropy, sweep.vocab, ignore_index,
             )
-            sweep.logit_gradient(
-                logits, rows, temperature, grad_logprobs[:count],
-                grad_entropy[:count] if entropy_coef > 0 else None, lse, mean_logit,
-            )
-            gradients.add(logits, rows, span, hidden_rows)
+            sweep.logit_gradient(logits, span, float(temperature), grad_logprobs,
+                                 grad_entropy if entropy_coef > 0 else None, lse, mean_logit)
+            gradients.add(logits, span, hidden_rows)
     return (logprobs, entropy, *gradients.result())

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import bound_kernel
 from .surrogate import device_guard
 from .token_math import INTERPRETING, round_to_bfloat16
 
@@ -45,9 +46,8 @@ def scale_in_place_(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     count = values.numel()
     if count < SMALLEST_FOR_KERNEL or not values.is_contiguous():
         return values.mul_(scale)
+    kernel = bound_kernel(_scale_kernel, ROUND_BF16_BY_HAND=INTERPRETING and values.dtype == torch.bfloat16,
+                          BLOCK=_BLOCK, num_warps=8)
     with device_guard(values.device):
-        _scale_kernel[(triton.cdiv(count, _BLOCK),)](
-            values, scale.reshape(()), count, ROUND_BF16_BY_HAND=INTERPRETING and values.dtype == torch.bfloat16,
-            BLOCK=_BLOCK, num_warps=8,
-        )
+        kernel((triton.cdiv(count, _BLOCK),), values, scale.reshape(()), count)
     return values

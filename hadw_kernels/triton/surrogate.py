@@ -1,25 +1,29 @@
-"""Triton kernels of ``hadw::surrogate_loss``: the policy objectives with HA-DW (docs/math.md
-sections 2, 4 and 5) as ``config.LossConfig`` describes them, loss and gradient in one
-launch over the tokens.
+"""The Triton kernel of ``hadw::surrogate_loss``: the policy objectives with HA-DW (docs/math.md
+sections 2, 4 and 5) as ``config.LossConfig`` describes them, loss, gradient and metrics in
+one launch over the tokens, which reads no value back to the host.
 
-Launches, in stream order, none of which reads a value back to the host:
+``_surrogate_kernel`` runs one program per response (segment) on grid axis 0 (2^31 - 1
+programs). A program forms what its response needs from its group and itself: with
+rewards, its group's mean and std, A_hat and Phi from the anchor (read from device memory),
+A = A_hat * Phi (each member of a group forms the group's figures again from its G rewards:
+a few loads, where a launch of its own cost a kernel launch); its valid-token count T_i
+(counted first where seq-mean-token-mean divides by it); then each token's contribution to
+the loss, d loss / d logprobs and d loss / d entropy, and the response's metric partial sums.
+A sequence ratio form first reads the response for its mean log-ratio (and VESPO's summed
+one), and the "sequence" form then once more for the sum of its tokens' slopes through the
+shared ratio. The program that arrives last (an atomic count of arrivals) sums every
+response's partials in a fixed order, in float64, into the loss and the metrics: as
+deterministic as a launch of its own, without one.
 
-1. ``_lengths_kernel``, one program per response (segment): its valid-token count, and
-   the call's token count (an exact int64 atomic) that ``token-mean`` divides by.
-2. ``_group_kernel`` (advantages from rewards only), one program per group: mean and
-   unbiased std, A_hat, Phi from the anchor (read from device memory), A = A_hat * Phi.
-3. ``_surrogate_kernel``, one program per segment on grid axis 0 (2^31 - 1 programs):
-   each token's contribution to the loss, d loss / d logprobs and d loss / d entropy,
-   and the response's metric partial sums. A sequence ratio form first reads the
-   response for its mean log-ratio (and VESPO's summed one), and the "sequence" form
-   then once more for the sum of its tokens' slopes through the shared ratio.
-4. ``_finish_kernel``, one program: sums the per-response partials in a fixed order
-   (deterministic, unlike float atomics) into the loss and the metrics vector.
+The one figure no program has before its tokens is token-mean's count of the batch's valid
+tokens: the gradient is written without its 1 / N_tok, which the last program forms and
+writes as ``grad_scale`` for backward to apply with the upstream gradient (the op's
+contract, ops/schemas.py), and divides the loss by.
 
 The tokens come flat, [N], in segments of one response each (``cu_seqlens``,
 hadw_kernels/layout.py): a program streams its segment's tokens, so a padded [B, T] batch
-(B segments of T) and a packed one run the same kernels. Advantages are per response
-(from rewards) or the caller's per token.
+(B segments of T) and a packed one run the same kernel. Advantages are per response
+(from rewards or the caller's) or the caller's per token.
 
 The per-token formulas (``objective_terms``, ``policy_term``, ``kl_term``,
 ``aggregation_weight``) are ``token_math.py``'s, shared with the gradients-in-forward
@@ -27,7 +31,7 @@ linear kernels (``linear_logprob.py``). All arithmetic is in the compute dtype (
 inputs are widened on load. Offsets are int64. Masked positions are never read, so
 padding may hold inf or NaN; a NaN at a valid position makes the loss NaN (maximum and
 minimum propagate NaN here: Triton's default drops it). Block sizes: ``_token_launch``
-and docs/triton-surrogate.md.
+and docs/triton-surrogate.md; launches: ``launch.BoundKernel``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..aggregation import counts_batch_tokens
 from ..config import AGG_MODES, AGGREGATIONS, METRIC_NAMES, OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS
 from ..precision import accumulate_dtype
 from .token_math import (
@@ -65,11 +70,12 @@ from .token_math import (
     token_ratio,
     vespo_weight,
 )
+from .launch import bound_kernel
 
 __all__ = ["surrogate_forward"]
 
-# Columns of the per-response partial sums the surrogate kernel writes and
-# _finish_kernel reduces, padded to a power of two for one aligned tile.
+# Columns of the per-response partial sums the programs write and the last one reduces,
+# padded to a power of two for one aligned tile.
 _LOSS = tl.constexpr(0)
 _CLIP_LOW = tl.constexpr(1)
 _CLIP_HIGH = tl.constexpr(2)
@@ -79,7 +85,9 @@ _APPROX_KL = tl.constexpr(5)
 _REF_KL = tl.constexpr(6)
 _ENTROPY = tl.constexpr(7)
 _TOKENS = tl.constexpr(8)
-_NUM_PARTIALS = tl.constexpr(9)
+_PHI = tl.constexpr(9)  # the response's Phi (1 without an anchor)
+_DEGENERATE = tl.constexpr(10)  # 1 on the first response of a group whose rewards are all equal
+_NUM_PARTIALS = tl.constexpr(11)
 _PARTIALS_WIDTH = tl.constexpr(16)
 
 # Where each metric goes in the op's metrics vector (config.METRIC_NAMES).
@@ -94,69 +102,107 @@ _M_REF_KL = _METRIC["ref_kl"]
 _M_ENTROPY = _METRIC["entropy_mean"]
 
 
-# --- kernels ------------------------------------------------------------------------------
+# --- kernel -------------------------------------------------------------------------------
 
 
 @triton.jit
-def _lengths_kernel(mask_ptr, stride_mask, offsets_ptr, length_ptr, token_count_ptr, BLOCK_T: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    first = tl.load(offsets_ptr + row)
-    end = tl.load(offsets_ptr + row + 1)
-    count = tl.zeros([BLOCK_T], dtype=tl.int32)
-    for start in range(first, end, BLOCK_T):
-        tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
-        valid = tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0
-        count += valid.to(tl.int32)
-    length = tl.sum(count, axis=0)
-    tl.store(length_ptr + row, length)
-    tl.atomic_add(token_count_ptr, length.to(tl.int64))
-
-
-@triton.jit
-def _group_kernel(
-    rewards_ptr, stride_rewards, anchor_ptr, advantage_ptr, group_stats_ptr,
-    group_size, std_eps: tl.float64, lambda_scale: tl.float64,
-    NORMALIZE_STD: tl.constexpr, HAS_ANCHOR: tl.constexpr, BLOCK_G: tl.constexpr,
-):
-    group = tl.program_id(0).to(tl.int64)
+def _group_terms(rewards_ptr, stride_rewards, anchor_ptr, row, group_size, std_eps, lambda_scale, dtype: tl.constexpr,
+                 NORMALIZE_STD: tl.constexpr, HAS_ANCHOR: tl.constexpr, BLOCK_G: tl.constexpr):
+    """(A_i = A_hat_i * Phi_i, Phi_i, whether the group is degenerate) of response ``row``,
+    from its group's rewards: mean and unbiased std + ``std_eps``, degenerate groups by
+    min == max (the float32 mean of three 0.9s is not 0.9, so std == 0 would miss them),
+    Phi = lambda exp(-sgn(A_hat) sgn(p_hat - C) |p_hat - C|), C the anchor."""
+    group = row // group_size
     members = tl.arange(0, BLOCK_G)
     in_group = members < group_size
-    rows = group * group_size + members
-    compute = advantage_ptr.dtype.element_ty
-
-    rewards = tl.load(rewards_ptr + rows * stride_rewards, mask=in_group, other=0.0).to(compute)
+    rewards = tl.load(rewards_ptr + (group * group_size + members) * stride_rewards, mask=in_group,
+                      other=0.0).to(dtype)
     mean = tl.sum(rewards, axis=0) / group_size
     centred = tl.where(in_group, rewards - mean, 0.0)
-    # min == max, not std == 0: the mean of equal non-dyadic rewards need not equal them.
     degenerate = tl.max(tl.where(in_group, rewards, -float("inf")), axis=0) == tl.min(
         tl.where(in_group, rewards, float("inf")), axis=0
     )
     advantage_hat = centred
     if NORMALIZE_STD:
         std = tl.sqrt(tl.sum(centred * centred, axis=0) / (group_size - 1))
-        advantage_hat = centred / (std + tl.full([], std_eps, compute))
+        advantage_hat = centred / (std + tl.full([], std_eps, dtype))
     advantage_hat = tl.where(degenerate, 0.0, advantage_hat)
     if HAS_ANCHOR:
-        difficulty = mean - tl.load(anchor_ptr).to(compute)
+        difficulty = mean - tl.load(anchor_ptr).to(dtype)
         advantage_sign = tl.where(degenerate, 0.0, sign(centred))
         exponent = -advantage_sign * sign(difficulty) * tl.abs(difficulty)
-        phi = tl.full([], lambda_scale, compute) * tl.exp(exponent)
+        phi = tl.full([], lambda_scale, dtype) * tl.exp(exponent)
     else:
-        phi = tl.full([BLOCK_G], 1.0, compute)
-    tl.store(advantage_ptr + rows, advantage_hat * phi, mask=in_group)
-    tl.store(group_stats_ptr + group * 2, tl.sum(tl.where(in_group, phi, 0.0), axis=0).to(tl.float32))
-    tl.store(group_stats_ptr + group * 2 + 1, degenerate.to(tl.float32))
+        phi = tl.full([BLOCK_G], 1.0, dtype)
+    own = members == row - group * group_size
+    return (tl.sum(tl.where(own, advantage_hat * phi, 0.0), axis=0), tl.sum(tl.where(own, phi, 0.0), axis=0),
+            degenerate)
 
 
 @triton.jit
-def _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, like, PER_TOKEN: tl.constexpr):
+def _token_advantages(advantage_ptr, stride_advantage, response_advantage, tokens, valid, like,
+                      PER_TOKEN: tl.constexpr):
     """The tokens' advantages in ``like``'s dtype, 0 where not valid: the caller's per
-    token, or the response's A_i (formed from rewards) on each of its tokens."""
+    token, or the response's A_i on each of its tokens."""
     if PER_TOKEN:
         advantage = tl.load(advantage_ptr + tokens * stride_advantage, mask=valid, other=0.0).to(like.dtype)
     else:
-        advantage = tl.where(valid, tl.load(advantage_ptr + row * stride_advantage).to(like.dtype), 0.0)
+        advantage = tl.where(valid, response_advantage, 0.0)
     return advantage
+
+
+@triton.jit
+def _valid_tokens(mask_ptr, stride_mask, first, end, BLOCK_T: tl.constexpr):
+    """T_i: the valid tokens of the segment [first, end)."""
+    count = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for start in range(first, end, BLOCK_T):
+        tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
+        count += (tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0).to(tl.int32)
+    return tl.sum(count, axis=0)
+
+
+@triton.jit
+def _pick(totals, columns, index: tl.constexpr):
+    return tl.sum(tl.where(columns == index, totals, 0.0), axis=0)
+
+
+@triton.jit
+def _finish(partials_ptr, loss_ptr, metrics_ptr, grad_scale_ptr, segments, group_size,
+            HAS_GROUPS: tl.constexpr, COUNT_TOKENS: tl.constexpr, FINISH_ROWS: tl.constexpr):
+    """The loss and the metrics from every response's partials, summed in a fixed order in
+    float64: the result does not depend on scheduling and the counts stay exact beyond
+    2^24 tokens. Under token-mean without a normaliser, the loss's division by the batch's
+    valid tokens and the gradient's factor (``grad_scale``). The partials are read through
+    L2 (``.cg``): other programs wrote them, after this one's L1 may have cached lines."""
+    columns = tl.arange(0, _PARTIALS_WIDTH)
+    totals = tl.zeros([_PARTIALS_WIDTH], tl.float64)
+    for start in range(0, segments, FINISH_ROWS):
+        rows = start + tl.arange(0, FINISH_ROWS).to(tl.int64)
+        tile_mask = (rows < segments)[:, None] & (columns < _NUM_PARTIALS)[None, :]
+        tile = tl.load(partials_ptr + rows[:, None] * _PARTIALS_WIDTH + columns[None, :], mask=tile_mask, other=0.0,
+                       cache_modifier=".cg")
+        totals += tl.sum(tile.to(tl.float64), axis=0)
+
+    loss = _pick(totals, columns, _LOSS)
+    ratio_count = tl.maximum(_pick(totals, columns, _RATIO_COUNT), 1.0)
+    token_count = tl.maximum(_pick(totals, columns, _TOKENS), 1.0)
+    if COUNT_TOKENS:
+        loss = loss / token_count
+        tl.store(grad_scale_ptr, (1.0 / token_count).to(grad_scale_ptr.dtype.element_ty))
+    tl.store(loss_ptr, loss.to(loss_ptr.dtype.element_ty))
+    tl.store(metrics_ptr + _M_CLIP_LOW, (_pick(totals, columns, _CLIP_LOW) / ratio_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_CLIP_HIGH, (_pick(totals, columns, _CLIP_HIGH) / ratio_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_RATIO, (_pick(totals, columns, _RATIO_SUM) / ratio_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_APPROX_KL, (_pick(totals, columns, _APPROX_KL) / token_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_REF_KL, (_pick(totals, columns, _REF_KL) / token_count).to(tl.float32))
+    tl.store(metrics_ptr + _M_ENTROPY, (_pick(totals, columns, _ENTROPY) / token_count).to(tl.float32))
+    phi_mean = tl.zeros([], tl.float64)
+    zero_std_frac = tl.zeros([], tl.float64)
+    if HAS_GROUPS:
+        phi_mean = _pick(totals, columns, _PHI) / tl.maximum(segments, 1)
+        zero_std_frac = _pick(totals, columns, _DEGENERATE) / tl.maximum(segments // group_size, 1)
+    tl.store(metrics_ptr + _M_PHI, phi_mean.to(tl.float32))
+    tl.store(metrics_ptr + _M_ZERO_STD, zero_std_frac.to(tl.float32))
 
 
 @triton.jit
@@ -169,14 +215,22 @@ def _surrogate_kernel(
     entropy_ptr, stride_entropy,
     selected_ptr, stride_selected,
     offsets_ptr,
-    advantage_ptr, stride_advantage, length_ptr, token_count_ptr,
-    grad_logprobs_ptr, grad_entropy_ptr, partials_ptr,
+    rewards_ptr, stride_rewards, anchor_ptr,
+    advantage_ptr, stride_advantage,
+    grad_logprobs_ptr, grad_entropy_ptr, partials_ptr, arrivals_ptr,
+    loss_ptr, metrics_ptr, grad_scale_ptr,
+    segments, denominator: tl.float64,
+    group_size, std_eps: tl.float64, lambda_scale: tl.float64,
     epsilon_low: tl.float64, epsilon_high: tl.float64,
     option_0: tl.float64, option_1: tl.float64, option_2: tl.float64, option_3: tl.float64,
-    beta: tl.float64, entropy_coef: tl.float64, denominator: tl.float64,
+    beta: tl.float64, entropy_coef: tl.float64,
     OBJECTIVE: tl.constexpr,
     RATIO_LEVEL: tl.constexpr,
     THROUGH_RATIO: tl.constexpr,
+    HAS_GROUPS: tl.constexpr,
+    NORMALIZE_STD: tl.constexpr,
+    HAS_ANCHOR: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     PER_TOKEN_ADVANTAGES: tl.constexpr,
     PER_RESPONSE_MEAN: tl.constexpr,
     COUNT_TOKENS: tl.constexpr,
@@ -186,9 +240,11 @@ def _surrogate_kernel(
     HAS_ENTROPY: tl.constexpr,
     HAS_SELECTED: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    FINISH_ROWS: tl.constexpr,
 ):
-    """One response: the tokens of its segment, in the ratio form RATIO_LEVEL (docs/math.md,
-    section 5). The token form is local to each token. The sequence forms first read the
+    """One response: its advantage, then the tokens of its segment in the ratio form
+    RATIO_LEVEL (docs/math.md, section 5); the last program to finish, the loss and the
+    metrics. The token form is local to each token. The sequence forms first read the
     response for s_i; gspo_token then gives each token the token form's gradient with
     rho = s_i, while the "sequence" form passes each token s_i / T_i times the sum over
     the response of w_i iw_t' d l / d rho (GMPO: where the token's clip passes), read in
@@ -208,10 +264,30 @@ def _surrogate_kernel(
     # Blocks rather than scalars for per-response values: the interpreter turns a scalar
     # boolean into float32 when broadcasting it in `&`, so (advantage < 0) must be a block.
     zeros = tl.zeros([BLOCK_T], compute)
-    length = tl.load(length_ptr + row)
-    length_count = tl.maximum(length, 1).to(compute)
-    agg_weight = aggregation_weight(length, token_count_ptr, tl.full([], denominator, compute), PER_RESPONSE_MEAN,
-                                    COUNT_TOKENS)
+
+    # The response's advantage: from its group's rewards (in their dtype promoted with the
+    # compute dtype, as a float64 reward keeps its digits), or the caller's.
+    response_advantage = tl.zeros([], compute)
+    phi = tl.full([], 1.0, compute)
+    degenerate = tl.zeros([], compute)
+    if HAS_GROUPS:
+        group_dtype = tl.float64 if (rewards_ptr.dtype.element_ty == tl.float64) or (compute == tl.float64) \
+            else tl.float32
+        group_advantage, group_phi, group_degenerate = _group_terms(
+            rewards_ptr, stride_rewards, anchor_ptr, row, group_size, std_eps, lambda_scale, group_dtype,
+            NORMALIZE_STD, HAS_ANCHOR, BLOCK_G)
+        response_advantage = group_advantage.to(compute)
+        phi = group_phi.to(compute)
+        degenerate = tl.where(group_degenerate & (row % group_size == 0), 1.0, 0.0).to(compute)
+    elif not PER_TOKEN_ADVANTAGES:
+        response_advantage = tl.load(advantage_ptr + row * stride_advantage).to(compute)
+
+    # T_i before the tokens where the aggregation weight needs it (a sequence form counts
+    # in its first pass, below).
+    if (RATIO_LEVEL == TOKEN_RATIO) and PER_RESPONSE_MEAN:
+        length = _valid_tokens(mask_ptr, stride_mask, first, end, BLOCK_T)
+    else:
+        length = tl.zeros([], tl.int32)
 
     approx_kl = zeros
     weight = zeros  # VESPO's phi per token, or the objective's selection
@@ -220,16 +296,18 @@ def _surrogate_kernel(
         # sum of the tokens' clamped log-ratios.
         log_ratio_sum = zeros
         clamped_sum = zeros
+        count = tl.zeros([BLOCK_T], dtype=tl.int32)
         for start in range(first, end, BLOCK_T):
             tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
             valid = tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0
+            count += valid.to(tl.int32)
             logprobs = tl.load(logprobs_ptr + tokens * stride_logprobs, mask=valid, other=0.0).to(compute)
             old = tl.load(old_ptr + tokens * stride_old, mask=valid, other=0.0).to(compute)
             log_ratio = logprobs - old
             clamped = clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
             approx_kl += tl.where(valid, exp_minus_one_minus_x(clamped), 0.0)
             if OBJECTIVE == OBJECTIVE_GMPO:
-                advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
+                advantage = _token_advantages(advantage_ptr, stride_advantage, response_advantage, tokens, valid, zeros,
                                               PER_TOKEN_ADVANTAGES)
                 clipped_log_ratio = gmpo_log_ratio(log_ratio, advantage, log_range_low, log_range_high)
                 log_ratio_sum += tl.where(valid, clipped_log_ratio, 0.0)
@@ -237,6 +315,8 @@ def _surrogate_kernel(
                 log_ratio_sum += tl.where(valid, log_ratio, 0.0)
             if OBJECTIVE == OBJECTIVE_VESPO:
                 clamped_sum += tl.where(valid, clamped, 0.0)
+        length = tl.sum(count, axis=0)
+        length_count = tl.maximum(length, 1).to(compute)
         ratio, ratio_passes = token_ratio(zeros + tl.sum(log_ratio_sum, axis=0) / length_count)
         if OBJECTIVE == OBJECTIVE_VESPO:
             summed_log_ratio = zeros + tl.sum(clamped_sum, axis=0)
@@ -247,7 +327,7 @@ def _surrogate_kernel(
             for start in range(first, end, BLOCK_T):
                 tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
                 valid = tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0
-                advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
+                advantage = _token_advantages(advantage_ptr, stride_advantage, response_advantage, tokens, valid, zeros,
                                               PER_TOKEN_ADVANTAGES)
                 _, d_ratio, _ = objective_terms(ratio, advantage, zeros, zeros, weight, ratio_low, ratio_high,
                                                 log_range_low, log_range_high, options, OBJECTIVE)
@@ -256,6 +336,8 @@ def _surrogate_kernel(
                 slope_sum += tl.where(valid, d_ratio, 0.0)
             # d s_i / d logp_t = s_i / T_i where the mean's clamp passes (w_i comes at the store).
             ratio_share = tl.where(ratio_passes, (zeros + tl.sum(slope_sum, axis=0)) * ratio / length_count, 0.0)
+    # w_i; token-mean's 1 / N_tok is the gradient's grad_scale (the module's docstring).
+    agg_weight = aggregation_weight(length, tl.full([], denominator, compute), PER_RESPONSE_MEAN)
 
     objective_sum = zeros
     advantage_sum = zeros
@@ -264,11 +346,13 @@ def _surrogate_kernel(
     ratio_sum = zeros
     ref_kl = zeros
     entropy_sum = zeros
+    token_count = tl.zeros([BLOCK_T], dtype=tl.int32)
     for start in range(first, end, BLOCK_T):
         tokens = start + tl.arange(0, BLOCK_T).to(tl.int64)
         inside = tokens < end
         valid = tl.load(mask_ptr + tokens * stride_mask, mask=inside, other=0) != 0
-        advantage = _token_advantages(advantage_ptr, stride_advantage, row, tokens, valid, zeros,
+        token_count += valid.to(tl.int32)
+        advantage = _token_advantages(advantage_ptr, stride_advantage, response_advantage, tokens, valid, zeros,
                                       PER_TOKEN_ADVANTAGES)
         if RATIO_LEVEL != TOKEN_RATIO:
             advantage_sum += advantage  # the sign of the response's, for its clip fractions
@@ -322,6 +406,8 @@ def _surrogate_kernel(
             tl.store(grad_entropy_ptr + tokens, tl.where(valid, -entropy_coef * agg_weight, 0.0), mask=inside)
         tl.store(grad_logprobs_ptr + tokens, tl.where(valid, grad * agg_weight, 0.0), mask=inside)
         objective_sum += tl.where(valid, objective, 0.0)
+    if (RATIO_LEVEL == TOKEN_RATIO) and not PER_RESPONSE_MEAN:
+        length = tl.sum(token_count, axis=0)
 
     partials = partials_ptr + row * _PARTIALS_WIDTH
     token_total = length.to(compute)
@@ -334,15 +420,15 @@ def _surrogate_kernel(
     else:
         # One ratio per non-empty response: clip fractions and the mean ratio count
         # responses, with the sign of the sum of the response's token advantages (its A_i
-        # times T_i when the advantages come from rewards).
-        response_advantage = zeros + tl.sum(advantage_sum, axis=0)
+        # times T_i when the advantages are per response).
+        response_sum = zeros + tl.sum(advantage_sum, axis=0)
         has_tokens = length > 0
         lead = tl.arange(0, BLOCK_T) == 0
         tl.store(partials + _CLIP_LOW,
-                 tl.sum(tl.where(lead & has_tokens & (ratio < ratio_low) & (response_advantage < 0), 1.0, 0.0),
+                 tl.sum(tl.where(lead & has_tokens & (ratio < ratio_low) & (response_sum < 0), 1.0, 0.0),
                         axis=0).to(compute))
         tl.store(partials + _CLIP_HIGH,
-                 tl.sum(tl.where(lead & has_tokens & (ratio > ratio_high) & (response_advantage > 0), 1.0, 0.0),
+                 tl.sum(tl.where(lead & has_tokens & (ratio > ratio_high) & (response_sum > 0), 1.0, 0.0),
                         axis=0).to(compute))
         tl.store(partials + _RATIO_SUM, tl.sum(tl.where(lead & has_tokens, ratio, 0.0), axis=0))
         tl.store(partials + _RATIO_COUNT, has_tokens.to(compute))
@@ -350,54 +436,16 @@ def _surrogate_kernel(
     tl.store(partials + _REF_KL, tl.sum(ref_kl, axis=0))
     tl.store(partials + _ENTROPY, tl.sum(entropy_sum, axis=0))
     tl.store(partials + _TOKENS, token_total)
+    tl.store(partials + _PHI, phi)
+    tl.store(partials + _DEGENERATE, degenerate)
 
-
-@triton.jit
-def _pick(totals, columns, index: tl.constexpr):
-    return tl.sum(tl.where(columns == index, totals, 0.0), axis=0)
-
-
-@triton.jit
-def _finish_kernel(
-    partials_ptr, group_stats_ptr, loss_ptr, metrics_ptr,
-    batch, groups,
-    HAS_GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-):
-    """Sums in a fixed order, in float64: the result does not depend on scheduling and
-    the counts stay exact beyond 2^24 tokens."""
-    columns = tl.arange(0, _PARTIALS_WIDTH)
-    sums = tl.zeros([BLOCK_ROWS, _PARTIALS_WIDTH], tl.float64)
-    for start in range(0, batch, BLOCK_ROWS):
-        rows = start + tl.arange(0, BLOCK_ROWS).to(tl.int64)
-        tile_mask = (rows < batch)[:, None] & (columns < _NUM_PARTIALS)[None, :]
-        tile = tl.load(partials_ptr + rows[:, None] * _PARTIALS_WIDTH + columns[None, :], mask=tile_mask, other=0.0)
-        sums += tile.to(tl.float64)
-    totals = tl.sum(sums, axis=0)
-
-    tl.store(loss_ptr, _pick(totals, columns, _LOSS).to(loss_ptr.dtype.element_ty))
-    ratio_count = tl.maximum(_pick(totals, columns, _RATIO_COUNT), 1.0)
-    token_count = tl.maximum(_pick(totals, columns, _TOKENS), 1.0)
-    tl.store(metrics_ptr + _M_CLIP_LOW, (_pick(totals, columns, _CLIP_LOW) / ratio_count).to(tl.float32))
-    tl.store(metrics_ptr + _M_CLIP_HIGH, (_pick(totals, columns, _CLIP_HIGH) / ratio_count).to(tl.float32))
-    tl.store(metrics_ptr + _M_RATIO, (_pick(totals, columns, _RATIO_SUM) / ratio_count).to(tl.float32))
-    tl.store(metrics_ptr + _M_APPROX_KL, (_pick(totals, columns, _APPROX_KL) / token_count).to(tl.float32))
-    tl.store(metrics_ptr + _M_REF_KL, (_pick(totals, columns, _REF_KL) / token_count).to(tl.float32))
-    tl.store(metrics_ptr + _M_ENTROPY, (_pick(totals, columns, _ENTROPY) / token_count).to(tl.float32))
-    phi_mean = tl.zeros([], tl.float64)
-    zero_std_frac = tl.zeros([], tl.float64)
-    if HAS_GROUPS:
-        group_columns = tl.arange(0, 2)
-        group_sums = tl.zeros([BLOCK_ROWS, 2], tl.float64)
-        for start in range(0, groups, BLOCK_ROWS):
-            rows = start + tl.arange(0, BLOCK_ROWS).to(tl.int64)
-            tile = tl.load(group_stats_ptr + rows[:, None] * 2 + group_columns[None, :], mask=(rows < groups)[:, None],
-                           other=0.0)
-            group_sums += tile.to(tl.float64)
-        group_totals = tl.sum(group_sums, axis=0)
-        phi_mean = _pick(group_totals, group_columns, 0) / tl.maximum(batch, 1)
-        zero_std_frac = _pick(group_totals, group_columns, 1) / tl.maximum(groups, 1)
-    tl.store(metrics_ptr + _M_PHI, phi_mean.to(tl.float32))
-    tl.store(metrics_ptr + _M_ZERO_STD, zero_std_frac.to(tl.float32))
+    # Every thread's stores before the arrival, whose release makes them visible to the
+    # program that arrives last (its acquire), which then reduces them all.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == segments - 1:
+        _finish(partials_ptr, loss_ptr, metrics_ptr, grad_scale_ptr, segments, group_size, HAS_GROUPS, COUNT_TOKENS,
+                FINISH_ROWS)
 
 
 # --- launch configuration -----------------------------------------------------------------
@@ -412,7 +460,7 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
 
 
 def _token_launch(width: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_T, num_warps) for the per-response kernels (docs/triton-surrogate.md), for
+    """(BLOCK_T, num_warps) for the per-response kernel (docs/triton-surrogate.md), for
     segments of ``width`` tokens on average (a padded batch's: its width).
 
     One program streams one response. Hopper (sm_90) needs about twice Ampere's bytes
@@ -422,9 +470,6 @@ def _token_launch(width: int, device: torch.device) -> tuple[int, int]:
     widest = 2048 if _compute_capability(device) >= (9, 0) else 1024
     block = min(triton.next_power_of_2(max(width, 1)), widest)
     return block, max(1, min(16, block // 128))
-
-
-_FINISH_BLOCK_ROWS = 256
 
 
 def device_guard(device: torch.device):
@@ -437,12 +482,13 @@ def aggregation(
 ) -> tuple[float, bool, bool]:
     """(denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of ``aggregation_weight`` for an
     aggregation mode, from its row of config.AGGREGATIONS (aggregation.agg_weights).
-    The constant L of ``times_max_length`` arrives resolved (the losses default it to a
-    padded batch's width)."""
+    COUNT_TOKENS: the denominator is the batch's valid tokens, counted on the device and
+    applied through ``grad_scale``. The constant L of ``times_max_length`` arrives
+    resolved (the losses default it to a padded batch's width)."""
     rule = AGGREGATIONS[AGG_MODES[loss_agg_mode]]
-    count_tokens = rule.count == "tokens" and loss_normalizer is None
+    count_tokens = counts_batch_tokens(loss_agg_mode, loss_normalizer)
     if count_tokens and (rule.per_response_mean or rule.times_max_length):
-        # aggregation_weight's device count stands alone: teach it the other factors first.
+        # grad_scale stands alone: teach the kernel the other factors first.
         raise NotImplementedError(f"the Triton surrogate cannot weigh {AGG_MODES[loss_agg_mode]!r} yet")
     if rule.count == "responses":
         denominator = loss_normalizer or float(max(segments, 1))
@@ -465,6 +511,52 @@ def objective_arguments(objective, epsilon_low, epsilon_high, objective_options)
                 OBJECTIVE=objective)
 
 
+class _OptionSet:
+    """What one option set fixes of the launch, formed once: the kernel's option
+    arguments, the aggregation's rule, and a bound kernel per shape of a call (its inputs'
+    presence, the tile)."""
+
+    def __init__(self, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
+                 epsilon_low, epsilon_high, objective_options, beta, kl_estimator, entropy_coef, loss_normalizer,
+                 max_response_length):
+        name = OBJECTIVE_NAMES[objective]
+        if RATIO_LEVELS[ratio_level] not in OBJECTIVES[name].ratio_levels:
+            # LossConfig refuses it too; the kernel has no such variant (VESPO's weight, for
+            # one, is formed per response).
+            raise ValueError(f"objective {name!r} takes ratio_level in {OBJECTIVES[name].ratio_levels}, got "
+                             f"{RATIO_LEVELS[ratio_level]!r}")
+        self.has_kl = beta > 0
+        self.arguments = dict(
+            group_size=group_size or 1, std_eps=float(std_eps), lambda_scale=float(lambda_scale),
+            **objective_arguments(objective, epsilon_low, epsilon_high, objective_options),
+            beta=float(beta), entropy_coef=float(entropy_coef),
+            RATIO_LEVEL=ratio_level, THROUGH_RATIO=OBJECTIVES[name].through_ratio, NORMALIZE_STD=normalize_std,
+            BLOCK_G=triton.next_power_of_2(group_size or 1), HAS_KL=self.has_kl, KL_ESTIMATOR=kl_estimator,
+        )
+        # (denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of a call of S segments.
+        self.aggregation = functools.partial(aggregation, loss_agg_mode, loss_normalizer, max_response_length)
+        self.count_tokens = counts_batch_tokens(loss_agg_mode, loss_normalizer)
+        self._kernels: dict[tuple, object] = {}
+
+    def kernel(self, shape: tuple):
+        """The bound kernel for a call of this ``shape``: (HAS_GROUPS, HAS_ANCHOR,
+        PER_TOKEN_ADVANTAGES, PER_RESPONSE_MEAN, HAS_IMPORTANCE, HAS_ENTROPY, HAS_SELECTED,
+        BLOCK_T, num_warps)."""
+        kernel = self._kernels.get(shape)
+        if kernel is None:
+            flags = dict(zip(("HAS_GROUPS", "HAS_ANCHOR", "PER_TOKEN_ADVANTAGES", "PER_RESPONSE_MEAN",
+                              "HAS_IMPORTANCE", "HAS_ENTROPY", "HAS_SELECTED", "BLOCK_T", "num_warps"), shape))
+            kernel = self._kernels[shape] = bound_kernel(
+                _surrogate_kernel, **self.arguments, **flags, COUNT_TOKENS=self.count_tokens,
+                FINISH_ROWS=32 * flags["num_warps"])
+        return kernel
+
+
+@functools.lru_cache(maxsize=256)
+def _option_set(*options) -> _OptionSet:
+    return _OptionSet(*options)
+
+
 def surrogate_forward(
     logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, response_advantages, anchor, ref_logprobs,
     importance_weights, entropy, selected, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode,
@@ -472,100 +564,69 @@ def surrogate_forward(
     loss_normalizer, max_response_length,
 ):
     """``hadw::surrogate_loss`` (schema in ``ops.schemas``): the loss, its gradient with
-    respect to the log-probs and the entropy, and the metrics in METRIC_NAMES order.
+    respect to the log-probs and the entropy, the metrics in METRIC_NAMES order, and
+    ``grad_scale`` (token-mean's 1 / N_tok, 0-d, where the gradients leave it out; else
+    empty).
 
     Inputs are assumed validated (``validation``): per-token tensors [N] in the segments
     of ``cu_seqlens`` [S+1], rewards [S] or the caller's advantages, per token [N] or
-    per response [S]. Only shapes and
-    Python scalars steer the launches; no tensor value reaches the host.
+    per response [S]. Only shapes and Python scalars steer the launch; no tensor value
+    reaches the host.
     """
-    name = OBJECTIVE_NAMES[objective]
-    if RATIO_LEVELS[ratio_level] not in OBJECTIVES[name].ratio_levels:
-        # LossConfig refuses it too; the kernel has no such variant (VESPO's weight, for one,
-        # is formed per response).
-        raise ValueError(f"objective {name!r} takes ratio_level in {OBJECTIVES[name].ratio_levels}, got "
-                         f"{RATIO_LEVELS[ratio_level]!r}")
+    options = _option_set(group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
+                          epsilon_low, epsilon_high, tuple(objective_options), beta, kl_estimator, entropy_coef,
+                          loss_normalizer, max_response_length)
     (tokens,) = logprobs.shape
     segments = cu_seqlens.shape[0] - 1
     device = logprobs.device
     compute = accumulate_dtype(logprobs.dtype)
-    # The kernels write every element of the outputs (without segments, there are none
-    # but the loss and the metrics, zeros): no fill launches before them.
-    allocate = torch.zeros if segments == 0 else torch.empty
-    grad_logprobs = allocate((tokens,), dtype=compute, device=device)
-    grad_entropy = allocate((tokens,) if entropy is not None else (0,), dtype=compute, device=device)
-    loss = allocate((), dtype=compute, device=device)
-    metrics = allocate(len(METRIC_NAMES), dtype=torch.float32, device=device)
+    denominator, per_response_mean, count_tokens = options.aggregation(segments)
+    # The kernel writes every element of the outputs (without segments, there are none
+    # but the loss and the metrics, zeros): no fill launches before it.
+    if segments == 0:
+        grad_scale = torch.ones((), dtype=compute, device=device) if count_tokens else \
+            torch.empty((0,), dtype=compute, device=device)
+        return (torch.zeros((), dtype=compute, device=device), torch.zeros(tokens, dtype=compute, device=device),
+                torch.zeros((tokens,) if entropy is not None else (0,), dtype=compute, device=device),
+                torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=device), grad_scale)
+    grad_logprobs = torch.empty(tokens, dtype=compute, device=device)
+    grad_entropy = torch.empty((tokens,) if entropy is not None else (0,), dtype=compute, device=device)
+    loss = torch.empty((), dtype=compute, device=device)
+    metrics = torch.empty(len(METRIC_NAMES), dtype=torch.float32, device=device)
+    grad_scale = torch.empty(() if count_tokens else (0,), dtype=compute, device=device)
+    partials = torch.empty((segments, _PARTIALS_WIDTH.value), dtype=compute, device=device)
+    arrivals = torch.zeros((), dtype=torch.int32, device=device)
+
     has_groups = rewards is not None
     per_token_advantages = advantages is not None
-    groups = segments // group_size if has_groups else 0
-    group_stats = torch.empty((max(groups, 1), 2), dtype=torch.float32, device=device)
-    if has_groups:
-        # At least the compute dtype: float64 log-probs with float32 rewards get float64 advantages.
-        advantages = torch.empty(segments, dtype=torch.promote_types(rewards.dtype, compute), device=device)
-    elif not per_token_advantages:
-        advantages = response_advantages
-    if segments == 0:
-        return loss, grad_logprobs, grad_entropy, metrics
-
+    caller_advantages = advantages if per_token_advantages else response_advantages
     # bool storage read as bytes: one byte per token, and any dtype works through `!= 0`.
     mask = response_mask.view(torch.uint8) if response_mask.dtype == torch.bool else response_mask
     selected_bytes = selected.view(torch.uint8) if selected is not None and selected.dtype == torch.bool else selected
     offsets = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
-    denominator, per_response_mean, count_tokens = aggregation(
-        loss_agg_mode, loss_normalizer, max_response_length, segments
-    )
-    has_kl = beta > 0
-    lengths = torch.empty(segments, dtype=torch.int32, device=device)
-    token_count = torch.zeros((), dtype=torch.int64, device=device)
-    partials = torch.empty((segments, _PARTIALS_WIDTH.value), dtype=compute, device=device)
-    block_t, num_warps = _token_launch(-(-tokens // max(segments, 1)), device)
+    ref = ref_logprobs if options.has_kl else None
+    kernel = options.kernel((has_groups, anchor is not None, per_token_advantages, per_response_mean,
+                             importance_weights is not None, entropy is not None, selected is not None,
+                             *_token_launch(-(-tokens // segments), device)))
 
     def stride(tensor):
         return 0 if tensor is None else tensor.stride(0)
 
     with device_guard(device):
-        _lengths_kernel[(segments,)](
-            mask, stride(mask), offsets, lengths, token_count, BLOCK_T=block_t, num_warps=num_warps,
-        )
-        if has_groups:
-            _group_kernel[(groups,)](
-                rewards, rewards.stride(0), anchor, advantages, group_stats,
-                group_size, float(std_eps), float(lambda_scale),
-                NORMALIZE_STD=normalize_std, HAS_ANCHOR=anchor is not None,
-                BLOCK_G=triton.next_power_of_2(group_size), num_warps=4,
-            )
-        _surrogate_kernel[(segments,)](
+        kernel(
+            (segments,),
             logprobs, stride(logprobs),
             old_logprobs, stride(old_logprobs),
             mask, stride(mask),
-            ref_logprobs if has_kl else None, stride(ref_logprobs if has_kl else None),
+            ref, stride(ref),
             importance_weights, stride(importance_weights),
             entropy, stride(entropy),
             selected_bytes, stride(selected_bytes),
             offsets,
-            advantages, advantages.stride(0), lengths, token_count,
-            grad_logprobs, grad_entropy, partials,
-            **objective_arguments(objective, epsilon_low, epsilon_high, objective_options),
-            beta=float(beta),
-            entropy_coef=float(entropy_coef),
-            denominator=float(denominator),
-            RATIO_LEVEL=ratio_level,
-            THROUGH_RATIO=OBJECTIVES[name].through_ratio,
-            PER_TOKEN_ADVANTAGES=per_token_advantages,
-            PER_RESPONSE_MEAN=per_response_mean,
-            COUNT_TOKENS=count_tokens,
-            HAS_KL=has_kl,
-            KL_ESTIMATOR=kl_estimator,
-            HAS_IMPORTANCE=importance_weights is not None,
-            HAS_ENTROPY=entropy is not None,
-            HAS_SELECTED=selected is not None,
-            BLOCK_T=block_t,
-            num_warps=num_warps,
+            rewards, stride(rewards), anchor,
+            caller_advantages, stride(caller_advantages),
+            grad_logprobs, grad_entropy, partials, arrivals,
+            loss, metrics, grad_scale,
+            segments, float(denominator),
         )
-        _finish_kernel[(1,)](
-            partials, group_stats, loss, metrics,
-            segments, groups,
-            HAS_GROUPS=has_groups, BLOCK_ROWS=_FINISH_BLOCK_ROWS, num_warps=4,
-        )
-    return loss, grad_logprobs, grad_entropy, metrics
+    return loss, grad_logprobs, grad_entropy, metrics, grad_scale

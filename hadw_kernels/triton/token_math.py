@@ -314,15 +314,12 @@ def kl_term(logprobs, ref, ESTIMATOR: tl.constexpr):
 
 
 @triton.jit
-def aggregation_weight(length, token_count_ptr, denominator, PER_RESPONSE_MEAN: tl.constexpr, COUNT_TOKENS: tl.constexpr):
+def aggregation_weight(length, denominator, PER_RESPONSE_MEAN: tl.constexpr):
     """w of a valid token (aggregation.agg_weights): 1 / (T_i * denominator) for
-    seq-mean-token-mean, 1 / N_tok counted on the device for token-mean without a
-    normaliser, else 1 / denominator (set by _aggregation on the host)."""
+    seq-mean-token-mean, else 1 / denominator (set by ``surrogate.aggregation`` on the
+    host; 1 for token-mean without a normaliser, whose 1 / N_tok is the op's grad_scale)."""
     if PER_RESPONSE_MEAN:
         weight = 1.0 / (tl.maximum(length, 1).to(denominator.dtype) * denominator)
-    elif COUNT_TOKENS:
-        tokens = tl.maximum(tl.load(token_count_ptr), 1)
-        weight = 1.0 / tokens.to(denominator.dtype)
     else:
         weight = 1.0 / denominator
     return weight

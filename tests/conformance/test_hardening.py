@@ -5,12 +5,14 @@ vocabulary are refused on every call, and the KL keeps its digits near on-policy
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from cases import GROUP_SIZE, linear_batch, surrogate_batch
+from cases import GROUP_SIZE, Variant, linear_batch, surrogate_batch
+from check import compare_padded
 from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from hadw_kernels.config import OBJECTIVES
 
@@ -60,6 +62,80 @@ def test_advantages_receive_no_gradient(backend, device):
     fused_hadw_grpo_loss(logprobs, batch["old_logprobs"], None, batch["response_mask"],
                          advantages=advantages, backend=backend).backward()
     assert advantages.grad is None and torch.any(logprobs.grad != 0)
+
+
+@pytest.mark.parametrize("loss", ["surrogate", "linear"])
+def test_a_tensor_anchor_receives_no_gradient(backend, device, loss):
+    """A 0-d anchor that requires grad (an anchor kept in a module's state) is data: it
+    gets no gradient, and the call gives the loss and gradients of the same anchor as a
+    float (docs/math.md: the loss differentiates only through the current log-probs)."""
+    batch = _clean_batch(device)
+    mask, rewards = batch["response_mask"], batch["rewards"]
+
+    def run(anchor):
+        if loss == "surrogate":
+            logprobs = batch["logprobs"].clone().requires_grad_()
+            value = fused_hadw_grpo_loss(logprobs, batch["old_logprobs"], rewards, mask, group_size=GROUP_SIZE,
+                                         anchor=anchor, backend=backend)
+            value.backward()
+            return value.detach(), logprobs.grad
+        data = linear_batch(0)
+        hidden = data["hidden_states"].nan_to_num().float().to(device).requires_grad_()
+        value = fused_linear_hadw_grpo_loss(
+            hidden, data["lm_head_weight"].float().to(device), data["labels"].to(device),
+            data["old_logprobs"].nan_to_num().float().to(device), data["rewards"].float().to(device),
+            data["response_mask"].to(device), group_size=GROUP_SIZE, anchor=anchor, backend=backend)
+        value.backward()
+        return value.detach(), hidden.grad
+
+    anchor = torch.tensor(0.3, device=device, requires_grad=True)
+    with warnings.catch_warnings():
+        # A kernel op handed an input that requires grad warns (in backward) that it has no autograd formula.
+        warnings.filterwarnings("error", message=".*autograd kernel was not registered")
+        loss_value, gradient = run(anchor)
+    assert anchor.grad is None
+    expected_loss, expected_gradient = run(0.3)
+    torch.testing.assert_close(loss_value, expected_loss)
+    torch.testing.assert_close(gradient, expected_gradient)
+
+
+def test_clip_cov_draws_with_a_generator_on_the_inputs_device(backend, device):
+    """A generator on the inputs' device (a CUDA one on a GPU, where the draw ran on the CPU
+    and failed) draws there: the same seed, the same tokens; another seed, others."""
+    batch = _clean_batch(device)
+
+    def run(seed):
+        generator = torch.Generator(device=device).manual_seed(seed)
+        logprobs = batch["logprobs"].clone().requires_grad_()
+        loss, metrics = fused_hadw_grpo_loss(
+            logprobs, batch["old_logprobs"], batch["rewards"], batch["response_mask"], group_size=GROUP_SIZE,
+            loss_type="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-10.0, clip_cov_ub=10.0, return_metrics=True,
+            backend=backend, generator=generator)
+        loss.backward()
+        return logprobs.grad, metrics["selected_frac"]
+
+    first, again, other = run(0), run(0), run(1)
+    assert first[1] > 0
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert not torch.equal(first[0], other[0])
+
+
+# Every objective that reads epsilon_low, as the ratio's lower bound 1 - eps (clip, cispo_clip,
+# clip_cov), a log-ratio bound (gmpo) or a divergence threshold (dppo_tv, dppo_kl).
+LOWER_CLIP_READERS = [("grpo", {}), ("gspo", {}), ("cispo", {"objective": "cispo_clip"}), ("gmpo", {}),
+                      ("dppo_tv", {}), ("dppo_kl", {}), ("clip_cov", {"clip_cov_lb": -10.0, "clip_cov_ub": 10.0})]
+
+
+@pytest.mark.parametrize("epsilon_low", [1.0, 10.0])
+@pytest.mark.parametrize("loss_type, options", LOWER_CLIP_READERS, ids=[case[0] for case in LOWER_CLIP_READERS])
+def test_epsilon_low_of_one_or_more_computes_as_written(backend, device, loss_type, options, epsilon_low):
+    """epsilon_low >= 1 (verl's clip_ratio_low=10 in its CISPO tests: no lower clip) is
+    taken and computed by its formula on every backend, loss, gradient and metrics as
+    the reference: a lower bound 1 - eps at or below 0 clips no ratio."""
+    variant = Variant(f"epsilon_low_{epsilon_low:g}", {"epsilon_low": epsilon_low, "anchor": 0.4, **options})
+    fast = compare_padded(backend, device, loss_type, variant, torch.float32)
+    if loss_type in ("grpo", "gspo", "cispo", "clip_cov"):
+        assert fast.metrics["clip_frac_low"] == 0
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

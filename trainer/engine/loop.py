@@ -18,6 +18,7 @@ anchor, since its accuracy is an observation like any other.
 from __future__ import annotations
 
 import copy
+import json
 import time
 from pathlib import Path
 
@@ -27,9 +28,10 @@ import torch.distributed as dist
 
 from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, hadw_advantages, hadw_weights
 from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE, METRIC_MEAN_OVER
+from hadw_kernels.layouts import prompt_groups
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from ..config import Config, resolve_engine, save_config, task_levels
+from ..config import Config, resolve_engine, resumed_settings, save_config, task_levels
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
 from .policy import Policy
@@ -146,11 +148,17 @@ class Trainer:
         self.group_size = config.rollout.group_size
         self.prompts_per_rank = config.train.prompts_per_step // world_size
         self.engine_name = resolve_engine(config.rollout.engine)
+        # A resumed run keeps the config it trained with: the settings a resume may change
+        # (run.py checked them) are recorded in resumes.jsonl instead.
+        resumed_changes = None
         if rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            resolved = copy.deepcopy(config)
-            resolved.rollout.engine = self.engine_name
-            save_config(resolved, self.run_dir / "config.yaml")
+            if checkpoint is not None and (self.run_dir / "config.yaml").exists():
+                resumed_changes = resumed_settings(self.run_dir, config)
+            else:
+                resolved = copy.deepcopy(config)
+                resolved.rollout.engine = self.engine_name
+                save_config(resolved, self.run_dir / "config.yaml")
         _barrier()
 
         self.tokenizer, model, model_dir = self._build_model()
@@ -165,6 +173,10 @@ class Trainer:
         self.start_step = 0
         if checkpoint is not None:
             self.start_step = load_checkpoint(checkpoint, self.policy.engine, self.anchor)
+        if resumed_changes is not None:
+            with (self.run_dir / "resumes.jsonl").open("a") as handle:
+                handle.write(json.dumps({"step": self.start_step, "checkpoint": checkpoint.name,
+                                         "changed": resumed_changes}) + "\n")
         self.rollout = self._build_rollout(model_dir)
         # The engine starts from the files on disk; after a resume they are stale.
         if self.rollout.needs_weight_sync and self.start_step > 0:
@@ -183,7 +195,7 @@ class Trainer:
                                     enabled=rank == 0 and config.eval.every > 0)
         if checkpoint is not None:
             self.log.message(f"resumed from {checkpoint} at step {self.start_step}")
-        self.log.message(f"micro-batches: {self.policy.layout.replace('_', '-')} ({self.policy.layout_because})")
+        self.log.message(f"micro-batches: {self.policy.layout.name.replace('_', '-')} ({self.policy.layout_because})")
         correction = self.policy.correction
         self.log.message("rollout correction: " + (
             f"{correction.level}_{correction.rule} of the engine's log-probs within [{correction.lower or 0}, "
@@ -255,7 +267,7 @@ class Trainer:
                              eos_token_id=self.tokenizer.eos_token_id, synced_gpus=synced)
         positions = self.policy.module.config.max_position_embeddings
         return VLLMRollout(
-            model_dir, rollout,
+            model_dir, rollout, verbose=self.config.run.verbose,
             dtype=self.config.model.dtype,
             max_model_len=min(positions, self.config.data.max_prompt_tokens + rollout.max_new_tokens),
             eos_token_id=self.tokenizer.eos_token_id,
@@ -413,15 +425,17 @@ class Trainer:
             f"{level} {row[f'eval/{level}']:.2f}" for level in self.levels) + f" ({row['time/eval']:.0f} s)")
         return row
 
-    def _micro_batches(self, rows: list[int], prompt_lengths: list[int], response_lengths: list[int]) -> list[list[int]]:
+    def _micro_batches(self, rows: list[int], prompt_lengths: list[int], response_lengths: list[int],
+                       groups: list[int]) -> list[list[int]]:
         """The micro-batches of ``rows``: packed under the token budget, or by prompt count;
-        as many on every rank (each forward is collective under ZeRO-3)."""
+        as many on every rank (each forward is collective under ZeRO-3). ``groups``: which
+        rows share a prompt (``hadw_kernels.layouts.prompt_groups``)."""
         train = self.config.train
         if not train.micro_batch_tokens:
             return by_prompt_count(rows, train.micro_batch_prompts * self.group_size)
         layout = self.policy.layout
         micro_batches, oversized = pack_by_tokens(rows, prompt_lengths, response_lengths, train.micro_batch_tokens,
-                                                  layout=layout, group_size=self.group_size)
+                                                  layout=layout, groups=groups)
         if oversized and not self.warned_oversized:
             self.warned_oversized = True
             longest = max(prompt_lengths[row] + response_lengths[row] for row in oversized)
@@ -430,8 +444,7 @@ class Trainer:
                 f"{train.micro_batch_tokens}; such responses get a micro-batch of their own (said once)"
             )
         count = int(_all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
-        return split_to_count(micro_batches, count, prompt_lengths, response_lengths, layout=layout,
-                              group_size=self.group_size)
+        return split_to_count(micro_batches, count, prompt_lengths, response_lengths, layout=layout, groups=groups)
 
     def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, belief, tallies) -> dict:
         train, algo = self.config.train, self.config.algorithm
@@ -443,17 +456,18 @@ class Trainer:
         prompt_lengths = [len(prompt) for prompt in row_prompts]
         response_lengths = [len(response) for response in responses]
 
-        layout = self.policy.batch_type
+        groups = prompt_groups(row_prompts)
 
         def batch_of(rows):
-            return layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows], pad, self.policy.device)
+            return self.policy.layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows],
+                                            pad_token_id=pad, device=self.policy.device)
 
         advantages, group_figures = batch_advantages(rewards, group, algo, self.lambda_scale, belief)
 
         # Behaviour log-probs: the policy before this batch's first update, kept per row.
         old_logprobs: list[torch.Tensor] = [None] * len(responses)
         gaps = []
-        for rows in self._micro_batches(list(range(len(responses))), prompt_lengths, response_lengths):
+        for rows in self._micro_batches(list(range(len(responses))), prompt_lengths, response_lengths, groups):
             batch = batch_of(rows)
             per_response = batch.per_response(self.policy.token_logprobs(batch))
             for row, logprobs in zip(rows, per_response):
@@ -486,7 +500,7 @@ class Trainer:
             for mini in range(mini_batches):
                 runs = order[mini * runs_per_mini_batch:(mini + 1) * runs_per_mini_batch]
                 rows = [(first * run + p) * group + g for first in runs for p in range(run) for g in range(group)]
-                micro_batches = self._micro_batches(rows, prompt_lengths, response_lengths)
+                micro_batches = self._micro_batches(rows, prompt_lengths, response_lengths, groups)
                 for index, micro_rows in enumerate(micro_batches):
                     batch = batch_of(micro_rows)
                     micro_figures = self.policy.accumulate(
@@ -546,12 +560,8 @@ class Trainer:
             self.reward.close()
         rows = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
         if self.rank == 0 and config.run.plot and rows:
-            from .plotting import plot_run
+            from .plotting import plot_run, run_title
 
-            plot_run(rows, self.run_dir / "curves.png", f"{config.run.name}: {self._title()}")
+            plot_run(rows, self.run_dir / "curves.png", run_title(config, self.engine_name))
         return rows
 
-    def _title(self) -> str:
-        algo = self.config.algorithm
-        hadw = f"+HA-DW ({algo.anchor_preset})" if algo.hadw else ""
-        return f"{algo.loss_type}{hadw}, G={self.group_size}, engine={self.engine_name}"

@@ -40,6 +40,13 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
     return (cumulative[end] - cumulative[start]) / (end - start)
 
 
+def run_title(config, engine: str) -> str:
+    """A run's plot title: its name, loss, anchor, group size and rollout engine (resolved)."""
+    algo = config.algorithm
+    hadw = f"+HA-DW ({algo.anchor_preset})" if algo.hadw else ""
+    return f"{config.run.name}: {algo.loss_type}{hadw}, G={config.rollout.group_size}, engine={engine}"
+
+
 def plot_run(rows: list[dict], path: Path, title: str) -> None:
     figure, axes = plt.subplots(2, 4, figsize=(18, 8))
     window = max(1, len(rows) // 20)

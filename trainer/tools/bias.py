@@ -399,7 +399,7 @@ def _prepare_environment_first(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _prepare_environment_first(argv)
-    from hadw_kernels.cli import POSITIVE_INT, HelpFormatter, int_at_least, summary
+    from hadw_kernels.cli import POSITIVE_INT, HelpFormatter, int_at_least, output_file, summary
 
     parser = argparse.ArgumentParser(description=summary(__doc__), formatter_class=HelpFormatter)
     parser.add_argument("run", type=Path, help="a run directory (runs/<run.name>) with checkpoints")
@@ -417,9 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int_at_least(0), default=0, help="seeds the draws")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override the run's config (run.threads, rollout.engine; repeatable)")
-    parser.add_argument("--output", type=Path, help="also write the tables as markdown here (default: none)")
-    parser.add_argument("--json", type=Path, help="write every draw and figure as JSON here (default: none)")
-    parser.add_argument("--plot", type=Path, help="the error plot, one PNG per checkpoint: <stem>-step<k>.png "
+    parser.add_argument("--output", type=output_file, help="also write the tables as markdown here (default: none)")
+    parser.add_argument("--json", type=output_file, help="write every draw and figure as JSON here (default: none)")
+    parser.add_argument("--plot", type=output_file, help="the error plot, one PNG per checkpoint: <stem>-step<k>.png "
                                                   "(default: none)")
     args = parser.parse_args(argv)
     saved = args.run / "config.yaml"
@@ -450,9 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"# The advantage's bias in {args.run}\n\nWritten by `python -m trainer.tools.bias "
               + shlex.join(argv) + f"` ({time.perf_counter() - started:.0f} s).\n\n")
     if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(header + text + "\n")
         _progress(f"tables: {args.output}")
     if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"run": str(args.run), "draws": draws_out, "figures": figures}))
         _progress(f"draws and figures: {args.json}")
     return 0
@@ -523,6 +525,7 @@ def run_checkpoints(args, config, problems, steps: list[int], available: dict[in
                 from trainer.engine.plotting import plot_bias
 
                 path = args.plot.with_name(f"{args.plot.stem}-step{step}{args.plot.suffix or '.png'}")
+                path.parent.mkdir(parents=True, exist_ok=True)
                 plot_bias(result, path, f"{args.run.name}, step {step}: estimate - true advantage")
                 _progress(f"plot: {path}")
     finally:

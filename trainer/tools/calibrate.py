@@ -100,7 +100,8 @@ def rollout_engine(config, model_dir: Path, tokenizer, engine_name: str):
     positions = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     return VLLMRollout(model_dir, config.rollout, dtype=config.model.dtype,
                        max_model_len=min(positions, config.data.max_prompt_tokens + config.rollout.max_new_tokens),
-                       eos_token_id=tokenizer.eos_token_id, world_size=1, seed=config.train.seed)
+                       eos_token_id=tokenizer.eos_token_id, world_size=1, seed=config.train.seed,
+                       verbose=config.run.verbose)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, summary
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, output_file, summary
 from trainer.config import ConfigError, load_config, validate
 from trainer.engine.metrics_log import read_metrics
 from trainer.tools.intervals import format_interval, mean_interval
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr-scale", type=POSITIVE_FLOAT,
                         help=f"the factor on the learning rate of {LR_SCALED!r} (default: the mean Phi of this "
                              f"call's {KALMAN!r} runs, to 2 decimals)")
-    parser.add_argument("--table", type=Path, help="also write the results as markdown to this file (default: none)")
-    parser.add_argument("--plot", type=Path, help="where the PNG goes (default: <run.output_dir>/<name>/comparison.png, "
-                                                  "or sweep.png with --sweep)")
+    parser.add_argument("--table", type=output_file, help="also write the results as markdown to this file (default: none)")
+    parser.add_argument("--plot", type=output_file, help="where the PNG goes (default: <run.output_dir>/<name>/comparison.png, "
+                                                         "or sweep.png with --sweep)")
     args = parser.parse_args(argv)
     if LR_SCALED in args.variants and args.lr_scale is None and KALMAN not in args.variants:
         parser.error(f"{LR_SCALED!r} needs --lr-scale, or {KALMAN!r} among the variants to measure it on")
@@ -145,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     tables = []
     for (directory, setting), runs in zip(levels, results.values()):
         path = args.plot if args.sweep is None and args.plot else output / directory / "comparison.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
         plot_comparison(runs, path, f"{title}, {setting[0]}" if setting else title)
         print(f"plot: {path}")
         tables.append((f"## {setting[0]}\n\n" if setting else "") + results_table(runs, base.train.steps))
     if args.sweep is not None:
         path = args.plot or output / args.name / "sweep.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
         summary_rows = sweep_summary(results, base.train.steps)
         plot_sweep(summary_rows, args.sweep[0], path, title)
         print(f"plot: {path}")
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n\n".join(tables)
     print(table)
     if args.table is not None:
+        args.table.parent.mkdir(parents=True, exist_ok=True)
         command = "python trainer/tools/compare.py " + shlex.join(argv if argv is not None else sys.argv[1:])
         args.table.write_text(
             f"# {title}\n\nWritten by `{command}` ({time.perf_counter() - started:.0f} s for the runs this call "

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float
+from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float, output_file
 from hadw_kernels.plan import PRESETS as SHAPES
 
 # The planner's models (one description of each model's shape), and the trainer's tiny one.
@@ -284,27 +284,24 @@ def policy_config(args, micro_batches: int):
     return config
 
 
-def make_batch(rows: int, args, vocab: int, device, generator, *, layout: str):
+def make_batch(rows: int, args, vocab: int, device, generator, *, layout):
     """``rows`` sequences in groups of G (one prompt a group, the last group partial), in
-    the micro-batch ``layout`` (``policy.LAYOUTS``): every layout gets the same tokens."""
+    the micro-batch ``layout`` (a ``hadw_kernels.layouts.Layout``): every layout gets the
+    same tokens."""
     import torch
-
-    from trainer.engine.policy import LAYOUTS
 
     # Token ids from 1: 0 may be a pad id; every sequence is P + L long (no padding).
     groups = -(-rows // args.group_size)
     prompts = torch.randint(1, vocab, (groups, args.prompt_length), generator=generator)
     responses = torch.randint(1, vocab, (rows, args.response_length), generator=generator)
-    return LAYOUTS[layout].build([prompts[row // args.group_size].tolist() for row in range(rows)],
-                                 responses.tolist(), pad_token_id=0, device=device)
+    return layout.build([prompts[row // args.group_size].tolist() for row in range(rows)],
+                        responses.tolist(), pad_token_id=0, device=device)
 
 
-def fed_tokens(rows: int, args, layout: str) -> int:
+def fed_tokens(rows: int, args, layout) -> int:
     """Tokens through the model for ``rows`` sequences of :func:`make_batch` in ``layout``."""
-    from trainer.engine.micro_batches import layout_tokens
-
-    return layout_tokens(layout, range(rows), [args.prompt_length] * rows, [args.response_length] * rows,
-                         args.group_size)
+    return layout.fed_tokens(range(rows), [args.prompt_length] * rows, [args.response_length] * rows,
+                             [row // args.group_size for row in range(rows)])
 
 
 # --- one micro-step ----------------------------------------------------------------------
@@ -334,8 +331,8 @@ def accumulate(policy, batch, old_logprobs, advantages, *, loss_normalizer: floa
     labels = batch.labels.clamp(min=0)
     token_logprobs = logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     value = fused_hadw_grpo_loss(
-        token_logprobs, old_logprobs, None, batch.response_mask, cu_seqlens=batch.cu_seqlens, advantages=advantages,
-        loss_normalizer=loss_normalizer, max_response_length=policy.config.rollout.max_new_tokens,
+        token_logprobs, old_logprobs, None, batch.response_mask, cu_seqlens=batch.cu_seqlens,
+        advantages=batch.per_segment(advantages), loss_normalizer=loss_normalizer, max_response_length=policy.config.rollout.max_new_tokens,
         backend="torch",
     )
     policy.engine.backward(value, scale_wrt_gas=False)
@@ -478,7 +475,7 @@ class Probe:
             "dtype": args.dtype, "device": str(self.device), "zero_stage": args.zero_stage,
             "gradient_checkpointing": args.gradient_checkpointing, "group_size": args.group_size,
             "prompts": args.prompts, "prompt_length": args.prompt_length, "response_length": args.response_length,
-            "layout": self.policy.layout,
+            "layout": self.policy.layout.name,
             "micro_batch_tokens": self.rows * self.sequence_tokens, "sequences_per_micro_batch": self.rows,
             "micro_batch_fed_tokens": fed_tokens(self.rows, args, self.policy.layout),
             "micro_batches_per_step": self.micro_batches, "memory_method": self.meter.method,
@@ -609,9 +606,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-budget-tokens", type=POSITIVE_INT, default=1 << 21,
                         help="the bisection's upper end, at least one sequence's tokens")
     parser.add_argument("--threads", type=NON_NEGATIVE_INT, default=0,
-                        help="OpenMP threads; 0: the environment's or all cores")
+                        help="OpenMP threads; 0: OMP_NUM_THREADS, else the trainer's rule (1 for the tiny preset, "
+                             "the cores over the local ranks for the others)")
     parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seeds the weights and the batches")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here (default: print them)")
+    parser.add_argument("--json", type=output_file, default=None, help="write the figures here (default: print them)")
     args = parser.parse_args(argv)
     sequence = args.prompt_length + args.response_length
     if 0 < args.micro_batch_tokens < sequence:
@@ -637,16 +635,16 @@ def _cuda_visible() -> bool:
 
 
 def prepare(args) -> None:
-    """The environment the trainer's run sets up for one process (trainer/engine/environment.py)."""
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-        # torch read the variable when it loaded, with the argument types (hadw_kernels.cli).
-        import torch
+    """The environment the trainer's run sets up for one process (trainer/engine/environment.py),
+    its thread rule included."""
+    from trainer.engine.environment import _free_port, default_threads, set_deepspeed_defaults
 
-        torch.set_num_threads(args.threads)
-    else:
-        os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-    from trainer.engine.environment import _free_port, set_deepspeed_defaults
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or default_threads(args.preset == "tiny"))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    # torch read the variable when it loaded, with the argument types (hadw_kernels.cli).
+    import torch
+
+    torch.set_num_threads(threads)
 
     set_deepspeed_defaults(cuda=args.device.startswith("cuda"))
     if "RANK" not in os.environ:

@@ -2,29 +2,24 @@
 
 A packed micro-batch is one row [1, N] holding many samples. transformers confines such a
 row with sdpa or eager attention through a dense block-diagonal mask over the whole row,
-whose cost is N squared (docs/trainer.md, "Packed micro-batches"). The attention function
-here is handed the segments by the trainer (:class:`Segments`, built beside the loss's
-``cu_seqlens``) and attends within each one only, so a row costs the sum of its segments'
-own costs:
+whose cost is N squared (docs/layouts.md, "The segment attention"). :class:`Segments`
+(built by the packed layouts, ``builders.py``, beside the loss's ``cu_seqlens``) attends
+within each segment only, so a row costs the sum of its segments' own costs:
 
 - on CUDA in half precision, for segments of many distinct shapes or reading a prefix:
   torch's ``varlen_attn`` (the flash kernel that CUDA torch ships; no flash-attention
   package), one call for the row;
 - otherwise scaled-dot-product attention over buckets of segments of equal shape, each
   bucket one batched call: on the CPU, in float32, and for a few shapes without prefixes
-  on a GPU, where sdpa's own kernels (cuDNN's on Hopper) beat varlen's (docs/trainer.md,
-  "Packed micro-batches").
+  on a GPU, where sdpa's own kernels (cuDNN's on Hopper) beat varlen's.
 
 A segment may read a prefix of keys before its own: each response of a group whose prompt
-is laid out once (shared-prompt packing, ``trainer/engine/policy.py``'s ``SharedPromptBatch``)
-reads the prompt's keys and then its own causally. Its queries are then the suffix of its
-keys, so its causal mask is aligned bottom-right (flash's varlen alignment; sdpa's
-``is_causal`` aligns top-left, so the buckets carry an explicit mask).
+is laid out once (the shared-prompt layout) reads the prompt's keys and then its own
+causally. Its queries are then the suffix of its keys, so its causal mask is aligned
+bottom-right (flash's varlen alignment; sdpa's ``is_causal`` aligns top-left, so the
+buckets carry an explicit mask).
 
-:func:`use_segment_attention` registers the function with transformers'
-``AttentionInterface`` over the model's own attention, which still serves every call that
-passes no segments (padded batches, generation). A packed row that reaches it without its
-segments is refused, never attended across samples.
+This module needs torch only; ``attention.py`` hands it to a transformers model.
 """
 
 from __future__ import annotations
@@ -33,20 +28,6 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
-
-NAME_PREFIX = "hadw_segments_over_"
-
-
-class _PackedRowMarker:
-    """What the mask function hands the attention for a packed row (positions restarting,
-    no attention mask): the segments must come with the call."""
-
-    def __repr__(self) -> str:
-        return "PACKED_ROW"
-
-
-PACKED_ROW = _PackedRowMarker()
-
 
 def _varlen_attention():
     """torch's varlen flash attention and the keywords its version takes for a causal,
@@ -235,77 +216,3 @@ class Segments:
         if not parts:
             return query.new_zeros(1, 0, heads, query.shape[-1])
         return torch.cat(parts)[inverse].unsqueeze(0)
-
-
-# -- transformers ------------------------------------------------------------------------
-
-
-def _attention_function(original: str):
-    from transformers import AttentionInterface
-
-    def attention(module, query, key, value, attention_mask, *, attention_segments: Segments | None = None,
-                  dropout: float = 0.0, scaling: float | None = None, sliding_window=None, **kwargs):
-        if attention_segments is not None:
-            if sliding_window is not None:
-                raise ValueError("segment attention does not serve sliding-window layers")
-            return attention_segments.attend(query, key, value, scaling=scaling, dropout=dropout), None
-        if attention_mask is PACKED_ROW:
-            raise ValueError(
-                "a packed row (positions restarting, no attention mask) reached the segment attention without "
-                "its segments: pass attention_segments= (trainer/models/segment_attention.py) with the row, or the "
-                "samples would attend to each other"
-            )
-        return AttentionInterface()[original](module, query, key, value, attention_mask, dropout=dropout,
-                                              scaling=scaling, sliding_window=sliding_window, **kwargs)
-
-    return attention
-
-
-def _mask_function(original: str):
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
-
-    original_mask = ALL_MASK_ATTENTION_FUNCTIONS[original]
-
-    def mask(*args, attention_mask=None, mask_function=None, **kwargs):
-        # transformers has found restarting positions and no padding mask (a packed row):
-        # the segments come with the call, and the dense mask it would build is never formed.
-        if attention_mask is None and mask_function is not None and mask_function is not causal_mask_function:
-            return PACKED_ROW
-        return original_mask(*args, attention_mask=attention_mask, mask_function=mask_function, **kwargs)
-
-    return mask
-
-
-def segment_attention_name(model: torch.nn.Module) -> str | None:
-    """The segment attention's name for ``model`` (registered once), or None where it
-    cannot serve the model: an attention implementation transformers has no mask function
-    for, or sliding-window layers."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    config = model.config
-    current = str(config._attn_implementation)
-    if current.startswith(NAME_PREFIX):
-        return current
-    if current not in ALL_MASK_ATTENTION_FUNCTIONS or current not in AttentionInterface():
-        return None
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return None
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return None
-    name = NAME_PREFIX + current
-    if name not in AttentionInterface():
-        AttentionInterface.register(name, _attention_function(current))
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, _mask_function(current))
-    return name
-
-
-def use_segment_attention(model: torch.nn.Module) -> bool:
-    """Switches ``model`` to the segment attention over its own (which keeps serving calls
-    without segments); False, and the model unchanged, where it cannot serve."""
-    name = segment_attention_name(model)
-    if name is None:
-        return False
-    if model.config._attn_implementation != name:
-        model.set_attn_implementation(name)
-    return True

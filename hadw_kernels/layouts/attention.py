@@ -1,0 +1,201 @@
+"""The segment attention on a transformers model: :func:`enable_segment_attention`.
+
+It registers, with transformers' ``AttentionInterface``, an attention function over the
+model's own (sdpa, eager, ...) that attends within the segments a packed row comes with
+(``segments.Segments``, which the packed layouts build) and hands every other call (padded
+batches, generation) to the model's own attention. A packed row that reaches it without
+its segments is refused, never attended across samples.
+
+transformers is imported here only when a model is enabled: ``import hadw_kernels`` does
+not import it.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .segments import Segments
+
+NAME_PREFIX = "hadw_segments_over_"
+
+
+class SegmentAttentionUnavailable(ValueError):
+    """The segment attention cannot serve this model (its message says why)."""
+
+
+class _PackedRowMarker:
+    """What the mask function hands the attention for a packed row (positions restarting,
+    no attention mask): the segments must come with the call."""
+
+    def __repr__(self) -> str:
+        return "PACKED_ROW"
+
+
+PACKED_ROW = _PackedRowMarker()
+
+# The position ids last found to count up within their rows: every layer of a forward
+# gets the same tensor, so a forward reads them once.
+_checked_positions: weakref.ref | None = None
+
+
+def _refuse_restarting_positions(position_ids: torch.Tensor | None, query_length: int) -> None:
+    """A forward with a cache (``use_cache`` left at True) skips transformers' packed-row
+    detection and builds a plain causal mask: positions that restart within a row then
+    mean samples attending to each other. Refused here, one host read a forward (as
+    transformers' own detection costs); not under torch.compile, which cannot branch on it."""
+    global _checked_positions
+    if position_ids is None or query_length < 2 or torch.compiler.is_compiling():
+        return
+    if _checked_positions is not None and _checked_positions() is position_ids:
+        return
+    if bool((position_ids[..., 1:] < position_ids[..., :-1]).any()):
+        raise ValueError(
+            "a packed row (positions restarting within a row) reached the segment attention without its segments: "
+            "pass attention_segments= (the LaidOutBatch's model_inputs()) with the row, or the samples would attend "
+            "to each other"
+        )
+    _checked_positions = weakref.ref(position_ids)
+
+
+def _attention_function(original: str):
+    from transformers import AttentionInterface
+
+    def attention(module, query, key, value, attention_mask, *, attention_segments: Segments | None = None,
+                  dropout: float = 0.0, scaling: float | None = None, sliding_window=None, **kwargs):
+        if attention_segments is not None:
+            if sliding_window is not None:
+                raise ValueError("segment attention does not serve sliding-window layers")
+            return attention_segments.attend(query, key, value, scaling=scaling, dropout=dropout), None
+        if attention_mask is PACKED_ROW:
+            raise ValueError(
+                "a packed row (positions restarting, no attention mask) reached the segment attention without "
+                "its segments: pass attention_segments= (the LaidOutBatch's model_inputs()) with the row, or the "
+                "samples would attend to each other"
+            )
+        _refuse_restarting_positions(kwargs.get("position_ids"), query.shape[2])
+        return AttentionInterface()[original](module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, sliding_window=sliding_window, **kwargs)
+
+    return attention
+
+
+def _mask_function(original: str):
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
+
+    original_mask = ALL_MASK_ATTENTION_FUNCTIONS[original]
+
+    def mask(*args, attention_mask=None, mask_function=None, **kwargs):
+        # transformers has found restarting positions and no padding mask (a packed row):
+        # the segments come with the call, and the dense mask it would build is never formed.
+        if attention_mask is None and mask_function is not None and mask_function is not causal_mask_function:
+            return PACKED_ROW
+        return original_mask(*args, attention_mask=attention_mask, mask_function=mask_function, **kwargs)
+
+    return mask
+
+
+def _registered_name(model: torch.nn.Module) -> str:
+    """The segment attention's name over ``model``'s attention, registered once; raises
+    :class:`SegmentAttentionUnavailable` where it cannot serve the model."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    config = model.config
+    current = str(config._attn_implementation)
+    if current.startswith(NAME_PREFIX):
+        return current
+    if current not in ALL_MASK_ATTENTION_FUNCTIONS or current not in AttentionInterface():
+        raise SegmentAttentionUnavailable(
+            f"this model's attention ({current}) is not one the segment attention can wrap: it needs an attention "
+            "function in transformers' AttentionInterface and a mask function (sdpa has both)")
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if sliding or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise SegmentAttentionUnavailable(
+            f"this model's attention ({current}) has sliding-window layers, which the segment attention does not serve")
+    name = NAME_PREFIX + current
+    if name not in AttentionInterface():
+        AttentionInterface.register(name, _attention_function(current))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, _mask_function(current))
+    return name
+
+
+def own_attention(model: torch.nn.Module) -> str:
+    """The attention implementation of ``model`` beneath the segment attention, if any."""
+    return str(model.config._attn_implementation).removeprefix(NAME_PREFIX)
+
+
+def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> None:
+    """Switches a transformers causal LM to the segment attention over its own attention,
+    which keeps serving every call without segments, so that the packed layouts
+    (``builders.LAYOUTS``) can feed it; then (``check``) runs three samples through it to
+    see that it keeps each sample of a packed and a shared-prompt row to itself
+    (:func:`keeps_samples_apart`). Skip the check where the model cannot run a forward
+    yet (its parameters partitioned by DeepSpeed ZeRO-3 before its engine exists): a
+    packed row that reaches an attention without its segments is refused at run time
+    either way.
+
+    Raises :class:`SegmentAttentionUnavailable` (a ValueError naming the model's attention
+    and why) where it cannot, and leaves the model as it was. Calling it again is a no-op."""
+    original = own_attention(model)
+    if str(model.config._attn_implementation).startswith(NAME_PREFIX):
+        return
+    name = _registered_name(model)
+    model.set_attn_implementation(name)
+    if check and not keeps_samples_apart(model):
+        model.set_attn_implementation(original)
+        raise SegmentAttentionUnavailable(
+            f"this model's attention ({original}) does not keep the samples of a packed row apart under the segment "
+            "attention (a response's hidden states differ from its own run's)")
+
+
+def disable_segment_attention(model: torch.nn.Module) -> None:
+    """Puts ``model`` back on its own attention."""
+    original = own_attention(model)
+    if model.config._attn_implementation != original:
+        model.set_attn_implementation(original)
+
+
+def keeps_samples_apart(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention keeps each sample of a packed row to itself in both
+    packed layouts: asked of the model, not of a list. Three samples (two sharing a
+    prompt) are laid out packed and shared-prompt; each response position must get the
+    hidden state it gets alone, and no sample may see another's tokens."""
+    from .builders import LAYOUTS
+
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = model.get_input_embeddings().weight.device
+    generator = torch.Generator().manual_seed(0)
+
+    def tokens(count):
+        return torch.randint(0, vocab, (count,), generator=generator).tolist()
+
+    shared = tokens(3)
+    prompts, responses = [tokens(2), shared, shared], [tokens(3), tokens(4), tokens(2)]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = [_response_hidden_states(model, LAYOUTS["padded"].build([prompt], [response], pad_token_id=0,
+                                                                            device=device))[0]
+                     for prompt, response in zip(prompts, responses)]
+            for layout in (LAYOUTS["packed"], LAYOUTS["shared_prompt"]):
+                batch = layout.build(prompts, responses, device=device)
+                hidden = _response_hidden_states(model, batch)[0]
+                for start, length, theirs in zip(batch.response_starts, batch.response_lengths, alone):
+                    mine = hidden[start:start + length].float()
+                    tolerance = 1e-3 if theirs.dtype in (torch.float32, torch.float64) else 5e-2
+                    if (mine - theirs.float()).norm() > tolerance * theirs.float().norm():
+                        return False
+    except ValueError:  # the model's attention refused the row
+        return False
+    finally:
+        model.train(was_training)
+    return True
+
+
+def _response_hidden_states(model, batch) -> torch.Tensor:
+    outputs = model(**batch.model_inputs(), use_cache=False, output_hidden_states=True,
+                    logits_to_keep=torch.empty(0, dtype=torch.long, device=batch.input_ids.device))
+    return batch.loss_hidden_states(outputs.hidden_states[-1])

@@ -1,0 +1,246 @@
+"""The model-side layouts (hadw_kernels/layouts/): what each builds from prompt and
+response tokens, what it counts, which rows share a prompt, and the segment attention on
+tiny Llama and Qwen2 models: each response position gets the hidden state it gets alone,
+and no sample's tokens reach another's, in rows of any order."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from hadw_kernels.layouts import (LAYOUTS, SegmentAttentionUnavailable, disable_segment_attention,
+                                  enable_segment_attention, get_layout, prompt_groups, rows_by_group)
+from hadw_kernels.layouts.attention import keeps_samples_apart
+
+VOCAB = 40
+
+
+def tiny_model(architecture: str = "llama", seed: int = 0):
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
+    config = LlamaConfig(head_dim=8, **shape) if architecture == "llama" else Qwen2Config(**shape)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = (LlamaForCausalLM if architecture == "llama" else Qwen2ForCausalLM)(config)
+    return model.eval()
+
+
+def hidden_states(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        outputs = model(**batch.model_inputs(), use_cache=False, output_hidden_states=True)
+    return batch.loss_hidden_states(outputs.hidden_states[-1])
+
+
+def test_rows_share_a_prompt_by_its_tokens_not_their_order():
+    prompts = [[1, 2], [3], [1, 2], [1], [3]]
+    assert prompt_groups(prompts) == [0, 1, 0, 2, 1]
+    assert rows_by_group(prompt_groups(prompts)) == [[0, 2], [1, 4], [3]]
+
+
+def test_packed_layout():
+    """Each sample's prompt then response in one row, positions restarting, the loss's
+    mask on the positions that predict a response token."""
+    batch = LAYOUTS["packed"].build([[5, 6], [7]], [[8, 9, 10], []])
+    assert batch.input_ids.tolist() == [[5, 6, 8, 9, 10, 7]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 0]]
+    assert batch.cu_seqlens.tolist() == [0, 5, 6]
+    assert batch.labels.tolist() == [[-100, 8, 9, 10, -100, -100]]
+    assert batch.response_mask.tolist() == [[False, True, True, True, False, False]]
+    values = torch.arange(6.0)[None]
+    assert [v.tolist() for v in batch.per_response(values)] == [[1.0, 2.0, 3.0], []]
+    assert batch.from_responses(batch.per_response(values)).tolist() == [[0.0, 1.0, 2.0, 3.0, 0.0, 0.0]]
+    assert batch.model_inputs()["attention_mask"] is None
+    assert batch.fed_tokens == 6 and batch.segment_rows is None
+
+
+def test_shared_prompt_layout():
+    """A group's prompt once but its last token (the trunk, predicting nothing), then each
+    response's branch: the prompt's last token and the response but its last token, at
+    positions from P - 1, each position predicting the response token at its index; the
+    loss's segments one a response, the first holding the trunk; the attention's segments
+    the trunk and each branch reading the trunk first."""
+    batch = LAYOUTS["shared_prompt"].build([[5, 6, 7], [5, 6, 7], [8]], [[9, 10], [11], [12, 13]])
+    assert batch.input_ids.tolist() == [[5, 6, 7, 9, 7, 8, 12]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1]]
+    assert batch.labels.tolist() == [[-100, -100, 9, 10, 11, 12, 13]]
+    assert batch.cu_seqlens.tolist() == [0, 4, 5, 7]
+    assert batch.response_starts == [2, 4, 5] and batch.response_lengths == [2, 1, 2]
+    segments = batch.attention_segments
+    assert list(zip(segments.starts, segments.lengths, segments.prefix_starts, segments.prefix_lengths)) == [
+        (0, 2, 0, 0), (2, 2, 0, 2), (4, 1, 0, 2), (5, 2, 0, 0)]
+    values = torch.arange(7.0)[None]
+    assert [v.tolist() for v in batch.per_response(values)] == [[2.0, 3.0], [4.0], [5.0, 6.0]]
+    assert batch.from_responses(batch.per_response(values)).tolist() == [[0, 0, 2, 3, 4, 5, 6]]
+    # A group whose responses are all empty lays out its whole prompt: never an empty row.
+    empty = LAYOUTS["shared_prompt"].build([[5, 6]] * 2, [[], []])
+    assert empty.input_ids.tolist() == [[5, 6]] and empty.response_mask.sum() == 0
+    assert empty.cu_seqlens.tolist() == [0, 2, 2]
+
+
+def test_a_shuffled_batch_lays_each_prompt_out_once():
+    """Rows of two prompts interleaved (as TRL's shuffled micro-batches hold them): each
+    prompt is laid out once, the loss's segments grouped by prompt, and the per-row and
+    per-token maps put every value back on its row."""
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7], [8, 9]]
+    responses = [[10, 11], [12], [13], [14, 15, 16]]
+    batch = LAYOUTS["shared_prompt"].build(prompts, responses)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 10, 7, 8, 9, 9, 14, 15]]
+    assert batch.segment_rows == [0, 2, 1, 3]
+    assert batch.per_segment(torch.tensor([0.0, 1.0, 2.0, 3.0])).tolist() == [0.0, 2.0, 1.0, 3.0]
+    assert batch.fed_tokens == LAYOUTS["shared_prompt"].fed_tokens(range(4), [3, 2, 3, 2], [2, 1, 1, 3],
+                                                                   prompt_groups(prompts)) == 10
+    padded = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [4.0, 0.0, 0.0], [5.0, 6.0, 7.0]])
+    laid_out = batch.from_padded(padded, fill=-1.0)
+    assert laid_out.tolist() == [[-1, -1, 1, 2, 4, -1, 3, 5, 6, 7]]
+    assert [v.tolist() for v in batch.per_response(laid_out)] == [[1, 2], [3], [4], [5, 6, 7]]
+    assert torch.equal(batch.to_padded(laid_out, 3), padded)
+    # Labels and mask agree with the tokens each position predicts.
+    assert batch.labels[batch.response_mask].tolist() == [10, 11, 13, 12, 14, 15, 16]
+
+
+def test_the_padded_layout_maps_its_rows_the_same_way():
+    batch = LAYOUTS["padded"].build([[5, 6], [7]], [[8, 9, 10], []], pad_token_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 8, 9, 10], [0, 7, 0, 0, 0]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
+    assert batch.fed_tokens == LAYOUTS["padded"].fed_tokens(range(2), [2, 1], [3, 0]) == 10
+    padded = torch.tensor([[1.0, 2.0, 3.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
+    assert batch.from_padded(padded).tolist() == [[1, 2, 3], [0, 0, 0]]
+    assert batch.to_padded(batch.from_padded(padded), 4).tolist() == [[1, 2, 3, 0], [0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="needs a pad_token_id"):
+        LAYOUTS["padded"].build([[5]], [[6]])
+
+
+def test_token_counts():
+    """A group's prompt counts once, but its last token (it starts every response's
+    branch); whole where the group's responses here are all empty."""
+    prompts, responses, groups = [5, 5, 5, 3, 3, 3], [4, 0, 2, 0, 0, 0], [0, 0, 0, 1, 1, 1]
+    shared, packed = LAYOUTS["shared_prompt"], LAYOUTS["packed"]
+    assert shared.fed_tokens([0, 1, 2], prompts, responses, groups) == 4 + 6
+    assert shared.fed_tokens([1], prompts, responses, groups) == 5
+    assert shared.fed_tokens([3, 4, 5], prompts, responses, groups) == 3
+    assert shared.fed_tokens(range(6), prompts, responses, groups) == 4 + 6 + 3
+    assert shared.fed_tokens(range(6), prompts, responses) == (4 + 4) + 5 + (4 + 2) + 3 + 3 + 3  # none shared
+    assert packed.fed_tokens(range(6), prompts, responses, groups) == 24 + 6
+    with pytest.raises(ValueError, match="unknown layout 'ragged'"):
+        get_layout("ragged")
+
+
+def test_bad_rows_are_refused():
+    with pytest.raises(ValueError, match="2 prompts for 1 responses"):
+        LAYOUTS["packed"].build([[1], [2]], [[3]])
+    with pytest.raises(ValueError, match="needs a prompt token"):
+        LAYOUTS["shared_prompt"].build([[]], [[3]])
+    with pytest.raises(ValueError, match="at least one row"):
+        LAYOUTS["packed"].build([], [])
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_each_response_gets_its_own_hidden_states_in_every_layout(architecture):
+    """Rows in a shuffled order, two sharing a prompt apart from each other, an empty
+    response and a one-token prompt: each response position's hidden state is the one it
+    has alone, in every layout."""
+    model = tiny_model(architecture)
+    enable_segment_attention(model)
+    assert model.config._attn_implementation == "hadw_segments_over_sdpa"
+    generator = torch.Generator().manual_seed(1)
+
+    def tokens(count):
+        return torch.randint(0, VOCAB, (count,), generator=generator).tolist()
+
+    shared, other = tokens(4), tokens(3)
+    prompts = [shared, other, [7], shared, other, shared]
+    responses = [tokens(3), tokens(5), tokens(2), [], tokens(1), tokens(4)]
+    alone = [hidden_states(model, LAYOUTS["padded"].build([p], [r], pad_token_id=0))[0, :len(r)]
+             for p, r in zip(prompts, responses)]
+    for layout in LAYOUTS.values():
+        batch = layout.build(prompts, responses, pad_token_id=0)
+        flat = hidden_states(model, batch).reshape(-1, 32)
+        for row, (start, length) in enumerate(zip(batch.response_starts, batch.response_lengths)):
+            torch.testing.assert_close(flat[start:start + length], alone[row], rtol=1e-5, atol=1e-5,
+                                       msg=f"{layout.name}, row {row}")
+
+
+@pytest.mark.parametrize("layout", ["packed", "shared_prompt"])
+def test_no_token_attends_across_samples(layout):
+    """Changing one sample's response tokens changes no other sample's hidden states,
+    bit for bit (responses of one prompt included: a branch reads the prompt, never a
+    sibling's branch); changing a shared prompt changes only its own responses'."""
+    model = tiny_model()
+    enable_segment_attention(model)
+    prompts = [[1, 2, 3], [4, 5], [1, 2, 3], [6]]
+    responses = [[7, 8, 9], [10, 11], [12, 13, 14, 15], [16, 17]]
+    built = LAYOUTS[layout]
+    before = built.build(prompts, responses)
+    base = before.per_response(hidden_states(model, before).sum(-1))
+    for changed in range(4):
+        altered = [list(r) for r in responses]
+        altered[changed] = [(token + 17) % VOCAB for token in altered[changed]]
+        after = built.build(prompts, altered)
+        values = after.per_response(hidden_states(model, after).sum(-1))
+        for row in range(4):
+            if row == changed:
+                # Its first position reads the prompt only: the rest see its own new tokens.
+                assert not torch.equal(values[row][1:], base[row][1:])
+            else:
+                assert torch.equal(values[row], base[row]), (layout, changed, row)
+    moved = [[1, 2, 30], [4, 5], [1, 2, 30], [6]]
+    after = built.build(moved, responses)
+    values = after.per_response(hidden_states(model, after).sum(-1))
+    assert torch.equal(values[1], base[1]) and torch.equal(values[3], base[3])
+    assert not torch.equal(values[0], base[0]) and not torch.equal(values[2], base[2])
+
+
+@pytest.mark.parametrize("use_cache", [False, True, "default"])
+def test_a_packed_row_without_its_segments_is_refused(use_cache):
+    """Nothing attends across samples silently: a packed row (positions restarting) that
+    reaches the segment attention without its segments is an error, whether the forward
+    keeps a cache (transformers' own packed-row detection then does not run) or not."""
+    model = tiny_model()
+    enable_segment_attention(model)
+    batch = LAYOUTS["packed"].build([[5, 6], [7]], [[8, 9, 10], [11]])
+    inputs = {**batch.model_inputs(), "attention_segments": None}
+    cache = {} if use_cache == "default" else {"use_cache": use_cache}
+    with pytest.raises(ValueError, match="without its segments"):
+        model(**inputs, **cache)
+    # A padded batch and generation still go to the model's own attention.
+    padded = LAYOUTS["padded"].build([[5, 6], [7]], [[8, 9, 10], [11]], pad_token_id=0)
+    assert model(**padded.model_inputs()).logits.shape == (2, 5, VOCAB)
+    assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
+
+
+def test_a_model_the_segment_attention_cannot_serve_is_refused_naming_its_attention():
+    model = tiny_model("qwen2")
+    model.config.use_sliding_window, model.config.sliding_window = True, 4
+    with pytest.raises(SegmentAttentionUnavailable, match=r"this model's attention \(sdpa\) has sliding-window"):
+        enable_segment_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+    eager = tiny_model()
+    eager.set_attn_implementation("eager")  # the model's own function, not in transformers' AttentionInterface
+    with pytest.raises(SegmentAttentionUnavailable, match=r"this model's attention \(eager\) is not one"):
+        enable_segment_attention(eager)
+    assert eager.config._attn_implementation == "eager"
+    served = tiny_model()
+    enable_segment_attention(served)
+    enable_segment_attention(served)  # again: nothing changes
+    assert served.config._attn_implementation == "hadw_segments_over_sdpa"
+    disable_segment_attention(served)
+    assert served.config._attn_implementation == "sdpa"
+
+
+def test_the_startup_check_fails_a_model_that_attends_across_the_row():
+    model = tiny_model()
+    enable_segment_attention(model)
+    assert keeps_samples_apart(model)
+    across = torch.nn.Module()
+    across.inner = model
+    across.get_input_embeddings = model.get_input_embeddings
+    across.forward = lambda position_ids, attention_segments=None, **kwargs: model(
+        position_ids=torch.arange(position_ids.shape[1])[None], **kwargs)
+    assert not keeps_samples_apart(across)
+
+
+def test_importing_the_library_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, hadw_kernels, hadw_kernels.layouts; assert 'transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
