@@ -496,14 +496,23 @@ def _validate_loss_options(config: Config) -> None:
         correction = rollout_correction(config)
     except ValueError as error:
         raise ConfigError(f"algorithm.rollout_correction_min/max: {error}") from None
-    options = dict(loss_type=algo.loss_type, epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high,
-                   lambda_scale=algo.lambda_scale,
-                   entropy_coef=algo.entropy_coef, backend=algo.loss_backend, rollout_correction=correction,
-                   temperature=config.rollout.temperature, max_response_length=config.rollout.max_new_tokens)
+    # lambda_scale too: the loop forms the advantages with it (engine/loop.py), by the loss's rule.
     try:
-        check_options(fused_linear_hadw_grpo_loss, **options)
+        check_options(fused_linear_hadw_grpo_loss, **loss_options(config), lambda_scale=algo.lambda_scale,
+                      rollout_correction=correction)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"algorithm (the loss's options): {error}") from None
+
+
+def loss_options(config: Config) -> dict[str, Any]:
+    """The keyword options of ``fused_linear_hadw_grpo_loss`` that this config sets, the
+    same at every micro-batch: the policy passes them (engine/policy.py) and validation
+    checks them. The rollout correction goes with the rollout engine's log-probs
+    (:func:`rollout_correction`)."""
+    algo = config.algorithm
+    return dict(loss_type=algo.loss_type, epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high,
+                temperature=config.rollout.temperature, entropy_coef=algo.entropy_coef,
+                max_response_length=config.rollout.max_new_tokens, backend=algo.loss_backend)
 
 
 # algorithm.rollout_correction's values: two switches, then TRL's modes.
