@@ -124,7 +124,7 @@ def run_tests(dry_run: bool, junit: Path, seconds: float | None) -> TestRun:
 
 # --- 2. loss-step benchmark -----------------------------------------------------------
 # The rows run the CPU benchmark's implementations, inputs and bound (bench/loss_impls.py,
-# which has the GPU's peers too): one copy, so a change to a call reaches both.
+# its PEERS the GPU's peers too): one copy, so a change to a call reaches both.
 
 
 @dataclass(frozen=True)
@@ -151,9 +151,9 @@ class Case:
 
 def implementations(case: Case) -> dict[str, tuple[str, dict]]:
     """The rows of a case's table: their labels (docs/gpu-report.md's) -> the loss_impls
-    implementation (with its GPU peers: CCE's kernel, Liger's Triton op) and the
-    keywords of this library's call."""
-    from loss_impls import BASELINE, BOUND, hadw_impl
+    implementation (the peers: loss_impls.PEERS with a GPU label) and the keywords of
+    this library's call."""
+    from loss_impls import BASELINE, BOUND, PEERS, hadw_impl
 
     # No value checks: their host read would wait for the GPU inside the timed step.
     ours = dict(check_values=False)
@@ -165,10 +165,7 @@ def implementations(case: Case) -> dict[str, tuple[str, dict]]:
         **{f"hadw[triton] gradients in forward, block_rows={rows}": (in_forward, {**ours, "block_rows": rows})
            for rows in case.block_rows},
         "hadw[triton] recompute": (hadw_impl("triton", "recompute"), ours),
-        "liger chunked": ("liger", {}),
-        "liger triton op": ("liger_triton", {}),
-        "cce + surrogate": ("cce_kernel", {}),
-        "trl chunked + surrogate": ("trl", {}),
+        **{peer.gpu_label: (peer.impl, {}) for peer in PEERS if peer.gpu_label is not None},
     }
 
 
