@@ -29,8 +29,8 @@ are on.
                  trl.trainer does not import, e.g. without ``datasets``) for logp, then
                  the plain surrogate
 
-The GPU check's peers, chosen by name (their Triton kernels need CUDA, so they are not
-among the CPU matrix's PEERS):
+and, on CUDA only (their Triton kernels need it: the CPU benchmark leaves them out, see
+PEERS; on a GPU the CCE row is its own kernel's):
 
     cce_kernel   Cut Cross-Entropy's own kernel, linear_cross_entropy(impl="cce"), with
                  padding as its ignore_index (its kernel skips those rows, as a trainer
@@ -63,7 +63,6 @@ from typing import Callable
 import torch
 
 INPUTS = ("hidden", "logprobs")
-PEERS = ("liger", "cce", "trl")
 BASELINE = "eager"
 BOUND = "bound"
 # The plain GRPO clip range, as TRL's and verl's defaults.
@@ -72,6 +71,31 @@ EPSILON = 0.2
 ANCHOR = 0.5
 # Cut Cross-Entropy's label of a token outside the loss.
 IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another library's loss step, timed beside this library's."""
+
+    impl: str  # its name for build_step
+    # Its row in the GPU check's loss-step tables (docs/gpu-report.md); None: not timed
+    # there (CCE's torch.compile path, which CCE's own kernel stands for on a GPU).
+    gpu_label: str | None
+    # Its Triton kernels need CUDA: the CPU benchmark (matrix.py) leaves it out, since
+    # Triton's interpreter would time nothing a GPU does, and CCE's kernel fails under it.
+    cuda_only: bool = False
+
+
+# The peers, in their rows' order in the CPU benchmark's tables and the GPU check's.
+PEERS = (
+    Peer("liger", "liger chunked"),
+    Peer("liger_triton", "liger triton op", cuda_only=True),
+    Peer("cce", None),
+    Peer("cce_kernel", "cce + surrogate", cuda_only=True),
+    Peer("trl", "trl chunked + surrogate"),
+)
+# The peers the CPU benchmark times.
+CPU_PEERS = tuple(peer.impl for peer in PEERS if not peer.cuda_only)
 
 
 @dataclass(frozen=True)

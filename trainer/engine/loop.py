@@ -31,13 +31,18 @@ from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE, METR
 from hadw_kernels.layouts import prompt_groups
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from ..config import Config, resolve_engine, resumed_settings, save_config, task_levels
+from ..config import Config, resolve_engine, resumed_settings, save_config
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
 from .policy import Policy
+<<<<<<< HEAD
 from ..tasks.problem import Problem, encode_prompt
+=======
+from ..tasks.problem import Problem
+from ..tasks.registry import TASKS
+>>>>>>> trainer-config
 from ..tasks.rewards import build_reward
-from ..tasks.synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY, sample_problems
+from ..tasks.synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY
 
 MAX_ERROR_MESSAGES = 20
 # The all-degenerate warning: the first few times, then every this many steps.
@@ -240,22 +245,12 @@ class Trainer:
         return tokenizer, model, model_dir
 
     def _build_prompt_source(self) -> None:
-        data = self.config.data
-        self.math_data = None
-        self.held_out: list[Problem] = []
-        if data.task != "math":
-            self.levels = list(data.levels) or list(task_levels(data.task))
-            if data.task == "arithmetic" and self.config.eval.every:
-                from ..tasks.arithmetic_task import held_out_problems
-
-                self.held_out = held_out_problems(self.levels, self.config.eval.problems_per_level,
-                                                  data.prompt_template)
-            self.held_out_prompts = frozenset(problem.prompt for problem in self.held_out)
-        else:
-            from ..tasks.math_data import MathDataset
-
-            self.math_data = MathDataset(data, self.config.train.seed)
-            self.levels = sorted({item.level for item in self.math_data.items})
+        """The run's problems, from its task's row: the levels, the held-out set (with
+        eval.every) and each step's problems."""
+        config = self.config
+        self.prompts = TASKS[config.data.task].prompt_source(config.data, config.eval, config.train.seed)
+        self.levels: list[str] = self.prompts.levels
+        self.held_out: list[Problem] = self.prompts.held_out
 
     def _build_rollout(self, model_dir: Path):
         from .rollout import HFRollout, VLLMRollout
@@ -278,15 +273,7 @@ class Trainer:
     # -- one rollout batch -------------------------------------------------------------
 
     def _problems(self, step: int) -> list[Problem]:
-        if self.math_data is not None:
-            return self.math_data.problems(step, self.prompts_per_rank, self.rank, self.world_size)
-        rng = np.random.default_rng([self.config.train.seed, step, self.rank])
-        if self.config.data.task == "arithmetic":
-            from ..tasks.arithmetic_task import sample_problems as sample_arithmetic
-
-            return sample_arithmetic(self.levels, self.prompts_per_rank, rng, self.config.data.prompt_template,
-                                     self.held_out_prompts)
-        return sample_problems(self.levels, self.prompts_per_rank, rng, self.config.data.context_tokens)
+        return self.prompts.problems(step, self.prompts_per_rank, self.rank, self.world_size)
 
     def _encode(self, prompt: str) -> list[int]:
         data = self.config.data

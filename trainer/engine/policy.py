@@ -24,7 +24,7 @@ from hadw_kernels.config import IGNORE_INDEX
 from hadw_kernels.layouts import LAYOUTS, LaidOutBatch, Layout, SegmentAttentionUnavailable, enable_segment_attention
 from hadw_kernels.layouts.attention import own_attention
 
-from ..config import rollout_correction
+from ..config import loss_options, rollout_correction
 
 
 def choose_layout(model: torch.nn.Module, train) -> tuple[Layout, str]:
@@ -70,7 +70,6 @@ def policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: LaidO
     once per rollout batch (so the rows need not hold whole groups), one a row of the
     micro-batch; the rollout engine's log-probs corrected by ``correction`` (a
     RolloutCorrection), where they are given."""
-    algo = config.algorithm
     return fused_linear_hadw_grpo_loss(
         hidden,
         lm_head_weight,
@@ -80,17 +79,11 @@ def policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: LaidO
         batch.response_mask,
         cu_seqlens=batch.cu_seqlens,
         advantages=batch.per_segment(advantages),
-        loss_type=algo.loss_type,
-        epsilon_low=algo.epsilon_low,
-        epsilon_high=algo.epsilon_high,
-        temperature=config.rollout.temperature,
-        entropy_coef=algo.entropy_coef,
         loss_normalizer=loss_normalizer,
-        max_response_length=config.rollout.max_new_tokens,
         rollout_logprobs=rollout_logprobs,
         rollout_correction=correction,
         return_metrics=True,
-        backend=algo.loss_backend,
+        **loss_options(config),
     )
 
 

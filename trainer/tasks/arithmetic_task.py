@@ -21,9 +21,12 @@ evaluates the same problems, and those stories are never drawn for training.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
-from .problem import Problem
+from .problem import Problem, seeded_rng
+
+if TYPE_CHECKING:
+    import numpy as np
 
 NAMES = [("Tom", "he"), ("Anna", "she"), ("Sam", "he"), ("Lily", "she"), ("Ben", "he"), ("Mia", "she"),
          ("Leo", "he"), ("Emma", "she")]
@@ -84,7 +87,7 @@ def make_problem(level: str, rng: np.random.Generator, template: str) -> Problem
 
 def held_out_problems(levels: list[str], per_level: int, template: str) -> list[Problem]:
     """``per_level`` distinct problems of each level, the same for every run."""
-    rng = np.random.default_rng(HELD_OUT_SEED)
+    rng = seeded_rng(HELD_OUT_SEED)
     problems = []
     for level in levels:
         chosen: dict[str, Problem] = {}

@@ -4,18 +4,20 @@ Field names are configurable (``data.question_field``, ``data.answer_field``,
 ``data.level_field``). The answer field holds either the final answer (``"\\frac{1}{2}"``,
 as in MATH-500 style files) or a full solution whose last ``\\boxed{...}`` is the answer
 (the original MATH files: set ``data.answer_from_solution``). Prompts use the paper's
-template (appendix "Prompt") unless configured otherwise.
+template (appendix "Prompt") unless configured otherwise. A response scores 1 when its
+last ``\\boxed{}`` equals the answer (:func:`math_verify_reward`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
-import numpy as np
+from .problem import Problem, seeded_rng
 
-from .problem import Problem
-
+# The files data.train_files may name.
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 MAX_REPORTED_ROWS = 10
 
@@ -122,19 +124,60 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def check_math_data(data_config) -> None:
+    """The math task's own checks of the data section: its files exist, and every row of
+    them becomes a problem (a bad row fails now, not mid-run)."""
+    if not data_config.train_files:
+        raise ValueError("data.task='math' needs data.train_files (local JSON, JSONL or Parquet files)")
+    for name in data_config.train_files:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"data.train_files: {path} does not exist")
+        if path.suffix not in DATA_SUFFIXES:
+            raise ValueError(f"data.train_files: {path} is not one of {DATA_SUFFIXES}")
+    load_problems(data_config)
+
+
+def math_verify_reward(response: str, answer: str) -> float:
+    """1.0 when the response's last ``\\boxed{}`` is mathematically equal to ``answer``.
+
+    A response without a boxed answer scores 0: the prompt asks for one, and a bare
+    number elsewhere in a chain of thought is not the model's final answer.
+    """
+    from math_verify import parse, verify
+
+    predicted = last_boxed(response)
+    if predicted is None:
+        return 0.0
+    gold = parse("\\boxed{" + _without_percent(answer) + "}", parsing_timeout=None)
+    target = parse("\\boxed{" + _without_percent(predicted) + "}", parsing_timeout=None)
+    return float(verify(gold, target, timeout_seconds=None))
+
+
+def _without_percent(text: str) -> str:
+    """``10\\%`` -> ``10``: math-verify reads a percentage as its number, but only with
+    the ANTLR 4.13 LaTeX grammar; with ANTLR 4.9 (which omegaconf, hence verl, pins) it
+    keeps ``10\\%`` as text and a right answer would score 0."""
+    return re.sub(r"\\?%", "", text)
+
+
 class MathDataset:
-    """The records of ``data.train_files`` as problems, walked in a seeded order.
+    """The records of ``data.train_files`` as problems, walked in a seeded order: the
+    math task's prompt source (tasks/registry.py).
 
     ``problems(step, count, rank, world)`` is a pure function of its arguments, so a
     resumed run sees the same prompts as an uninterrupted one: epoch ``e`` is a fixed
-    permutation drawn from ``seed + e``, and ranks take disjoint interleaved slices.
+    permutation drawn from ``seed + e``, and ranks take disjoint interleaved slices. The
+    levels are the files' own; there is no held-out set.
     """
 
     def __init__(self, data_config, seed: int) -> None:
         self.seed = seed
         self._epoch: int | None = None
-        self._epoch_order = np.empty(0, dtype=np.int64)
+        self._epoch_order = None
         self.items: list[Problem] = load_problems(data_config)
+        self.levels = sorted({item.level for item in self.items})
+        self.held_out: list[Problem] = []
 
     def problems(self, step: int, count: int, rank: int = 0, world: int = 1) -> list[Problem]:
         size = len(self.items)
@@ -145,8 +188,8 @@ class MathDataset:
             chosen.append(self.items[int(self._order(epoch)[offset])])
         return chosen
 
-    def _order(self, epoch: int) -> np.ndarray:
+    def _order(self, epoch: int):
         if self._epoch != epoch:  # steps walk epochs in order: keep the current one
             self._epoch = epoch
-            self._epoch_order = np.random.default_rng([self.seed, epoch]).permutation(len(self.items))
+            self._epoch_order = seeded_rng([self.seed, epoch]).permutation(len(self.items))
         return self._epoch_order

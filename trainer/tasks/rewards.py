@@ -1,15 +1,16 @@
 """Verifiers that turn responses into rewards, and the guard that keeps a bad one from
 stopping the run.
 
-Every reward function takes ``(response_text, answer)`` and returns a float. A function
-that raises, or (for the MATH verifier) takes longer than ``reward.timeout_seconds``,
-gives reward 0 for that response and an error message the trainer counts and logs.
+Every reward function takes ``(response_text, answer)`` and returns a float: the task's
+verifier (its row in ``registry.py``) or ``reward.function``. A function that raises, or
+(with ``reward.timeout_seconds``) takes longer than that, gives reward 0 for that response
+and an error message the trainer counts and logs.
 
-The MATH verifier uses ``math-verify``. Its own timeouts use ``signal.alarm``, which only
-works on a process's main thread and would fire inside the trainer's own work, so they
-are switched off and each verification runs in a ``spawn`` worker process with a
-deadline: a worker stuck in sympy past it is killed and replaced, and the other
-responses of the batch go on in the remaining workers.
+The verifiers of the arithmetic and MATH tasks use ``math-verify``. Its own timeouts use
+``signal.alarm``, which only works on a process's main thread and would fire inside the
+trainer's own work, so they are switched off and each verification runs in a ``spawn``
+worker process with a deadline: a worker stuck in sympy past it is killed and replaced,
+and the other responses of the batch go on in the remaining workers.
 """
 
 from __future__ import annotations
@@ -18,45 +19,18 @@ import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
-import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .math_data import last_boxed
-from .problem import Problem
-from .synthetic_task import score_synthetic
-
-RewardFunction = Callable[[str, str], float]
+from .problem import Problem, RewardFunction
+from .registry import TASKS, Task
 
 
 @dataclass
 class RewardBatch:
     rewards: list[float]
     errors: list[str] = field(default_factory=list)  # one line per failed response
-
-
-def math_verify_reward(response: str, answer: str) -> float:
-    """1.0 when the response's last ``\\boxed{}`` is mathematically equal to ``answer``.
-
-    A response without a boxed answer scores 0: the prompt asks for one, and a bare
-    number elsewhere in a chain of thought is not the model's final answer.
-    """
-    from math_verify import parse, verify
-
-    predicted = last_boxed(response)
-    if predicted is None:
-        return 0.0
-    gold = parse("\\boxed{" + _without_percent(answer) + "}", parsing_timeout=None)
-    target = parse("\\boxed{" + _without_percent(predicted) + "}", parsing_timeout=None)
-    return float(verify(gold, target, timeout_seconds=None))
-
-
-def _without_percent(text: str) -> str:
-    """``10\\%`` -> ``10``: math-verify reads a percentage as its number, but only with
-    the ANTLR 4.13 LaTeX grammar; with ANTLR 4.9 (which omegaconf, hence verl, pins) it
-    keeps ``10\\%`` as text and a right answer would score 0."""
-    return re.sub(r"\\?%", "", text)
 
 
 def _quiet_worker() -> None:
@@ -222,18 +196,32 @@ def load_function(spec: str) -> RewardFunction:
     return function
 
 
+def check_reward_section(reward_config, task: Task) -> None:
+    """The reward section's checks for ``task`` (its registry row): the function imports,
+    and a verifier that needs a deadline has one. Raises ValueError naming the key."""
+    if reward_config.timeout_seconds < 0:
+        raise ValueError(f"reward.timeout_seconds must be non-negative, got {reward_config.timeout_seconds}")
+    if not reward_config.workers > 0:
+        raise ValueError(f"reward.workers must be positive, got {reward_config.workers}")
+    if reward_config.function:
+        try:
+            load_function(reward_config.function)
+        except (ImportError, AttributeError, TypeError, ValueError) as error:
+            raise ValueError(f"reward.function={reward_config.function!r}: {error}") from None
+    elif task.verifier_needs_deadline and reward_config.timeout_seconds == 0:
+        raise ValueError(f"the {task.name} task's verifier needs reward.timeout_seconds > 0 (math-verify's own "
+                         f"timeout is off)")
+
+
 def build_reward(data_config, reward_config):
     """The task's verifier, or the configured function (pooled when a timeout is set)."""
     if reward_config.function:
         function = load_function(reward_config.function)
-    elif data_config.task == "math":
-        function = math_verify_reward
-    elif data_config.task == "arithmetic":
-        from .arithmetic_task import score_arithmetic
-
-        function = score_arithmetic
     else:
-        return InProcessReward(score_synthetic)
+        task = TASKS[data_config.task]
+        if not task.verifier_needs_deadline:
+            return InProcessReward(task.verifier)
+        function = task.verifier
     if reward_config.timeout_seconds > 0:
         return PooledReward(function, reward_config.timeout_seconds, reward_config.workers)
     return InProcessReward(function)

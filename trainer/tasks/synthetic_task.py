@@ -19,10 +19,12 @@ ignores: a long-prompt workload (shared-prompt packing, docs/trainer.md) on the 
 from __future__ import annotations
 
 import re
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .problem import Problem
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DIGITS = [str(d) for d in range(10)]
 LEVELS = {"copy": 1, "next": 2, "add": 3, "count": 4}  # name -> difficulty rank

@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.config import ConfigError, load_config, task_levels, validate
+from trainer.config import ConfigError, load_config, validate
 from trainer.engine.environment import prepare_environment
+from trainer.tasks.registry import TASKS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,8 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         prepare_environment(config)
         validate(config)
-        if config.data.task != "arithmetic" or not config.model.path:
-            raise ConfigError("calibrate.py needs data.task=arithmetic and a model.path model")
+        task = TASKS[config.data.task]
+        if task.draw is None or not config.model.path:
+            drawn = ", ".join(name for name, row in TASKS.items() if row.draw is not None)
+            raise ConfigError(f"calibrate.py needs a task that draws its problems by level (data.task: {drawn}) "
+                              f"and a model.path model")
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
@@ -44,10 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from trainer.tasks.arithmetic_task import make_problem
-    from trainer.tasks.problem import encode_prompt
     from trainer.config import resolve_engine
     from trainer.models.pretrained import ensure_converted, resolve_model_source
+    from trainer.tasks.problem import encode_prompt
     from trainer.tasks.rewards import build_reward
 
     model_dir = ensure_converted(resolve_model_source(config.model.path), config.model.cache_dir)
@@ -64,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| level | sampled | greedy | mixed groups | time |")
     print("| --- | --- | --- | --- | --- |")
     try:
-        for level in list(config.data.levels) or list(task_levels(config.data.task)):
+        for level in list(config.data.levels) or list(task.levels):
             started = time.perf_counter()
             rng = np.random.default_rng([args.seed, len(level)])
-            problems = [make_problem(level, rng, config.data.prompt_template) for _ in range(args.prompts)]
+            problems = task.draw([level], args.prompts, rng, config.data, frozenset())
             ids = [encode(problem.prompt) for problem in problems]
             sampled, _ = engine.generate(ids, list(range(len(ids))))
             greedy = engine.greedy(ids, config.rollout.max_new_tokens)

