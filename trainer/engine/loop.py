@@ -35,12 +35,8 @@ from ..config import Config, resolve_engine, resumed_settings, save_config
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
 from .policy import Policy
-<<<<<<< HEAD
 from ..tasks.problem import Problem, encode_prompt
-=======
-from ..tasks.problem import Problem
 from ..tasks.registry import TASKS
->>>>>>> trainer-config
 from ..tasks.rewards import build_reward
 from ..tasks.synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY
 

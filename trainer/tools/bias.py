@@ -45,7 +45,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trainer.checkpoint_files import CheckpointError, completed_checkpoints, verify_checkpoint
-from trainer.config import ConfigError, load_config, resolve_engine, task_levels
+from trainer.config import ConfigError, load_config, resolve_engine
+from trainer.tasks.registry import TASKS
 from trainer.tools.intervals import clustered_mean_interval, format_interval, mean_interval
 
 # Bands of the true accuracy p (lower edge inclusive; the last includes 1).
@@ -305,27 +306,26 @@ def summary_table(figures: dict[int, dict]) -> str:
 
 
 def fixed_problems(config, per_level: int):
-    """The prompt set: the arithmetic task's held-out problems, or ``per_level`` distinct
-    synthetic problems of each level (fewer where a level has fewer: copy and next have 10)."""
+    """The prompt set: the task's held-out problems where it has a set (the arithmetic
+    task), else ``per_level`` distinct problems of each level drawn from the task (fewer
+    where a level has fewer: the synthetic task's copy and next have 10)."""
     import numpy as np
 
     data = config.data
-    levels = list(data.levels) or list(task_levels(data.task))
-    if data.task == "arithmetic":
-        from trainer.tasks.arithmetic_task import held_out_problems
-
-        return held_out_problems(levels, per_level, data.prompt_template)
-    if data.task != "synthetic" or data.context_tokens:
-        raise ConfigError("the bias tool draws from the synthetic task (without data.context_tokens) or the "
-                          f"arithmetic task; this run's is {data.task!r}")
-    from trainer.tasks.synthetic_task import make_problem
-
+    task = TASKS[data.task]
+    levels = list(data.levels) or list(task.levels)
+    if task.held_out is not None:
+        return task.held_out(levels, per_level, data)
+    if task.draw is None or data.context_tokens:
+        drawn = ", ".join(name for name, row in TASKS.items() if row.draw is not None)
+        raise ConfigError(f"the bias tool needs a task that draws its problems by level ({drawn}; without "
+                          f"data.context_tokens, which makes every prompt distinct); this run's is {data.task!r}")
     rng = np.random.default_rng(PROBLEM_SEED)
     problems = []
     for level in levels:
         chosen = {}
         for _ in range(50 * per_level):
-            problem = make_problem(level, rng)
+            (problem,) = task.draw([level], 1, rng, data, frozenset())
             chosen.setdefault(problem.prompt, problem)
             if len(chosen) == per_level:
                 break
