@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .active_rows import RowSelection
 from .config import LossConfig
 from .layout import TokenLayout
 
@@ -58,9 +59,11 @@ def caller_advantages(layout: TokenLayout, advantages: torch.Tensor | None) -> d
 
 @dataclass(slots=True)
 class LinearHead:
-    """The linear loss's head and its rows: ``hidden_states`` as the caller gave them (the
-    gradient's shape), ``hidden`` their rows [N, H], the LM head, its bias, the labels [N]
-    (ignored where the loss counts no token) and how the logits are formed."""
+    """The linear loss's head and the rows it sweeps: ``hidden_states`` as the caller gave
+    them (the gradient's shape), ``hidden`` the swept rows [R, H] and their ``labels`` [R]
+    (ignored where the loss counts no token), ``rows`` which of the N rows they are (every
+    row, or the active ones: active_rows.py), the LM head, its bias and how the logits
+    are formed."""
 
     hidden_states: torch.Tensor
     hidden: torch.Tensor
@@ -70,3 +73,4 @@ class LinearHead:
     temperature: float
     ignore_index: int
     block_rows: int | None
+    rows: RowSelection

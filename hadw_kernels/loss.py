@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .active_rows import RowSelection, active_rows
 from .backends import check_backend_name, resolve_backend
 from .config import (
     AGGREGATIONS,
@@ -289,7 +290,9 @@ def fused_linear_hadw_grpo_loss(
     ``labels`` [B, T] are the sampled tokens (already shifted: hidden state t predicts
     label t). Packed (``cu_seqlens`` given): hidden states [N, H] or [1, N, H] and labels
     and the other per-token tensors [N] or [1, N]. The log-probs of the labels are formed block by block, never as [B*T, V]
-    logits; padding rows enter no GEMM. ``entropy_coef`` (an option of ``config``; default
+    logits; padding rows (and every row whose label is ignored) enter no GEMM, except on
+    the triton and torch backends with ``check_values=False`` or under ``torch.compile``,
+    where no count of them is read (docs/fused-linear-logprob.md). ``entropy_coef`` (an option of ``config``; default
     0) subtracts the aggregated entropy of the token distribution (an exploration bonus). Under DeepSpeed ZeRO-3 pass the
     gathered LM head (``GatheredParameters``), see docs/fused-linear-logprob.md.
 
@@ -311,23 +314,29 @@ def fused_linear_hadw_grpo_loss(
         importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, generator=generator,
     )
     config = _with_layout_length(config, layout)
+    implementation = resolve_backend(backend, hidden_states.device)
     mask = layout.flat(response_mask)
     hidden = layout.flat_rows(hidden_states)
     old = layout.flat(old_logprobs)
     rollout = layout.flat(rollout_logprobs)
-    # Padding is masked out of the loss; as ignored labels its rows enter no GEMM, and
-    # labels there are never checked or read.
+    # Padding is masked out of the loss; as ignored labels its rows are inactive
+    # (active_rows.py), and labels there are never checked or read.
     labels = layout.flat(labels).masked_fill(~mask.bool(), ignore_index)
+    active = None
     if _checks_run(check_values):
-        # Every value check of this call in one host read (docs/architecture.md).
-        check_linear_values(
+        active = _rows_to_count(implementation, labels, ignore_index)
+        # Every value check of this call, and the count of the active rows, in one host
+        # read (docs/architecture.md, "Host synchronisation").
+        count = check_linear_values(
             layout, config, hidden, labels, lm_head_weight.shape[0], ignore_index, mask, anchor, rollout,
-            old_logprobs=old, rewards=rewards, advantages=advantages, importance_weights=importance_weights,
-            ref_logprobs=ref_logprobs,
+            active=active, old_logprobs=old, rewards=rewards, advantages=advantages,
+            importance_weights=importance_weights, ref_logprobs=ref_logprobs,
         )
     else:
+        count = None
         assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
         assert_cu_seqlens(layout)
+    rows = RowSelection.of(active, count)
     batch = SurrogateBatch(
         layout, config, None, old, mask, rewards=rewards, **caller_advantages(layout, advantages), anchor=anchor,
         ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
@@ -343,18 +352,18 @@ def fused_linear_hadw_grpo_loss(
         corrected_metrics = correction.metrics
         config = dataclasses.replace(config, rollout_correction=None)
         batch = batch.replace(config=config, mask=mask, importance_weights=importance_weights)
-    implementation = resolve_backend(backend, hidden_states.device)
     path = _linear_path(linear_path, implementation, config, hidden_states.device, old)
     with_entropy = config.entropy_coef > 0 or return_metrics or config.top_entropy_quantile < 1.0
-    head = LinearHead(hidden_states, hidden, lm_head_weight, lm_head_bias, labels, temperature, ignore_index,
-                      block_rows)
+    head = LinearHead(hidden_states, rows.take(hidden), lm_head_weight, lm_head_bias, rows.take(labels), temperature,
+                      ignore_index, block_rows, rows)
     if path == "gradients_in_forward":
         loss, metrics = _gradients_in_forward(implementation, head, batch, with_entropy)
     else:
         logprobs, entropy = implementation.token_logprobs(
-            hidden, lm_head_weight, labels, with_entropy=with_entropy, lm_head_bias=lm_head_bias,
+            head.hidden, lm_head_weight, head.labels, with_entropy=with_entropy, lm_head_bias=lm_head_bias,
             temperature=temperature, ignore_index=ignore_index,
         )
+        logprobs, entropy = rows.put(logprobs), rows.put(entropy)
         batch = batch.replace(logprobs=logprobs, old_logprobs=logprobs.detach() if old is None else old,
                               entropy=entropy)
         loss, metrics = _corrected_surrogate(implementation, batch, rollout_logprobs=rollout, masked_entropy=entropy,
@@ -508,16 +517,24 @@ def _linear_path(requested: str, implementation, config: LossConfig, device: tor
 def _gradients_in_forward(implementation, head: LinearHead, batch: SurrogateBatch, with_entropy: bool):
     """One sweep forms the log-probs and the gradients; the surrogate op then gives the
     loss value and the metrics from the log-probs (its gradient is the one already
-    formed), and backward scales the stored gradients. Every per-token tensor is [N]."""
-    config, layout = batch.config, batch.layout
+    formed), and backward scales the stored gradients. The sweep runs over ``head``'s
+    rows, its per-token inputs taken and its per-row outputs put back at them; every
+    per-token tensor after it is [N]."""
+    config, layout, rows = batch.config, batch.layout, head.rows
     token_advantage, _, phi = batch_advantages(batch)
+    swept = batch.replace(mask=rows.take(batch.mask), old_logprobs=rows.take(batch.old_logprobs),
+                          ref_logprobs=rows.take(batch.ref_logprobs),
+                          importance_weights=rows.take(batch.importance_weights))
     logprobs, entropy, grad_hidden, grad_weight, grad_bias = implementation.linear_surrogate(
-        head, batch, token_advantage, layout.expand(agg_weights(batch.mask.bool(), layout, config)), with_entropy,
+        head, swept, rows.take(token_advantage),
+        rows.take(layout.expand(agg_weights(batch.mask.bool(), layout, config))), with_entropy,
     )
+    logprobs, grad_hidden = rows.put(logprobs), rows.put(grad_hidden)
+    entropy = rows.put(entropy) if with_entropy else None
     loss, metrics = implementation.surrogate_loss(batch.replace(
         logprobs=logprobs, old_logprobs=logprobs if batch.old_logprobs is None else batch.old_logprobs,
         rewards=None, advantages=token_advantage, response_advantages=None, anchor=None,
-        entropy=entropy if with_entropy else None,
+        entropy=entropy,
     ))
     if phi is not None and batch.with_metrics:
         metrics.update(group_metrics(batch.rewards, phi, config.group_size))
@@ -545,20 +562,32 @@ def token_logprobs(
     the log-probs take. Differentiable; returns ``(logprobs, entropy)`` with
     ``with_entropy=True``. Ignored labels give 0; a label outside the vocabulary is an
     error on every call (``check_values`` or not). ``check_values`` is kept for symmetry
-    with the losses; nothing else here reads values."""
+    with the losses: with it (the default) the label check's one host read also counts the
+    rows whose label counts, and only those enter the GEMMs (as in the loss)."""
     check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature)
+    implementation = resolve_backend(backend, hidden_states.device)
+    flat_labels = labels.reshape(-1)
+    active = count = None
     if _checks_run(check_values):
-        check_label_range(labels, lm_head_weight.shape[0], ignore_index)
+        active = _rows_to_count(implementation, flat_labels, ignore_index)
+        count = check_label_range(flat_labels, lm_head_weight.shape[0], ignore_index, active=active)
     else:
         assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
-    logprobs, entropy = resolve_backend(backend, hidden_states.device).token_logprobs(
-        hidden_states.reshape(-1, hidden_states.shape[-1]),
+    rows = RowSelection.of(active, count)
+    logprobs, entropy = implementation.token_logprobs(
+        rows.take(hidden_states.reshape(-1, hidden_states.shape[-1])),
         lm_head_weight,
-        labels.reshape(-1),
+        rows.take(flat_labels),
         lm_head_bias=lm_head_bias,
         temperature=temperature,
         ignore_index=ignore_index,
         with_entropy=with_entropy,
     )
-    logprobs = logprobs.view(labels.shape)
-    return (logprobs, entropy.view(labels.shape)) if with_entropy else logprobs
+    logprobs = rows.put(logprobs).view(labels.shape)
+    return (logprobs, rows.put(entropy).view(labels.shape)) if with_entropy else logprobs
+
+
+def _rows_to_count(implementation, labels: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The active rows whose count a checked call reads with its values, so that the
+    backend sweeps them alone; None where the backend finds them itself (active_rows.py)."""
+    return None if implementation.compacts_rows else active_rows(labels, ignore_index)

@@ -4,12 +4,14 @@ Tokens and vocabulary are cut into tiles and the log-sum-exp is formed online, s
 [N, V] tensor exists: peak memory grows with N*H + V*H plus one tile, which gives a CPU
 user without the C++ kernels the memory win of the fused ones (the "torch" backend).
 
-Every row enters the tiles, a row whose label is ``ignore_index`` (padding) zeroed and
-masked out of the outputs and gradients: whatever it holds (inf, NaN) reaches no output
-and no gradient. The host never reads how many rows count (on a GPU the read would wait
-for it, and a compiled graph cannot loop over a count it does not know:
-docs/architecture.md, "Host synchronisation"), so padding costs its share of the GEMMs. A label outside the
-vocabulary gives a NaN log-prob rather than a wrong number.
+Every row given enters the tiles, a row whose label is ``ignore_index`` (padding) zeroed
+and masked out of the outputs and gradients: whatever it holds (inf, NaN) reaches no
+output and no gradient. Nothing here reads how many rows count (on a GPU the read would
+wait for it, and a compiled graph cannot loop over a count it does not know:
+docs/architecture.md, "Host synchronisation"); the losses give only the active rows where
+their value checks' read counted them (``active_rows.py``), else every row, whose
+inactive ones then cost their share of the GEMMs. A label outside the vocabulary gives a
+NaN log-prob rather than a wrong number.
 
 Backward recomputes each logits tile rather than forming the gradients during forward:
 the log-probs feed an arbitrary function, whose gradient is known only once every

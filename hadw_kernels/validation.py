@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from .active_rows import active_rows
 from .config import AGGREGATIONS, LossConfig, check_finite_positive
 from .layout import TokenLayout
 from .ops import detached
@@ -372,18 +373,35 @@ def read_inputs(config: LossConfig, **inputs) -> dict[str, torch.Tensor]:
 
 def check_linear_values(
     layout: TokenLayout, config: LossConfig, hidden_states, labels, vocab: int, ignore_index: int, response_mask,
-    anchor, rollout_logprobs=None, **inputs,
-) -> None:
+    anchor, rollout_logprobs=None, *, active=None, **inputs,
+) -> int | None:
     """The linear loss's value checks (those of :func:`check_surrogate_inputs`, labels in
-    the vocabulary, finite hidden states at response tokens) in one host read.
-    ``hidden_states`` [N, H] and ``labels`` [N] are flat, the labels already
-    ``ignore_index`` at padding; ``inputs`` as :func:`read_inputs` takes them."""
-    _check_values(layout, response_mask, read_inputs(config, **inputs), anchor=anchor,
-                  linear=(hidden_states, labels, vocab, ignore_index), correction=(rollout_logprobs, None))
+    the vocabulary, finite hidden states at response tokens) in one host read, which
+    also counts the ``active`` rows (``active_rows.active_rows``; None: none counted) and
+    returns that count. ``hidden_states`` [N, H] and ``labels`` [N] are flat, the labels
+    already ``ignore_index`` at padding; ``inputs`` as :func:`read_inputs` takes them."""
+    return _check_values(layout, response_mask, read_inputs(config, **inputs), anchor=anchor,
+                         linear=(hidden_states, labels, vocab, ignore_index), correction=(rollout_logprobs, None),
+                         active=active)
+
+
+def _count_of(active: torch.Tensor) -> torch.Tensor:
+    """0-d: how many rows ``active`` marks, in float64 so that the read's stack, promoted
+    to it, rounds no count (float32 would above 2^24 rows)."""
+    return active.sum(dtype=torch.float64)
+
+
+def _read(probes: dict[str, torch.Tensor]) -> dict:
+    """The 0-d ``probes``' values in one host read: ``item()`` for one, else one
+    ``tolist()`` of their stack (which promotes them to the widest dtype: no value is
+    rounded)."""
+    if len(probes) == 1:
+        return {name: probe.item() for name, probe in probes.items()}
+    return dict(zip(probes, torch.stack(list(probes.values())).tolist()))
 
 
 def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, torch.Tensor], *, anchor,
-                  linear=None, correction=(None, None)) -> None:
+                  linear=None, correction=(None, None), active=None) -> int | None:
     """Every check from a few reductions read in one host synchronisation; a failure is
     then named by a precise check of its own. At 16k tokens on the CPU the checks cost as
     much as the loss did: each reduction here is one op, or two passes over the tokens.
@@ -395,7 +413,8 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
     ``linear``: (hidden_states, labels, vocab, ignore_index) of the linear loss, whose
     screens join the same read. ``correction``: (rollout log-probs, entropies), each None
     where the call has none: log-probs (<= 0, not NaN) and entropies (finite,
-    non-negative) at counted tokens.
+    non-negative) at counted tokens. ``active``: the linear loss's active rows, whose
+    count joins the read and is returned (None: nothing counted, None returned).
 
     Every tensor is read detached (not under ``torch.no_grad()``, whose context costs a
     small call more than a detach does)."""
@@ -460,13 +479,11 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
         screen = hidden if screen is None else screen + hidden
     if screen is not None:
         probes["finite"] = screen
+    if active is not None:
+        probes["active_rows"] = _count_of(active)
     if not probes:
-        return
-    if len(probes) == 1:
-        read = {name: probe.item() for name, probe in probes.items()}
-    else:
-        # 0-d each; stack promotes them to the widest dtype, so no value is rounded.
-        read = dict(zip(probes, torch.stack(list(probes.values())).tolist()))
+        return None
+    read = _read(probes)
     screened = math.isfinite(read.get("finite", 0))
     if read.get("cu_seqlens", 0) != 0:
         _raise_cu_seqlens(layout.cu_seqlens, layout.tokens)
@@ -503,7 +520,8 @@ def _check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, t
         if read["labels"] != 0:
             _raise_label_range(vocab, ignore_index)
         if not screened:
-            _check_hidden_at(hidden_states, labels != ignore_index)
+            _check_hidden_at(hidden_states, active_rows(labels, ignore_index))
+    return None if active is None else int(read["active_rows"])
 
 
 def _out_of_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
@@ -516,10 +534,17 @@ def _raise_label_range(vocab: int, ignore_index: int):
                      "gather does not check)")
 
 
-def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Labels index the vocabulary or equal ignore_index (one host read: a sync on CUDA)."""
-    if bool(_out_of_range(labels, vocab, ignore_index).any()):
+def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int, *, active=None) -> int | None:
+    """Labels index the vocabulary or equal ignore_index (one host read: a sync on CUDA),
+    the read counting the ``active`` rows too (as :func:`check_linear_values`): returns
+    that count, or None without ``active``."""
+    probes = {"labels": _out_of_range(labels, vocab, ignore_index).any()}
+    if active is not None:
+        probes["active_rows"] = _count_of(active)
+    read = _read(probes)
+    if read["labels"]:
         _raise_label_range(vocab, ignore_index)
+    return None if active is None else int(read["active_rows"])
 
 
 def assert_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:

@@ -1,6 +1,7 @@
 """Host overhead of a call (docs/architecture.md, "Host synchronisation"): with
 ``check_values=False`` no tensor value reaches Python, with the default checks one read
-does (every screen in one flag vector); and the Triton kernels' launches.
+does (every screen in one flag vector, and the linear loss's count of active rows); the
+rows that enter the linear loss's GEMMs on either; and the Triton kernels' launches.
 
 On the CPU a host read is no device synchronisation, but it is the same operator that is
 one on CUDA: the operators that read a value (``_local_scalar_dense``, ``is_nonzero``,
@@ -15,7 +16,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hadw_kernels import RolloutCorrection, available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from hadw_kernels import (
+    RolloutCorrection,
+    available_backends,
+    fused_hadw_grpo_loss,
+    fused_linear_hadw_grpo_loss,
+    token_logprobs,
+)
 from hadw_kernels.config import block_rows_for
 from hadw_kernels.ops import routing
 
@@ -33,6 +40,7 @@ class _Reads:
     def __init__(self, monkeypatch, refuse):
         self.count = 0
         self.refuse = refuse
+        self.inside = False  # in a patched read (whose own operator is not a second read)
         for method in READS:
             original = getattr(torch.Tensor, method)
             monkeypatch.setattr(torch.Tensor, method, self._wrap(method, original))
@@ -42,28 +50,70 @@ class _Reads:
             if self.refuse:
                 raise AssertionError(f"Tensor.{method}: a tensor value was read on the host")
             self.count += 1
-            return original(tensor, *args, **kwargs)
+            self.inside = True
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                self.inside = False
 
         return read
 
 
-class _HostReadOperators(TorchDispatchMode):
-    """Raises at an operator that reads a tensor's value on the host: on a GPU each waits
-    for the device. A hadw op's implementation runs under this mode too (as ``ops.call``'s
-    router would run it), so the Python around a backend's kernels is seen as well."""
-
-    NAMES = ("_local_scalar_dense", "is_nonzero", "nonzero")
+class _Operators(TorchDispatchMode):
+    """Sees every operator of a call: a hadw op's implementation runs under this mode too
+    (as ``ops.call``'s router would run it), so the Python around a backend's kernels is
+    seen as well."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace, name = func._schema.name.split("::")
-        if namespace == "aten" and name in self.NAMES:
-            raise AssertionError(f"aten::{name}: a tensor value was read on the host")
+        self.seen(name if namespace == "aten" else None, args, kwargs or {})
         if namespace == "hadw":
             *inputs, backend = args
             device = next(value.device for value in inputs if isinstance(value, torch.Tensor))
             with self:
                 return routing._KERNELS[(name, backend, device.type)](*inputs)
         return func(*args, **(kwargs or {}))
+
+    def seen(self, name, args, kwargs):
+        pass
+
+
+class _HostReadOperators(_Operators):
+    """Raises at an operator that reads a tensor's value on the host (on a GPU each waits
+    for the device), or with ``reads`` counts it there unless a patched read of ``reads``
+    runs it."""
+
+    NAMES = ("_local_scalar_dense", "is_nonzero", "nonzero")
+
+    def __init__(self, reads: _Reads | None = None):
+        super().__init__()
+        self.reads = reads
+
+    def seen(self, name, args, kwargs):
+        if name not in self.NAMES:
+            return
+        if self.reads is None:
+            raise AssertionError(f"aten::{name}: a tensor value was read on the host")
+        if not self.reads.inside:
+            self.reads.count += 1
+
+
+class _LogitRows(_Operators):
+    """The rows of every GEMM that forms logits, h W^T: its product has ``vocab``
+    columns (the gradient GEMMs' have H; the head's gradient is [V, H])."""
+
+    GEMMS = ("mm", "addmm")
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+        self.rows = []
+
+    def seen(self, name, args, kwargs):
+        if name in self.GEMMS:
+            left, right = args[-2:] if name == "mm" else args[1:3]
+            if right.shape[-1] == self.vocab:
+                self.rows.append(left.shape[0])
 
 
 def _tokens(layout, batch, width, values):
@@ -118,6 +168,18 @@ def _linear_call(backend, check_values, layout="padded", **options):
     return loss, [leaf, weight]
 
 
+def _token_logprobs_call(backend, check_values, layout="padded"):
+    """``token_logprobs`` alone, its summed log-probs, the last two labels of each row of
+    six ignored."""
+    shape = (4, 6) if layout == "padded" else (24,)
+    hidden = torch.randn(*shape, 8, requires_grad=True)
+    weight = torch.randn(16, 8, requires_grad=True)
+    labels = torch.randint(0, 16, (4, 6))
+    labels[:, -2:] = -100
+    logprobs = token_logprobs(hidden, weight, labels.view(shape), backend=backend, check_values=check_values)
+    return (logprobs.sum(), {}), [hidden, weight]
+
+
 def _recomputed_linear_call(backend, check_values, layout="padded"):
     """The linear loss's other path: log-probs first, backward recomputing the logits."""
     return _linear_call(backend, check_values, layout, loss_type="gspo")
@@ -149,7 +211,7 @@ def _corrected_linear_call(backend, check_values, layout="padded"):
 
 CALLS = {"surrogate": _surrogate_call, "token_mean": _token_mean_call, "linear": _linear_call,
          "recomputed_linear": _recomputed_linear_call, "corrected_surrogate": _corrected_surrogate_call,
-         "corrected_linear": _corrected_linear_call}
+         "corrected_linear": _corrected_linear_call, "token_logprobs": _token_logprobs_call}
 # The linear loss's gradients-in-forward path (cpp and triton): its backward's shortcut for
 # an upstream gradient of exactly 1 on the CPU reads that value (ops/autograd.py).
 GRADIENTS_IN_FORWARD = ("linear", "corrected_linear")
@@ -186,16 +248,47 @@ def test_unchecked_call_reads_no_value(monkeypatch, loss, backend):
     assert all(torch.isfinite(metric) for metric in metrics.values())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
 @pytest.mark.parametrize("loss", list(CALLS))
-def test_checked_call_reads_once(monkeypatch, loss, backend):
-    """The default value checks read one flag vector: one synchronisation on CUDA."""
+def test_checked_call_reads_once(monkeypatch, loss, backend, layout):
+    """The default value checks read one flag vector: one synchronisation on CUDA. The
+    linear loss's count of active rows rides in it, and no other operator reads a value
+    (the rows are found without one, inside the backends too)."""
     reads = _Reads(monkeypatch, refuse=False)
-    (value, _), _ = CALLS[loss](backend, check_values=True)
+    with _HostReadOperators(reads):
+        (value, _), _ = CALLS[loss](backend, check_values=True, layout=layout)
     forward_reads = reads.count
     monkeypatch.undo()
     assert forward_reads == 1
     assert torch.isfinite(value)
+
+
+# The calls of the linear loss's sweep, and how many sweeps form logits: one on the
+# gradients-in-forward path, a forward and a backward on the recompute one (the torch
+# backend's only one, and token_logprobs').
+SWEEPS = {("linear", "triton"): 1, ("linear", "torch"): 2, ("recomputed_linear", "triton"): 2,
+          ("recomputed_linear", "torch"): 2, ("token_logprobs", "triton"): 2, ("token_logprobs", "torch"): 2}
+
+
+@pytest.mark.parametrize("check_values", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", [param for param in HOST_BACKENDS if param.values[0] != "cpp"])
+@pytest.mark.parametrize("loss", ["linear", "recomputed_linear", "token_logprobs"])
+def test_rows_that_enter_the_gemms(loss, backend, layout, check_values):
+    """With the value checks (the default) only the 16 active rows of 24 form logits (the
+    rows of padding, or of a packed batch's positions outside the responses, and of
+    ignored labels are left out), on both paths and in both layouts; without them (no
+    count is read) every row does. Either way an inactive row's gradient is zero. The C++
+    kernels, whose GEMMs are not aten operators, find the active rows themselves."""
+    counted = _LogitRows(vocab=16)
+    with counted:
+        (value, _), leaves = CALLS[loss](backend, check_values=check_values, layout=layout)
+        value.backward()
+    assert counted.rows == [16 if check_values else 24] * SWEEPS[loss, backend]
+    grad_hidden = leaves[0].grad.reshape(4, 6, -1)
+    assert torch.isfinite(grad_hidden).all() and torch.all(grad_hidden[:, -2:] == 0)
+    assert torch.any(grad_hidden[:, :-2] != 0)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in available_backends("cpu"),

@@ -367,6 +367,38 @@ def test_linear_loss_never_synchronises_on_cuda():
         assert syncs == []
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or DEVICE != "cuda", reason="CUDA's synchronisation debug mode")
+def test_checked_linear_loss_synchronises_once_on_cuda():
+    """The default call (value checks on) waits for the GPU once: the checks' read, which
+    also counts the active rows; finding them (nonzero_static) and sweeping them alone
+    waits for nothing more."""
+    import warnings
+
+    from hadw_kernels import fused_linear_hadw_grpo_loss
+
+    hidden = torch.randn(2, 16, 32, device="cuda", requires_grad=True)
+    weight = torch.randn(64, 32, device="cuda", requires_grad=True)
+    labels = torch.randint(0, 64, (2, 16), device="cuda")
+    mask = torch.ones(2, 16, dtype=torch.bool, device="cuda")
+    mask[:, 10:] = False
+    rewards = torch.tensor([0.0, 1.0], device="cuda")
+    for path in ("gradients_in_forward", "recompute"):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss = fused_linear_hadw_grpo_loss(hidden, weight, labels, None, rewards, mask, group_size=2,
+                                                   anchor=0.5, backend="triton", linear_path=path)
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in caught if str(w.message).startswith("called a synchronizing")]
+        assert len(syncs) == 1, (path, syncs)
+        assert torch.all(hidden.grad[:, 10:] == 0)
+        hidden.grad = weight.grad = None
+
+
 class _StandInCompiled:
     """What Triton's launch returns on a GPU: a compiled kernel with its launcher."""
 

@@ -77,10 +77,11 @@ def _load_extension() -> str | None:
 def _with_default_blocks(kernel):
     """The C++ linear surrogate, its default blocks (``block_rows`` 0) resolved here by
     ``config.block_rows_for`` on the CPU, the one formula every backend uses, with the
-    kernel's buffer in its compute type: over the N rows, as on every backend, whose rows
-    that count are known to the kernels only (reading their count here was a host read
-    of every call, docs/architecture.md, "Host synchronisation"). The kernel then cuts its
-    active rows into blocks of at most that many."""
+    kernel's buffer in its compute type: over the N rows it is given (every row: the loss
+    leaves finding the active ones to it), whose rows that count are known to the kernel
+    only (reading their count here would be a host read of every call,
+    docs/architecture.md, "Host synchronisation"). The kernel then cuts its active rows
+    into blocks of at most that many."""
     names = [name for name in ops.argument_names("linear_surrogate_forward") if name != "backend"]
     block_rows_at, hidden_at, weight_at = (names.index(name) for name in ("block_rows", "hidden", "weight"))
 
@@ -111,4 +112,6 @@ else:
                 _kernel = _with_default_blocks(_kernel)
             ops.register_kernel(_op, NAME, "cpu", _kernel)
 
-BACKEND = KernelBackend(NAME)
+# The kernels find the rows whose label counts themselves (csrc/linear_logprob.cpp), on the
+# CPU, where that costs no synchronisation: the loss gives them every row.
+BACKEND = KernelBackend(NAME, compacts_rows=True)

@@ -43,11 +43,14 @@ def anchor_tensor(anchor, device: torch.device) -> torch.Tensor | None:
 class KernelBackend:
     """Kernels registered for the hadw:: ops under ``name`` (see ``ops.register_kernel``)."""
 
-    def __init__(self, name: str, scale_in_place=None) -> None:
+    def __init__(self, name: str, scale_in_place=None, compacts_rows: bool = False) -> None:
         self.name = name
         # How the gradients formed in the forward are scaled by the upstream gradient
         # (``ops.attach_single_use_gradients``); None: ``mul_``.
         self.scale_in_place = scale_in_place
+        # Whether the kernels leave rows whose label is ignored out of their GEMMs
+        # themselves (backends/protocol.py).
+        self.compacts_rows = compacts_rows
 
     def serves(self, device: torch.device) -> bool:
         # A device's type as it is (building a torch.device again costs a small call more).
@@ -107,7 +110,7 @@ class KernelBackend:
         accumulate = accumulate_dtype(head.hidden.dtype)
 
         def per_token(values):
-            # Contiguous: the kernels index the active rows' entries directly.
+            # Contiguous: the kernels index the rows' entries directly.
             return None if values is None else values.detach().to(accumulate).contiguous()
 
         return ops.call(

@@ -19,8 +19,11 @@ class LinearSurrogate(Protocol):
     """The gradients-in-forward linear loss of a token-level surrogate: per-row log-probs
     [N], entropy [N], and the gradients with respect to the hidden states, the head and
     the bias, from one sweep over blocks of rows (docs/architecture.md, "The linear loss").
-    ``batch`` holds the call's per-token data [N] (its log-probs are what the sweep forms);
-    ``advantages`` are each token's, ``agg_weights`` each token's aggregation weight."""
+    ``batch`` holds the call's per-token data (its log-probs are what the sweep forms);
+    ``advantages`` are each token's, ``agg_weights`` each token's aggregation weight.
+    Every per-token tensor and the outputs are over ``head``'s rows: the N rows, or the
+    active ones where the loss selected them (``head.hidden``; ``batch``'s layout and
+    mask stay the call's)."""
 
     def __call__(
         self, head: LinearHead, batch: SurrogateBatch, advantages: torch.Tensor, agg_weights: torch.Tensor,
@@ -36,6 +39,10 @@ class Backend(Protocol):
     # How gradients formed in the forward are scaled in place by the upstream gradient
     # (``ops.attach_single_use_gradients``); None: ``Tensor.mul_``.
     scale_in_place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    # Whether its linear kernels leave the rows whose label is ignored out of their GEMMs
+    # themselves (the C++ ones, on the CPU); otherwise the loss selects the active rows
+    # where its value checks count them (active_rows.py).
+    compacts_rows: bool
 
     def serves(self, device: torch.device) -> bool:
         """Whether this backend runs on tensors of ``device`` here."""

@@ -18,6 +18,7 @@ class TorchBackend:
     name = "torch"
     linear_surrogate = None
     scale_in_place = None
+    compacts_rows = False
 
     def serves(self, device: torch.device) -> bool:
         return True

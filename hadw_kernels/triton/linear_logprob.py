@@ -1,9 +1,11 @@
 """The Triton implementations of the linear ops: log-probs (and entropy) of labels under
 softmax((h W^T + b) / temperature), and their gradients, one block of rows at a time.
 
-The blocks are planned over the N rows (``config.block_rows_for``): which rows count (a
-label other than ``ignore_index``) is known on the device only, and reading their count
-back would make the host wait for the GPU, so no call does. A block of rows is handled as
+The blocks are planned over the N rows the op is given (``config.block_rows_for``): which
+of them count (a label other than ``ignore_index``) is known on the device only, and
+reading their count back would make the host wait for the GPU, so the ops never do. (The
+losses give them only the active rows where their value checks' read counted those:
+``active_rows.py``.) A block of rows is handled as
 
     z  = h_rows W^T (+ b)              one cuBLAS GEMM into a [rows, V] buffer
     _row_stats_kernel                  lse, logp, entropy, E_p[z] of each row
@@ -203,10 +205,11 @@ def _logit_gradient_kernel(
 class _BlockSweep:
     """The blocks of rows and the GEMMs around the row kernels.
 
-    The blocks are planned over all N rows, a count the host knows: the rows whose label
-    counts are never counted on the host (a read of the device, which would wait for it),
-    so a padding row enters the GEMMs of its block, zeroed where a gradient GEMM would read
-    it, and the row kernels give it zeros and no gradient (docs/fused-linear-logprob.md)."""
+    The blocks are planned over all N rows given, a count the host knows: the rows whose
+    label counts are never counted here (a read of the device, which would wait for it),
+    so a row given whose label is ignored enters the GEMMs of its block, zeroed where a
+    gradient GEMM would read it, and the row kernels give it zeros and no gradient
+    (docs/fused-linear-logprob.md, "Which rows enter the GEMMs")."""
 
     def __init__(self, hidden, weight, bias, labels, ignore_index, block_rows):
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels.contiguous()

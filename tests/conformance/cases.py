@@ -373,14 +373,18 @@ def mask_vocabulary(data: dict) -> dict:
 
 
 def run_linear_loss(backend: str, hidden_states, lm_head_weight, labels, response_mask, kwargs, *,
-                    lm_head_bias=None, linear_path="auto", upstream=UPSTREAM, cu_seqlens=None) -> Outputs:
+                    lm_head_bias=None, linear_path="auto", upstream=UPSTREAM, cu_seqlens=None,
+                    check_values=False) -> Outputs:
+    """The linear loss, its gradients and metrics. ``check_values``: the checked call, whose
+    read of the values also counts the active rows, which alone then enter the GEMMs on
+    the triton and torch backends (the default call); unchecked, every row does."""
     leaves = [hidden_states.detach().requires_grad_(), lm_head_weight.detach().requires_grad_()]
     if lm_head_bias is not None:
         leaves.append(lm_head_bias.detach().requires_grad_())
     loss, metrics = fused_linear_hadw_grpo_loss(
         leaves[0], leaves[1], labels, response_mask=response_mask, lm_head_bias=leaves[2] if lm_head_bias is not None
-        else None, return_metrics=True, backend=backend, linear_path=linear_path, block_rows=BLOCK_ROWS, check_values=False,
-        cu_seqlens=cu_seqlens, **with_required(kwargs),
+        else None, return_metrics=True, backend=backend, linear_path=linear_path, block_rows=BLOCK_ROWS,
+        check_values=check_values, cu_seqlens=cu_seqlens, **with_required(kwargs),
     )
     (loss if upstream == 1 else loss * upstream).backward()
     values = {"loss": loss.detach(), "grad_hidden": leaves[0].grad, "grad_weight": leaves[1].grad}
@@ -466,8 +470,9 @@ def reference_linear_loss(hidden_states, lm_head_weight, labels, response_mask, 
 
 
 def run_token_logprobs(backend: str, hidden_states, lm_head_weight, labels, upstream, *, lm_head_bias=None,
-                       temperature=1.0) -> Outputs:
-    """Log-probs and entropy [B, T] and the gradients of sum(g * logp + g_ent * entropy)."""
+                       temperature=1.0, check_values=False) -> Outputs:
+    """Log-probs and entropy [B, T] and the gradients of sum(g * logp + g_ent * entropy);
+    ``check_values`` as :func:`run_linear_loss`'s."""
     leaves = [hidden_states.detach().requires_grad_(), lm_head_weight.detach().requires_grad_()]
     if lm_head_bias is not None:
         leaves.append(lm_head_bias.detach().requires_grad_())
@@ -482,7 +487,7 @@ def run_token_logprobs(backend: str, hidden_states, lm_head_weight, labels, upst
     else:
         logprobs, entropy = token_logprobs(
             leaves[0], leaves[1], labels, lm_head_bias=bias, temperature=temperature, with_entropy=True,
-            backend=backend, check_values=False,
+            backend=backend, check_values=check_values,
         )
     total = (logprobs * upstream[0].to(logprobs)).sum() + (entropy * upstream[1].to(entropy)).sum()
     grads = torch.autograd.grad(total, leaves)

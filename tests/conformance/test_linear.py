@@ -35,10 +35,13 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("check_values", [False, True], ids=["unchecked", "checked"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch, width, hidden, vocab, bias, temperature, scale", SHAPES)
 def test_token_logprobs_match_reference(backend, device, dtype, batch, width, hidden, vocab, bias, temperature,
-                                        scale):
+                                        scale, check_values):
+    """Every fifth label ignored: checked (the default call), those rows are left out of
+    the sweep on every backend; unchecked, the triton and torch backends sweep them too."""
     data = linear_batch(7, batch=batch, width=width, hidden=hidden, vocab=vocab, scale=scale)
     if bias == "masked":
         data = mask_vocabulary(data)
@@ -53,7 +56,7 @@ def test_token_logprobs_match_reference(backend, device, dtype, batch, width, hi
         convert = (lambda t: None if t is None else t.to(dtype).to(in_dtype).to(on))
         return run_token_logprobs(
             name, convert(hidden_states), convert(weight), labels.to(on), [u.to(on) for u in upstream],
-            lm_head_bias=convert(lm_bias), temperature=temperature,
+            lm_head_bias=convert(lm_bias), temperature=temperature, check_values=check_values,
         )
 
     fast = run(backend, device, dtype)
@@ -125,6 +128,24 @@ def test_the_linear_cases_cover_every_pair():
 @pytest.mark.parametrize("loss_type, variant, dtype", LINEAR_CASES,
                          ids=[f"{loss_type}-{variant}-{str(dtype)[6:]}" for loss_type, variant, dtype in LINEAR_CASES])
 def test_linear_loss_matches_reference(backend, device, loss_type, variant, dtype, path):
+    _linear_loss_matches_reference(backend, device, loss_type, variant, dtype, path, check_values=False)
+
+
+# Every variant once, each dtype among them (LINEAR_CASES' first loss type).
+CHECKED_CASES = [case for case in LINEAR_CASES if case[0] == LOSS_TYPES[0]]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("loss_type, variant, dtype", CHECKED_CASES,
+                         ids=[f"{loss_type}-{variant}-{str(dtype)[6:]}" for loss_type, variant, dtype in CHECKED_CASES])
+def test_checked_linear_loss_matches_reference(backend, device, loss_type, variant, dtype, path):
+    """The default call: its value checks count the active rows, which alone enter the
+    GEMMs on the triton and torch backends (padding, with NaN hidden states and labels
+    outside the vocabulary, then reaches no block at all)."""
+    _linear_loss_matches_reference(backend, device, loss_type, variant, dtype, path, check_values=True)
+
+
+def _linear_loss_matches_reference(backend, device, loss_type, variant, dtype, path, *, check_values):
     if path == "gradients_in_forward":
         if any(name in variant.options for name in ("off_policy_mask_threshold", "top_entropy_quantile",
                                                      "kl_bias_correction")):
@@ -152,7 +173,7 @@ def test_linear_loss_matches_reference(backend, device, loss_type, variant, dtyp
     hidden, weight, lm_bias = tensors(device, dtype)
     on_device = cast(kwargs, dtype, device)
     fast = run_linear_loss(backend, hidden, weight, labels.to(device), mask.to(device), on_device,
-                           lm_head_bias=lm_bias, linear_path=path)
+                           lm_head_bias=lm_bias, linear_path=path, check_values=check_values)
     eager = reference_linear_loss(hidden, weight, labels.to(device), mask.to(device), on_device, lm_head_bias=lm_bias)
     hidden, weight, lm_bias = tensors(torch.device("cpu"), torch.float64)
     exact = reference_linear_loss(hidden, weight, labels, mask, rounded(kwargs, dtype), lm_head_bias=lm_bias)

@@ -185,10 +185,13 @@ LINEAR_CASES = [
 ]
 
 
+@pytest.mark.parametrize("check_values", [False, True], ids=["unchecked", "checked"])
 @pytest.mark.parametrize("loss_type, variant, dtype, path", LINEAR_CASES, ids=lambda value: str(value)[:40])
-def test_linear_packed_matches_padded(backend, device, loss_type, variant, dtype, path):
+def test_linear_packed_matches_padded(backend, device, loss_type, variant, dtype, path, check_values):
     """Hidden states [N, H] of a packed batch (prompt rows hold NaN and labels outside
-    the vocabulary, and enter no GEMM), blocks of 8 rows ending inside segments."""
+    the vocabulary), blocks of 8 rows ending inside segments. Checked (the default call),
+    the prompt rows are left out of the sweep on every backend; unchecked, the triton
+    and torch backends sweep them too, zeroed."""
     if path == "gradients_in_forward" and not load_backend(backend).has_gradients_in_forward(device):
         pytest.skip(f"backend {backend!r} has no gradients-in-forward path")
     data = linear_batch(11)
@@ -215,6 +218,7 @@ def test_linear_packed_matches_padded(backend, device, loss_type, variant, dtype
         backend, convert(hidden, device, dtype), convert(weight, device, dtype), labels.to(device),
         packed.tensors["response_mask"].to(device), cast(packed_kwargs, dtype, device),
         lm_head_bias=convert(bias, device, dtype), linear_path=path, cu_seqlens=packed.cu_seqlens.to(device),
+        check_values=check_values,
     )
     grad_hidden = fast.values["grad_hidden"]
     assert torch.all(grad_hidden[~packed.tensors["response_mask"].to(device)] == 0)
