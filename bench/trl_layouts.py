@@ -26,7 +26,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-TRAINERS = ("stock", "padded", "packed", "shared_prompt")
+# Each trainer: stock TRL (None), or the drop-in's (hadw_layout, hadw_shuffle). The
+# shared-prompt layout runs with both shuffles: "auto" shuffles whole groups here (one
+# optimizer step takes the generation batch), "rows" keeps TRL's row shuffle.
+DROP_INS = {"stock": None, "padded": ("padded", "auto"), "packed": ("packed", "auto"),
+            "shared_prompt": ("shared_prompt", "auto"), "shared_prompt_rows": ("shared_prompt", "rows")}
+TRAINERS = tuple(DROP_INS)
 
 
 @dataclass(frozen=True)
@@ -110,28 +115,27 @@ def run_one(case: Case, trainer_name: str, steps: int) -> dict:
         trainer_class, args = GRPOTrainer, GRPOConfig(**options)
     else:
         trainer_class = HADWGRPOTrainer
-        args = HADWGRPOConfig(**options, use_hadw=False, hadw_layout=trainer_name)
+        layout, shuffle = DROP_INS[trainer_name]
+        args = HADWGRPOConfig(**options, use_hadw=False, hadw_layout=layout, hadw_shuffle=shuffle)
     trainer_type = type("Timed", (FixedRollouts, trainer_class), {})
     trainer = trainer_type(model=model, reward_funcs=lambda completions, **_: [0.5] * len(completions),
                            args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     fed = []
-    if trainer_name != "stock":
-        build = trainer.layout.build
 
-        def counting_build(*args, **kwargs):
-            batch = build(*args, **kwargs)
-            fed.append(batch.fed_tokens)
-            return batch
+    def count_fed_tokens(module, args):
+        # Every forward's input ids, whichever trainer made them: padded rows count their
+        # padding, a packed row its prompts as often as they are laid out.
+        fed.append(args[0].numel())
 
-        trainer.layout.build = counting_build
+    model.get_input_embeddings().register_forward_pre_hook(count_fed_tokens)
     trainer.train()
     step_times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
     return {
         "step_times": step_times,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_before_train_mb": before / 1024,
-        "layout_fed_tokens_per_step": sum(fed) / steps if fed else None,
+        "fed_tokens_per_step": sum(fed) / steps,
     }
 
 
@@ -185,11 +189,11 @@ def main() -> None:
             mine = [run for run in runs if run["case"] == case_name and run["trainer"] == trainer_name]
             times = medians[trainer_name]
             ratio = f"{statistics.mean(times) / stock:.2f}" if stock else ""
-            fed = mine[0]["layout_fed_tokens_per_step"]
+            fed = mine[0]["fed_tokens_per_step"]
             step_times = ", ".join(f"{t:.2f}" for t in times)
             peaks = ", ".join(f"{run['peak_rss_mb']:.0f}" for run in mine)
             print(f"| {case_name} | {trainer_name} | {step_times} | {ratio} | {peaks} | "
-                  f"{'' if fed is None else round(fed)} |")
+                  f"{round(fed)} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Measured figures are quoted from one place: the README's and docs/trainer.md's opening
-figures of the CPU default run are those of docs/trainer.md's measurement table (its
-shared-prompt column, the layout the default run uses)."""
+"""Measured figures are quoted from one place: where the README or another page repeats a
+figure, it is the figure of the table that holds the measurement (the CPU default run's
+in docs/trainer.md, the sweep over G in docs/hadw-evidence.md, the TRL drop-in's layouts
+in docs/benchmarks.md)."""
 
 import re
 from pathlib import Path
@@ -43,3 +44,21 @@ def test_the_readme_s_hadw_evidence_is_the_sweep_table_s():
     output = (ROOT / "docs" / "hadw-sweep-group-size.md").read_text()
     table_rows = [line for line in evidence.splitlines() if line.startswith("| 2 | ") or " at 8 - GRPO at 16 |" in line]
     assert table_rows and all(line in output.splitlines() for line in table_rows)
+
+
+def test_the_trl_layout_figures_are_the_benchmark_table_s():
+    """The README's and docs/integrations/trl.md's step-time ratios of the TRL drop-in are
+    those of docs/benchmarks.md's table ("The TRL drop-in's layouts", its "x stock" column)."""
+    table = (ROOT / "docs" / "benchmarks.md").read_text().split("## The TRL drop-in's layouts", 1)[1]
+
+    def ratio(case: str, trainer: str) -> str:
+        (line,) = [line for line in table.splitlines() if line.startswith(f"| {case} | {trainer} |")]
+        return line.strip("| ").split(" | ")[3]
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    trl = " ".join((ROOT / "docs" / "integrations" / "trl.md").read_text().split())
+    at_8, at_16 = ratio("long-prompt-8", "shared_prompt"), ratio("long-prompt-16", "shared_prompt")
+    assert f"{at_8}x of stock TRL's time at G = 8 and {at_16}x at G = 16" in readme
+    assert f"{at_8}x of stock TRL's time at G = 8 and {at_16}x at G = 16" in trl
+    assert f"long-tailed completions, {ratio('long-tail', 'shared_prompt')}x, where the drop-in padded takes " \
+           f"{ratio('long-tail', 'padded')}x" in trl

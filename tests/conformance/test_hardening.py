@@ -245,17 +245,23 @@ def test_empty_batches_give_exact_zeros(backend, device, loss_type, shape):
             assert value.item() == expected, (name, value)
 
 
+@pytest.mark.parametrize("check_values", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("rows", [0, 4], ids=["no_rows", "all_masked"])
 @pytest.mark.parametrize("path", ["auto", "recompute"])
-def test_empty_linear_batch_gives_exact_zeros(backend, device, path):
-    hidden = torch.randn(0, 5, 8, device=device, requires_grad=True)
+def test_empty_linear_batch_gives_exact_zeros(backend, device, path, rows, check_values):
+    """No row, or rows of which none counts: checked, the count read is 0 and the sweep
+    runs over no row at all; unchecked, every row enters it, zeroed."""
+    hidden = torch.randn(rows, 5, 8, device=device, requires_grad=True)
     weight = torch.randn(30, 8, device=device, requires_grad=True)
-    labels = torch.zeros(0, 5, dtype=torch.long, device=device)
-    empty = torch.zeros(0, 5, device=device)
-    loss = fused_linear_hadw_grpo_loss(hidden, weight, labels, empty, torch.zeros(0, device=device),
-                                       empty.bool(), group_size=2, backend=backend, linear_path=path)
+    labels = torch.zeros(rows, 5, dtype=torch.long, device=device)
+    empty = torch.zeros(rows, 5, device=device)
+    loss = fused_linear_hadw_grpo_loss(hidden, weight, labels, empty, torch.tensor([0.0, 1.0, 1.0, 0.0])[:rows].to(device),
+                                       empty.bool(), group_size=2, backend=backend, linear_path=path,
+                                       check_values=check_values)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(weight.grad, torch.zeros_like(weight))
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs"])
