@@ -19,7 +19,7 @@ machine falls on both), and the operators it dispatches in one forward + backwar
 
 from __future__ import annotations
 
-import random
+import functools
 import statistics
 import time
 from collections import Counter
@@ -29,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hadw_kernels import available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
+from interleaved import interleaved_times
 
 BATCH, WIDTH, GROUP = 8, 16, 4
 HIDDEN, VOCAB = 16, 64
@@ -147,28 +148,14 @@ def seconds_a_call(step) -> float:
     return (time.perf_counter() - started) / CALLS_PER_ROUND
 
 
-def interleaved_rounds(implementations: dict, rounds: int, seed: int = 0) -> dict[str, list[float]]:
-    """name -> its seconds a call in each round, every implementation once a round in a
-    shuffled order (after one warm-up run each)."""
-    for step in implementations.values():
-        step()
-    times = {name: [] for name in implementations}
-    order = list(implementations)
-    shuffle = random.Random(seed)
-    for _ in range(rounds):
-        shuffle.shuffle(order)
-        for name in order:
-            times[name].append(seconds_a_call(implementations[name]))
-    return times
-
-
 def main() -> None:
     torch.set_num_threads(1)
     print(f"B={BATCH} T={WIDTH} (linear: H={HIDDEN} V={VOCAB}), one thread, forward + backward, "
           f"{ROUNDS} interleaved rounds of {CALLS_PER_ROUND} calls (torch {torch.__version__})")
     for loss, implementations in steps().items():
         counts = operator_counts(implementations)
-        times = interleaved_rounds(implementations, ROUNDS)
+        times = interleaved_times({name: functools.partial(seconds_a_call, step)
+                                   for name, step in implementations.items()}, ROUNDS)
         eager_name = next(iter(implementations))
         eager = times[eager_name]
         print(f"\n{loss}:\n| implementation | time a call (median) | x eager (median of rounds) | operators |")

@@ -9,9 +9,10 @@ import statistics
 from collections.abc import Callable
 
 
-def interleaved_medians(steps: dict[str, Callable[[], float]], rounds: int, seed: int = 0) -> dict[str, float]:
-    """name -> the median over ``rounds`` of the seconds its step returns (each step times
-    what it measures itself)."""
+def interleaved_times(steps: dict[str, Callable[[], float]], rounds: int, seed: int = 0) -> dict[str, list[float]]:
+    """name -> the seconds its step returned in each of ``rounds`` rounds (each step times
+    what it measures itself), every step once a round in a shuffled order, after one
+    warm-up run each."""
     for step in steps.values():
         step()
     times = {name: [] for name in steps}
@@ -21,4 +22,9 @@ def interleaved_medians(steps: dict[str, Callable[[], float]], rounds: int, seed
         shuffle.shuffle(order)
         for name in order:
             times[name].append(steps[name]())
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def interleaved_medians(steps: dict[str, Callable[[], float]], rounds: int, seed: int = 0) -> dict[str, float]:
+    """name -> the median over ``rounds`` of the seconds its step returns."""
+    return {name: statistics.median(values) for name, values in interleaved_times(steps, rounds, seed).items()}

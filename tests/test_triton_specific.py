@@ -337,34 +337,48 @@ def test_in_place_scaling_is_mul_(dtype, monkeypatch):
                                equal_nan=True)
 
 
+def _cuda_synchronisations(call) -> list[str]:
+    """The warnings of CUDA's synchronisation debug mode while ``call()`` runs: one for
+    each time it made the host wait for the GPU."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if str(w.message).startswith("called a synchronizing")]
+
+
+def _cuda_linear_batch(padded_from: int = 16):
+    """hidden [2, 16, 32] and a head of V = 64 on CUDA (leaves), labels, rewards, and a
+    mask whose positions from ``padded_from`` on are padding."""
+    hidden = torch.randn(2, 16, 32, device="cuda", requires_grad=True)
+    weight = torch.randn(64, 32, device="cuda", requires_grad=True)
+    labels = torch.randint(0, 64, (2, 16), device="cuda")
+    mask = torch.ones(2, 16, dtype=torch.bool, device="cuda")
+    mask[:, padded_from:] = False
+    return hidden, weight, labels, torch.tensor([0.0, 1.0], device="cuda"), mask
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or DEVICE != "cuda", reason="CUDA's synchronisation debug mode")
 def test_linear_loss_never_synchronises_on_cuda():
     """The fused linear loss with values unchecked never waits for the GPU: its blocks are
     planned over every row, not the count of active ones. A wait, after the model's forward
     was queued, would leave the GPU idle while Python runs (a Python anchor once made a
     blocking copy; the count of active rows was one on every call)."""
-    import warnings
-
     from hadw_kernels import fused_linear_hadw_grpo_loss
 
-    hidden = torch.randn(2, 16, 32, device="cuda", requires_grad=True)
-    weight = torch.randn(64, 32, device="cuda", requires_grad=True)
-    labels = torch.randint(0, 64, (2, 16), device="cuda")
-    rewards = torch.tensor([0.0, 1.0], device="cuda")
-    mask = torch.ones(2, 16, dtype=torch.bool, device="cuda")
+    hidden, weight, labels, rewards, mask = _cuda_linear_batch()
     for anchor in (0.5, torch.tensor(0.5, device="cuda")):
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                loss = fused_linear_hadw_grpo_loss(hidden, weight, labels, None, rewards, mask, group_size=2,
-                                                   anchor=anchor, backend="triton", check_values=False)
-                loss.backward()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message) for w in caught if str(w.message).startswith("called a synchronizing")]
-        assert syncs == []
+        def call():
+            fused_linear_hadw_grpo_loss(hidden, weight, labels, None, rewards, mask, group_size=2, anchor=anchor,
+                                        backend="triton", check_values=False).backward()
+
+        assert _cuda_synchronisations(call) == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or DEVICE != "cuda", reason="CUDA's synchronisation debug mode")
@@ -372,28 +386,15 @@ def test_checked_linear_loss_synchronises_once_on_cuda():
     """The default call (value checks on) waits for the GPU once: the checks' read, which
     also counts the active rows; finding them (nonzero_static) and sweeping them alone
     waits for nothing more."""
-    import warnings
-
     from hadw_kernels import fused_linear_hadw_grpo_loss
 
-    hidden = torch.randn(2, 16, 32, device="cuda", requires_grad=True)
-    weight = torch.randn(64, 32, device="cuda", requires_grad=True)
-    labels = torch.randint(0, 64, (2, 16), device="cuda")
-    mask = torch.ones(2, 16, dtype=torch.bool, device="cuda")
-    mask[:, 10:] = False
-    rewards = torch.tensor([0.0, 1.0], device="cuda")
+    hidden, weight, labels, rewards, mask = _cuda_linear_batch(padded_from=10)
     for path in ("gradients_in_forward", "recompute"):
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                loss = fused_linear_hadw_grpo_loss(hidden, weight, labels, None, rewards, mask, group_size=2,
-                                                   anchor=0.5, backend="triton", linear_path=path)
-                loss.backward()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message) for w in caught if str(w.message).startswith("called a synchronizing")]
+        def call():
+            fused_linear_hadw_grpo_loss(hidden, weight, labels, None, rewards, mask, group_size=2, anchor=0.5,
+                                        backend="triton", linear_path=path).backward()
+
+        syncs = _cuda_synchronisations(call)
         assert len(syncs) == 1, (path, syncs)
         assert torch.all(hidden.grad[:, 10:] == 0)
         hidden.grad = weight.grad = None
