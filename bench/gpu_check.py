@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --rounds: must be at least 1, got {args.rounds}")
     if args.time_limit is not None and not args.time_limit > 0:
         parser.error(f"argument --time-limit: must be positive, got {args.time_limit}")
+    if not args.report.parent.is_dir():  # before the hour of tests whose report it would lose
+        parser.error(f"argument --report: no folder {str(args.report.parent)!r} to write {args.report.name!r} in")
     if args.dry_run:
         # The Triton kernels on CPU tensors: the interpreter, before any kernel is defined.
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -68,3 +68,12 @@ def test_the_peers_are_the_rows_of_loss_impls(monkeypatch):
     for peer in loss_impls.PEERS:  # known by name: refused for log-probs, not as unknown
         with pytest.raises(ValueError, match="takes hidden states only"):
             loss_impls.build_step(peer.impl, "logprobs", shape)
+
+
+def test_a_report_path_without_its_folder_is_refused_before_any_stage(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--report", str(tmp_path / "no" / "r.md")],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "argument --report: no folder" in result.stderr and "r.md" in result.stderr
