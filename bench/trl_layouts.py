@@ -56,7 +56,7 @@ CASES = {
                           completion_max=128),
     "long-prompt-16": Case(prompts=2, prompt_tokens=512, group=16, completion_median=64, completion_sigma=0.4,
                            completion_max=128),
-    # What the quick check (bench/test_trl_layouts.py) runs.
+    # A quick check of the script itself (`--cases tiny`).
     "tiny": Case(prompts=2, prompt_tokens=16, group=4, completion_median=8, completion_sigma=0.5,
                  completion_max=16, hidden=32, layers=1, vocab=64),
 }
