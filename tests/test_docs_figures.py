@@ -1,8 +1,12 @@
 """Measured figures are quoted from one place: the README's and docs/trainer.md's opening
 figures of the CPU default run are those of docs/trainer.md's measurement table (its
-shared-prompt column, the layout the default run uses)."""
+shared-prompt column, the layout the default run uses), and the code's comments quote
+none (docs/ holds them)."""
 
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,3 +47,85 @@ def test_the_readme_s_hadw_evidence_is_the_sweep_table_s():
     output = (ROOT / "docs" / "hadw-sweep-group-size.md").read_text()
     table_rows = [line for line in evidence.splitlines() if line.startswith("| 2 | ") or " at 8 - GRPO at 16 |" in line]
     assert table_rows and all(line in output.splitlines() for line in table_rows)
+
+
+# Measured figures live in docs/, never in the code's comments: a timing, a size, a ratio
+# or a share quoted in a comment is copied from a measurement that the docs re-measure,
+# and goes stale there unseen. A comment says why and names the doc that holds the figure.
+CODE_DIRS = ("hadw_kernels", "csrc", "trainer", "bench")
+MEASURED_FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?"  # a number (the end of a range such as 3-6 too)
+    r"(?:\s?(?:ns|us|µs|ms|s|sec|seconds?|min|minutes?|hours?|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"  # time, memory
+    r"|x(?!\w)"  # a ratio, 1.6x (not "2 x 3", a shape)
+    r"|%)"  # a share
+)
+# What the pattern matches and is no measurement: statistics' confidence levels, tolerances.
+NOT_MEASURED = re.compile(r"95% (?:t )?(?:interval|half-width)|± 95%|within \d+%|held to \d+%")
+# Constants that a comment states beside their definition (a default, a buffer's budget),
+# by the phrase, wherever the comment moves. Each must still be found.
+CONSTANTS_STATED = {
+    "CUDA (Triton): 1 GiB": "LOGITS_BUFFER_BYTES['cuda']",
+    "640 MiB and at most 1024 rows": "LOGITS_BUFFER_BYTES['cpu'] and MAX_BLOCK_ROWS['cpu']",
+    "4 GiB unless told otherwise": "plan.DEFAULT_OVERHEAD_GIB",
+}
+
+
+def python_comments(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and every docstring (module, class, function)."""
+    lines = [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+             if token.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            docstring = node.body[0] if node.body else None
+            if isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant) \
+                    and isinstance(docstring.value.value, str):
+                lines += [(docstring.lineno + i, line) for i, line in enumerate(docstring.value.value.splitlines())]
+    return lines
+
+
+def c_comments(source: str) -> list[tuple[int, str]]:
+    return [(source.count("\n", 0, comment.start()) + 1 + i, line)
+            for comment in re.finditer(r"//[^\n]*|/\*.*?\*/", source, re.S)
+            for i, line in enumerate(comment.group().splitlines())]
+
+
+def yaml_comments(source: str) -> list[tuple[int, str]]:
+    return [(number, line.split("#", 1)[1]) for number, line in enumerate(source.splitlines(), 1) if "#" in line]
+
+
+COMMENTS = {".py": python_comments, ".cpp": c_comments, ".h": c_comments, ".cu": c_comments,
+            ".yaml": yaml_comments}
+
+
+def code_comments():
+    for directory in CODE_DIRS:
+        for path in sorted((ROOT / directory).rglob("*")):
+            if path.suffix in COMMENTS and path.is_file():
+                for line, text in COMMENTS[path.suffix](path.read_text()):
+                    yield path.relative_to(ROOT), line, text
+
+
+def test_code_comments_quote_no_measured_figures():
+    found, stated = [], set()
+    for path, line, text in code_comments():
+        for phrase in CONSTANTS_STATED:
+            if phrase in text:
+                stated.add(phrase)
+                text = text.replace(phrase, " ")
+        figures = [match.group() for match in MEASURED_FIGURE.finditer(NOT_MEASURED.sub(" ", text))]
+        if figures:
+            found.append(f"{path}:{line}: {figures} in {text.strip()!r}")
+    assert not found, ("measured figures in code comments; move each to the doc that owns it and say why "
+                       "without the number:\n" + "\n".join(found))
+    assert stated == set(CONSTANTS_STATED), f"no longer in any comment: {set(CONSTANTS_STATED) - stated}"
+
+
+def test_the_figure_pattern_tells_measurements_from_the_rest():
+    measured = ["1.8 ms a step", "~30 ms of system time", "(0.5-1 s, paid once)", "90 us", "64-600 MiB",
+                "a 1 GB parent", "30x slower", "0.95x the bound", "3-6% of a loss step", "under 10 minutes"]
+    not_measured = ["M x 2 x 2", "3 x 2736 rows", "(2h)", "a 95% interval", "Mean ± 95%", "to within 10%",
+                    "0x7f", "1e-8", "sm_90", "log(1e-8)", "G = 8 responses", "three rewards of 0.9"]
+    for text in measured:
+        assert MEASURED_FIGURE.search(NOT_MEASURED.sub(" ", text)), text
+    for text in not_measured:
+        assert not MEASURED_FIGURE.search(NOT_MEASURED.sub(" ", text)), text
