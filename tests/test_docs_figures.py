@@ -1,7 +1,8 @@
 """Measured figures are quoted from one place: the README's and docs/trainer.md's opening
 figures of the CPU default run are those of docs/trainer.md's measurement table (its
-shared-prompt column, the layout the default run uses), and the code's comments quote
-none (docs/ holds them)."""
+shared-prompt column, the layout the default run uses), the README's sweep over G, CPU
+benchmark and GPU loss step are their pages' tables, and the code's comments quote none
+(docs/ holds them)."""
 
 import ast
 import io
@@ -129,3 +130,39 @@ def test_the_figure_pattern_tells_measurements_from_the_rest():
         assert MEASURED_FIGURE.search(NOT_MEASURED.sub(" ", text)), text
     for text in not_measured:
         assert not MEASURED_FIGURE.search(NOT_MEASURED.sub(" ", text)), text
+
+
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of each row of the table whose header line starts with ``header``."""
+    table = text.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in table]
+
+
+def test_the_readme_s_cpu_benchmark_is_benchmarks_md_s():
+    """The README's dense on-policy table quotes docs/benchmarks.md's latest full run: each
+    shape's hadw[cpp] / bound, eager, TRL and Liger against hadw[cpp]."""
+    bench = (ROOT / "docs" / "benchmarks.md").read_text().split("### Dense on-policy: the first mini-batch", 1)[1]
+    source = {}
+    for cells in table_rows(bench, "| shape, threads | bound (ms) |"):
+        shape, threads = cells[0].rsplit(", ", 1)
+        ours = re.search(r"\d+\.\d+x", cells[2]).group()
+        source[shape, threads.split()[0]] = [ours, cells[4], cells[5], cells[6]]
+    quoted, shape = {}, None
+    for cells in table_rows((ROOT / "README.md").read_text(), "| shape, threads | hadw[cpp] / bound |"):
+        place, threads = cells[0].rsplit(", ", 1)
+        shape = shape if place == "same" else place
+        quoted[shape, threads] = cells[1:5]
+    assert quoted and quoted == {key: source[key] for key in quoted}
+
+
+def test_the_readme_s_gpu_loss_step_is_fused_linear_logprob_md_s():
+    """The README's H100 table quotes docs/fused-linear-logprob.md's: each row's time, its
+    ratio to the bound and its peak; the ratio to eager is the times' (to rounding)."""
+    doc = (ROOT / "docs" / "fused-linear-logprob.md").read_text()
+    source = {cells[0]: cells[1:] for cells in table_rows(doc, "| | ms | / bound | peak above inputs |")}
+    rows = table_rows((ROOT / "README.md").read_text(), "| | ms | / bound | / eager | peak above inputs |")
+    eager = float(next(cells[1] for cells in rows if cells[0].startswith("eager")))
+    assert len(rows) >= 5
+    for label, ms, to_bound, to_eager, peak in rows:
+        assert source[label.removeprefix("hadw[triton], ")] == [ms, to_bound, peak], label
+        assert abs(float(ms) / eager - float(to_eager.rstrip("x"))) <= 0.011, label
