@@ -1,7 +1,7 @@
 """Benchmark session: options, the case matrix, and the summary written at the end.
 
-    pytest bench/            full sweep (G = 8..64, the dense cases, Qwen3's vocabulary),
-                             55-70 min on the 2-core machines here
+    pytest bench/            full sweep (G = 8..64, the dense cases, Qwen3's vocabulary;
+                             how long it takes: docs/benchmarks.md)
     pytest bench/ --quick    one small shape per case, for CI (or HADW_BENCH_QUICK=1)
 
 The table and the plot go to bench/results/ (git-ignored) and the table is printed at

@@ -1,10 +1,10 @@
 """Which cases the benchmark runs: implementations x inputs x shapes x threads.
 
-Shapes are scaled to a 2-core, 24 GiB CPU machine shared with other work.
+Shapes are scaled to the 2-core CPU machine of docs/benchmarks.md, shared with other work.
 
 - The G sweep: one prompt x G responses of T = 32 tokens (padded), H = 512, V = 32768,
   G = 8..64, two threads: memory and time as G grows. Eager's three [B*T, V] fp32
-  copies stay under 1 GB; Liger's chunks (one response each) re-touch the whole [V, H]
+  copies stay small (docs/benchmarks.md, "Shapes"); Liger's chunks (one response each) re-touch the whole [V, H]
   LM-head gradient once per response, which this keeps affordable.
 - The dense on-policy cases (the first mini-batch of a GRPO step: ratio 1,
   no padding, every token with a gradient), where the GEMMs dominate and the bound is
@@ -55,13 +55,12 @@ LONG_TAIL_SHAPES = {
 FULL_ROUNDS = 3
 QUICK_ROUNDS = 2
 # Short steps get more rounds, up to MOST_ROUNDS, until this many seconds of them are
-# timed: the scheduler's noise on a shared machine is of the order of a few-millisecond
-# step, and the min of 3 rounds of a 1-second step still moved by ~5% between runs.
+# timed: the scheduler's noise on a shared machine is of the order of a short step, and
+# the min of a few rounds of a longer one still moved between runs.
 FULL_TIMED_SECONDS = 6.0
 # The dense cases, where a ratio to the bound of a few percent is the question. Here a
-# whole process can run slow: the min of 5-28 rounds (20 s) of a 0.7-6 s step moved by
-# 5-15% between processes minutes apart, the bound's as much as anyone's, and eight fresh
-# processes of the bound in four minutes had mins 1.20-1.33 s. So, as pyperf does, every
+# whole process can run slow, the bound's as much as anyone's, by more than that question
+# (docs/benchmarks.md, "What a case is"). So, as pyperf does, every
 # implementation of a dense case runs in DENSE_PROCESSES fresh processes, taken in turns
 # with the other implementations' (bound, eager, ..., bound, eager, ...), and its time is
 # the median of the processes' mins; each process times at least DENSE_ROUNDS rounds and

@@ -8,7 +8,7 @@ the step time is the model's forwards and backward (and TRL's bookkeeping), not
 generation. Each run is a fresh process (its peak RSS is its own); the driver runs every
 trainer of every case in turn, ``--repeats`` times.
 
-    .venv/bin/python bench/trl_layouts.py                      # every case, twice (about 10 min)
+    .venv/bin/python bench/trl_layouts.py                      # every case, twice
     .venv/bin/python bench/trl_layouts.py --cases long-prompt-8 --repeats 1
 """
 

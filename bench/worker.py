@@ -14,7 +14,7 @@ state out of the next one's figures. The sequence is:
 3. the peak resident set is reset again, then the timed steps run: with ``--serve`` on
    the command "step" read from stdin (the pytest process times them), otherwise
    ``--rounds`` of them timed here;
-4. after "finish" (or the rounds): the steady-state peak RSS, ru_maxrss minus the
+4. after "finish" (or the rounds): the steady-state peak RSS, VmHWM minus the
    baseline, over the timed steps (what the warm-up left resident counts: compiled
    code, allocator caches);
 5. one step under the PyTorch profiler with memory events: the allocator's view, the
@@ -52,7 +52,7 @@ OUT_OF_MEMORY_MARKS = ("can't allocate memory", "DefaultCPUAllocator", "out of m
 
 def peak_rss_bytes() -> int:
     """VmHWM, this process's own high-water mark. Not ru_maxrss: exec folds the parent's
-    resident set into it (a 1 GB pytest parent made every peak here read ~0)."""
+    resident set into it (a large pytest parent made every peak here read about 0)."""
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmHWM:"):
@@ -82,7 +82,7 @@ def allocator_peak_bytes(step) -> int:
 
     The autograd profiler is what ``torch.profiler.profile`` wraps, and records the same
     events; the wrapper's start asks ``hasattr(torch, "_inductor")``, which imports
-    inductor and dynamo (1.5 s in every process that profiles)."""
+    inductor and dynamo in every process that profiles (docs/benchmarks.md, "What a case is")."""
     from torch.autograd.profiler import profile
 
     with profile(use_cpu=True, profile_memory=True) as profiler:
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace, commands: Iterable[str], out: TextIO) -> None:
             send(event="stepped", seconds=seconds[-1])
         report["rss_peak_mb"] = (peak_rss_bytes() - baseline) / MB
         if args.allocator_profile:
-            # Last: the profiler keeps ~150 MB of its own resident after it ran.
+            # Last: the profiler keeps memory of its own resident after it ran.
             phase = "profiled step"
             report["alloc_peak_mb"] = allocator_peak_bytes(step) / MB
     except Exception as error:
@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # Everything is reported; skip the interpreter's teardown of torch and the profiler
-    # (0.5-1 s, paid once per case).
+    # Everything is reported; skip the interpreter's teardown of torch and the profiler,
+    # paid once per case otherwise (docs/benchmarks.md, "What a case is").
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

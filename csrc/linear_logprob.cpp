@@ -62,11 +62,11 @@ namespace hadw {
 namespace {
 
 
-// Vocabulary columns per tile of the forward / backward ops: a 512 x 256 fp32 tile is
-// 512 KiB, well inside a core's L2.
+// Vocabulary columns per tile of the forward / backward ops: a tile of
+// kRecomputeBlockRows x 256 fp32 values stays well inside a core's L2.
 constexpr int64_t kVocabTile = 256;
 // Per tile of linear_surrogate_forward: its tiles live in the logits buffer anyway, so
-// they are wider (fewer, larger GEMM calls; measured 1-3% faster than 256 columns).
+// they are wider: fewer, larger GEMM calls ran faster (docs/cpp-backend.md, "Linear kernels").
 constexpr int64_t kSurrogateTile = 2048;
 // Slabs of tiles per block: partial results are per slab, so their count (not the
 // thread count) fixes the summation order. More slabs than threads lets a thread slowed
@@ -79,7 +79,7 @@ constexpr int64_t kRecomputeBlockRows = 512;
 // Row-major C[m, n] = op(A)[m, k] op(B)[k, n] (+ C when accumulating), A and B read
 // transposed when asked (their storage is then [k, m] / [n, k]). ATen's CPU GEMM (MKL
 // where torch has it) on views of the buffers: torch exports no BLAS entry point of its
-// own, and a view costs about a microsecond next to a tile's GEMM (~1 ms).
+// own, and a view's cost is negligible next to a tile's GEMM.
 template <typename T>
 void matmul(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
             int64_t ldb, bool accumulate, T* c, int64_t ldc) {

@@ -35,11 +35,11 @@ Scratch<T> uninitialized(int64_t count) {
 }
 
 // The logits buffer of linear_surrogate_forward, kept between calls: a fresh buffer of
-// block_rows x V floats (64-600 MiB) costs a page fault per 4 KiB on first touch,
-// measured at 3-6% of a loss step; the kept one is already resident. Its size is the
-// largest buffer asked for so far. A call that finds it in use (another thread) takes a
-// buffer of its own. (Huge pages through madvise cut the faults but cost more: the
-// kernel compacts memory to find them, measured 0.1-0.5 s of system time a call.)
+// block_rows x V floats costs a page fault per page on first touch, a measurable share
+// of a loss step; the kept one is already resident. Its size is the largest buffer asked
+// for so far. A call that finds it in use (another thread) takes a buffer of its own.
+// (Huge pages through madvise cut the faults but cost more: the kernel compacts memory
+// to find them. Both measured in docs/cpp-backend.md, "Linear kernels".)
 class LogitsWorkspace {
  public:
   class Lease {
@@ -100,9 +100,9 @@ class LogitsWorkspace {
 
 // The LM head's gradient, [V, H] in the compute type, is a new tensor on every call, and
 // autograd frees it once it is accumulated into weight.grad (or stolen as weight.grad,
-// later freed by zero_grad). Fresh memory costs a page fault per 4 KiB on first write:
-// 16k faults and ~30 ms of system time a step at V = 32768, H = 512 (2% of the loss
-// step on one thread), 150-170 ms at V = 151936, H = 1024. So the memory of the last such
+// later freed by zero_grad). Fresh memory costs a page fault per page on first write,
+// system time every step that the bound, with its outputs preallocated, never pays
+// (measured in docs/cpp-backend.md, "Linear kernels"). So the memory of the last such
 // tensor freed is kept, and the next call of the same size writes its resident pages
 // (one block per process, resident between calls like the logits buffer). The profiler
 // hears of the tensor's allocation and free as it would from the CPU allocator, so its

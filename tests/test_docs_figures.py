@@ -1,9 +1,14 @@
-"""Measured figures are quoted from one place: where the README or another page repeats a
-figure, it is the figure of the table that holds the measurement (the CPU default run's
-in docs/trainer.md, the sweep over G in docs/hadw-evidence.md, the TRL drop-in's layouts
-in docs/benchmarks.md)."""
+"""Measured figures are quoted from one place: the README's and docs/trainer.md's opening
+figures of the CPU default run are those of docs/trainer.md's measurement table (its
+shared-prompt column, the layout the default run uses), the README's sweep over G, CPU
+benchmark and GPU loss step and the TRL drop-in's layout ratios (README and
+docs/integrations/trl.md) are their pages' tables, and the code's comments quote none
+(docs/ holds them)."""
 
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,3 +67,121 @@ def test_the_trl_layout_figures_are_the_benchmark_table_s():
     assert f"{at_8}x of stock TRL's time at G = 8 and {at_16}x at G = 16" in trl
     assert f"long-tailed completions, {ratio('long-tail', 'shared_prompt')}x, where the drop-in padded takes " \
            f"{ratio('long-tail', 'padded')}x" in trl
+
+
+# Measured figures live in docs/, never in the code's comments: a timing, a size, a ratio
+# or a share quoted in a comment is copied from a measurement that the docs re-measure,
+# and goes stale there unseen. A comment says why and names the doc that holds the figure.
+CODE_DIRS = ("hadw_kernels", "csrc", "trainer", "bench")
+MEASURED_FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?"  # a number (the end of a range such as 3-6 too)
+    r"(?:\s?(?:ns|us|µs|ms|s|sec|seconds?|min|minutes?|hours?|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"  # time, memory
+    r"|x(?!\w)"  # a ratio, 1.6x (not "2 x 3", a shape)
+    r"|%)"  # a share
+)
+# What the pattern matches and is no measurement: statistics' confidence levels, tolerances.
+NOT_MEASURED = re.compile(r"95% (?:t )?(?:interval|half-width)|± 95%|within \d+%|held to \d+%")
+# Constants that a comment states beside their definition (a default, a buffer's budget),
+# by the phrase, wherever the comment moves. Each must still be found.
+CONSTANTS_STATED = {
+    "CUDA (Triton): 1 GiB": "LOGITS_BUFFER_BYTES['cuda']",
+    "640 MiB and at most 1024 rows": "LOGITS_BUFFER_BYTES['cpu'] and MAX_BLOCK_ROWS['cpu']",
+    "4 GiB unless told otherwise": "plan.DEFAULT_OVERHEAD_GIB",
+}
+
+
+def python_comments(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and every docstring (module, class, function)."""
+    lines = [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+             if token.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            docstring = node.body[0] if node.body else None
+            if isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant) \
+                    and isinstance(docstring.value.value, str):
+                lines += [(docstring.lineno + i, line) for i, line in enumerate(docstring.value.value.splitlines())]
+    return lines
+
+
+def c_comments(source: str) -> list[tuple[int, str]]:
+    return [(source.count("\n", 0, comment.start()) + 1 + i, line)
+            for comment in re.finditer(r"//[^\n]*|/\*.*?\*/", source, re.S)
+            for i, line in enumerate(comment.group().splitlines())]
+
+
+def yaml_comments(source: str) -> list[tuple[int, str]]:
+    return [(number, line.split("#", 1)[1]) for number, line in enumerate(source.splitlines(), 1) if "#" in line]
+
+
+COMMENTS = {".py": python_comments, ".cpp": c_comments, ".h": c_comments, ".cu": c_comments,
+            ".yaml": yaml_comments}
+
+
+def code_comments():
+    for directory in CODE_DIRS:
+        for path in sorted((ROOT / directory).rglob("*")):
+            if path.suffix in COMMENTS and path.is_file():
+                for line, text in COMMENTS[path.suffix](path.read_text()):
+                    yield path.relative_to(ROOT), line, text
+
+
+def test_code_comments_quote_no_measured_figures():
+    found, stated = [], set()
+    for path, line, text in code_comments():
+        for phrase in CONSTANTS_STATED:
+            if phrase in text:
+                stated.add(phrase)
+                text = text.replace(phrase, " ")
+        figures = [match.group() for match in MEASURED_FIGURE.finditer(NOT_MEASURED.sub(" ", text))]
+        if figures:
+            found.append(f"{path}:{line}: {figures} in {text.strip()!r}")
+    assert not found, ("measured figures in code comments; move each to the doc that owns it and say why "
+                       "without the number:\n" + "\n".join(found))
+    assert stated == set(CONSTANTS_STATED), f"no longer in any comment: {set(CONSTANTS_STATED) - stated}"
+
+
+def test_the_figure_pattern_tells_measurements_from_the_rest():
+    measured = ["1.8 ms a step", "~30 ms of system time", "(0.5-1 s, paid once)", "90 us", "64-600 MiB",
+                "a 1 GB parent", "30x slower", "0.95x the bound", "3-6% of a loss step", "under 10 minutes"]
+    not_measured = ["M x 2 x 2", "3 x 2736 rows", "(2h)", "a 95% interval", "Mean ± 95%", "to within 10%",
+                    "0x7f", "1e-8", "sm_90", "log(1e-8)", "G = 8 responses", "three rewards of 0.9"]
+    for text in measured:
+        assert MEASURED_FIGURE.search(NOT_MEASURED.sub(" ", text)), text
+    for text in not_measured:
+        assert not MEASURED_FIGURE.search(NOT_MEASURED.sub(" ", text)), text
+
+
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of each row of the table whose header line starts with ``header``."""
+    table = text.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in table]
+
+
+def test_the_readme_s_cpu_benchmark_is_benchmarks_md_s():
+    """The README's dense on-policy table quotes docs/benchmarks.md's latest full run: each
+    shape's hadw[cpp] / bound, eager, TRL and Liger against hadw[cpp]."""
+    bench = (ROOT / "docs" / "benchmarks.md").read_text().split("### Dense on-policy: the first mini-batch", 1)[1]
+    source = {}
+    for cells in table_rows(bench, "| shape, threads | bound (ms) |"):
+        shape, threads = cells[0].rsplit(", ", 1)
+        ours = re.search(r"\d+\.\d+x", cells[2]).group()
+        source[shape, threads.split()[0]] = [ours, cells[4], cells[5], cells[6]]
+    quoted, shape = {}, None
+    for cells in table_rows((ROOT / "README.md").read_text(), "| shape, threads | hadw[cpp] / bound |"):
+        place, threads = cells[0].rsplit(", ", 1)
+        shape = shape if place == "same" else place
+        quoted[shape, threads] = cells[1:5]
+    assert quoted and quoted == {key: source[key] for key in quoted}
+
+
+def test_the_readme_s_gpu_loss_step_is_fused_linear_logprob_md_s():
+    """The README's H100 table quotes docs/fused-linear-logprob.md's: each row's time, its
+    ratio to the bound and its peak; the ratio to eager is the times' (to rounding)."""
+    doc = (ROOT / "docs" / "fused-linear-logprob.md").read_text()
+    source = {cells[0]: cells[1:] for cells in table_rows(doc, "| | ms | / bound | peak above inputs |")}
+    rows = table_rows((ROOT / "README.md").read_text(), "| | ms | / bound | / eager | peak above inputs |")
+    eager = float(next(cells[1] for cells in rows if cells[0].startswith("eager")))
+    assert len(rows) >= 5
+    for label, ms, to_bound, to_eager, peak in rows:
+        assert source[label.removeprefix("hadw[triton], ")] == [ms, to_bound, peak], label
+        assert abs(float(ms) / eager - float(to_eager.rstrip("x"))) <= 0.011, label

@@ -153,8 +153,9 @@ def test_policy_loss_equals_verl_without_a_lower_clip(theirs, clip_ratio_low):
 @pytest.mark.parametrize("theirs", ["clip_cov", "kl_cov"])
 def test_clip_cov_and_kl_cov_differ_from_verl_past_the_ratio_clamp_as_documented(theirs):
     """verl's clip_cov and kl_cov exponentiate the log-ratio unclamped, the library clamps
-    it at 20: equal below, different past it, and verl.md says so among the deliberate
-    differences (it said a swap changed nothing a run records)."""
+    it at 20: equal below, different past it, and the docs say so among the deliberate
+    differences (verl.md once said a swap changed nothing a run records): math.md's list
+    of where the hosts differ, to which verl.md's points."""
     old, logprob, advantages, mask, weights = policy_batch(False, True)
     config = actor_config({})
     for shift, same in ((0.0, True), (25.0, False)):
@@ -164,9 +165,11 @@ def test_clip_cov_and_kl_cov_differ_from_verl_past_the_ratio_clamp_as_documented
         got = run_loss(core_algos.get_policy_loss_fn(f"hadw_{theirs}"), old, moved, advantages, mask, "token-mean",
                        config, None)
         assert torch.allclose(got[0], expected[0]) == same, (shift, got[0], expected[0])
-    differences = (ROOT / "docs" / "integrations" / "verl.md").read_text().split(
+    differences = (ROOT / "docs" / "math.md").read_text().split("### Where the hosts differ")[1].split("\n## ")[0]
+    assert "verl's clip_cov, kl_cov and dro do not clamp" in differences and "unclamped" in differences
+    verl_s = (ROOT / "docs" / "integrations" / "verl.md").read_text().split(
         "## Where it differs from verl, on purpose")[1].split("\n## ")[0]
-    assert "clip_cov's and kl_cov's ratio" in differences and "unclamped" in differences
+    assert "clip_cov, kl_cov" in verl_s and "(../math.md#where-the-hosts-differ)" in verl_s
 
 
 def _cispo_case(function, with_is_weights: bool):

@@ -79,7 +79,7 @@ def test_rng_and_trainer_state_round_trip_as_json(tmp_path):
 
 
 def test_a_crafted_rank_file_cannot_run_code(tmp_path):
-    """Item 10: rank<r>.pt was loaded with weights_only=False, so a crafted file ran
+    """rank<r>.pt was once loaded with weights_only=False, so a crafted file ran
     arbitrary code on --resume. The trainer's state is JSON now: a pickle is an error."""
     save_checkpoint(tmp_path, 2, _Engine(), _anchor_after([0.5]), keep=2)
     checkpoint = tmp_path / "step-00000002"
@@ -93,7 +93,7 @@ def test_a_crafted_rank_file_cannot_run_code(tmp_path):
 
 
 def test_a_truncated_checkpoint_is_named_and_the_newest_intact_one_used(tmp_path):
-    """Item 14: a truncated file gave a raw traceback after vLLM had started."""
+    """A truncated file once gave a raw traceback after vLLM had started."""
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
         save_checkpoint(root, step, _Engine(), _anchor_after([0.5] * step), keep=3)
@@ -120,7 +120,7 @@ def test_a_checkpoint_deepspeed_cannot_read_is_named(tmp_path):
 
 
 def test_a_torn_last_line_of_metrics_is_ignored_on_resume(tmp_path):
-    """Item 14: a run killed while appending left half a line, and resume crashed on it."""
+    """A run killed while appending leaves half a line, on which resume once crashed."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
     assert read_metrics(path) == [{"step": 1}, {"step": 2}]
@@ -147,7 +147,7 @@ def test_the_progress_bar_tells_step_times_apart():
 
 
 def test_resuming_a_run_that_does_not_exist_fails_unless_asked(tmp_path):
-    """Item 14: --resume of a mistyped run name silently started a new run at step 0."""
+    """--resume of a mistyped run name once silently started a new run at step 0."""
     missing = tmp_path / "runs" / "typo"
     with pytest.raises(ConfigError, match="there is no run at .*typo.*--start-if-missing"):
         resume_point(missing, resume=True, start_if_missing=False)

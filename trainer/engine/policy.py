@@ -101,7 +101,7 @@ class Policy:
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         # A torch optimizer, not one named in the DeepSpeed config: DeepSpeed would
-        # otherwise build its fused Adam extension (~80 s and 2 GB on a CPU).
+        # otherwise build its fused Adam extension (docs/trainer.md, "Config reference").
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay
         )
@@ -147,7 +147,8 @@ class Policy:
 
         Through the DeepSpeed engine's forward, not the decoder's: the engine clears
         ZeRO's per-micro-batch backward state there, and without that ZeRO-3 summed the
-        micro-batches' gradients wrongly (60-75% off, tested against plain PyTorch).
+        micro-batches' gradients wrongly (tested against plain PyTorch; docs/trainer.md,
+        "What one step does").
         """
         return response_hidden_states(self.engine, batch)
 

@@ -8,10 +8,10 @@ answer is a whole number. The levels differ in the arithmetic and the story arou
     two-digit     "Lily has 24 books. She gets 38 more books. How many ..."  a + b or a - b, two digits
     multi-step    "Ben has 6 pencils. He gets 5 more, then gives 3 away..."  a + b - c
 
-Calibrated on SmolLM2-135M-Instruct (``trainer/tools/calibrate.py``, docs/trainer.md): sampled
-at step 0 its accuracy runs from over 50% on ``plus`` to under 15% on ``two-digit`` and
-``multi-step``, the spread of easy and hard prompts the paper's HA-DW is about. (A story
-around even "one more" brought it under 40%.)
+Calibrated on SmolLM2-135M-Instruct (``trainer/tools/calibrate.py``; its figures in
+docs/trainer.md, "A real model on the CPU"): sampled at step 0 its accuracy runs from high
+on ``plus`` to low on ``two-digit`` and ``multi-step``, the spread of easy and hard prompts
+the paper's HA-DW is about. (A story around even "one more" made the easiest level hard.)
 
 A response is scored by math-verify on the whole text: it takes the answer after "final
 answer is", else the last ``\\boxed{}``, else the last number, and compares it with the

@@ -9,8 +9,9 @@ find it:
     count "count 1 0 1 1 0 ?"  -> 3        aggregate over five positions
 
 A response is right when its first number is the answer. A random policy over the small
-vocabulary scores about 9%: groups of 8 are then neither all wrong nor all right often
-enough to learn from (tests/test_trainer_rewards.py checks it stays in 5%-40%).
+vocabulary is right seldom but not never, so groups of 8 are neither all wrong nor all
+right often enough to learn from (its score: docs/trainer.md, "The synthetic task";
+tests/test_trainer_rewards.py holds it to a range).
 
 ``data.context_tokens`` puts that many random digits before each prompt, which the answer
 ignores: a long-prompt workload (shared-prompt packing, docs/trainer.md) on the same task.

@@ -5,7 +5,7 @@ For each level it samples ``--prompts`` problems with G responses each at the
 configured temperature (as a training step would) and one greedy response each (as the
 held-out evaluation does), and prints the sampled and greedy accuracy and the share of
 groups with both right and wrong responses (the groups GRPO learns from). HA-DW is about
-a spread of difficulty: hard levels under ~15% and easy ones over ~50%.
+a spread of difficulty: hard levels and easy ones (docs/trainer.md has the calibration).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Memory: on a GPU ``torch.cuda.max_memory_allocated`` over the step (absolute: mo
 states included); a step that raises ``torch.cuda.OutOfMemoryError`` does not fit. On the
 CPU the process's resident set, after ``malloc_trim`` and with glibc's mmap threshold
 pinned (so freed tensors leave it): the kernel's exact high-water mark (VmHWM) on Linux,
-else RSS sampled every 2 ms by a psutil thread (which can miss a shorter spike). The peak
+else RSS sampled by a psutil thread (``RssSampler``; it can miss a shorter spike). The peak
 above the pre-step baseline is reported, and a budget fits a ``--memory-limit-gib`` when
 the absolute peak stays under it (it counts the allocator's cached pages: an estimate).
 
