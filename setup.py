@@ -4,8 +4,9 @@ Everything else about the package (name, version, dependencies) is in pyproject.
 
 The kernels take their constants (metric order, option codes, clamps) from the
 package's tables (the modules that hadw_kernels/backends/cpp_constants.py names) and
-their declarations from the ops' signatures (hadw_kernels/ops/signatures.py): before compiling, this file writes them into
-build/generated/hadw_config.h and build/generated/kernels.h
+their declarations from the ops' signatures (hadw_kernels/ops/signatures.py): before
+compiling, this file writes them into build/generated/hadw_config.h and
+build/generated/kernels.h
 (hadw_kernels/backends/cpp_constants.py, cpp_declarations.py), which csrc/ includes.
 
 The extension is optional: without torch at build time, without a C++ compiler, or if

@@ -306,11 +306,12 @@ class LossConfig:
 
 # Each LossConfig field's accepted types, from its annotation (NoneType where None is),
 # read once: validate() runs on every call, under torch.compile too.
-_FIELD_TYPES = {name: typing.get_args(hint) or (hint,) for name, hint in typing.get_type_hints(LossConfig).items()}
+_FIELD_HINTS = typing.get_type_hints(LossConfig)
+_FIELD_TYPES = {name: typing.get_args(hint) or (hint,) for name, hint in _FIELD_HINTS.items()}
 
 
-LossOptions = TypedDict("LossOptions", {"loss_type": str | None,
-                                        **{name: hint | None for name, hint in typing.get_type_hints(LossConfig).items()}},
+LossOptions = TypedDict("LossOptions", {"loss_type": str | None, **{name: hint | None
+                                                                     for name, hint in _FIELD_HINTS.items()}},
                         total=False)
 LossOptions.__doc__ = """The loss's options as keywords of the two losses (their ``**options``):
 ``loss_type`` (default "grpo") and the fields of :class:`LossConfig`, objective options

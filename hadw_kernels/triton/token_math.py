@@ -234,7 +234,7 @@ def objective_terms(ratio, advantage, logprob, old_logprob, weight, ratio_low, r
         d_ratio = d_ratio * (1.0 - weight)
         d_logprob = zero
     else:
-        tl.static_assert(OBJECTIVE == OBJECTIVE_KL_COV, "an objective of objective_table.OBJECTIVE_NAMES without a branch here")
+        tl.static_assert(OBJECTIVE == OBJECTIVE_KL_COV, "an objective of OBJECTIVE_NAMES without a branch here")
         penalty = weight * options[OPTION_PPO_KL_COEF]
         log_ratio = logprob - old_logprob
         objective = -advantage * ratio + penalty * tl.abs(log_ratio)
