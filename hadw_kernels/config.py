@@ -14,6 +14,7 @@ generates its constants from those modules and this one (``backends/cpp_constant
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import types
 import typing
@@ -67,7 +68,7 @@ def _objective_option_fields(after: str):
 
     def add(cls):
         fields = {}
-        for name, hint in cls.__dict__["__annotations__"].items():
+        for name, hint in inspect.get_annotations(cls).items():
             fields[name] = hint
             if name == after:
                 for option in OBJECTIVE_OPTIONS:
