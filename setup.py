@@ -2,10 +2,11 @@
 
 Everything else about the package (name, version, dependencies) is in pyproject.toml.
 
-The kernels take their constants (metric order, option codes, clamps) from
-hadw_kernels/config.py and their declarations from the ops' signatures
-(hadw_kernels/ops/signatures.py): before compiling, this file writes them into
-build/generated/hadw_config.h and build/generated/kernels.h
+The kernels take their constants (metric order, option codes, clamps) from the
+package's tables (the modules that hadw_kernels/backends/cpp_constants.py names) and
+their declarations from the ops' signatures (hadw_kernels/ops/signatures.py): before
+compiling, this file writes them into build/generated/hadw_config.h and
+build/generated/kernels.h
 (hadw_kernels/backends/cpp_constants.py, cpp_declarations.py), which csrc/ includes.
 
 The extension is optional: without torch at build time, without a C++ compiler, or if
@@ -17,12 +18,14 @@ See docs/cpp-backend.md.
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import shlex
 import shutil
 import sys
 import sysconfig
+import types
 
 from setuptools import setup
 
@@ -67,14 +70,26 @@ def _package_file(*parts: str) -> dict:
     return runpy.run_path(os.path.join(ROOT, "hadw_kernels", *parts))
 
 
+def _package_module(name: str):
+    """hadw_kernels/<name>.py imported under a stand-in package, so that its relative
+    imports resolve without running hadw_kernels/__init__.py, which imports the whole
+    library (and the extension being built)."""
+    stand_in = "_hadw_kernels_tables"
+    if stand_in not in sys.modules:
+        package = types.ModuleType(stand_in)
+        package.__path__ = [os.path.join(ROOT, "hadw_kernels")]
+        sys.modules[stand_in] = package
+    return importlib.import_module(f"{stand_in}.{name}")
+
+
 def generate_headers(directory: str = GENERATED_DIR) -> list[str]:
-    """Writes hadw_config.h (from config.py) and kernels.h (from the ops' signatures)
-    into ``directory``; returns their paths."""
+    """Writes hadw_config.h (from the package's tables) and kernels.h (from the ops'
+    signatures) into ``directory``; returns their paths."""
     config_header = _package_file("backends", "cpp_constants.py")
     declarations = _package_file("backends", "cpp_declarations.py")
     return [
         _write_if_changed(directory, config_header["HEADER_NAME"],
-                          config_header["header"](_package_file("config.py"))),
+                          config_header["header"](_package_module)),
         _write_if_changed(directory, declarations["HEADER_NAME"],
                           declarations["header"](_package_file("ops", "signatures.py")["SIGNATURES"])),
     ]

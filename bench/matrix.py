@@ -19,7 +19,7 @@ Shapes are scaled to the 2-core CPU machine of docs/benchmarks.md, shared with o
   packed (padding-free): from hidden states at P = 2 x G = 8, T = 1024, H = 512,
   V = 32768, and the surrogate alone at the paper's rollout, B = 256, T = 4096; two
   threads.
-- The objectives: every loss type (config.LOSS_PRESETS) from hidden states at B = 8,
+- The objectives: every loss type (presets.LOSS_PRESETS) from hidden states at B = 8,
   T = 256, H = 512, V = 32768, padded, two threads, beside Liger's loss of the same name
   (TRL's eight), and GRPO's bound and eager baseline.
 """
@@ -167,7 +167,7 @@ def objective_cases(backends: tuple[str, ...], shape: Shape, loss_types) -> list
 
 
 def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
-    from hadw_kernels.config import LOSS_TYPES
+    from hadw_kernels.presets import LOSS_TYPES
 
     hidden_impls = implementations("hidden", backends)
     logprob_impls = implementations("logprobs", backends)

@@ -3,8 +3,11 @@
 from .advantage import group_advantages, hadw_advantages, hadw_weights
 from .anchor import DifficultyAnchor
 from .backends import BackendUnavailable, available_backends
-from .config import (AGG_MODES, KL_ESTIMATORS, LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, LossConfig, RejectionFilter,
-                     RolloutCorrection)
+from .aggregation_table import AGG_MODES
+from .config import KL_ESTIMATORS, LossConfig
+from .correction_table import RejectionFilter, RolloutCorrection
+from .metrics import METRIC_NAMES
+from .presets import LOSS_PRESETS, LOSS_TYPES
 from .layout import cu_seqlens_from_position_ids
 from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from .module import HADWGRPOLoss, LinearHADWGRPOLoss

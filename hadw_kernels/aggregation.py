@@ -1,5 +1,5 @@
 """The aggregation of per-token values into the loss, by ``config.loss_agg_mode``'s row of
-:data:`config.AGGREGATIONS` (docs/math.md, section 5b): the weight w_i of each response's
+:data:`aggregation_table.AGGREGATIONS` (docs/math.md, section 5b): the weight w_i of each response's
 valid tokens. The reference, the linear loss's bias-corrected KL and the kernels' callers
 (which hand w to the kernels) all take it from here."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import AGG_MODES, AGGREGATIONS, LossConfig
+from .aggregation_table import AGG_MODES, AGGREGATIONS
+from .config import LossConfig
 from .layout import TokenLayout
 
 
@@ -20,7 +21,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, layout: TokenLayout, con
 
 def agg_weights(mask: torch.Tensor, layout: TokenLayout, config: LossConfig) -> torch.Tensor:
     """w_i [S]: the weight of each valid token of response i, by the mode's row of
-    :data:`config.AGGREGATIONS`. Float64, for the kernels that take it. The constant L of
+    :data:`aggregation_table.AGGREGATIONS`. Float64, for the kernels that take it. The constant L of
     ``times_max_length`` is ``config.max_response_length``, which the losses resolve
     (the mask width of a padded batch by default)."""
     rule = AGGREGATIONS[config.loss_agg_mode]
@@ -42,7 +43,7 @@ def agg_weights(mask: torch.Tensor, layout: TokenLayout, config: LossConfig) -> 
 
 
 def counts_batch_tokens(loss_agg_mode: int, loss_normalizer: float | None) -> bool:
-    """Whether the aggregation of ``loss_agg_mode`` (its index in :data:`config.AGG_MODES`,
+    """Whether the aggregation of ``loss_agg_mode`` (its index in :data:`aggregation_table.AGG_MODES`,
     as the ops take it) divides by the batch's count of valid tokens: token-mean without
     ``loss_normalizer``. The kernels form that count in the launch that writes the
     gradients, which therefore leave its 1 / N_tok to the ops' ``grad_scale``

@@ -11,17 +11,12 @@ import torch
 
 from .active_rows import RowSelection, active_rows
 from .backends import check_backend_name, resolve_backend
-from .config import (
-    AGGREGATIONS,
-    IGNORE_INDEX,
-    OBJECTIVES,
-    LossConfig,
-    LossOptions,
-    cached_unless_compiling,
-    check_block_rows,
-    check_linear_path,
-    ordered_metrics,
-)
+from .aggregation_table import AGGREGATIONS
+from .checks import cached_unless_compiling
+from .config import LossConfig, LossOptions
+from .linear_blocks import IGNORE_INDEX, check_block_rows, check_linear_path
+from .metrics import ordered_metrics
+from .objective_table import OBJECTIVES
 from .correction import correct, needs_current_logprobs
 from .objectives import SELECTIONS
 from .ops import attach_single_use_gradients
@@ -102,10 +97,10 @@ def fused_hadw_grpo_loss(
             (verl's, process rewards); rows may then come in any order and any split.
         group_index: [B] group id of each row (verl's uid as integers): checks that the
             rows of each group are contiguous and complete.
-        loss_type: a preset (``config.LOSS_PRESETS``: TRL's loss types, "grpo" the
+        loss_type: a preset (``presets.LOSS_PRESETS``: TRL's loss types, "grpo" the
             default, and verl's policy losses; docs/options.md); each of its choices can
             be overridden below.
-        objective, ratio_level: the per-token loss (a row of ``config.OBJECTIVES``) and
+        objective, ratio_level: the per-token loss (a row of ``objective_table.OBJECTIVES``) and
             the ratio's form ("token", "sequence", "gspo_token"); docs/math.md, section 5.
         loss_agg_mode: verl's aggregation ("token-mean", "seq-mean-token-mean",
             "seq-mean-token-sum", "seq-mean-token-sum-norm") or "token-sum".
@@ -118,7 +113,7 @@ def fused_hadw_grpo_loss(
             beta 0: none), aggregated like the loss; estimators k1, k2, k3 (the default,
             verl's low_var_kl), abs.
         dual_clip, delta, ratio_cap, sapo_temperature_pos, ...: the objectives' own
-            options, each read by the objectives whose row of ``config.OBJECTIVES``
+            options, each read by the objectives whose row of ``objective_table.OBJECTIVES``
             names it (docs/options.md).
         importance_weights: detached rollout-engine correction, [B, T] or [B] (packed:
             [N] or [1, N], or [S]; a 1-D tensor of length S is per response),
@@ -147,7 +142,7 @@ def fused_hadw_grpo_loss(
             required with ``loss_normalizer`` and in a packed batch, which has no width).
         generator: the random draws of an objective that draws its tokens (clip_cov:
             ``torch.randperm``'s generator; None: the global one, as verl).
-        return_metrics: also return a dict of 0-d tensors (config.METRIC_NAMES).
+        return_metrics: also return a dict of 0-d tensors (metrics.METRIC_NAMES).
         backend: "auto", "torch", "triton" or "cpp".
         check_values: check finite inputs at response tokens, a 0/1 mask, rewards and
             anchor in [0, 1] under HA-DW (one host sync on CUDA; False in a hot loop,

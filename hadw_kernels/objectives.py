@@ -1,4 +1,4 @@
-"""The policy objectives of ``config.OBJECTIVES`` (docs/math.md, section 5): each a
+"""The policy objectives of ``objective_table.OBJECTIVES`` (docs/math.md, section 5): each a
 per-token loss to minimise, written once here as a function of the token's ratio rho,
 its advantage A and its log-prob l, with its derivative.
 
@@ -18,7 +18,8 @@ import math
 
 import torch
 
-from .config import LOG_RATIO_CLAMP, OBJECTIVES, VESPO_LOG_WEIGHT_MIN, LossConfig
+from .config import LossConfig
+from .objective_table import LOG_RATIO_CLAMP, OBJECTIVES, VESPO_LOG_WEIGHT_MIN
 
 
 def _where(condition, if_true, if_false):
@@ -255,7 +256,7 @@ def ppo_terms(ratio, advantage, epsilon_low: float, epsilon_high: float):
 
 
 # --- the batch statistics that select tokens ------------------------------------------------
-# An objective with selects_tokens (config.OBJECTIVES) reads the whole call first: its
+# An objective with selects_tokens (objective_table.OBJECTIVES) reads the whole call first: its
 # selection [N] (bool) reaches every backend's kernels as each token's weight s (1: selected).
 # Both read counts on the host, as verl's functions do: the number of tokens to select, and
 # clip_cov the number of candidates its random draw permutes (docs/architecture.md).

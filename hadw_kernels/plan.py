@@ -59,7 +59,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, summary
-from .config import block_rows_for, head_accumulator_bytes
+from .linear_blocks import block_rows_for, head_accumulator_bytes
 
 GIB = 1024**3
 BF16 = 2

@@ -1,5 +1,5 @@
 """Per-token quantities of the surrogate in plain PyTorch, through autograd: the ratio in
-each ratio form (config.RATIO_LEVELS), the KL estimate (config.KL_ESTIMATORS) and a masked
+each ratio form (objective_table.RATIO_LEVELS), the KL estimate (config.KL_ESTIMATORS) and a masked
 mean. The reference (reference/surrogate.py) builds the loss from them; the losses'
 Python-side terms (the bias-corrected KL) use them beside the backends' ops."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LOG_RATIO_CLAMP, LossConfig
+from .config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LossConfig
+from .objective_table import LOG_RATIO_CLAMP
 from .layout import TokenLayout
 from .objectives import gmpo_log_ratio
 
@@ -42,7 +43,7 @@ def own_token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: to
 def token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, advantage: torch.Tensor,
                 layout: TokenLayout, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rho [N] with its gradient, the ratio the metrics count, the mask they count it
-    over) in ``config.ratio_level``'s form (config.RATIO_LEVELS); GMPO's log-ratios are
+    over) in ``config.ratio_level``'s form (objective_table.RATIO_LEVELS); GMPO's log-ratios are
     clipped first (objectives.gmpo_log_ratio). Every log-ratio entering exp is clamped to
     +-LOG_RATIO_CLAMP."""
     if config.ratio_level == "token":  # (GMPO's ratio is per response only)

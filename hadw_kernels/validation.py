@@ -20,7 +20,9 @@ import math
 import torch
 
 from .active_rows import active_rows
-from .config import AGGREGATIONS, LossConfig, check_finite_positive
+from .aggregation_table import AGGREGATIONS
+from .checks import check_finite_positive
+from .config import LossConfig
 from .layout import TokenLayout
 from .ops import detached
 from .precision import accumulate_dtype

@@ -1,4 +1,4 @@
-"""config.AGGREGATIONS is the one description of the aggregation modes: the reference
+"""aggregation_table.AGGREGATIONS is the one description of the aggregation modes: the reference
 and every backend read it. A mode's weights come out of the reference and the Triton
 host code as the table says, and the C++ build carries the table it was compiled with."""
 
@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from hadw_kernels import config
+from hadw_kernels import aggregation_table
 from hadw_kernels.backends import cpp_constants
-from hadw_kernels.config import AGG_MODES, AGGREGATIONS, LossConfig
+from hadw_kernels.aggregation_table import AGG_MODES, AGGREGATIONS
+from hadw_kernels.config import LossConfig
 from hadw_kernels.layout import TokenLayout
 from hadw_kernels.aggregation import aggregate, agg_weights
 
@@ -67,14 +68,13 @@ def test_a_new_row_reaches_every_backend(monkeypatch):
     """A mode appended to the table is read by the reference and the Triton host code,
     and changes the C++ header and fingerprint (a stale build is refused by the cpp
     backend's fingerprint check, cpp_backend.py)."""
-    rows = dict(AGGREGATIONS, **{"seq-sum-norm-mean": config.Aggregation(count="responses", per_response_mean=True,
-                                                                         times_max_length=True)})
-    monkeypatch.setattr(config, "AGGREGATIONS", rows)
-    monkeypatch.setattr(config, "AGG_MODES", tuple(rows))
-    namespace = dict(vars(config))
-    header = cpp_constants.header(namespace)
+    rows = dict(AGGREGATIONS, **{"seq-sum-norm-mean": aggregation_table.Aggregation(
+        count="responses", per_response_mean=True, times_max_length=True)})
+    monkeypatch.setattr(aggregation_table, "AGGREGATIONS", rows)
+    monkeypatch.setattr(aggregation_table, "AGG_MODES", tuple(rows))
+    header = cpp_constants.header(cpp_constants.installed)
     assert "kAggCount = 6" in header and "{1, true, true}" in header
-    assert json.loads(json.dumps(cpp_constants.fingerprint(namespace)))["aggregations"][-1] == [1, 1, 1]
+    assert json.loads(json.dumps(cpp_constants.fingerprint(cpp_constants.installed)))["aggregations"][-1] == [1, 1, 1]
     import hadw_kernels.aggregation as aggregation
 
     monkeypatch.setattr(aggregation, "AGGREGATIONS", rows)
@@ -89,4 +89,4 @@ def test_a_new_row_reaches_every_backend(monkeypatch):
 
 def test_an_unknown_count_is_refused():
     with pytest.raises(ValueError, match="aggregation counts one of"):
-        config.Aggregation(count="tokens-squared")
+        aggregation_table.Aggregation(count="tokens-squared")

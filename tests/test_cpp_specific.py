@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hadw_kernels import config, fused_hadw_grpo_loss
+from hadw_kernels import (aggregation_table, config, fused_hadw_grpo_loss, linear_blocks, metrics, objective_table,
+                          presets)
 from hadw_kernels.backends import cpp_backend, cpp_constants, cpp_declarations
 from hadw_kernels.ops import signatures
 
 ROOT = Path(__file__).resolve().parents[1]
-IGNORE = config.IGNORE_INDEX
+IGNORE = linear_blocks.IGNORE_INDEX
 
 needs_extension = pytest.mark.skipif(
     cpp_backend._UNAVAILABLE is not None, reason=f"C++ extension unavailable: {cpp_backend._UNAVAILABLE}"
@@ -68,7 +69,7 @@ def _surrogate_args(dtype=torch.float32, *, batch=16, width=300, advantages=Fals
     tokens = int(cu_seqlens[-1])
     logprobs = -torch.rand(tokens, dtype=torch.float64) * 3
     mask = torch.rand(tokens) > 0.2
-    if options and config.LOSS_PRESETS[loss_type].objective == "clip":
+    if options and presets.LOSS_PRESETS[loss_type].objective == "clip":
         loss_options.setdefault("dual_clip", 3.0)
     loss = config.LossConfig.build(loss_type, None if advantages else 4, beta=0.05 if options else None,
                                    entropy_coef=0.01 if options else None, **loss_options)
@@ -105,7 +106,7 @@ def _linear_surrogate_args(rows, hidden, vocab, dtype=torch.float32, *, entropy_
     old = -torch.rand(rows, dtype=accumulate) * 8
     advantages = torch.randn(rows, dtype=accumulate)
     advantages[::3] = 0.0
-    if options and config.LOSS_PRESETS[loss_type].objective == "clip":
+    if options and presets.LOSS_PRESETS[loss_type].objective == "clip":
         loss_options.setdefault("dual_clip", 2.0)
     loss = config.LossConfig.build(loss_type, beta=0.05 if options else None, kl_estimator="k2",
                                    entropy_coef=entropy_coef, **loss_options)
@@ -121,7 +122,7 @@ def _linear_surrogate_args(rows, hidden, vocab, dtype=torch.float32, *, entropy_
 
 def _linear_surrogate(*args):
     """The C++ kernel through the routed op: block_rows 0 is resolved to the default
-    there (config.block_rows_for, backends/cpp_backend.py)."""
+    there (linear_blocks.block_rows_for, backends/cpp_backend.py)."""
     return torch.ops.hadw.linear_surrogate_forward(*args, "cpp")
 
 
@@ -252,27 +253,27 @@ def test_block_rows_only_round_differently():
 
 @needs_extension
 def test_default_blocks_are_config_block_rows_for():
-    """The default blocks are config.block_rows_for's on "cpu" over the N rows, resolved in
+    """The default blocks are linear_blocks.block_rows_for's on "cpu" over the N rows, resolved in
     Python without reading how many rows are active, and passed to the kernel: 1500 rows
     plan blocks of 768, and the kernel runs the 1285 active ones as 768 + 517. Other block
     sizes round grad_weight differently, so bit-identity pins the choice."""
     args = _linear_surrogate_args(1500, 16, 300)
-    expected = config.block_rows_for(1500, 300, 4, "cpu")
+    expected = linear_blocks.block_rows_for(1500, 300, 4, "cpu")
     assert expected == 768
     default = _linear_surrogate(*args)
     _assert_bit_identical(default, _linear_surrogate(*args[:-1], expected))
-    largest = _linear_surrogate(*args[:-1], config.MAX_BLOCK_ROWS["cpu"])
+    largest = _linear_surrogate(*args[:-1], linear_blocks.MAX_BLOCK_ROWS["cpu"])
     assert not torch.equal(default[3], largest[3])
 
 
 @needs_extension
 def test_the_kernels_refuse_a_ratio_form_the_objective_lacks():
-    """config.OBJECTIVES' ratio forms, compiled in: GPG has no sequence ratio, and the
+    """objective_table.OBJECTIVES' ratio forms, compiled in: GPG has no sequence ratio, and the
     linear gradients-in-forward kernel serves no objective that reads its whole response
     (the losses route those to the recompute path)."""
     args = dict(zip((name for _, name in cpp_declarations.parse(signatures.SIGNATURES["surrogate_loss"][0])),
                     _surrogate_args(batch=4, width=5, loss_type="gpg")))
-    args["ratio_level"] = config.RATIO_LEVELS.index("sequence")
+    args["ratio_level"] = objective_table.RATIO_LEVELS.index("sequence")
     with pytest.raises(RuntimeError, match="objective 6 does not take ratio_level 1"):
         torch.ops.hadw_cpp.surrogate_loss(*_op_arguments("surrogate_loss", **args))
     for loss_type in ("gmpo", "vespo"):
@@ -282,7 +283,7 @@ def test_the_kernels_refuse_a_ratio_form_the_objective_lacks():
 
 @needs_extension
 def test_the_kernel_takes_its_blocks_from_python():
-    """The C++ kernel has no default of its own (one formula, in config.py)."""
+    """The C++ kernel has no default of its own (one formula, in linear_blocks.py)."""
     with pytest.raises(RuntimeError, match="block_rows must be positive, got 0"):
         torch.ops.hadw_cpp.linear_surrogate_forward(*_linear_surrogate_args(30, 16, 300))
 
@@ -516,7 +517,7 @@ def test_narrower_row_kernels_pass_the_linear_conformance_suite(kernels):
     assert re.search(r"\b\d+ passed\b", result.stdout), result.stdout[-2000:]
 
 
-# --- constants generated from config.py -----------------------------------------------------
+# --- constants generated from the package's tables ---------------------------------------------
 
 
 def _header_constants(text: str) -> dict[str, float]:
@@ -524,34 +525,35 @@ def _header_constants(text: str) -> dict[str, float]:
 
 
 def test_generated_header_holds_config_values():
-    constants = _header_constants(cpp_constants.header(vars(config)))
-    for prefix, names in (("Metric", config.METRIC_NAMES), ("Agg", config.AGG_MODES), ("Kl", config.KL_ESTIMATORS)):
+    constants = _header_constants(cpp_constants.header(cpp_constants.installed))
+    for prefix, names in (("Metric", metrics.METRIC_NAMES), ("Agg", aggregation_table.AGG_MODES),
+                          ("Kl", config.KL_ESTIMATORS)):
         assert constants[f"k{prefix}Count"] == len(names)
         for index, name in enumerate(names):
             assert constants[f"k{prefix}{cpp_constants._identifier(name)}"] == index, name
-    for prefix, names in (("Objective", config.OBJECTIVE_NAMES), ("RatioLevel", config.RATIO_LEVELS)):
+    for prefix, names in (("Objective", objective_table.OBJECTIVE_NAMES), ("RatioLevel", objective_table.RATIO_LEVELS)):
         assert constants[f"k{prefix}Count"] == len(names)
         for index, name in enumerate(names):
             assert constants[f"k{prefix}{cpp_constants._identifier(name)}"] == index, name
     table = re.search(r"kObjectiveTakesRatioLevel\[kObjectiveCount\]\[kRatioLevelCount\] = \{(.*)\};",
-                      cpp_constants.header(vars(config))).group(1)
-    expected = [[level in objective.ratio_levels for level in config.RATIO_LEVELS]
-                for objective in config.OBJECTIVES.values()]
+                      cpp_constants.header(cpp_constants.installed)).group(1)
+    expected = [[level in objective.ratio_levels for level in objective_table.RATIO_LEVELS]
+                for objective in objective_table.OBJECTIVES.values()]
     assert [[flag == "true" for flag in row.split(", ")] for row in re.findall(r"\{([^{}]*)\}", table)] == expected
-    assert constants["kLogRatioClamp"] == config.LOG_RATIO_CLAMP
-    assert constants["kVespoLogWeightMin"] == config.VESPO_LOG_WEIGHT_MIN
+    assert constants["kLogRatioClamp"] == objective_table.LOG_RATIO_CLAMP
+    assert constants["kVespoLogWeightMin"] == objective_table.VESPO_LOG_WEIGHT_MIN
     assert constants["kK3LogRatioClamp"] == config.K3_LOG_RATIO_CLAMP
     assert constants["kK3ValueClamp"] == config.K3_VALUE_CLAMP
 
 
 @pytest.mark.parametrize("generator", [cpp_constants, cpp_declarations], ids=["constants", "declarations"])
 def test_headers_in_the_build_tree_are_current(generator):
-    """setup.py's headers (where this checkout was built) are the ones config.py and the
+    """setup.py's headers (where this checkout was built) are the ones the tables and the
     ops' signatures give now."""
     built = ROOT / "build" / "generated" / generator.HEADER_NAME
     if not built.exists():
         pytest.skip("the extension was not built in this checkout")
-    source = vars(config) if generator is cpp_constants else signatures.SIGNATURES
+    source = cpp_constants.installed if generator is cpp_constants else signatures.SIGNATURES
     assert built.read_text() == generator.header(source)
 
 
@@ -573,13 +575,13 @@ def test_declarations_follow_the_schemas():
 def test_module_was_built_from_this_config():
     import hadw_kernels._cpu_kernels as module
 
-    assert json.loads(module.CONFIG) == cpp_constants.fingerprint(vars(config))
+    assert json.loads(module.CONFIG) == cpp_constants.fingerprint(cpp_constants.installed)
 
 
 @needs_extension
 def test_a_module_built_from_another_config_is_refused(monkeypatch):
-    monkeypatch.setattr(config, "METRIC_NAMES", tuple(reversed(config.METRIC_NAMES)))
-    assert "another hadw_kernels/config.py" in cpp_backend._load_extension()
+    monkeypatch.setattr(metrics, "METRIC_NAMES", tuple(reversed(metrics.METRIC_NAMES)))
+    assert "built from other hadw_kernels tables" in cpp_backend._load_extension()
 
 
 @needs_extension
@@ -700,7 +702,7 @@ def test_failing_compiler(source_tree, mode):
     result = _build(source_tree, mode, "false")
     assert not _built(source_tree)
     header = source_tree / "build" / "generated" / cpp_constants.HEADER_NAME
-    assert header.read_text() == cpp_constants.header(vars(config))
+    assert header.read_text() == cpp_constants.header(cpp_constants.installed)
     if mode == "auto":
         assert result.returncode == 0, result.stderr
         assert "FAILED" in result.stderr

@@ -23,7 +23,7 @@ from hadw_kernels import (
     fused_linear_hadw_grpo_loss,
     token_logprobs,
 )
-from hadw_kernels.config import block_rows_for
+from hadw_kernels.linear_blocks import block_rows_for
 from hadw_kernels.ops import routing
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
@@ -330,7 +330,7 @@ def test_triton_launches_per_call(monkeypatch):
             assert (forward, backward) == (["_surrogate_kernel"], []), (loss_type, data.keys())
 
     # The gradients-in-forward path in three blocks of rows, the last one short; the
-    # recompute path's ops plan their own (config.block_rows_for): one.
+    # recompute path's ops plan their own (linear_blocks.block_rows_for): one.
     rows, block_rows = 8 * 5, 16
     hidden = torch.randn(8, 5, 4, requires_grad=True)
     weight = torch.randn(11, 4, requires_grad=True)

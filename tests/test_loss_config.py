@@ -2,6 +2,10 @@
 loss, never together; the batch's required positions; the linear loss's shape checks
 without log-probs."""
 
+import math
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,7 +16,9 @@ from hadw_kernels import (
     fused_hadw_grpo_loss,
     fused_linear_hadw_grpo_loss,
 )
-from hadw_kernels.config import OBJECTIVE_OPTIONS
+from hadw_kernels.objective_table import OBJECTIVE_OPTIONS, OBJECTIVES
+from hadw_kernels.objective_table import OPTIONS as OPTION_ROWS
+from hadw_kernels.presets import LOSS_PRESETS
 
 OPTIONS = dict(group_size=2, beta=0.04, kl_estimator="k2", dual_clip=3.0, epsilon_high=0.28, lambda_scale=1.5)
 
@@ -164,7 +170,7 @@ FIELD_TYPES = {
     "rollout_correction": "a RolloutCorrection or None", "off_policy_mask_threshold": "a number or None",
     "top_entropy_quantile": "a number", "entropy_mask_dtype": "a string", "kl_bias_correction": "a bool",
     "kl_bias_ratio": "a string",
-    # Every objective's own option (config.OBJECTIVES): a number, or None for its default.
+    # Every objective's own option (objective_table.OBJECTIVES): a number, or None for its default.
     **{name: "a number or None" for name in OBJECTIVE_OPTIONS},
 }
 
@@ -198,7 +204,7 @@ def test_loss_config_build_lists_its_options_for_an_unknown_one():
 
 
 def test_every_metric_says_what_it_is_a_mean_over():
-    from hadw_kernels.config import CORRECTION_METRIC_NAMES, METRIC_MEAN_OVER, METRIC_NAMES
+    from hadw_kernels.metrics import CORRECTION_METRIC_NAMES, METRIC_MEAN_OVER, METRIC_NAMES
 
     assert tuple(METRIC_MEAN_OVER) == METRIC_NAMES + CORRECTION_METRIC_NAMES
     assert set(METRIC_MEAN_OVER.values()) <= {"tokens", "ratios", "responses", "groups"}
@@ -240,3 +246,105 @@ def test_kernel_options_are_a_fresh_dict_each_call():
     edited = config.kernel_options()
     edited["ratio_level"] = -1
     assert config.kernel_options()["ratio_level"] != -1
+
+
+# --- the objectives' options, declared once in their rows ----------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE_START = "<!-- The objectives' options: generated from objective_table.OBJECTIVES, held to it by tests/test_loss_config.py -->"
+TABLE_END = "<!-- end of the objectives' options -->"
+
+
+def options_table() -> str:
+    """docs/options.md's table of the objectives' options, from their rows: each option's
+    objectives with its default (a preset that sets it otherwise, in parentheses), what a
+    value given must do (its bounds, and the order of an increasing pair), and its line."""
+    lines = ["| option | objective: default | a value given must | what it is |", "| --- | --- | --- | --- |"]
+    for name, owners in OBJECTIVE_OPTIONS.items():
+        defaults = []
+        for owner in owners:
+            option = OBJECTIVES[owner].options[name]
+            default = "required" if option.required else "off" if option.default is None else f"{option.default:g}"
+            presets = [f"preset `{preset}`: {setting.options[name]:g}" for preset, setting in LOSS_PRESETS.items()
+                       if setting.objective == owner and name in setting.options]
+            defaults.append(f"`{owner}`: {default}" + (f" ({', '.join(presets)})" if presets else ""))
+        option = OPTION_ROWS[name]
+        musts = [bounds.says for bounds in option.bounds]
+        for owner in owners:
+            for lower, upper in OBJECTIVES[owner].increasing:
+                musts += [f"be below `{upper}`"] if name == lower else [f"be above `{lower}`"] if name == upper else []
+        lines.append(f"| `{name}` | {'; '.join(defaults)} | {'; '.join(musts)} | {option.doc} |")
+    return "\n".join(lines)
+
+
+def test_the_docs_options_table_is_the_rows():
+    """docs/options.md's table is generated from the rows: on a change, paste the expected
+    text this test prints between its markers."""
+    text = (ROOT / "docs" / "options.md").read_text()
+    assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1, "docs/options.md lost the table's markers"
+    written = text.split(TABLE_START)[1].split(TABLE_END)[0].strip()
+    assert written == options_table(), f"docs/options.md's options table is stale; it should read:\n{options_table()}"
+
+
+def test_the_option_fields_and_keywords_come_from_the_rows():
+    """LossConfig has a field per objective option (a number or None, None by default),
+    in the table's order, and LossOptions a keyword; nothing else declares them."""
+    import dataclasses
+
+    from hadw_kernels.config import LossOptions
+
+    fields = {field.name: field for field in dataclasses.fields(LossConfig)}
+    names = list(fields)
+    first = names.index(next(iter(OBJECTIVE_OPTIONS)))
+    assert names[first:first + len(OBJECTIVE_OPTIONS)] == list(OBJECTIVE_OPTIONS)
+    assert all(fields[name].default is None for name in OBJECTIVE_OPTIONS)
+    assert set(OBJECTIVE_OPTIONS) <= set(LossOptions.__annotations__)
+    source = (ROOT / "hadw_kernels" / "config.py").read_text()
+    assert not [name for name in OBJECTIVE_OPTIONS if re.search(rf"\b{name}\b", source)], \
+        "config.py names an objective option: declare it in its row of objective_table.OBJECTIVES"
+
+
+def test_no_check_is_keyed_by_an_objective_s_name():
+    """LossConfig compares no value with an objective's name: each check is its row's."""
+    import ast
+
+    tree = ast.parse((ROOT / "hadw_kernels" / "config.py").read_text())
+    keyed = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Compare)
+             and any(isinstance(operand, ast.Constant) and operand.value in OBJECTIVES
+                     for operand in [node.left, *node.comparators])]
+    assert not keyed, keyed
+
+
+def _expected_refusal(objective: str, name: str, value: float) -> str | None:
+    option = OBJECTIVES[objective].options[name]
+    for bounds in option.bounds:
+        if not bounds.hold(value):
+            return f"{name} must {bounds.says}, got {value!r}"
+    for lower, upper in OBJECTIVES[objective].increasing:
+        low, high = (value, OBJECTIVES[objective].options[upper].default) if name == lower else \
+            (OBJECTIVES[objective].options[lower].default, value) if name == upper else (0.0, 1.0)
+        if not low < high:
+            return f"{lower} must be below {upper}, got {low!r} and {high!r}"
+    return None
+
+
+@pytest.mark.parametrize("objective, name", [(owner, name) for name, owners in OBJECTIVE_OPTIONS.items()
+                                              for owner in owners])
+def test_each_option_is_checked_by_its_row(objective, name):
+    """Every option's value is held to its row's bounds (and an increasing pair to its
+    order) by LossConfig, with the row's words in the error, whatever the objective."""
+    for value in (-1e40, -1.0, 0.0, 1e-40, 2e-4, 0.5, 1.0, 1.5, 7.0, 1e40, math.inf, -math.inf, math.nan):
+        expected = _expected_refusal(objective, name, value)
+        if expected is None:
+            assert LossConfig.build("grpo", objective=objective, **{name: value}).option(name) == value
+        else:
+            with pytest.raises(ValueError, match=re.escape(expected)):
+                LossConfig.build("grpo", objective=objective, **{name: value})
+
+
+@pytest.mark.parametrize("objective", [name for name, row in OBJECTIVES.items()
+                                       if any(option.required for option in row.options.values())])
+def test_a_required_option_left_out_is_refused_by_its_row(objective):
+    required = [option for option in OBJECTIVES[objective].options.values() if option.required]
+    with pytest.raises(ValueError, match=rf"objective '{objective}' needs {required[0].name} \("):
+        LossConfig.build("grpo", objective=objective)

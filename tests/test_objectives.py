@@ -1,4 +1,4 @@
-"""The objectives' table (config.OBJECTIVES, objectives.py): every objective's declared
+"""The objectives' table (objective_table.OBJECTIVES, objectives.py): every objective's declared
 derivative is autograd's of its value, at random points and at the edges (clip bounds,
 delta, the dual-clip bound, A = 0), so the kernels that transcribe the derivative
 transcribe the reference's gradient."""
@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from hadw_kernels import objectives
-from hadw_kernels.config import LOSS_PRESETS, OBJECTIVE_NAMES, OBJECTIVE_OPTIONS, OBJECTIVES, LossConfig
+from hadw_kernels.config import LossConfig
+from hadw_kernels.objective_table import OBJECTIVE_NAMES, OBJECTIVE_OPTIONS, OBJECTIVES
+from hadw_kernels.presets import LOSS_PRESETS
 
 # Options away from the defaults where they exist, so each one is exercised.
 OPTIONS = {
@@ -123,3 +125,28 @@ def test_gmpo_clips_the_harmful_side_only():
     assert up.tolist() == pytest.approx([-1.0, -0.1, 0.1, 0.4])
     assert down.tolist() == pytest.approx([-0.4, -0.1, 0.1, 1.0])
     assert zero.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_every_row_fits_the_triton_option_slots():
+    """The Triton kernels take an objective's option vector as OPTION_SLOTS scalars: a row
+    with more options fails here (and is refused when the row is built)."""
+    from hadw_kernels.objective_table import OPTION_SLOTS
+
+    assert {name: len(row.options) for name, row in OBJECTIVES.items() if len(row.options) > OPTION_SLOTS} == {}
+
+
+def test_a_row_with_more_options_than_slots_is_refused():
+    from hadw_kernels.objective_table import NON_NEGATIVE, OPTION_SLOTS, Objective, Option
+
+    options = tuple(Option(f"trial_{index}", 1.0, (NON_NEGATIVE,), "a trial option") for index in range(OPTION_SLOTS))
+    assert len(Objective(options=options, gradient="ratio").options) == OPTION_SLOTS
+    extra = Option("trial_extra", 1.0, (NON_NEGATIVE,), "one too many")
+    with pytest.raises(ValueError, match=rf"at most {OPTION_SLOTS} options \(the Triton kernels' option slots"):
+        Objective(options=(*options, extra), gradient="ratio")
+
+
+def test_a_row_s_defaults_keep_its_bounds():
+    from hadw_kernels.objective_table import POSITIVE, Objective, Option
+
+    with pytest.raises(ValueError, match="its default -1.0 is out of its bounds"):
+        Objective(options=(Option("trial", -1.0, (POSITIVE,), "a trial option"),), gradient="ratio")

@@ -20,7 +20,8 @@ import torch
 
 from hadw_kernels import (RolloutCorrection, available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss)
 from hadw_kernels.batch import SurrogateBatch
-from hadw_kernels.config import REJECTION_FILTERS, LossConfig, RejectionFilter
+from hadw_kernels.config import LossConfig
+from hadw_kernels.correction_table import REJECTION_FILTERS, RejectionFilter
 from hadw_kernels.correction import correct
 from hadw_kernels.layout import TokenLayout
 

@@ -17,7 +17,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from hadw_kernels import fused_hadw_grpo_loss, objectives  # noqa: E402
-from hadw_kernels.config import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS, LossConfig  # noqa: E402
+from hadw_kernels.config import LossConfig  # noqa: E402
+from hadw_kernels.objective_table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS  # noqa: E402
 from hadw_kernels.triton import surrogate as triton_surrogate  # noqa: E402
 from hadw_kernels.triton import token_math as triton_token_math  # noqa: E402
 from hadw_kernels.triton import scale as scale_module  # noqa: E402
@@ -29,6 +30,17 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 # Every objective with its options away from their defaults (tests/test_objectives.py).
 OBJECTIVE_CASES = [(name, options) for name in OBJECTIVE_NAMES for options in OPTIONS[name]]
+
+
+def test_the_kernels_take_the_option_slots_of_the_table():
+    """objective_table.OPTION_SLOTS states how many option scalars the kernels take."""
+    from hadw_kernels.objective_table import OPTION_SLOTS
+    from hadw_kernels.triton import linear_logprob as triton_linear
+
+    for kernel in (triton_surrogate._surrogate_kernel, triton_linear._row_surrogate_kernel):
+        assert [name for name in kernel.arg_names if name.startswith("option_")] == \
+            [f"option_{slot}" for slot in range(OPTION_SLOTS)]
+    assert set(triton_token_math.option_slots([1.0])) == {f"option_{slot}" for slot in range(OPTION_SLOTS)}
 
 
 def _batch(batch=8, width=5):

@@ -5,8 +5,8 @@ the CPU dispatch key of the ``hadw_cpp::`` ops (same schemas as ``hadw::``, with
 routing argument); this module makes them the "cpp" kernels of the ``hadw::`` ops. The
 module is built by the package install when a C++ compiler and torch are there
 (setup.py); otherwise the backend says why it cannot serve, and "auto" takes "torch".
-A module compiled from another ``config.py`` (its metric order or option codes) is
-refused the same way: it would index the metrics wrongly; and so is one declared against
+A module compiled from other tables (``cpp_constants.SOURCES``: its metric order or
+option codes) is refused the same way: it would index the metrics wrongly; and so is one declared against
 other op signatures (an editable install after a pull that changed an op), before it is
 imported: registering its kernels against the running schemas would abort the process.
 """
@@ -19,10 +19,11 @@ import json
 
 import torch
 
-from .. import config, ops
+from .. import ops
+from ..linear_blocks import block_rows_for
 from ..precision import accumulate_dtype
 from ..ops.signatures import SIGNATURES
-from .cpp_constants import fingerprint
+from .cpp_constants import fingerprint, installed
 from .cpp_declarations import SCHEMA_MARK, schema_digest
 from .kernel_backend import KernelBackend
 
@@ -66,17 +67,18 @@ def _load_extension() -> str | None:
             f"another torch than {torch.__version__}: reinstall the package"
         )
     built_with = json.loads(getattr(module, "CONFIG", "null"))
-    if built_with != fingerprint(vars(config)):
+    if built_with != fingerprint(installed):
         return (
-            f"the C++ extension {EXTENSION} was built from another hadw_kernels/config.py than the one "
-            f"running (metric order, option codes or clamps differ): {REBUILD}"
+            f"the C++ extension {EXTENSION} was built from other hadw_kernels tables (metrics, aggregation modes, "
+            f"objectives, KL estimators) than the ones running (metric order, option codes or clamps differ): "
+            f"{REBUILD}"
         )
     return None
 
 
 def _with_default_blocks(kernel):
     """The C++ linear surrogate, its default blocks (``block_rows`` 0) resolved here by
-    ``config.block_rows_for`` on the CPU, the one formula every backend uses, with the
+    ``linear_blocks.block_rows_for`` on the CPU, the one formula every backend uses, with the
     kernel's buffer in its compute type: over the N rows it is given (every row: the loss
     leaves finding the active ones to it), whose rows that count are known to the kernel
     only (reading their count here would be a host read of every call,
@@ -90,7 +92,7 @@ def _with_default_blocks(kernel):
             hidden, weight = arguments[hidden_at], arguments[weight_at]
             buffer_element = accumulate_dtype(hidden.dtype).itemsize
             arguments = list(arguments)
-            arguments[block_rows_at] = config.block_rows_for(hidden.shape[0], weight.shape[0], buffer_element, "cpu")
+            arguments[block_rows_at] = block_rows_for(hidden.shape[0], weight.shape[0], buffer_element, "cpu")
         return kernel(*arguments)
 
     return linear_surrogate_forward

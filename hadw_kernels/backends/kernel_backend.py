@@ -8,12 +8,12 @@ import torch
 from .. import ops
 from ..ops import detached
 from ..batch import LinearHead, SurrogateBatch
-from ..config import GROUP_METRICS, METRIC_NAMES
+from ..metrics import GROUP_METRICS, METRIC_NAMES
 from ..precision import accumulate_dtype
 
 
 def name_metrics(metrics: torch.Tensor, *, with_groups: bool, with_kl: bool, with_entropy: bool) -> dict:
-    """The metrics vector (``config.METRIC_NAMES`` order) as a dict of the metrics that
+    """The metrics vector (``metrics.METRIC_NAMES`` order) as a dict of the metrics that
     apply to this call."""
     named = dict(zip(METRIC_NAMES, metrics.detach().unbind()))
     dropped = set()

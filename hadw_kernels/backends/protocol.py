@@ -11,7 +11,7 @@ import torch
 
 from ..batch import LinearHead, SurrogateBatch
 
-# (loss, metrics by name): the metrics that apply to the call, ``config.METRIC_NAMES`` order.
+# (loss, metrics by name): the metrics that apply to the call, ``metrics.METRIC_NAMES`` order.
 LossAndMetrics = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 

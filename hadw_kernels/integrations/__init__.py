@@ -6,5 +6,8 @@
   and ``hadw_gspo`` policy losses and the anchor's checkpoint callback, registered in
   verl's registries (extra ``verl``; docs/integrations/verl.md).
 
-Each module imports its trainer, so this package imports neither.
+- :mod:`hadw_kernels.integrations.verl_rollout_correction`: verl's rollout-correction
+  options (threshold strings) as a ``RolloutCorrection``; it imports no verl.
+
+Each of trl and verl imports its trainer, so this package imports neither.
 """

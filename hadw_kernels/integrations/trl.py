@@ -64,9 +64,13 @@ from ..advantage import hadw_weights
 from ..anchor import (DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_RULE, DEFAULT_WINDOW, DifficultyAnchor,
                       batch_reward_statistics)
 from ..backends import BackendUnavailable, check_backend_name, resolve_backend
-from ..config import (AGGREGATIONS, DEFAULT_LAMBDA_SCALE, LOG_RATIO_CLAMP, LOSS_PRESETS, OBJECTIVES,
-                      VESPO_LOG_WEIGHT_MIN, LossConfig, RolloutCorrection, check_block_rows, check_finite_positive,
-                      check_linear_path)
+from ..aggregation_table import AGGREGATIONS
+from ..checks import check_finite_positive
+from ..config import DEFAULT_LAMBDA_SCALE, LossConfig
+from ..correction_table import RolloutCorrection
+from ..linear_blocks import check_block_rows, check_linear_path
+from ..objective_table import LOG_RATIO_CLAMP, OBJECTIVES, VESPO_LOG_WEIGHT_MIN
+from ..presets import LOSS_PRESETS
 from ..layouts import (LAYOUTS, LaidOutBatch, SegmentAttentionUnavailable, disable_segment_attention,
                        enable_segment_attention)
 from ..layouts.rows import prompt_groups, rows_by_group

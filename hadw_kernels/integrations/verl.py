@@ -51,7 +51,9 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ..advantage import hadw_advantages
 from ..anchor import DifficultyAnchor
-from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LOG_RATIO_CLAMP, OBJECTIVES, check_finite_positive
+from ..checks import check_finite_positive
+from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS
+from ..objective_table import LOG_RATIO_CLAMP, OBJECTIVES
 from ..loss import fused_hadw_grpo_loss
 from ..objectives import dppo_moved_within, ppo_terms
 from .rewards import require_unit_interval

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import IGNORE_INDEX
+from ..linear_blocks import IGNORE_INDEX
 from .rows import prompt_groups, rows_by_group
 from .segments import Segments
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..aggregation import counts_batch_tokens
-from ..config import METRIC_NAMES
+from ..metrics import METRIC_NAMES
 from ..precision import accumulate_dtype
 from .signatures import OPS, SIGNATURES
 

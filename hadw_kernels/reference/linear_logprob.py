@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import IGNORE_INDEX
+from ..linear_blocks import IGNORE_INDEX
 from ..precision import accumulate_dtype
 
 

@@ -15,7 +15,8 @@ import torch
 from ..advantage import batch_advantages, group_metrics
 from ..aggregation import aggregate
 from ..batch import SurrogateBatch
-from ..config import LOG_RATIO_CLAMP, OBJECTIVES, ordered_metrics
+from ..metrics import ordered_metrics
+from ..objective_table import LOG_RATIO_CLAMP, OBJECTIVES
 from ..objectives import VALUES, vespo_weight
 from ..precision import accumulate_dtype
 from ..token_terms import kl_estimate, masked_mean, token_ratio

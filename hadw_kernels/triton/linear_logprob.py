@@ -1,7 +1,7 @@
 """The Triton implementations of the linear ops: log-probs (and entropy) of labels under
 softmax((h W^T + b) / temperature), and their gradients, one block of rows at a time.
 
-The blocks are planned over the N rows the op is given (``config.block_rows_for``): which
+The blocks are planned over the N rows the op is given (``linear_blocks.block_rows_for``): which
 of them count (a label other than ``ignore_index``) is known on the device only, and
 reading their count back would make the host wait for the GPU, so the ops never do. (The
 losses give them only the active rows where their value checks' read counted those:
@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import OBJECTIVE_NAMES, OBJECTIVES, block_rows_for, head_accumulator_bytes
+from ..linear_blocks import block_rows_for, head_accumulator_bytes
+from ..objective_table import OBJECTIVE_NAMES, OBJECTIVES
 from ..precision import accumulate_dtype
 from .launch import bound_kernel
 from .surrogate import device_guard, objective_arguments

@@ -44,7 +44,9 @@ import triton
 import triton.language as tl
 
 from ..aggregation import counts_batch_tokens
-from ..config import AGG_MODES, AGGREGATIONS, METRIC_NAMES, OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS
+from ..aggregation_table import AGG_MODES, AGGREGATIONS
+from ..metrics import METRIC_NAMES
+from ..objective_table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS
 from ..precision import accumulate_dtype
 from .token_math import (
     LOG_RATIO_LIMIT,
@@ -90,7 +92,7 @@ _DEGENERATE = tl.constexpr(10)  # 1 on the first response of a group whose rewar
 _NUM_PARTIALS = tl.constexpr(11)
 _PARTIALS_WIDTH = tl.constexpr(16)
 
-# Where each metric goes in the op's metrics vector (config.METRIC_NAMES).
+# Where each metric goes in the op's metrics vector (metrics.METRIC_NAMES).
 _METRIC = {name: tl.constexpr(index) for index, name in enumerate(METRIC_NAMES)}
 _M_CLIP_LOW = _METRIC["clip_frac_low"]
 _M_CLIP_HIGH = _METRIC["clip_frac_high"]
@@ -481,7 +483,7 @@ def aggregation(
     loss_agg_mode: int, loss_normalizer: float | None, max_response_length: int | None, segments: int
 ) -> tuple[float, bool, bool]:
     """(denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of ``aggregation_weight`` for an
-    aggregation mode, from its row of config.AGGREGATIONS (aggregation.agg_weights).
+    aggregation mode, from its row of aggregation_table.AGGREGATIONS (aggregation.agg_weights).
     COUNT_TOKENS: the denominator is the batch's valid tokens, counted on the device and
     applied through ``grad_scale``. The constant L of ``times_max_length`` arrives
     resolved (the losses default it to a padded batch's width)."""

@@ -3,7 +3,7 @@
 (``linear_logprob.py``), as ``csrc/token_math.h`` is by the C++ ones.
 
 ``objective_terms`` transcribes objectives.py's values and derivatives, one branch per
-objective (its code in config.OBJECTIVE_NAMES); ``policy_term`` adds the ratio's chain
+objective (its code in objective_table.OBJECTIVE_NAMES); ``policy_term`` adds the ratio's chain
 rule, ``kl_term`` the KL estimators, ``aggregation_weight`` a token's weight by the
 aggregation mode. All arithmetic is in the compute dtype of the caller's tensors.
 """
@@ -15,14 +15,12 @@ import os
 import triton
 import triton.language as tl
 
-from ..config import (
-    K3_LOG_RATIO_CLAMP,
-    K3_VALUE_CLAMP,
-    KL_ESTIMATORS,
+from ..config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, KL_ESTIMATORS
+from ..objective_table import (
     LOG_RATIO_CLAMP,
     OBJECTIVE_NAMES,
-    OBJECTIVE_OPTION_SLOTS,
     OPTION_INDEX,
+    OPTION_SLOTS,
     RATIO_LEVELS,
     VESPO_LOG_WEIGHT_MIN,
 )
@@ -31,22 +29,20 @@ _KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
 _KL_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
 _KL_K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
 
-# The ratio forms (config.RATIO_LEVELS) by their codes.
+# The ratio forms (objective_table.RATIO_LEVELS) by their codes.
 TOKEN_RATIO = tl.constexpr(RATIO_LEVELS.index("token"))
 SEQUENCE_RATIO = tl.constexpr(RATIO_LEVELS.index("sequence"))
 
-# Each objective option's index in the option vector, generated from config.OBJECTIVES as
-# OPTION_<NAME> (OPTION_DUAL_CLIP, OPTION_SAPO_TEMPERATURE_POS, ...): module-level
+# Each objective option's index in the option vector, generated from the objective table
+# as OPTION_<NAME> (OPTION_DUAL_CLIP, OPTION_SAPO_TEMPERATURE_POS, ...): module-level
 # constexprs, the only globals a Triton function reads.
 globals().update({f"OPTION_{name.upper()}": tl.constexpr(index) for name, index in OPTION_INDEX.items()})
-# Each objective's code (its index in config.OBJECTIVE_NAMES), generated the same way as
+# Each objective's code (its index in OBJECTIVE_NAMES), generated the same way as
 # OBJECTIVE_<NAME>: OBJECTIVE_CLIP, OBJECTIVE_GMPO, ...
 globals().update({f"OBJECTIVE_{name.upper()}": tl.constexpr(code) for code, name in enumerate(OBJECTIVE_NAMES)})
-# The kernels take the vector as this many fp64 scalars (Triton types a tuple's floats as
-# fp32, which would round fp64 thresholds): objective_option_values gathers them.
-if OBJECTIVE_OPTION_SLOTS > 4:
-    raise ImportError("an objective has more than 4 options: give the Triton kernels and objective_option_values "
-                      "more option slots")
+# The kernels take the vector as OPTION_SLOTS fp64 scalars, option_0 ... option_3
+# (objective_table.OPTION_SLOTS says why; a row with more options is refused there), and
+# objective_option_values gathers them.
 
 LOG_RATIO_LIMIT = tl.constexpr(LOG_RATIO_CLAMP)
 _VESPO_LOG_WEIGHT_MIN = tl.constexpr(VESPO_LOG_WEIGHT_MIN)
@@ -115,10 +111,10 @@ def token_ratio(log_ratio):
 
 
 def option_slots(vector) -> dict:
-    """An option vector (LossConfig.objective_options) as the kernels' four fp64 option
-    arguments, unread slots 0."""
-    padded = [float(value) for value in vector] + [0.0] * (4 - len(vector))
-    return {f"option_{slot}": padded[slot] for slot in range(4)}
+    """An option vector (LossConfig.objective_options) as the kernels' OPTION_SLOTS fp64
+    option arguments, unread slots 0."""
+    padded = [float(value) for value in vector] + [0.0] * (OPTION_SLOTS - len(vector))
+    return {f"option_{slot}": padded[slot] for slot in range(OPTION_SLOTS)}
 
 
 @triton.jit
@@ -238,7 +234,7 @@ def objective_terms(ratio, advantage, logprob, old_logprob, weight, ratio_low, r
         d_ratio = d_ratio * (1.0 - weight)
         d_logprob = zero
     else:
-        tl.static_assert(OBJECTIVE == OBJECTIVE_KL_COV, "an objective of config.OBJECTIVE_NAMES without a branch here")
+        tl.static_assert(OBJECTIVE == OBJECTIVE_KL_COV, "an objective of OBJECTIVE_NAMES without a branch here")
         penalty = weight * options[OPTION_PPO_KL_COEF]
         log_ratio = logprob - old_logprob
         objective = -advantage * ratio + penalty * tl.abs(log_ratio)

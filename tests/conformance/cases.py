@@ -16,18 +16,13 @@ import torch
 
 from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from hadw_kernels.backends import load_backend
-from hadw_kernels.config import (
-    AGGREGATIONS,
-    CORRECTION_METRIC_NAMES,
-    IGNORE_INDEX,
-    METRIC_NAMES,
-    LOSS_PRESETS,
-    LOSS_TYPES,
-    OBJECTIVE_OPTIONS,
-    OBJECTIVES,
-    LossConfig,
-    RolloutCorrection,
-)
+from hadw_kernels.aggregation_table import AGGREGATIONS
+from hadw_kernels.config import LossConfig
+from hadw_kernels.correction_table import RolloutCorrection
+from hadw_kernels.linear_blocks import IGNORE_INDEX
+from hadw_kernels.metrics import CORRECTION_METRIC_NAMES, METRIC_NAMES
+from hadw_kernels.objective_table import OBJECTIVE_OPTIONS, OBJECTIVES
+from hadw_kernels.presets import LOSS_PRESETS, LOSS_TYPES
 from hadw_kernels.advantage import weighted_advantages
 from hadw_kernels.batch import SurrogateBatch, caller_advantages
 from hadw_kernels.layout import TokenLayout
@@ -166,7 +161,7 @@ SURROGATE_VARIANTS = [
     # Rollout correction and token masks (correction.py): every rule, level and filter.
     *CORRECTION_VARIANTS,
 ]
-# Options of each objective (config.OBJECTIVES) away from their defaults.
+# Options of each objective (objective_table.OBJECTIVES) away from their defaults.
 OBJECTIVE_VARIANT_OPTIONS = {
     "clip": dict(delta=1.35, dual_clip=2.5),
     "cispo_cap": dict(ratio_cap=1.3),

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, hadw_advantages, hadw_weights
-from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE, METRIC_MEAN_OVER
+from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE
+from hadw_kernels.metrics import METRIC_MEAN_OVER
 from hadw_kernels.layouts import prompt_groups
 
 from .checkpoint import load_checkpoint, save_checkpoint

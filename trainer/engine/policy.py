@@ -20,7 +20,7 @@ import torch
 
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels import token_logprobs as fused_token_logprobs
-from hadw_kernels.config import IGNORE_INDEX
+from hadw_kernels.linear_blocks import IGNORE_INDEX
 from hadw_kernels.layouts import LAYOUTS, LaidOutBatch, Layout, SegmentAttentionUnavailable, enable_segment_attention
 from hadw_kernels.layouts.attention import own_attention
 

@@ -1,0 +1,227 @@
+"""The policy objectives as rows of one table (:data:`OBJECTIVES`), each with its options:
+every backend, ``LossConfig`` (its option fields and their checks), ``LossOptions`` and
+the options table of docs/options.md read them from here. The formulas are
+``objectives.py``'s (docs/math.md, section 5); the kernels branch on the codes generated
+from this table (``kObjective<Name>``, ``kOption<Name>`` in the C++ header that setup.py
+generates; ``OBJECTIVE_<NAME>``, ``OPTION_<NAME>`` in ``triton/token_math.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .checks import compiling
+
+# How the importance ratio of a token is formed (docs/math.md, section 5):
+#   token       rho_t = exp(l_t - lo_t)
+#   sequence    rho_t = s_i = exp(mean over the response's tokens of l - lo), the gradient
+#               reaching every token of the response through s_i (TRL's "sequence")
+#   gspo_token  rho_t = sg[s_i] exp(l_t - sg[l_t]): s_i's value, the gradient through the
+#               token's own log-prob (verl's gspo, TRL's "sequence_token")
+# The two sequence forms give the same loss and gradient unless per-token importance
+# weights differ within a response.
+RATIO_LEVELS = ("token", "sequence", "gspo_token")
+# rho = exp(clamp(log-ratio)): keeps exp finite for any policy drift.
+LOG_RATIO_CLAMP = 20.0
+# VESPO's summed log-ratio is clamped to [log 1e-8, LOG_RATIO_CLAMP] (TRL's bounds).
+VESPO_LOG_WEIGHT_MIN = math.log(1e-8)
+
+# How an objective's gradient reaches a token's log-prob (objectives.SLOPES gives it):
+# "ratio": through its ratio alone (d loss / d logp = 0; in a sequence ratio form the
+# slopes are summed over the response); "detached_weight": a stop-gradient weight times
+# the log-prob (d loss / d rho = 0; its value's numerical derivative is not its gradient);
+# "log_prob": the log-prob itself, no ratio; "ratio_and_log_prob": both (a token form).
+GRADIENT_ROUTES = ("ratio", "detached_weight", "log_prob", "ratio_and_log_prob")
+
+# The most options an objective takes: the Triton kernels receive its option vector as
+# this many fp64 scalars (``option_0`` ... ``option_3`` of the kernels in
+# triton/surrogate.py and triton/linear_logprob.py; Triton types a tuple's floats as fp32,
+# which would round fp64 thresholds). A fifth option needs a fifth parameter there and in
+# ``triton/token_math.objective_option_values``.
+OPTION_SLOTS = 4
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values an option takes, ``low < value < high`` (``<=`` on a closed side), and
+    what its error says a value must do (``says``: "be finite and greater than 1")."""
+
+    low: float
+    high: float
+    says: str
+    low_closed: bool = False
+    high_closed: bool = False
+
+    def hold(self, value: float) -> bool:
+        above = self.low < value or (self.low_closed and value == self.low)
+        below = value < self.high or (self.high_closed and value == self.high)
+        return above and below  # (NaN holds neither)
+
+
+POSITIVE = Bounds(0.0, math.inf, "be a finite positive number")
+NON_NEGATIVE = Bounds(0.0, math.inf, "be finite and non-negative", low_closed=True)
+FINITE = Bounds(-math.inf, math.inf, "be a finite number")
+SHARE = Bounds(0.0, 1.0, "be in (0, 1] (the share of tokens selected)", high_closed=True)
+
+
+@dataclass(frozen=True)
+class Option:
+    """An option that objectives alone read: ``name`` is its keyword (a field of
+    ``LossConfig``, a keyword of ``LossConfig.build`` and of both losses), ``default``
+    what None takes (None: off, no bound; the kernels read +inf), ``bounds`` what a value
+    given must satisfy, ``required`` whether the objective needs a value (a None default
+    then has no meaning of its own), ``doc`` one line for docs/options.md. An option
+    several objectives share is declared alike in each row but for its default."""
+
+    name: str
+    default: float | None
+    bounds: tuple[Bounds, ...]
+    doc: str
+    required: bool = False
+
+    def check(self, value: float) -> None:
+        """Refuses a value outside the bounds, naming the option; under torch.compile a
+        float may be symbolic, and no value is checked (the type is, by LossConfig)."""
+        if compiling():
+            return
+        for bounds in self.bounds:
+            if not bounds.hold(value):
+                raise ValueError(f"{self.name} must {bounds.says}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A policy objective: the per-token loss to minimise as a function of the token's
+    ratio rho, its advantage A and its log-prob l (docs/math.md, section 5; the formulas
+    and their derivatives are ``objectives.py``'s, the kernels' one branch each).
+
+    ``options``: its :class:`Option` rows in the order of its option vector (given as a
+    tuple, held by name), at most :data:`OPTION_SLOTS`. An option some objectives share
+    sits at one index of each one's vector. The kernels take the resolved values as one
+    vector (:meth:`LossConfig.objective_options`, an option that is off as +inf) and read
+    them by the index constants generated from this table (:data:`OPTION_INDEX`).
+    ``increasing``: pairs of its options (lower, upper) whose resolved values must
+    increase.
+    ``ratio_levels``: the ratio forms it takes (RATIO_LEVELS), the first its default.
+    ``gradient``: how its gradient reaches the log-prob (GRADIENT_ROUTES); the kernels
+    branch on it.
+    ``selects_tokens``: whether it reads a batch statistic that selects tokens before the
+    kernels run (``objectives.SELECTIONS``; the kernels receive the selection per token)."""
+
+    options: dict
+    gradient: str
+    ratio_levels: tuple[str, ...] = RATIO_LEVELS
+    selects_tokens: bool = False
+    increasing: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        rows = tuple(self.options.values()) if isinstance(self.options, dict) else tuple(self.options)
+        names = [option.name for option in rows]
+        if len(set(names)) != len(names):
+            raise ValueError(f"an objective declares an option twice: {names}")
+        if len(rows) > OPTION_SLOTS:
+            raise ValueError(f"an objective takes at most {OPTION_SLOTS} options (the Triton kernels' option "
+                             f"slots, objective_table.OPTION_SLOTS), got {len(rows)}: {names}")
+        if self.gradient not in GRADIENT_ROUTES:
+            raise ValueError(f"an objective's gradient is one of {GRADIENT_ROUTES}, got {self.gradient!r}")
+        for option in rows:
+            if option.default is not None and not all(bounds.hold(option.default) for bounds in option.bounds):
+                raise ValueError(f"option {option.name!r}: its default {option.default!r} is out of its bounds")
+        for pair in self.increasing:
+            if not set(pair) <= set(names):
+                raise ValueError(f"increasing names options the objective does not take: {pair}")
+        object.__setattr__(self, "options", {option.name: option for option in rows})
+
+    @property
+    def through_ratio(self) -> bool:
+        return self.gradient in ("ratio", "ratio_and_log_prob")
+
+
+# Declared once for the objectives that share it; each row gives its default.
+_RATIO_CAP = Option("ratio_cap", None, (Bounds(1.0, math.inf, "be finite and at least 1 (TRL recommends 5)",
+                                               low_closed=True),),
+                    "the absolute cap on the detached ratio (TRL's CISPO: its epsilon_high; verl's DPPO: clip_ratio_c)")
+_SAPO_TEMPERATURE = Bounds(1e-30, 1e30, "lie in [1e-30, 1e30] (the gate's scale 4 / tau and its slope stay finite "
+                           "in float32)", low_closed=True, high_closed=True)
+
+OBJECTIVES = {
+    # PPO's clip: -min(rho' A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho' = min(rho, delta)
+    # (TRL's two-sided clip), then min(., -c A) for A < 0 (dual clip, c = dual_clip).
+    "clip": Objective(options=(
+        Option("dual_clip", None, (Bounds(1.0, math.inf, "be finite and greater than 1"),),
+               "the dual clip's bound on the loss of negative advantages, -c A"),
+        # At or above 1 + epsilon_high, delta bounds the negative advantages' loss as
+        # dual_clip=delta does; below it, it also caps the positive ones (TRL allows both).
+        Option("delta", None, (POSITIVE,), "the cap on the unclipped ratio (TRL's two-sided clip)"),
+    ), gradient="ratio"),
+    # CISPO as TRL defines it: -sg[min(rho, ratio_cap)] A l, an absolute cap (TRL's
+    # epsilon_high; the ScaleRL paper's 5). TRL's epsilon_high left at its 0.2 would cap
+    # every weight far below 1: the bound refuses it (docs/options.md).
+    "cispo_cap": Objective(options=(replace(_RATIO_CAP, default=5.0),), gradient="detached_weight"),
+    # CISPO as verl defines it: -sg[clip(rho, 1 - eps_low, 1 + eps_high)] A l.
+    "cispo_clip": Objective(options=(), gradient="detached_weight"),
+    # SAPO: -(4 / tau) sigmoid(tau (rho - 1)) A, tau by the sign of A. The kernels compute
+    # in fp32: 4 / tau overflows below the temperatures' range, tau itself above it, and
+    # tau (rho - 1) is then NaN on policy (inf * 0).
+    "sapo": Objective(options=(
+        Option("sapo_temperature_pos", 1.0, (POSITIVE, _SAPO_TEMPERATURE), "SAPO's temperature tau for A > 0"),
+        Option("sapo_temperature_neg", 1.05, (POSITIVE, _SAPO_TEMPERATURE), "SAPO's temperature tau for A <= 0"),
+    ), gradient="ratio"),
+    # GMPO (verl's geo_mean): -A exp(mean over the response of l - lo clipped in log space
+    # to [-eps_low, eps_high] on the side A's sign makes harmful).
+    "gmpo": Objective(options=(), gradient="ratio", ratio_levels=("sequence",)),
+    # VESPO (TRL): -sg[phi] A l, phi = w^k exp(lam (1 - w)), w the response's summed ratio,
+    # (k, lam) by the sign of A.
+    "vespo": Objective(options=(
+        Option("vespo_k_pos", 2.0, (NON_NEGATIVE,), "VESPO's gamma shape k for A >= 0"),
+        Option("vespo_lambda_pos", 3.0, (POSITIVE,), "VESPO's gamma rate lambda for A >= 0"),
+        Option("vespo_k_neg", 3.0, (NON_NEGATIVE,), "VESPO's gamma shape k for A < 0"),
+        Option("vespo_lambda_neg", 2.0, (POSITIVE,), "VESPO's gamma rate lambda for A < 0"),
+    ), gradient="detached_weight", ratio_levels=("sequence",)),
+    # GPG (verl): -A l, no ratio.
+    "gpg": Objective(options=(), gradient="log_prob", ratio_levels=("token",)),
+    # DPPO (verl's dppo_tv, dppo_kl): -sg[min(rho, ratio_cap)] A l on the tokens whose
+    # probability moved within the clip range, now a divergence bound, in the direction A's
+    # sign favours (A > 0: up by at most epsilon_high; else down by at most epsilon_low):
+    # p - p_old (tv), or the binary KL of (p_old, p) (kl); the other tokens give 0.
+    "dppo_tv": Objective(options=(replace(_RATIO_CAP, default=20.0),), gradient="detached_weight",
+                         ratio_levels=("token",)),
+    "dppo_kl": Objective(options=(replace(_RATIO_CAP, default=20.0),), gradient="detached_weight",
+                         ratio_levels=("token",)),
+    # DRO (verl): -(A l - dro_beta / 2 (l - l_old)^2).
+    "dro": Objective(options=(
+        Option("dro_beta", None, (POSITIVE,), "the coefficient of its quadratic log-ratio penalty; verl has no default",
+               required=True),
+    ), gradient="log_prob", ratio_levels=("token",)),
+    # Clip-Cov (verl): PPO's clip, 0 on max(1, floor(clip_cov_ratio N)) tokens drawn at random
+    # among the unclipped ones whose (A - mean A)(l - mean l) lies in (clip_cov_lb, clip_cov_ub).
+    "clip_cov": Objective(options=(
+        Option("clip_cov_ratio", 2e-4, (POSITIVE, SHARE), "the share of tokens whose gradient is cut"),
+        Option("clip_cov_lb", 1.0, (FINITE,), "the covariance band's lower end (exclusive)"),
+        Option("clip_cov_ub", 5.0, (FINITE,), "the covariance band's upper end (exclusive)"),
+    ), gradient="ratio", ratio_levels=("token",), selects_tokens=True, increasing=(("clip_cov_lb", "clip_cov_ub"),)),
+    # KL-Cov (verl): -A rho, plus ppo_kl_coef |l - l_old| on the max(1, floor(kl_cov_ratio N))
+    # tokens of largest (A - mean A)(l - mean l).
+    "kl_cov": Objective(options=(
+        Option("kl_cov_ratio", 2e-4, (POSITIVE, SHARE), "the share of tokens that take the KL penalty"),
+        Option("ppo_kl_coef", 0.1, (NON_NEGATIVE,), "the coefficient of the penalty abs(l - l_old)"),
+    ), gradient="ratio_and_log_prob", ratio_levels=("token",), selects_tokens=True),
+}
+OBJECTIVE_NAMES = tuple(OBJECTIVES)
+# Every objective-only option, with the objectives that read it.
+OBJECTIVE_OPTIONS = {option: tuple(name for name, objective in OBJECTIVES.items() if option in objective.options)
+                     for objective in OBJECTIVES.values() for option in objective.options}
+# Each option's row (its first; the rows that share it differ in the default alone).
+OPTIONS = {name: OBJECTIVES[owners[0]].options[name] for name, owners in OBJECTIVE_OPTIONS.items()}
+assert all(replace(OBJECTIVES[owner].options[name], default=None) == replace(OPTIONS[name], default=None)
+           for name, owners in OBJECTIVE_OPTIONS.items() for owner in owners), \
+    "an option shared by objectives is declared alike in each row but for its default"
+# Each option's index in its objectives' option vectors (the same in every objective that
+# reads it), and the longest vector: the kernels' fixed number of option slots.
+OPTION_INDEX = {option: list(OBJECTIVES[owners[0]].options).index(option)
+                for option, owners in OBJECTIVE_OPTIONS.items()}
+assert all(list(OBJECTIVES[owner].options).index(option) == OPTION_INDEX[option]
+           for option, owners in OBJECTIVE_OPTIONS.items() for owner in owners), \
+    "an option shared by objectives sits at the same index of each one's vector"
+OBJECTIVE_OPTION_SLOTS = max(len(objective.options) for objective in OBJECTIVES.values())
