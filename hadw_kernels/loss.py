@@ -310,7 +310,7 @@ def fused_linear_hadw_grpo_loss(
         # the sweep, whose rejected rows then enter no GEMM.
         correction = correct(batch, token_advantage=None)
         mask, importance_weights = _fold(correction, batch.mask, batch.importance_weights, old.dtype)
-        head = head.replace(labels=head.labels.masked_fill(head.rows.take(~mask.bool()), ignore_index))
+        head = head.replace(labels=head.labels.masked_fill(head.rows.take(~mask.bool()), head.ignore_index))
         corrected_metrics = correction.metrics
         batch = batch.replace(config=dataclasses.replace(batch.config, rollout_correction=None), mask=mask,
                               importance_weights=importance_weights)
@@ -321,8 +321,8 @@ def fused_linear_hadw_grpo_loss(
         loss, metrics = _gradients_in_forward(implementation, head, batch, with_entropy)
     else:
         logprobs, entropy = implementation.token_logprobs(
-            head.hidden, lm_head_weight, head.labels, with_entropy=with_entropy, lm_head_bias=lm_head_bias,
-            temperature=temperature, ignore_index=ignore_index,
+            head.hidden, head.weight, head.labels, with_entropy=with_entropy, lm_head_bias=head.bias,
+            temperature=head.temperature, ignore_index=head.ignore_index,
         )
         logprobs, entropy = head.rows.put(logprobs), head.rows.put(entropy)
         batch = batch.replace(logprobs=logprobs, old_logprobs=logprobs.detach() if old is None else old,
@@ -469,16 +469,16 @@ def _gradients_in_forward(implementation, head: LinearHead, batch: SurrogateBatc
     """One sweep forms the log-probs and the gradients; the surrogate op then gives the
     loss value and the metrics from the log-probs (its gradient is the one already
     formed), and backward scales the stored gradients. The sweep runs over ``head``'s
-    rows, its per-token inputs taken and its per-row outputs put back at them; every
-    per-token tensor after it is [N]."""
+    rows, its per-token inputs (each token's advantage among them) taken and its per-row
+    outputs put back at them; every per-token tensor after it is [N]."""
     config, layout, rows = batch.config, batch.layout, head.rows
     token_advantage, _, phi = batch_advantages(batch)
     swept = batch.replace(mask=rows.take(batch.mask), old_logprobs=rows.take(batch.old_logprobs),
+                          rewards=None, advantages=rows.take(token_advantage), response_advantages=None, anchor=None,
                           ref_logprobs=rows.take(batch.ref_logprobs),
                           importance_weights=rows.take(batch.importance_weights))
     logprobs, entropy, grad_hidden, grad_weight, grad_bias = implementation.linear_surrogate(
-        head, swept, rows.take(token_advantage),
-        rows.take(layout.expand(agg_weights(batch.mask.bool(), layout, config))), with_entropy,
+        head, swept, rows.take(layout.expand(agg_weights(batch.mask.bool(), layout, config))), with_entropy,
     )
     logprobs, grad_hidden = rows.put(logprobs), rows.put(grad_hidden)
     entropy = rows.put(entropy) if with_entropy else None
