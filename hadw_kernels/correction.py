@@ -88,15 +88,15 @@ def needs_current_logprobs(config) -> bool:
 
 
 @torch.no_grad()
-def correct(batch: SurrogateBatch, *, rollout_logprobs: torch.Tensor | None, token_advantage: torch.Tensor | None,
-            entropy: torch.Tensor | None) -> TokenCorrection:
+def correct(batch: SurrogateBatch, *, token_advantage: torch.Tensor | None) -> TokenCorrection:
     """The weights and masks of the batch's rollout correction, off-policy mask and entropy
     mask, from [N] tensors in its layout: its mask, its behaviour log-probs and its
     current ones (which the off-policy mask reads; None in the linear loss before its
-    sweep, where no rule that reads them runs), the rollout engine's log-probs,
-    ``token_advantage`` each token's advantage (its sign), ``entropy`` each token's
-    entropy (the entropy mask)."""
+    sweep, where no rule that reads them runs), the rollout engine's log-probs
+    (``batch.rollout_logprobs``), ``token_advantage`` each token's advantage (its sign),
+    and each token's entropy (``batch.mask_entropy``, the entropy mask's)."""
     config, layout, old_logprobs, logprobs = batch.config, batch.layout, batch.old_logprobs, batch.logprobs
+    rollout_logprobs, entropy = batch.rollout_logprobs, batch.mask_entropy
     mask = batch.mask.bool()
     dtype = torch.float64 if old_logprobs.dtype == torch.float64 else torch.float32
     counted = mask.sum().clamp(min=1).to(dtype)

@@ -11,7 +11,6 @@ import torch
 
 from .active_rows import RowSelection, active_rows
 from .backends import check_backend_name, resolve_backend
-from .aggregation_table import AGGREGATIONS
 from .checks import cached_unless_compiling
 from .config import LossConfig, LossOptions
 from .linear_blocks import IGNORE_INDEX, check_block_rows, check_linear_path
@@ -22,20 +21,17 @@ from .objectives import SELECTIONS
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
 from .advantage import batch_advantages, group_metrics
-from .batch import LinearHead, SurrogateBatch, caller_advantages
+from .batch import LinearHead, SurrogateBatch
 from .aggregation import agg_weights, aggregate
 from .token_terms import kl_estimate, masked_mean, own_token_ratio, token_ratio
-from .layout import TokenLayout
 from .validation import (
-    assert_cu_seqlens,
     assert_label_range,
-    batch_layout,
-    check_batch_inputs,
     check_label_range,
     check_linear_inputs,
-    check_linear_values,
-    check_surrogate_inputs,
     check_temperature,
+    device_of,
+    linear_batch,
+    surrogate_batch,
 )
 
 if TYPE_CHECKING:
@@ -152,34 +148,26 @@ def fused_hadw_grpo_loss(
     metrics and zero gradients.
     """
     config = _call_config(config, options, backend, linear=False)
-    layout = check_surrogate_inputs(
-        logprobs, old_logprobs, response_mask, config, cu_seqlens=cu_seqlens, rewards=rewards,
-        advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, entropy=entropy,
-        generator=generator, check_values=_checks_run(check_values),
+    batch = surrogate_batch(
+        config, logprobs, old_logprobs, response_mask, cu_seqlens=cu_seqlens, rewards=rewards, advantages=advantages,
+        group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs, importance_weights=importance_weights,
+        rollout_logprobs=rollout_logprobs, entropy=entropy, generator=generator,
+        check_values=_checks_run(check_values), with_metrics=return_metrics,
     )
-    config = _with_layout_length(config, layout)
     implementation = resolve_backend(backend, logprobs.device)
-    flat_logprobs = layout.flat(logprobs)
-    batch = SurrogateBatch(
-        layout, config, flat_logprobs, flat_logprobs.detach() if old_logprobs is None else layout.flat(old_logprobs),
-        layout.flat(response_mask), rewards=rewards, **caller_advantages(layout, advantages), anchor=anchor,
-        ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
-        importance_weights=layout.per_token(importance_weights), with_metrics=return_metrics,
-    )
-    loss, metrics = _corrected_surrogate(implementation, batch, rollout_logprobs=layout.flat(rollout_logprobs),
-                                         masked_entropy=layout.flat(entropy), generator=generator)
+    loss, metrics = _corrected_surrogate(implementation, batch)
     return (loss, metrics) if return_metrics else loss
 
 
-def _corrected_surrogate(implementation, batch: SurrogateBatch, *, rollout_logprobs, masked_entropy, generator):
+def _corrected_surrogate(implementation, batch: SurrogateBatch):
     """The backend's surrogate op on ``batch``, with the rollout correction and token masks
     (correction.py) folded into its mask and importance weights, and the bias-corrected
     KL term added: every backend applies them in its kernels as it applies a caller's
     weights, so they compose with every objective. ``batch.entropy``: what the op takes
-    (the linear loss's, with its gradient: bonus and metric); ``masked_entropy``: what the
-    entropy mask reads. An objective that selects tokens (objectives.SELECTIONS) selects
-    them here, over the tokens the correction leaves counted, with ``generator``."""
+    (the linear loss's, with its gradient: bonus and metric); ``batch.mask_entropy``: what
+    the entropy mask reads. An objective that selects tokens (objectives.SELECTIONS)
+    selects them here, over the tokens the correction leaves counted, with
+    ``batch.generator``."""
     config, layout, logprobs, old_logprobs = batch.config, batch.layout, batch.logprobs, batch.old_logprobs
     corrected_metrics = {}
     selects_tokens = OBJECTIVES[config.objective].selects_tokens
@@ -190,8 +178,7 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch, *, rollout_logpr
     if config.off_policy_mask_threshold is not None or config.kl_bias_correction or selects_tokens:
         token_advantage, _, _ = batch_advantages(batch)
     if _has_correction(config):
-        correction = correct(batch, rollout_logprobs=rollout_logprobs, token_advantage=token_advantage,
-                             entropy=masked_entropy)
+        correction = correct(batch, token_advantage=token_advantage)
         mask, importance_weights = _fold(correction, batch.mask, batch.importance_weights, logprobs.dtype)
         entropy = batch.entropy
         if entropy is not None and correction.entropy_keep is not None and config.entropy_coef > 0:
@@ -204,7 +191,7 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch, *, rollout_logpr
     if selects_tokens:
         counted = batch.mask.bool()
         selected = SELECTIONS[config.objective](logprobs.detach(), old_logprobs.detach(),
-                                                token_advantage.to(logprobs.dtype), counted, config, generator)
+                                                token_advantage.to(logprobs.dtype), counted, config, batch.generator)
         if batch.with_metrics:
             corrected_metrics["selected_frac"] = masked_mean(selected, counted)
         batch = batch.replace(selected=selected)
@@ -301,68 +288,41 @@ def fused_linear_hadw_grpo_loss(
     """
     config = _call_config(config, options, backend, linear=True)
     _check_linear_options(linear_path=linear_path, block_rows=block_rows, temperature=temperature)
-    layout = batch_layout(response_mask, cu_seqlens)
-    check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature, layout)
-    check_batch_inputs(
-        layout, response_mask, old_logprobs, config, inputs={"hidden_states": hidden_states}, rewards=rewards,
-        advantages=advantages, group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, generator=generator,
+    # Resolved first: whether the checks' read counts the active rows is the backend's.
+    implementation = resolve_backend(backend, device_of("hidden_states", hidden_states))
+    batch, head = linear_batch(
+        config, hidden_states, lm_head_weight, labels, old_logprobs, response_mask, cu_seqlens=cu_seqlens,
+        lm_head_bias=lm_head_bias, rewards=rewards, advantages=advantages, group_index=group_index, anchor=anchor,
+        ref_logprobs=ref_logprobs, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
+        generator=generator, temperature=temperature, ignore_index=ignore_index, block_rows=block_rows,
+        select_rows=not implementation.compacts_rows, check_values=_checks_run(check_values),
+        with_metrics=return_metrics,
     )
-    config = _with_layout_length(config, layout)
-    implementation = resolve_backend(backend, hidden_states.device)
-    mask = layout.flat(response_mask)
-    hidden = layout.flat_rows(hidden_states)
-    old = layout.flat(old_logprobs)
-    rollout = layout.flat(rollout_logprobs)
-    # Padding is masked out of the loss; as ignored labels its rows are inactive
-    # (active_rows.py), and labels there are never checked or read.
-    labels = layout.flat(labels).masked_fill(~mask.bool(), ignore_index)
-    active = None
-    if _checks_run(check_values):
-        active = _rows_to_count(implementation, labels, ignore_index)
-        # Every value check of this call, and the count of the active rows, in one host
-        # read (docs/architecture.md, "Host synchronisation").
-        count = check_linear_values(
-            layout, config, hidden, labels, lm_head_weight.shape[0], ignore_index, mask, anchor, rollout,
-            active=active, old_logprobs=old, rewards=rewards, advantages=advantages,
-            importance_weights=importance_weights, ref_logprobs=ref_logprobs,
-        )
-    else:
-        count = None
-        assert_label_range(labels, lm_head_weight.shape[0], ignore_index)
-        assert_cu_seqlens(layout)
-    rows = RowSelection.of(active, count)
-    batch = SurrogateBatch(
-        layout, config, None, old, mask, rewards=rewards, **caller_advantages(layout, advantages), anchor=anchor,
-        ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
-        importance_weights=layout.per_token(importance_weights), with_metrics=return_metrics,
-    )
+    old = batch.old_logprobs
     corrected_metrics = {}
-    if _has_correction(config) and not _reads_current_policy(config, old is not None):
+    if _has_correction(batch.config) and not _reads_current_policy(batch.config, old is not None):
         # Weights and filters from the behaviour and rollout log-probs alone: formed before
         # the sweep, whose rejected rows then enter no GEMM.
-        correction = correct(batch, rollout_logprobs=rollout, token_advantage=None, entropy=None)
-        mask, importance_weights = _fold(correction, mask, batch.importance_weights, old.dtype)
-        labels = labels.masked_fill(~mask.bool(), ignore_index)
+        correction = correct(batch, token_advantage=None)
+        mask, importance_weights = _fold(correction, batch.mask, batch.importance_weights, old.dtype)
+        head = head.replace(labels=head.labels.masked_fill(head.rows.take(~mask.bool()), head.ignore_index))
         corrected_metrics = correction.metrics
-        config = dataclasses.replace(config, rollout_correction=None)
-        batch = batch.replace(config=config, mask=mask, importance_weights=importance_weights)
+        batch = batch.replace(config=dataclasses.replace(batch.config, rollout_correction=None), mask=mask,
+                              importance_weights=importance_weights)
+    config = batch.config
     path = _linear_path(linear_path, implementation, config, hidden_states.device, old)
     with_entropy = config.entropy_coef > 0 or return_metrics or config.top_entropy_quantile < 1.0
-    head = LinearHead(hidden_states, rows.take(hidden), lm_head_weight, lm_head_bias, rows.take(labels), temperature,
-                      ignore_index, block_rows, rows)
     if path == "gradients_in_forward":
         loss, metrics = _gradients_in_forward(implementation, head, batch, with_entropy)
     else:
         logprobs, entropy = implementation.token_logprobs(
-            head.hidden, lm_head_weight, head.labels, with_entropy=with_entropy, lm_head_bias=lm_head_bias,
-            temperature=temperature, ignore_index=ignore_index,
+            head.hidden, head.weight, head.labels, with_entropy=with_entropy, lm_head_bias=head.bias,
+            temperature=head.temperature, ignore_index=head.ignore_index,
         )
-        logprobs, entropy = rows.put(logprobs), rows.put(entropy)
+        logprobs, entropy = head.rows.put(logprobs), head.rows.put(entropy)
         batch = batch.replace(logprobs=logprobs, old_logprobs=logprobs.detach() if old is None else old,
-                              entropy=entropy)
-        loss, metrics = _corrected_surrogate(implementation, batch, rollout_logprobs=rollout, masked_entropy=entropy,
-                                             generator=generator)
+                              entropy=entropy, mask_entropy=entropy)
+        loss, metrics = _corrected_surrogate(implementation, batch)
     if not return_metrics:
         return loss
     metrics.update(corrected_metrics)
@@ -377,15 +337,6 @@ def _reads_current_policy(config: LossConfig, old_logprobs_given: bool) -> bool:
     on_policy_weight = config.rollout_correction is not None and not old_logprobs_given
     return (needs_current_logprobs(config) or config.kl_bias_correction or on_policy_weight
             or OBJECTIVES[config.objective].selects_tokens)
-
-
-def _with_layout_length(config: LossConfig, layout: TokenLayout) -> LossConfig:
-    """``config`` with the constant L of a ``times_max_length`` aggregation resolved: a
-    padded batch's default is its width (a packed one has none: validation asks for L),
-    so the kernels, which see flat tokens, always receive it."""
-    if config.max_response_length is not None or not AGGREGATIONS[config.loss_agg_mode].times_max_length:
-        return config
-    return dataclasses.replace(config, max_response_length=max(layout.padded_width, 1))
 
 
 # The loss options that only the linear loss takes (it forms the entropy from the logits).
@@ -513,16 +464,16 @@ def _gradients_in_forward(implementation, head: LinearHead, batch: SurrogateBatc
     """One sweep forms the log-probs and the gradients; the surrogate op then gives the
     loss value and the metrics from the log-probs (its gradient is the one already
     formed), and backward scales the stored gradients. The sweep runs over ``head``'s
-    rows, its per-token inputs taken and its per-row outputs put back at them; every
-    per-token tensor after it is [N]."""
+    rows, its per-token inputs (each token's advantage among them) taken and its per-row
+    outputs put back at them; every per-token tensor after it is [N]."""
     config, layout, rows = batch.config, batch.layout, head.rows
     token_advantage, _, phi = batch_advantages(batch)
     swept = batch.replace(mask=rows.take(batch.mask), old_logprobs=rows.take(batch.old_logprobs),
+                          rewards=None, advantages=rows.take(token_advantage), response_advantages=None, anchor=None,
                           ref_logprobs=rows.take(batch.ref_logprobs),
                           importance_weights=rows.take(batch.importance_weights))
     logprobs, entropy, grad_hidden, grad_weight, grad_bias = implementation.linear_surrogate(
-        head, swept, rows.take(token_advantage),
-        rows.take(layout.expand(agg_weights(batch.mask.bool(), layout, config))), with_entropy,
+        head, swept, rows.take(layout.expand(agg_weights(batch.mask.bool(), layout, config))), with_entropy,
     )
     logprobs, grad_hidden = rows.put(logprobs), rows.put(grad_hidden)
     entropy = rows.put(entropy) if with_entropy else None

@@ -19,8 +19,9 @@ import math
 
 import torch
 
-from .active_rows import active_rows
+from .active_rows import RowSelection, active_rows
 from .aggregation_table import AGGREGATIONS
+from .batch import LinearHead, SurrogateBatch, build_batch
 from .checks import check_finite_positive
 from .config import LossConfig
 from .layout import TokenLayout
@@ -36,6 +37,11 @@ def _require_tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
+
+
+def device_of(name: str, value) -> torch.device:
+    """The device of the tensor argument ``name`` (refused by name if not a tensor)."""
+    return _require_tensor(name, value).device
 
 
 def _require_float(name: str, tensor: torch.Tensor) -> None:
@@ -148,29 +154,110 @@ def check_anchor(anchor) -> None:
         raise ValueError(f"anchor must lie in [0, 1] (a belief about an accuracy), got {anchor}")
 
 
-def check_surrogate_inputs(
+def surrogate_batch(
+    config: LossConfig,
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor | None,
     response_mask: torch.Tensor,
-    config: LossConfig,
     *,
-    cu_seqlens: torch.Tensor | None = None,
-    check_values: bool = True,
-    **batch,
-) -> TokenLayout:
-    """The per-token log-probs, then the batch's other tensors (:func:`check_batch_inputs`,
-    whose keywords ``batch`` are); returns the batch's layout."""
+    cu_seqlens: torch.Tensor | None,
+    rewards: torch.Tensor | None,
+    advantages: torch.Tensor | None,
+    group_index: torch.Tensor | None,
+    anchor,
+    ref_logprobs: torch.Tensor | None,
+    importance_weights: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    generator,
+    check_values: bool,
+    with_metrics: bool,
+) -> SurrogateBatch:
+    """A call of ``fused_hadw_grpo_loss`` checked (the per-token log-probs, then the
+    batch's other tensors: :func:`check_batch_inputs`; with ``check_values`` their values
+    in one host read) and its batch (``batch.build_batch``)."""
     _require_tensor("logprobs", logprobs)
     layout = batch_layout(response_mask, cu_seqlens)
     _require_float("logprobs", logprobs)
     _require_layout_shape("logprobs", logprobs, layout)
-    check_batch_inputs(layout, response_mask, old_logprobs, config, inputs={"logprobs": logprobs}, **batch)
+    tensors = dict(rewards=rewards, advantages=advantages, anchor=anchor, ref_logprobs=ref_logprobs,
+                   importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, entropy=entropy,
+                   generator=generator)
+    check_batch_inputs(layout, response_mask, old_logprobs, config, inputs={"logprobs": logprobs},
+                       group_index=group_index, **tensors)
     if check_values:
-        _check_values(layout, response_mask, read_inputs(config, logprobs=logprobs, old_logprobs=old_logprobs, **batch),
-                      anchor=batch.get("anchor"), correction=(batch.get("rollout_logprobs"), batch.get("entropy")))
+        _check_values(layout, response_mask, read_inputs(config, logprobs=logprobs, old_logprobs=old_logprobs,
+                                                         **tensors),
+                      anchor=anchor, correction=(rollout_logprobs, entropy))
     else:
         assert_cu_seqlens(layout)
-    return layout
+    return build_batch(layout, config, logprobs, old_logprobs, response_mask, with_metrics=with_metrics, **tensors)
+
+
+def linear_batch(
+    config: LossConfig,
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None,
+    lm_head_bias: torch.Tensor | None,
+    rewards: torch.Tensor | None,
+    advantages: torch.Tensor | None,
+    group_index: torch.Tensor | None,
+    anchor,
+    ref_logprobs: torch.Tensor | None,
+    importance_weights: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor | None,
+    generator,
+    temperature: float,
+    ignore_index: int,
+    block_rows: int | None,
+    select_rows: bool,
+    check_values: bool,
+    with_metrics: bool,
+) -> tuple[SurrogateBatch, LinearHead]:
+    """A call of ``fused_linear_hadw_grpo_loss`` checked (the hidden states and the head:
+    :func:`check_linear_inputs`; the batch's other tensors: :func:`check_batch_inputs`;
+    with ``check_values`` every value, labels in the vocabulary and finite hidden states
+    at response tokens included, in one host read, else the labels' and offsets'
+    asynchronous asserts) and its batch and head. Padding is masked out of the loss; as
+    ignored labels its rows are inactive (active_rows.py), and labels there are never
+    checked or read. With ``select_rows`` (a backend that does not find the active rows
+    itself, ``Backend.compacts_rows``) the checks' read counts the active rows too, and
+    the head sweeps those alone; otherwise, or without the checks, every row."""
+    layout = batch_layout(response_mask, cu_seqlens)
+    check_linear_inputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature, layout)
+    tensors = dict(rewards=rewards, advantages=advantages, anchor=anchor, ref_logprobs=ref_logprobs,
+                   importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, generator=generator)
+    check_batch_inputs(layout, response_mask, old_logprobs, config, inputs={"hidden_states": hidden_states},
+                       group_index=group_index, **tensors)
+    batch = build_batch(layout, config, None, old_logprobs, response_mask, entropy=None, with_metrics=with_metrics,
+                        **tensors)
+    hidden = layout.flat_rows(hidden_states)
+    flat_labels = layout.flat(labels).masked_fill(~batch.mask.bool(), ignore_index)
+    vocab = lm_head_weight.shape[0]
+    active = count = None
+    if check_values:
+        active = active_rows(flat_labels, ignore_index) if select_rows else None
+        # Every value check of this call, and the count of the active rows, in one host
+        # read (docs/architecture.md, "Host synchronisation").
+        count = _check_values(
+            layout, batch.mask,
+            read_inputs(config, old_logprobs=batch.old_logprobs, rewards=rewards, advantages=advantages,
+                        importance_weights=importance_weights, ref_logprobs=ref_logprobs),
+            anchor=anchor, linear=(hidden, flat_labels, vocab, ignore_index),
+            correction=(batch.rollout_logprobs, None), active=active,
+        )
+    else:
+        assert_label_range(flat_labels, vocab, ignore_index)
+        assert_cu_seqlens(layout)
+    rows = RowSelection.of(active, count)
+    head = LinearHead(hidden_states, rows.take(hidden), lm_head_weight, lm_head_bias, rows.take(flat_labels),
+                      temperature, ignore_index, block_rows, rows)
+    return batch, head
 
 
 def check_batch_inputs(
@@ -373,20 +460,6 @@ def read_inputs(config: LossConfig, **inputs) -> dict[str, torch.Tensor]:
     return {name: value for name, value in read.items() if value is not None}
 
 
-def check_linear_values(
-    layout: TokenLayout, config: LossConfig, hidden_states, labels, vocab: int, ignore_index: int, response_mask,
-    anchor, rollout_logprobs=None, *, active=None, **inputs,
-) -> int | None:
-    """The linear loss's value checks (those of :func:`check_surrogate_inputs`, labels in
-    the vocabulary, finite hidden states at response tokens) in one host read, which
-    also counts the ``active`` rows (``active_rows.active_rows``; None: none counted) and
-    returns that count. ``hidden_states`` [N, H] and ``labels`` [N] are flat, the labels
-    already ``ignore_index`` at padding; ``inputs`` as :func:`read_inputs` takes them."""
-    return _check_values(layout, response_mask, read_inputs(config, **inputs), anchor=anchor,
-                         linear=(hidden_states, labels, vocab, ignore_index), correction=(rollout_logprobs, None),
-                         active=active)
-
-
 def _count_of(active: torch.Tensor) -> torch.Tensor:
     """0-d: how many rows ``active`` marks, in float64 so that the read's stack, promoted
     to it, rounds no count (float32 would above 2^24 rows)."""
@@ -538,7 +611,7 @@ def _raise_label_range(vocab: int, ignore_index: int):
 
 def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int, *, active=None) -> int | None:
     """Labels index the vocabulary or equal ignore_index (one host read: a sync on CUDA),
-    the read counting the ``active`` rows too (as :func:`check_linear_values`): returns
+    the read counting the ``active`` rows too (as :func:`linear_batch`'s): returns
     that count, or None without ``active``."""
     probes = {"labels": _out_of_range(labels, vocab, ignore_index).any()}
     if active is not None:

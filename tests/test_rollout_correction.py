@@ -61,9 +61,9 @@ def corrected(data, **options):
     layout = TokenLayout.padded(*data["mask"].shape, data["mask"].device)
     advantage = data["advantages"][:, None].expand_as(data["mask"])
     batch = SurrogateBatch(layout, config, data["logprobs"].reshape(-1), data["old"].reshape(-1),
-                           data["mask"].reshape(-1))
-    result = correct(batch, rollout_logprobs=data["rollout"].reshape(-1), token_advantage=advantage.reshape(-1),
-                     entropy=data["entropy"].reshape(-1))
+                           data["mask"].reshape(-1), rollout_logprobs=data["rollout"].reshape(-1),
+                           mask_entropy=data["entropy"].reshape(-1))
+    result = correct(batch, token_advantage=advantage.reshape(-1))
     weights = None if result.weights is None else result.weights.view_as(data["old"])
     kept = data["mask"] if result.keep is None else result.keep.view_as(data["mask"])
     return weights, kept, result.metrics

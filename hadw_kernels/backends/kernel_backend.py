@@ -40,6 +40,50 @@ def anchor_tensor(anchor, device: torch.device) -> torch.Tensor | None:
     return torch.full((), float(anchor), dtype=torch.float64, device=device)
 
 
+def op_arguments(op: str, batch: SurrogateBatch, head: LinearHead | None = None, agg_weights=None, **formed) -> dict:
+    """``hadw::<op>``'s arguments by their schema names (``ops/signatures.py``), from a
+    call's batch: the one place a batch becomes op arguments. Its tensors detached (the
+    op forms the gradients, which the caller attaches), the anchor as a tensor, the
+    reference log-probs where a KL term reads them, its config's options as the schemas
+    take them (``LossConfig.kernel_options``); with ``head`` the linear sweep's
+    (``linear_surrogate_forward``), whose per-token inputs (``agg_weights``, each token's
+    aggregation weight, among them) are its rows, contiguous in the compute type (its
+    kernels index them directly); ``formed``: the rest of what the call chose (whether
+    the sweep forms the entropy, the backend's name)."""
+    config = batch.config
+    if head is None:
+        per_token = detached
+    else:
+        compute = accumulate_dtype(head.hidden.dtype)
+
+        def per_token(values):
+            return None if values is None else values.detach().to(compute).contiguous()
+
+    arguments = {
+        "logprobs": detached(batch.logprobs),
+        "old_logprobs": per_token(batch.old_logprobs),
+        "response_mask": batch.mask,
+        "cu_seqlens": batch.layout.cu_seqlens,
+        "rewards": detached(batch.rewards),
+        "advantages": per_token(batch.advantages),
+        "response_advantages": detached(batch.response_advantages),
+        "anchor": anchor_tensor(batch.anchor, batch.mask.device),
+        "ref_logprobs": None if config.beta <= 0 else per_token(batch.ref_logprobs),
+        "importance_weights": per_token(batch.importance_weights),
+        "entropy": detached(batch.entropy),
+        "selected": batch.selected,
+        "agg_weights": per_token(agg_weights),
+        **config.kernel_options(),
+        **formed,
+    }
+    if head is not None:
+        arguments.update(
+            hidden=head.hidden.detach(), weight=head.weight.detach(), bias=detached(head.bias), labels=head.labels,
+            temperature=float(head.temperature), ignore_index=head.ignore_index, block_rows=head.block_rows or 0,
+        )
+    return {name: arguments[name] for name in ops.argument_names(op)}
+
+
 class KernelBackend:
     """Kernels registered for the hadw:: ops under ``name`` (see ``ops.register_kernel``)."""
 
@@ -63,26 +107,11 @@ class KernelBackend:
         return ops.has_kernel("linear_surrogate_forward", self.name, torch.device(device).type)
 
     def surrogate_loss(self, batch: SurrogateBatch):
-        config, entropy = batch.config, batch.entropy
+        # The op forms its gradient with respect to the log-probs (and the entropy) in the
+        # forward; it is attached below.
         loss, grad_logprobs, grad_entropy, metrics, grad_scale = ops.call(
-            "surrogate_loss",
-            # The op forms its gradient with respect to the log-probs (and the entropy)
-            # in the forward; it is attached below.
-            logprobs=detached(batch.logprobs),
-            old_logprobs=detached(batch.old_logprobs),
-            response_mask=batch.mask,
-            cu_seqlens=batch.layout.cu_seqlens,
-            rewards=detached(batch.rewards),
-            advantages=detached(batch.advantages),
-            response_advantages=detached(batch.response_advantages),
-            anchor=anchor_tensor(batch.anchor, batch.logprobs.device),
-            ref_logprobs=None if config.beta <= 0 else detached(batch.ref_logprobs),
-            importance_weights=detached(batch.importance_weights),
-            entropy=detached(entropy),
-            selected=batch.selected,
-            **config.kernel_options(),
-            backend=self.name,
-        )
+            "surrogate_loss", **op_arguments("surrogate_loss", batch, backend=self.name))
+        entropy = batch.entropy
         loss = ops.attach_gradients(
             loss, [batch.logprobs, entropy], [grad_logprobs, None if entropy is None else grad_entropy],
             # 0-d where the gradients leave token-mean's 1 / N_tok to it (ops/schemas.py): a
@@ -91,7 +120,7 @@ class KernelBackend:
         )
         if not batch.with_metrics:
             return loss, {}
-        return loss, name_metrics(metrics, with_groups=batch.rewards is not None, with_kl=config.beta > 0,
+        return loss, name_metrics(metrics, with_groups=batch.rewards is not None, with_kl=batch.config.beta > 0,
                                   with_entropy=entropy is not None)
 
     def token_logprobs(self, hidden_states, lm_head_weight, labels, *, lm_head_bias, temperature, ignore_index,
@@ -104,23 +133,9 @@ class KernelBackend:
         )
         return logprobs, entropy if with_entropy else None
 
-    def linear_surrogate(self, head: LinearHead, batch: SurrogateBatch, advantages, agg_weights, with_entropy):
+    def linear_surrogate(self, head: LinearHead, batch: SurrogateBatch, agg_weights, with_entropy):
         """Per-row log-probs, entropy and the gradients of the token-level surrogate
         with respect to the hidden states, the head and the bias, in one sweep."""
-        accumulate = accumulate_dtype(head.hidden.dtype)
-
-        def per_token(values):
-            # Contiguous: the kernels index the rows' entries directly.
-            return None if values is None else values.detach().to(accumulate).contiguous()
-
-        return ops.call(
-            "linear_surrogate_forward",
-            hidden=head.hidden.detach(), weight=head.weight.detach(),
-            bias=None if head.bias is None else head.bias.detach(), labels=head.labels,
-            old_logprobs=per_token(batch.old_logprobs), advantages=per_token(advantages),
-            agg_weights=per_token(agg_weights), ref_logprobs=per_token(batch.ref_logprobs),
-            importance_weights=per_token(batch.importance_weights),
-            temperature=float(head.temperature), ignore_index=head.ignore_index,
-            **batch.config.token_options(),
-            with_entropy=with_entropy, block_rows=head.block_rows or 0, backend=self.name,
-        )
+        return ops.call("linear_surrogate_forward", **op_arguments(
+            "linear_surrogate_forward", batch, head, agg_weights=agg_weights, with_entropy=with_entropy,
+            backend=self.name))

@@ -19,15 +19,14 @@ class LinearSurrogate(Protocol):
     """The gradients-in-forward linear loss of a token-level surrogate: per-row log-probs
     [N], entropy [N], and the gradients with respect to the hidden states, the head and
     the bias, from one sweep over blocks of rows (docs/architecture.md, "The linear loss").
-    ``batch`` holds the call's per-token data (its log-probs are what the sweep forms);
-    ``advantages`` are each token's, ``agg_weights`` each token's aggregation weight.
+    ``batch`` holds the call's per-token data (its log-probs are what the sweep forms, its
+    ``advantages`` each token's); ``agg_weights`` are each token's aggregation weight.
     Every per-token tensor and the outputs are over ``head``'s rows: the N rows, or the
-    active ones where the loss selected them (``head.hidden``; ``batch``'s layout and
-    mask stay the call's)."""
+    active ones where the loss selected them (``head.hidden``; ``batch``'s layout stays
+    the call's)."""
 
     def __call__(
-        self, head: LinearHead, batch: SurrogateBatch, advantages: torch.Tensor, agg_weights: torch.Tensor,
-        with_entropy: bool,
+        self, head: LinearHead, batch: SurrogateBatch, agg_weights: torch.Tensor, with_entropy: bool,
     ) -> tuple[torch.Tensor, ...]: ...
 
 

@@ -425,9 +425,10 @@ def reference_linear_loss(hidden_states, lm_head_weight, labels, response_mask, 
         layout = TokenLayout.padded(batch, width, mask.device)
         old = kwargs.get("old_logprobs")
         corrected = SurrogateBatch(layout, config, layout.flat(logprobs),
-                                   layout.flat(old if old is not None else logprobs), mask.reshape(-1))
-        kept = correct(corrected, rollout_logprobs=layout.flat(kwargs.get("rollout_logprobs")), token_advantage=None,
-                       entropy=layout.flat(entropy)).keep
+                                   layout.flat(old if old is not None else logprobs), mask.reshape(-1),
+                                   rollout_logprobs=layout.flat(kwargs.get("rollout_logprobs")),
+                                   mask_entropy=layout.flat(entropy))
+        kept = correct(corrected, token_advantage=None).keep
         counted = mask.reshape(-1) if kept is None else kept
         metrics = dict(metrics, entropy_mean=masked_mean(entropy.detach().reshape(-1), counted))
         metrics = {name: metrics[name] for name in METRIC_NAMES + CORRECTION_METRIC_NAMES if name in metrics}
