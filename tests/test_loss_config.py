@@ -2,6 +2,7 @@
 loss, never together; the batch's required positions; the linear loss's shape checks
 without log-probs."""
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -302,6 +303,22 @@ def test_the_option_fields_and_keywords_come_from_the_rows():
     source = (ROOT / "hadw_kernels" / "config.py").read_text()
     assert not [name for name in OBJECTIVE_OPTIONS if re.search(rf"\b{name}\b", source)], \
         "config.py names an objective option: declare it in its row of objective_table.OBJECTIVES"
+
+
+def test_the_declared_keywords_are_the_fields():
+    """hadw_kernels/option_types.py declares LossOptions as a class (static type checkers
+    see the losses' keywords) and is generated from LossConfig's fields: on a change of
+    the rows or the fields, write the text this test prints into it."""
+    import typing
+
+    from hadw_kernels.config import LossOptions, option_types_source
+
+    written = (ROOT / "hadw_kernels" / "option_types.py").read_text()
+    assert written == option_types_source(), f"hadw_kernels/option_types.py is stale; it should read:\n" \
+                                             f"{option_types_source()}"
+    hints = typing.get_type_hints(LossOptions)
+    assert list(hints) == ["loss_type", *(field.name for field in dataclasses.fields(LossConfig))]
+    assert all(type(None) in typing.get_args(hint) for hint in hints.values())
 
 
 def test_no_check_is_keyed_by_an_objective_s_name():
