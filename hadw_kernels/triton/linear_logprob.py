@@ -53,10 +53,11 @@ _BLOCK_V = 4096
 
 @triton.jit
 def _row_stats(logits_ptr, stride_logits, labels_ptr, first_row, temperature, vocab, ignore_index,
-               WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One row of the block: (its row, whether its label counts, logp, lse, entropy, E_p[z]),
-    by an online log-sum-exp over the vocabulary, a tile of columns at a time. The running
-    max is the row's (one reduction per tile), so each logit costs one exp; the sums stay
+               logprobs_ptr, entropy_ptr, lse_ptr, mean_logit_ptr, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row of the block: its logp, lse, entropy and E_p[z], stored at the row (both row
+    kernels keep all four), and (its row, whether its label counts, logp) returned. By an
+    online log-sum-exp over the vocabulary, a tile of columns at a time. The running max
+    is the row's (one reduction per tile), so each logit costs one exp; the sums stay
     per lane. With u = z - running max each lane keeps sum exp(u) and, for the entropy,
     sum exp(u) u; keeping u (not z) avoids cancelling two large numbers in
     entropy = lse - E_p[z]. A NaN logit makes the sums, hence every output, NaN; a label
@@ -97,7 +98,11 @@ def _row_stats(logits_ptr, stride_logits, labels_ptr, first_row, temperature, vo
         mean_shifted = tl.sum(lane_shifted, axis=0) / total  # E_p[z] - row max
         mean_logit = tl.where(active, row_max + mean_shifted, 0.0)
         entropy = tl.where(active, log_total - mean_shifted, 0.0)
-    return row, active, logprob, lse, entropy, mean_logit
+    tl.store(lse_ptr + row, lse)
+    tl.store(logprobs_ptr + row, logprob)
+    tl.store(entropy_ptr + row, entropy)
+    tl.store(mean_logit_ptr + row, mean_logit)
+    return row, active, logprob
 
 
 @triton.jit
@@ -109,12 +114,8 @@ def _row_stats_kernel(
 ):
     """Rows first_row + program of the block: their log-probs, lse, entropy and E_p[z]."""
     temperature = tl.full([], temperature, lse_ptr.dtype.element_ty)
-    row, _, logprob, lse, entropy, mean_logit = _row_stats(
-        logits_ptr, stride_logits, labels_ptr, first_row, temperature, vocab, ignore_index, WITH_ENTROPY, BLOCK_V)
-    tl.store(lse_ptr + row, lse)
-    tl.store(logprobs_ptr + row, logprob)
-    tl.store(entropy_ptr + row, entropy)
-    tl.store(mean_logit_ptr + row, mean_logit)
+    _row_stats(logits_ptr, stride_logits, labels_ptr, first_row, temperature, vocab, ignore_index,
+               logprobs_ptr, entropy_ptr, lse_ptr, mean_logit_ptr, WITH_ENTROPY, BLOCK_V)
 
 
 @triton.jit
@@ -134,12 +135,9 @@ def _row_surrogate_kernel(
     d loss / d entropy = -entropy_coef * w, with the per-token formulas of the surrogate
     kernel (0 on rows whose label is ignored), for the logits' gradient of the block."""
     temperature = tl.full([], temperature, lse_ptr.dtype.element_ty)
-    row, active, logprob, lse, entropy, mean_logit = _row_stats(
-        logits_ptr, stride_logits, labels_ptr, first_row, temperature, vocab, ignore_index, WITH_ENTROPY, BLOCK_V)
-    tl.store(lse_ptr + row, lse)
-    tl.store(logprobs_ptr + row, logprob)
-    tl.store(entropy_ptr + row, entropy)
-    tl.store(mean_logit_ptr + row, mean_logit)
+    row, active, logprob = _row_stats(logits_ptr, stride_logits, labels_ptr, first_row, temperature, vocab,
+                                      ignore_index, logprobs_ptr, entropy_ptr, lse_ptr, mean_logit_ptr,
+                                      WITH_ENTROPY, BLOCK_V)
     # The row's token as a block of one: the per-token helpers take blocks.
     index = row + tl.arange(0, 1)
     compute = temperature.dtype
