@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -25,7 +24,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
+from fresh_process import worker_env
+
 # Each trainer: stock TRL (None), or the drop-in's (hadw_layout, hadw_shuffle). The
 # shared-prompt layout runs with both shuffles: "auto" shuffles whole groups here (one
 # optimizer step takes the generation batch), "rows" keeps TRL's row shuffle.
@@ -140,11 +140,8 @@ def run_one(case: Case, trainer_name: str, steps: int) -> dict:
 
 
 def run_in_fresh_process(case_name: str, trainer_name: str, steps: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        filter(None, [str(BENCH_DIR.parent), os.environ.get("PYTHONPATH")])))
-    env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, __file__, "--one", case_name, trainer_name, "--steps", str(steps)],
-                          env=env, capture_output=True, text=True)
+                          env=worker_env(threads=1), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{case_name} / {trainer_name} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
