@@ -2,6 +2,8 @@
 
 from .advantage import group_advantages, hadw_advantages, hadw_weights
 from .anchor import DifficultyAnchor
+from .estimators import ESTIMATOR_NAMES
+from .history import PromptHistory, prompt_key
 from .backends import BackendUnavailable, available_backends
 from .aggregation_table import AGG_MODES
 from .config import KL_ESTIMATORS, LossConfig
@@ -14,10 +16,12 @@ from .module import HADWGRPOLoss, LinearHADWGRPOLoss
 
 __all__ = [
     "AGG_MODES",
+    "ESTIMATOR_NAMES",
     "KL_ESTIMATORS",
     "LOSS_PRESETS",
     "LOSS_TYPES",
     "METRIC_NAMES",
+    "PromptHistory",
     "BackendUnavailable",
     "DifficultyAnchor",
     "HADWGRPOLoss",
@@ -32,6 +36,7 @@ __all__ = [
     "group_advantages",
     "hadw_advantages",
     "hadw_weights",
+    "prompt_key",
     "token_logprobs",
 ]
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
+from .estimators import GroupStatistics, check_std_choice, estimator_row
 from .precision import accumulate_dtype
 from .validation import check_advantage_options
 
@@ -121,31 +122,46 @@ def hadw_advantages(
     group_index: torch.Tensor | Sequence[int] | None = None,
     anchor: float | torch.Tensor | None = None,
     lambda_scale: float = DEFAULT_LAMBDA_SCALE,
-    normalize_std: bool = True,
+    normalize_std: bool | None = None,
     std_eps: float = DEFAULT_STD_EPS,
+    estimator: str = "grpo",
+    prior: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A_hat * Phi [B] for a whole rollout batch, to pass to the losses as ``advantages``.
+    """A * Phi [B] for a whole rollout batch, to pass to the losses as ``advantages``.
 
     Groups are either contiguous runs of ``group_size`` rows, or the rows sharing a
     value of ``group_index`` [B] (integers, any order, groups of any size >= 2; verl's
     ``uid`` mapped to integers; a tensor, or a list or numpy array taken to rewards'
-    device). ``anchor=None`` gives the plain group-relative advantage. A group whose
-    rewards are all equal gets exactly 0. Float rewards in,
-    at least fp32 out; no gradient. The inputs are refused as the fused loss refuses
-    them: an anchor outside [0, 1] or not finite, lambda_scale or std_eps not finite and
-    positive, NaN or inf rewards, and rewards outside [0, 1] with an anchor.
+    device). ``estimator`` names the baseline b_i of A_i = r_i - b_i (docs/math.md,
+    section 2a): "grpo" (the group's mean; divided by the group's std unless
+    ``normalize_std=False``, Dr.GRPO), "rloo", "james_stein" (reads the batch's other
+    groups) or "prompt_history" (reads ``prior``, the [B, 2] pseudo-counts
+    :meth:`PromptHistory.update` returns). ``normalize_std=None`` takes the estimator's
+    own (True for "grpo" only). ``anchor=None`` gives no Phi. Under "grpo" a group whose
+    rewards are all equal gets exactly 0; the others may give it an advantage. Float
+    rewards in, at least fp32 out; no gradient. The inputs are refused as the fused loss
+    refuses them: an anchor outside [0, 1] or not finite, lambda_scale or std_eps not
+    finite and positive, NaN or inf rewards, and rewards outside [0, 1] with an anchor
+    or a prior.
     """
     if (group_size is None) == (group_index is None):
         raise ValueError("pass exactly one of group_size (contiguous groups) and group_index")
     if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
         raise TypeError("rewards must be a floating-point tensor")
+    row = estimator_row(estimator)
+    normalize_std = row.takes_std if normalize_std is None else normalize_std
+    check_std_choice(row, normalize_std)
     check_advantage_options(rewards, anchor, lambda_scale, std_eps)
-    if group_size is not None:
+    _check_prior(row, prior, rewards)
+    if group_size is not None and row.name == "grpo":
         advantage = group_advantages(rewards, group_size, normalize_std=normalize_std, std_eps=std_eps)
         if anchor is not None:
             advantage = advantage * hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
         return advantage
-    if not isinstance(group_index, torch.Tensor):
+    if group_size is not None:
+        _grouped(rewards, group_size)  # the contiguous groups' checks
+        group_index = torch.arange(rewards.numel(), device=rewards.device) // group_size
+    elif not isinstance(group_index, torch.Tensor):
         try:  # a list or a numpy array of ids: on rewards' device, as a tensor would be
             group_index = torch.as_tensor(group_index, device=rewards.device)
         except (TypeError, ValueError, RuntimeError) as error:
@@ -157,26 +173,39 @@ def hadw_advantages(
         raise ValueError(f"group_index is on {group_index.device}, rewards on {rewards.device}")
     values = rewards.detach().to(accumulate_dtype(rewards.dtype))
     dense, groups = _contiguous_index(group_index)
-    counts = torch.zeros(groups, dtype=values.dtype, device=values.device).index_add_(0, dense, torch.ones_like(values))
-    if bool((counts < 2).any()):
+    stats = GroupStatistics.of(values, dense, groups)
+    if bool((stats.counts < 2).any()):
         raise ValueError("every group of group_index needs at least 2 responses (a group-relative baseline)")
-    sums = torch.zeros_like(counts).index_add_(0, dense, values)
-    means = sums / counts
-    centred = values - means[dense]
-    lowest = torch.full_like(counts, float("inf")).scatter_reduce_(0, dense, values, "amin")
-    highest = torch.full_like(counts, float("-inf")).scatter_reduce_(0, dense, values, "amax")
+    advantage = values - row.baseline(values, dense, stats, prior)
+    lowest = torch.full_like(stats.counts, float("inf")).scatter_reduce_(0, dense, values, "amin")
+    highest = torch.full_like(stats.counts, float("-inf")).scatter_reduce_(0, dense, values, "amax")
     degenerate = (lowest == highest)[dense]
-    advantage = centred
     if normalize_std:
-        squares = torch.zeros_like(counts).index_add_(0, dense, centred.square())
-        std = torch.sqrt(squares / (counts - 1))
-        advantage = centred / (std[dense] + std_eps)
-    advantage = torch.where(degenerate, torch.zeros_like(advantage), advantage)
+        advantage = advantage / (stats.variances.sqrt()[dense] + std_eps)
+    if row.name == "grpo":  # exact zeros: the group mean of equal rewards may round
+        advantage = torch.where(degenerate, torch.zeros_like(advantage), advantage)
     if anchor is not None:
-        difficulty = means[dense] - _anchor_operand(anchor, values)
-        sign = torch.where(degenerate, torch.zeros_like(centred), torch.sign(centred))
-        advantage = advantage * lambda_scale * torch.exp(-sign * torch.sign(difficulty) * difficulty.abs())
+        difficulty = (stats.sums / stats.counts)[dense] - _anchor_operand(anchor, values)
+        advantage = advantage * lambda_scale * torch.exp(-torch.sign(advantage) * torch.sign(difficulty) * difficulty.abs())
     return advantage
+
+
+def _check_prior(row, prior, rewards: torch.Tensor) -> None:
+    if row.scope != "history":
+        if prior is not None:
+            raise ValueError(f"prior is read by the history estimators only, not estimator={row.name!r}")
+        return
+    if prior is None:
+        raise ValueError(f"estimator={row.name!r} needs prior: the [B, 2] pseudo-counts PromptHistory.update returns")
+    if not isinstance(prior, torch.Tensor) or not prior.is_floating_point():
+        raise TypeError("prior must be a floating-point tensor [B, 2] (PromptHistory.update's)")
+    if prior.shape != (rewards.numel(), 2) or prior.device != rewards.device:
+        raise ValueError(f"prior must be [{rewards.numel()}, 2] on {rewards.device}, got {tuple(prior.shape)} "
+                         f"on {prior.device}")
+    if not bool(torch.isfinite(prior).all()) or bool((prior < 0).any()) or not bool((prior.sum(1) > 0).all()):
+        raise ValueError("prior's pseudo-counts must be finite, non-negative and not both 0")
+    if bool(((rewards < 0) | (rewards > 1)).any()):
+        raise ValueError("rewards must lie in [0, 1] with a prompt history: its prior counts successes")
 
 
 def weighted_advantages(

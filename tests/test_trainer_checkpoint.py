@@ -27,7 +27,7 @@ from trainer.config import ConfigError
 from trainer.engine.metrics_log import MetricsLog, read_metrics
 from trainer.run import resume_point
 
-from hadw_kernels import DifficultyAnchor
+from hadw_kernels import DifficultyAnchor, PromptHistory
 
 
 class _Engine:
@@ -63,15 +63,18 @@ def _anchor_after(rewards):
 
 def test_rng_and_trainer_state_round_trip_as_json(tmp_path):
     anchor = _anchor_after([0.2, 0.4, 0.3])
+    history = PromptHistory(discount=0.8)
+    history.update(torch.tensor([1.0, 0.0, 1.0, 1.0]), [7, 7, 9, 9])
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    save_checkpoint(tmp_path, 3, _Engine(), anchor, keep=2)
+    save_checkpoint(tmp_path, 3, _Engine(), anchor, keep=2, history=history)
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
 
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    restored = DifficultyAnchor()
-    assert load_checkpoint(tmp_path / "step-00000003", _Engine(), restored) == 3
+    restored, restored_history = DifficultyAnchor(), PromptHistory(discount=0.8)
+    assert load_checkpoint(tmp_path / "step-00000003", _Engine(), restored, restored_history) == 3
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     assert restored.state_dict() == anchor.state_dict()
+    assert restored_history.state_dict() == history.state_dict() and len(restored_history) == 2
     # Everything the trainer wrote itself is JSON (DeepSpeed's files are its own).
     for name in ("trainer_state.json", "rank0.json", "manifest.json"):
         json.loads((tmp_path / "step-00000003" / name).read_text())
@@ -81,14 +84,14 @@ def test_rng_and_trainer_state_round_trip_as_json(tmp_path):
 def test_a_crafted_rank_file_cannot_run_code(tmp_path):
     """rank<r>.pt was once loaded with weights_only=False, so a crafted file ran
     arbitrary code on --resume. The trainer's state is JSON now: a pickle is an error."""
-    save_checkpoint(tmp_path, 2, _Engine(), _anchor_after([0.5]), keep=2)
+    save_checkpoint(tmp_path, 2, _Engine(), _anchor_after([0.5]), keep=2, history=PromptHistory())
     checkpoint = tmp_path / "step-00000002"
     marker = tmp_path / "exploited"
     payload = pickle.dumps(_Exploit(marker))
     for name in ("rank0.pt", "rank0.json"):  # the old name and the new one
         (checkpoint / name).write_bytes(payload)
     with pytest.raises(CheckpointError, match="rank0.json"):
-        load_checkpoint(checkpoint, _Engine(), DifficultyAnchor())
+        load_checkpoint(checkpoint, _Engine(), DifficultyAnchor(), PromptHistory())
     assert not marker.exists()
 
 
@@ -96,7 +99,7 @@ def test_a_truncated_checkpoint_is_named_and_the_newest_intact_one_used(tmp_path
     """A truncated file once gave a raw traceback after vLLM had started."""
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
-        save_checkpoint(root, step, _Engine(), _anchor_after([0.5] * step), keep=3)
+        save_checkpoint(root, step, _Engine(), _anchor_after([0.5] * step), keep=3, history=PromptHistory())
     model_file = root / "step-00000006" / "state" / "model_states.pt"
     model_file.write_bytes(model_file.read_bytes()[:100])  # a copy cut short
     (root / "step-00000004" / "rank0.json").write_text("{}")  # altered after it was written
@@ -105,7 +108,7 @@ def test_a_truncated_checkpoint_is_named_and_the_newest_intact_one_used(tmp_path
     assert str(model_file) in warnings[0] and "truncated" in warnings[0]
     assert "rank0.json" in warnings[1]
     assert "falling back to" in warnings[-1]
-    assert load_checkpoint(checkpoint, _Engine(), DifficultyAnchor()) == 2
+    assert load_checkpoint(checkpoint, _Engine(), DifficultyAnchor(), PromptHistory()) == 2
 
     (root / "step-00000002" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="no intact checkpoint"):
@@ -113,7 +116,7 @@ def test_a_truncated_checkpoint_is_named_and_the_newest_intact_one_used(tmp_path
 
 
 def test_a_checkpoint_deepspeed_cannot_read_is_named(tmp_path):
-    save_checkpoint(tmp_path, 2, _Engine(), _anchor_after([0.5]), keep=2)
+    save_checkpoint(tmp_path, 2, _Engine(), _anchor_after([0.5]), keep=2, history=PromptHistory())
     (tmp_path / "step-00000002" / "state" / "model_states.pt").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"DeepSpeed could not load .*step-00000002"):
         load_checkpoint(tmp_path / "step-00000002", _Engine(), DifficultyAnchor())
@@ -160,7 +163,7 @@ def test_resuming_a_run_that_does_not_exist_fails_unless_asked(tmp_path):
         resume_point(existing, resume=False, start_if_missing=False)
     assert resume_point(existing, resume=True, start_if_missing=False) == (
         None, [f"{existing} has no checkpoint yet: it starts again at step 0"])
-    save_checkpoint(existing / "checkpoints", 1, _Engine(), _anchor_after([0.5]), keep=2)
+    save_checkpoint(existing / "checkpoints", 1, _Engine(), _anchor_after([0.5]), keep=2, history=PromptHistory())
     assert resume_point(existing, resume=True, start_if_missing=False) == (
         existing / "checkpoints" / "step-00000001", [])
     assert [step for step, _ in completed_checkpoints(existing / "checkpoints")] == [1]

@@ -109,7 +109,8 @@ def test_scaled_variant_needs_a_factor_or_the_kalman_runs():
 def test_run_names_are_plain_paths():
     assert [run_name("compare", label, 1) for label in VARIANTS] == [
         "compare/grpo-seed1", "compare/grpo-lr-x-mean-phi-seed1", "compare/grpo-ha-dw-kalman-seed1",
-        "compare/grpo-ha-dw-authors-seed1"]
+        "compare/grpo-ha-dw-authors-seed1", "compare/rloo-seed1", "compare/james-stein-seed1",
+        "compare/prompt-history-seed1"]
 
 
 def _write_run(directory: Path, seed: int, reward: float, add: float) -> None:

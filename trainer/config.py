@@ -112,6 +112,12 @@ class RewardConfig:
 @dataclass
 class AlgorithmConfig:
     loss_type: str = "grpo"
+    # The baseline of A = r - b (docs/math.md, section 2a): grpo (the group's mean, divided
+    # by its std as the loss type says), rloo, james_stein or prompt_history.
+    advantage_estimator: str = "grpo"
+    # prompt_history's discount per rollout batch and prior strength; None: the library's.
+    history_discount: float | None = None
+    history_prior_strength: float | None = None
     hadw: bool = True
     # kalman: Kalman filter anchor, prior belief, lambda 1.3 (the default: it tracks best
     # at 64 and at 2048 rewards a batch, docs/theory.md); paper: soft anchor, prior
@@ -394,10 +400,19 @@ def _check_algorithm(config: Config) -> None:
     # Here, not at the top: the library imports torch, and run.py imports this module
     # before it sets the thread count torch reads when it loads.
     from hadw_kernels.presets import LOSS_TYPES
+    from hadw_kernels.estimators import ESTIMATOR_NAMES
+    from hadw_kernels.history import PromptHistory
     from hadw_kernels.loss import check_options, fused_linear_hadw_grpo_loss
 
     algo = config.algorithm
     _choice("algorithm.loss_type", algo.loss_type, LOSS_TYPES)
+    _choice("algorithm.advantage_estimator", algo.advantage_estimator, ESTIMATOR_NAMES)
+    try:
+        PromptHistory(**{name: value for name, value in (("discount", algo.history_discount),
+                                                         ("prior_strength", algo.history_prior_strength))
+                         if value is not None})
+    except ValueError as error:
+        raise ConfigError(f"algorithm.history_{error}") from None
     _choice("algorithm.anchor_preset", algo.anchor_preset, ANCHOR_PRESETS)
     _choice("algorithm.rollout_correction", algo.rollout_correction, ROLLOUT_CORRECTIONS)
     explicit = algo.rollout_correction not in ROLLOUT_CORRECTION_SWITCHES

@@ -80,7 +80,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([_text_to_bytes(text) for text in state["cuda"]])
 
 
-def save_checkpoint(root: Path, step: int, engine, anchor, keep: int) -> Path:
+def save_checkpoint(root: Path, step: int, engine, anchor, keep: int, history) -> Path:
     """Collective: every rank calls it. Returns the completed directory."""
     rank = _rank()
     partial = root / f".partial-{step:08d}"
@@ -96,7 +96,8 @@ def save_checkpoint(root: Path, step: int, engine, anchor, keep: int) -> Path:
     rank_state = {"rng": rng_state(), "anchor": anchor.state_dict()}
     (partial / f"rank{rank}.json").write_text(json.dumps(rank_state))
     if rank == 0:
-        state = {"step": step, "anchor": anchor.state_dict()}
+        # The prompts' history is the same on every rank (each folds in the gathered batch).
+        state = {"step": step, "anchor": anchor.state_dict(), "history": history.state_dict()}
         (partial / TRAINER_STATE).write_text(json.dumps(state))
     _barrier()
     if rank == 0:
@@ -119,7 +120,7 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is not the JSON the trainer writes: {error}") from None
 
 
-def load_checkpoint(path: Path, engine, anchor) -> int:
+def load_checkpoint(path: Path, engine, anchor, history) -> int:
     """Restores everything into the live objects; returns the step it was saved at."""
     state = _read_json(path / TRAINER_STATE)
     rank_file = path / f"rank{_rank()}.json"
@@ -135,6 +136,8 @@ def load_checkpoint(path: Path, engine, anchor) -> int:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {path / DEEPSPEED_TAG}")
     try:
         anchor.load_state_dict(state["anchor"])
+        if "history" in state:  # absent from the checkpoints of before the prompts' history
+            history.load_state_dict(state["history"])
         if rank_state is not None:
             set_rng_state(rank_state["rng"])
         return int(state["step"])

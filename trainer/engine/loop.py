@@ -26,7 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, hadw_advantages, hadw_weights
+from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, PromptHistory, hadw_advantages, prompt_key
+from hadw_kernels.estimators import ESTIMATORS
+from hadw_kernels.history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH
 from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE
 from hadw_kernels.metrics import METRIC_MEAN_OVER
 from hadw_kernels.layouts import prompt_groups
@@ -60,19 +62,45 @@ def build_anchor(algo) -> tuple[DifficultyAnchor, float]:
     return DifficultyAnchor(rule, belief="prior", **options), algo.lambda_scale or DEFAULT_LAMBDA_SCALE
 
 
-def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale: float,
-                     belief: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """A_hat * Phi of every response of a rank's rollout batch (its groups whole and in
-    order), formed once so that micro-batches may take any rows, and the groups' figures
+def build_history(algo) -> PromptHistory:
+    """Every run keeps its prompts' history (cheap: two numbers a prompt), whatever its
+    estimator, so the bias tool can score ``prompt_history`` at any run's checkpoints."""
+    discount = DEFAULT_DISCOUNT if algo.history_discount is None else algo.history_discount
+    strength = DEFAULT_PRIOR_STRENGTH if algo.history_prior_strength is None else algo.history_prior_strength
+    return PromptHistory(discount=discount, prior_strength=strength)
+
+
+def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale: float, belief: float,
+                     prior: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """A * Phi of every response of the whole rollout batch (every rank's, gathered, its
+    groups whole and in order; the batch estimators read the other ranks' groups too),
+    formed once so that micro-batches may take any rows, and the groups' figures
     (phi_mean, zero_std_frac) the loss cannot see once given advantages."""
     anchor = belief if algo.hadw else None
-    advantages = hadw_advantages(rewards, group_size=group_size, anchor=anchor, lambda_scale=lambda_scale,
-                                 normalize_std=LOSS_PRESETS[algo.loss_type].normalize_std)
-    phi = (hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
-           if anchor is not None else torch.ones_like(advantages))
+    row = ESTIMATORS[algo.advantage_estimator]
+    normalize_std = LOSS_PRESETS[algo.loss_type].normalize_std and row.takes_std
+    plain = hadw_advantages(rewards, group_size=group_size, lambda_scale=lambda_scale, normalize_std=normalize_std,
+                            estimator=row.name, prior=prior if row.scope == "history" else None)
+    advantages = plain
+    if anchor is not None:
+        advantages = hadw_advantages(rewards, group_size=group_size, anchor=anchor, lambda_scale=lambda_scale,
+                                     normalize_std=normalize_std, estimator=row.name,
+                                     prior=prior if row.scope == "history" else None)
+    # Phi where A is 0 is lambda (exp(0)), as hadw_weights gives it: it multiplies nothing.
+    unweighted = torch.full_like(plain, lambda_scale if anchor is not None else 1.0)
+    phi = torch.where(plain != 0, advantages / torch.where(plain != 0, plain, 1), unweighted)
     grouped = rewards.view(-1, group_size)
     degenerate = (grouped.amax(dim=1) == grouped.amin(dim=1)).float()
     return advantages, {"phi_mean": float(phi.mean()), "zero_std_frac": float(degenerate.mean())}
+
+
+def _all_gather(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``values`` (equal shapes), concatenated in rank order."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, values.contiguous())
+        return torch.cat(parts)
+    return values
 
 
 def _all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -167,6 +195,7 @@ class Trainer:
         self._build_prompt_source()
         self.policy = Policy(model, config, world_size)
         self.anchor, self.lambda_scale = build_anchor(config.algorithm)
+        self.history = build_history(config.algorithm)
         self.reward = build_reward(config.data, config.reward)
         self.error_messages = 0
         self.degenerate_steps = 0
@@ -174,7 +203,7 @@ class Trainer:
 
         self.start_step = 0
         if checkpoint is not None:
-            self.start_step = load_checkpoint(checkpoint, self.policy.engine, self.anchor)
+            self.start_step = load_checkpoint(checkpoint, self.policy.engine, self.anchor, self.history)
         if resumed_changes is not None:
             with (self.run_dir / "resumes.jsonl").open("a") as handle:
                 handle.write(json.dumps({"step": self.start_step, "checkpoint": checkpoint.name,
@@ -294,18 +323,24 @@ class Trainer:
         rewarded = time.perf_counter()
 
         belief = self.anchor.update(rewards)  # once per rollout batch, all-reduced
+        # Both once per rollout batch, over every rank's responses: the history is the same
+        # on every rank, and each rank keeps its own rows' advantages.
+        prior = self.history.update(rewards, [prompt_key(ids) for ids in prompt_ids for _ in range(self.group_size)])
+        own_rows = slice(self.rank * len(rewards), (self.rank + 1) * len(rewards))
+        all_advantages, group_figures = batch_advantages(_all_gather(rewards), self.group_size, self.config.algorithm,
+                                                         self.lambda_scale, belief, _all_gather(prior))
         tallies = self._global_tallies(per_response, rewards, responses, len(scored.errors))
         self._log_samples(step, problems, prompt_ids, texts, scored.rewards)
-        all_degenerate = tallies["degenerate_groups"] == tallies["groups"]
-        if all_degenerate:
-            self._warn_degenerate(step, tallies)
         # Zero advantage everywhere: a zero gradient, unless an entropy bonus adds one.
-        skip = all_degenerate and self.config.algorithm.entropy_coef == 0
+        no_advantage = not bool(all_advantages.any())
+        if no_advantage:
+            self._warn_degenerate(step, tallies)
+        skip = no_advantage and self.config.algorithm.entropy_coef == 0
         if skip:
             figures = {}
         else:
             figures = self._update(step, prompt_ids, responses, engine_logprobs, rewards.to(self.policy.device),
-                                   belief, tallies)
+                                   all_advantages[own_rows].to(self.policy.device), group_figures, tallies)
         trained = time.perf_counter()
 
         if self.rollout.needs_weight_sync and not skip:
@@ -430,7 +465,8 @@ class Trainer:
         count = int(_all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
         return split_to_count(micro_batches, count, prompt_lengths, response_lengths, layout=layout, groups=groups)
 
-    def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, belief, tallies) -> dict:
+    def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, advantages, group_figures,
+                tallies) -> dict:
         train, algo = self.config.train, self.config.algorithm
         group = self.group_size
         pad = self.tokenizer.pad_token_id
@@ -445,8 +481,6 @@ class Trainer:
         def batch_of(rows):
             return self.policy.layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows],
                                             pad_token_id=pad, device=self.policy.device)
-
-        advantages, group_figures = batch_advantages(rewards, group, algo, self.lambda_scale, belief)
 
         # Behaviour log-probs: the policy before this batch's first update, kept per row.
         old_logprobs: list[torch.Tensor] = [None] * len(responses)
@@ -533,7 +567,7 @@ class Trainer:
                     self.evaluate(done)
                 if done % config.run.checkpoint_every == 0 or done == config.train.steps:
                     save_checkpoint(self.run_dir / "checkpoints", done, self.policy.engine, self.anchor,
-                                    config.run.keep_checkpoints)
+                                    config.run.keep_checkpoints, self.history)
             if config.run.export_hf:
                 self.policy.export_hf(self.run_dir / "hf_model", self.tokenizer)
                 self.log.message(f"trained model saved as a Hugging Face directory: {self.run_dir / 'hf_model'}")

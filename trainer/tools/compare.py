@@ -65,6 +65,10 @@ VARIANTS = {
     LR_SCALED: ["algorithm.hadw=false"],  # and train.learning_rate, set in main()
     KALMAN: ["algorithm.hadw=true", "algorithm.anchor_preset=kalman"],
     "GRPO+HA-DW (authors)": ["algorithm.hadw=true", "algorithm.anchor_preset=authors_code"],
+    # The estimators of docs/math.md section 2a, each without Phi.
+    "RLOO": ["algorithm.hadw=false", "algorithm.advantage_estimator=rloo"],
+    "James-Stein": ["algorithm.hadw=false", "algorithm.advantage_estimator=james_stein"],
+    "prompt history": ["algorithm.hadw=false", "algorithm.advantage_estimator=prompt_history"],
 }
 
 
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", type=parse_sweep, metavar="SECTION.KEY=V1,V2,...",
                         help="run the comparison at each of these values of one setting (default: none)")
     parser.add_argument("--name", default="compare", help="directory under run.output_dir")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="LABEL",
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS)[:4], metavar="LABEL",
                         help=f"which of {list(VARIANTS)}; the first is the baseline of a sweep's differences")
     parser.add_argument("--lr-scale", type=POSITIVE_FLOAT,
                         help=f"the factor on the learning rate of {LR_SCALED!r} (default: the mean Phi of this "

@@ -1,0 +1,177 @@
+"""Per-prompt history: a discounted Beta posterior of each prompt's success rate, for the
+``prompt_history`` estimator (docs/math.md, section 2a).
+
+Like :class:`~hadw_kernels.anchor.DifficultyAnchor` it lives across rollout batches:
+once per batch, :meth:`PromptHistory.update` returns each response's pseudo-counts
+(alpha, beta) read before the batch is folded in, which ``hadw_advantages(...,
+estimator="prompt_history", prior=...)`` turns into leave-one-out baselines. Prompts are
+named by integer keys the caller gives (:func:`prompt_key` hashes a prompt's tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .anchor import checked_rewards
+
+STATE_VERSION = 1
+# The discount per rollout batch and the prior's strength (docs/math.md, section 2a, and
+# docs/estimators.md for the measurement that chose them).
+DEFAULT_DISCOUNT = 0.9
+DEFAULT_PRIOR_STRENGTH = 2.0
+
+
+def prompt_key(tokens: Sequence[int] | torch.Tensor | str) -> int:
+    """A stable signed 63-bit key for a prompt's token ids (or its text): the same on every
+    rank and in every process, unlike Python's ``hash``."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.reshape(-1).tolist()
+    data = tokens.encode() if isinstance(tokens, str) else ",".join(str(int(t)) for t in tokens).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def _check_positive(name: str, value: float, *, at_most_one: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 \
+            or (at_most_one and value > 1):
+        bound = "in (0, 1]" if at_most_one else "finite and positive"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return float(value)
+
+
+class PromptHistory:
+    """alpha_x, beta_x per prompt key: successes and failures, each discounted by
+    ``discount`` per rollout batch since they were seen. A prompt never seen reads the
+    prior: strength ``prior_strength`` at the mean of every reward seen so far (itself
+    discounted the same way; 1/2 before the first batch)."""
+
+    def __init__(self, discount: float = DEFAULT_DISCOUNT, prior_strength: float = DEFAULT_PRIOR_STRENGTH) -> None:
+        self.discount = _check_positive("discount", discount, at_most_one=True)
+        self.prior_strength = _check_positive("prior_strength", prior_strength)
+        self.reset()
+
+    def reset(self) -> None:
+        self.step = 0
+        # key -> [alpha, beta, step of the last update]
+        self._prompts: dict[int, list[float]] = {}
+        self._seen = [0.0, 0.0]  # every reward's discounted successes and failures
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def _decay(self, since: float) -> float:
+        return self.discount ** (self.step - since)
+
+    def prior_mean(self) -> float:
+        successes, failures = self._seen
+        return successes / (successes + failures) if successes + failures > 0 else 0.5
+
+    def read(self, keys: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """[K, 2] float64 (alpha, beta) of each key, as of now (no update)."""
+        keys = _keys(keys)
+        mean = self.prior_mean()
+        prior = (self.prior_strength * mean, self.prior_strength * (1 - mean))
+        rows = []
+        for key in keys:
+            seen = self._prompts.get(key)
+            if seen is None:
+                rows.append(prior)
+            else:
+                decay = self._decay(seen[2])
+                rows.append((prior[0] + decay * seen[0], prior[1] + decay * seen[1]))
+        return torch.tensor(rows, dtype=torch.float64).reshape(-1, 2)
+
+    def update(self, rewards, prompt_keys: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Folds one rollout batch in and returns each response's (alpha, beta) [B, 2]
+        read before it, on the rewards' device (float64).
+
+        ``rewards`` [B] in [0, 1]; ``prompt_keys`` [B] each response's prompt key
+        (integers; a group's responses share theirs). Under torch.distributed each rank's
+        keys and rewards are gathered, so every rank folds in the whole batch and holds the
+        same history; the pseudo-counts returned are this rank's responses'."""
+        device = rewards.device if isinstance(rewards, torch.Tensor) else torch.device("cpu")
+        values = checked_rewards(rewards).reshape(-1)
+        keys = _keys(prompt_keys)
+        if len(keys) != values.numel():
+            raise ValueError(f"prompt_keys has {len(keys)} entries, rewards {values.numel()}")
+        if values.numel() == 0:
+            raise ValueError("cannot update the history from an empty batch of rewards")
+        prior = self.read(keys)
+        totals: dict[int, list[float]] = {}
+        for key, value in zip(_gathered(keys), _gathered(values.tolist())):
+            entry = totals.setdefault(key, [0.0, 0.0])
+            entry[0] += value
+            entry[1] += 1.0 - value
+        self.step += 1
+        decay = self.discount
+        self._seen = [decay * self._seen[0], decay * self._seen[1]]
+        for key, (successes, failures) in totals.items():
+            self._seen[0] += successes
+            self._seen[1] += failures
+            seen = self._prompts.get(key)
+            if seen is None:
+                self._prompts[key] = [successes, failures, self.step]
+            else:
+                carried = self._decay(seen[2])
+                self._prompts[key] = [carried * seen[0] + successes, carried * seen[1] + failures, self.step]
+        return prior.to(device)
+
+    def state_dict(self) -> dict:
+        """The whole state as plain numbers and lists (JSON-ready), versioned."""
+        return {
+            "version": STATE_VERSION,
+            "config": {"discount": self.discount, "prior_strength": self.prior_strength},
+            "step": self.step,
+            "seen": list(self._seen),
+            "prompts": [[key, *values] for key, values in self._prompts.items()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores a ``state_dict()``, checked whole before anything is assigned; a state
+        saved with another discount or prior strength is refused (its counts mean another
+        thing)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a PromptHistory state of version {STATE_VERSION}")
+        config = {"discount": self.discount, "prior_strength": self.prior_strength}
+        if state.get("config") != config:
+            raise ValueError(f"the state was saved with {state.get('config')}, this history has {config}")
+        step, seen, prompts = state.get("step"), state.get("seen"), state.get("prompts")
+        numbers = [*seen, *(v for row in prompts for v in row[1:])] if isinstance(seen, list) and \
+            isinstance(prompts, list) and all(isinstance(row, list) and len(row) == 4 for row in prompts) else None
+        if not isinstance(step, int) or step < 0 or numbers is None or len(seen) != 2 or not all(
+                isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in numbers) or not all(
+                isinstance(row[0], int) and row[3] <= step for row in prompts):
+            raise ValueError("the history state is malformed (step, seen or prompts)")
+        self.step = step
+        self._seen = [float(seen[0]), float(seen[1])]
+        self._prompts = {row[0]: [float(row[1]), float(row[2]), row[3]] for row in prompts}
+
+    def __repr__(self) -> str:
+        return (f"PromptHistory(discount={self.discount}, prior_strength={self.prior_strength}, "
+                f"step={self.step}, prompts={len(self)})")
+
+
+def _keys(keys) -> list[int]:
+    if isinstance(keys, torch.Tensor):
+        if keys.dim() != 1 or keys.is_floating_point() or keys.is_complex() or keys.dtype == torch.bool:
+            raise TypeError(f"prompt_keys must be a 1-D integer tensor, got {keys.dtype} of shape {tuple(keys.shape)}")
+        return keys.tolist()
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise TypeError(f"prompt_keys must be a sequence of integers, got {type(keys).__name__}")
+    if not all(isinstance(key, int) and not isinstance(key, bool) for key in keys):
+        raise TypeError("prompt_keys must hold integers (e.g. hadw_kernels.prompt_key(tokens))")
+    return list(keys)
+
+
+def _gathered(items: list) -> list:
+    """Every rank's ``items``, concatenated in rank order (this rank's alone without a
+    process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(items)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, list(items))
+    return [item for part in parts for item in part]

@@ -1,0 +1,231 @@
+"""The advantage estimators (docs/math.md, section 2a): hadw_advantages and PromptHistory
+against the float64 loops of hadw_kernels/reference/estimators.py, on exact small cases
+and random batches, and their refusals."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hadw_kernels import ESTIMATOR_NAMES, PromptHistory, hadw_advantages, prompt_key
+from hadw_kernels.estimators import ESTIMATORS
+from hadw_kernels.reference import estimators as reference
+
+BATCH_ESTIMATORS = [name for name in ESTIMATOR_NAMES if ESTIMATORS[name].scope != "history"]
+
+
+def _advantages(rewards, groups, estimator, **options):
+    return hadw_advantages(torch.tensor(rewards, dtype=torch.float64), group_index=torch.tensor(groups),
+                           estimator=estimator, **options)
+
+
+# --- exact small cases --------------------------------------------------------------------
+
+
+def test_g2_rloo_is_twice_the_centred_advantage_and_grpo_normalised_is_plus_minus_root_half():
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    assert _advantages(rewards, [0, 0, 1, 1], "rloo").tolist() == [1.0, -1.0, -1.0, 1.0]
+    assert _advantages(rewards, [0, 0, 1, 1], "grpo", normalize_std=False).tolist() == [0.5, -0.5, -0.5, 0.5]
+    normalised = _advantages(rewards, [0, 0, 1, 1], "grpo")
+    assert normalised.tolist() == pytest.approx([2 ** -0.5, -(2 ** -0.5)] * 1 + [-(2 ** -0.5), 2 ** -0.5], abs=1e-5)
+
+
+def test_james_stein_by_hand():
+    # Groups: {1, 0} (mean 1/2, var 1/2) and {1, 1} (mean 1, var 0), and {0, 0}.
+    rewards, groups = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0], [0, 0, 1, 1, 2, 2]
+    result = _advantages(rewards, groups, "james_stein").tolist()
+    # Group 1 (all 1): the others are groups 0 and 2: v = mean(1/2 / 1, 0) = 1/4, their
+    # means 1/2 and 0 around 1/4: s = 1/16, lambda = (1/4) / (5/16) = 4/5, m_other = 1/4;
+    # b = 1/5 * 1 + 4/5 * 1/4 = 2/5, so A = 3/5 for both responses.
+    assert result[2] == pytest.approx(0.6) and result[3] == pytest.approx(0.6)
+    # Group 0: others are {1, 1} and {0, 0}: v = 0, lambda = 0, so RLOO: +1, -1.
+    assert result[:2] == pytest.approx([1.0, -1.0])
+    # Group 2 (all 0): others {1, 0} and {1, 1}: v = 1/4, means 1/2 and 1 around 3/4: s = 1/16,
+    # lambda = 4/5, m_other = 3/4: b = 4/5 * 3/4 = 3/5, A = -3/5.
+    assert result[4:] == pytest.approx([-0.6, -0.6])
+
+
+@pytest.mark.parametrize("estimator", BATCH_ESTIMATORS)
+def test_one_prompt_batch_uses_its_group_alone(estimator):
+    # No other prompt: James-Stein has nothing to shrink toward and is RLOO.
+    result = _advantages([1.0, 0.0, 0.0], [4, 4, 4], estimator, normalize_std=False)
+    expected = reference.advantages([1.0, 0.0, 0.0], [4, 4, 4], estimator)
+    assert result.tolist() == pytest.approx(expected)
+    if estimator != "grpo":
+        assert result.tolist() == pytest.approx([1.0, -0.5, -0.5])
+
+
+def test_all_equal_groups_get_zero_in_group_and_signal_from_outside():
+    rewards, groups = [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0], [0, 0, 1, 1, 2, 2, 3, 3]
+    for estimator in ("grpo", "rloo"):
+        result = _advantages(rewards, groups, estimator, normalize_std=False)
+        assert result[:2].tolist() == [0.0, 0.0] and result[6:].tolist() == [0.0, 0.0]
+    shrunk = _advantages(rewards, groups, "james_stein")
+    assert bool((shrunk[:2] > 0).all()) and bool((shrunk[6:] < 0).all())
+
+
+def test_prompt_never_seen_reads_the_prior_and_a_seen_one_its_counts():
+    history = PromptHistory(discount=0.5, prior_strength=2.0)
+    first = history.update(torch.tensor([1.0, 1.0, 0.0, 0.0]), [10, 10, 20, 20])
+    assert first.tolist() == [[1.0, 1.0]] * 4  # nothing seen: strength 2 at 1/2
+    second = history.update(torch.tensor([1.0, 0.0, 1.0, 0.0]), [10, 10, 30, 30])
+    # The mean seen is 1/2, so the prior is (1, 1); prompt 10 adds its 2 successes.
+    assert second.tolist() == [[3.0, 1.0], [3.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    result = hadw_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), group_size=2, estimator="prompt_history",
+                             prior=second)
+    # b of prompt 10's success: (3 + 0) / (3 + 1 + 1) = 3/5; of its failure (3 + 1) / 5;
+    # prompt 30's, from the prior alone: 1/3 and 2/3.
+    assert result.tolist() == pytest.approx([0.4, -0.8, 2 / 3, -2 / 3])
+
+
+# --- against the float64 reference --------------------------------------------------------
+
+
+def _random_batch(generator, groups, size):
+    rewards = (torch.rand(groups * size, generator=generator, dtype=torch.float64) < 0.4).double()
+    labels = torch.arange(groups).repeat_interleave(size)
+    order = torch.randperm(groups * size, generator=generator)
+    return rewards[order], (labels * 7 + 3)[order]
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+@pytest.mark.parametrize("estimator", BATCH_ESTIMATORS)
+def test_matches_reference_on_shuffled_batches(estimator, size):
+    generator = torch.Generator().manual_seed(size)
+    rewards, labels = _random_batch(generator, 6, size)
+    result = hadw_advantages(rewards, group_index=labels, estimator=estimator, normalize_std=False)
+    expected = reference.advantages(rewards.tolist(), labels.tolist(), estimator)
+    assert result.tolist() == pytest.approx(expected, abs=1e-12)
+    # Contiguous groups give the same numbers as their index.
+    order = torch.argsort(labels, stable=True)
+    contiguous = hadw_advantages(rewards[order], group_size=size, estimator=estimator, normalize_std=False)
+    assert contiguous.tolist() == pytest.approx(result[order].tolist(), abs=1e-12)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATOR_NAMES)
+def test_phi_composes_with_every_estimator(estimator):
+    generator = torch.Generator().manual_seed(3)
+    rewards, labels = _random_batch(generator, 5, 4)
+    priors = [(1.0 + key % 3, 2.0) for key in labels.tolist()] if estimator == "prompt_history" else None
+    prior = torch.tensor(priors, dtype=torch.float64) if priors else None
+    result = hadw_advantages(rewards, group_index=labels, estimator=estimator, normalize_std=False, anchor=0.3,
+                             lambda_scale=1.3, prior=prior)
+    expected = reference.advantages(rewards.tolist(), labels.tolist(), estimator, priors=priors, anchor=0.3,
+                                    lambda_scale=1.3)
+    assert result.tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_float32_rewards_agree_with_float64():
+    generator = torch.Generator().manual_seed(5)
+    rewards, labels = _random_batch(generator, 8, 4)
+    for estimator in BATCH_ESTIMATORS:
+        low = hadw_advantages(rewards.float(), group_index=labels, estimator=estimator, normalize_std=False)
+        high = hadw_advantages(rewards, group_index=labels, estimator=estimator, normalize_std=False)
+        assert low.dtype == torch.float32
+        assert torch.allclose(low.double(), high, atol=1e-6)
+
+
+def test_history_matches_its_replay_over_many_batches():
+    generator = torch.Generator().manual_seed(11)
+    batches = []
+    for _ in range(6):
+        keys = torch.randint(0, 5, (4,), generator=generator).repeat_interleave(3).tolist()
+        rewards = (torch.rand(12, generator=generator) < 0.5).double().tolist()
+        batches.append((rewards, keys))
+    history = PromptHistory(discount=0.7, prior_strength=1.5)
+    reads = [history.update(torch.tensor(rewards), keys) for rewards, keys in batches]
+    expected = reference.history_replay(batches, 0.7, 1.5)
+    for read, want in zip(reads, expected):
+        assert torch.allclose(read, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_history_state_round_trips_and_refuses_another_discount():
+    history = PromptHistory(discount=0.8)
+    history.update(torch.tensor([1.0, 0.0, 1.0, 1.0]), [prompt_key([1, 2]), prompt_key([1, 2]), 5, 5])
+    restored = PromptHistory(discount=0.8)
+    restored.load_state_dict(history.state_dict())
+    assert restored.read([5, 6]).tolist() == history.read([5, 6]).tolist()
+    with pytest.raises(ValueError, match="saved with"):
+        PromptHistory(discount=0.9).load_state_dict(history.state_dict())
+    with pytest.raises(ValueError, match="malformed"):
+        broken = history.state_dict()
+        broken["prompts"][0][1] = -1.0
+        PromptHistory(discount=0.8).load_state_dict(broken)
+
+
+def test_prompt_key_is_stable_and_takes_tensors():
+    assert prompt_key([3, 4, 5]) == prompt_key(torch.tensor([3, 4, 5])) != prompt_key([3, 4, 6])
+    assert 0 <= prompt_key("a prompt") < 2 ** 63
+
+
+# --- refusals -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda r: hadw_advantages(r, group_size=2, estimator="rloo", normalize_std=True), ValueError, "normalize_std=False"),
+    (lambda r: hadw_advantages(r, group_size=2, estimator="median"), ValueError, "estimator must be one of"),
+    (lambda r: hadw_advantages(r, group_size=2, estimator="prompt_history"), ValueError, "needs prior"),
+    (lambda r: hadw_advantages(r, group_size=2, prior=torch.ones(4, 2)), ValueError, "history estimators only"),
+    (lambda r: hadw_advantages(r, group_size=2, estimator="prompt_history", prior=torch.ones(3, 2)), ValueError,
+     r"prior must be \[4, 2\]"),
+    (lambda r: hadw_advantages(r, group_size=2, estimator="prompt_history", prior=-torch.ones(4, 2)), ValueError,
+     "non-negative"),
+    (lambda r: hadw_advantages(r * 2, group_size=2, estimator="prompt_history", prior=torch.ones(4, 2)), ValueError,
+     r"\[0, 1\]"),
+    (lambda r: hadw_advantages(r, group_size=3, estimator="james_stein"), ValueError, "do not split"),
+])
+def test_refusals_name_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call(torch.tensor([1.0, 0.0, 1.0, 1.0]))
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"discount": 0.0}, "discount"), ({"discount": 1.5}, "discount"), ({"prior_strength": -1.0}, "prior_strength"),
+    ({"discount": float("nan")}, "discount"),
+])
+def test_history_options_are_checked(options, match):
+    with pytest.raises(ValueError, match=match):
+        PromptHistory(**options)
+
+
+def test_history_update_refuses_bad_keys():
+    history = PromptHistory()
+    with pytest.raises(ValueError, match="prompt_keys has 1"):
+        history.update(torch.tensor([1.0, 0.0]), [1])
+    with pytest.raises(TypeError, match="integers"):
+        history.update(torch.tensor([1.0, 0.0]), [1.5, 2.5])
+    with pytest.raises(TypeError, match="integer tensor"):
+        history.update(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 2.0]))
+    assert history.step == 0 and len(history) == 0  # nothing folded in
+
+
+# --- under torch.distributed ---------------------------------------------------------------
+
+
+def _rank_main(rank, world_size, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        history = PromptHistory(discount=0.5)
+        shards = [([1.0, 1.0, 0.0, 1.0], [1, 1, 2, 2]), ([0.0, 0.0], [1, 1])]
+        rewards, keys = shards[rank]
+        history.update(torch.tensor(rewards), keys)
+        results[rank] = (history.state_dict(), history.update(torch.tensor(rewards), keys).tolist())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_holds_the_whole_batchs_history():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_rank_main, args=(2, port, results), nprocs=2, join=True)
+    assert results[0][0] == results[1][0]
+    # Prompt 1 was seen with 2 successes (rank 0) and 2 failures (rank 1); the mean of all
+    # six rewards is 1/2, so its prior reads (1 + 2, 1 + 2) on both ranks.
+    assert results[0][1][0] == results[1][1][0] == [3.0, 3.0]
