@@ -219,6 +219,9 @@ class Trainer:
             enabled=rank == 0,
             progress=config.run.progress,
         )
+        # Each step's groups (prompt key, successes): the prompts' history at any discount
+        # can be rebuilt from it (the bias tool's --history-discounts).
+        self.outcomes = JsonlLog(self.run_dir / "outcomes.jsonl", first_step=self.start_step, enabled=rank == 0)
         self.samples = JsonlLog(self.run_dir / "samples.jsonl", first_step=self.start_step,
                                 enabled=rank == 0 and config.run.log_samples > 0)
         # Cut back to before the first step: the run evaluates its first step (again).
@@ -325,10 +328,15 @@ class Trainer:
         belief = self.anchor.update(rewards)  # once per rollout batch, all-reduced
         # Both once per rollout batch, over every rank's responses: the history is the same
         # on every rank, and each rank keeps its own rows' advantages.
-        prior = self.history.update(rewards, [prompt_key(ids) for ids in prompt_ids for _ in range(self.group_size)])
+        keys = [prompt_key(ids) for ids in prompt_ids]
+        prior = self.history.update(rewards, [key for key in keys for _ in range(self.group_size)])
         own_rows = slice(self.rank * len(rewards), (self.rank + 1) * len(rewards))
-        all_advantages, group_figures = batch_advantages(_all_gather(rewards), self.group_size, self.config.algorithm,
+        all_rewards = _all_gather(rewards)
+        all_advantages, group_figures = batch_advantages(all_rewards, self.group_size, self.config.algorithm,
                                                          self.lambda_scale, belief, _all_gather(prior))
+        self.outcomes.write({"step": step + 1, "size": self.group_size,
+                             "keys": _all_gather(torch.tensor(keys, dtype=torch.int64)).tolist(),
+                             "successes": all_rewards.view(-1, self.group_size).sum(dim=1).tolist()})
         tallies = self._global_tallies(per_response, rewards, responses, len(scored.errors))
         self._log_samples(step, problems, prompt_ids, texts, scored.rewards)
         # Zero advantage everywhere: a zero gradient, unless an entropy bonus adds one.
@@ -574,6 +582,7 @@ class Trainer:
         finally:
             self.log.close()
             self.samples.close()
+            self.outcomes.close()
             self.evaluations.close()
             self.reward.close()
         rows = read_metrics(self.run_dir / "metrics.jsonl") if self.rank == 0 else []
