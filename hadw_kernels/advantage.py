@@ -215,10 +215,22 @@ def weighted_advantages(
     anchor: float | torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(A, Phi [S] or None): the caller's advantages (as given: per token [N] or per
-    response [S]), or A_hat * Phi [S] from rewards."""
+    response [S]), or A * Phi [S] from rewards by ``config.advantage_estimator``."""
     if advantages is not None:
         return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
     rewards = rewards.detach()
+    if config.advantage_estimator != "grpo":
+        plain = hadw_advantages(rewards, group_size=config.group_size, normalize_std=config.normalize_std,
+                                std_eps=config.std_eps, estimator=config.advantage_estimator)
+        if anchor is None:
+            return plain, torch.ones_like(plain)
+        weighted = hadw_advantages(rewards, group_size=config.group_size, normalize_std=config.normalize_std,
+                                   std_eps=config.std_eps, estimator=config.advantage_estimator, anchor=anchor,
+                                   lambda_scale=config.lambda_scale)
+        # Phi of a zero advantage is lambda (exp(0)), as hadw_weights gives it.
+        phi = torch.where(plain != 0, weighted / torch.where(plain != 0, plain, 1),
+                          torch.full_like(plain, config.lambda_scale))
+        return weighted, phi
     advantage_hat = group_advantages(
         rewards, config.group_size, normalize_std=config.normalize_std, std_eps=config.std_eps
     )
@@ -227,6 +239,18 @@ def weighted_advantages(
     else:
         phi = hadw_weights(rewards, config.group_size, anchor, lambda_scale=config.lambda_scale)
     return advantage_hat * phi, phi
+
+
+def estimated_batch(batch: SurrogateBatch) -> tuple[SurrogateBatch, dict[str, torch.Tensor]]:
+    """A call whose estimator reads beyond the group's mean (``config.advantage_estimator``
+    other than "grpo"): its advantages formed here, over the call's groups, and handed to
+    the backend as each response's, with the group metrics the kernels then cannot form.
+    The group mean's stay in the kernels (one launch)."""
+    if batch.rewards is None or batch.config.advantage_estimator == "grpo":
+        return batch, {}
+    advantages, phi = weighted_advantages(batch.rewards, None, batch.config, batch.anchor)
+    figures = group_metrics(batch.rewards, phi, batch.config.group_size) if batch.with_metrics else {}
+    return batch.replace(rewards=None, anchor=None, response_advantages=advantages), figures
 
 
 def batch_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -25,6 +25,7 @@ from .checks import check_finite_positive, compiling
 from .correction_table import RolloutCorrection
 from .objective_table import OBJECTIVE_NAMES, OBJECTIVE_OPTIONS, OBJECTIVES, RATIO_LEVELS
 from .option_types import LossOptions
+from .estimators import ESTIMATORS, check_std_choice, estimator_row
 from .presets import LOSS_PRESETS, LOSS_TYPES
 
 # KL(pi || pi_ref) estimators from the token log-probs, as verl's kl_penalty (k3 is its
@@ -80,6 +81,12 @@ def _objective_option_fields(after: str):
     return add
 
 
+def _takes_std(estimator) -> bool:
+    """Whether an estimator named in the options lets the preset's std divide its
+    advantage; an unknown name is left to validate()'s message."""
+    return estimator is None or estimator not in ESTIMATORS or ESTIMATORS[estimator].takes_std
+
+
 @dataclass(frozen=True)
 @_objective_option_fields(after="max_response_length")
 class LossConfig:
@@ -102,6 +109,10 @@ class LossConfig:
     ratio_level: str = "token"
     std_eps: float = DEFAULT_STD_EPS
     lambda_scale: float = DEFAULT_LAMBDA_SCALE
+    # The baseline of the advantage formed from rewards (estimators.ESTIMATORS; docs/math.md,
+    # section 2a). The history estimators need state across calls: their advantages are
+    # formed by hadw_advantages and passed as advantages.
+    advantage_estimator: str = "grpo"
     beta: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -158,7 +169,9 @@ class LossConfig:
         preset_options = preset.options if chosen == preset.objective else {}
         config = cls(
             group_size=group_size,
-            normalize_std=preset.normalize_std if normalize_std is None else normalize_std,
+            # The preset's std applies to the group mean's advantage alone (estimators.py).
+            normalize_std=(preset.normalize_std and _takes_std(options.get("advantage_estimator"))
+                           if normalize_std is None else normalize_std),
             loss_agg_mode=preset.loss_agg_mode if loss_agg_mode is None else loss_agg_mode,
             epsilon_low=preset.clip_range[0] if epsilon_low is None else epsilon_low,
             epsilon_high=preset.clip_range[1] if epsilon_high is None else epsilon_high,
@@ -190,6 +203,12 @@ class LossConfig:
             if not (0 <= value < math.inf):
                 raise ValueError(f"{name} (clip range) must be a finite non-negative number, got {value!r}")
         check_finite_positive("std_eps", self.std_eps)
+        estimator = estimator_row(self.advantage_estimator)
+        check_std_choice(estimator, self.normalize_std)
+        if estimator.scope == "history":
+            raise ValueError(f"advantage_estimator={estimator.name!r} reads a PromptHistory across calls: form the "
+                             "advantages with hadw_advantages(..., estimator=..., prior=history.update(...)) and pass "
+                             "them as advantages")
         check_finite_positive("lambda_scale", self.lambda_scale)
         if not (0 <= self.beta < math.inf):
             raise ValueError(f"beta (KL coefficient) must be finite and non-negative, got {self.beta!r}")

@@ -20,7 +20,7 @@ from .correction import correct, needs_current_logprobs
 from .objectives import SELECTIONS
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
-from .advantage import batch_advantages, group_metrics
+from .advantage import batch_advantages, estimated_batch, group_metrics
 from .batch import LinearHead, SurrogateBatch
 from .aggregation import agg_weights, aggregate
 from .token_terms import kl_estimate, masked_mean, own_token_ratio, token_ratio
@@ -154,9 +154,12 @@ def fused_hadw_grpo_loss(
         rollout_logprobs=rollout_logprobs, entropy=entropy, generator=generator,
         check_values=_checks_run(check_values), with_metrics=return_metrics,
     )
+    batch, group_figures = estimated_batch(batch)
     implementation = resolve_backend(backend, logprobs.device)
     loss, metrics = _corrected_surrogate(implementation, batch)
-    return (loss, metrics) if return_metrics else loss
+    if not return_metrics:
+        return loss
+    return loss, ordered_metrics({**metrics, **group_figures})
 
 
 def _corrected_surrogate(implementation, batch: SurrogateBatch):
@@ -298,15 +301,15 @@ def fused_linear_hadw_grpo_loss(
         select_rows=not implementation.compacts_rows, check_values=_checks_run(check_values),
         with_metrics=return_metrics,
     )
+    batch, corrected_metrics = estimated_batch(batch)
     old = batch.old_logprobs
-    corrected_metrics = {}
     if _has_correction(batch.config) and not _reads_current_policy(batch.config, old is not None):
         # Weights and filters from the behaviour and rollout log-probs alone: formed before
         # the sweep, whose rejected rows then enter no GEMM.
         correction = correct(batch, token_advantage=None)
         mask, importance_weights = _fold(correction, batch.mask, batch.importance_weights, old.dtype)
         head = head.replace(labels=head.labels.masked_fill(head.rows.take(~mask.bool()), head.ignore_index))
-        corrected_metrics = correction.metrics
+        corrected_metrics.update(correction.metrics)
         batch = batch.replace(config=dataclasses.replace(batch.config, rollout_correction=None), mask=mask,
                               importance_weights=importance_weights)
     config = batch.config

@@ -25,6 +25,7 @@ class LossOptions(TypedDict, total=False):
     ratio_level: str | None
     std_eps: float | None
     lambda_scale: float | None
+    advantage_estimator: str | None
     beta: float | None
     kl_estimator: str | None
     entropy_coef: float | None

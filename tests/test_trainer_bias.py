@@ -150,7 +150,7 @@ def test_the_command_on_a_tiny_run_s_checkpoints(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "trainer.tools.bias", str(tmp_path / "tiny"), "--steps", "2", "4",
          "--group-sizes", "2", "4", "--groups", "2", "--reference", "16", "--prompts-per-level", "4", "--chunk", "8",
-         "--output", f"{out}.md", "--json", f"{out}.json", "--plot", f"{out}.png"],
+         "--history-discounts", "0.9", "0.5", "--output", f"{out}.md", "--json", f"{out}.json", "--plot", f"{out}.png"],
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 4: draw 5/5: 16 reference responses a prompt" in result.stderr
@@ -163,3 +163,34 @@ def test_the_command_on_a_tiny_run_s_checkpoints(tmp_path):
     assert [len(batch) for batch in draws["groups"]["2"]] == [16, 16]
     assert all(0 <= k <= 16 for k in draws["reference_correct"])
     assert (tmp_path / "bias-step2.png").exists() and (tmp_path / "bias-step4.png").exists()
+    # The history rebuilt from outcomes.jsonl at the run's discount is the one it checkpointed.
+    flat = {name: [value for pair in priors for value in pair] for name, priors in draws["priors"].items()}
+    assert flat["run's, rho 0.9"] == pytest.approx(flat["rho 0.9"], abs=1e-12)
+    assert draws["priors"]["rho 0.5"] != draws["priors"]["rho 0.9"]
+    assert "| 4 | 2 | james_stein | " in text and "| 4 | 4 | prompt_history (rho 0.5) | " in text
+    assert "| all | 4 | rloo | " in text  # the per-band tables
+
+
+def test_estimator_scores_by_hand():
+    """Two prompts of true accuracy 1/2 and 0, one batch: the group {1, 0} and the group
+    {0, 0}. GRPO's and RLOO's baselines for the all-wrong group are 0 (exact: no error);
+    James-Stein shrinks it toward the other prompt's mean (lambda = 1 with one other
+    group of variance 1/2 and no spread): b = 1/2, an error of 1/4 squared."""
+    draws = Draws(levels=["add", "copy"], reference_correct=[64, 0], reference=128,
+                  groups={2: [[[1.0, 0.0], [0.0, 0.0]]]}, beliefs={2: [0.5]}, batch_prompts=2,
+                  priors={"flat": [[1.0, 1.0], [1.0, 1.0]]})
+    scores = analyse(draws, lambda_scale=1.0)["estimators"][2]["all"]
+    # GRPO: baselines 1/2 (both responses of the first group, exact) and 0 (exact).
+    assert scores["grpo"]["squared|all"][0] == pytest.approx(0.0)
+    # RLOO: the first group's baselines are 0 and 1, each 1/2 off: (1/4 + 1/4 + 0 + 0) / 4.
+    assert scores["rloo"]["squared|all"][0] == pytest.approx(0.125)
+    assert scores["rloo"]["squared|updating"][0] == pytest.approx(0.25)
+    # James-Stein: the first group's other group {0, 0} has variance 0, so lambda 0 (RLOO's
+    # 1/4 twice); the second group's b = 1/2 (error 1/4 twice): (2/4 + 2/4) / 4.
+    assert scores["james_stein"]["squared|all"][0] == pytest.approx(0.25)
+    # The flat prior (1, 1) with one other response: b = (1 + r_other) / 3.
+    expected = ((1 / 3 - 0.5) ** 2 + (2 / 3 - 0.5) ** 2 + 2 * (1 / 3) ** 2) / 4
+    assert scores["prompt_history (flat)"]["squared|all"][0] == pytest.approx(expected)
+    # The advantage's error is the baseline's, negated: A - (r - p) = p - b.
+    assert scores["rloo"]["signed|all"][0] == pytest.approx(0.0)
+    assert scores["james_stein"]["signed|all"][0] == pytest.approx(-0.25)

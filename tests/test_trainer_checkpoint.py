@@ -119,7 +119,7 @@ def test_a_checkpoint_deepspeed_cannot_read_is_named(tmp_path):
     save_checkpoint(tmp_path, 2, _Engine(), _anchor_after([0.5]), keep=2, history=PromptHistory())
     (tmp_path / "step-00000002" / "state" / "model_states.pt").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"DeepSpeed could not load .*step-00000002"):
-        load_checkpoint(tmp_path / "step-00000002", _Engine(), DifficultyAnchor())
+        load_checkpoint(tmp_path / "step-00000002", _Engine(), DifficultyAnchor(), PromptHistory())
 
 
 def test_a_torn_last_line_of_metrics_is_ignored_on_resume(tmp_path):

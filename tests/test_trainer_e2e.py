@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow  # trainer runs in subprocesses
 REPO = Path(__file__).resolve().parents[1]
 
 from trainer.engine.checkpoint import save_checkpoint
+from hadw_kernels import PromptHistory
 from trainer.checkpoint_files import completed_checkpoints, latest_checkpoint
 from trainer.engine.metrics_log import read_metrics
 
@@ -288,13 +289,13 @@ class _FakeAnchor:
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_usable(tmp_path):
     root = tmp_path / "checkpoints"
-    save_checkpoint(root, 2, _FakeEngine(), _FakeAnchor(), keep=2)
+    save_checkpoint(root, 2, _FakeEngine(), _FakeAnchor(), keep=2, history=PromptHistory())
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(root, 4, _FakeEngine(die=True), _FakeAnchor(), keep=2)
+        save_checkpoint(root, 4, _FakeEngine(die=True), _FakeAnchor(), keep=2, history=PromptHistory())
     assert latest_checkpoint(root).name == "step-00000002"
     assert json.loads((root / "step-00000002" / "trainer_state.json").read_text())["step"] == 2
     assert (root / ".partial-00000004").exists()  # ignored, and cleared by the next save
     for step in (4, 6, 8):
-        save_checkpoint(root, step, _FakeEngine(), _FakeAnchor(), keep=2)
+        save_checkpoint(root, step, _FakeEngine(), _FakeAnchor(), keep=2, history=PromptHistory())
     assert [step for step, _ in completed_checkpoints(root)] == [6, 8]
     assert not list(root.glob(".partial-*"))

@@ -158,6 +158,9 @@ SURROGATE_VARIANTS = [
             ("old_logprobs", "rewards", "token_importance_weights")),
     # The objective no loss type presets, in each loss type's ratio form.
     Variant("cispo_clip", {"objective": "cispo_clip", "anchor": 0.3}),
+    # The estimators formed before the kernels (estimators.py), with and without Phi.
+    Variant("rloo", {"advantage_estimator": "rloo"}),
+    Variant("james_stein_hadw", {"advantage_estimator": "james_stein", "anchor": 0.35}),
     # Rollout correction and token masks (correction.py): every rule, level and filter.
     *CORRECTION_VARIANTS,
 ]

@@ -85,6 +85,8 @@ LINEAR_VARIANTS = [
     Variant("token_advantages_entropy", {"entropy_coef": 0.01}, ("old_logprobs", "token_advantages")),
     # The objective no loss type presets, in each loss type's ratio form.
     Variant("cispo_clip", {"objective": "cispo_clip", "anchor": 0.3}),
+    # An estimator formed before the sweep (estimators.py), with Phi.
+    Variant("james_stein_hadw", {"advantage_estimator": "james_stein", "anchor": 0.35}),
     # Rollout weights and filters (formed before the sweep), and the rules that read the
     # current policy (the recompute path only).
     Variant("rollout_correction_filters",

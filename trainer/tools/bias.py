@@ -41,7 +41,7 @@ import math
 import shlex
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainer.checkpoint_files import CheckpointError, completed_checkpoints, verify_checkpoint
@@ -80,12 +80,16 @@ def _band_name(index: int, edges: tuple[float, ...] = BANDS) -> str:
 class Draws:
     """One checkpoint's samples: per prompt its level and the reference draws' correct
     count; per G, ``groups[G][r][i]`` the rewards of repeat r's group for prompt i; and
-    the belief the run's anchor gives each repeat's batch."""
+    the belief the run's anchor gives each repeat's batch; for the estimators' scores
+    (``estimator_scores.py``; none without ``batch_prompts``), the run's rollout batch in
+    prompts and, per history, each prompt's (alpha, beta) as the run's next batch reads it."""
     levels: list[str]
     reference_correct: list[int]
     reference: int
     groups: dict[int, list[list[list[float]]]]
     beliefs: dict[int, list[float]]
+    batch_prompts: int = 0
+    priors: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
 def true_accuracy(correct: int, reference: int) -> float:
@@ -157,6 +161,10 @@ def analyse(draws: Draws, lambda_scale: float) -> dict:
         }
     result["levels"] = {level: statistics_of([a for a, name in zip(accuracy, draws.levels) if name == level])
                         for level in dict.fromkeys(draws.levels)}
+    if draws.batch_prompts:
+        from trainer.tools.estimator_scores import score
+
+        result["estimators"] = score(draws, accuracy, draws.batch_prompts, draws.priors, BANDS, AGGREGATES)
     return result
 
 
@@ -266,6 +274,15 @@ def report(step: int, result: dict, anchor_line: str) -> str:
                         cells += [format_interval(*cell[estimate]["signed"], signed=True),
                                   format_interval(*cell[estimate]["absolute"])]
                     lines.append("| " + " | ".join(cells) + " |")
+    if "estimators" in result:
+        from trainer.tools.estimator_scores import COLUMNS, table
+
+        header = ["p", "G", "estimator"] + [title for title, *_ in COLUMNS]
+        lines += ["", "Every estimator against the truth, per band of p (centred; mean [95% interval], prompts as "
+                      "clusters; docs/estimators.md):", "", "| " + " | ".join(header) + " |",
+                  "|" + " --- |" * len(header)]
+        for band in next(iter(result["estimators"].values())):
+            lines += table(band, {size: {band: bands[band]} for size, bands in result["estimators"].items()}, band)
     return "\n".join(lines)
 
 
@@ -417,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int_at_least(0), default=0, help="seeds the draws")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override the run's config (run.threads, rollout.engine; repeatable)")
+    parser.add_argument("--history-discounts", type=float, nargs="+", default=[], metavar="RHO",
+                        help="also score the prompt history rebuilt from the run's outcomes.jsonl at these discounts "
+                             "(default: only the run's own history, from the checkpoint)")
     parser.add_argument("--output", type=output_file, help="also write the tables as markdown here (default: none)")
     parser.add_argument("--json", type=output_file, help="write every draw and figure as JSON here (default: none)")
     parser.add_argument("--plot", type=output_file, help="the error plot, one PNG per checkpoint: <stem>-step<k>.png "
@@ -445,7 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         parser.error(f"argument run: {error}")
     figures, draws_out, tables = run_checkpoints(args, config, problems, steps, available)
-    text = "\n\n".join(["## Summary", summary_table(figures)] + tables)
+    from trainer.tools.estimator_scores import summary as estimator_summary
+
+    text = "\n\n".join(["## Summary", summary_table(figures),
+                         "Every estimator against the truth over every prompt (centred; docs/estimators.md):",
+                         estimator_summary(figures)] + tables)
     print(text)
     header = (f"# The advantage's bias in {args.run}\n\nWritten by `python -m trainer.tools.bias "
               + shlex.join(argv) + f"` ({time.perf_counter() - started:.0f} s).\n\n")
@@ -463,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_checkpoints(args, config, problems, steps: list[int], available: dict[int, Path]):
     """Draws at each checkpoint, then analyses and tables them."""
     from transformers import AutoTokenizer
+
+    from hadw_kernels import prompt_key
 
     from trainer.engine.loop import build_anchor
     from trainer.engine.checkpoint import TRAINER_STATE
@@ -494,7 +520,9 @@ def run_checkpoints(args, config, problems, steps: list[int], available: dict[in
             else:
                 engine.module.load_state_dict(weights)
             anchor, lambda_scale = build_anchor(config.algorithm)
-            anchor.load_state_dict(json.loads((checkpoint / TRAINER_STATE).read_text())["anchor"])
+            trainer_state = json.loads((checkpoint / TRAINER_STATE).read_text())
+            anchor.load_state_dict(trainer_state["anchor"])
+            priors = history_priors(args, config, trainer_state, step, [prompt_key(ids) for ids in prompt_ids])
             began = time.perf_counter()
             total = len(args.group_sizes) * args.groups + 1
             groups, done = {}, 0
@@ -512,7 +540,8 @@ def run_checkpoints(args, config, problems, steps: list[int], available: dict[in
                              tokenizer, args.chunk, f"step {step}: draw {total}")
             draws = Draws(levels=[problem.level for problem in problems],
                           reference_correct=[int(round(sum(rewards))) for rewards in reference],
-                          reference=args.reference, groups=groups, beliefs=anchor_beliefs(anchor, groups))
+                          reference=args.reference, groups=groups, beliefs=anchor_beliefs(anchor, groups),
+                          batch_prompts=config.train.prompts_per_step, priors=priors)
             result = analyse(draws, lambda_scale)
             figures[step] = result
             draws_out[step] = {"prompts": [problem.prompt for problem in problems], **draws.__dict__}
@@ -531,6 +560,28 @@ def run_checkpoints(args, config, problems, steps: list[int], available: dict[in
     finally:
         reward.close()
     return figures, draws_out, tables
+
+
+def history_priors(args, config, trainer_state: dict, step: int, keys: list[int]) -> dict[str, list[list[float]]]:
+    """Each prompt's (alpha, beta) as the run's next batch would read them: the run's own
+    history, restored from the checkpoint (absent from checkpoints of before it), and the
+    history rebuilt from outcomes.jsonl at each of ``--history-discounts``."""
+    from trainer.engine.loop import build_history
+    from trainer.engine.metrics_log import read_metrics
+    from trainer.tools.estimator_scores import replayed_priors
+
+    priors = {}
+    history = build_history(config.algorithm)
+    if "history" in trainer_state:
+        history.load_state_dict(trainer_state["history"])
+        priors[f"run's, rho {history.discount:g}"] = history.read(keys).tolist()
+    if args.history_discounts:
+        outcomes = read_metrics(args.run / "outcomes.jsonl")
+        if not outcomes:
+            raise SystemExit(f"--history-discounts: {args.run} has no outcomes.jsonl to rebuild the history from")
+        for discount in args.history_discounts:
+            priors[f"rho {discount:g}"] = replayed_priors(outcomes, step, discount, history.prior_strength, keys)
+    return priors
 
 
 if __name__ == "__main__":
