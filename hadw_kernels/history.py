@@ -85,14 +85,16 @@ class PromptHistory:
                 rows.append((prior[0] + decay * seen[0], prior[1] + decay * seen[1]))
         return torch.tensor(rows, dtype=torch.float64).reshape(-1, 2)
 
-    def update(self, rewards, prompt_keys: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def update(self, rewards, prompt_keys: Sequence[int] | torch.Tensor, *, all_gather: bool = True) -> torch.Tensor:
         """Folds one rollout batch in and returns each response's (alpha, beta) [B, 2]
         read before it, on the rewards' device (float64).
 
         ``rewards`` [B] in [0, 1]; ``prompt_keys`` [B] each response's prompt key
         (integers; a group's responses share theirs). Under torch.distributed each rank's
         keys and rewards are gathered, so every rank folds in the whole batch and holds the
-        same history; the pseudo-counts returned are this rank's responses'."""
+        same history; the pseudo-counts returned are this rank's responses'.
+        ``all_gather=False``: the rewards and keys are every rank's already (TRL gathers
+        them)."""
         device = rewards.device if isinstance(rewards, torch.Tensor) else torch.device("cpu")
         values = checked_rewards(rewards).reshape(-1)
         keys = _keys(prompt_keys)
@@ -102,7 +104,8 @@ class PromptHistory:
             raise ValueError("cannot update the history from an empty batch of rewards")
         prior = self.read(keys)
         totals: dict[int, list[float]] = {}
-        for key, value in zip(_gathered(keys), _gathered(values.tolist())):
+        gathered = _gathered if all_gather else list
+        for key, value in zip(gathered(keys), gathered(values.tolist())):
             entry = totals.setdefault(key, [0.0, 0.0])
             entry[0] += value
             entry[1] += 1.0 - value

@@ -17,9 +17,10 @@ import torch
 trl = pytest.importorskip("trl", reason="the trl extra is not installed")
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_weights  # noqa: E402
+from hadw_kernels import (DifficultyAnchor, PromptHistory, fused_hadw_grpo_loss, hadw_advantages,  # noqa: E402
+                          hadw_weights, prompt_key)
 from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
-from hadw_kernels.integrations.trl import ANCHOR_FILE, HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
+from hadw_kernels.integrations.trl import ANCHOR_FILE, HISTORY_FILE, HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
 from trl_runs import (PROMPTS, RUN, TOKENIZER, assert_masks_do_not_rest_on_rounding, logged_steps,  # noqa: E402
                       sevens, tiny_model_dir, train, train_recording_bounds)
 
@@ -170,6 +171,50 @@ def test_the_kalman_anchor_rule_gets_each_batch_s_reward_count(model_dir, tmp_pa
     assert trainer.anchor.state_dict() == reference.state_dict()
 
 
+class EstimatorRecorder(HADWGRPOTrainer):
+    """Keeps each generation batch's gathered rewards, prompt keys, belief and advantages."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generations = []
+
+    def _calculate_rewards(self, *args):
+        rewards = super()._calculate_rewards(*args)
+        self.generations.append({"rewards": rewards[:, 0].clone()})
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        keys = [prompt_key(ids[mask.bool()]) for ids, mask in zip(output["prompt_ids"], output["prompt_mask"])]
+        self.generations[-1].update(advantages=output["advantages"].clone(), keys=keys,
+                                    belief=None if self.anchor is None else self.anchor.value)
+        return output
+
+
+@pytest.mark.parametrize("estimator, use_hadw", [("rloo", False), ("james_stein", True), ("prompt_history", False)])
+def test_the_estimators_advantages_are_the_library_s(estimator, use_hadw, model_dir, tmp_path):
+    """Five steps, three generation batches of four prompts (eight in the dataset: the
+    third batch's prompts were seen in the first): each batch's advantages are
+    hadw_advantages' on its gathered rewards, the history replayed from the batches."""
+    trainer = train(EstimatorRecorder, HADWGRPOConfig, model_dir, tmp_path, max_steps=5, use_hadw=use_hadw,
+                    hadw_advantage_estimator=estimator, hadw_anchor_rule="soft", hadw_history_discount=0.5,
+                    save_strategy="steps", save_steps=5)
+    assert len(trainer.generations) == 3
+    history = PromptHistory(discount=0.5)
+    for generation in trainer.generations:
+        prior = history.update(generation["rewards"], generation["keys"]) if estimator == "prompt_history" else None
+        expected = hadw_advantages(generation["rewards"], group_size=4, estimator=estimator,
+                                   anchor=generation["belief"], prior=prior)
+        torch.testing.assert_close(generation["advantages"], expected.to(generation["advantages"].dtype))
+    if estimator == "prompt_history":
+        assert len(trainer.history) == 8 and trainer.history.state_dict() == history.state_dict()
+        assert json.loads((tmp_path / "checkpoint-5" / HISTORY_FILE).read_text()) == history.state_dict()
+        seen_again = trainer.generations[2]["keys"]
+        assert set(seen_again) <= set(trainer.generations[0]["keys"] + trainer.generations[1]["keys"])
+    steps = logged_steps(trainer)
+    assert all(math.isfinite(step["loss"]) for step in steps) and "hadw/advantage_abs_mean" in steps[0]
+
+
 class ResumeProbe(HADWGRPOTrainer):
     """Keeps the anchor's state as TRL's resume leaves it, before any new batch."""
 
@@ -249,6 +294,11 @@ def test_trl_s_default_bf16_trains_on_the_cpu(model_dir, tmp_path):
         (dict(hadw_linear_path="fast"), "unknown hadw_linear_path 'fast'"),
         (dict(hadw_anchor_rule="median"), "hadw_anchor_\\*: unknown rule 'median'"),
         (dict(hadw_anchor_initial=1.5), "hadw_anchor_\\*: initial must lie in"),
+        (dict(hadw_advantage_estimator="median"), "estimator must be one of"),
+        (dict(hadw_history_discount=1.5), "hadw_history_discount must be in"),
+        (dict(hadw_history_prior_strength=0.0), "hadw_history_prior_strength must be"),
+        (dict(hadw_advantage_estimator="rloo", use_hadw=False, multi_objective_aggregation="normalize_then_sum"),
+         "needs multi_objective_aggregation='sum_then_normalize'"),
         # What the first step would otherwise raise, after generating.
         (dict(hadw_linear_path="gradients_in_forward", top_entropy_quantile=0.5),
          "hadw_linear_path='gradients_in_forward' forms each token's gradient before"),

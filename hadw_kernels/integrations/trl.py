@@ -51,7 +51,7 @@ from .versions import require_supported
 require_supported("trl")
 
 import torch
-from accelerate.utils import is_peft_model
+from accelerate.utils import gather_object, is_peft_model
 from torch.distributed.tensor import DTensor
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -60,7 +60,9 @@ from trl.models.utils import _ForwardRedirection
 from trl.trainer.utils import (maybe_gather_lm_head_ctx, split_pixel_values_by_grid, split_tensor_dict,
                                unsplit_pixel_values_by_grid)
 
-from ..advantage import hadw_weights
+from ..advantage import hadw_advantages, hadw_weights
+from ..estimators import ESTIMATORS, estimator_row
+from ..history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH, PromptHistory, prompt_key
 from ..anchor import (DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_RULE, DEFAULT_WINDOW, DifficultyAnchor,
                       batch_reward_statistics)
 from ..backends import BackendUnavailable, check_backend_name, resolve_backend
@@ -80,6 +82,7 @@ from .rewards import require_unit_interval
 logger = logging.getLogger(__name__)
 
 ANCHOR_FILE = "hadw_anchor.json"
+HISTORY_FILE = "hadw_history.json"
 
 
 class TrlLossType(NamedTuple):
@@ -158,6 +161,14 @@ class HADWGRPOConfig(GRPOConfig):
             with the fused kernel only.
         hadw_lambda_scale (`float`, *optional*, defaults to `1.3`):
             Phi's scale lambda (the paper's best; the authors' code uses 1.5).
+        hadw_advantage_estimator (`str`, *optional*, defaults to `"grpo"`):
+            The baseline of each completion's advantage (docs/math.md, section 2a): `"grpo"` (TRL's group mean,
+            scaled as `scale_rewards` says), `"rloo"`, `"james_stein"` or `"prompt_history"` (each r - b, not
+            scaled: `scale_rewards` applies to the group mean alone). Phi multiplies it with `use_hadw=True`.
+        hadw_history_discount (`float`, *optional*, defaults to `0.9`):
+            `"prompt_history"`'s discount per generation batch.
+        hadw_history_prior_strength (`float`, *optional*, defaults to `2.0`):
+            `"prompt_history"`'s prior strength (pseudo-responses at the mean reward seen so far).
         hadw_anchor_rule (`str`, *optional*, defaults to `"kalman"`):
             `"kalman"` (an IMM bank of Kalman filters on the accuracy's level and slope, mixed by their evidence;
             it ignores eta, eta_min and window), `"soft"` (the paper's rule: a gain from the spread of recent
@@ -201,6 +212,12 @@ class HADWGRPOConfig(GRPOConfig):
 
     use_hadw: bool = field(default=True, metadata={"help": "Multiply the advantages by the HA-DW weight Phi."})
     hadw_lambda_scale: float = field(default=DEFAULT_LAMBDA_SCALE, metadata={"help": "Phi's scale lambda."})
+    hadw_advantage_estimator: str = field(default="grpo", metadata={
+        "help": "The advantage's baseline: 'grpo', 'rloo', 'james_stein' or 'prompt_history'."})
+    hadw_history_discount: float = field(default=DEFAULT_DISCOUNT, metadata={
+        "help": "prompt_history's discount per generation batch."})
+    hadw_history_prior_strength: float = field(default=DEFAULT_PRIOR_STRENGTH, metadata={
+        "help": "prompt_history's prior strength."})
     hadw_anchor_rule: str = field(default=DEFAULT_RULE, metadata={"help": "Anchor rule: 'kalman', 'soft' or 'hard'."})
     hadw_anchor_eta: float = field(default=DEFAULT_ETA, metadata={"help": "Gain of the soft anchor rule."})
     hadw_anchor_window: int = field(default=DEFAULT_WINDOW, metadata={"help": "Window of the anchor rules."})
@@ -257,6 +274,15 @@ class HADWGRPOConfig(GRPOConfig):
             raise ValueError(f"unknown hadw_layout {self.hadw_layout!r}; choose 'auto' or one of {sorted(LAYOUTS)}")
         if self.hadw_shuffle not in ("auto", "rows", "groups"):
             raise ValueError(f"unknown hadw_shuffle {self.hadw_shuffle!r}; choose 'auto', 'rows' or 'groups'")
+        estimator_row(self.hadw_advantage_estimator)
+        try:
+            self.history()
+        except ValueError as error:
+            raise ValueError(f"hadw_history_{error}") from None
+        if self.hadw_advantage_estimator != "grpo" and self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(f"hadw_advantage_estimator={self.hadw_advantage_estimator!r} forms each completion's "
+                             "baseline from the rewards, which needs multi_objective_aggregation='sum_then_normalize' "
+                             "(one reward per completion)")
         try:
             self.anchor()  # DifficultyAnchor checks the rule, gains, window, belief, initial
         except (TypeError, ValueError) as error:
@@ -309,6 +335,10 @@ class HADWGRPOConfig(GRPOConfig):
             epsilon_low=self.epsilon, epsilon_high=epsilon_high, beta=self.beta, **options,
         )
 
+    def history(self) -> PromptHistory:
+        """The prompts' history these fields describe."""
+        return PromptHistory(discount=self.hadw_history_discount, prior_strength=self.hadw_history_prior_strength)
+
     def anchor(self) -> DifficultyAnchor:
         """The difficulty anchor these fields describe."""
         return DifficultyAnchor(
@@ -344,6 +374,8 @@ class HADWGRPOTrainer(GRPOTrainer):
         if transforms:
             raise ValueError(f"this model transforms its logits ({transforms}), which the fused loss does not")
         self.anchor = self.args.anchor() if self.args.use_hadw else None
+        self.estimator = ESTIMATORS[self.args.hadw_advantage_estimator]
+        self.history = self.args.history() if self.estimator.scope == "history" else None
         self._forward_redirection = _ForwardRedirection()
         self._gathered_rewards_per_func = None
         self.layout, because = self._choose_layout(model)
@@ -447,15 +479,15 @@ class HADWGRPOTrainer(GRPOTrainer):
     # -- HA-DW on the advantages ------------------------------------------------------
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        # TRL gathers every process's rewards here: keep them for Phi.
+        # TRL gathers every process's rewards here: keep them for Phi and the estimators.
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.anchor is not None:
+        if self.anchor is not None or self.estimator.name != "grpo":
             self._gathered_rewards_per_func = rewards_per_func
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if self.anchor is None:
+        if self.anchor is None and self.estimator.name == "grpo":
             return output
         mode = "train" if self.model.training else "eval"
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
@@ -463,28 +495,53 @@ class HADWGRPOTrainer(GRPOTrainer):
         # TRL's reward: the weighted sum over reward functions; NaN where none scored.
         weighted = rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
         rewards = weighted.nansum(dim=1).masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
-        require_unit_interval(
-            rewards, "scale each reward function into [0, 1] and give reward_weights that sum to 1"
-        )
+        if self.anchor is not None or self.history is not None:
+            require_unit_interval(
+                rewards, "scale each reward function into [0, 1] and give reward_weights that sum to 1"
+            )
         scored = rewards[~torch.isnan(rewards)]
-        if mode == "train" and scored.numel() > 0:
+        if self.anchor is not None and mode == "train" and scored.numel() > 0:
             # Once per generation batch, from every process's rewards (TRL gathered them, so
             # no all-reduce here). The kalman rule weighs y_t by its count and variance.
             mean, variance, count = batch_reward_statistics(scored, all_reduce=False)
             self.anchor.observe(mean, count=count, variance=variance)
-        belief = self.anchor.value
-        if belief is None or group_size < 2:  # no belief yet, or no group to compare with it
-            return output
+        belief = None if self.anchor is None else self.anchor.value
+        if group_size < 2 or (belief is None and self.estimator.name == "grpo"):
+            return output  # no group to compare with; or no belief yet, and TRL's advantages stand
         # An unscored response takes its group's mean: it leaves the group mean as TRL's
-        # nanmean has it, and its advantage (0) stays 0.
+        # nanmean has it, and its advantage stays 0.
+        unscored = torch.isnan(rewards)
         group_means = torch.nanmean(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size)
-        rewards = torch.where(torch.isnan(rewards), group_means, rewards)
-        phi = hadw_weights(rewards, group_size, belief, lambda_scale=self.args.hadw_lambda_scale)
+        rewards = torch.where(unscored, group_means, rewards)
         local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
-        output["advantages"] = output["advantages"] * phi[local].to(output["advantages"].dtype)
-        self._metrics[mode]["hadw/anchor"].append(belief)
-        self._metrics[mode]["hadw/phi_mean"].append(phi.mean().item())
+        if self.estimator.name == "grpo":
+            phi = hadw_weights(rewards, group_size, belief, lambda_scale=self.args.hadw_lambda_scale)
+            output["advantages"] = output["advantages"] * phi[local].to(output["advantages"].dtype)
+        else:
+            advantages = hadw_advantages(rewards, group_size=group_size, estimator=self.estimator.name,
+                                         anchor=belief, lambda_scale=self.args.hadw_lambda_scale,
+                                         prior=self._history_prior(output, rewards, mode))
+            advantages = advantages.masked_fill(unscored, 0.0)
+            output["advantages"] = advantages[local].to(output["advantages"].dtype)
+            self._metrics[mode]["hadw/advantage_abs_mean"].append(advantages.abs().mean().item())
+        if belief is not None:
+            self._metrics[mode]["hadw/anchor"].append(belief)
+            phi = hadw_weights(rewards, group_size, belief, lambda_scale=self.args.hadw_lambda_scale)
+            self._metrics[mode]["hadw/phi_mean"].append(phi.mean().item())
         return output
+
+    def _history_prior(self, output, rewards: torch.Tensor, mode: str) -> torch.Tensor | None:
+        """Each completion's (alpha, beta) of its prompt, read before this generation batch
+        (every process's: the history folds in the gathered batch, so it is the same on
+        every process); the batch is folded in once, in training. Prompts are keyed by
+        their tokens."""
+        if self.history is None:
+            return None
+        keys = [prompt_key(ids[mask.bool()]) for ids, mask in zip(output["prompt_ids"], output["prompt_mask"])]
+        keys = gather_object(keys)
+        if mode != "train":
+            return self.history.read(keys).to(rewards.device)
+        return self.history.update(rewards, keys, all_gather=False).to(rewards.device)
 
     # -- the fused loss -------------------------------------------------------------------
 
@@ -639,25 +696,32 @@ class HADWGRPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self.anchor is not None and self.args.should_save:
-            checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            folder = os.path.join(self._get_output_dir(trial=trial), checkpoint)
-            path = os.path.join(folder, ANCHOR_FILE)
+        if not self.args.should_save:
+            return
+        checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        folder = os.path.join(self._get_output_dir(trial=trial), checkpoint)
+        for name, state in self._states().items():
+            path = os.path.join(folder, name)
             with open(path + ".partial", "w") as handle:
-                json.dump(self.anchor.state_dict(), handle)
+                json.dump(state.state_dict(), handle)
             os.replace(path + ".partial", path)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if self.anchor is None or checkpoint is None:
+        if checkpoint is None:
             return
-        path = os.path.join(checkpoint, ANCHOR_FILE)
-        if not os.path.exists(path):
-            logger.warning("resuming from %s, which holds no %s: the HA-DW anchor starts afresh", checkpoint,
-                           ANCHOR_FILE)
-            return
-        with open(path) as handle:
-            self.anchor.load_state_dict(json.load(handle))
+        for name, state in self._states().items():
+            path = os.path.join(checkpoint, name)
+            if not os.path.exists(path):
+                logger.warning("resuming from %s, which holds no %s: it starts afresh", checkpoint, name)
+                continue
+            with open(path) as handle:
+                state.load_state_dict(json.load(handle))
+
+    def _states(self) -> dict:
+        """The state each checkpoint folder holds beside TRL's, by file name."""
+        states = {ANCHOR_FILE: self.anchor, HISTORY_FILE: self.history}
+        return {name: state for name, state in states.items() if state is not None}
 
 
 def _in_layout(batch: LaidOutBatch, value):
