@@ -98,6 +98,9 @@ def test_registries_return_the_integration():
     assert core_algos.get_policy_loss_fn("hadw") is core_algos.get_policy_loss_fn("hadw_vanilla")
     assert {loss.loss_mode for loss in hadw_verl.VERL_POLICY_LOSSES.values()} == set(VERL_LOSSES)
     assert core_algos.get_adv_estimator_fn("hadw") is hadw_verl.compute_hadw_outcome_advantage
+    for name, function in hadw_verl.ESTIMATOR_FUNCTIONS.items():
+        assert core_algos.get_adv_estimator_fn(name) is function
+    assert sorted(hadw_verl.ADVANTAGE_ESTIMATORS) == ["hadw", "hadw_james_stein", "hadw_rloo"]
 
 
 # verl's losses the integration fuses, each under hadw_<name>.
@@ -425,6 +428,27 @@ def test_estimator_with_hadw_folds_each_step_into_the_anchor_once(anchor):
         expected = hadw_advantages(rewards, group_index=group_index, anchor=belief, lambda_scale=1.5)
         torch.testing.assert_close(advantages, expected[:, None] * mask)
     assert hadw_verl._driver_anchor.state_dict() == reference.state_dict()
+
+
+def test_rloo_without_hadw_equals_verl_rloo():
+    token_level_rewards, mask, uids, _ = outcome_batch(seed=2)
+    config = OmegaConf.create({"hadw": {"enable": False}})
+    advantages, _ = core_algos.get_adv_estimator_fn("hadw_rloo")(
+        token_level_rewards=token_level_rewards, response_mask=mask, index=uids, config=config)
+    expected, _ = core_algos.get_adv_estimator_fn("rloo")(
+        token_level_rewards=token_level_rewards, response_mask=mask, index=uids, config=config)
+    torch.testing.assert_close(advantages, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_james_stein_with_hadw_is_the_library_s():
+    config = OmegaConf.create({"hadw": {"anchor": {"rule": "soft"}}})
+    token_level_rewards, mask, uids, rewards = outcome_batch(seed=3)
+    advantages, _ = core_algos.get_adv_estimator_fn("hadw_james_stein")(
+        token_level_rewards=token_level_rewards, response_mask=mask, index=uids, config=config)
+    belief = DifficultyAnchor("soft").update(rewards)
+    group_index = torch.as_tensor(np.unique(uids, return_inverse=True)[1])
+    expected = hadw_advantages(rewards, group_index=group_index, anchor=belief, estimator="james_stein")
+    torch.testing.assert_close(advantages, expected[:, None].to(advantages.dtype) * mask)
 
 
 def test_an_anchor_changed_within_a_run_is_refused_naming_the_way_out():

@@ -5,7 +5,9 @@ Importing this module registers, in ``verl.trainer.ppo.core_algos``:
 
 - the advantage estimator ``"hadw"``: verl's GRPO advantage (groups by ``uid``, std
   normalisation by ``algorithm.norm_adv_by_std_in_grpo``) times the HA-DW weight Phi,
-  with the difficulty anchor folded once per training step over the whole batch;
+  with the difficulty anchor folded once per training step over the whole batch; and
+  ``"hadw_rloo"`` and ``"hadw_james_stein"``, the leave-one-out and James-Stein
+  baselines (docs/math.md, section 2a) with the same Phi (:data:`ADVANTAGE_ESTIMATORS`);
 - the policy losses ``hadw_<name>`` of :data:`VERL_POLICY_LOSSES` (``hadw_vanilla``, also
   ``hadw``, and every verl 0.9.1 loss but bypass_mode): verl's losses of those names
   computed by :func:`hadw_kernels.fused_hadw_grpo_loss`, with
@@ -51,6 +53,7 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from ..advantage import hadw_advantages
 from ..anchor import DifficultyAnchor
+from ..estimators import ESTIMATORS
 from ..checks import check_finite_positive
 from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS
 from ..objective_table import LOG_RATIO_CLAMP, OBJECTIVES
@@ -134,24 +137,26 @@ def reset_driver_anchor() -> None:
     _driver_anchor = None
 
 
-@register_adv_est(ADVANTAGE_ESTIMATOR)
-def compute_hadw_outcome_advantage(
+def outcome_advantage(
+    estimator: str,
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: np.ndarray | None = None,
     config: Mapping | None = None,
-    **_unused,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO's outcome advantage times Phi, broadcast over each response's tokens.
+    """The outcome advantage of ``estimator`` (docs/math.md, section 2a) times Phi,
+    broadcast over each response's tokens.
 
     ``token_level_rewards`` [B, T] sum to one reward per response; ``index`` holds the
     ``uid`` of each row (its prompt): rows may come in any order, groups of any size of
     at least 2. With ``algorithm.hadw.enable`` the rewards must lie in [0, 1]; the
     anchor is updated once per call, which verl makes once per training step over the
-    whole batch. Returns (advantages, returns), both [B, T], as verl's GRPO does.
+    whole batch. The group mean's advantage is divided by the group's std as
+    ``algorithm.norm_adv_by_std_in_grpo`` says; the other estimators' are r - b. Returns
+    (advantages, returns), both [B, T], as verl's GRPO does.
     """
     if index is None:
-        raise ValueError("the hadw advantage estimator groups responses by their uid, which verl passes as index=")
+        raise ValueError("the hadw advantage estimators group responses by their uid, which verl passes as index=")
     options = hadw_options(config)
     if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
         # verl's own GRPO estimator would broadcast a mismatched mask; refused here.
@@ -169,13 +174,32 @@ def compute_hadw_outcome_advantage(
     if options["enable"]:
         require_unit_interval(scores, "scale them into [0, 1] in the reward function (compute_score)")
         belief = driver_anchor(options["anchor"]).update(scores)
-    normalize_std = True if config is None else bool(config.get("norm_adv_by_std_in_grpo", True))
+    normalize_std = ESTIMATORS[estimator].takes_std and (
+        True if config is None else bool(config.get("norm_adv_by_std_in_grpo", True)))
     advantages = hadw_advantages(
         scores, group_index=group_index, anchor=belief, lambda_scale=options["lambda_scale"],
-        normalize_std=normalize_std, std_eps=options["std_eps"],
+        normalize_std=normalize_std, std_eps=options["std_eps"], estimator=estimator,
     )
     advantages = advantages.to(scores.dtype)[:, None] * response_mask
     return advantages, advantages
+
+
+def _registered_estimator(name: str, estimator: str):
+    def compute_outcome_advantage(token_level_rewards, response_mask, index=None, config=None, **_unused):
+        return outcome_advantage(estimator, token_level_rewards, response_mask, index, config)
+
+    compute_outcome_advantage.__name__ = f"compute_{name}_outcome_advantage"
+    compute_outcome_advantage.__doc__ = f"verl's ``{name}``: :func:`outcome_advantage` of {estimator!r}."
+    return register_adv_est(name)(compute_outcome_advantage)
+
+
+# verl's estimator call carries each row's uid, which names its prompt within one step
+# only: the history estimators, which key prompts across steps, are not registered.
+ADVANTAGE_ESTIMATORS = {("hadw" if row.name == "grpo" else f"hadw_{row.name}"): row.name
+                        for row in ESTIMATORS.values() if row.scope != "history"}
+ESTIMATOR_FUNCTIONS = {name: _registered_estimator(name, estimator)
+                       for name, estimator in ADVANTAGE_ESTIMATORS.items()}
+compute_hadw_outcome_advantage = ESTIMATOR_FUNCTIONS[ADVANTAGE_ESTIMATOR]
 
 
 def batch_normalizer(
