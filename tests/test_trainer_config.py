@@ -414,3 +414,39 @@ def test_run_help_lists_every_config_key_with_its_default(capsys):
         for key in dataclasses.fields(section.default_factory()):
             assert f"{key.name}=" in text, f"{section.name}.{key.name}"
     assert "steps=200" in text and "loss_type='grpo'" in text
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.advantage_estimator=median", "algorithm.advantage_estimator must be one of"),
+    ("algorithm.history_discount=1.5", "algorithm.history_discount must be in (0, 1]"),
+    ("algorithm.history_prior_strength=0", "algorithm.history_prior_strength must be finite and positive"),
+])
+def test_bad_advantage_estimator_options(override, message):
+    assert message in _error([override])
+
+
+def test_the_estimators_advantages_are_the_library_s_and_all_equal_groups_may_carry_one():
+    """The loop's advantages under each estimator are hadw_advantages' on the whole batch;
+    a batch whose every group is all-equal has none under GRPO or James-Stein (no group
+    has a within-group variance to shrink by: the step is skipped) and some under the
+    prompt history, which reads the prompts' earlier batches."""
+    import torch
+
+    from hadw_kernels import hadw_advantages
+    from trainer.engine.loop import batch_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    prior = torch.tensor([[1.0, 2.0]] * 8, dtype=torch.float64)
+    for estimator in ("grpo", "rloo", "james_stein", "prompt_history"):
+        config = load_config(None, [f"algorithm.advantage_estimator={estimator}", "algorithm.hadw=false"])
+        advantages, figures = batch_advantages(rewards, 2, config.algorithm, 1.3, belief=0.5, prior=prior)
+        expected = hadw_advantages(rewards, group_size=2, estimator=estimator,
+                                   prior=prior if estimator == "prompt_history" else None)
+        assert torch.equal(advantages, expected) and figures["zero_std_frac"] == 0.75
+    equal = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    grpo = load_config(None, ["algorithm.hadw=false"]).algorithm
+    shrunk = load_config(None, ["algorithm.advantage_estimator=james_stein", "algorithm.hadw=false"]).algorithm
+    history = load_config(None, ["algorithm.advantage_estimator=prompt_history", "algorithm.hadw=false"]).algorithm
+    assert not batch_advantages(equal, 2, grpo, 1.3, belief=0.5)[0].any()
+    assert not batch_advantages(equal, 2, shrunk, 1.3, belief=0.5)[0].any()
+    assert batch_advantages(equal, 2, history, 1.3, belief=0.5, prior=prior[:4])[0].all()

@@ -71,11 +71,12 @@ def build_history(algo) -> PromptHistory:
 
 
 def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale: float, belief: float,
-                     prior: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+                     prior: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """A * Phi of every response of the whole rollout batch (every rank's, gathered, its
     groups whole and in order; the batch estimators read the other ranks' groups too),
     formed once so that micro-batches may take any rows, and the groups' figures
-    (phi_mean, zero_std_frac) the loss cannot see once given advantages."""
+    (phi_mean, zero_std_frac) the loss cannot see once given advantages. ``prior``: each
+    response's (alpha, beta), read by the history estimators."""
     anchor = belief if algo.hadw else None
     row = ESTIMATORS[algo.advantage_estimator]
     normalize_std = LOSS_PRESETS[algo.loss_type].normalize_std and row.takes_std
