@@ -170,7 +170,7 @@ FIELD_TYPES = {
     "entropy_coef": "a number", "loss_normalizer": "a number or None", "max_response_length": "an int or None",
     "rollout_correction": "a RolloutCorrection or None", "off_policy_mask_threshold": "a number or None",
     "top_entropy_quantile": "a number", "entropy_mask_dtype": "a string", "kl_bias_correction": "a bool",
-    "kl_bias_ratio": "a string",
+    "kl_bias_ratio": "a string", "advantage_estimator": "a string",
     # Every objective's own option (objective_table.OBJECTIVES): a number, or None for its default.
     **{name: "a number or None" for name in OBJECTIVE_OPTIONS},
 }
@@ -200,7 +200,7 @@ def test_a_value_of_the_wrong_type_names_the_option_and_the_type(name):
 
 
 def test_loss_config_build_lists_its_options_for_an_unknown_one():
-    with pytest.raises(TypeError, match=r"unknown options \['clip_ratio'\]; LossConfig's options are \['beta', "):
+    with pytest.raises(TypeError, match=r"unknown options \['clip_ratio'\]; LossConfig's options are \['advantage_estimator', 'beta', "):
         LossConfig.build("grpo", clip_ratio=0.2)
 
 
