@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
-from .estimators import GroupStatistics, check_std_choice, estimator_row
+from .estimators import ESTIMATORS, GroupStatistics, check_std_choice, estimator_row
 from .precision import accumulate_dtype
 from .validation import check_advantage_options
 
@@ -159,9 +159,11 @@ def hadw_advantages(
             advantage = advantage * hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
         return advantage
     if group_size is not None:
-        _grouped(rewards, group_size)  # the contiguous groups' checks
-        group_index = torch.arange(rewards.numel(), device=rewards.device) // group_size
-    elif not isinstance(group_index, torch.Tensor):
+        grouped = _grouped(rewards, group_size)  # the contiguous groups' checks
+        dense = torch.arange(rewards.numel(), device=rewards.device) // group_size
+        return estimated_advantages(grouped.reshape(-1), dense, grouped.shape[0], row, normalize_std, std_eps, anchor,
+                                    lambda_scale, prior)
+    if not isinstance(group_index, torch.Tensor):
         try:  # a list or a numpy array of ids: on rewards' device, as a tensor would be
             group_index = torch.as_tensor(group_index, device=rewards.device)
         except (TypeError, ValueError, RuntimeError) as error:
@@ -173,17 +175,25 @@ def hadw_advantages(
         raise ValueError(f"group_index is on {group_index.device}, rewards on {rewards.device}")
     values = rewards.detach().to(accumulate_dtype(rewards.dtype))
     dense, groups = _contiguous_index(group_index)
-    stats = GroupStatistics.of(values, dense, groups)
-    if bool((stats.counts < 2).any()):
+    counts = torch.zeros(groups, dtype=values.dtype, device=values.device).index_add_(0, dense, torch.ones_like(values))
+    if bool((counts < 2).any()):
         raise ValueError("every group of group_index needs at least 2 responses (a group-relative baseline)")
+    return estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)
+
+
+def estimated_advantages(values: torch.Tensor, dense: torch.Tensor, groups: int, row, normalize_std: bool,
+                         std_eps: float, anchor, lambda_scale: float, prior: torch.Tensor | None) -> torch.Tensor:
+    """A * Phi [B] of checked inputs: ``values`` the rewards in their accumulation dtype,
+    ``dense`` each one's group id in 0..groups-1. No host read: the fused losses call it
+    on the batch validation returned."""
+    stats = GroupStatistics.of(values, dense, groups)
     advantage = values - row.baseline(values, dense, stats, prior)
-    lowest = torch.full_like(stats.counts, float("inf")).scatter_reduce_(0, dense, values, "amin")
-    highest = torch.full_like(stats.counts, float("-inf")).scatter_reduce_(0, dense, values, "amax")
-    degenerate = (lowest == highest)[dense]
     if normalize_std:
         advantage = advantage / (stats.variances.sqrt()[dense] + std_eps)
-    if row.name == "grpo":  # exact zeros: the group mean of equal rewards may round
-        advantage = torch.where(degenerate, torch.zeros_like(advantage), advantage)
+    if row.scope == "group":  # in-group baselines give equal rewards exactly 0 (a mean of them may round)
+        lowest = torch.full_like(stats.counts, float("inf")).scatter_reduce_(0, dense, values, "amin")
+        highest = torch.full_like(stats.counts, float("-inf")).scatter_reduce_(0, dense, values, "amax")
+        advantage = torch.where((lowest == highest)[dense], torch.zeros_like(advantage), advantage)
     if anchor is not None:
         difficulty = (stats.sums / stats.counts)[dense] - _anchor_operand(anchor, values)
         advantage = advantage * lambda_scale * torch.exp(-torch.sign(advantage) * torch.sign(difficulty) * difficulty.abs())
@@ -220,13 +230,18 @@ def weighted_advantages(
         return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
     rewards = rewards.detach()
     if config.advantage_estimator != "grpo":
-        plain = hadw_advantages(rewards, group_size=config.group_size, normalize_std=config.normalize_std,
-                                std_eps=config.std_eps, estimator=config.advantage_estimator)
+        values = rewards.to(accumulate_dtype(rewards.dtype))
+        dense = torch.arange(values.numel(), device=values.device) // config.group_size
+        groups = values.numel() // config.group_size
+
+        def estimated(with_anchor):
+            return estimated_advantages(values, dense, groups, ESTIMATORS[config.advantage_estimator],
+                                        config.normalize_std, config.std_eps, with_anchor, config.lambda_scale, None)
+
+        plain = estimated(None)
         if anchor is None:
             return plain, torch.ones_like(plain)
-        weighted = hadw_advantages(rewards, group_size=config.group_size, normalize_std=config.normalize_std,
-                                   std_eps=config.std_eps, estimator=config.advantage_estimator, anchor=anchor,
-                                   lambda_scale=config.lambda_scale)
+        weighted = estimated(anchor)
         # Phi of a zero advantage is lambda (exp(0)), as hadw_weights gives it.
         phi = torch.where(plain != 0, weighted / torch.where(plain != 0, plain, 1),
                           torch.full_like(plain, config.lambda_scale))
