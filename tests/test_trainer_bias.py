@@ -194,3 +194,15 @@ def test_estimator_scores_by_hand():
     # The advantage's error is the baseline's, negated: A - (r - p) = p - b.
     assert scores["rloo"]["signed|all"][0] == pytest.approx(0.0)
     assert scores["james_stein"]["signed|all"][0] == pytest.approx(-0.25)
+
+
+def test_estimator_scores_over_the_updating_groups_leave_the_all_equal_ones_out():
+    draws = Draws(levels=["add", "copy"], reference_correct=[64, 0], reference=128,
+                  groups={2: [[[1.0, 0.0], [0.0, 0.0]]]}, beliefs={2: [0.5]}, batch_prompts=2)
+    scores = analyse(draws, lambda_scale=1.0)["estimators"][2]["all"]
+    # James-Stein's updating group {1, 0} is RLOO's (lambda 0): errors 1/2 and -1/2.
+    assert scores["james_stein"]["signed|updating"][0] == pytest.approx(0.0)
+    assert scores["james_stein"]["absolute|updating"][0] == pytest.approx(0.5)
+    # Over all groups the all-wrong group adds two errors of -1/2 (b = 1/2, p = 0).
+    assert scores["james_stein"]["absolute|all"][0] == pytest.approx(0.5)
+    assert scores["james_stein"]["signed|all"][0] == pytest.approx(-0.25)

@@ -21,7 +21,9 @@ from trainer.tools.intervals import clustered_mean_interval, format_interval
 BATCH_SHUFFLE_SEED = 20261202
 SUBSETS = ("all", "updating")
 COLUMNS = (("baseline MSE, all groups", "all", "squared"), ("baseline MSE, updating", "updating", "squared"),
-           ("A error, all groups", "all", "signed"), ("A abs error, all groups", "all", "absolute"))
+           ("A error, all groups", "all", "signed"), ("A abs error, all groups", "all", "absolute"),
+           ("A error, updating", "updating", "signed"), ("A abs error, updating", "updating", "absolute"))
+KINDS = tuple(f"{kind}|{subset}" for kind in ("squared", "signed", "absolute") for subset in SUBSETS)
 
 
 def estimator_labels(history_discounts: dict[str, float]) -> list[tuple[str, str, str | None]]:
@@ -54,8 +56,7 @@ def score(draws, accuracy: list[float], batch_prompts: int, priors: dict[str, li
     result = {}
     for size, repeats in draws.groups.items():
         # per (label, kind): per prompt, its responses' values
-        values = {(label, kind): [[] for _ in range(prompts)] for label, *_ in labels
-                  for kind in ("squared|all", "squared|updating", "signed|all", "absolute|all")}
+        values = {(label, kind): [[] for _ in range(prompts)] for label, *_ in labels for kind in KINDS}
         for repeat in repeats:
             for members in batches:
                 if len(members) < 1:
@@ -71,22 +72,21 @@ def score(draws, accuracy: list[float], batch_prompts: int, priors: dict[str, li
                     for row, i in enumerate(members):
                         group = repeat[i]
                         updating = min(group) != max(group)
+                        subsets = SUBSETS if updating else SUBSETS[:1]
                         for position, reward in enumerate(group):
                             a = float(advantage[row, position])
-                            squared = (reward - a - accuracy[i]) ** 2
-                            values[label, "squared|all"][i].append(squared)
-                            if updating:
-                                values[label, "squared|updating"][i].append(squared)
-                            error = a - (reward - accuracy[i])
-                            values[label, "signed|all"][i].append(error)
-                            values[label, "absolute|all"][i].append(abs(error))
+                            error = a - (reward - accuracy[i])  # = p - b
+                            for subset in subsets:
+                                values[label, f"squared|{subset}"][i].append(error * error)
+                                values[label, f"signed|{subset}"][i].append(error)
+                                values[label, f"absolute|{subset}"][i].append(abs(error))
         per_size = {}
         for band, belongs in bands:
             members = [i for i in range(prompts) if belongs(accuracy[i])]
             row = {}
             for label, *_ in labels:
                 row[label] = {}
-                for kind in ("squared|all", "squared|updating", "signed|all", "absolute|all"):
+                for kind in KINDS:
                     lists = [values[label, kind][i] for i in members]
                     row[label][kind] = clustered_mean_interval([sum(v) for v in lists], [len(v) for v in lists])
             per_size[band] = row
