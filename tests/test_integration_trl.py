@@ -125,7 +125,8 @@ def test_what_liger_s_loss_refuses_this_integration_trains(setting):
 
 
 class RecordingTrainer(HADWGRPOTrainer):
-    """Keeps each generation batch's gathered rewards and the advantages it hands on."""
+    """Keeps each generation batch's gathered rewards, prompt keys, the anchor's belief
+    (None without HA-DW) and the advantages it hands on."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -138,7 +139,9 @@ class RecordingTrainer(HADWGRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        self.generations[-1].update(advantages=output["advantages"].clone(), belief=self.anchor.value)
+        keys = [prompt_key(ids[mask.bool()]) for ids, mask in zip(output["prompt_ids"], output["prompt_mask"])]
+        self.generations[-1].update(advantages=output["advantages"].clone(), keys=keys,
+                                    belief=None if self.anchor is None else self.anchor.value)
         return output
 
 
@@ -171,32 +174,12 @@ def test_the_kalman_anchor_rule_gets_each_batch_s_reward_count(model_dir, tmp_pa
     assert trainer.anchor.state_dict() == reference.state_dict()
 
 
-class EstimatorRecorder(HADWGRPOTrainer):
-    """Keeps each generation batch's gathered rewards, prompt keys, belief and advantages."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.generations = []
-
-    def _calculate_rewards(self, *args):
-        rewards = super()._calculate_rewards(*args)
-        self.generations.append({"rewards": rewards[:, 0].clone()})
-        return rewards
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        keys = [prompt_key(ids[mask.bool()]) for ids, mask in zip(output["prompt_ids"], output["prompt_mask"])]
-        self.generations[-1].update(advantages=output["advantages"].clone(), keys=keys,
-                                    belief=None if self.anchor is None else self.anchor.value)
-        return output
-
-
 @pytest.mark.parametrize("estimator, use_hadw", [("rloo", False), ("james_stein", True), ("prompt_history", False)])
 def test_the_estimators_advantages_are_the_library_s(estimator, use_hadw, model_dir, tmp_path):
     """Five steps, three generation batches of four prompts (eight in the dataset: the
     third batch's prompts were seen in the first): each batch's advantages are
     hadw_advantages' on its gathered rewards, the history replayed from the batches."""
-    trainer = train(EstimatorRecorder, HADWGRPOConfig, model_dir, tmp_path, max_steps=5, use_hadw=use_hadw,
+    trainer = train(RecordingTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=5, use_hadw=use_hadw,
                     hadw_advantage_estimator=estimator, hadw_anchor_rule="soft", hadw_history_discount=0.5,
                     save_strategy="steps", save_steps=5)
     assert len(trainer.generations) == 3
