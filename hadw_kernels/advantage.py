@@ -162,7 +162,7 @@ def hadw_advantages(
         grouped = _grouped(rewards, group_size)  # the contiguous groups' checks
         dense = torch.arange(rewards.numel(), device=rewards.device) // group_size
         return estimated_advantages(grouped.reshape(-1), dense, grouped.shape[0], row, normalize_std, std_eps, anchor,
-                                    lambda_scale, prior)
+                                    lambda_scale, prior)[0]
     if not isinstance(group_index, torch.Tensor):
         try:  # a list or a numpy array of ids: on rewards' device, as a tensor would be
             group_index = torch.as_tensor(group_index, device=rewards.device)
@@ -178,13 +178,15 @@ def hadw_advantages(
     counts = torch.zeros(groups, dtype=values.dtype, device=values.device).index_add_(0, dense, torch.ones_like(values))
     if bool((counts < 2).any()):
         raise ValueError("every group of group_index needs at least 2 responses (a group-relative baseline)")
-    return estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)
+    return estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)[0]
 
 
 def estimated_advantages(values: torch.Tensor, dense: torch.Tensor, groups: int, row, normalize_std: bool,
-                         std_eps: float, anchor, lambda_scale: float, prior: torch.Tensor | None) -> torch.Tensor:
-    """A * Phi [B] of checked inputs: ``values`` the rewards in their accumulation dtype,
-    ``dense`` each one's group id in 0..groups-1. No host read: the fused losses call it
+                         std_eps: float, anchor, lambda_scale: float,
+                         prior: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A * Phi, Phi) [B] of checked inputs: ``values`` the rewards in their accumulation
+    dtype, ``dense`` each one's group id in 0..groups-1; Phi is 1 without an anchor, and
+    lambda where A is 0 (as hadw_weights gives it). No host read: the fused losses call it
     on the batch validation returned."""
     stats = GroupStatistics.of(values, dense, groups)
     advantage = values - row.baseline(values, dense, stats, prior)
@@ -194,10 +196,11 @@ def estimated_advantages(values: torch.Tensor, dense: torch.Tensor, groups: int,
         lowest = torch.full_like(stats.counts, float("inf")).scatter_reduce_(0, dense, values, "amin")
         highest = torch.full_like(stats.counts, float("-inf")).scatter_reduce_(0, dense, values, "amax")
         advantage = torch.where((lowest == highest)[dense], torch.zeros_like(advantage), advantage)
-    if anchor is not None:
-        difficulty = (stats.sums / stats.counts)[dense] - _anchor_operand(anchor, values)
-        advantage = advantage * lambda_scale * torch.exp(-torch.sign(advantage) * torch.sign(difficulty) * difficulty.abs())
-    return advantage
+    if anchor is None:
+        return advantage, torch.ones_like(advantage)
+    difficulty = (stats.sums / stats.counts)[dense] - _anchor_operand(anchor, values)
+    phi = lambda_scale * torch.exp(-torch.sign(advantage) * torch.sign(difficulty) * difficulty.abs())
+    return advantage * phi, phi
 
 
 def _check_prior(row, prior, rewards: torch.Tensor) -> None:
@@ -232,20 +235,9 @@ def weighted_advantages(
     if config.advantage_estimator != "grpo":
         values = rewards.to(accumulate_dtype(rewards.dtype))
         dense = torch.arange(values.numel(), device=values.device) // config.group_size
-        groups = values.numel() // config.group_size
-
-        def estimated(with_anchor):
-            return estimated_advantages(values, dense, groups, ESTIMATORS[config.advantage_estimator],
-                                        config.normalize_std, config.std_eps, with_anchor, config.lambda_scale, None)
-
-        plain = estimated(None)
-        if anchor is None:
-            return plain, torch.ones_like(plain)
-        weighted = estimated(anchor)
-        # Phi of a zero advantage is lambda (exp(0)), as hadw_weights gives it.
-        phi = torch.where(plain != 0, weighted / torch.where(plain != 0, plain, 1),
-                          torch.full_like(plain, config.lambda_scale))
-        return weighted, phi
+        return estimated_advantages(values, dense, values.numel() // config.group_size,
+                                    ESTIMATORS[config.advantage_estimator], config.normalize_std, config.std_eps, anchor,
+                                    config.lambda_scale, None)
     advantage_hat = group_advantages(
         rewards, config.group_size, normalize_std=config.normalize_std, std_eps=config.std_eps
     )
