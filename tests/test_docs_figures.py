@@ -185,3 +185,19 @@ def test_the_readme_s_gpu_loss_step_is_fused_linear_logprob_md_s():
     for label, ms, to_bound, to_eager, peak in rows:
         assert source[label.removeprefix("hadw[triton], ")] == [ms, to_bound, peak], label
         assert abs(float(ms) / eager - float(to_eager.rstrip("x"))) <= 0.011, label
+
+
+def test_the_readme_s_estimator_evidence_is_the_sweep_table_s():
+    """The README's result of the estimators' sweep quotes docs/estimators.md's paired
+    differences to GRPO (the reward over the last 40 steps, 95% interval) at every G, and
+    the page's rows are those compare.py wrote (docs/estimators-runs.md holds its output)."""
+    evidence = (ROOT / "docs" / "estimators.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| (prompt history|James-Stein) - GRPO \| ([^|]+) \|", evidence, re.M)
+    assert {size for size, _, _ in rows} == {"2", "4", "8"} and len(rows) == 6
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for size, label, reward in rows:
+        assert f"{reward.strip()} at G = {size}" in readme, (size, label, reward)
+    assert "(docs/estimators.md)" in readme
+    output = (ROOT / "docs" / "estimators-runs.md").read_text().splitlines()
+    table_rows = [line for line in evidence.splitlines() if re.match(r"^\| \d+ \| (prompt history|James-Stein) - GRPO", line)]
+    assert all(line in output for line in table_rows)
