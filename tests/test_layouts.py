@@ -244,3 +244,55 @@ def test_importing_the_library_does_not_import_transformers():
 
     code = "import sys, hadw_kernels, hadw_kernels.layouts; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- what a layout refuses: a trainer's inputs, checked before anything is built ----------
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("prompts", [[[], [5]], [[], []]])
+def test_an_empty_prompt_is_refused_in_every_layout(name, prompts):
+    """A response's first token is predicted from its prompt's last token: with none, the
+    padded layout read it from a padding position (or, every prompt empty, returned no
+    hidden states at all)."""
+    with pytest.raises(ValueError, match=r"prompts\[0\] is empty: a sample needs a prompt token"):
+        LAYOUTS[name].build(prompts, [[6], [7]], pad_token_id=0)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize(("prompts", "responses", "error", "message"), [
+    ([[5]], [[6, -100]], ValueError, r"responses\[0\]\[1\] is -100: token ids are non-negative"),
+    ([[5, -1]], [[6]], ValueError, r"prompts\[0\]\[1\] is -1: token ids are non-negative"),
+    ([[5]], [[6, 1.5]], TypeError, r"responses\[0\]\[1\] is 1.5 \(float\): token ids are ints"),
+    ([[5, True]], [[6]], TypeError, r"prompts\[0\]\[1\] is True \(bool\): token ids are ints"),
+    ([[5]], [[None]], TypeError, r"responses\[0\]\[0\] is None \(NoneType\)"),
+    ([[5]], ["ab"], TypeError, r"responses\[0\] is 'ab', not a sequence of token ids"),
+    ([5, 6], [[7], [8]], TypeError, r"prompts\[0\] is 5, not a sequence of token ids"),
+    ([[5]], [torch.tensor([[6, 7]])], TypeError, r"responses\[0\] is a 2-D tensor"),
+    ([torch.tensor([5.0])], [[6]], TypeError, r"prompts\[0\] is a tensor of torch.float32"),
+    (torch.tensor([[5, 6]]), [[7]], TypeError, r"prompts is a tensor: .* padding"),
+    ([[5]], 7, TypeError, r"responses is 7, not a sequence of rows"),
+])
+def test_token_ids_a_trainer_might_hold_by_mistake_are_refused_naming_them(name, prompts, responses, error, message):
+    """-100 in a response would become the labels' ignore value (the token dropped from
+    the loss while response_lengths counts it); a float, a bool or None would be truncated
+    or fail inside torch; a flat list or a string is not a list of rows; a tensor of rows
+    holds padding a layout cannot tell from tokens."""
+    with pytest.raises(error, match=message):
+        LAYOUTS[name].build(prompts, responses, pad_token_id=0)
+
+
+@pytest.mark.parametrize(("pad_token_id", "error"), [(-1, ValueError), (0.5, TypeError), (True, TypeError)])
+def test_a_bad_pad_token_id_is_refused(pad_token_id, error):
+    with pytest.raises(error, match="pad_token_id"):
+        LAYOUTS["padded"].build([[5]], [[6]], pad_token_id=pad_token_id)
+
+
+def test_tensor_rows_are_taken_as_the_lists_they_are():
+    """Equal prompts given as 1-D tensors share their prompt, as lists do."""
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7]), torch.tensor([8])]
+    responses = [torch.tensor([9, 10]), torch.tensor([11], dtype=torch.int32), [12]]
+    batch = LAYOUTS["shared_prompt"].build(prompts, responses)
+    assert batch.input_ids.tolist() == LAYOUTS["shared_prompt"].build(
+        [[5, 6, 7], [5, 6, 7], [8]], [[9, 10], [11], [12]]).input_ids.tolist() == [[5, 6, 7, 9, 7, 8]]
+    assert prompt_groups(prompts) == [0, 0, 1]

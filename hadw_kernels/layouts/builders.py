@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
 
 from ..linear_blocks import IGNORE_INDEX
-from .rows import prompt_groups, rows_by_group
+from .rows import prompt_groups, rows_by_group, token_rows
 from .segments import Segments
 
 
@@ -219,16 +220,24 @@ class Layout:
     def build(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
               pad_token_id: int | None = None, device: torch.device | str = "cpu") -> LaidOutBatch:
         """The micro-batch of these rows: row i is ``prompts[i]`` followed by
-        ``responses[i]`` (token ids). ``pad_token_id``: what fills the padded layout's
-        padding (the packed layouts pad nothing)."""
+        ``responses[i]`` (token ids: lists of non-negative ints or 1-D integer tensors;
+        ``rows.token_rows``). ``pad_token_id``: what fills the padded layout's padding (the
+        packed layouts pad nothing). Every prompt needs a token: a response's first token
+        is predicted from its prompt's last."""
+        prompts, responses = token_rows("prompts", prompts), token_rows("responses", responses)
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
         if not prompts:
             raise ValueError("a micro-batch needs at least one row")
-        prompts = [list(prompt) for prompt in prompts]
-        responses = [list(response) for response in responses]
-        if self.packs and not all(prompts):
-            raise ValueError("a packed sample needs a prompt token to predict its response's first token from")
+        empty = next((row for row, prompt in enumerate(prompts) if not prompt), None)
+        if empty is not None:
+            raise ValueError(f"prompts[{empty}] is empty: a sample needs a prompt token to predict its response's "
+                             "first token from")
+        if pad_token_id is not None:
+            if type(pad_token_id) is bool or not isinstance(pad_token_id, Integral):
+                raise TypeError(f"pad_token_id is {pad_token_id!r}: a token id is an int")
+            if pad_token_id < 0:
+                raise ValueError(f"pad_token_id is {pad_token_id}: token ids are non-negative")
         return self._build(prompts, responses, pad_token_id, torch.device(device))
 
     def _build(self, prompts, responses, pad_token_id, device) -> LaidOutBatch:
