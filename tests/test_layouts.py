@@ -3,6 +3,8 @@ response tokens, what it counts, which rows share a prompt, and the segment atte
 tiny Llama and Qwen2 models: each response position gets the hidden state it gets alone,
 and no sample's tokens reach another's, in rows of any order."""
 
+import re
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -296,3 +298,52 @@ def test_tensor_rows_are_taken_as_the_lists_they_are():
     assert batch.input_ids.tolist() == LAYOUTS["shared_prompt"].build(
         [[5, 6, 7], [5, 6, 7], [8]], [[9, 10], [11], [12]]).input_ids.tolist() == [[5, 6, 7, 9, 7, 8]]
     assert prompt_groups(prompts) == [0, 0, 1]
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_the_maps_refuse_values_of_another_shape(name):
+    """Each map between the rows and the loss's layout checks the shape it is given: a
+    tensor one token short, a response longer than its row, too few or too many rows,
+    were cut, padded with zeros, written into the next row's slots or returned as given."""
+    batch = LAYOUTS[name].build([[5, 6, 7], [8], [5, 6, 7]], [[9, 10], [11, 12, 13], [14]], pad_token_id=0)
+    shape = tuple(batch.labels.shape)
+    short = torch.zeros(batch.labels.numel() - 1)
+    with pytest.raises(ValueError, match=rf"values of shape \({short.numel()},\): the loss's layout is"):
+        batch.per_response(short)
+    with pytest.raises(ValueError, match="values of shape"):
+        batch.to_padded(torch.zeros(2, *shape), 3)
+    with pytest.raises(ValueError, match=r"width 2 is below the longest response \(3 tokens\)"):
+        batch.to_padded(torch.zeros(shape), 2)
+    with pytest.raises(ValueError, match=r"values of shape \(4, 3\): 3 rows"):
+        batch.from_padded(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=r"values of shape \(2, 3\): 3 rows"):
+        batch.from_padded(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"values of shape \(3, 2\): 3 rows, the longest response 3 tokens"):
+        batch.from_padded(torch.zeros(3, 2))
+    with pytest.raises(ValueError, match=r"values of shape \(3,\): 3 rows"):
+        batch.from_padded(torch.zeros(3))
+    with pytest.raises(ValueError, match="2 responses' values for 3 rows"):
+        batch.from_responses([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"per_response\[1\] of shape \(4,\): row 1's response has 3 tokens"):
+        batch.from_responses([torch.zeros(2), torch.zeros(4), torch.zeros(1)])
+    with pytest.raises(TypeError, match=r"per_response\[0\] is a list"):
+        batch.from_responses([[0.0, 0.0], torch.zeros(3), torch.zeros(1)])
+    for wrong in (torch.zeros(2), torch.zeros(4), torch.zeros(())):
+        with pytest.raises(ValueError, match=rf"values of shape {re.escape(str(tuple(wrong.shape)))}: 3 rows"):
+            batch.per_segment(wrong)
+    with pytest.raises(TypeError, match="values is a list"):
+        batch.per_segment([1.0, 2.0, 3.0])
+    hidden = torch.zeros(*batch.input_ids.shape, 4)
+    assert batch.loss_hidden_states(hidden).shape[:2] == batch.labels.shape
+    for wrong in (hidden[:, 1:], hidden[..., 0], hidden[None]):
+        with pytest.raises(ValueError, match=r"hidden_states of shape .*: the model was fed input_ids of shape"):
+            batch.loss_hidden_states(wrong)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_from_responses_keeps_the_values_dtype(name):
+    batch = LAYOUTS[name].build([[5, 6], [7]], [[8, 9], [10]], pad_token_id=0)
+    values = [torch.tensor([0.1, 0.2], dtype=torch.float64), torch.tensor([0.3], dtype=torch.float64)]
+    laid_out = batch.from_responses(values)
+    assert laid_out.dtype == torch.float64 and laid_out.shape == batch.labels.shape
+    assert [v.tolist() for v in batch.per_response(laid_out)] == [[0.1, 0.2], [0.3]]

@@ -76,6 +76,11 @@ class LaidOutBatch:
         in its layout: padded, the [b, R] positions that predict the responses; packed,
         every position (``response_mask`` marks the counted ones, so the prompts' enter no
         GEMM)."""
+        _require_tensor("hidden_states", hidden_states)
+        if hidden_states.dim() != 3 or hidden_states.shape[:2] != self.input_ids.shape:
+            raise ValueError(f"hidden_states of shape {tuple(hidden_states.shape)}: the model was fed input_ids of "
+                             f"shape {tuple(self.input_ids.shape)}, so its last hidden states are "
+                             f"{[*self.input_ids.shape, 'H']}")
         if self.is_packed:
             return hidden_states
         width = self.labels.shape[1]
@@ -84,9 +89,27 @@ class LaidOutBatch:
     def per_segment(self, values: torch.Tensor) -> torch.Tensor:
         """Per-row values [b, ...] in the order of the loss's segments (its per-response
         tensors: advantages, rewards, sequence-level weights)."""
+        self._require_rows(values)
         if self.segment_rows is None:
             return values
         return values[torch.tensor(self.segment_rows, device=values.device)]
+
+    def _require_rows(self, values, *, padded: bool = False) -> None:
+        """``values`` one a row [b, ...], or (``padded``) each row's right-padded [b, W]."""
+        _require_tensor("values", values)
+        rows, longest = len(self.response_lengths), max(self.response_lengths)
+        if padded and (values.dim() != 2 or values.shape[0] != rows or values.shape[1] < longest):
+            raise ValueError(f"values of shape {tuple(values.shape)}: {rows} rows, the longest response {longest} "
+                             f"tokens, take [{rows}, W] right-padded, W >= {longest}")
+        if not padded and (values.dim() == 0 or values.shape[0] != rows):
+            raise ValueError(f"values of shape {tuple(values.shape)}: {rows} rows take one value a row, [{rows}, ...]")
+
+    def _require_layout(self, values) -> None:
+        """``values`` per token in the loss's layout, the labels' shape."""
+        _require_tensor("values", values)
+        if values.shape != self.labels.shape:
+            raise ValueError(f"values of shape {tuple(values.shape)}: the loss's layout is "
+                             f"{tuple(self.labels.shape)} (the labels')")
 
     def _token_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(row, column, loss position) of every response token, rows in order."""
@@ -102,6 +125,7 @@ class LaidOutBatch:
     def from_padded(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Per-token values of the rows' responses, right-padded [b, W] (W at least the
         longest response), in the loss's layout; ``fill`` where no response token is."""
+        self._require_rows(values, padded=True)
         rows, columns, positions = self._token_index(values.device)
         out = values.new_full((self.labels.numel(),), fill)
         out[positions] = values[rows, columns]
@@ -109,6 +133,12 @@ class LaidOutBatch:
 
     def to_padded(self, values: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
         """Per-token values in the loss's layout back as the rows' right-padded [b, width]."""
+        self._require_layout(values)
+        longest = max(self.response_lengths)
+        if type(width) is bool or not isinstance(width, Integral):
+            raise TypeError(f"width is {width!r}: an int, at least the longest response ({longest} tokens)")
+        if width < longest:
+            raise ValueError(f"width {width} is below the longest response ({longest} tokens)")
         rows, columns, positions = self._token_index(values.device)
         out = values.new_full((len(self.response_lengths), width), fill)
         out[rows, columns] = values.reshape(-1)[positions]
@@ -116,15 +146,31 @@ class LaidOutBatch:
 
     def per_response(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Per-token values in the loss's layout cut into each row's response's."""
+        self._require_layout(values)
         flat = values.reshape(-1)
         return [flat[start:start + length] for start, length in zip(self.response_starts, self.response_lengths)]
 
     def from_responses(self, per_response: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Each row's per-token values placed in the loss's layout, zeros elsewhere."""
-        values = torch.zeros(self.labels.numel(), device=self.labels.device)
-        for start, row_values in zip(self.response_starts, per_response):
-            values[start:start + row_values.numel()] = row_values
-        return values.view(self.labels.shape)
+        """Each row's per-token values ([R_i] each, rows in order) placed in the loss's
+        layout, zeros elsewhere, in their dtype on the batch's device."""
+        if isinstance(per_response, torch.Tensor) or not isinstance(per_response, Sequence):
+            raise TypeError(f"per_response is {type(per_response).__name__}: a list of each row's values")
+        if len(per_response) != len(self.response_lengths):
+            raise ValueError(f"{len(per_response)} responses' values for {len(self.response_lengths)} rows")
+        for row, (row_values, length) in enumerate(zip(per_response, self.response_lengths)):
+            _require_tensor(f"per_response[{row}]", row_values)
+            if row_values.shape != (length,):
+                raise ValueError(f"per_response[{row}] of shape {tuple(row_values.shape)}: row {row}'s response has "
+                                 f"{length} tokens")
+        values = torch.cat(list(per_response)).to(self.labels.device)
+        out = values.new_zeros(self.labels.numel())
+        out[self._token_index(self.labels.device)[2]] = values
+        return out.view(self.labels.shape)
+
+
+def _require_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} is a {type(value).__name__}, not a tensor")
 
 
 class TokenTally:
