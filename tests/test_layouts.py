@@ -347,3 +347,25 @@ def test_from_responses_keeps_the_values_dtype(name):
     laid_out = batch.from_responses(values)
     assert laid_out.dtype == torch.float64 and laid_out.shape == batch.labels.shape
     assert [v.tolist() for v in batch.per_response(laid_out)] == [[0.1, 0.2], [0.3]]
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_tally_refuses_lengths_and_rows_it_cannot_count(name):
+    """A negative length was counted; a row beyond the lengths, or lists of other lengths,
+    ended in an IndexError."""
+    layout = LAYOUTS[name]
+    with pytest.raises(ValueError, match=r"response_lengths\[1\] is -2: lengths are non-negative"):
+        layout.fed_tokens([0, 1], [3, 3], [2, -2])
+    with pytest.raises(ValueError, match=r"prompt_lengths\[0\] is 0: a sample needs a prompt token"):
+        layout.fed_tokens([0], [0, 3], [2, 2])
+    with pytest.raises(ValueError, match="2 prompt_lengths, 3 response_lengths"):
+        layout.tally([3, 3], [2, 2, 2])
+    with pytest.raises(ValueError, match="2 prompt_lengths, 2 response_lengths and 1 groups"):
+        layout.tally([3, 3], [2, 2], [0])
+    tally = layout.tally([3, 3], [2, 2], [0, 0])
+    for row in (2, -1):
+        with pytest.raises(ValueError, match=rf"row {row} is not one of the 2 rows"):
+            tally.with_rows([0, row])
+        with pytest.raises(ValueError, match=rf"row {row} is not one of the 2 rows"):
+            tally.add([row])
+    assert tally.rows == [] and tally.with_rows([0, 1]) == layout.fed_tokens([0, 1], [3, 3], [2, 2], [0, 0])

@@ -179,13 +179,36 @@ class TokenTally:
     where ``groups`` (``rows.prompt_groups``) gives them one id."""
 
     def __init__(self, prompt_lengths: Sequence[int], response_lengths: Sequence[int], groups: Sequence[int]) -> None:
+        if not len(prompt_lengths) == len(response_lengths) == len(groups):
+            raise ValueError(f"{len(prompt_lengths)} prompt_lengths, {len(response_lengths)} response_lengths and "
+                             f"{len(groups)} groups: one each a row")
         self.prompt_lengths, self.response_lengths, self.groups = prompt_lengths, response_lengths, groups
         self.rows: list[int] = []
 
     def with_rows(self, rows: Sequence[int]) -> int:
-        raise NotImplementedError
+        """The tokens fed once ``rows`` join (without adding them)."""
+        return self._with_rows(self._checked(rows))
 
     def add(self, rows: Sequence[int]) -> None:
+        self._add(self._checked(rows))
+
+    def _checked(self, rows: Sequence[int]) -> list[int]:
+        """``rows``, each a row of the lengths given; checked as they are counted (a
+        trainer asks of a few rows at a time), not all lengths at once."""
+        rows, count = list(rows), len(self.prompt_lengths)
+        for row in rows:
+            if not 0 <= row < count:
+                raise ValueError(f"row {row} is not one of the {count} rows the lengths describe")
+            if self.prompt_lengths[row] < 1:
+                raise ValueError(f"prompt_lengths[{row}] is {self.prompt_lengths[row]}: a sample needs a prompt token")
+            if self.response_lengths[row] < 0:
+                raise ValueError(f"response_lengths[{row}] is {self.response_lengths[row]}: lengths are non-negative")
+        return rows
+
+    def _with_rows(self, rows: Sequence[int]) -> int:
+        raise NotImplementedError
+
+    def _add(self, rows: Sequence[int]) -> None:
         self.rows.extend(rows)
 
 
@@ -197,13 +220,13 @@ class _PaddedTally(TokenTally):
         super().__init__(*args)
         self.prompt_width = self.response_width = 0
 
-    def with_rows(self, rows: Sequence[int]) -> int:
+    def _with_rows(self, rows: Sequence[int]) -> int:
         prompt_width = max([self.prompt_width, *(self.prompt_lengths[row] for row in rows)])
         response_width = max([self.response_width, 1, *(self.response_lengths[row] for row in rows)])
         return (len(self.rows) + len(rows)) * (prompt_width + response_width)
 
-    def add(self, rows: Sequence[int]) -> None:
-        super().add(rows)
+    def _add(self, rows: Sequence[int]) -> None:
+        super()._add(rows)
         self.prompt_width = max([self.prompt_width, *(self.prompt_lengths[row] for row in rows)])
         self.response_width = max([self.response_width, 1, *(self.response_lengths[row] for row in rows)])
 
@@ -218,11 +241,11 @@ class _PackedTally(TokenTally):
     def _tokens(self, rows: Sequence[int]) -> int:
         return sum(self.prompt_lengths[row] + self.response_lengths[row] for row in rows)
 
-    def with_rows(self, rows: Sequence[int]) -> int:
+    def _with_rows(self, rows: Sequence[int]) -> int:
         return self.tokens + self._tokens(rows)
 
-    def add(self, rows: Sequence[int]) -> None:
-        super().add(rows)
+    def _add(self, rows: Sequence[int]) -> None:
+        super()._add(rows)
         self.tokens += self._tokens(rows)
 
 
@@ -243,12 +266,12 @@ class _SharedPromptTally(TokenTally):
             prompts[group] = (self.prompt_lengths[row], has_tokens)
         return prompts
 
-    def with_rows(self, rows: Sequence[int]) -> int:
+    def _with_rows(self, rows: Sequence[int]) -> int:
         prompts = sum(length - has_tokens for length, has_tokens in self._merged(rows).values())
         return self.response_tokens + sum(self.response_lengths[row] for row in rows) + prompts
 
-    def add(self, rows: Sequence[int]) -> None:
-        super().add(rows)
+    def _add(self, rows: Sequence[int]) -> None:
+        super()._add(rows)
         self.prompts = self._merged(rows)
         self.response_tokens += sum(self.response_lengths[row] for row in rows)
 
