@@ -369,3 +369,37 @@ def test_a_tally_refuses_lengths_and_rows_it_cannot_count(name):
         with pytest.raises(ValueError, match=rf"row {row} is not one of the 2 rows"):
             tally.add([row])
     assert tally.rows == [] and tally.with_rows([0, 1]) == layout.fed_tokens([0, 1], [3, 3], [2, 2], [0, 0])
+
+
+@pytest.mark.parametrize("fill", [0, 1])
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_a_padded_batch_is_served_whatever_positions_its_padding_carries(fill, use_cache):
+    """The model's own attention serves every call without segments: a padded batch whose
+    padding positions carry 1 (OpenRLHF's and older generate's cumsum - 1, masked_fill(1))
+    or 0, left and right padded, gets the model's own logits, not a packed row's refusal."""
+    model, own = tiny_model(), tiny_model()
+    enable_segment_attention(model)
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 0, 0], [13, 14, 15, 16, 17, 18]])
+    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    position_ids = (attention_mask.cumsum(1) - 1).masked_fill(attention_mask == 0, fill)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+    with torch.no_grad():
+        logits, expected = model(**inputs).logits, own(**inputs).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=0)
+    generated = model.generate(input_ids[:1], attention_mask=attention_mask[:1], max_new_tokens=2, do_sample=False)
+    assert torch.equal(generated, own.generate(input_ids[:1], attention_mask=attention_mask[:1], max_new_tokens=2,
+                                               do_sample=False))
+
+
+def test_a_packed_row_in_a_padded_batch_is_still_refused():
+    """Padding may carry any position; the real tokens of a row must count up, or two
+    samples share the row and would attend to each other."""
+    model = tiny_model()
+    enable_segment_attention(model)
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 0], [10, 11, 12, 13, 14, 15]])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 1], [0, 1, 2, 3, 4, 5]])
+    for use_cache in (False, True):
+        with pytest.raises(ValueError, match="without its segments"):
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
