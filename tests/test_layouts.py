@@ -28,7 +28,7 @@ def tiny_model(architecture: str = "llama", seed: int = 0):
 
 def hidden_states(model, batch) -> torch.Tensor:
     with torch.no_grad():
-        outputs = model(**batch.model_inputs(), use_cache=False, output_hidden_states=True)
+        outputs = model(**batch.model_inputs(model), use_cache=False, output_hidden_states=True)
     return batch.loss_hidden_states(outputs.hidden_states[-1])
 
 
@@ -50,7 +50,9 @@ def test_packed_layout():
     values = torch.arange(6.0)[None]
     assert [v.tolist() for v in batch.per_response(values)] == [[1.0, 2.0, 3.0], []]
     assert batch.from_responses(batch.per_response(values)).tolist() == [[0.0, 1.0, 2.0, 3.0, 0.0, 0.0]]
-    assert batch.model_inputs()["attention_mask"] is None
+    served = tiny_model()
+    enable_segment_attention(served)
+    assert batch.model_inputs(served)["attention_mask"] is None
     assert batch.fed_tokens == 6 and batch.segment_rows is None
 
 
@@ -199,7 +201,7 @@ def test_a_packed_row_without_its_segments_is_refused(use_cache):
     model = tiny_model()
     enable_segment_attention(model)
     batch = LAYOUTS["packed"].build([[5, 6], [7]], [[8, 9, 10], [11]])
-    inputs = {**batch.model_inputs(), "attention_segments": None}
+    inputs = {**batch.model_inputs(model), "attention_segments": None}
     cache = {} if use_cache == "default" else {"use_cache": use_cache}
     with pytest.raises(ValueError, match="without its segments"):
         model(**inputs, **cache)
@@ -403,3 +405,28 @@ def test_a_packed_row_in_a_padded_batch_is_still_refused():
     for use_cache in (False, True):
         with pytest.raises(ValueError, match="without its segments"):
             model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("layout", ["packed", "shared_prompt"])
+def test_a_packed_row_goes_only_to_a_model_that_honours_its_segments(layout):
+    """A model never enabled, or disabled, dropped attention_segments (transformers passes
+    unknown keywords through its own attention, which ignores them) and returned wrong
+    hidden states; now model_inputs asks for the model and refuses one whose attention
+    cannot confine the row."""
+    batch = LAYOUTS[layout].build([[5, 6], [5, 6], [7]], [[8, 9], [10], [11, 12]])
+    never, disabled, served = tiny_model(), tiny_model(), tiny_model()
+    enable_segment_attention(disabled)
+    disable_segment_attention(disabled)
+    enable_segment_attention(served)
+    for model in (never, disabled):
+        with pytest.raises(ValueError, match=r"this model's attention \(sdpa\) is not the segment attention"):
+            batch.model_inputs(model)
+    with pytest.raises(TypeError, match=r"model_inputs\(model\)"):
+        batch.model_inputs()
+    with pytest.raises(TypeError, match="model is a Linear"):
+        batch.model_inputs(torch.nn.Linear(2, 2))
+    wrapped = torch.nn.Module()  # DDP, DeepSpeed and FSDP hold the model as .module
+    wrapped.module = served
+    assert batch.model_inputs(wrapped)["attention_segments"] is batch.attention_segments
+    padded = LAYOUTS["padded"].build([[5, 6]], [[8, 9]], pad_token_id=0)
+    assert padded.model_inputs().keys() == padded.model_inputs(never).keys()  # any attention serves padded rows

@@ -433,7 +433,7 @@ class HADWGRPOTrainer(GRPOTrainer):
             batch = self.layout.build([prompts[row] for row in rows], [completions[row] for row in rows],
                                       device=input_ids.device)
             with self.accelerator.autocast():
-                hidden = unwrapped.base_model(**batch.model_inputs(), use_cache=False).last_hidden_state
+                hidden = unwrapped.base_model(**batch.model_inputs(unwrapped), use_cache=False).last_hidden_state
             hidden = batch.loss_hidden_states(hidden).to(device=weight.device, dtype=weight.dtype)
             with torch.autocast(weight.device.type, enabled=False), maybe_gather_lm_head_ctx(weight, bias):
                 values = token_logprobs(hidden, weight, batch.labels, temperature=self.temperature, lm_head_bias=bias,
@@ -519,7 +519,7 @@ class HADWGRPOTrainer(GRPOTrainer):
                 ).last_hidden_state[:, -completion_ids.size(1) - 1 : -1]
             else:
                 hidden_states = batch.loss_hidden_states(
-                    model.base_model(**batch.model_inputs(), use_cache=False).last_hidden_state)
+                    model.base_model(**batch.model_inputs(model), use_cache=False).last_hidden_state)
         lm_head = model.get_output_embeddings()
         weight, bias = lm_head.weight, lm_head.bias
         if isinstance(weight, DTensor):  # FSDP2 shards; the loss needs the whole head

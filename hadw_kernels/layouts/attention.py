@@ -65,8 +65,8 @@ def _refuse_restarting_positions(position_ids: torch.Tensor | None, query_length
     if bool(restarts.any()):
         raise ValueError(
             "a packed row (positions restarting within a row) reached the segment attention without its segments: "
-            "pass attention_segments= (the LaidOutBatch's model_inputs()) with the row, or the samples would attend "
-            "to each other"
+            "pass attention_segments= (the LaidOutBatch's model_inputs(model)) with the row, or the samples would "
+            "attend to each other"
         )
     _checked_positions = weakref.ref(position_ids)
 
@@ -106,7 +106,7 @@ def _attention_function(original: str):
         if attention_mask is PACKED_ROW:
             raise ValueError(
                 "a packed row (positions restarting, no attention mask) reached the segment attention without "
-                "its segments: pass attention_segments= (the LaidOutBatch's model_inputs()) with the row, or the "
+                "its segments: pass attention_segments= (the LaidOutBatch's model_inputs(model)) with the row, or the "
                 "samples would attend to each other"
             )
         _refuse_restarting_positions(kwargs.get("position_ids"), query.shape[2], _real_queries_of(attention_mask))
@@ -157,6 +157,30 @@ def _registered_name(model: torch.nn.Module) -> str:
         AttentionInterface.register(name, _attention_function(current))
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, _mask_function(current))
     return name
+
+
+def _config_of(model: torch.nn.Module):
+    """The transformers config of ``model``, or of the model a wrapper (DDP, DeepSpeed,
+    FSDP: ``.module``) holds; None where there is none."""
+    while not hasattr(getattr(model, "config", None), "_attn_implementation"):
+        model = getattr(model, "module", None)
+        if not isinstance(model, torch.nn.Module):
+            return None
+    return model.config
+
+
+def require_segment_attention(model: torch.nn.Module) -> None:
+    """Raises unless ``model`` runs the segment attention (so a packed row's segments are
+    honoured, not dropped): a TypeError where it is no transformers model, a ValueError
+    naming its attention where that is another."""
+    config = _config_of(model)
+    if config is None:
+        raise TypeError(f"model is a {type(model).__name__}: a transformers model (or a wrapper holding one as "
+                        ".module) whose config names its attention")
+    if not str(config._attn_implementation).startswith(NAME_PREFIX):
+        raise ValueError(f"this model's attention ({config._attn_implementation}) is not the segment attention, which "
+                         "alone keeps a packed row's samples apart: enable_segment_attention(model) first, or lay "
+                         "the rows out padded")
 
 
 def own_attention(model: torch.nn.Module) -> str:
@@ -234,6 +258,8 @@ def keeps_samples_apart(model: torch.nn.Module) -> bool:
 
 
 def _response_hidden_states(model, batch) -> torch.Tensor:
-    outputs = model(**batch.model_inputs(), use_cache=False, output_hidden_states=True,
+    # The model is asked, not its name: its own inputs, whatever attention it runs.
+    inputs = batch.model_inputs() if batch.attention_segments is None else batch._packed_inputs()
+    outputs = model(**inputs, use_cache=False, output_hidden_states=True,
                     logits_to_keep=torch.empty(0, dtype=torch.long, device=batch.input_ids.device))
     return batch.loss_hidden_states(outputs.hidden_states[-1])

@@ -30,6 +30,7 @@ from numbers import Integral
 import torch
 
 from ..linear_blocks import IGNORE_INDEX
+from .attention import require_segment_attention
 from .rows import prompt_groups, rows_by_group, token_rows
 from .segments import Segments
 
@@ -63,11 +64,21 @@ class LaidOutBatch:
     def is_packed(self) -> bool:
         return self.cu_seqlens is not None
 
-    def model_inputs(self) -> dict:
-        """The model's inputs; a packed row's come with its segments, which the segment
-        attention reads (``attention.enable_segment_attention``)."""
+    def model_inputs(self, model: torch.nn.Module | None = None) -> dict:
+        """The inputs of ``model``, the model they are fed to; a packed row's come with its
+        segments, which only the segment attention reads
+        (``attention.enable_segment_attention``): any other attention ignores them and
+        attends across the row's samples, so a packed row needs ``model`` and is refused
+        to one not under the segment attention. A padded batch serves any model."""
         if self.attention_segments is None:
             return dict(input_ids=self.input_ids, attention_mask=self.attention_mask, position_ids=self.position_ids)
+        if model is None:
+            raise TypeError("model_inputs(model): a packed row's samples are kept apart only by the segment "
+                            "attention, so its inputs need the model they are fed to, to check that it runs it")
+        require_segment_attention(model)
+        return self._packed_inputs()
+
+    def _packed_inputs(self) -> dict:
         return dict(input_ids=self.input_ids, attention_mask=None, position_ids=self.position_ids,
                     attention_segments=self.attention_segments)
 
