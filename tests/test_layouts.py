@@ -7,7 +7,9 @@ import re
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from hadw_kernels.layouts import (LAYOUTS, SegmentAttentionUnavailable, disable_segment_attention,
                                   enable_segment_attention, get_layout, prompt_groups, rows_by_group)
@@ -16,13 +18,26 @@ from hadw_kernels.layouts.attention import keeps_samples_apart
 VOCAB = 40
 
 
-def tiny_model(architecture: str = "llama", seed: int = 0):
+# Tiny random models of each architecture transformers ships that a trainer may bring,
+# built from a config (no download): (config class, model class, the config's own fields).
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(head_dim=8)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
+    "gemma": (GemmaConfig, GemmaForCausalLM, dict(head_dim=8)),
+    "phi": (PhiConfig, PhiForCausalLM, {}),
+}
+
+
+def tiny_model(architecture: str = "llama", seed: int = 0, **fields):
     shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
-    config = LlamaConfig(head_dim=8, **shape) if architecture == "llama" else Qwen2Config(**shape)
+                 num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2)
+    config_class, model_class, own = ARCHITECTURES[architecture]
+    config = config_class(**shape, **{**own, **fields})
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = (LlamaForCausalLM if architecture == "llama" else Qwen2ForCausalLM)(config)
+        model = model_class(config)
     return model.eval()
 
 
@@ -137,7 +152,7 @@ def test_bad_rows_are_refused():
         LAYOUTS["packed"].build([], [])
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_each_response_gets_its_own_hidden_states_in_every_layout(architecture):
     """Rows in a shuffled order, two sharing a prompt apart from each other, an empty
     response and a one-token prompt: each response position's hidden state is the one it
@@ -430,3 +445,29 @@ def test_a_packed_row_goes_only_to_a_model_that_honours_its_segments(layout):
     assert batch.model_inputs(wrapped)["attention_segments"] is batch.attention_segments
     padded = LAYOUTS["padded"].build([[5, 6]], [[8, 9]], pad_token_id=0)
     assert padded.model_inputs().keys() == padded.model_inputs(never).keys()  # any attention serves padded rows
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "gemma2"])
+def test_sliding_window_models_are_refused_by_name(architecture):
+    """Mistral's config slides a 4096-token window by default; Gemma 2 alternates sliding
+    and full layers."""
+    if architecture == "mistral":
+        model = tiny_model("mistral", sliding_window=4096)
+    else:
+        config = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="sdpa",
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = Gemma2ForCausalLM(config)
+    with pytest.raises(SegmentAttentionUnavailable, match=r"this model's attention \(sdpa\) has sliding-window"):
+        enable_segment_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_module_without_a_transformers_config_is_refused():
+    for call in (enable_segment_attention, disable_segment_attention):
+        with pytest.raises(TypeError, match="model is a Linear: a transformers model"):
+            call(torch.nn.Linear(2, 2))
+    wrapped = torch.nn.Module()  # DDP, DeepSpeed and FSDP hold the model as .module
+    wrapped.module = tiny_model()
+    enable_segment_attention(wrapped)
+    assert wrapped.module.config._attn_implementation == "hadw_segments_over_sdpa"

@@ -159,33 +159,32 @@ def _registered_name(model: torch.nn.Module) -> str:
     return name
 
 
-def _config_of(model: torch.nn.Module):
-    """The transformers config of ``model``, or of the model a wrapper (DDP, DeepSpeed,
-    FSDP: ``.module``) holds; None where there is none."""
-    while not hasattr(getattr(model, "config", None), "_attn_implementation"):
-        model = getattr(model, "module", None)
-        if not isinstance(model, torch.nn.Module):
-            return None
-    return model.config
+def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``, or the model a wrapper (DDP, DeepSpeed, FSDP) holds as ``.module``: the
+    first whose config names its attention; a TypeError where there is none."""
+    inner = model
+    while not hasattr(getattr(inner, "config", None), "_attn_implementation"):
+        inner = getattr(inner, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            raise TypeError(f"model is a {type(model).__name__}: a transformers model (or a wrapper holding one as "
+                            ".module) whose config names its attention")
+    return inner
 
 
 def require_segment_attention(model: torch.nn.Module) -> None:
     """Raises unless ``model`` runs the segment attention (so a packed row's segments are
     honoured, not dropped): a TypeError where it is no transformers model, a ValueError
     naming its attention where that is another."""
-    config = _config_of(model)
-    if config is None:
-        raise TypeError(f"model is a {type(model).__name__}: a transformers model (or a wrapper holding one as "
-                        ".module) whose config names its attention")
-    if not str(config._attn_implementation).startswith(NAME_PREFIX):
-        raise ValueError(f"this model's attention ({config._attn_implementation}) is not the segment attention, which "
-                         "alone keeps a packed row's samples apart: enable_segment_attention(model) first, or lay "
-                         "the rows out padded")
+    current = _transformers_model(model).config._attn_implementation
+    if not str(current).startswith(NAME_PREFIX):
+        raise ValueError(f"this model's attention ({current}) is not the segment attention, which alone keeps a "
+                         "packed row's samples apart: enable_segment_attention(model) first, or lay the rows out "
+                         "padded")
 
 
 def own_attention(model: torch.nn.Module) -> str:
     """The attention implementation of ``model`` beneath the segment attention, if any."""
-    return str(model.config._attn_implementation).removeprefix(NAME_PREFIX)
+    return str(_transformers_model(model).config._attn_implementation).removeprefix(NAME_PREFIX)
 
 
 def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> None:
@@ -199,7 +198,10 @@ def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> N
     either way.
 
     Raises :class:`SegmentAttentionUnavailable` (a ValueError naming the model's attention
-    and why) where it cannot, and leaves the model as it was. Calling it again is a no-op."""
+    and why) where it cannot, and leaves the model as it was; a TypeError where ``model``
+    is no transformers model (nor a wrapper holding one as ``.module``). Calling it again
+    is a no-op."""
+    model = _transformers_model(model)
     original = own_attention(model)
     if str(model.config._attn_implementation).startswith(NAME_PREFIX):
         return
@@ -214,6 +216,7 @@ def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> N
 
 def disable_segment_attention(model: torch.nn.Module) -> None:
     """Puts ``model`` back on its own attention."""
+    model = _transformers_model(model)
     original = own_attention(model)
     if model.config._attn_implementation != original:
         model.set_attn_implementation(original)
