@@ -471,3 +471,9 @@ def test_a_module_without_a_transformers_config_is_refused():
     wrapped.module = tiny_model()
     enable_segment_attention(wrapped)
     assert wrapped.module.config._attn_implementation == "hadw_segments_over_sdpa"
+
+
+@pytest.mark.parametrize(("device", "error"), [("cpux", ValueError), (5.5, TypeError), (None, TypeError)])
+def test_a_device_torch_cannot_name_is_refused_naming_the_argument(device, error):
+    with pytest.raises(error, match="^device: "):
+        LAYOUTS["packed"].build([[5]], [[6]], device=device)

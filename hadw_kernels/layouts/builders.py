@@ -318,7 +318,14 @@ class Layout:
                 raise TypeError(f"pad_token_id is {pad_token_id!r}: a token id is an int")
             if pad_token_id < 0:
                 raise ValueError(f"pad_token_id is {pad_token_id}: token ids are non-negative")
-        return self._build(prompts, responses, pad_token_id, torch.device(device))
+        try:
+            device = torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(f"device: {error}") from None
+        except TypeError:
+            raise TypeError(f"device: {device!r} is no device; give a torch.device or its name ('cpu', "
+                            "'cuda:0')") from None
+        return self._build(prompts, responses, pad_token_id, device)
 
     def _build(self, prompts, responses, pad_token_id, device) -> LaidOutBatch:
         raise NotImplementedError
