@@ -33,15 +33,17 @@ import: versions.py).
   optimizer step (``hadw_shuffle``).
 
 Options TRL has and this loss does not (the entropy bonus, MoE auxiliary loss, logit
-soft-capping), and CISPO with a cap below 1, are refused when the trainer is built, with the
-option named.
+soft-capping) are refused when the trainer is built, with the option named; CISPO with a
+cap below 1 (TRL's default epsilon_high) is taken, as stock TRL takes it, with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -223,13 +225,25 @@ class HADWGRPOConfig(GRPOConfig):
             raise ValueError(f"HADWGRPOTrainer runs loss_type in {sorted(TRL_LOSS_TYPES)}, got "
                              f"{self.loss_type!r}{hint}")
         cap = self.objective_options().get("ratio_cap")
-        if cap is not None and cap < 1:
-            # TRL leaves epsilon_high at epsilon (0.2) unless set, which caps every weight at 0.2.
-            raise ValueError(
-                f"loss_type={self.loss_type!r} reads epsilon_high as the cap on its detached importance ratio, "
-                f"which must be at least 1, got epsilon_high={cap} (TRL leaves it at epsilon unless set); "
-                "set epsilon_high=5.0, TRL's recommended value"
-            )
+        if cap is not None and not cap > 0:
+            raise ValueError(f"loss_type={self.loss_type!r} reads epsilon_high as the cap on its detached importance "
+                             f"ratio: epsilon_high={cap} caps every weight at {cap} or below, which trains nothing; "
+                             "set epsilon_high=5.0, TRL's recommended value")
+        if self.cap_below_one is not None:
+            # TRL leaves epsilon_high at epsilon (0.2) unless set; stock TRL runs it, so the drop-in does.
+            warnings.warn(
+                f"loss_type={self.loss_type!r} reads epsilon_high as the cap on its detached importance ratio: "
+                f"epsilon_high={cap} caps every weight at {cap}, so the loss is about {cap} times the ratio-free "
+                "policy gradient, as stock TRL's is (TRL leaves epsilon_high at epsilon unless set); set "
+                "epsilon_high=5.0, TRL's recommended value, for CISPO's importance weights", UserWarning, stacklevel=3)
+            correcting = self.use_vllm and self.vllm_importance_sampling_correction
+            if self.off_policy_mask_threshold is not None and correcting:
+                # The loss reads vLLM's log-probs for both; see cap_below_one.
+                raise ValueError(
+                    f"loss_type={self.loss_type!r} with epsilon_high={cap} below 1, off_policy_mask_threshold and "
+                    "vllm_importance_sampling_correction: the fused loss takes a cap below 1 by shifting the old and "
+                    "vLLM's log-probs by its log, which the off-policy mask would then read; set epsilon_high to 1 or "
+                    "more, or drop one of the two")
         # The loss's own checks of these options (temperatures, gamma shapes, clip range),
         # and of its linear path, which the first step would otherwise raise after generating.
         loss_config = LossConfig.build(
@@ -275,6 +289,15 @@ class HADWGRPOConfig(GRPOConfig):
             )
 
     @property
+    def cap_below_one(self) -> float | None:
+        """CISPO's cap where it lies below 1 (TRL's default epsilon_high, 0.2), else None.
+        The loss's own cap is at least 1, so the trainer hands it TRL's min(r, c) as
+        c min(r / c, 1): the advantages times c, the old (and vLLM's) log-probs shifted by
+        log c, a cap of 1, and the bias-corrected KL's beta times c (its ratio is r / c)."""
+        cap = self.objective_options().get("ratio_cap")
+        return cap if cap is not None and 0 < cap < 1 else None
+
+    @property
     def resolved_epsilon_high(self) -> float:
         """epsilon_high as TRL reads it: epsilon when unset."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
@@ -301,6 +324,8 @@ class HADWGRPOConfig(GRPOConfig):
         objective = LOSS_PRESETS[TRL_LOSS_TYPES[self.loss_type].preset].objective
         ratio_level = "sequence" if self.importance_sampling_level == "sequence" else "token"
         options = self.objective_options()
+        if self.cap_below_one is not None:
+            options["ratio_cap"] = 1.0
         # An objective with a cap has no clip range: clip_frac_high then counts the ratios
         # above the cap with A > 0, TRL's cispo_clip_ratio.
         epsilon_high = self.resolved_epsilon_high if "ratio_cap" not in options else options["ratio_cap"] - 1
@@ -543,8 +568,11 @@ class HADWGRPOTrainer(GRPOTrainer):
                                  "(use_bias_correction_kl=False), or train under ZeRO-2")
             linear_path = "gradients_in_forward"
         old_logprobs, behaviour = self._behaviour(inputs)
+        advantages, cap = inputs["advantages"], self.args.cap_below_one
+        if cap is not None:
+            old_logprobs, behaviour, advantages = _under_cap(cap, old_logprobs, behaviour, advantages, options)
         per_token = dict(labels=completion_ids, old_logprobs=old_logprobs, response_mask=mask,
-                         ref_logprobs=inputs.get("ref_per_token_logps"), advantages=inputs["advantages"], **behaviour)
+                         ref_logprobs=inputs.get("ref_per_token_logps"), advantages=advantages, **behaviour)
         if batch is not None:  # TRL's [B, T] and [B] tensors in the layout's
             per_token = {name: _in_layout(batch, value) for name, value in per_token.items()}
             per_token["labels"] = batch.labels
@@ -556,7 +584,13 @@ class HADWGRPOTrainer(GRPOTrainer):
                 backend=self.args.hadw_backend, linear_path=linear_path, block_rows=self.args.hadw_block_rows,
                 **options,
             )
-        counts = mask.any(dim=1).sum() if self.importance_sampling_level == "sequence" else mask.sum()
+        sequence = self.importance_sampling_level == "sequence"
+        if cap is not None and old_logprobs is None:
+            # TRL's ratio is 1 here (on-policy), above the cap: every A > 0 counts as capped.
+            metrics["clip_frac_high"] = _positive_share(inputs["advantages"], mask, sequence)
+        elif cap is not None and options["kl_bias_correction"]:
+            metrics["ref_kl"] = metrics["ref_kl"] * cap  # the corrected estimate's ratio was r / c
+        counts = mask.any(dim=1).sum() if sequence else mask.sum()
         return loss, metrics, (mask.sum(), counts)
 
     def _loss_options(self, inputs, mask, mode) -> dict:
@@ -658,6 +692,36 @@ class HADWGRPOTrainer(GRPOTrainer):
             return
         with open(path) as handle:
             self.anchor.load_state_dict(json.load(handle))
+
+
+def _under_cap(cap: float, old_logprobs, behaviour: dict, advantages, options: dict):
+    """(old log-probs, rollout keywords, advantages) that give TRL's CISPO weight
+    min(r, cap), a cap below 1, as the loss's cap of 1 on r / cap
+    (HADWGRPOConfig.cap_below_one); ``options``' beta follows the bias-corrected KL's ratio."""
+    advantages = advantages * cap
+    if old_logprobs is None:  # on-policy: TRL's ratio is 1 and the loss's too, min(1, cap) = cap
+        return old_logprobs, behaviour, advantages
+    shift = math.log(cap)
+    behaviour = dict(behaviour)
+    if options["off_policy_mask_threshold"] is not None:
+        # The mask reads its log-probs as they are (with vLLM's correction, which would
+        # need them shifted, the config refuses a cap below 1).
+        behaviour.setdefault("rollout_logprobs", old_logprobs)
+    elif "rollout_logprobs" in behaviour:  # vLLM's correction reads exp(old - rollout): both shifted
+        behaviour["rollout_logprobs"] = behaviour["rollout_logprobs"] + shift
+    if options["kl_bias_correction"]:
+        options["beta"] = options["beta"] * cap
+    return old_logprobs + shift, behaviour, advantages
+
+
+def _positive_share(advantages: torch.Tensor, mask: torch.Tensor, sequence: bool) -> torch.Tensor:
+    """The share of the ratios' units (the valid tokens, or at sequence level the
+    responses with one) whose advantage is positive."""
+    positive = (advantages[:, None] if advantages.dim() == 1 else advantages) > 0
+    positive = positive & mask
+    if sequence:
+        return positive.any(dim=1).sum() / mask.any(dim=1).sum().clamp(min=1)
+    return positive.sum() / mask.sum().clamp(min=1)
 
 
 def _in_layout(batch: LaidOutBatch, value):
