@@ -411,6 +411,10 @@ class HADWGRPOTrainer(GRPOTrainer):
                 disable_segment_attention(each)
             if wanted != "auto":
                 raise ValueError(f"hadw_layout={wanted!r}: {error}; use hadw_layout='padded' (or 'auto')") from None
+            # A warning, not the INFO line: neither TRL's nor transformers' verbosity shows this module's logger.
+            warnings.warn(f"hadw_layout='auto' feeds this model padded rows: {error}. Its forwards stay as long as "
+                          "stock TRL's; load it with attn_implementation='sdpa' to have each prompt laid out once",
+                          UserWarning, stacklevel=3)
             return LAYOUTS["padded"], f"the segment attention does not serve this model: {error}"
         return LAYOUTS["shared_prompt" if wanted == "auto" else wanted], f"the segment attention over {original}"
 
@@ -533,6 +537,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         if self.layout.packs and not multimodal:
             batch = self._laid_out(inputs["prompt_ids"], inputs["prompt_mask"], completion_ids,
                                    inputs["completion_mask"])
+        fed_tokens = inputs["prompt_ids"].numel() + completion_ids.numel() if batch is None else batch.fed_tokens
         model = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
         # The decoder without the LM head, in TRL's mixed precision.
         with self.accelerator.autocast():
@@ -591,7 +596,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         elif cap is not None and options["kl_bias_correction"]:
             metrics["ref_kl"] = metrics["ref_kl"] * cap  # the corrected estimate's ratio was r / c
         counts = mask.any(dim=1).sum() if sequence else mask.sum()
-        return loss, metrics, (mask.sum(), counts)
+        return loss, metrics, (mask.sum(), counts, fed_tokens)
 
     def _loss_options(self, inputs, mask, mode) -> dict:
         """TRL's loss type, its options, KL and normalisation as the fused loss's options."""
@@ -649,8 +654,11 @@ class HADWGRPOTrainer(GRPOTrainer):
         return old_logprobs, behaviour
 
     def _log_loss_metrics(self, metrics, counts, mode):
-        """TRL's loss metrics (names and global token-weighted means) from the fused loss's."""
-        tokens, ratio_units = counts
+        """TRL's loss metrics (names and global token-weighted means) from the fused loss's,
+        and the tokens this process's layout fed the model (``hadw/fed_tokens``, a host
+        count: where a user looks for the layout's effect)."""
+        tokens, ratio_units, fed_tokens = counts
+        self._metrics[mode]["hadw/fed_tokens"].append(float(fed_tokens))
 
         def global_mean(value, count):
             totals = self.accelerator.reduce(torch.stack([value.float() * count, count.float()]), reduction="sum")
