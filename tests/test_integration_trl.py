@@ -228,6 +228,9 @@ def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
     [
         # A cap of 0 or below leaves no policy gradient at all.
         (dict(loss_type="cispo", epsilon_high=0.0), r"epsilon_high=0.0 .* trains nothing"),
+        # Below 1 the old and vLLM's log-probs are shifted, which the off-policy mask would read.
+        (dict(loss_type="cispo", off_policy_mask_threshold=0.1, use_vllm=True),
+         r"epsilon_high=0.2 below 1, off_policy_mask_threshold and vllm_importance_sampling_correction"),
         (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be a finite positive number"),
         (dict(loss_type="vespo", vespo_k_pos=-1.0), "vespo_k_pos must be finite and non-negative"),
         (dict(loss_type="dapo", entropy_coef=0.01), "entropy_coef != 0 or use_adaptive_entropy"),
