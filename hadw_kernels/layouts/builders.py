@@ -31,7 +31,7 @@ import torch
 
 from ..linear_blocks import IGNORE_INDEX
 from .attention import require_segment_attention
-from .rows import prompt_groups, rows_by_group, token_rows
+from .rows import group_ids, rows_by_group, token_rows
 from .segments import Segments
 
 
@@ -420,7 +420,7 @@ class SharedPromptLayout(Layout):
         starts = [0] * len(prompts)
         order: list[int] = []
         segments: list[tuple[int, int, int, int]] = []  # (start, length, prefix start, prefix length)
-        for rows in rows_by_group(prompt_groups(prompts)):
+        for rows in rows_by_group(group_ids(prompts)):
             prompt = prompts[rows[0]]
             trunk_start = len(ids)
             trunk = prompt if not any(responses[row] for row in rows) else prompt[:-1]

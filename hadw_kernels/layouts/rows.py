@@ -67,8 +67,13 @@ def token_rows(name: str, rows) -> list[list[int]]:
 def prompt_groups(prompts: Sequence[Sequence[int]]) -> list[int]:
     """Each row's prompt group: rows with equal prompt tokens share an id, the ids
     counting distinct prompts in order of first appearance."""
+    return group_ids(row_lists("prompts", prompts))
+
+
+def group_ids(prompts: list[list[int]]) -> list[int]:
+    """``prompt_groups`` of rows already taken as lists (``token_rows``)."""
     ids: dict[tuple[int, ...], int] = {}
-    return [ids.setdefault(tuple(prompt), len(ids)) for prompt in row_lists("prompts", prompts)]
+    return [ids.setdefault(tuple(prompt), len(ids)) for prompt in prompts]
 
 
 def rows_by_group(groups: Sequence[int]) -> list[list[int]]:
