@@ -477,3 +477,9 @@ def test_a_module_without_a_transformers_config_is_refused():
 def test_a_device_torch_cannot_name_is_refused_naming_the_argument(device, error):
     with pytest.raises(error, match="^device: "):
         LAYOUTS["packed"].build([[5]], [[6]], device=device)
+
+
+def test_get_layout_names_what_it_was_given():
+    for name in (["padded"], None, 3):
+        with pytest.raises(ValueError, match=r"unknown layout .*; the layouts are \['packed', 'padded', "):
+            get_layout(name)

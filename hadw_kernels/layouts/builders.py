@@ -461,6 +461,6 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (PaddedLayout(),
 
 def get_layout(name: str) -> Layout:
     """The layout named ``name`` (a key of :data:`LAYOUTS`)."""
-    if name not in LAYOUTS:
+    if not isinstance(name, str) or name not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; the layouts are {sorted(LAYOUTS)}")
     return LAYOUTS[name]
