@@ -412,9 +412,9 @@ class HADWGRPOTrainer(GRPOTrainer):
             if wanted != "auto":
                 raise ValueError(f"hadw_layout={wanted!r}: {error}; use hadw_layout='padded' (or 'auto')") from None
             # A warning, not the INFO line: neither TRL's nor transformers' verbosity shows this module's logger.
-            warnings.warn(f"hadw_layout='auto' feeds this model padded rows: {error}. Its forwards stay as long as "
-                          "stock TRL's; load it with attn_implementation='sdpa' to have each prompt laid out once",
-                          UserWarning, stacklevel=3)
+            warnings.warn(f"hadw_layout='auto' feeds this model padded rows: {error}. Its forwards cost what stock "
+                          "TRL's do; each prompt is laid out once only for a model the segment attention serves "
+                          "(sdpa attention without sliding windows, say; docs/layouts.md)", UserWarning, stacklevel=3)
             return LAYOUTS["padded"], f"the segment attention does not serve this model: {error}"
         return LAYOUTS["shared_prompt" if wanted == "auto" else wanted], f"the segment attention over {original}"
 
