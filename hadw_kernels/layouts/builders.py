@@ -23,6 +23,7 @@ placed them.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
@@ -361,11 +362,11 @@ class PaddedLayout(Layout):
         attention_mask = torch.zeros_like(input_ids)
         labels = torch.full((rows, response_width), IGNORE_INDEX, dtype=torch.long)
         for row, (prompt, response) in enumerate(zip(prompts, responses)):
-            input_ids[row, prompt_width - len(prompt):prompt_width] = torch.tensor(prompt, dtype=torch.long)
+            input_ids[row, prompt_width - len(prompt):prompt_width] = _long_tensor(prompt)
             attention_mask[row, prompt_width - len(prompt):prompt_width + len(response)] = 1
             if response:
-                input_ids[row, prompt_width:prompt_width + len(response)] = torch.tensor(response, dtype=torch.long)
-                labels[row, :len(response)] = torch.tensor(response, dtype=torch.long)
+                input_ids[row, prompt_width:prompt_width + len(response)] = labels[row, :len(response)] = \
+                    _long_tensor(response)
         # Positions count real tokens only, as in the rollout engine (no padding there).
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         return LaidOutBatch(
@@ -447,13 +448,22 @@ class SharedPromptLayout(Layout):
 
 
 def _packed_batch(ids, positions, labels, offsets, starts, responses, segments, segment_rows, device) -> LaidOutBatch:
-    label_tensor = torch.tensor([labels], dtype=torch.long)
+    label_tensor = _long_tensor(labels)[None]
     return LaidOutBatch(
-        torch.tensor([ids], dtype=torch.long, device=device), torch.tensor([positions], dtype=torch.long, device=device),
+        _long_tensor(ids)[None].to(device), _long_tensor(positions)[None].to(device),
         None, segments, label_tensor.to(device), (label_tensor != IGNORE_INDEX).to(device),
         torch.tensor(offsets, dtype=torch.int64, device=device), response_starts=starts,
         response_lengths=[len(response) for response in responses], segment_rows=segment_rows,
     )
+
+
+def _long_tensor(values: list[int]) -> torch.Tensor:
+    """``values`` (ints, checked by ``rows.token_rows``) as an int64 tensor, through the
+    array module's C loop: torch.tensor reads a list one Python object at a time, the
+    larger part of a long row's build."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long)
 
 
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (PaddedLayout(), PackedLayout(), SharedPromptLayout())}
