@@ -67,6 +67,9 @@ def test_the_trl_layout_figures_are_the_benchmark_table_s():
     assert f"{at_8}x of stock TRL's time at G = 8 and {at_16}x at G = 16" in trl
     assert f"long-tailed completions, {ratio('long-tail', 'shared_prompt')}x, where the drop-in padded takes " \
            f"{ratio('long-tail', 'padded')}x" in trl
+    # The whole step with generation: a user's report, quoted from the page that labels it.
+    whole = re.search(r"step took \*\*(\d\.\d+)x of stock TRL's with generation counted", " ".join(table.split()))
+    assert f"a user's whole step with generation on a 300-token preamble at G = 8 took {whole.group(1)}x" in readme
 
 
 # Measured figures live in docs/, never in the code's comments: a timing, a size, a ratio

@@ -180,8 +180,9 @@ def test_trl_loss_types(case, level, inputs, backend):
 def test_trl_cispo_at_its_default_epsilon_high_caps_every_weight():
     """TRL reads epsilon_high as CISPO's cap and leaves it at epsilon (0.2) unless set: every
     weight min(r, 0.2) is then 0.2, so the loss is 0.2 times the ratio-free policy gradient,
-    never the importance-weighted one the ScaleRL paper's cap of 5 gives. This library
-    refuses a cap below 1 (LossConfig's ratio_cap; the TRL integration names epsilon_high)."""
+    never the importance-weighted one the ScaleRL paper's cap of 5 gives. This library's
+    loss refuses a cap below 1 (LossConfig's ratio_cap); the TRL integration takes TRL's
+    with a warning, as min(r, c) = c min(r / c, 1) (HADWGRPOConfig.cap_below_one)."""
     data = batch(per_token_advantages=False)
     assert (data["logprobs"] - data["old"])[data["mask"]].exp().min() > 0.2
     expected = host_loss(lambda logprobs: TrlLoss(trl_config("cispo"))(

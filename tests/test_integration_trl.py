@@ -35,6 +35,15 @@ LOSS_SETTINGS = {
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
     "cispo": dict(loss_type="cispo", epsilon_high=1.1),
     "cispo+sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.02),
+    # TRL's default epsilon_high (epsilon, 0.2) as CISPO's cap: taken, with a warning; with
+    # the old log-probs TRL computes here, with none (each step one generation batch: TRL's
+    # ratio is 1; TRL's row shuffle, so that its means over micro-batches average the same
+    # rows), and at sequence level with the bias-corrected KL and the off-policy mask.
+    "cispo+default_cap": dict(loss_type="cispo"),
+    "cispo+default_cap+on_policy": dict(loss_type="cispo", gradient_accumulation_steps=4, hadw_shuffle="rows"),
+    "cispo+default_cap+sequence+kl_bias+off_policy_mask": dict(
+        loss_type="cispo", importance_sampling_level="sequence", beta=0.05, use_bias_correction_kl=True,
+        off_policy_mask_threshold=0.02),
     "sapo+sequence": dict(loss_type="sapo", importance_sampling_level="sequence", sapo_temperature_pos=0.8,
                           sapo_temperature_neg=1.5),
     "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
@@ -56,6 +65,8 @@ COMPARED_METRICS = ("loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/
 # The clip fraction TRL logs, which must see clipping in one of the two steps (None: TRL
 # logs none; GSPO's range is 4e-4 wide).
 CLIP_METRIC = {"gspo": None, "cispo": "cispo_clip_ratio", "cispo+sequence": "cispo_clip_ratio",
+               "cispo+default_cap": "cispo_clip_ratio", "cispo+default_cap+on_policy": "cispo_clip_ratio",
+               "cispo+default_cap+sequence+kl_bias+off_policy_mask": "cispo_clip_ratio",
                "sapo+sequence": None, "vespo+sequence": None, "vespo+kl_bias": None}
 # TRL counts its high clip fraction on the ratio after delta's cap, so with delta below
 # 1 + epsilon_high it logs 0 however many ratios pass 1 + epsilon_high; this integration
@@ -81,7 +92,8 @@ def test_without_hadw_the_integration_is_trl(setting, model_dir, spread_model_di
     options = dict(LOSS_SETTINGS[setting], max_steps=2)
     if options.get("top_entropy_quantile", 1.0) < 1.0:
         model_dir = spread_model_dir
-    stock, recorded = train_recording_bounds(model_dir, tmp_path / "stock", **options)
+    stock, recorded = train_recording_bounds(model_dir, tmp_path / "stock",
+                                             **{k: v for k, v in options.items() if not k.startswith("hadw_")})
     assert_masks_do_not_rest_on_rounding(recorded, options)
     fused = train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path / "fused", use_hadw=False, **options)
     assert fused.anchor is None
@@ -242,9 +254,11 @@ def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        # TRL reads epsilon_high as CISPO's cap and leaves it at epsilon (0.2) unless set.
-        (dict(loss_type="cispo"), r"epsilon_high as the cap .* got epsilon_high=0.2 .* epsilon_high=5.0"),
-        (dict(loss_type="cispo", epsilon_high=0.9), r"must be at least 1, got epsilon_high=0.9"),
+        # A cap of 0 or below leaves no policy gradient at all.
+        (dict(loss_type="cispo", epsilon_high=0.0), r"epsilon_high=0.0 .* trains nothing"),
+        # Below 1 the old and vLLM's log-probs are shifted, which the off-policy mask would read.
+        (dict(loss_type="cispo", off_policy_mask_threshold=0.1, use_vllm=True),
+         r"epsilon_high=0.2 below 1, off_policy_mask_threshold and vllm_importance_sampling_correction"),
         (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be a finite positive number"),
         (dict(loss_type="vespo", vespo_k_pos=-1.0), "vespo_k_pos must be finite and non-negative"),
         (dict(loss_type="dapo", entropy_coef=0.01), "entropy_coef != 0 or use_adaptive_entropy"),
@@ -255,6 +269,15 @@ def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
 def test_options_the_fused_loss_lacks_are_refused(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, **options})
+
+
+def test_cispo_at_trl_s_default_epsilon_high_is_taken_with_a_warning(tmp_path):
+    """Stock TRL runs CISPO with epsilon_high left at epsilon (0.2), which caps every weight
+    at 0.2; the drop-in takes what its host takes (the equality with stock TRL is
+    test_without_hadw_the_integration_is_trl's "cispo+default_cap" runs) and says what it
+    means, naming TRL's recommended cap."""
+    with pytest.warns(UserWarning, match=r"epsilon_high=0.2 caps every weight .* epsilon_high=5.0"):
+        HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "loss_type": "cispo"})
 
 
 def test_trl_s_default_bf16_trains_on_the_cpu(model_dir, tmp_path):

@@ -49,6 +49,8 @@ UNCOMPARED = {"step_time"}
 # What TRL logs and the drop-in does not (docs/integrations/trl.md, "Metrics"): per-response
 # extremes of the clip fractions, which the fused loss does not form.
 NOT_LOGGED = {"clip_ratio/low_min", "clip_ratio/high_max", "vespo/phi_seq_mean"}
+# What the drop-in logs beside TRL's: the tokens its layout fed the model.
+DROP_IN_LOGGED = {"hadw/fed_tokens"}
 
 
 class StockWithVllm(VllmRollouts, BoundaryRecordingTrainer):
@@ -76,8 +78,8 @@ def assert_runs_equal(stock, fused, *, per_micro_batch_metrics: bool = True):
     stock_steps, fused_steps = logged_steps(stock), logged_steps(fused)
     assert len(stock_steps) == len(fused_steps) > 0
     for expected, got in zip(stock_steps, fused_steps):
-        assert set(got) == set(expected) - NOT_LOGGED
-        for name in set(got) - UNCOMPARED:
+        assert set(got) == (set(expected) - NOT_LOGGED) | DROP_IN_LOGGED
+        for name in set(got) - UNCOMPARED - DROP_IN_LOGGED:
             if per_micro_batch_metrics or name in ("loss", "grad_norm") or not name.startswith(("entropy", "clip")):
                 assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-6), name
     for expected, got in zip(stock.model.parameters(), fused.model.parameters()):
@@ -200,11 +202,34 @@ def test_a_model_the_segment_attention_cannot_serve(layout, tmp_path):
                                args=HADWGRPOConfig(output_dir=str(tmp_path), **RUN, hadw_layout=layout))
 
     if layout == "auto":
-        assert build().layout.name == "padded"
+        with pytest.warns(UserWarning, match=r"hadw_layout='auto' feeds this model padded rows: this model's "
+                                             r"attention \(sdpa\) has sliding"):
+            assert build().layout.name == "padded"
     else:
         with pytest.raises(ValueError, match=r"hadw_layout='packed': this model's attention \(sdpa\) has sliding"):
             build()
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_layout_is_reported_where_a_user_looks(model_dirs, tmp_path):
+    """An eager-attention model falls back to padded rows with a warning (the choice's
+    INFO line shows under no verbosity TRL or transformers sets); every logged step holds
+    the tokens the layout fed the model, beside TRL's own figures."""
+    from transformers import AutoModelForCausalLM
+
+    eager = AutoModelForCausalLM.from_pretrained(model_dirs["plain"], attn_implementation="eager")
+    with pytest.warns(UserWarning, match=r"hadw_layout='auto' feeds this model padded rows: this model's attention "
+                                         r"\(eager\) is not one the segment attention can wrap"):
+        trainer = HADWGRPOTrainer(model=eager, reward_funcs=_sevens, train_dataset=PROMPTS, processing_class=TOKENIZER,
+                                  args=HADWGRPOConfig(output_dir=str(tmp_path / "eager"), **RUN))
+    assert trainer.layout.name == "padded"
+    fed = {}
+    for layout in ("padded", "shared_prompt"):
+        run = train(HADWGRPOTrainer, HADWGRPOConfig, model_dirs["plain"], tmp_path / layout, max_steps=1,
+                    gradient_accumulation_steps=4, hadw_layout=layout)
+        (step,) = logged_steps(run)
+        fed[layout] = step["hadw/fed_tokens"]
+    assert 0 < fed["shared_prompt"] < fed["padded"]
 
 
 def test_vision_language_inputs_stay_padded(tmp_path):

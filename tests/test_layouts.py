@@ -3,9 +3,13 @@ response tokens, what it counts, which rows share a prompt, and the segment atte
 tiny Llama and Qwen2 models: each response position gets the hidden state it gets alone,
 and no sample's tokens reach another's, in rows of any order."""
 
+import re
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from hadw_kernels.layouts import (LAYOUTS, SegmentAttentionUnavailable, disable_segment_attention,
                                   enable_segment_attention, get_layout, prompt_groups, rows_by_group)
@@ -14,19 +18,32 @@ from hadw_kernels.layouts.attention import keeps_samples_apart
 VOCAB = 40
 
 
-def tiny_model(architecture: str = "llama", seed: int = 0):
+# Tiny random models of each architecture transformers ships that a trainer may bring,
+# built from a config (no download): (config class, model class, the config's own fields).
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(head_dim=8)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
+    "gemma": (GemmaConfig, GemmaForCausalLM, dict(head_dim=8)),
+    "phi": (PhiConfig, PhiForCausalLM, {}),
+}
+
+
+def tiny_model(architecture: str = "llama", seed: int = 0, **fields):
     shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
-    config = LlamaConfig(head_dim=8, **shape) if architecture == "llama" else Qwen2Config(**shape)
+                 num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2)
+    config_class, model_class, own = ARCHITECTURES[architecture]
+    config = config_class(**shape, **{**own, **fields})
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = (LlamaForCausalLM if architecture == "llama" else Qwen2ForCausalLM)(config)
+        model = model_class(config)
     return model.eval()
 
 
 def hidden_states(model, batch) -> torch.Tensor:
     with torch.no_grad():
-        outputs = model(**batch.model_inputs(), use_cache=False, output_hidden_states=True)
+        outputs = model(**batch.model_inputs(model), use_cache=False, output_hidden_states=True)
     return batch.loss_hidden_states(outputs.hidden_states[-1])
 
 
@@ -48,7 +65,9 @@ def test_packed_layout():
     values = torch.arange(6.0)[None]
     assert [v.tolist() for v in batch.per_response(values)] == [[1.0, 2.0, 3.0], []]
     assert batch.from_responses(batch.per_response(values)).tolist() == [[0.0, 1.0, 2.0, 3.0, 0.0, 0.0]]
-    assert batch.model_inputs()["attention_mask"] is None
+    served = tiny_model()
+    enable_segment_attention(served)
+    assert batch.model_inputs(served)["attention_mask"] is None
     assert batch.fed_tokens == 6 and batch.segment_rows is None
 
 
@@ -133,7 +152,7 @@ def test_bad_rows_are_refused():
         LAYOUTS["packed"].build([], [])
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_each_response_gets_its_own_hidden_states_in_every_layout(architecture):
     """Rows in a shuffled order, two sharing a prompt apart from each other, an empty
     response and a one-token prompt: each response position's hidden state is the one it
@@ -197,7 +216,7 @@ def test_a_packed_row_without_its_segments_is_refused(use_cache):
     model = tiny_model()
     enable_segment_attention(model)
     batch = LAYOUTS["packed"].build([[5, 6], [7]], [[8, 9, 10], [11]])
-    inputs = {**batch.model_inputs(), "attention_segments": None}
+    inputs = {**batch.model_inputs(model), "attention_segments": None}
     cache = {} if use_cache == "default" else {"use_cache": use_cache}
     with pytest.raises(ValueError, match="without its segments"):
         model(**inputs, **cache)
@@ -244,3 +263,223 @@ def test_importing_the_library_does_not_import_transformers():
 
     code = "import sys, hadw_kernels, hadw_kernels.layouts; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- what a layout refuses: a trainer's inputs, checked before anything is built ----------
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("prompts", [[[], [5]], [[], []]])
+def test_an_empty_prompt_is_refused_in_every_layout(name, prompts):
+    """A response's first token is predicted from its prompt's last token: with none, the
+    padded layout read it from a padding position (or, every prompt empty, returned no
+    hidden states at all)."""
+    with pytest.raises(ValueError, match=r"prompts\[0\] is empty: a sample needs a prompt token"):
+        LAYOUTS[name].build(prompts, [[6], [7]], pad_token_id=0)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize(("prompts", "responses", "error", "message"), [
+    ([[5]], [[6, -100]], ValueError, r"responses\[0\]\[1\] is -100: token ids are non-negative"),
+    ([[5, -1]], [[6]], ValueError, r"prompts\[0\]\[1\] is -1: token ids are non-negative"),
+    ([[5]], [[6, 1.5]], TypeError, r"responses\[0\]\[1\] is 1.5 \(float\): token ids are ints"),
+    ([[5, True]], [[6]], TypeError, r"prompts\[0\]\[1\] is True \(bool\): token ids are ints"),
+    ([[5]], [[None]], TypeError, r"responses\[0\]\[0\] is None \(NoneType\)"),
+    ([[5]], ["ab"], TypeError, r"responses\[0\] is 'ab', not a sequence of token ids"),
+    ([5, 6], [[7], [8]], TypeError, r"prompts\[0\] is 5, not a sequence of token ids"),
+    ([[5]], [torch.tensor([[6, 7]])], TypeError, r"responses\[0\] is a 2-D tensor"),
+    ([torch.tensor([5.0])], [[6]], TypeError, r"prompts\[0\] is a tensor of torch.float32"),
+    (torch.tensor([[5, 6]]), [[7]], TypeError, r"prompts is a tensor: .* padding"),
+    ([[5]], 7, TypeError, r"responses is 7, not a sequence of rows"),
+])
+def test_token_ids_a_trainer_might_hold_by_mistake_are_refused_naming_them(name, prompts, responses, error, message):
+    """-100 in a response would become the labels' ignore value (the token dropped from
+    the loss while response_lengths counts it); a float, a bool or None would be truncated
+    or fail inside torch; a flat list or a string is not a list of rows; a tensor of rows
+    holds padding a layout cannot tell from tokens."""
+    with pytest.raises(error, match=message):
+        LAYOUTS[name].build(prompts, responses, pad_token_id=0)
+
+
+@pytest.mark.parametrize(("pad_token_id", "error"), [(-1, ValueError), (0.5, TypeError), (True, TypeError)])
+def test_a_bad_pad_token_id_is_refused(pad_token_id, error):
+    with pytest.raises(error, match="pad_token_id"):
+        LAYOUTS["padded"].build([[5]], [[6]], pad_token_id=pad_token_id)
+
+
+def test_tensor_rows_are_taken_as_the_lists_they_are():
+    """Equal prompts given as 1-D tensors share their prompt, as lists do."""
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7]), torch.tensor([8])]
+    responses = [torch.tensor([9, 10]), torch.tensor([11], dtype=torch.int32), [12]]
+    batch = LAYOUTS["shared_prompt"].build(prompts, responses)
+    assert batch.input_ids.tolist() == LAYOUTS["shared_prompt"].build(
+        [[5, 6, 7], [5, 6, 7], [8]], [[9, 10], [11], [12]]).input_ids.tolist() == [[5, 6, 7, 9, 7, 8]]
+    assert prompt_groups(prompts) == [0, 0, 1]
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_the_maps_refuse_values_of_another_shape(name):
+    """Each map between the rows and the loss's layout checks the shape it is given: a
+    tensor one token short, a response longer than its row, too few or too many rows,
+    were cut, padded with zeros, written into the next row's slots or returned as given."""
+    batch = LAYOUTS[name].build([[5, 6, 7], [8], [5, 6, 7]], [[9, 10], [11, 12, 13], [14]], pad_token_id=0)
+    shape = tuple(batch.labels.shape)
+    short = torch.zeros(batch.labels.numel() - 1)
+    with pytest.raises(ValueError, match=rf"values of shape \({short.numel()},\): the loss's layout is"):
+        batch.per_response(short)
+    with pytest.raises(ValueError, match="values of shape"):
+        batch.to_padded(torch.zeros(2, *shape), 3)
+    with pytest.raises(ValueError, match=r"width 2 is below the longest response \(3 tokens\)"):
+        batch.to_padded(torch.zeros(shape), 2)
+    with pytest.raises(ValueError, match=r"values of shape \(4, 3\): 3 rows"):
+        batch.from_padded(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=r"values of shape \(2, 3\): 3 rows"):
+        batch.from_padded(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"values of shape \(3, 2\): 3 rows, the longest response 3 tokens"):
+        batch.from_padded(torch.zeros(3, 2))
+    with pytest.raises(ValueError, match=r"values of shape \(3,\): 3 rows"):
+        batch.from_padded(torch.zeros(3))
+    with pytest.raises(ValueError, match="2 responses' values for 3 rows"):
+        batch.from_responses([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"per_response\[1\] of shape \(4,\): row 1's response has 3 tokens"):
+        batch.from_responses([torch.zeros(2), torch.zeros(4), torch.zeros(1)])
+    with pytest.raises(TypeError, match=r"per_response\[0\] is a list"):
+        batch.from_responses([[0.0, 0.0], torch.zeros(3), torch.zeros(1)])
+    for wrong in (torch.zeros(2), torch.zeros(4), torch.zeros(())):
+        with pytest.raises(ValueError, match=rf"values of shape {re.escape(str(tuple(wrong.shape)))}: 3 rows"):
+            batch.per_segment(wrong)
+    with pytest.raises(TypeError, match="values is a list"):
+        batch.per_segment([1.0, 2.0, 3.0])
+    hidden = torch.zeros(*batch.input_ids.shape, 4)
+    assert batch.loss_hidden_states(hidden).shape[:2] == batch.labels.shape
+    for wrong in (hidden[:, 1:], hidden[..., 0], hidden[None]):
+        with pytest.raises(ValueError, match=r"hidden_states of shape .*: the model was fed input_ids of shape"):
+            batch.loss_hidden_states(wrong)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_from_responses_keeps_the_values_dtype(name):
+    batch = LAYOUTS[name].build([[5, 6], [7]], [[8, 9], [10]], pad_token_id=0)
+    values = [torch.tensor([0.1, 0.2], dtype=torch.float64), torch.tensor([0.3], dtype=torch.float64)]
+    laid_out = batch.from_responses(values)
+    assert laid_out.dtype == torch.float64 and laid_out.shape == batch.labels.shape
+    assert [v.tolist() for v in batch.per_response(laid_out)] == [[0.1, 0.2], [0.3]]
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_tally_refuses_lengths_and_rows_it_cannot_count(name):
+    """A negative length was counted; a row beyond the lengths, or lists of other lengths,
+    ended in an IndexError."""
+    layout = LAYOUTS[name]
+    with pytest.raises(ValueError, match=r"response_lengths\[1\] is -2: lengths are non-negative"):
+        layout.fed_tokens([0, 1], [3, 3], [2, -2])
+    with pytest.raises(ValueError, match=r"prompt_lengths\[0\] is 0: a sample needs a prompt token"):
+        layout.fed_tokens([0], [0, 3], [2, 2])
+    with pytest.raises(ValueError, match="2 prompt_lengths, 3 response_lengths"):
+        layout.tally([3, 3], [2, 2, 2])
+    with pytest.raises(ValueError, match="2 prompt_lengths, 2 response_lengths and 1 groups"):
+        layout.tally([3, 3], [2, 2], [0])
+    tally = layout.tally([3, 3], [2, 2], [0, 0])
+    for row in (2, -1):
+        with pytest.raises(ValueError, match=rf"row {row} is not one of the 2 rows"):
+            tally.with_rows([0, row])
+        with pytest.raises(ValueError, match=rf"row {row} is not one of the 2 rows"):
+            tally.add([row])
+    assert tally.rows == [] and tally.with_rows([0, 1]) == layout.fed_tokens([0, 1], [3, 3], [2, 2], [0, 0])
+
+
+@pytest.mark.parametrize("fill", [0, 1])
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_a_padded_batch_is_served_whatever_positions_its_padding_carries(fill, use_cache):
+    """The model's own attention serves every call without segments: a padded batch whose
+    padding positions carry 1 (OpenRLHF's and older generate's cumsum - 1, masked_fill(1))
+    or 0, left and right padded, gets the model's own logits, not a packed row's refusal."""
+    model, own = tiny_model(), tiny_model()
+    enable_segment_attention(model)
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 0, 0], [13, 14, 15, 16, 17, 18]])
+    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    position_ids = (attention_mask.cumsum(1) - 1).masked_fill(attention_mask == 0, fill)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+    with torch.no_grad():
+        logits, expected = model(**inputs).logits, own(**inputs).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=0)
+    generated = model.generate(input_ids[:1], attention_mask=attention_mask[:1], max_new_tokens=2, do_sample=False)
+    assert torch.equal(generated, own.generate(input_ids[:1], attention_mask=attention_mask[:1], max_new_tokens=2,
+                                               do_sample=False))
+
+
+def test_a_packed_row_in_a_padded_batch_is_still_refused():
+    """Padding may carry any position; the real tokens of a row must count up, or two
+    samples share the row and would attend to each other."""
+    model = tiny_model()
+    enable_segment_attention(model)
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 0], [10, 11, 12, 13, 14, 15]])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 1], [0, 1, 2, 3, 4, 5]])
+    for use_cache in (False, True):
+        with pytest.raises(ValueError, match="without its segments"):
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("layout", ["packed", "shared_prompt"])
+def test_a_packed_row_goes_only_to_a_model_that_honours_its_segments(layout):
+    """A model never enabled, or disabled, dropped attention_segments (transformers passes
+    unknown keywords through its own attention, which ignores them) and returned wrong
+    hidden states; now model_inputs asks for the model and refuses one whose attention
+    cannot confine the row."""
+    batch = LAYOUTS[layout].build([[5, 6], [5, 6], [7]], [[8, 9], [10], [11, 12]])
+    never, disabled, served = tiny_model(), tiny_model(), tiny_model()
+    enable_segment_attention(disabled)
+    disable_segment_attention(disabled)
+    enable_segment_attention(served)
+    for model in (never, disabled):
+        with pytest.raises(ValueError, match=r"this model's attention \(sdpa\) is not the segment attention"):
+            batch.model_inputs(model)
+    with pytest.raises(TypeError, match=r"model_inputs\(model\)"):
+        batch.model_inputs()
+    with pytest.raises(TypeError, match="model is a Linear"):
+        batch.model_inputs(torch.nn.Linear(2, 2))
+    wrapped = torch.nn.Module()  # DDP, DeepSpeed and FSDP hold the model as .module
+    wrapped.module = served
+    assert batch.model_inputs(wrapped)["attention_segments"] is batch.attention_segments
+    padded = LAYOUTS["padded"].build([[5, 6]], [[8, 9]], pad_token_id=0)
+    assert padded.model_inputs().keys() == padded.model_inputs(never).keys()  # any attention serves padded rows
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "gemma2"])
+def test_sliding_window_models_are_refused_by_name(architecture):
+    """Mistral's config slides a 4096-token window by default; Gemma 2 alternates sliding
+    and full layers."""
+    if architecture == "mistral":
+        model = tiny_model("mistral", sliding_window=4096)
+    else:
+        config = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="sdpa",
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = Gemma2ForCausalLM(config)
+    with pytest.raises(SegmentAttentionUnavailable, match=r"this model's attention \(sdpa\) has sliding-window"):
+        enable_segment_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_module_without_a_transformers_config_is_refused():
+    for call in (enable_segment_attention, disable_segment_attention):
+        with pytest.raises(TypeError, match="model is a Linear: a transformers model"):
+            call(torch.nn.Linear(2, 2))
+    wrapped = torch.nn.Module()  # DDP, DeepSpeed and FSDP hold the model as .module
+    wrapped.module = tiny_model()
+    enable_segment_attention(wrapped)
+    assert wrapped.module.config._attn_implementation == "hadw_segments_over_sdpa"
+
+
+@pytest.mark.parametrize(("device", "error"), [("cpux", ValueError), (5.5, TypeError), (None, TypeError)])
+def test_a_device_torch_cannot_name_is_refused_naming_the_argument(device, error):
+    with pytest.raises(error, match="^device: "):
+        LAYOUTS["packed"].build([[5]], [[6]], device=device)
+
+
+def test_get_layout_names_what_it_was_given():
+    for name in (["padded"], None, 3):
+        with pytest.raises(ValueError, match=r"unknown layout .*; the layouts are \['packed', 'padded', "):
+            get_layout(name)

@@ -33,15 +33,17 @@ import: versions.py).
   optimizer step (``hadw_shuffle``).
 
 Options TRL has and this loss does not (the entropy bonus, MoE auxiliary loss, logit
-soft-capping), and CISPO with a cap below 1, are refused when the trainer is built, with the
-option named.
+soft-capping) are refused when the trainer is built, with the option named; CISPO with a
+cap below 1 (TRL's default epsilon_high) is taken, as stock TRL takes it, with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -240,13 +242,25 @@ class HADWGRPOConfig(GRPOConfig):
             raise ValueError(f"HADWGRPOTrainer runs loss_type in {sorted(TRL_LOSS_TYPES)}, got "
                              f"{self.loss_type!r}{hint}")
         cap = self.objective_options().get("ratio_cap")
-        if cap is not None and cap < 1:
-            # TRL leaves epsilon_high at epsilon (0.2) unless set, which caps every weight at 0.2.
-            raise ValueError(
-                f"loss_type={self.loss_type!r} reads epsilon_high as the cap on its detached importance ratio, "
-                f"which must be at least 1, got epsilon_high={cap} (TRL leaves it at epsilon unless set); "
-                "set epsilon_high=5.0, TRL's recommended value"
-            )
+        if cap is not None and not cap > 0:
+            raise ValueError(f"loss_type={self.loss_type!r} reads epsilon_high as the cap on its detached importance "
+                             f"ratio: epsilon_high={cap} caps every weight at {cap} or below, which trains nothing; "
+                             "set epsilon_high=5.0, TRL's recommended value")
+        if self.cap_below_one is not None:
+            # TRL leaves epsilon_high at epsilon (0.2) unless set; stock TRL runs it, so the drop-in does.
+            warnings.warn(
+                f"loss_type={self.loss_type!r} reads epsilon_high as the cap on its detached importance ratio: "
+                f"epsilon_high={cap} caps every weight at {cap}, so the loss is about {cap} times the ratio-free "
+                "policy gradient, as stock TRL's is (TRL leaves epsilon_high at epsilon unless set); set "
+                "epsilon_high=5.0, TRL's recommended value, for CISPO's importance weights", UserWarning, stacklevel=3)
+            correcting = self.use_vllm and self.vllm_importance_sampling_correction
+            if self.off_policy_mask_threshold is not None and correcting:
+                # The loss reads vLLM's log-probs for both; see cap_below_one.
+                raise ValueError(
+                    f"loss_type={self.loss_type!r} with epsilon_high={cap} below 1, off_policy_mask_threshold and "
+                    "vllm_importance_sampling_correction: the fused loss takes a cap below 1 by shifting the old and "
+                    "vLLM's log-probs by its log, which the off-policy mask would then read; set epsilon_high to 1 or "
+                    "more, or drop one of the two")
         # The loss's own checks of these options (temperatures, gamma shapes, clip range),
         # and of its linear path, which the first step would otherwise raise after generating.
         loss_config = LossConfig.build(
@@ -301,6 +315,15 @@ class HADWGRPOConfig(GRPOConfig):
             )
 
     @property
+    def cap_below_one(self) -> float | None:
+        """CISPO's cap where it lies below 1 (TRL's default epsilon_high, 0.2), else None.
+        The loss's own cap is at least 1, so the trainer hands it TRL's min(r, c) as
+        c min(r / c, 1): the advantages times c, the old (and vLLM's) log-probs shifted by
+        log c, a cap of 1, and the bias-corrected KL's beta times c (its ratio is r / c)."""
+        cap = self.objective_options().get("ratio_cap")
+        return cap if cap is not None and 0 < cap < 1 else None
+
+    @property
     def resolved_epsilon_high(self) -> float:
         """epsilon_high as TRL reads it: epsilon when unset."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
@@ -327,6 +350,8 @@ class HADWGRPOConfig(GRPOConfig):
         objective = LOSS_PRESETS[TRL_LOSS_TYPES[self.loss_type].preset].objective
         ratio_level = "sequence" if self.importance_sampling_level == "sequence" else "token"
         options = self.objective_options()
+        if self.cap_below_one is not None:
+            options["ratio_cap"] = 1.0
         # An objective with a cap has no clip range: clip_frac_high then counts the ratios
         # above the cap with A > 0, TRL's cispo_clip_ratio.
         epsilon_high = self.resolved_epsilon_high if "ratio_cap" not in options else options["ratio_cap"] - 1
@@ -418,6 +443,10 @@ class HADWGRPOTrainer(GRPOTrainer):
                 disable_segment_attention(each)
             if wanted != "auto":
                 raise ValueError(f"hadw_layout={wanted!r}: {error}; use hadw_layout='padded' (or 'auto')") from None
+            # A warning, not the INFO line: neither TRL's nor transformers' verbosity shows this module's logger.
+            warnings.warn(f"hadw_layout='auto' feeds this model padded rows: {error}. Its forwards cost what stock "
+                          "TRL's do; each prompt is laid out once only for a model the segment attention serves "
+                          "(sdpa attention without sliding windows, say; docs/layouts.md)", UserWarning, stacklevel=3)
             return LAYOUTS["padded"], f"the segment attention does not serve this model: {error}"
         return LAYOUTS["shared_prompt" if wanted == "auto" else wanted], f"the segment attention over {original}"
 
@@ -465,7 +494,7 @@ class HADWGRPOTrainer(GRPOTrainer):
             batch = self.layout.build([prompts[row] for row in rows], [completions[row] for row in rows],
                                       device=input_ids.device)
             with self.accelerator.autocast():
-                hidden = unwrapped.base_model(**batch.model_inputs(), use_cache=False).last_hidden_state
+                hidden = unwrapped.base_model(**batch.model_inputs(unwrapped), use_cache=False).last_hidden_state
             hidden = batch.loss_hidden_states(hidden).to(device=weight.device, dtype=weight.dtype)
             with torch.autocast(weight.device.type, enabled=False), maybe_gather_lm_head_ctx(weight, bias):
                 values = token_logprobs(hidden, weight, batch.labels, temperature=self.temperature, lm_head_bias=bias,
@@ -565,6 +594,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         if self.layout.packs and not multimodal:
             batch = self._laid_out(inputs["prompt_ids"], inputs["prompt_mask"], completion_ids,
                                    inputs["completion_mask"])
+        fed_tokens = inputs["prompt_ids"].numel() + completion_ids.numel() if batch is None else batch.fed_tokens
         model = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
         # The decoder without the LM head, in TRL's mixed precision.
         with self.accelerator.autocast():
@@ -576,7 +606,7 @@ class HADWGRPOTrainer(GRPOTrainer):
                 ).last_hidden_state[:, -completion_ids.size(1) - 1 : -1]
             else:
                 hidden_states = batch.loss_hidden_states(
-                    model.base_model(**batch.model_inputs(), use_cache=False).last_hidden_state)
+                    model.base_model(**batch.model_inputs(model), use_cache=False).last_hidden_state)
         lm_head = model.get_output_embeddings()
         weight, bias = lm_head.weight, lm_head.bias
         if isinstance(weight, DTensor):  # FSDP2 shards; the loss needs the whole head
@@ -600,8 +630,11 @@ class HADWGRPOTrainer(GRPOTrainer):
                                  "(use_bias_correction_kl=False), or train under ZeRO-2")
             linear_path = "gradients_in_forward"
         old_logprobs, behaviour = self._behaviour(inputs)
+        advantages, cap = inputs["advantages"], self.args.cap_below_one
+        if cap is not None:
+            old_logprobs, behaviour, advantages = _under_cap(cap, old_logprobs, behaviour, advantages, options)
         per_token = dict(labels=completion_ids, old_logprobs=old_logprobs, response_mask=mask,
-                         ref_logprobs=inputs.get("ref_per_token_logps"), advantages=inputs["advantages"], **behaviour)
+                         ref_logprobs=inputs.get("ref_per_token_logps"), advantages=advantages, **behaviour)
         if batch is not None:  # TRL's [B, T] and [B] tensors in the layout's
             per_token = {name: _in_layout(batch, value) for name, value in per_token.items()}
             per_token["labels"] = batch.labels
@@ -613,8 +646,14 @@ class HADWGRPOTrainer(GRPOTrainer):
                 backend=self.args.hadw_backend, linear_path=linear_path, block_rows=self.args.hadw_block_rows,
                 **options,
             )
-        counts = mask.any(dim=1).sum() if self.importance_sampling_level == "sequence" else mask.sum()
-        return loss, metrics, (mask.sum(), counts)
+        sequence = self.importance_sampling_level == "sequence"
+        if cap is not None and old_logprobs is None:
+            # TRL's ratio is 1 here (on-policy), above the cap: every A > 0 counts as capped.
+            metrics["clip_frac_high"] = _positive_share(inputs["advantages"], mask, sequence)
+        elif cap is not None and options["kl_bias_correction"]:
+            metrics["ref_kl"] = metrics["ref_kl"] * cap  # the corrected estimate's ratio was r / c
+        counts = mask.any(dim=1).sum() if sequence else mask.sum()
+        return loss, metrics, (mask.sum(), counts, fed_tokens)
 
     def _loss_options(self, inputs, mask, mode) -> dict:
         """TRL's loss type, its options, KL and normalisation as the fused loss's options."""
@@ -672,8 +711,11 @@ class HADWGRPOTrainer(GRPOTrainer):
         return old_logprobs, behaviour
 
     def _log_loss_metrics(self, metrics, counts, mode):
-        """TRL's loss metrics (names and global token-weighted means) from the fused loss's."""
-        tokens, ratio_units = counts
+        """TRL's loss metrics (names and global token-weighted means) from the fused loss's,
+        and the tokens this process's layout fed the model (``hadw/fed_tokens``, a host
+        count: where a user looks for the layout's effect)."""
+        tokens, ratio_units, fed_tokens = counts
+        self._metrics[mode]["hadw/fed_tokens"].append(float(fed_tokens))
 
         def global_mean(value, count):
             totals = self.accelerator.reduce(torch.stack([value.float() * count, count.float()]), reduction="sum")
@@ -722,6 +764,36 @@ class HADWGRPOTrainer(GRPOTrainer):
         """The state each checkpoint folder holds beside TRL's, by file name."""
         states = {ANCHOR_FILE: self.anchor, HISTORY_FILE: self.history}
         return {name: state for name, state in states.items() if state is not None}
+
+
+def _under_cap(cap: float, old_logprobs, behaviour: dict, advantages, options: dict):
+    """(old log-probs, rollout keywords, advantages) that give TRL's CISPO weight
+    min(r, cap), a cap below 1, as the loss's cap of 1 on r / cap
+    (HADWGRPOConfig.cap_below_one); ``options``' beta follows the bias-corrected KL's ratio."""
+    advantages = advantages * cap
+    if old_logprobs is None:  # on-policy: TRL's ratio is 1 and the loss's too, min(1, cap) = cap
+        return old_logprobs, behaviour, advantages
+    shift = math.log(cap)
+    behaviour = dict(behaviour)
+    if options["off_policy_mask_threshold"] is not None:
+        # The mask reads its log-probs as they are (with vLLM's correction, which would
+        # need them shifted, the config refuses a cap below 1).
+        behaviour.setdefault("rollout_logprobs", old_logprobs)
+    elif "rollout_logprobs" in behaviour:  # vLLM's correction reads exp(old - rollout): both shifted
+        behaviour["rollout_logprobs"] = behaviour["rollout_logprobs"] + shift
+    if options["kl_bias_correction"]:
+        options["beta"] = options["beta"] * cap
+    return old_logprobs + shift, behaviour, advantages
+
+
+def _positive_share(advantages: torch.Tensor, mask: torch.Tensor, sequence: bool) -> torch.Tensor:
+    """The share of the ratios' units (the valid tokens, or at sequence level the
+    responses with one) whose advantage is positive."""
+    positive = (advantages[:, None] if advantages.dim() == 1 else advantages) > 0
+    positive = positive & mask
+    if sequence:
+        return positive.any(dim=1).sum() / mask.any(dim=1).sum().clamp(min=1)
+    return positive.sum() / mask.sum().clamp(min=1)
 
 
 def _in_layout(batch: LaidOutBatch, value):

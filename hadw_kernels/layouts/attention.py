@@ -38,25 +38,60 @@ PACKED_ROW = _PackedRowMarker()
 # The position ids last found to count up within their rows: every layer of a forward
 # gets the same tensor, so a forward reads them once.
 _checked_positions: weakref.ref | None = None
+# (the last mask built over a padding mask, which of its queries are real tokens [b, q]):
+# the attention gets the mask it was built into, not the padding mask itself.
+_real_queries: tuple[weakref.ref, torch.Tensor] | None = None
 
 
-def _refuse_restarting_positions(position_ids: torch.Tensor | None, query_length: int) -> None:
+def _refuse_restarting_positions(position_ids: torch.Tensor | None, query_length: int,
+                                 real: torch.Tensor | None) -> None:
     """A forward with a cache (``use_cache`` left at True) skips transformers' packed-row
     detection and builds a plain causal mask: positions that restart within a row then
     mean samples attending to each other. Refused here, one host read a forward (as
-    transformers' own detection costs); not under torch.compile, which cannot branch on it."""
+    transformers' own detection costs); not under torch.compile, which cannot branch on it.
+    Where a padding mask came with the batch, only its ``real`` tokens must count up:
+    hosts give padding any position (1 after ``cumsum - 1``, ``masked_fill(1)``; or 0)."""
     global _checked_positions
     if position_ids is None or query_length < 2 or torch.compiler.is_compiling():
         return
     if _checked_positions is not None and _checked_positions() is position_ids:
         return
-    if bool((position_ids[..., 1:] < position_ids[..., :-1]).any()):
+    if real is None:
+        restarts = position_ids[..., 1:] < position_ids[..., :-1]
+    else:
+        # Below the highest real position before it: a real token that starts a sample.
+        highest = torch.where(real, position_ids, -1).cummax(dim=-1).values
+        restarts = real[..., 1:] & (position_ids[..., 1:] < highest[..., :-1])
+    if bool(restarts.any()):
         raise ValueError(
             "a packed row (positions restarting within a row) reached the segment attention without its segments: "
-            "pass attention_segments= (the LaidOutBatch's model_inputs()) with the row, or the samples would attend "
-            "to each other"
+            "pass attention_segments= (the LaidOutBatch's model_inputs(model)) with the row, or the samples would "
+            "attend to each other"
         )
     _checked_positions = weakref.ref(position_ids)
+
+
+def _remember_real_queries(built, padding_mask: torch.Tensor, q_length: int | None, q_offset) -> None:
+    """Which queries of the mask ``built`` over ``padding_mask`` (the batch's 2-D mask,
+    one column a token seen) are real tokens, for the attention's check of their
+    positions. Left unknown (every position checked) where the queries' columns are not
+    plain ints (a static cache's offset is a tensor)."""
+    global _real_queries
+    _real_queries = None
+    if built is None or not isinstance(q_length, int) or not isinstance(q_offset, int):
+        return
+    if padding_mask.dim() != 2 or padding_mask.shape[-1] < q_offset + q_length:
+        return
+    try:
+        _real_queries = (weakref.ref(built), padding_mask[:, q_offset:q_offset + q_length].bool())
+    except TypeError:  # a mask object that takes no weak reference: every position checked
+        pass
+
+
+def _real_queries_of(attention_mask) -> torch.Tensor | None:
+    if attention_mask is None or _real_queries is None or _real_queries[0]() is not attention_mask:
+        return None
+    return _real_queries[1]
 
 
 def _attention_function(original: str):
@@ -71,10 +106,10 @@ def _attention_function(original: str):
         if attention_mask is PACKED_ROW:
             raise ValueError(
                 "a packed row (positions restarting, no attention mask) reached the segment attention without "
-                "its segments: pass attention_segments= (the LaidOutBatch's model_inputs()) with the row, or the "
+                "its segments: pass attention_segments= (the LaidOutBatch's model_inputs(model)) with the row, or the "
                 "samples would attend to each other"
             )
-        _refuse_restarting_positions(kwargs.get("position_ids"), query.shape[2])
+        _refuse_restarting_positions(kwargs.get("position_ids"), query.shape[2], _real_queries_of(attention_mask))
         return AttentionInterface()[original](module, query, key, value, attention_mask, dropout=dropout,
                                               scaling=scaling, sliding_window=sliding_window, **kwargs)
 
@@ -91,7 +126,10 @@ def _mask_function(original: str):
         # the segments come with the call, and the dense mask it would build is never formed.
         if attention_mask is None and mask_function is not None and mask_function is not causal_mask_function:
             return PACKED_ROW
-        return original_mask(*args, attention_mask=attention_mask, mask_function=mask_function, **kwargs)
+        built = original_mask(*args, attention_mask=attention_mask, mask_function=mask_function, **kwargs)
+        if attention_mask is not None:
+            _remember_real_queries(built, attention_mask, kwargs.get("q_length"), kwargs.get("q_offset", 0))
+        return built
 
     return mask
 
@@ -121,9 +159,32 @@ def _registered_name(model: torch.nn.Module) -> str:
     return name
 
 
+def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``, or the model a wrapper (DDP, DeepSpeed, FSDP) holds as ``.module``: the
+    first whose config names its attention; a TypeError where there is none."""
+    inner = model
+    while not hasattr(getattr(inner, "config", None), "_attn_implementation"):
+        inner = getattr(inner, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            raise TypeError(f"model is a {type(model).__name__}: a transformers model (or a wrapper holding one as "
+                            ".module) whose config names its attention")
+    return inner
+
+
+def require_segment_attention(model: torch.nn.Module) -> None:
+    """Raises unless ``model`` runs the segment attention (so a packed row's segments are
+    honoured, not dropped): a TypeError where it is no transformers model, a ValueError
+    naming its attention where that is another."""
+    current = _transformers_model(model).config._attn_implementation
+    if not str(current).startswith(NAME_PREFIX):
+        raise ValueError(f"this model's attention ({current}) is not the segment attention, which alone keeps a "
+                         "packed row's samples apart: enable_segment_attention(model) first, or lay the rows out "
+                         "padded")
+
+
 def own_attention(model: torch.nn.Module) -> str:
     """The attention implementation of ``model`` beneath the segment attention, if any."""
-    return str(model.config._attn_implementation).removeprefix(NAME_PREFIX)
+    return str(_transformers_model(model).config._attn_implementation).removeprefix(NAME_PREFIX)
 
 
 def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> None:
@@ -137,7 +198,10 @@ def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> N
     either way.
 
     Raises :class:`SegmentAttentionUnavailable` (a ValueError naming the model's attention
-    and why) where it cannot, and leaves the model as it was. Calling it again is a no-op."""
+    and why) where it cannot, and leaves the model as it was; a TypeError where ``model``
+    is no transformers model (nor a wrapper holding one as ``.module``). Calling it again
+    is a no-op."""
+    model = _transformers_model(model)
     original = own_attention(model)
     if str(model.config._attn_implementation).startswith(NAME_PREFIX):
         return
@@ -152,6 +216,7 @@ def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> N
 
 def disable_segment_attention(model: torch.nn.Module) -> None:
     """Puts ``model`` back on its own attention."""
+    model = _transformers_model(model)
     original = own_attention(model)
     if model.config._attn_implementation != original:
         model.set_attn_implementation(original)
@@ -196,6 +261,8 @@ def keeps_samples_apart(model: torch.nn.Module) -> bool:
 
 
 def _response_hidden_states(model, batch) -> torch.Tensor:
-    outputs = model(**batch.model_inputs(), use_cache=False, output_hidden_states=True,
+    # The model is asked, not its name: its own inputs, whatever attention it runs.
+    inputs = batch.model_inputs() if batch.attention_segments is None else batch._packed_inputs()
+    outputs = model(**inputs, use_cache=False, output_hidden_states=True,
                     logits_to_keep=torch.empty(0, dtype=torch.long, device=batch.input_ids.device))
     return batch.loss_hidden_states(outputs.hidden_states[-1])

@@ -54,7 +54,7 @@ def response_hidden_states(forward, batch: LaidOutBatch) -> torch.Tensor:
     one) that the loss takes (``batch.loss_hidden_states``). The LM head sees zero
     positions (``logits_to_keep`` is an empty index), so no logits exist."""
     outputs = forward(
-        **batch.model_inputs(),
+        **batch.model_inputs(forward),
         use_cache=False,
         output_hidden_states=True,
         logits_to_keep=torch.empty(0, dtype=torch.long, device=batch.input_ids.device),

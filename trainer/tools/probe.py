@@ -324,7 +324,7 @@ def accumulate(policy, batch, old_logprobs, advantages, *, loss_normalizer: floa
     # Padded: the logits of the response positions only (the last width + 1, as TRL
     # asks). Packed: every position's, the prompts' included (as a padding-free trainer
     # without a fused head forms them).
-    logits = policy.engine(**batch.model_inputs(), use_cache=False, logits_to_keep=0 if batch.cu_seqlens is not None
+    logits = policy.engine(**batch.model_inputs(policy.engine), use_cache=False, logits_to_keep=0 if batch.cu_seqlens is not None
                            else width + 1).logits
     logits = logits if batch.cu_seqlens is not None else logits[:, :-1]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
