@@ -153,7 +153,7 @@ def hadw_advantages(
     check_std_choice(row, normalize_std)
     check_advantage_options(rewards, anchor, lambda_scale, std_eps)
     _check_prior(row, prior, rewards)
-    if group_size is not None and row.name == "grpo":
+    if group_size is not None and row.group_mean:  # the kernels' own reference (group_advantages)
         advantage = group_advantages(rewards, group_size, normalize_std=normalize_std, std_eps=std_eps)
         if anchor is not None:
             advantage = advantage * hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
@@ -232,7 +232,7 @@ def weighted_advantages(
     if advantages is not None:
         return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
     rewards = rewards.detach()
-    if config.advantage_estimator != "grpo":
+    if not ESTIMATORS[config.advantage_estimator].group_mean:
         values = rewards.to(accumulate_dtype(rewards.dtype))
         dense = torch.arange(values.numel(), device=values.device) // config.group_size
         return estimated_advantages(values, dense, values.numel() // config.group_size,
@@ -253,7 +253,7 @@ def estimated_batch(batch: SurrogateBatch) -> tuple[SurrogateBatch, dict[str, to
     other than "grpo"): its advantages formed here, over the call's groups, and handed to
     the backend as each response's, with the group metrics the kernels then cannot form.
     The group mean's stay in the kernels (one launch)."""
-    if batch.rewards is None or batch.config.advantage_estimator == "grpo":
+    if batch.rewards is None or ESTIMATORS[batch.config.advantage_estimator].group_mean:
         return batch, {}
     advantages, phi = weighted_advantages(batch.rewards, None, batch.config, batch.anchor)
     figures = group_metrics(batch.rewards, phi, batch.config.group_size) if batch.with_metrics else {}

@@ -2,8 +2,8 @@
 (docs/math.md, section 2a).
 
 One row of :data:`ESTIMATORS` per estimator; every caller (``hadw_advantages``, the fused
-losses, the trainer, the TRL and verl drop-ins, the bias tool) reads the row, never the
-name. The baselines are written once here, over any grouping of a batch's responses
+losses, the trainer, the TRL and verl drop-ins, the bias tool) reads what it needs from
+the row. The baselines are written once here, over any grouping of a batch's responses
 (a dense group id per response), in the rewards' accumulation dtype;
 ``reference/estimators.py`` restates them as float64 loops for the tests.
 """
@@ -90,6 +90,9 @@ class Estimator:
     # Whether the group's std may divide r - b. Only the group mean's: the estimators that
     # borrow from outside the group give its all-equal groups an advantage, whose std is 0.
     takes_std: bool
+    # Whether the baseline is the group's mean: the fused surrogate forms it inside its one
+    # launch, and it is the hosts' own advantage (TRL's, verl's grpo).
+    group_mean: bool
     summary: str
     # b_i [B] from the rewards, each response's group id, the groups' statistics and, for
     # "history", the [B, 2] pseudo-counts (alpha, beta) of each response's prompt.
@@ -97,11 +100,11 @@ class Estimator:
 
 
 ESTIMATORS: dict[str, Estimator] = {row.name: row for row in (
-    Estimator("grpo", "group", True, "the group's mean (GRPO; Dr.GRPO without the std)", _group_mean),
-    Estimator("rloo", "group", False, "the mean of the group's other responses (leave-one-out)", _rloo),
-    Estimator("james_stein", "batch", False,
+    Estimator("grpo", "group", True, True, "the group's mean (GRPO; Dr.GRPO without the std)", _group_mean),
+    Estimator("rloo", "group", False, False, "the mean of the group's other responses (leave-one-out)", _rloo),
+    Estimator("james_stein", "batch", False, False,
               "the leave-one-out mean shrunk toward the other prompts' mean by the batch's variances (JSPO)", _james_stein),
-    Estimator("prompt_history", "history", False,
+    Estimator("prompt_history", "history", False, False,
               "the prompt's discounted Beta posterior, with the group's other responses (SPO/DBB)", _prompt_history),
 )}
 ESTIMATOR_NAMES = tuple(ESTIMATORS)

@@ -288,12 +288,12 @@ class HADWGRPOConfig(GRPOConfig):
             raise ValueError(f"unknown hadw_layout {self.hadw_layout!r}; choose 'auto' or one of {sorted(LAYOUTS)}")
         if self.hadw_shuffle not in ("auto", "rows", "groups"):
             raise ValueError(f"unknown hadw_shuffle {self.hadw_shuffle!r}; choose 'auto', 'rows' or 'groups'")
-        estimator_row(self.hadw_advantage_estimator)
+        estimator = estimator_row(self.hadw_advantage_estimator)
         try:
             self.history()
         except ValueError as error:
             raise ValueError(f"hadw_history_{error}") from None
-        if self.hadw_advantage_estimator != "grpo" and self.multi_objective_aggregation != "sum_then_normalize":
+        if not estimator.group_mean and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(f"hadw_advantage_estimator={self.hadw_advantage_estimator!r} forms each completion's "
                              "baseline from the rewards, which needs multi_objective_aggregation='sum_then_normalize' "
                              "(one reward per completion)")
@@ -510,13 +510,13 @@ class HADWGRPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL gathers every process's rewards here: keep them for Phi and the estimators.
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.anchor is not None or self.estimator.name != "grpo":
+        if self.anchor is not None or not self.estimator.group_mean:
             self._gathered_rewards_per_func = rewards_per_func
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if self.anchor is None and self.estimator.name == "grpo":
+        if self.anchor is None and self.estimator.group_mean:
             return output
         mode = "train" if self.model.training else "eval"
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
@@ -535,7 +535,7 @@ class HADWGRPOTrainer(GRPOTrainer):
             mean, variance, count = batch_reward_statistics(scored, all_reduce=False)
             self.anchor.observe(mean, count=count, variance=variance)
         belief = None if self.anchor is None else self.anchor.value
-        if group_size < 2 or (belief is None and self.estimator.name == "grpo"):
+        if group_size < 2 or (belief is None and self.estimator.group_mean):
             return output  # no group to compare with; or no belief yet, and TRL's advantages stand
         # An unscored response takes its group's mean: it leaves the group mean as TRL's
         # nanmean has it, and its advantage stays 0.
@@ -543,7 +543,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         group_means = torch.nanmean(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size)
         rewards = torch.where(unscored, group_means, rewards)
         local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
-        if self.estimator.name == "grpo":
+        if self.estimator.group_mean:
             phi = hadw_weights(rewards, group_size, belief, lambda_scale=self.args.hadw_lambda_scale)
             output["advantages"] = output["advantages"] * phi[local].to(output["advantages"].dtype)
         else:
