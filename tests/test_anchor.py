@@ -3,15 +3,12 @@ bank of docs/math.md), beliefs, save/load and its checks, ranks."""
 
 import json
 import math
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import on_ranks
 from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_advantages, hadw_weights
 from hadw_kernels.anchor import DEFAULT_RULE, checked_rewards
 from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
@@ -370,25 +367,16 @@ def test_empty_or_non_finite_batch_is_rejected():
         DifficultyAnchor().update(torch.tensor([1.0, float("nan")]))
 
 
-def _rank_main(rank, world_size, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        anchor = DifficultyAnchor()
-        # Unequal shards: the global mean is (3 + 1) / (4 + 2), not the mean of 0.75 and 0.5.
-        rewards = torch.tensor([1.0, 1.0, 1.0, 0.0]) if rank == 0 else torch.tensor([1.0, 0.0])
-        results[rank] = anchor.update(rewards)
-    finally:
-        dist.destroy_process_group()
+def _anchor_on_rank(rank):
+    anchor = DifficultyAnchor()
+    # Unequal shards: the global mean is (3 + 1) / (4 + 2), not the mean of 0.75 and 0.5.
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0]) if rank == 0 else torch.tensor([1.0, 0.0])
+    return anchor.update(rewards)
 
 
 @pytest.mark.slow
 def test_observation_is_all_reduced_across_ranks():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(2, port, results), nprocs=2, join=True)
+    results = on_ranks(_anchor_on_rank)
     assert results[0] == results[1] == pytest.approx(4 / 6)
 
 

@@ -2,14 +2,10 @@
 against the float64 loops of hadw_kernels/reference/estimators.py, on exact small cases
 and random batches, and their refusals."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import on_ranks
 from hadw_kernels import ESTIMATOR_NAMES, PromptHistory, hadw_advantages, prompt_key
 from hadw_kernels.estimators import ESTIMATORS
 from hadw_kernels.reference import estimators as reference
@@ -205,26 +201,17 @@ def test_history_update_refuses_bad_keys():
 # --- under torch.distributed ---------------------------------------------------------------
 
 
-def _rank_main(rank, world_size, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        history = PromptHistory(discount=0.5)
-        shards = [([1.0, 1.0, 0.0, 1.0], [1, 1, 2, 2]), ([0.0, 0.0], [1, 1])]
-        rewards, keys = shards[rank]
-        history.update(torch.tensor(rewards), keys)
-        results[rank] = (history.state_dict(), history.update(torch.tensor(rewards), keys).tolist())
-    finally:
-        dist.destroy_process_group()
+def _history_on_rank(rank):
+    history = PromptHistory(discount=0.5)
+    shards = [([1.0, 1.0, 0.0, 1.0], [1, 1, 2, 2]), ([0.0, 0.0], [1, 1])]
+    rewards, keys = shards[rank]
+    history.update(torch.tensor(rewards), keys)
+    return history.state_dict(), history.update(torch.tensor(rewards), keys).tolist()
 
 
 @pytest.mark.slow
 def test_every_rank_holds_the_whole_batchs_history():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(2, port, results), nprocs=2, join=True)
+    results = on_ranks(_history_on_rank)
     assert results[0][0] == results[1][0]
     # Prompt 1 was seen with 2 successes (rank 0) and 2 failures (rank 1); the mean of all
     # six rewards is 1/2, so its prior reads (1 + 2, 1 + 2) on both ranks.
