@@ -123,13 +123,3 @@ def check_std_choice(estimator: Estimator, normalize_std: bool) -> None:
             "divides by the group's std, which is 0 for the all-equal groups it gives an advantage; "
             "pass normalize_std=False"
         )
-
-
-
-
-def baselines(values: torch.Tensor, dense: torch.Tensor, groups: int, estimator: Estimator,
-              prior: torch.Tensor | None = None) -> torch.Tensor:
-    """b_i [B] for every response. ``values``: rewards in their accumulation dtype;
-    ``dense``: each response's group id in 0..groups-1; ``prior``: [B, 2] pseudo-counts
-    (alpha, beta) of each response's prompt, for the "history" estimators."""
-    return estimator.baseline(values, dense, GroupStatistics.of(values, dense, groups), prior)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .anchor import checked_rewards
+from .checks import check_finite_positive
 
 STATE_VERSION = 1
 # The discount per rollout batch and the prior's strength (docs/math.md, section 2a, and
@@ -35,14 +36,6 @@ def prompt_key(tokens: Sequence[int] | torch.Tensor | str) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
-def _check_positive(name: str, value: float, *, at_most_one: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 \
-            or (at_most_one and value > 1):
-        bound = "in (0, 1]" if at_most_one else "finite and positive"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-    return float(value)
-
-
 class PromptHistory:
     """alpha_x, beta_x per prompt key: successes and failures, each discounted by
     ``discount`` per rollout batch since they were seen. A prompt never seen reads the
@@ -50,8 +43,11 @@ class PromptHistory:
     discounted the same way; 1/2 before the first batch)."""
 
     def __init__(self, discount: float = DEFAULT_DISCOUNT, prior_strength: float = DEFAULT_PRIOR_STRENGTH) -> None:
-        self.discount = _check_positive("discount", discount, at_most_one=True)
-        self.prior_strength = _check_positive("prior_strength", prior_strength)
+        check_finite_positive("discount", discount)
+        if discount > 1:
+            raise ValueError(f"discount must be in (0, 1], got {discount!r}")
+        check_finite_positive("prior_strength", prior_strength)
+        self.discount, self.prior_strength = float(discount), float(prior_strength)
         self.reset()
 
     def reset(self) -> None:

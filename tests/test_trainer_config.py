@@ -419,7 +419,7 @@ def test_run_help_lists_every_config_key_with_its_default(capsys):
 @pytest.mark.parametrize("override, message", [
     ("algorithm.advantage_estimator=median", "algorithm.advantage_estimator must be one of"),
     ("algorithm.history_discount=1.5", "algorithm.history_discount must be in (0, 1]"),
-    ("algorithm.history_prior_strength=0", "algorithm.history_prior_strength must be finite and positive"),
+    ("algorithm.history_prior_strength=0", "algorithm.history_prior_strength must be a finite positive number"),
 ])
 def test_bad_advantage_estimator_options(override, message):
     assert message in _error([override])

@@ -543,8 +543,9 @@ class HADWGRPOTrainer(GRPOTrainer):
         group_means = torch.nanmean(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size)
         rewards = torch.where(unscored, group_means, rewards)
         local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
+        phi = None if belief is None else hadw_weights(rewards, group_size, belief,
+                                                       lambda_scale=self.args.hadw_lambda_scale)
         if self.estimator.group_mean:
-            phi = hadw_weights(rewards, group_size, belief, lambda_scale=self.args.hadw_lambda_scale)
             output["advantages"] = output["advantages"] * phi[local].to(output["advantages"].dtype)
         else:
             advantages = hadw_advantages(rewards, group_size=group_size, estimator=self.estimator.name,
@@ -553,9 +554,8 @@ class HADWGRPOTrainer(GRPOTrainer):
             advantages = advantages.masked_fill(unscored, 0.0)
             output["advantages"] = advantages[local].to(output["advantages"].dtype)
             self._metrics[mode]["hadw/advantage_abs_mean"].append(advantages.abs().mean().item())
-        if belief is not None:
+        if phi is not None:
             self._metrics[mode]["hadw/anchor"].append(belief)
-            phi = hadw_weights(rewards, group_size, belief, lambda_scale=self.args.hadw_lambda_scale)
             self._metrics[mode]["hadw/phi_mean"].append(phi.mean().item())
         return output
 
@@ -570,7 +570,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         keys = gather_object(keys)
         if mode != "train":
             return self.history.read(keys).to(rewards.device)
-        return self.history.update(rewards, keys, all_gather=False).to(rewards.device)
+        return self.history.update(rewards, keys, all_gather=False)
 
     # -- the fused loss -------------------------------------------------------------------
 

@@ -87,9 +87,11 @@ def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale:
         advantages = hadw_advantages(rewards, group_size=group_size, anchor=anchor, lambda_scale=lambda_scale,
                                      normalize_std=normalize_std, estimator=row.name,
                                      prior=prior if row.scope == "history" else None)
-    # Phi where A is 0 is lambda (exp(0)), as hadw_weights gives it: it multiplies nothing.
-    unweighted = torch.full_like(plain, lambda_scale if anchor is not None else 1.0)
-    phi = torch.where(plain != 0, advantages / torch.where(plain != 0, plain, 1), unweighted)
+    phi = torch.ones_like(plain)
+    if anchor is not None:
+        # Phi where A is 0 is lambda (exp(0)), as hadw_weights gives it: it multiplies nothing.
+        phi = torch.where(plain != 0, advantages / torch.where(plain != 0, plain, 1),
+                          torch.full_like(plain, lambda_scale))
     grouped = rewards.view(-1, group_size)
     degenerate = (grouped.amax(dim=1) == grouped.amin(dim=1)).float()
     return advantages, {"phi_mean": float(phi.mean()), "zero_std_frac": float(degenerate.mean())}

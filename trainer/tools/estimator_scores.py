@@ -59,8 +59,6 @@ def score(draws, accuracy: list[float], batch_prompts: int, priors: dict[str, li
         values = {(label, kind): [[] for _ in range(prompts)] for label, *_ in labels for kind in KINDS}
         for repeat in repeats:
             for members in batches:
-                if len(members) < 1:
-                    continue
                 rewards = torch.tensor([r for i in members for r in repeat[i]], dtype=torch.float64)
                 for label, estimator, history in labels:
                     prior = None
