@@ -375,18 +375,22 @@ class Probe:
         # A loss_normalizer of the whole step's responses (GRPO's seq-mean over the mini-batch).
         self.normalizer = float(self.sequences)
 
-    def _build(self) -> None:
-        """The model and its DeepSpeed engine, from scratch (the same seed, the same weights)."""
+    def close(self) -> None:
+        """Destroys the engine and collects what it held."""
         import gc
 
-        from trainer.engine.policy import Policy
-
-        args = self.args
         if self.policy is not None:
-            # Its hooks and buffers would otherwise keep the old model alive beside the new.
             self.policy.engine.destroy()
             self.policy = None
         gc.collect()
+
+    def _build(self) -> None:
+        """The model and its DeepSpeed engine, from scratch (the same seed, the same weights)."""
+        from trainer.engine.policy import Policy
+
+        args = self.args
+        # The old engine's hooks and buffers would otherwise keep its model alive beside the new.
+        self.close()
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
         say(f"building {args.preset} ({args.dtype}, random weights) on {self.device}")
@@ -658,9 +662,17 @@ def main(argv: list[str] | None = None) -> int:
     prepare(args)
     import torch.distributed
 
+    probe = None
     try:
-        result = Probe(args).run()
+        probe = Probe(args)
+        result = probe.run()
     finally:
+        # The engine before its process group, and neither left to the interpreter's exit:
+        # a gloo group torn down there, after the engine's cycles are collected, once
+        # aborted the process ("terminate called without an active exception") after the
+        # figures were written.
+        if probe is not None:
+            probe.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     text = json.dumps(result, indent=2)
