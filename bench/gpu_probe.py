@@ -42,10 +42,9 @@ def probe_runs(dry_run: bool, seconds: float | None = None) -> list[ProbeRun]:
         group = ["--loss", "fused", "-G", "64", "-L", "4096", "--micro-batch-tokens", str(16 * (512 + 4096)),
                  "--steps", "2"]
         runs = [
-            *[(f"G=64 x 4096 tokens, {layout}", [*group, *flags], 1) for layout, flags in (
-                ("padded", ["--no-packing"]), ("packed", ["--packing", "--no-share-prompt"]),
-                ("shared prompt", ["--share-prompt"]))],
-            ("the largest budget, fused, padded", ["--loss", "fused", "-L", "4096", "--no-packing", "--steps", "0",
+            *[(f"G=64 x 4096 tokens, {layout.replace('_', ' ')}", [*group, "--layout", layout], 1)
+              for layout in ("padded", "packed", "shared_prompt", "prefix_tree")],
+            ("the largest budget, fused, padded", ["--loss", "fused", "-L", "4096", "--layout", "padded", "--steps", "0",
                                                    "--find-max-budget", "--budget-tolerance", "0.1"], 3),
         ]
     environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

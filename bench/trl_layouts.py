@@ -30,16 +30,20 @@ from fresh_process import worker_env
 # shared-prompt layout runs with both shuffles: "auto" shuffles whole groups here (one
 # optimizer step takes the generation batch), "rows" keeps TRL's row shuffle.
 DROP_INS = {"stock": None, "padded": ("padded", "auto"), "packed": ("packed", "auto"),
-            "shared_prompt": ("shared_prompt", "auto"), "shared_prompt_rows": ("shared_prompt", "rows")}
+            "shared_prompt": ("shared_prompt", "auto"), "shared_prompt_rows": ("shared_prompt", "rows"),
+            "prefix_tree": ("prefix_tree", "auto")}
 TRAINERS = tuple(DROP_INS)
 
 
 @dataclass(frozen=True)
 class Case:
-    """``prompts`` prompts of ``prompt_tokens`` a generation batch, ``group`` completions
-    each, whose lengths are drawn log-normally around ``completion_median`` (sigma
-    ``completion_sigma``, cut to [1, ``completion_max``]); one optimizer step per
-    generation batch, in micro-batches of ``group`` rows."""
+    """``prompts`` prompts of ``prompt_tokens`` a generation batch (after a system prompt
+    of ``system_tokens`` common to every prompt), ``group`` completions each, whose lengths
+    are drawn log-normally around ``completion_median`` (sigma ``completion_sigma``, cut to
+    [1, ``completion_max``]); one optimizer step per generation batch, in micro-batches of
+    ``groups_per_micro_batch`` groups' rows. With ``first_turns``, a two-turn rollout: each
+    completion begins with one of its group's ``first_turns`` first turns of
+    ``first_turn_tokens`` (what a tree-shaped rollout shares), then its own turn."""
 
     prompts: int
     prompt_tokens: int
@@ -50,6 +54,10 @@ class Case:
     hidden: int = 256
     layers: int = 4
     vocab: int = 1024
+    system_tokens: int = 0
+    groups_per_micro_batch: int = 1
+    first_turns: int = 0
+    first_turn_tokens: int = 0
 
 
 CASES = {
@@ -61,6 +69,17 @@ CASES = {
                           completion_max=128),
     "long-prompt-16": Case(prompts=2, prompt_tokens=512, group=16, completion_median=64, completion_sigma=0.4,
                            completion_max=128),
+    # (c) a 1,000-token system prompt common to every prompt, 64-token questions, G = 8,
+    # 64-token completions, four groups a micro-batch: the prefix tree lays the system
+    # prompt out once a micro-batch, the shared-prompt layout once a group.
+    "system-prompt": Case(prompts=4, prompt_tokens=64, group=8, completion_median=64, completion_sigma=0.0,
+                          completion_max=64, system_tokens=1000, groups_per_micro_batch=4),
+    # (d) two-turn rollouts forking at several depths: a 256-token system prompt, 64-token
+    # questions, each group's completions after one of two 64-token first turns, then their
+    # own second turn (64 tokens), four groups a micro-batch.
+    "two-turn": Case(prompts=4, prompt_tokens=64, group=8, completion_median=64, completion_sigma=0.0,
+                     completion_max=64, system_tokens=256, groups_per_micro_batch=4, first_turns=2,
+                     first_turn_tokens=64),
     # What the quick check (bench/test_trl_layouts.py) runs.
     "tiny": Case(prompts=2, prompt_tokens=16, group=4, completion_median=8, completion_sigma=0.5,
                  completion_max=16, hidden=32, layers=1, vocab=64),
@@ -87,28 +106,41 @@ def run_one(case: Case, trainer_name: str, steps: int) -> dict:
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=case.vocab, hidden_size=case.hidden, intermediate_size=int(2.75 * case.hidden),
         num_hidden_layers=case.layers, num_attention_heads=max(case.hidden // 64, 1),
-        num_key_value_heads=max(case.hidden // 64, 1), max_position_embeddings=case.prompt_tokens + case.completion_max + 8,
+        num_key_value_heads=max(case.hidden // 64, 1),
+        max_position_embeddings=case.system_tokens + case.prompt_tokens + case.first_turn_tokens + case.completion_max + 8,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
     ))
     draw = torch.Generator().manual_seed(1)
-    prompts = [" ".join(f"w{int(token)}" for token in torch.randint(0, case.vocab - 3, (case.prompt_tokens,),
-                                                                        generator=draw))
-               for _ in range(case.prompts * (steps + 1))]
+
+    def words(count):
+        return " ".join(f"w{int(token)}" for token in torch.randint(0, case.vocab - 3, (count,), generator=draw))
+
+    system = words(case.system_tokens) + " " if case.system_tokens else ""
+    prompts = [system + words(case.prompt_tokens) for _ in range(case.prompts * (steps + 1))]
     rollouts = torch.Generator().manual_seed(2)
 
     class FixedRollouts:
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
             lengths = torch.distributions.LogNormal(0.0, case.completion_sigma).sample((len(prompt_ids),))
+            first_turns: dict[tuple, list] = {}
             completions = []
-            for scale in lengths.tolist():
+            for row, scale in enumerate(lengths.tolist()):
                 length = int(min(max(round(case.completion_median * scale), 1), case.completion_max))
-                completions.append((torch.randint(3, case.vocab, (length,), generator=rollouts)).tolist())
+                completion = torch.randint(3, case.vocab, (length,), generator=rollouts).tolist()
+                if case.first_turns:
+                    turns = first_turns.setdefault(tuple(prompt_ids[row]), [
+                        torch.randint(3, case.vocab, (case.first_turn_tokens,), generator=rollouts).tolist()
+                        for _ in range(case.first_turns)])
+                    completion = turns[row % case.group * case.first_turns // case.group] + completion
+                completions.append(completion)
             return completions, None
 
+    micro_batches = case.prompts // case.groups_per_micro_batch
     options = dict(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=case.group, num_generations=case.group,
-        steps_per_generation=case.prompts, gradient_accumulation_steps=case.prompts,
-        max_completion_length=case.completion_max, max_steps=steps, learning_rate=1e-5, logging_steps=1,
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=case.group * case.groups_per_micro_batch,
+        num_generations=case.group, steps_per_generation=micro_batches, gradient_accumulation_steps=micro_batches,
+        max_completion_length=case.first_turn_tokens + case.completion_max, max_steps=steps, learning_rate=1e-5,
+        logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0, loss_type="grpo",
     )
     if trainer_name == "stock":

@@ -34,7 +34,7 @@ FEATURES = {
     "vllm_correction": dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.3,
                             vllm_importance_sampling_clip_max=3.0),
 }
-# Every value of each axis with every value of every other: 12 runs instead of the 72 of
+# Every value of each axis with every value of every other: 16 runs instead of the 96 of
 # the full product (layout x loss type x feature x model).
 CASES = [
     ("padded", "grpo", "plain", "llama"), ("packed", "grpo", "entropy_mask", "qwen2"),
@@ -43,6 +43,8 @@ CASES = [
     ("shared_prompt", "gspo", "plain", "qwen2"), ("padded", "gspo", "entropy_mask", "llama"),
     ("packed", "gspo", "vllm_correction", "qwen2"), ("packed", "dr_grpo", "plain", "llama"),
     ("shared_prompt", "dr_grpo", "entropy_mask", "qwen2"), ("padded", "dr_grpo", "vllm_correction", "llama"),
+    ("prefix_tree", "grpo", "plain", "qwen2"), ("prefix_tree", "dapo", "vllm_correction", "llama"),
+    ("prefix_tree", "gspo", "entropy_mask", "qwen2"), ("prefix_tree", "dr_grpo", "plain", "llama"),
 ]
 # What TRL logs that is time, not arithmetic.
 UNCOMPARED = {"step_time"}
@@ -115,7 +117,7 @@ def test_a_group_shuffle_changes_no_step_that_takes_the_whole_generation_batch(l
     stock = train(BoundaryRecordingTrainer, GRPOConfig, model_dirs["llama"], tmp_path / "stock", **options)
     fused = train(HADWGRPOTrainer, HADWGRPOConfig, model_dirs["llama"], tmp_path / "fused", use_hadw=False,
                   **options)
-    assert fused.layout.name == "shared_prompt" and fused.shuffles_groups
+    assert fused.layout.name == "prefix_tree" and fused.shuffles_groups
     assert_runs_equal(stock, fused, per_micro_batch_metrics=False)
 
 
@@ -179,9 +181,9 @@ def test_the_layout_is_chosen_when_the_trainer_is_built(model_dirs, tmp_path, ca
     with caplog.at_level("INFO", logger="hadw_kernels.integrations.trl"):
         trainer = HADWGRPOTrainer(model=model_dirs["llama"], reward_funcs=_sevens, train_dataset=PROMPTS,
                                   processing_class=TOKENIZER, args=HADWGRPOConfig(output_dir=str(tmp_path), **RUN))
-    assert trainer.layout.name == "shared_prompt"
+    assert trainer.layout.name == "prefix_tree"
     assert trainer.model.config._attn_implementation == "hadw_segments_over_sdpa"
-    assert "the shared_prompt layout (the segment attention over sdpa)" in caplog.text
+    assert "the prefix_tree layout (hadw_layout='auto', the segment attention over sdpa)" in caplog.text
     with pytest.raises(ValueError, match="unknown hadw_layout 'ragged'"):
         HADWGRPOConfig(output_dir=str(tmp_path), **RUN, hadw_layout="ragged")
     with pytest.raises(ValueError, match="unknown hadw_shuffle 'tokens'"):
@@ -224,12 +226,12 @@ def test_the_layout_is_reported_where_a_user_looks(model_dirs, tmp_path):
                                   args=HADWGRPOConfig(output_dir=str(tmp_path / "eager"), **RUN))
     assert trainer.layout.name == "padded"
     fed = {}
-    for layout in ("padded", "shared_prompt"):
+    for layout in ("padded", "shared_prompt", "prefix_tree"):
         run = train(HADWGRPOTrainer, HADWGRPOConfig, model_dirs["plain"], tmp_path / layout, max_steps=1,
                     gradient_accumulation_steps=4, hadw_layout=layout)
         (step,) = logged_steps(run)
         fed[layout] = step["hadw/fed_tokens"]
-    assert 0 < fed["shared_prompt"] < fed["padded"]
+    assert 0 < fed["prefix_tree"] < fed["shared_prompt"] < fed["padded"]
 
 
 def test_vision_language_inputs_stay_padded(tmp_path):
@@ -244,7 +246,7 @@ def test_vision_language_inputs_stay_padded(tmp_path):
 
 
 @pytest.mark.parametrize(("layout", "distribution"), [("shared_prompt", None), ("packed", "zero2"),
-                                                      ("shared_prompt", "zero3")],
+                                                      ("prefix_tree", "zero3")],
                          ids=["ddp", "zero2", "zero3"])
 def test_two_ranks(layout, distribution, model_dirs, tmp_path):
     """Two CPU ranks under torchrun (DDP, and DeepSpeed ZeRO-2 and ZeRO-3 with every

@@ -3,6 +3,7 @@ response tokens, what it counts, which rows share a prompt, and the segment atte
 tiny Llama and Qwen2 models: each response position gets the hidden state it gets alone,
 and no sample's tokens reach another's, in rows of any order."""
 
+import random
 import re
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaFor
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from hadw_kernels.layouts import (LAYOUTS, SegmentAttentionUnavailable, disable_segment_attention,
+from hadw_kernels.layouts import (LAYOUTS, RowTokens, SegmentAttentionUnavailable, disable_segment_attention,
                                   enable_segment_attention, get_layout, prompt_groups, rows_by_group)
 from hadw_kernels.layouts.attention import keeps_samples_apart
 
@@ -84,8 +85,8 @@ def test_shared_prompt_layout():
     assert batch.cu_seqlens.tolist() == [0, 4, 5, 7]
     assert batch.response_starts == [2, 4, 5] and batch.response_lengths == [2, 1, 2]
     segments = batch.attention_segments
-    assert list(zip(segments.starts, segments.lengths, segments.prefix_starts, segments.prefix_lengths)) == [
-        (0, 2, 0, 0), (2, 2, 0, 2), (4, 1, 0, 2), (5, 2, 0, 0)]
+    assert list(zip(segments.starts, segments.lengths, segments.prefixes)) == [
+        (0, 2, ()), (2, 2, ((0, 2),)), (4, 1, ((0, 2),)), (5, 2, ())]
     values = torch.arange(7.0)[None]
     assert [v.tolist() for v in batch.per_response(values)] == [[2.0, 3.0], [4.0], [5.0, 6.0]]
     assert batch.from_responses(batch.per_response(values)).tolist() == [[0, 0, 2, 3, 4, 5, 6]]
@@ -105,8 +106,7 @@ def test_a_shuffled_batch_lays_each_prompt_out_once():
     assert batch.input_ids.tolist() == [[5, 6, 7, 10, 7, 8, 9, 9, 14, 15]]
     assert batch.segment_rows == [0, 2, 1, 3]
     assert batch.per_segment(torch.tensor([0.0, 1.0, 2.0, 3.0])).tolist() == [0.0, 2.0, 1.0, 3.0]
-    assert batch.fed_tokens == LAYOUTS["shared_prompt"].fed_tokens(range(4), [3, 2, 3, 2], [2, 1, 1, 3],
-                                                                   prompt_groups(prompts)) == 10
+    assert batch.fed_tokens == LAYOUTS["shared_prompt"].fed_tokens(RowTokens(prompts, responses)) == 10
     padded = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [4.0, 0.0, 0.0], [5.0, 6.0, 7.0]])
     laid_out = batch.from_padded(padded, fill=-1.0)
     assert laid_out.tolist() == [[-1, -1, 1, 2, 4, -1, 3, 5, 6, 7]]
@@ -120,7 +120,7 @@ def test_the_padded_layout_maps_its_rows_the_same_way():
     batch = LAYOUTS["padded"].build([[5, 6], [7]], [[8, 9, 10], []], pad_token_id=0)
     assert batch.input_ids.tolist() == [[5, 6, 8, 9, 10], [0, 7, 0, 0, 0]]
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
-    assert batch.fed_tokens == LAYOUTS["padded"].fed_tokens(range(2), [2, 1], [3, 0]) == 10
+    assert batch.fed_tokens == LAYOUTS["padded"].fed_tokens(RowTokens([[5, 6], [7]], [[8, 9, 10], []])) == 10
     padded = torch.tensor([[1.0, 2.0, 3.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
     assert batch.from_padded(padded).tolist() == [[1, 2, 3], [0, 0, 0]]
     assert batch.to_padded(batch.from_padded(padded), 4).tolist() == [[1, 2, 3, 0], [0, 0, 0, 0]]
@@ -130,17 +130,104 @@ def test_the_padded_layout_maps_its_rows_the_same_way():
 
 def test_token_counts():
     """A group's prompt counts once, but its last token (it starts every response's
-    branch); whole where the group's responses here are all empty."""
-    prompts, responses, groups = [5, 5, 5, 3, 3, 3], [4, 0, 2, 0, 0, 0], [0, 0, 0, 1, 1, 1]
-    shared, packed = LAYOUTS["shared_prompt"], LAYOUTS["packed"]
-    assert shared.fed_tokens([0, 1, 2], prompts, responses, groups) == 4 + 6
-    assert shared.fed_tokens([1], prompts, responses, groups) == 5
-    assert shared.fed_tokens([3, 4, 5], prompts, responses, groups) == 3
-    assert shared.fed_tokens(range(6), prompts, responses, groups) == 4 + 6 + 3
-    assert shared.fed_tokens(range(6), prompts, responses) == (4 + 4) + 5 + (4 + 2) + 3 + 3 + 3  # none shared
-    assert packed.fed_tokens(range(6), prompts, responses, groups) == 24 + 6
+    branch); whole where the group's responses here are all empty. The prefix tree counts
+    each shared run once and no row's last token: a prompt's tokens once, then each
+    response's but its last."""
+    prompts = [[1, 2, 3, 4, 5]] * 3 + [[6, 7, 8]] * 3
+    responses = [[9, 9, 9, 9], [], [9, 8], [], [], []]
+    distinct = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 7], [7, 8, 9], [7, 8, 10], [7, 8, 11]]
+    batch, unshared = RowTokens(prompts, responses), RowTokens(distinct, responses)
+    shared, packed, tree = LAYOUTS["shared_prompt"], LAYOUTS["packed"], LAYOUTS["prefix_tree"]
+    assert shared.fed_tokens(batch, [0, 1, 2]) == 4 + 6
+    assert shared.fed_tokens(batch, [1]) == 5
+    assert shared.fed_tokens(batch, [3, 4, 5]) == 3
+    assert shared.fed_tokens(batch) == 4 + 6 + 3
+    assert shared.fed_tokens(unshared) == (4 + 4) + 5 + (4 + 2) + 3 + 3 + 3
+    assert packed.fed_tokens(batch) == 24 + 6
+    # [1, 2, 3, 4, 5, 9, 9, 9] and [.., 5, 9] share [1, 2, 3, 4, 5, 9]; the empty response
+    # reads nothing beyond its prompt.
+    assert tree.fed_tokens(batch, [0, 1, 2]) == 8 and tree.fed_tokens(batch) == 8 + 3
+    # [1, 2, 3, 4, 5, 9, 9, 9], [1, 2, 3, 4, 6] and [1, 2, 3, 4, 7, 9] share four tokens;
+    # [7, 8, 9], [7, 8, 10] and [7, 8, 11] two.
+    assert tree.fed_tokens(unshared) == 8 + 1 + 2 + 3 + 1 + 1
     with pytest.raises(ValueError, match="unknown layout 'ragged'"):
         get_layout("ragged")
+
+
+def random_forked_rows(seed: int, rows: int = 12):
+    """Rows that share runs at several depths: a system prompt most prompts begin with,
+    prompts repeated, responses that begin alike, a row that is a prefix of another, an
+    empty response and a row sharing nothing."""
+    generator = random.Random(seed)
+
+    def tokens(count):
+        return [generator.randrange(3, VOCAB) for _ in range(count)]
+
+    system = tokens(5)
+    questions = [system + tokens(generator.randrange(1, 4)) for _ in range(3)] + [tokens(2)]
+    prompts, responses = [], []
+    for _ in range(rows):
+        prompt = generator.choice(questions)
+        earlier = [response for other, response in zip(prompts, responses) if other == prompt and response]
+        if earlier and generator.random() < 0.6:  # a fork of an earlier response, or a prefix of it
+            base = generator.choice(earlier)
+            keep = generator.randrange(0, len(base) + 1)
+            response = base[:keep] + (tokens(generator.randrange(0, 4)) if generator.random() < 0.7 else [])
+        else:
+            response = tokens(generator.randrange(0, 6))
+        prompts.append(prompt)
+        responses.append(response)
+    return prompts, responses
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_tally_counts_what_its_layout_builds(seed):
+    """A tally grown row by row and asked of any subset counts the tokens the layout's
+    build feeds, and the prefix tree feeds no more than any other layout (what lets
+    ``auto`` take it)."""
+    prompts, responses = random_forked_rows(seed)
+    batch = RowTokens(prompts, responses)
+    order = random.Random(seed).sample(range(len(prompts)), len(prompts))
+    fed = {}
+    for name, layout in LAYOUTS.items():
+        tally = layout.tally(batch)
+        for count, row in enumerate(order, start=1):
+            joined = order[:count]
+            built = layout.build([prompts[r] for r in joined], [responses[r] for r in joined], pad_token_id=0)
+            assert tally.with_rows([row]) == built.fed_tokens, (name, count)
+            tally.add([row])
+            assert tally.with_rows([]) == built.fed_tokens == layout.fed_tokens(batch, joined)
+        fed[name] = tally.with_rows([])
+    assert fed["prefix_tree"] == min(fed.values())
+
+
+def test_prefix_tree_layout():
+    """Rows sorted by their fed sequences (prompt and response but its last token), each
+    after its longest common prefix with the one before: a prompt shared by three rows,
+    two responses that begin alike, a row that is a prefix of another's, an empty response
+    (nothing read) and a row sharing nothing. Each response's loss positions gather the
+    hidden states that predict it."""
+    prompts = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4], [9]]
+    responses = [[7, 8, 9], [7, 8, 6], [5, 5], [], [3]]
+    batch = LAYOUTS["prefix_tree"].build(prompts, responses)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 7, 8, 5, 5, 9]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 2, 3, 0]]
+    segments = batch.attention_segments
+    assert list(zip(segments.starts, segments.lengths, segments.prefixes)) == [
+        (0, 4, ()), (4, 2, ((0, 4),)), (6, 2, ((0, 2),)), (8, 1, ())]
+    assert batch.segment_rows == [3, 0, 1, 2, 4]
+    assert batch.labels.tolist() == [[7, 8, 9, 7, 8, 6, 5, 5, 3]] and bool(batch.response_mask.all())
+    assert batch.cu_seqlens.tolist() == [0, 0, 3, 6, 8, 9]
+    assert batch.hidden_index.tolist() == [3, 4, 5, 3, 4, 5, 6, 7, 8]
+    assert batch.response_starts == [0, 3, 6, 0, 8]
+    hidden = torch.arange(9.0)[None, :, None]
+    assert batch.loss_hidden_states(hidden).flatten().tolist() == [3, 4, 5, 3, 4, 5, 6, 7, 8]
+    assert batch.per_segment(torch.arange(5)).tolist() == [3, 0, 1, 2, 4]
+    values = torch.arange(9.0)[None]
+    assert [v.tolist() for v in batch.per_response(values)] == [[0, 1, 2], [3, 4, 5], [6, 7], [], [8]]
+    # Every response empty: the prompts laid out whole, the loss's layout empty.
+    empty = LAYOUTS["prefix_tree"].build([[5, 6], [5, 6, 7]], [[], []])
+    assert empty.input_ids.tolist() == [[5, 6, 7]] and empty.labels.shape == (1, 0)
 
 
 def test_bad_rows_are_refused():
@@ -178,7 +265,7 @@ def test_each_response_gets_its_own_hidden_states_in_every_layout(architecture):
                                        msg=f"{layout.name}, row {row}")
 
 
-@pytest.mark.parametrize("layout", ["packed", "shared_prompt"])
+@pytest.mark.parametrize("layout", ["packed", "shared_prompt", "prefix_tree"])
 def test_no_token_attends_across_samples(layout):
     """Changing one sample's response tokens changes no other sample's hidden states,
     bit for bit (responses of one prompt included: a branch reads the prompt, never a
@@ -367,25 +454,26 @@ def test_from_responses_keeps_the_values_dtype(name):
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_a_tally_refuses_lengths_and_rows_it_cannot_count(name):
+def test_a_tally_refuses_rows_it_cannot_count(name):
     """A negative length was counted; a row beyond the lengths, or lists of other lengths,
-    ended in an IndexError."""
+    ended in an IndexError. A tally now counts the rows' tokens, checked once."""
     layout = LAYOUTS[name]
-    with pytest.raises(ValueError, match=r"response_lengths\[1\] is -2: lengths are non-negative"):
-        layout.fed_tokens([0, 1], [3, 3], [2, -2])
-    with pytest.raises(ValueError, match=r"prompt_lengths\[0\] is 0: a sample needs a prompt token"):
-        layout.fed_tokens([0], [0, 3], [2, 2])
-    with pytest.raises(ValueError, match="2 prompt_lengths, 3 response_lengths"):
-        layout.tally([3, 3], [2, 2, 2])
-    with pytest.raises(ValueError, match="2 prompt_lengths, 2 response_lengths and 1 groups"):
-        layout.tally([3, 3], [2, 2], [0])
-    tally = layout.tally([3, 3], [2, 2], [0, 0])
-    for row in (2, -1):
-        with pytest.raises(ValueError, match=rf"row {row} is not one of the 2 rows"):
+    with pytest.raises(ValueError, match=r"prompts\[0\] is empty: a sample needs a prompt token"):
+        RowTokens([[], [3]], [[2], [2]])
+    with pytest.raises(ValueError, match="2 prompts for 3 responses"):
+        RowTokens([[3], [3]], [[2], [2], [2]])
+    with pytest.raises(ValueError, match=r"responses\[1\]\[0\] is -2"):
+        RowTokens([[3], [3]], [[2], [-2]])
+    with pytest.raises(TypeError, match="a tally counts a RowTokens"):
+        layout.tally([[3, 3], [2, 2]])
+    batch = RowTokens([[3, 4, 5], [3, 4, 5]], [[6, 7], [6, 8]])
+    tally = layout.tally(batch)
+    for row in (2, -1, 0.5, True):
+        with pytest.raises(ValueError, match=rf"row {row!r} is not one of the batch's 2 rows"):
             tally.with_rows([0, row])
-        with pytest.raises(ValueError, match=rf"row {row} is not one of the 2 rows"):
+        with pytest.raises(ValueError, match=rf"row {row!r} is not one of the batch's 2 rows"):
             tally.add([row])
-    assert tally.rows == [] and tally.with_rows([0, 1]) == layout.fed_tokens([0, 1], [3, 3], [2, 2], [0, 0])
+    assert tally.rows == [] and tally.with_rows([0, 1]) == layout.fed_tokens(batch, [0, 1])
 
 
 @pytest.mark.parametrize("fill", [0, 1])
@@ -422,7 +510,7 @@ def test_a_packed_row_in_a_padded_batch_is_still_refused():
             model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
 
 
-@pytest.mark.parametrize("layout", ["packed", "shared_prompt"])
+@pytest.mark.parametrize("layout", ["packed", "shared_prompt", "prefix_tree"])
 def test_a_packed_row_goes_only_to_a_model_that_honours_its_segments(layout):
     """A model never enabled, or disabled, dropped attention_segments (transformers passes
     unknown keywords through its own attention, which ignores them) and returned wrong

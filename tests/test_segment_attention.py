@@ -1,6 +1,7 @@
 """The segment attention (hadw_kernels/layouts/segments.py): each segment of a packed row
 attends within itself (and to its prefix, a shared prompt) at its own cost, equal to
-dense attention under the mask the segments describe, forward and backward; on the
+dense attention under the mask the segments describe (a prefix of several spans, a prefix
+tree's ancestors, too), forward and backward; on the
 device the suite runs on (HADW_TEST_DEVICE=cuda: the varlen flash path in half precision
 too). The models' side (hidden states, a train step's gradient) is in
 tests/test_trainer_micro_batches.py."""
@@ -16,13 +17,18 @@ from hadw_kernels.layouts.segments import VARLEN, Segments
 # The suite's device (tests/conftest.py): the CPU, or a GPU under HADW_TEST_DEVICE=cuda.
 DEVICE = torch.device(os.environ.get("HADW_TEST_DEVICE", "cpu"))
 
-# (start, length, prefix start, prefix length): samples packed one after another, some of
-# them empty or a single token; then groups whose responses read a shared prompt.
+# (start, length, prefix spans): samples packed one after another, some of them empty or a
+# single token; then groups whose responses read a shared prompt.
 PACKED = Segments.packed([0, 5, 5, 13, 14, 40])
-SHARED = Segments.of([(0, 6, 0, 0), (6, 9, 0, 6), (15, 1, 0, 6), (16, 9, 0, 6), (25, 3, 0, 0), (28, 4, 25, 3),
-                      (32, 2, 0, 0)])
+SHARED = Segments.of([(0, 6, ()), (6, 9, ((0, 6),)), (15, 1, ((0, 6),)), (16, 9, ((0, 6),)), (25, 3, ()),
+                      (28, 4, ((25, 3),)), (32, 2, ())])
+# A prefix tree, depth first: a trunk, two children, a grandchild of the first reading the
+# trunk and part of its parent, a second grandchild, and a node two spans apart from its
+# ancestors' (trunk, first child's head).
+TREE = Segments.of([(0, 5, ()), (5, 4, ((0, 5),)), (9, 3, ((0, 5), (5, 2))), (12, 2, ((0, 5), (5, 4))),
+                    (14, 6, ((0, 3),)), (20, 3, ((0, 5), (5, 1)))])
 # Many shapes: over the bucket count at which CUDA half precision takes the varlen path.
-MANY_SHAPES = Segments.of([(sum(range(n)), n, 0, 0) for n in range(1, 12)])
+MANY_SHAPES = Segments.of([(sum(range(n)), n, ()) for n in range(1, 12)])
 
 
 def dense_attention(query, key, value, segments: Segments, scaling):
@@ -33,10 +39,10 @@ def dense_attention(query, key, value, segments: Segments, scaling):
     q = query[0].double()
     k, v = (t[0].double().repeat_interleave(repeat, 0) for t in (key, value))
     allowed = torch.zeros(tokens, tokens, dtype=torch.bool, device=query.device)
-    for start, length, prefix, prefix_length in zip(segments.starts, segments.lengths, segments.prefix_starts,
-                                                    segments.prefix_lengths):
+    for start, length, spans in zip(segments.starts, segments.lengths, segments.prefixes):
         for j in range(length):
-            allowed[start + j, prefix:prefix + prefix_length] = True
+            for prefix, prefix_length in spans:
+                allowed[start + j, prefix:prefix + prefix_length] = True
             allowed[start + j, start:start + j + 1] = True
     scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1).unsqueeze(0)
@@ -52,7 +58,7 @@ DTYPES = [torch.float64, torch.float32] + ([torch.bfloat16] if DEVICE.type == "c
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("segments", [PACKED, SHARED, MANY_SHAPES], ids=["packed", "shared", "many-shapes"])
+@pytest.mark.parametrize("segments", [PACKED, SHARED, TREE, MANY_SHAPES], ids=["packed", "shared", "tree", "many-shapes"])
 def test_equals_dense_attention_under_the_segments_mask(segments, dtype):
     """Output and the gradients of query, key and value under a non-uniform upstream
     gradient, against float64 dense attention; a fast path's error no larger than the
@@ -79,6 +85,7 @@ def test_equals_dense_attention_under_the_segments_mask(segments, dtype):
 def test_cuda_half_precision_takes_varlen_where_shapes_are_many_or_prefixed():
     half = _inputs(MANY_SHAPES, torch.bfloat16)[0]
     assert MANY_SHAPES._use_varlen(half, 0.0) and SHARED._use_varlen(half, 0.0)
+    assert TREE._use_varlen(_inputs(TREE, torch.bfloat16)[0], 0.0)
     assert not PACKED._use_varlen(half, 0.0)  # few shapes: batched sdpa
     assert not MANY_SHAPES._use_varlen(half.float(), 0.0)  # flash takes no float32
 
@@ -89,6 +96,7 @@ def test_costs_the_segments_own_squares():
     assert PACKED.score_count() == 5 * 5 + 8 * 8 + 1 + 26 * 26
     assert SHARED.score_count() == 36 + 9 * 15 + 1 * 7 + 9 * 15 + 9 + 4 * 7 + 4
     assert SHARED.score_count() < SHARED.tokens ** 2 / 2
+    assert TREE.score_count() == 25 + 4 * 9 + 3 * 10 + 2 * 11 + 6 * 9 + 3 * 9
 
 
 def test_a_row_the_segments_do_not_describe_is_refused():
@@ -96,10 +104,12 @@ def test_a_row_the_segments_do_not_describe_is_refused():
     with pytest.raises(ValueError, match="cannot serve a batch"):
         SHARED.attend(query, key, value, scaling=None, dropout=0.0)
     with pytest.raises(ValueError, match="tile the row"):
-        Segments.of([(0, 3, 0, 0), (2, 3, 0, 0)])
+        Segments.of([(0, 3, ()), (2, 3, ())])
     with pytest.raises(ValueError, match="tile the row"):
-        Segments.of([(0, 3, 0, 0), (4, 3, 0, 0)])
+        Segments.of([(0, 3, ()), (4, 3, ())])
     with pytest.raises(ValueError, match="must lie before its queries"):
-        Segments.of([(0, 3, 0, 0), (3, 3, 2, 3)])
+        Segments.of([(0, 3, ()), (3, 3, ((2, 3),))])
+    with pytest.raises(ValueError, match="must lie before its queries"):
+        Segments.of([(0, 3, ()), (3, 3, ((0, 2), (1, -1)))])
     with pytest.raises(ValueError, match="one entry a segment"):
-        Segments((0,), (1,), (), ())
+        Segments((0,), (1,), ())

@@ -195,8 +195,10 @@ def test_group_size_below_two():
         (["train.prompts_per_step=0"], 1, "must be positive"),
         (["train.micro_batch_tokens=-5"], 1, "train.micro_batch_tokens must be a non-negative integer"),
         (["train.micro_batch_tokens=1.5"], 1, "train.micro_batch_tokens must be"),
-        (["train.packing=false", "train.share_prompt=true"], 1, "train.share_prompt=true lays out packed micro-batches"),
-        (["train.share_prompt=1"], 1, "train.share_prompt must be true or false"),
+        (["train.layout=tree"], 1, "unknown train.layout 'tree'; choose one of ['auto', 'padded', 'packed', "
+                                   "'shared_prompt', 'prefix_tree']"),
+        (["train.packing=false"], 1, "config key train.packing was replaced: train.layout names the layout"),
+        (["train.share_prompt=true"], 1, "config key train.share_prompt was replaced: train.layout names the layout"),
         (["data.context_tokens=-1"], 1, "data.context_tokens must be non-negative"),
     ],
 )

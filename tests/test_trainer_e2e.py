@@ -205,12 +205,13 @@ def test_the_logged_loss_and_metrics_do_not_depend_on_the_cut(tmp_path):
     mini-batch: the logged figures were means over the calls, so the loss (each call's
     share of its mini-batch's) read 16x smaller at the finer cut, and each metric was a
     mean of unequal micro-batches' means. The whole cut runs with each group's prompt laid
-    out once (the default), the fine one padded: the layout changes no figure either."""
+    out once in a prefix tree (the default), the fine one padded: the layout changes no
+    figure either."""
     rows = {}
-    for budget, packing, layout in ((1, "false", "padded"), (100_000, "null", "shared-prompt")):
+    for budget, option, layout in ((1, "padded", "padded"), (100_000, "auto", "prefix-tree")):
         result = run_trainer(tmp_path, f"budget{budget}", [
             "rollout.engine=hf", "train.steps=1", "train.ppo_epochs=2", "algorithm.loss_type=dapo",
-            f"train.micro_batch_tokens={budget}", f"train.packing={packing}", "run.plot=false", "run.export_hf=false",
+            f"train.micro_batch_tokens={budget}", f"train.layout={option}", "run.plot=false", "run.export_hf=false",
         ])
         [rows[budget]] = read_metrics(tmp_path / f"budget{budget}" / "metrics.jsonl")
         assert f"micro-batches: {layout} (" in result.stdout + result.stderr, (layout, result.stdout[-2000:])

@@ -13,68 +13,76 @@ REPO = Path(__file__).resolve().parents[1]
 from hadw_kernels import LOSS_PRESETS
 from trainer.config import Config
 from trainer.engine.loop import UpdateFigures, batch_advantages
-from hadw_kernels.layouts import LAYOUTS, enable_segment_attention
+from hadw_kernels.layouts import LAYOUTS, RowTokens, choose_layout, enable_segment_attention
 from trainer.engine.micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
-from trainer.engine.policy import choose_layout, policy_loss, response_hidden_states
+from trainer.engine.policy import policy_loss, response_hidden_states
 from trainer.tasks.synthetic_task import VOCABULARY
 from trainer.models.tiny_model import build_tiny_model, build_tokenizer
 
 
-def padded_tokens(rows, prompts, responses):
-    return LAYOUTS["padded"].fed_tokens(rows, prompts, responses)
+def rows_of_lengths(prompt_lengths, response_lengths, groups=None):
+    """Rows of these lengths whose prompts are equal where ``groups`` says (else distinct),
+    responses all distinct."""
+    groups = range(len(prompt_lengths)) if groups is None else groups
+    prompts = [[1000 + group] * length for group, length in zip(groups, prompt_lengths)]
+    responses = [[2000 + row] * length for row, length in enumerate(response_lengths)]
+    return RowTokens(prompts, responses)
+
+
+def padded_tokens(rows, batch):
+    return LAYOUTS["padded"].fed_tokens(batch, rows)
 
 
 def test_packing_respects_the_budget_and_keeps_every_row():
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 9, (40,), generator=generator).tolist()
     responses = torch.randint(0, 30, (40,), generator=generator).tolist()
+    batch = rows_of_lengths(prompts, responses)
     for budget in (1, 20, 64, 150, 10_000):
-        micro_batches, oversized = pack_by_tokens(range(40), prompts, responses, budget)
+        micro_batches, oversized = pack_by_tokens(range(40), batch, budget)
         assert sorted(row for micro in micro_batches for row in micro) == list(range(40))
         for micro in micro_batches:
-            assert len(micro) == 1 or padded_tokens(micro, prompts, responses) <= budget
-        assert oversized == [micro[0] for micro in micro_batches
-                             if padded_tokens(micro, prompts, responses) > budget]
+            assert len(micro) == 1 or padded_tokens(micro, batch) <= budget
+        assert oversized == [micro[0] for micro in micro_batches if padded_tokens(micro, batch) > budget]
         for count in sorted({len(micro_batches), min(len(micro_batches) + 3, 40), 40}):
-            split = split_to_count(micro_batches, count, prompts, responses)
+            split = split_to_count(micro_batches, count, batch)
             assert len(split) == count
             assert sorted(row for micro in split for row in micro) == list(range(40))
-            assert all(len(m) == 1 or padded_tokens(m, prompts, responses) <= budget for m in split)
+            assert all(len(m) == 1 or padded_tokens(m, batch) <= budget for m in split)
     # Sorting by length keeps padding small: far below packing in arrival order.
-    micro_batches, _ = pack_by_tokens(range(40), prompts, responses, 150)
-    padded = sum(padded_tokens(micro, prompts, responses) for micro in micro_batches)
+    micro_batches, _ = pack_by_tokens(range(40), batch, 150)
+    padded = sum(padded_tokens(micro, batch) for micro in micro_batches)
     assert padded < 1.35 * sum(p + r for p, r in zip(prompts, responses))
     with pytest.raises(ValueError, match="cannot cut"):
-        split_to_count([[0, 1]], 3, prompts, responses)
+        split_to_count([[0, 1]], 3, batch)
     with pytest.raises(ValueError, match="positive"):
-        pack_by_tokens([0], prompts, responses, 0)
+        pack_by_tokens([0], batch, 0)
     assert by_prompt_count(list(range(6)), 4) == [[0, 1, 2, 3], [4, 5]]
 
 
-@pytest.mark.parametrize("layout", ["packed", "shared_prompt"])
+@pytest.mark.parametrize("layout", ["packed", "shared_prompt", "prefix_tree"])
 def test_packed_budgets_count_real_tokens(layout):
     """Budgets count the tokens through the model: every prompt and response token packed;
-    each group's prompt once (but its last token) with shared prompts."""
+    each group's prompt once (but its last token) with shared prompts; each shared run
+    once in the prefix tree."""
     generator = torch.Generator().manual_seed(1)
     group = 4
     prompts = [n for n in torch.randint(3, 9, (10,), generator=generator).tolist() for _ in range(group)]
     responses = torch.randint(0, 30, (40,), generator=generator).tolist()
 
-    groups = [row // group for row in range(40)]
+    batch = rows_of_lengths(prompts, responses, [row // group for row in range(40)])
     layout = LAYOUTS[layout]
 
     def tokens(rows):
-        return layout.fed_tokens(rows, prompts, responses, groups)
+        return layout.fed_tokens(batch, rows)
 
     for budget in (1, 20, 64, 150, 10_000):
-        micro_batches, oversized = pack_by_tokens(range(40), prompts, responses, budget, layout=layout,
-                                                  groups=groups)
+        micro_batches, oversized = pack_by_tokens(range(40), batch, budget, layout=layout)
         assert sorted(row for micro in micro_batches for row in micro) == list(range(40))
         for micro in micro_batches:
             assert len(micro) == 1 or tokens(micro) <= budget
         assert oversized == [micro[0] for micro in micro_batches if tokens(micro) > budget]
-        split = split_to_count(micro_batches, min(len(micro_batches) + 3, 40), prompts, responses, layout=layout,
-                               groups=groups)
+        split = split_to_count(micro_batches, min(len(micro_batches) + 3, 40), batch, layout=layout)
         assert all(len(m) == 1 or tokens(m) <= budget for m in split)
         if layout.shares_prompts:
             # A group stays in one micro-batch wherever it fits one.
@@ -83,63 +91,73 @@ def test_packed_budgets_count_real_tokens(layout):
                 holding = [micro for micro in micro_batches if set(micro) & set(members)]
                 assert len(holding) == 1 or tokens(members) > budget, (budget, first)
     # Without padding a budget holds more responses: fewer micro-batches for the same rows.
-    padded, _ = pack_by_tokens(range(40), prompts, responses, 150)
-    packed, _ = pack_by_tokens(range(40), prompts, responses, 150, layout=layout, groups=groups)
+    padded, _ = pack_by_tokens(range(40), batch, 150)
+    packed, _ = pack_by_tokens(range(40), batch, 150, layout=layout)
     assert len(packed) < len(padded)
     assert sum(len(micro) for micro in packed) == 40
 
 
 def test_a_group_larger_than_the_budget_is_split_with_its_prompt_in_each_part():
-    prompts, responses = [10] * 4, [6, 6, 6, 6]
+    batch = rows_of_lengths([10] * 4, [6, 6, 6, 6], [0] * 4)
     layout = LAYOUTS["shared_prompt"]
-    micro_batches, oversized = pack_by_tokens(range(4), prompts, responses, 25, layout=layout, groups=[0] * 4)
+    micro_batches, oversized = pack_by_tokens(range(4), batch, 25, layout=layout)
     assert micro_batches == [[0, 1], [2, 3]] and oversized == []
     for micro in micro_batches:
-        batch = layout.build([list(range(10))] * len(micro), [[7] * 6] * len(micro))
-        assert batch.fed_tokens == layout.fed_tokens(micro, prompts, responses, [0] * 4) == 21
+        built = layout.build(*batch.subset(micro))
+        assert built.fed_tokens == layout.fed_tokens(batch, micro) == 21
 
 
 def test_a_shared_prompt_plan_keeps_groups_found_by_their_prompt_tokens():
     """Rows of one prompt need not be contiguous (a shuffled batch): the plan keeps each
     prompt's rows together where they fit, as it does for contiguous groups."""
-    prompt_lengths, response_lengths = [6, 3, 6, 3, 6, 3], [2, 2, 2, 2, 2, 2]
-    groups = [0, 1, 0, 1, 0, 1]
-    micro_batches, _ = pack_by_tokens(range(6), prompt_lengths, response_lengths, 12, layout=LAYOUTS["shared_prompt"],
-                                      groups=groups)
-    assert sorted(map(sorted, micro_batches)) == [[0, 2, 4], [1, 3, 5]]
+    batch = rows_of_lengths([6, 3, 6, 3, 6, 3], [2, 2, 2, 2, 2, 2], [0, 1, 0, 1, 0, 1])
+    for layout in ("shared_prompt", "prefix_tree"):
+        micro_batches, _ = pack_by_tokens(range(6), batch, 12, layout=LAYOUTS[layout])
+        assert sorted(map(sorted, micro_batches)) == [[0, 2, 4], [1, 3, 5]], layout
 
 
-def _layout_train_config(packing, share_prompt):
-    train = Config().train
-    train.packing, train.share_prompt = packing, share_prompt
-    return train
+def test_a_prefix_tree_plan_keeps_rows_that_share_runs_together():
+    """Prompts that begin with a common system prompt and differ after it, interleaved
+    with prompts sharing nothing: the plan packs the rows in token order, so a budget
+    holding two groups holds two that share the system prompt."""
+    system = list(range(100, 120))
+    prompts = [system + [1], [7, 7], system + [2], [8, 8]] * 2
+    responses = [[50 + row, 3] for row in range(8)]
+    batch = RowTokens(prompts, responses)
+    layout = LAYOUTS["prefix_tree"]
+    budget = layout.fed_tokens(batch, [0, 2, 4, 6])
+    micro_batches, _ = pack_by_tokens(range(8), batch, budget, layout=layout)
+    assert sorted(map(sorted, micro_batches)) == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
-@pytest.mark.parametrize("packing, share_prompt, layout", [
-    (None, None, "shared_prompt"), (True, None, "shared_prompt"), (None, False, "packed"), (True, False, "packed"),
-    (None, True, "shared_prompt"), (False, None, "padded"), (False, False, "padded"),
+@pytest.mark.parametrize("option, layout", [
+    ("auto", "prefix_tree"), ("padded", "padded"), ("packed", "packed"), ("shared_prompt", "shared_prompt"),
+    ("prefix_tree", "prefix_tree"),
 ])
-def test_the_layout_follows_the_options(packing, share_prompt, layout):
+def test_the_layout_follows_the_option(option, layout):
     model = build_tiny_model(Config().model, build_tokenizer(VOCABULARY), seed=0)
-    chosen, why = choose_layout(model, _layout_train_config(packing, share_prompt))
-    assert chosen.name == layout, why
+    chosen, why, fallback = choose_layout([model], option, option="train.layout")
+    assert chosen.name == layout and fallback is None, why
     expected_attention = "sdpa" if layout == "padded" else "hadw_segments_over_sdpa"
     assert model.config._attn_implementation == expected_attention
 
 
-@pytest.mark.parametrize("option", ["packing", "share_prompt"])
-def test_a_forced_layout_the_model_cannot_serve_is_refused_naming_the_option(option):
+@pytest.mark.parametrize("option", ["packed", "shared_prompt", "prefix_tree"])
+def test_a_layout_the_model_cannot_serve_is_refused_naming_the_option(option):
     """Sliding-window attention: the segment attention does not serve it, so a packed row
-    could not be confined; null falls back to padding, true is refused at startup."""
+    could not be confined; auto falls back to padding (saying why), a packed layout named
+    is refused at startup."""
     config = Config()
     config.model.architecture = "qwen2"
     model = build_tiny_model(config.model, build_tokenizer(VOCABULARY), seed=0)
     model.config.use_sliding_window, model.config.sliding_window = True, 4
-    assert choose_layout(model, _layout_train_config(None, None))[0].name == "padded"
-    with pytest.raises(ValueError, match=f"train.{option}=true"):
-        choose_layout(model, _layout_train_config(True if option == "packing" else None,
-                                                  True if option == "share_prompt" else None))
+    chosen, _, fallback = choose_layout([model], "auto", option="train.layout")
+    assert chosen.name == "padded" and "sliding-window" in fallback
+    with pytest.raises(ValueError, match=f"train.layout='{option}'"):
+        choose_layout([model], option, option="train.layout")
     assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="unknown train.layout 'tree'"):
+        choose_layout([model], "tree", option="train.layout")
 
 
 GROUP = 4
@@ -195,19 +213,15 @@ def _summed_gradient(config, model, tokenizer, row_prompts, responses, rewards, 
     micro-batches in ``layout`` (``hadw_kernels.layouts.LAYOUTS``)."""
     lambda_scale = 1.3
     advantages, _ = batch_advantages(rewards, GROUP, config.algorithm, lambda_scale, belief=0.4)
-    prompt_lengths = [len(p) for p in row_prompts]
-    response_lengths = [len(r) for r in responses]
+    rows_tokens = RowTokens(row_prompts, responses)
     rows_per_rank = len(responses) // world_size
     rank_rows = [list(range(rank * rows_per_rank, (rank + 1) * rows_per_rank)) for rank in range(world_size)]
     layout = LAYOUTS[layout]
-    groups = [row // GROUP for row in range(len(responses))]
-    plans = [pack_by_tokens(rows, prompt_lengths, response_lengths, budget, layout=layout, groups=groups)[0]
-             for rows in rank_rows]
+    plans = [pack_by_tokens(rows, rows_tokens, budget, layout=layout)[0] for rows in rank_rows]
     count = max(len(plan) for plan in plans)
-    plans = [split_to_count(plan, count, prompt_lengths, response_lengths, layout=layout, groups=groups)
-             for plan in plans]
+    plans = [split_to_count(plan, count, rows_tokens, layout=layout) for plan in plans]
     normalizer = loss_normalizer(LOSS_PRESETS[config.algorithm.loss_type].loss_agg_mode,
-                                 batch_tokens=sum(response_lengths), mini_batches=1,
+                                 batch_tokens=sum(rows_tokens.response_lengths), mini_batches=1,
                                  responses_per_rank=rows_per_rank, world_size=world_size)
     model.zero_grad()
     micro_batches = 0

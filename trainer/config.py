@@ -75,6 +75,10 @@ class DataConfig:
     # synthetic task: random digits before each prompt, which the answer ignores (a
     # long-prompt workload); 0: none
     context_tokens: int = 0
+    # synthetic task: this many solved problems (the same for every prompt of the run)
+    # before each prompt, few-shot exemplars every prompt shares (the prefix tree lays them
+    # out once a micro-batch); 0: none
+    exemplars: int = 0
     # math task: local JSON / JSONL / Parquet files and their field names
     train_files: list[str] = field(default_factory=list)
     question_field: str = "problem"
@@ -159,14 +163,11 @@ class TrainConfig:
     # memory is set by it and not by the group size. 0: micro-batches of
     # micro_batch_prompts prompts.
     micro_batch_tokens: int = 0
-    # Padding-free micro-batches: one row of every sample's prompt and response, positions
-    # restarting per sample, attention confined to each sample at its own cost (the segment
-    # attention; docs/trainer.md, "Packed micro-batches"). null: on where the segment
-    # attention serves the model (checked at startup), else padded.
-    packing: bool | None = None
-    # Packed, with each group's prompt laid out once for its G responses (docs/trainer.md,
-    # "Shared-prompt packing"). null: on wherever packing is.
-    share_prompt: bool | None = None
+    # How micro-batches are fed to the model (docs/layouts.md): padded, packed,
+    # shared_prompt or prefix_tree (every run of tokens rows share fed once), or auto: the
+    # prefix tree where the segment attention serves the model (checked at startup), else
+    # padded.
+    layout: str = "auto"
     ppo_epochs: int = 1
     learning_rate: float = 4e-4  # the best of a learning-rate sweep on the CPU default (docs/trainer.md)
     weight_decay: float = 0.0
@@ -272,6 +273,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     return config_from_dict(merged)
 
 
+# Keys of earlier versions, with what replaced them.
+REPLACED_KEYS = {
+    "train.packing": "train.layout names the layout (packing: true is packed, false padded; docs/layouts.md)",
+    "train.share_prompt": "train.layout names the layout (share_prompt: true is shared_prompt; docs/layouts.md)",
+}
+
+
 def config_from_dict(values: dict[str, Any]) -> Config:
     config = Config()
     sections = {f.name: f for f in dataclasses.fields(Config)}
@@ -286,6 +294,9 @@ def config_from_dict(values: dict[str, Any]) -> Config:
         hints = get_type_hints(type(section))
         known = {f.name for f in dataclasses.fields(section)}
         for key, value in section_values.items():
+            if f"{section_name}.{key}" in REPLACED_KEYS:
+                raise ConfigError(f"config key {section_name}.{key} was replaced: "
+                                  f"{REPLACED_KEYS[f'{section_name}.{key}']}")
             if key not in known:
                 raise ConfigError(_unknown("key", f"{section_name}.{key}", {f"{section_name}.{k}" for k in known}))
             setattr(section, key, _coerce(f"{section_name}.{key}", value, hints[key]))
@@ -498,9 +509,12 @@ def _check_train(train: TrainConfig, world_size: int) -> None:
             or train.micro_batch_tokens < 0:
         raise ConfigError(f"train.micro_batch_tokens must be a non-negative integer (0: by prompts), "
                           f"got {train.micro_batch_tokens!r}")
-    if train.share_prompt is True and train.packing is False:
-        raise ConfigError("train.share_prompt=true lays out packed micro-batches: it needs train.packing=true or null, "
-                          "not false")
+    from hadw_kernels.layouts.choice import check_layout_name  # imports torch: after prepare_environment
+
+    try:
+        check_layout_name("train.layout", train.layout)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     per_rank = train.mini_batch_prompts // world_size
     if not train.micro_batch_tokens and per_rank % train.micro_batch_prompts:
         raise ConfigError(

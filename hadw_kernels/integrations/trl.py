@@ -75,8 +75,8 @@ from ..correction_table import RolloutCorrection
 from ..linear_blocks import check_block_rows, check_linear_path
 from ..objective_table import LOG_RATIO_CLAMP, OBJECTIVES, VESPO_LOG_WEIGHT_MIN
 from ..presets import LOSS_PRESETS
-from ..layouts import (LAYOUTS, LaidOutBatch, SegmentAttentionUnavailable, disable_segment_attention,
-                       enable_segment_attention)
+from ..layouts import LAYOUTS, LaidOutBatch, choose_layout
+from ..layouts.choice import check_layout_name
 from ..layouts.rows import prompt_groups, rows_by_group
 from ..loss import fused_linear_hadw_grpo_loss, refuse_gradients_in_forward, token_logprobs
 from .rewards import require_unit_interval
@@ -202,12 +202,15 @@ class HADWGRPOConfig(GRPOConfig):
             How prompts and completions are fed to the model in the training forward and in the forwards of the
             old and reference log-probs: `"padded"` (TRL's own rows), `"packed"` (every prompt and completion in
             one row, no padding), `"shared_prompt"` (packed, each prompt laid out once for its completions in a
-            forward) or `"auto"` (`"shared_prompt"` where the segment attention serves the model, else
-            `"padded"`; checked when the trainer is built). Vision-language inputs stay padded.
+            forward), `"prefix_tree"` (packed, every run of tokens the rows of a forward share laid out once: a
+            system prompt common to every prompt, a prompt, completions that begin alike) or `"auto"`
+            (`"prefix_tree"` where the segment attention serves the model, else `"padded"`; checked when the
+            trainer is built). Vision-language inputs stay padded.
         hadw_shuffle (`str`, *optional*, defaults to `"auto"`):
             How a generation batch is shuffled before it is split into micro-batches: `"rows"` (TRL's),
             `"groups"` (whole groups of one prompt, so that a shared-prompt forward holds a group's completions
-            together) or `"auto"` (`"groups"` under the shared-prompt layout where that changes no optimizer step:
+            together) or `"auto"` (`"groups"` under a layout that shares prompts where that changes no optimizer
+            step:
             each step takes a whole generation batch, `steps_per_generation == gradient_accumulation_steps`, and
             the loss type is not `"bnpo"`, which divides each micro-batch by its own tokens; else `"rows"`).
     """
@@ -230,7 +233,7 @@ class HADWGRPOConfig(GRPOConfig):
     hadw_linear_path: str = field(default="auto", metadata={"help": "Linear path of the fused loss."})
     hadw_block_rows: int | None = field(default=None, metadata={"help": "Rows whose logits are held at once."})
     hadw_layout: str = field(default="auto", metadata={
-        "help": "The model's forwards: 'padded', 'packed', 'shared_prompt' or 'auto'."})
+        "help": "The model's forwards: 'padded', 'packed', 'shared_prompt', 'prefix_tree' or 'auto'."})
     hadw_shuffle: str = field(default="auto", metadata={
         "help": "Shuffle a generation batch by 'rows', 'groups' or 'auto'."})
 
@@ -284,8 +287,7 @@ class HADWGRPOConfig(GRPOConfig):
         check_backend_name(self.hadw_backend, "hadw_backend")
         check_linear_path(self.hadw_linear_path, "hadw_linear_path")
         check_block_rows(self.hadw_block_rows, "hadw_block_rows")
-        if self.hadw_layout not in ("auto", *LAYOUTS):
-            raise ValueError(f"unknown hadw_layout {self.hadw_layout!r}; choose 'auto' or one of {sorted(LAYOUTS)}")
+        check_layout_name("hadw_layout", self.hadw_layout)
         if self.hadw_shuffle not in ("auto", "rows", "groups"):
             raise ValueError(f"unknown hadw_shuffle {self.hadw_shuffle!r}; choose 'auto', 'rows' or 'groups'")
         estimator = estimator_row(self.hadw_advantage_estimator)
@@ -418,13 +420,10 @@ class HADWGRPOTrainer(GRPOTrainer):
         return whole and TRL_LOSS_TYPES[self.loss_type].normalizer != "tokens"
 
     def _choose_layout(self, model) -> tuple:
-        """(layout, why): ``hadw_layout``, or under "auto" the shared-prompt layout where
-        the segment attention serves the policy (and the reference model), else padded;
-        the models switched to the segment attention for a packed layout."""
+        """(layout, why) by the library's rule (``layouts.choose_layout``) on the policy and
+        the reference model; vision-language inputs stay padded."""
         wanted = self.args.hadw_layout
-        if wanted == "padded":
-            return LAYOUTS["padded"], "hadw_layout='padded'"
-        if self._is_vlm:
+        if self._is_vlm and wanted != "padded":
             if wanted != "auto":
                 raise ValueError(f"hadw_layout={wanted!r}: vision-language inputs stay padded (their image tokens and "
                                  "pixel values are laid out per row); use hadw_layout='padded' or 'auto'")
@@ -433,22 +432,16 @@ class HADWGRPOTrainer(GRPOTrainer):
         if self.ref_model is not None:
             reference = self.accelerator.unwrap_model(self.ref_model)
             models.append(reference.get_base_model() if is_peft_model(reference) else reference)
-        original = model.config._attn_implementation
-        try:
-            for each in models:
-                # Under ZeRO-3 the weights are partitioned until the engine runs: no trial forward.
-                enable_segment_attention(each, check=not is_deepspeed_zero3_enabled())
-        except SegmentAttentionUnavailable as error:
-            for each in models:
-                disable_segment_attention(each)
-            if wanted != "auto":
-                raise ValueError(f"hadw_layout={wanted!r}: {error}; use hadw_layout='padded' (or 'auto')") from None
+        # Under ZeRO-3 the weights are partitioned until the engine runs: no trial forward.
+        layout, reason, fallback = choose_layout(models, wanted, option="hadw_layout",
+                                                 check=not is_deepspeed_zero3_enabled())
+        if fallback is not None:
             # A warning, not the INFO line: neither TRL's nor transformers' verbosity shows this module's logger.
-            warnings.warn(f"hadw_layout='auto' feeds this model padded rows: {error}. Its forwards cost what stock "
-                          "TRL's do; each prompt is laid out once only for a model the segment attention serves "
-                          "(sdpa attention without sliding windows, say; docs/layouts.md)", UserWarning, stacklevel=3)
-            return LAYOUTS["padded"], f"the segment attention does not serve this model: {error}"
-        return LAYOUTS["shared_prompt" if wanted == "auto" else wanted], f"the segment attention over {original}"
+            warnings.warn(f"hadw_layout='auto' feeds this model padded rows: {fallback}. Its forwards cost what stock "
+                          "TRL's do; shared runs of tokens are laid out once only for a model the segment attention "
+                          "serves (sdpa attention without sliding windows, say; docs/layouts.md)", UserWarning,
+                          stacklevel=3)
+        return layout, reason
 
     # -- the layouts ----------------------------------------------------------------------
 

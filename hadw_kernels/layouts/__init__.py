@@ -1,20 +1,26 @@
-"""The model's side of a micro-batch: padded, packed and shared-prompt layouts of prompt +
-response token ids (``builders``), which rows share a prompt (``rows``), and the segment
-attention that keeps the samples of a packed row apart on a transformers model
-(``segments``, ``attention``). docs/layouts.md."""
+"""The model's side of a micro-batch: padded, packed, shared-prompt and prefix-tree layouts
+of prompt + response token ids (``builders``), the rows they read and which share a prompt
+(``rows``), the segment attention that keeps the samples of a packed row apart on a
+transformers model (``segments``, ``attention``), and the rule a host picks a layout by
+(``choice``). docs/layouts.md."""
 
 from .attention import SegmentAttentionUnavailable, disable_segment_attention, enable_segment_attention
 from .builders import LAYOUTS, LaidOutBatch, Layout, TokenTally, get_layout
-from .rows import prompt_groups, rows_by_group
+from .choice import LAYOUT_CHOICES, LayoutChoice, choose_layout
+from .rows import RowTokens, prompt_groups, rows_by_group
 from .segments import Segments
 
 __all__ = [
     "LAYOUTS",
+    "LAYOUT_CHOICES",
     "LaidOutBatch",
     "Layout",
+    "LayoutChoice",
+    "RowTokens",
     "SegmentAttentionUnavailable",
     "Segments",
     "TokenTally",
+    "choose_layout",
     "disable_segment_attention",
     "enable_segment_attention",
     "get_layout",

@@ -191,7 +191,7 @@ def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> N
     """Switches a transformers causal LM to the segment attention over its own attention,
     which keeps serving every call without segments, so that the packed layouts
     (``builders.LAYOUTS``) can feed it; then (``check``) runs three samples through it to
-    see that it keeps each sample of a packed and a shared-prompt row to itself
+    see that it keeps each sample of a row in every packed layout to itself
     (:func:`keeps_samples_apart`). Skip the check where the model cannot run a forward
     yet (its parameters partitioned by DeepSpeed ZeRO-3 before its engine exists): a
     packed row that reaches an attention without its segments is refused at run time
@@ -225,7 +225,7 @@ def disable_segment_attention(model: torch.nn.Module) -> None:
 def keeps_samples_apart(model: torch.nn.Module) -> bool:
     """Whether ``model``'s attention keeps each sample of a packed row to itself in both
     packed layouts: asked of the model, not of a list. Three samples (two sharing a
-    prompt) are laid out packed and shared-prompt; each response position must get the
+    prompt) are laid out in every packed layout; each response position must get the
     hidden state it gets alone, and no sample may see another's tokens."""
     from .builders import LAYOUTS
 
@@ -236,8 +236,9 @@ def keeps_samples_apart(model: torch.nn.Module) -> bool:
     def tokens(count):
         return torch.randint(0, vocab, (count,), generator=generator).tolist()
 
-    shared = tokens(3)
-    prompts, responses = [tokens(2), shared, shared], [tokens(3), tokens(4), tokens(2)]
+    # Two samples share a prompt and their responses' first token: a tree two levels deep.
+    shared, forked = tokens(3), tokens(4)
+    prompts, responses = [tokens(2), shared, shared], [tokens(3), forked, forked[:1] + tokens(2)]
     was_training = model.training
     model.eval()
     try:
@@ -245,7 +246,7 @@ def keeps_samples_apart(model: torch.nn.Module) -> bool:
             alone = [_response_hidden_states(model, LAYOUTS["padded"].build([prompt], [response], pad_token_id=0,
                                                                             device=device))[0]
                      for prompt, response in zip(prompts, responses)]
-            for layout in (LAYOUTS["packed"], LAYOUTS["shared_prompt"]):
+            for layout in (layout for layout in LAYOUTS.values() if layout.packs):
                 batch = layout.build(prompts, responses, device=device)
                 hidden = _response_hidden_states(model, batch)[0]
                 for start, length, theirs in zip(batch.response_starts, batch.response_lengths, alone):

@@ -5,8 +5,8 @@ Given each row's prompt and response token ids, a layout (:data:`LAYOUTS`) build
 :class:`LaidOutBatch`: the model's inputs, the loss's layout (its labels, the mask of the
 response tokens and, packed, the segments' offsets ``cu_seqlens``), the map between each
 row's response tokens and the loss's positions, and the count of tokens it feeds. It also
-counts, without building anything, what a set of rows would feed (:meth:`Layout.tally`),
-which is how a trainer cuts micro-batches under a token budget.
+counts, without building anything, what a set of rows (``rows.RowTokens``) would feed
+(:meth:`Layout.tally`), which is how a trainer cuts micro-batches under a token budget.
 
 - **padded**: prompts left-padded, responses right-padded, one row each [b, P + R];
   every row costs the widest prompt and the widest response.
@@ -16,6 +16,10 @@ which is how a trainer cuts micro-batches under a token budget.
 - **shared_prompt**: packed, each distinct prompt (by its tokens: ``rows.py``) laid out
   once for the responses that follow it, which read it as a prefix: a prompt of P tokens
   with G responses of R costs P - 1 + G R positions instead of G (P + R).
+- **prefix_tree**: packed, every run of tokens that rows share, at any depth (a system
+  prompt common to every prompt, a group's prompt, responses that begin alike), laid out
+  once: the model is fed the distinct tokens of the rows (a prefix tree, depth-first),
+  each attending to its ancestors and causally to its own node.
 
 Every layout's positions count a sample's real tokens from 0, as the rollout engine
 placed them.
@@ -23,6 +27,7 @@ placed them.
 
 from __future__ import annotations
 
+import bisect
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,8 +37,8 @@ import torch
 
 from ..linear_blocks import IGNORE_INDEX
 from .attention import require_segment_attention
-from .rows import group_ids, rows_by_group, token_rows
-from .segments import Segments
+from .rows import RowTokens, rows_by_group
+from .segments import Segments, Span
 
 
 @dataclass
@@ -54,6 +59,10 @@ class LaidOutBatch:
     response_lengths: list[int]  # each row's response tokens
     segment_rows: list[int] | None = None  # the row of each loss segment, where not the rows' order
     hidden_offset: int = 0  # padded: hidden state hidden_offset + j predicts response token j
+    # Packed, where the loss's positions are not the fed positions: the fed position whose
+    # hidden state each loss position reads (a position a prefix tree shares is read by
+    # every response below it).
+    hidden_index: torch.Tensor | None = None
     _index: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -87,14 +96,15 @@ class LaidOutBatch:
         """The model's last hidden states ([b, P + R, H] or [1, N, H]) that the loss reads,
         in its layout: padded, the [b, R] positions that predict the responses; packed,
         every position (``response_mask`` marks the counted ones, so the prompts' enter no
-        GEMM)."""
+        GEMM), or in the prefix tree the positions each response reads, gathered (the
+        backward adds up the gradients of the responses that share one)."""
         _require_tensor("hidden_states", hidden_states)
         if hidden_states.dim() != 3 or hidden_states.shape[:2] != self.input_ids.shape:
             raise ValueError(f"hidden_states of shape {tuple(hidden_states.shape)}: the model was fed input_ids of "
                              f"shape {tuple(self.input_ids.shape)}, so its last hidden states are "
                              f"{[*self.input_ids.shape, 'H']}")
         if self.is_packed:
-            return hidden_states
+            return hidden_states if self.hidden_index is None else hidden_states.index_select(1, self.hidden_index)
         width = self.labels.shape[1]
         return hidden_states[:, self.hidden_offset:self.hidden_offset + width]
 
@@ -186,15 +196,15 @@ def _require_tensor(name: str, value) -> None:
 
 
 class TokenTally:
-    """The tokens a growing set of rows feeds in a layout, counted from lengths alone:
-    ``with_rows`` what it would feed once ``rows`` join, ``add`` them. Rows share a prompt
-    where ``groups`` (``rows.prompt_groups``) gives them one id."""
+    """The tokens a growing set of a batch's rows (``rows.RowTokens``) feeds in a layout,
+    counted without building anything: ``with_rows`` what it would feed once ``rows``
+    (indices of the batch's rows) join, ``add`` them."""
 
-    def __init__(self, prompt_lengths: Sequence[int], response_lengths: Sequence[int], groups: Sequence[int]) -> None:
-        if not len(prompt_lengths) == len(response_lengths) == len(groups):
-            raise ValueError(f"{len(prompt_lengths)} prompt_lengths, {len(response_lengths)} response_lengths and "
-                             f"{len(groups)} groups: one each a row")
-        self.prompt_lengths, self.response_lengths, self.groups = prompt_lengths, response_lengths, groups
+    def __init__(self, batch: RowTokens) -> None:
+        if not isinstance(batch, RowTokens):
+            raise TypeError(f"a tally counts a RowTokens (the rows' prompt and response token ids), not a "
+                            f"{type(batch).__name__}")
+        self.batch = batch
         self.rows: list[int] = []
 
     def with_rows(self, rows: Sequence[int]) -> int:
@@ -205,16 +215,10 @@ class TokenTally:
         self._add(self._checked(rows))
 
     def _checked(self, rows: Sequence[int]) -> list[int]:
-        """``rows``, each a row of the lengths given; checked as they are counted (a
-        trainer asks of a few rows at a time), not all lengths at once."""
-        rows, count = list(rows), len(self.prompt_lengths)
+        rows, count = list(rows), len(self.batch)
         for row in rows:
-            if not 0 <= row < count:
-                raise ValueError(f"row {row} is not one of the {count} rows the lengths describe")
-            if self.prompt_lengths[row] < 1:
-                raise ValueError(f"prompt_lengths[{row}] is {self.prompt_lengths[row]}: a sample needs a prompt token")
-            if self.response_lengths[row] < 0:
-                raise ValueError(f"response_lengths[{row}] is {self.response_lengths[row]}: lengths are non-negative")
+            if type(row) is bool or not isinstance(row, Integral) or not 0 <= row < count:
+                raise ValueError(f"row {row!r} is not one of the batch's {count} rows")
         return rows
 
     def _with_rows(self, rows: Sequence[int]) -> int:
@@ -228,30 +232,31 @@ class _PaddedTally(TokenTally):
     """Every row padded to the widest prompt and the widest response (at least one
     response position)."""
 
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
+    def __init__(self, batch: RowTokens) -> None:
+        super().__init__(batch)
         self.prompt_width = self.response_width = 0
 
+    def _widths(self, rows: Sequence[int]) -> tuple[int, int]:
+        return (max([self.prompt_width, *(self.batch.prompt_lengths[row] for row in rows)]),
+                max([self.response_width, 1, *(self.batch.response_lengths[row] for row in rows)]))
+
     def _with_rows(self, rows: Sequence[int]) -> int:
-        prompt_width = max([self.prompt_width, *(self.prompt_lengths[row] for row in rows)])
-        response_width = max([self.response_width, 1, *(self.response_lengths[row] for row in rows)])
-        return (len(self.rows) + len(rows)) * (prompt_width + response_width)
+        return (len(self.rows) + len(rows)) * sum(self._widths(rows))
 
     def _add(self, rows: Sequence[int]) -> None:
         super()._add(rows)
-        self.prompt_width = max([self.prompt_width, *(self.prompt_lengths[row] for row in rows)])
-        self.response_width = max([self.response_width, 1, *(self.response_lengths[row] for row in rows)])
+        self.prompt_width, self.response_width = self._widths(rows)
 
 
 class _PackedTally(TokenTally):
     """Every prompt and response token."""
 
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
+    def __init__(self, batch: RowTokens) -> None:
+        super().__init__(batch)
         self.tokens = 0
 
     def _tokens(self, rows: Sequence[int]) -> int:
-        return sum(self.prompt_lengths[row] + self.response_lengths[row] for row in rows)
+        return sum(self.batch.prompt_lengths[row] + self.batch.response_lengths[row] for row in rows)
 
     def _with_rows(self, rows: Sequence[int]) -> int:
         return self.tokens + self._tokens(rows)
@@ -265,27 +270,57 @@ class _SharedPromptTally(TokenTally):
     """Each group's prompt once but its last token (whole where the group's responses
     here are all empty), and every response token."""
 
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
+    def __init__(self, batch: RowTokens) -> None:
+        super().__init__(batch)
         self.response_tokens = 0
         self.prompts: dict[int, tuple[int, bool]] = {}  # group -> (prompt length, a response here has tokens)
 
     def _merged(self, rows: Sequence[int]) -> dict[int, tuple[int, bool]]:
         prompts = dict(self.prompts)
+        lengths = self.batch.response_lengths
         for row in rows:
-            group = self.groups[row]
-            has_tokens = prompts.get(group, (0, False))[1] or self.response_lengths[row] > 0
-            prompts[group] = (self.prompt_lengths[row], has_tokens)
+            group = self.batch.groups[row]
+            has_tokens = prompts.get(group, (0, False))[1] or lengths[row] > 0
+            prompts[group] = (self.batch.prompt_lengths[row], has_tokens)
         return prompts
 
     def _with_rows(self, rows: Sequence[int]) -> int:
         prompts = sum(length - has_tokens for length, has_tokens in self._merged(rows).values())
-        return self.response_tokens + sum(self.response_lengths[row] for row in rows) + prompts
+        return self.response_tokens + sum(self.batch.response_lengths[row] for row in rows) + prompts
 
     def _add(self, rows: Sequence[int]) -> None:
         super()._add(rows)
         self.prompts = self._merged(rows)
-        self.response_tokens += sum(self.response_lengths[row] for row in rows)
+        self.response_tokens += sum(self.batch.response_lengths[row] for row in rows)
+
+
+class _PrefixTreeTally(TokenTally):
+    """The distinct tokens of the rows' fed sequences (:func:`fed_sequence`): kept sorted,
+    a sequence joining between two others adds its length less its longest common
+    prefix with either (sorted, no earlier sequence shares more with it)."""
+
+    def __init__(self, batch: RowTokens) -> None:
+        super().__init__(batch)
+        self.sorted: list[list[int]] = []
+        self.tokens = 0
+
+    def _joined(self, rows: Sequence[int], sequences: list[list[int]]) -> int:
+        tokens = 0
+        for row in rows:
+            sequence = fed_sequence(self.batch.prompts[row], self.batch.responses[row])
+            at = bisect.bisect_left(sequences, sequence)
+            shared = max(_common_prefix_length(sequences[at - 1], sequence) if at else 0,
+                         _common_prefix_length(sequence, sequences[at]) if at < len(sequences) else 0)
+            tokens += len(sequence) - shared
+            sequences.insert(at, sequence)
+        return tokens
+
+    def _with_rows(self, rows: Sequence[int]) -> int:
+        return self.tokens + self._joined(rows, list(self.sorted))
+
+    def _add(self, rows: Sequence[int]) -> None:
+        super()._add(rows)
+        self.tokens += self._joined(rows, self.sorted)
 
 
 class Layout:
@@ -302,18 +337,12 @@ class Layout:
               pad_token_id: int | None = None, device: torch.device | str = "cpu") -> LaidOutBatch:
         """The micro-batch of these rows: row i is ``prompts[i]`` followed by
         ``responses[i]`` (token ids: lists of non-negative ints or 1-D integer tensors;
-        ``rows.token_rows``). ``pad_token_id``: what fills the padded layout's padding (the
+        ``rows.RowTokens``). ``pad_token_id``: what fills the padded layout's padding (the
         packed layouts pad nothing). Every prompt needs a token: a response's first token
         is predicted from its prompt's last."""
-        prompts, responses = token_rows("prompts", prompts), token_rows("responses", responses)
-        if len(prompts) != len(responses):
-            raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
-        if not prompts:
+        rows = RowTokens(prompts, responses)
+        if not len(rows):
             raise ValueError("a micro-batch needs at least one row")
-        empty = next((row for row, prompt in enumerate(prompts) if not prompt), None)
-        if empty is not None:
-            raise ValueError(f"prompts[{empty}] is empty: a sample needs a prompt token to predict its response's "
-                             "first token from")
         if pad_token_id is not None:
             if type(pad_token_id) is bool or not isinstance(pad_token_id, Integral):
                 raise TypeError(f"pad_token_id is {pad_token_id!r}: a token id is an int")
@@ -326,23 +355,19 @@ class Layout:
         except TypeError:
             raise TypeError(f"device: {device!r} is no device; give a torch.device or its name ('cpu', "
                             "'cuda:0')") from None
-        return self._build(prompts, responses, pad_token_id, device)
+        return self._build(rows, pad_token_id, device)
 
-    def _build(self, prompts, responses, pad_token_id, device) -> LaidOutBatch:
+    def _build(self, batch: RowTokens, pad_token_id: int | None, device: torch.device) -> LaidOutBatch:
         raise NotImplementedError
 
-    def tally(self, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
-              groups: Sequence[int] | None = None) -> TokenTally:
-        """An empty :class:`TokenTally` over rows of these lengths; ``groups`` (from
-        ``rows.prompt_groups``) says which rows share a prompt (None: none do)."""
-        if groups is None:
-            groups = range(len(prompt_lengths))
-        return self._tally(prompt_lengths, response_lengths, groups)
+    def tally(self, batch: RowTokens) -> TokenTally:
+        """An empty :class:`TokenTally` over the rows of ``batch``."""
+        return self._tally(batch)
 
-    def fed_tokens(self, rows: Sequence[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int],
-                   groups: Sequence[int] | None = None) -> int:
-        """Tokens ``rows`` feed the model in this layout, as :meth:`build` lays them out."""
-        return self.tally(prompt_lengths, response_lengths, groups).with_rows(rows)
+    def fed_tokens(self, batch: RowTokens, rows: Sequence[int] | None = None) -> int:
+        """Tokens ``rows`` of ``batch`` (all of them by default) feed the model in this
+        layout, as :meth:`build` lays them out."""
+        return self.tally(batch).with_rows(range(len(batch)) if rows is None else rows)
 
     def __repr__(self) -> str:
         return f"<layout {self.name}>"
@@ -352,7 +377,8 @@ class PaddedLayout(Layout):
     name = "padded"
     _tally = _PaddedTally
 
-    def _build(self, prompts, responses, pad_token_id, device) -> LaidOutBatch:
+    def _build(self, batch, pad_token_id, device) -> LaidOutBatch:
+        prompts, responses = batch.prompts, batch.responses
         if pad_token_id is None:
             raise ValueError("the padded layout needs a pad_token_id")
         prompt_width = max(len(prompt) for prompt in prompts)
@@ -382,7 +408,8 @@ class PackedLayout(Layout):
     packs = True
     _tally = _PackedTally
 
-    def _build(self, prompts, responses, pad_token_id, device) -> LaidOutBatch:
+    def _build(self, batch, pad_token_id, device) -> LaidOutBatch:
+        prompts, responses = batch.prompts, batch.responses
         ids: list[int] = []
         positions: list[int] = []
         offsets, starts = [0], []
@@ -413,15 +440,16 @@ class SharedPromptLayout(Layout):
     shares_prompts = True
     _tally = _SharedPromptTally
 
-    def _build(self, prompts, responses, pad_token_id, device) -> LaidOutBatch:
+    def _build(self, batch, pad_token_id, device) -> LaidOutBatch:
+        prompts, responses = batch.prompts, batch.responses
         ids: list[int] = []
         positions: list[int] = []
         labels: list[int] = []
         offsets = [0]
         starts = [0] * len(prompts)
         order: list[int] = []
-        segments: list[tuple[int, int, int, int]] = []  # (start, length, prefix start, prefix length)
-        for rows in rows_by_group(group_ids(prompts)):
+        segments: list[tuple[int, int, tuple[Span, ...]]] = []  # (start, length, prefix spans)
+        for rows in rows_by_group(batch.groups):
             prompt = prompts[rows[0]]
             trunk_start = len(ids)
             trunk = prompt if not any(responses[row] for row in rows) else prompt[:-1]
@@ -429,7 +457,7 @@ class SharedPromptLayout(Layout):
             positions += range(len(trunk))
             labels += [IGNORE_INDEX] * len(trunk)
             if trunk:
-                segments.append((trunk_start, len(trunk), 0, 0))
+                segments.append((trunk_start, len(trunk), ()))
             for row in rows:
                 response = responses[row]
                 start = len(ids)
@@ -441,10 +469,103 @@ class SharedPromptLayout(Layout):
                 offsets.append(len(ids))
                 order.append(row)
                 if branch:
-                    segments.append((start, len(branch), trunk_start if trunk else 0, len(trunk)))
+                    segments.append((start, len(branch), ((trunk_start, len(trunk)),) if trunk else ()))
         in_order = order == list(range(len(prompts)))
         return _packed_batch(ids, positions, labels, offsets, starts, responses, Segments.of(segments),
                              None if in_order else order, device)
+
+
+class PrefixTreeLayout(Layout):
+    """The rows as a prefix tree. A row's fed sequence is its prompt and its response but
+    the last token (:func:`fed_sequence`: the positions whose hidden states predict the
+    response); sorted, each sequence is laid out after its longest common prefix with the
+    one before it, which no earlier sequence exceeds, so every token that rows share is
+    fed once and the row holds the sequences' distinct tokens in depth-first order. Each
+    sequence's new tokens are one segment, which reads the spans its shared prefix lies
+    in (its ancestors) and itself causally, at the positions the tokens have in their own
+    rows. The loss's segments are one a response, in the sequences' sorted order,
+    gathering the hidden states that predict it (``LaidOutBatch.hidden_index``)."""
+
+    name = "prefix_tree"
+    packs = True
+    shares_prompts = True
+    _tally = _PrefixTreeTally
+
+    def _build(self, batch, pad_token_id, device) -> LaidOutBatch:
+        prompts, responses = batch.prompts, batch.responses
+        sequences = [fed_sequence(prompt, response) for prompt, response in zip(prompts, responses)]
+        order = sorted(range(len(sequences)), key=sequences.__getitem__)
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[tuple[int, int, tuple[Span, ...]]] = []
+        row_spans: list[list[Span]] = [[] for _ in sequences]
+        previous: list[int] = []
+        previous_spans: list[Span] = []
+        for row in order:
+            sequence = sequences[row]
+            shared = _common_prefix_length(previous, sequence)
+            spans = _first_positions(previous_spans, shared)
+            if shared < len(sequence):
+                start, length = len(ids), len(sequence) - shared
+                ids += sequence[shared:]
+                positions += range(shared, len(sequence))
+                segments.append((start, length, tuple(spans)))
+                spans.append((start, length))
+            row_spans[row] = spans
+            previous, previous_spans = sequence, spans
+        labels: list[int] = []
+        offsets, starts = [0], [0] * len(sequences)
+        gathered = []
+        for row in order:
+            response, first = responses[row], len(prompts[row]) - 1
+            starts[row] = len(labels)
+            labels += response
+            offsets.append(len(labels))
+            gathered.append(_span_positions(row_spans[row], first, first + len(response)))
+        in_order = order == list(range(len(order)))
+        laid_out = _packed_batch(ids, positions, labels, offsets, starts, responses, Segments.of(segments),
+                                 None if in_order else order, device)
+        laid_out.hidden_index = torch.cat(gathered).to(device)
+        return laid_out
+
+
+def fed_sequence(prompt: list[int], response: list[int]) -> list[int]:
+    """The tokens of a row the prefix tree feeds: its prompt and its response but the last
+    token, whose hidden state predicts nothing (the prompt alone for an empty response)."""
+    return prompt + response[:-1]
+
+
+def _common_prefix_length(first: list[int], second: list[int]) -> int:
+    """How many leading tokens ``first`` and ``second`` share; list slices compared in C,
+    bisected (a sequence runs to thousands of tokens)."""
+    low, high = 0, min(len(first), len(second))
+    if first[:high] == second[:high]:
+        return high
+    while high - low > 1:  # first[:low] == second[:low], first[:high] != second[:high]
+        middle = (low + high) // 2
+        if first[:middle] == second[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _first_positions(spans: list[Span], count: int) -> list[Span]:
+    """The spans that hold the first ``count`` positions of ``spans``."""
+    kept: list[Span] = []
+    for start, length in spans:
+        if count <= 0:
+            break
+        kept.append((start, min(length, count)))
+        count -= length
+    return kept
+
+
+def _span_positions(spans: list[Span], begin: int, end: int) -> torch.Tensor:
+    """Positions ``begin:end`` of the concatenated ``spans``."""
+    if not spans:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([torch.arange(start, start + length) for start, length in spans])[begin:end]
 
 
 def _packed_batch(ids, positions, labels, offsets, starts, responses, segments, segment_rows, device) -> LaidOutBatch:
@@ -466,7 +587,8 @@ def _long_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.long)
 
 
-LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (PaddedLayout(), PackedLayout(), SharedPromptLayout())}
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (PaddedLayout(), PackedLayout(), SharedPromptLayout(),
+                                                                  PrefixTreeLayout())}
 
 
 def get_layout(name: str) -> Layout:

@@ -64,6 +64,32 @@ def token_rows(name: str, rows) -> list[list[int]]:
     return lists
 
 
+class RowTokens:
+    """A batch's rows as a layout reads them: each row's prompt and response token ids
+    (lists of non-negative ints or 1-D integer tensors; checked once, by
+    :func:`token_rows`), their lengths, and each row's prompt group
+    (:func:`prompt_groups`). What a layout's tally counts and its ``build`` lays out."""
+
+    def __init__(self, prompts, responses) -> None:
+        self.prompts, self.responses = token_rows("prompts", prompts), token_rows("responses", responses)
+        if len(self.prompts) != len(self.responses):
+            raise ValueError(f"{len(self.prompts)} prompts for {len(self.responses)} responses")
+        empty = next((row for row, prompt in enumerate(self.prompts) if not prompt), None)
+        if empty is not None:
+            raise ValueError(f"prompts[{empty}] is empty: a sample needs a prompt token to predict its response's "
+                             "first token from")
+        self.prompt_lengths = [len(prompt) for prompt in self.prompts]
+        self.response_lengths = [len(response) for response in self.responses]
+        self.groups = group_ids(self.prompts)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def subset(self, rows: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """(prompts, responses) of ``rows``, in their order."""
+        return [self.prompts[row] for row in rows], [self.responses[row] for row in rows]
+
+
 def prompt_groups(prompts: Sequence[Sequence[int]]) -> list[int]:
     """Each row's prompt group: rows with equal prompt tokens share an id, the ids
     counting distinct prompts in order of first appearance."""

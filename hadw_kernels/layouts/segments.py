@@ -15,9 +15,10 @@ within each segment only, so a row costs the sum of its segments' own costs:
 
 A segment may read a prefix of keys before its own: each response of a group whose prompt
 is laid out once (the shared-prompt layout) reads the prompt's keys and then its own
-causally. Its queries are then the suffix of its keys, so its causal mask is aligned
-bottom-right (flash's varlen alignment; sdpa's ``is_causal`` aligns top-left, so the
-buckets carry an explicit mask).
+causally; a node of a prefix tree reads its ancestors' keys, spans scattered over the row
+before it (the prefix-tree layout). Its queries are then the suffix of its keys, so its
+causal mask is aligned bottom-right (flash's varlen alignment; sdpa's ``is_causal`` aligns
+top-left, so the buckets carry an explicit mask).
 
 This module needs torch only; ``attention.py`` hands it to a transformers model.
 """
@@ -53,23 +54,25 @@ VARLEN = _varlen_attention()
 MOST_SDPA_BUCKETS = 4
 
 
+Span = tuple[int, int]  # (start, length) of a run of positions
+
+
 @dataclass
 class Segments:
     """Segment i's queries are the row's positions ``starts[i] : starts[i] + lengths[i]``;
-    its keys are the ``prefix_lengths[i]`` positions from ``prefix_starts[i]`` (a shared
-    prompt; none when 0), then its own queries, causally. Every position of the row is a
-    query of exactly one segment."""
+    its keys are its prefix, the spans ``prefixes[i]`` in order (a shared prompt, a tree
+    node's ancestors; none when empty), then its own queries, causally. Every position of
+    the row is a query of exactly one segment, and every prefix position comes before the
+    segment's queries."""
 
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
-    prefix_starts: tuple[int, ...]
-    prefix_lengths: tuple[int, ...]
+    prefixes: tuple[tuple[Span, ...], ...]
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        counts = {len(self.starts), len(self.lengths), len(self.prefix_starts), len(self.prefix_lengths)}
-        if len(counts) != 1:
-            raise ValueError("starts, lengths, prefix_starts and prefix_lengths need one entry a segment")
+        if not len(self.starts) == len(self.lengths) == len(self.prefixes):
+            raise ValueError("starts, lengths and prefixes need one entry a segment")
         covered = sorted((start, length) for start, length in zip(self.starts, self.lengths) if length)
         position = 0
         for start, length in covered:
@@ -77,18 +80,19 @@ class Segments:
                 raise ValueError(f"the segments' queries must tile the row: position {position} is "
                                  f"{'in two segments' if start < position else 'in none'}")
             position += length
-        if min(self.lengths, default=0) < 0 or min(self.prefix_lengths, default=0) < 0:
-            raise ValueError("segment and prefix lengths must be non-negative")
-        for index, (prefix, length, start) in enumerate(zip(self.prefix_starts, self.prefix_lengths, self.starts)):
-            if length and not (0 <= prefix and prefix + length <= start):
-                raise ValueError(f"segment {index}'s prefix {prefix}:{prefix + length} must lie before its queries "
-                                 f"(from {start})")
+        if min(self.lengths, default=0) < 0:
+            raise ValueError("segment lengths must be non-negative")
+        for index, (spans, start) in enumerate(zip(self.prefixes, self.starts)):
+            for prefix, length in spans:
+                if length < 0 or not (0 <= prefix and prefix + length <= start):
+                    raise ValueError(f"segment {index}'s prefix span {prefix}:{prefix + length} must lie before its "
+                                     f"queries (from {start})")
 
     @classmethod
-    def of(cls, segments: list[tuple[int, int, int, int]]) -> "Segments":
-        """From (start, length, prefix start, prefix length) a segment."""
-        columns = tuple(zip(*segments)) or ((), (), (), ())
-        return cls(*columns)
+    def of(cls, segments: list[tuple[int, int, tuple[Span, ...]]]) -> "Segments":
+        """From (start, length, prefix spans) a segment."""
+        columns = tuple(zip(*segments)) or ((), (), ())
+        return cls(columns[0], columns[1], tuple(tuple(spans) for spans in columns[2]))
 
     @classmethod
     def packed(cls, offsets: list[int]) -> "Segments":
@@ -96,7 +100,11 @@ class Segments:
         each attends causally within itself."""
         starts = tuple(offsets[:-1])
         lengths = tuple(end - start for start, end in zip(offsets[:-1], offsets[1:]))
-        return cls(starts, lengths, (0,) * len(starts), (0,) * len(starts))
+        return cls(starts, lengths, ((),) * len(starts))
+
+    @property
+    def prefix_lengths(self) -> tuple[int, ...]:
+        return tuple(sum(length for _, length in spans) for spans in self.prefixes)
 
     @property
     def tokens(self) -> int:
@@ -149,9 +157,8 @@ class Segments:
             if self.has_prefixes:
                 # The keys of each segment side by side: its prefix, then its own positions.
                 tensors["key_index"] = torch.cat([
-                    torch.cat([torch.arange(prefix, prefix + prefix_length), torch.arange(start, start + length)])
-                    for start, length, prefix, prefix_length in zip(
-                        self.starts, self.lengths, self.prefix_starts, self.prefix_lengths)
+                    torch.cat([_span_positions(spans), torch.arange(start, start + length)])
+                    for start, length, spans in zip(self.starts, self.lengths, self.prefixes)
                 ]).to(device)
             self._cache[key] = tensors
         return self._cache[key]
@@ -187,7 +194,7 @@ class Segments:
             buckets, order = [], []
             for (length, prefix), members in groups.items():
                 own = torch.tensor([self.starts[i] for i in members])[:, None] + torch.arange(length)
-                before = torch.tensor([self.prefix_starts[i] for i in members])[:, None] + torch.arange(prefix)
+                before = torch.stack([_span_positions(self.prefixes[i]) for i in members])
                 # Query j of a segment reads its whole prefix and its own positions up to j.
                 mask = None if not prefix else torch.ones(length, prefix + length, dtype=torch.bool).tril(prefix)
                 buckets.append((own.to(device), torch.cat([before, own], dim=1).to(device),
@@ -216,3 +223,10 @@ class Segments:
         if not parts:
             return query.new_zeros(1, 0, heads, query.shape[-1])
         return torch.cat(parts)[inverse].unsqueeze(0)
+
+
+def _span_positions(spans: tuple[Span, ...]) -> torch.Tensor:
+    """The positions of ``spans``, in order."""
+    if not spans:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([torch.arange(start, start + length) for start, length in spans])

@@ -31,7 +31,7 @@ from hadw_kernels.estimators import ESTIMATORS
 from hadw_kernels.history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH
 from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE
 from hadw_kernels.metrics import METRIC_MEAN_OVER
-from hadw_kernels.layouts import prompt_groups
+from hadw_kernels.layouts import RowTokens
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config, resolve_engine, resumed_settings, save_config
@@ -267,8 +267,11 @@ class Trainer:
         from ..models.tiny_model import build_tiny_model, build_tokenizer, save_initial_model
 
         tokenizer = build_tokenizer(VOCABULARY)
-        # Positions for the longest prompt (its context included) and response.
-        positions = self.config.data.context_tokens + MAX_SYNTHETIC_PROMPT_TOKENS + self.config.rollout.max_new_tokens
+        # Positions for the longest prompt (its context and exemplars included: an exemplar,
+        # a prompt and its one-token answer, is at most a prompt's length) and response.
+        data = self.config.data
+        positions = (data.context_tokens + (data.exemplars + 1) * MAX_SYNTHETIC_PROMPT_TOKENS
+                     + self.config.rollout.max_new_tokens)
         model = build_tiny_model(model_config, tokenizer, self.config.train.seed, positions).to(dtype)
         model_dir = self.run_dir / "initial_model"
         if self.rank == 0 and not (model_dir / "config.json").exists():
@@ -455,26 +458,23 @@ class Trainer:
             f"{level} {row[f'eval/{level}']:.2f}" for level in self.levels) + f" ({row['time/eval']:.0f} s)")
         return row
 
-    def _micro_batches(self, rows: list[int], prompt_lengths: list[int], response_lengths: list[int],
-                       groups: list[int]) -> list[list[int]]:
-        """The micro-batches of ``rows``: packed under the token budget, or by prompt count;
-        as many on every rank (each forward is collective under ZeRO-3). ``groups``: which
-        rows share a prompt (``hadw_kernels.layouts.prompt_groups``)."""
+    def _micro_batches(self, rows: list[int], batch: RowTokens) -> list[list[int]]:
+        """The micro-batches of ``rows`` of ``batch``: packed under the token budget, or by
+        prompt count; as many on every rank (each forward is collective under ZeRO-3)."""
         train = self.config.train
         if not train.micro_batch_tokens:
             return by_prompt_count(rows, train.micro_batch_prompts * self.group_size)
         layout = self.policy.layout
-        micro_batches, oversized = pack_by_tokens(rows, prompt_lengths, response_lengths, train.micro_batch_tokens,
-                                                  layout=layout, groups=groups)
+        micro_batches, oversized = pack_by_tokens(rows, batch, train.micro_batch_tokens, layout=layout)
         if oversized and not self.warned_oversized:
             self.warned_oversized = True
-            longest = max(prompt_lengths[row] + response_lengths[row] for row in oversized)
+            longest = max(batch.prompt_lengths[row] + batch.response_lengths[row] for row in oversized)
             self.log.message(
                 f"note: a response of {longest} prompt+response tokens exceeds train.micro_batch_tokens="
                 f"{train.micro_batch_tokens}; such responses get a micro-batch of their own (said once)"
             )
         count = int(_all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
-        return split_to_count(micro_batches, count, prompt_lengths, response_lengths, layout=layout, groups=groups)
+        return split_to_count(micro_batches, count, batch, layout=layout)
 
     def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, advantages, group_figures,
                 tallies) -> dict:
@@ -484,19 +484,15 @@ class Trainer:
         mini_prompts = train.mini_batch_prompts // self.world_size
         mini_batches = self.prompts_per_rank // mini_prompts
         row_prompts = [prompt_ids[row // group] for row in range(len(responses))]
-        prompt_lengths = [len(prompt) for prompt in row_prompts]
-        response_lengths = [len(response) for response in responses]
-
-        groups = prompt_groups(row_prompts)
+        rows_tokens = RowTokens(row_prompts, responses)
 
         def batch_of(rows):
-            return self.policy.layout.build([row_prompts[r] for r in rows], [responses[r] for r in rows],
-                                            pad_token_id=pad, device=self.policy.device)
+            return self.policy.layout.build(*rows_tokens.subset(rows), pad_token_id=pad, device=self.policy.device)
 
         # Behaviour log-probs: the policy before this batch's first update, kept per row.
         old_logprobs: list[torch.Tensor] = [None] * len(responses)
         gaps = []
-        for rows in self._micro_batches(list(range(len(responses))), prompt_lengths, response_lengths, groups):
+        for rows in self._micro_batches(list(range(len(responses))), rows_tokens):
             batch = batch_of(rows)
             per_response = batch.per_response(self.policy.token_logprobs(batch))
             for row, logprobs in zip(rows, per_response):
@@ -529,7 +525,7 @@ class Trainer:
             for mini in range(mini_batches):
                 runs = order[mini * runs_per_mini_batch:(mini + 1) * runs_per_mini_batch]
                 rows = [(first * run + p) * group + g for first in runs for p in range(run) for g in range(group)]
-                micro_batches = self._micro_batches(rows, prompt_lengths, response_lengths, groups)
+                micro_batches = self._micro_batches(rows, rows_tokens)
                 for index, micro_rows in enumerate(micro_batches):
                     batch = batch_of(micro_rows)
                     micro_figures = self.policy.accumulate(

@@ -19,29 +19,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hadw_kernels.aggregation_table import AGGREGATIONS
-from hadw_kernels.layouts import LAYOUTS, Layout
+from hadw_kernels.layouts import LAYOUTS, Layout, RowTokens
 
 
-def _ordered(rows: Sequence[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int], layout: Layout,
-             groups: Sequence[int] | None) -> list[list[int]]:
+def _ordered(rows: Sequence[int], batch: RowTokens, layout: Layout) -> list[list[int]]:
     """The rows in the order they are packed, as runs that stay together where they fit:
     single rows by response then prompt length (padding stays small); where the layout
-    shares prompts, each group's rows (by response length), groups by prompt length."""
-    if not layout.shares_prompts or groups is None:
+    shares prompts, each group's rows, groups in their prompts' token order and rows in
+    their responses' (so that runs a prefix tree shares, a system prompt common to every
+    prompt or responses that begin alike, fall in one micro-batch where they fit)."""
+    prompt_lengths, response_lengths = batch.prompt_lengths, batch.response_lengths
+    if not layout.shares_prompts:
         return [[row] for row in sorted(rows, key=lambda row: (response_lengths[row], prompt_lengths[row], row))]
     members: dict[int, list[int]] = {}
     for row in rows:
-        members.setdefault(groups[row], []).append(row)
-    return [sorted(group_rows, key=lambda row: (response_lengths[row], row))
-            for _, group_rows in sorted(members.items(), key=lambda item: (prompt_lengths[item[1][0]], item[0]))]
+        members.setdefault(batch.groups[row], []).append(row)
+    return [sorted(group_rows, key=lambda row: (batch.responses[row], row))
+            for _, group_rows in sorted(members.items(), key=lambda item: (batch.prompts[item[1][0]], item[0]))]
 
 
-def pack_by_tokens(rows: Sequence[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int],
-                   budget: int, *, layout: Layout = LAYOUTS["padded"],
-                   groups: Sequence[int] | None = None) -> tuple[list[list[int]], list[int]]:
-    """(micro-batches, rows over the budget): ``rows`` packed greedily under ``budget``
-    tokens as fed to the model in ``layout`` (its ``tally``; ``groups``, from
-    ``hadw_kernels.layouts.prompt_groups``, says which rows share a prompt). A group of a
+def pack_by_tokens(rows: Sequence[int], batch: RowTokens, budget: int, *,
+                   layout: Layout = LAYOUTS["padded"]) -> tuple[list[list[int]], list[int]]:
+    """(micro-batches, rows over the budget): ``rows`` of ``batch`` packed greedily under
+    ``budget`` tokens as fed to the model in ``layout`` (its ``tally``). A group of a
     layout that shares prompts stays in one micro-batch where it fits one, else it is
     split over several, its prompt in each. A row longer than the budget on its own gets
     a micro-batch of its own and is listed second."""
@@ -49,13 +49,13 @@ def pack_by_tokens(rows: Sequence[int], prompt_lengths: Sequence[int], response_
         raise ValueError(f"a token budget must be positive, got {budget}")
 
     def new_tally():
-        return layout.tally(prompt_lengths, response_lengths, groups)
+        return layout.tally(batch)
 
     micro_batches: list[list[int]] = []
     oversized: list[int] = []
     current: list[int] = []
     tally = new_tally()
-    for run in _ordered(rows, prompt_lengths, response_lengths, layout, groups):
+    for run in _ordered(rows, batch, layout):
         if current and tally.with_rows(run) > budget and new_tally().with_rows(run) <= budget:
             micro_batches.append(current)  # the run fits a micro-batch of its own: not split
             current, tally = [], new_tally()
@@ -72,9 +72,8 @@ def pack_by_tokens(rows: Sequence[int], prompt_lengths: Sequence[int], response_
     return micro_batches, oversized
 
 
-def split_to_count(micro_batches: list[list[int]], count: int, prompt_lengths: Sequence[int],
-                   response_lengths: Sequence[int], *, layout: Layout = LAYOUTS["padded"],
-                   groups: Sequence[int] | None = None) -> list[list[int]]:
+def split_to_count(micro_batches: list[list[int]], count: int, batch: RowTokens, *,
+                   layout: Layout = LAYOUTS["padded"]) -> list[list[int]]:
     """``micro_batches`` split until there are ``count``: each time the one with the most
     tokens (of those with two rows or more) into two halves. Splitting keeps every
     micro-batch within the budget it was packed under: in every layout a subset of a
@@ -85,7 +84,7 @@ def split_to_count(micro_batches: list[list[int]], count: int, prompt_lengths: S
         raise ValueError(f"cannot cut {total_rows} responses into {count} micro-batches")
     while len(result) < count:
         largest = max((micro for micro in result if len(micro) > 1),
-                      key=lambda micro: layout.fed_tokens(micro, prompt_lengths, response_lengths, groups))
+                      key=lambda micro: layout.fed_tokens(batch, micro))
         index = result.index(largest)
         half = len(largest) // 2
         result[index:index + 1] = [largest[:half], largest[half:]]

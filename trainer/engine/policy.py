@@ -21,32 +21,9 @@ import torch
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels import token_logprobs as fused_token_logprobs
 from hadw_kernels.linear_blocks import IGNORE_INDEX
-from hadw_kernels.layouts import LAYOUTS, LaidOutBatch, Layout, SegmentAttentionUnavailable, enable_segment_attention
-from hadw_kernels.layouts.attention import own_attention
+from hadw_kernels.layouts import LaidOutBatch, choose_layout
 
 from ..config import loss_options, rollout_correction
-
-
-def choose_layout(model: torch.nn.Module, train) -> tuple[Layout, str]:
-    """(layout, why) of the micro-batches (``hadw_kernels.layouts.LAYOUTS``) from
-    ``train.packing`` and ``train.share_prompt`` (null: on where the segment attention
-    serves the model), the model switched to the segment attention for a packed one. A
-    forced layout that cannot serve the model is refused, naming its option. Asked before
-    DeepSpeed partitions the model (ZeRO-3)."""
-    original = own_attention(model)
-    if train.packing is False and train.share_prompt is not True:
-        return LAYOUTS["padded"], "train.packing=false"
-    try:
-        enable_segment_attention(model)
-    except SegmentAttentionUnavailable as error:
-        for option in ("share_prompt", "packing"):
-            if getattr(train, option) is True:
-                raise ValueError(f"train.{option}=true, but {error}; use train.{option}=false (or null)") from None
-        return LAYOUTS["padded"], f"the segment attention does not serve this model: {error}"
-    over = f"the segment attention over {original}"
-    if train.share_prompt is False:
-        return LAYOUTS["packed"], f"{over}; train.share_prompt=false"
-    return LAYOUTS["shared_prompt"], f"{over}; each group's prompt laid out once"
 
 
 def response_hidden_states(forward, batch: LaidOutBatch) -> torch.Tensor:
@@ -97,7 +74,7 @@ class Policy:
         self.correction = rollout_correction(config)
         self.zero_stage = train.zero_stage
         # The micro-batches' layout and why; the model switched to the segment attention when packed.
-        self.layout, self.layout_because = choose_layout(model, train)
+        self.layout, self.layout_because, _ = choose_layout([model], train.layout, option="train.layout")
         if config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         # A torch optimizer, not one named in the DeepSpeed config: DeepSpeed would

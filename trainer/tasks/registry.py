@@ -96,8 +96,9 @@ class DrawnProblems:
 def _check_text_prompts(data, model_path: str) -> None:
     """A task whose prompts are text in ``data.prompt_template``, which a pretrained
     model's tokenizer reads (the tiny model's reads the synthetic task alone)."""
-    if data.context_tokens:
-        raise ValueError(f"data.context_tokens belongs to the synthetic task, not data.task={data.task!r}")
+    for key in ("context_tokens", "exemplars"):
+        if getattr(data, key):
+            raise ValueError(f"data.{key} belongs to the synthetic task, not data.task={data.task!r}")
     if not model_path:
         raise ValueError(
             f"data.task={data.task!r} needs model.path: the tiny model's word-level tokenizer cannot read its text"
@@ -118,7 +119,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
         verifier_needs_deadline=False,
         levels=tuple(synthetic_task.LEVELS),
         draw=lambda levels, count, rng, data, held_out: synthetic_task.sample_problems(
-            levels, count, rng, data.context_tokens),
+            levels, count, rng, data.context_tokens, data.exemplars),
     ),
     Task(
         "arithmetic",
@@ -151,8 +152,9 @@ def check_data_section(data, eval_config, model_path: str) -> Task:
     for level in data.levels:
         if level not in task.levels:
             raise ValueError(f"data.levels[] must be one of {task.levels}, got {level!r}")
-    if data.context_tokens < 0:
-        raise ValueError(f"data.context_tokens must be non-negative, got {data.context_tokens}")
+    for key in ("context_tokens", "exemplars"):
+        if getattr(data, key) < 0:
+            raise ValueError(f"data.{key} must be non-negative, got {getattr(data, key)}")
     task.check(data, model_path)
     if eval_config.every < 0:
         raise ValueError(f"eval.every must be non-negative, got {eval_config.every}")

@@ -15,6 +15,9 @@ tests/test_trainer_rewards.py holds it to a range).
 
 ``data.context_tokens`` puts that many random digits before each prompt, which the answer
 ignores: a long-prompt workload (shared-prompt packing, docs/trainer.md) on the same task.
+``data.exemplars`` puts that many solved problems before each prompt, the same for every
+prompt of a run: few-shot exemplars, a prefix every prompt shares (the prefix-tree
+layout, docs/layouts.md).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ SPECIAL_TOKENS = ["[PAD]", "[BOS]", "[EOS]"]
 VOCABULARY = SPECIAL_TOKENS + DIGITS + list(LEVELS) + ["?"]
 
 _FIRST_NUMBER = re.compile(r"\d+")
+EXEMPLAR_SEED = 20261202
 
 
 def make_problem(level: str, rng: np.random.Generator) -> Problem:
@@ -54,16 +58,30 @@ def make_problem(level: str, rng: np.random.Generator) -> Problem:
     raise ValueError(f"unknown synthetic level {level!r}; expected one of {list(LEVELS)}")
 
 
+def exemplar_text(levels: list[str], count: int) -> str:
+    """``count`` solved problems of ``levels``, each its prompt then its answer: the same
+    text for every call with these arguments (its own seed, not the run's draws)."""
+    import numpy as np
+
+    rng = np.random.default_rng(EXEMPLAR_SEED)
+    problems = [make_problem(levels[int(i)], rng) for i in rng.integers(len(levels), size=count)]
+    return " ".join(f"{problem.prompt} {problem.answer}" for problem in problems)
+
+
 def sample_problems(levels: list[str], count: int, rng: np.random.Generator,
-                    context_tokens: int = 0) -> list[Problem]:
+                    context_tokens: int = 0, exemplars: int = 0) -> list[Problem]:
     """``count`` problems, each of a level drawn uniformly from ``levels``, each prompt
-    after ``context_tokens`` random digits the answer does not depend on."""
+    after ``exemplars`` solved problems common to every prompt (:func:`exemplar_text`)
+    and ``context_tokens`` random digits the answer does not depend on."""
     chosen = rng.integers(len(levels), size=count)
     problems = [make_problem(levels[i], rng) for i in chosen]
-    if not context_tokens:
-        return problems
-    return [Problem(" ".join(map(str, rng.integers(10, size=context_tokens))) + " " + problem.prompt, problem.answer,
-                    problem.level) for problem in problems]
+    if context_tokens:
+        problems = [Problem(" ".join(map(str, rng.integers(10, size=context_tokens))) + " " + problem.prompt,
+                            problem.answer, problem.level) for problem in problems]
+    if exemplars:
+        preamble = exemplar_text(levels, exemplars)
+        problems = [Problem(f"{preamble} {problem.prompt}", problem.answer, problem.level) for problem in problems]
+    return problems
 
 
 def score_synthetic(response: str, answer: str) -> float:

@@ -7,8 +7,8 @@ downloaded): Qwen3-0.6B, Qwen3-1.7B, Qwen3-4B (their config.json's shapes, vocab
 token ids follow each prompt of P random token ids (no rollout). Responses are cut into
 micro-batches of at most ``--micro-batch-tokens`` tokens of whole sequences (prompt +
 response each; a response is never split), laid out as the trainer lays them out
-(padded, packed, or packed with each group's prompt once: ``--packing``,
-``--share-prompt``; the figures say which, and how many tokens went through the model),
+(``--layout``, the trainer's ``train.layout``; the figures say which, and how many
+tokens went through the model),
 and each step runs the trainer's own pieces: the model in ``Policy``'s DeepSpeed engine
 (gradient checkpointing, the chosen ZeRO stage, a torch AdamW), the loss,
 ``engine.backward``, ``engine.step``.
@@ -53,6 +53,7 @@ from pathlib import Path
 
 from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float, output_file
 from hadw_kernels.plan import PRESETS as SHAPES
+from hadw_kernels.layouts import LAYOUT_CHOICES
 
 # The planner's models (one description of each model's shape), and the trainer's tiny one.
 PRESETS = (*SHAPES, "tiny")
@@ -277,31 +278,39 @@ def policy_config(args, micro_batches: int):
     config.train.prompts_per_step = micro_batches
     config.train.zero_stage = args.zero_stage
     config.train.learning_rate = 1e-6
-    config.train.packing = args.packing
-    config.train.share_prompt = args.share_prompt
+    config.train.layout = args.layout
     config.train.warmup_steps = 0
     config.algorithm.loss_backend = "auto"
     return config
 
 
-def make_batch(rows: int, args, vocab: int, device, generator, *, layout):
-    """``rows`` sequences in groups of G (one prompt a group, the last group partial), in
-    the micro-batch ``layout`` (a ``hadw_kernels.layouts.Layout``): every layout gets the
-    same tokens."""
+def make_rows(rows: int, args, vocab: int, generator):
+    """``rows`` sequences in groups of G (one prompt a group, the last group partial) of
+    random token ids (``hadw_kernels.layouts.RowTokens``): every layout gets the same."""
     import torch
+
+    from hadw_kernels.layouts import RowTokens
 
     # Token ids from 1: 0 may be a pad id; every sequence is P + L long (no padding).
     groups = -(-rows // args.group_size)
     prompts = torch.randint(1, vocab, (groups, args.prompt_length), generator=generator)
     responses = torch.randint(1, vocab, (rows, args.response_length), generator=generator)
-    return layout.build([prompts[row // args.group_size].tolist() for row in range(rows)],
-                        responses.tolist(), pad_token_id=0, device=device)
+    return RowTokens([prompts[row // args.group_size].tolist() for row in range(rows)], responses.tolist())
 
 
-def fed_tokens(rows: int, args, layout) -> int:
-    """Tokens through the model for ``rows`` sequences of :func:`make_batch` in ``layout``."""
-    return layout.fed_tokens(range(rows), [args.prompt_length] * rows, [args.response_length] * rows,
-                             [row // args.group_size for row in range(rows)])
+def make_batch(rows: int, args, vocab: int, device, generator, *, layout):
+    """:func:`make_rows` in the micro-batch ``layout`` (a ``hadw_kernels.layouts.Layout``)."""
+    batch = make_rows(rows, args, vocab, generator)
+    return layout.build(batch.prompts, batch.responses, pad_token_id=0, device=device)
+
+
+def fed_tokens(rows: int, args, vocab: int, layout) -> int:
+    """Tokens through the model for ``rows`` sequences of :func:`make_rows` in ``layout``;
+    the prefix tree's count depends on the draw (responses that begin alike share), so it
+    is counted on one draw of the run's seed."""
+    import torch
+
+    return layout.fed_tokens(make_rows(rows, args, vocab, torch.Generator().manual_seed(args.seed)))
 
 
 # --- one micro-step ----------------------------------------------------------------------
@@ -462,11 +471,11 @@ class Probe:
         except _out_of_memory_types() as error:
             self._recover()
             return {"rows": rows, "tokens": rows * self.sequence_tokens, "fits": False,
-                    "fed_tokens": fed_tokens(rows, self.args, self.policy.layout),
+                    "fed_tokens": fed_tokens(rows, self.args, self.vocab, self.policy.layout),
                     "note": f"out of memory: {str(error).splitlines()[0][:200]}"}
         fits = limit is None or figures["peak_bytes"] <= limit * GIB
         return {"rows": rows, "tokens": rows * self.sequence_tokens, "fits": fits,
-                "fed_tokens": fed_tokens(rows, self.args, self.policy.layout), **figures}
+                "fed_tokens": fed_tokens(rows, self.args, self.vocab, self.policy.layout), **figures}
 
     def _one_micro_step(self, rows: int) -> None:
         batch, old, advantages = self._inputs(rows)
@@ -481,7 +490,7 @@ class Probe:
             "prompts": args.prompts, "prompt_length": args.prompt_length, "response_length": args.response_length,
             "layout": self.policy.layout.name,
             "micro_batch_tokens": self.rows * self.sequence_tokens, "sequences_per_micro_batch": self.rows,
-            "micro_batch_fed_tokens": fed_tokens(self.rows, args, self.policy.layout),
+            "micro_batch_fed_tokens": fed_tokens(self.rows, args, self.vocab, self.policy.layout),
             "micro_batches_per_step": self.micro_batches, "memory_method": self.meter.method,
             "memory_limit_gib": args.memory_limit_gib,
         }
@@ -543,7 +552,7 @@ class Probe:
         largest = rows * self.sequence_tokens
         say(f"largest budget: {largest} tokens ({rows} sequences of {self.sequence_tokens})")
         figures = {"largest_budget_tokens": largest, "largest_budget_sequences": rows,
-                   "largest_budget_fed_tokens": fed_tokens(rows, args, self.policy.layout) if rows else 0,
+                   "largest_budget_fed_tokens": fed_tokens(rows, args, self.vocab, self.policy.layout) if rows else 0,
                    "budget_search_limit_tokens": limit_rows * self.sequence_tokens, "budget_trials": trials}
         if rows and args.steps_at_largest_budget:
             figures.update(self._time_budget(rows))
@@ -588,13 +597,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2, help="DeepSpeed ZeRO stage")
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="checkpoint every decoder layer")
-    parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
-                        help="padding-free micro-batches (one row, positions restarting per sequence), as the "
-                             "trainer's train.packing; --no-packing: padded rows; neither: the trainer's default "
-                             "(packed where the segment attention serves the model)")
-    parser.add_argument("--share-prompt", action=argparse.BooleanOptionalAction, default=None,
-                        help="packed, each group's prompt laid out once for its responses, as the trainer's "
-                             "train.share_prompt; neither: the trainer's default (on wherever packing is)")
+    parser.add_argument("--layout", choices=LAYOUT_CHOICES, default="auto",
+                        help="the micro-batches' layout, as the trainer's train.layout (auto: the prefix tree where "
+                             "the segment attention serves the model, else padded)")
     parser.add_argument("--device", default="cuda" if _cuda_visible() else "cpu",
                         help="where the model runs (the default: cuda when a GPU is visible)")
     parser.add_argument("--find-max-budget", action="store_true",
@@ -622,8 +627,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_budget_tokens < sequence:
         parser.error(f"argument --max-budget-tokens: {args.max_budget_tokens} is below one sequence of "
                      f"{args.prompt_length} + {args.response_length} = {sequence} tokens")
-    if args.share_prompt and args.packing is False:
-        parser.error("argument --share-prompt: lays out packed micro-batches, not with --no-packing")
     if args.steps == 0 and not args.find_max_budget:
         parser.error("argument --steps: 0 measures nothing without --find-max-budget")
     if args.steps_at_largest_budget and not args.find_max_budget:
