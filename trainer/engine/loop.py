@@ -514,7 +514,7 @@ class Trainer:
         figures = UpdateFigures(LOSS_PRESETS[algo.loss_type].sequence_level)
         figures.add("phi_mean", group_figures["phi_mean"], len(responses))
         figures.add("zero_std_frac", group_figures["zero_std_frac"], len(responses) // group)
-        calls = 0
+        calls = fed_tokens = 0
         grad_norms = []
         # Mini-batches are drawn as runs of prompts: single prompts under a token budget,
         # else runs of micro_batch_prompts, each then one micro-batch.
@@ -536,6 +536,7 @@ class Trainer:
                     )
                     figures.add_micro_batch(micro_figures, batch.response_lengths)
                     calls += 1
+                    fed_tokens += batch.fed_tokens
                 figures.end_mini_batch()
                 norm = self.policy.grad_norm()
                 if norm is not None:
@@ -543,6 +544,7 @@ class Trainer:
         averaged = figures.result(self.world_size)
         averaged["clip_frac"] = averaged["clip_frac_low"] + averaged["clip_frac_high"]
         averaged["micro_batches"] = calls / (train.ppo_epochs * mini_batches)
+        averaged["fed_tokens"] = fed_tokens / (train.ppo_epochs * mini_batches)
         averaged["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else None
         averaged["lr"] = self.policy.learning_rate()
         # Engine against trainer on the same weights: large means the weight sync broke.
