@@ -163,7 +163,7 @@ def test_a_shipped_config_resolves_by_name_from_any_directory(tmp_path, monkeypa
     (tmp_path / "smollm2_arithmetic.yaml").write_text("train:\n  steps: 3\n")  # a file of that name wins
     assert load_config("smollm2_arithmetic.yaml").train.steps == 3
     with pytest.raises(ConfigError, match=r"config file nonesuch does not exist .*\['gpu_math_table8', "
-                                          r"'smollm2_arithmetic'\]"):
+                                          r"'smollm2_arithmetic', 'synthetic_exemplars'\]"):
         load_config("nonesuch")
 
 

@@ -34,8 +34,9 @@ TINY = [
 ]
 
 
-def run_trainer(output_dir: Path, name: str, overrides: list[str], *, resume=False, env=None, check=True):
-    command = [sys.executable, str(REPO / "trainer" / "run.py")]
+def run_trainer(output_dir: Path, name: str, overrides: list[str], *, resume=False, env=None, check=True,
+                config=None):
+    command = [sys.executable, str(REPO / "trainer" / "run.py")] + (["--config", config] if config else [])
     for override in TINY + [f"run.output_dir={output_dir}", f"run.name={name}"] + overrides:
         command += ["--set", override]
     if resume:
@@ -221,6 +222,22 @@ def test_the_logged_loss_and_metrics_do_not_depend_on_the_cut(tmp_path):
     for key in ("loss", "clip_frac_low", "clip_frac_high", "clip_frac", "ratio_mean", "approx_kl", "entropy_mean",
                 "phi_mean", "zero_std_frac", "grad_norm"):
         assert fine[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key
+
+
+def test_the_main_job_lays_exemplars_common_to_every_prompt_out_once(tmp_path):
+    """The shipped exemplars config (32 solved problems before every prompt): the layout
+    the main job chooses (auto) is the prefix tree, which feeds the exemplars once a
+    micro-batch; the shared-prompt layout feeds them once a group, about twice as many
+    tokens with two groups a micro-batch."""
+    fed = {}
+    for option, logged in (("auto", "prefix-tree"), ("shared_prompt", "shared-prompt")):
+        result = run_trainer(tmp_path, option, [
+            "rollout.engine=hf", "train.steps=1", f"train.layout={option}", "run.plot=false", "run.export_hf=false",
+        ], config="synthetic_exemplars")
+        assert f"micro-batches: {logged} (" in result.stdout + result.stderr
+        [row] = read_metrics(tmp_path / option / "metrics.jsonl")
+        fed[option] = row["fed_tokens"]
+    assert 0 < fed["auto"] < 0.6 * fed["shared_prompt"]
 
 
 def test_a_run_killed_mid_way_resumes_onto_the_same_curve(tmp_path):
