@@ -38,7 +38,7 @@ import torch
 from ..linear_blocks import IGNORE_INDEX
 from .attention import require_segment_attention
 from .rows import RowTokens, rows_by_group
-from .segments import Segments, Span
+from .segments import Segments, Span, span_positions
 
 
 @dataclass
@@ -521,7 +521,7 @@ class PrefixTreeLayout(Layout):
             starts[row] = len(labels)
             labels += response
             offsets.append(len(labels))
-            gathered.append(_span_positions(row_spans[row], first, first + len(response)))
+            gathered.append(span_positions(row_spans[row])[first:first + len(response)])
         in_order = order == list(range(len(order)))
         laid_out = _packed_batch(ids, positions, labels, offsets, starts, responses, Segments.of(segments),
                                  None if in_order else order, device)
@@ -559,13 +559,6 @@ def _first_positions(spans: list[Span], count: int) -> list[Span]:
         kept.append((start, min(length, count)))
         count -= length
     return kept
-
-
-def _span_positions(spans: list[Span], begin: int, end: int) -> torch.Tensor:
-    """Positions ``begin:end`` of the concatenated ``spans``."""
-    if not spans:
-        return torch.empty(0, dtype=torch.long)
-    return torch.cat([torch.arange(start, start + length) for start, length in spans])[begin:end]
 
 
 def _packed_batch(ids, positions, labels, offsets, starts, responses, segments, segment_rows, device) -> LaidOutBatch:

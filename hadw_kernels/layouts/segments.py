@@ -157,7 +157,7 @@ class Segments:
             if self.has_prefixes:
                 # The keys of each segment side by side: its prefix, then its own positions.
                 tensors["key_index"] = torch.cat([
-                    torch.cat([_span_positions(spans), torch.arange(start, start + length)])
+                    torch.cat([span_positions(spans), torch.arange(start, start + length)])
                     for start, length, spans in zip(self.starts, self.lengths, self.prefixes)
                 ]).to(device)
             self._cache[key] = tensors
@@ -194,7 +194,7 @@ class Segments:
             buckets, order = [], []
             for (length, prefix), members in groups.items():
                 own = torch.tensor([self.starts[i] for i in members])[:, None] + torch.arange(length)
-                before = torch.stack([_span_positions(self.prefixes[i]) for i in members])
+                before = torch.stack([span_positions(self.prefixes[i]) for i in members])
                 # Query j of a segment reads its whole prefix and its own positions up to j.
                 mask = None if not prefix else torch.ones(length, prefix + length, dtype=torch.bool).tril(prefix)
                 buckets.append((own.to(device), torch.cat([before, own], dim=1).to(device),
@@ -225,7 +225,7 @@ class Segments:
         return torch.cat(parts)[inverse].unsqueeze(0)
 
 
-def _span_positions(spans: tuple[Span, ...]) -> torch.Tensor:
+def span_positions(spans: tuple[Span, ...]) -> torch.Tensor:
     """The positions of ``spans``, in order."""
     if not spans:
         return torch.empty(0, dtype=torch.long)
