@@ -40,7 +40,7 @@ from .validation import _require_float
 RULES = ("soft", "hard", "kalman")
 # The one default rule, read by DifficultyAnchor, TRL's HADWGRPOConfig and verl's
 # algorithm.hadw.anchor (the trainer's default preset is the same rule): the kalman rule
-# tracks closest at every batch size measured (docs/theory.md).
+# tracks closest at every batch size measured (docs/math.md, section 3).
 DEFAULT_RULE = "kalman"
 BELIEFS = ("prior", "posterior")
 

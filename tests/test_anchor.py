@@ -29,7 +29,7 @@ def test_soft_rule_defaults_track_ramp_and_step(kind, seed):
 
 
 def test_the_default_rule_is_the_kalman_rule():
-    """One default, the rule that tracks best (docs/theory.md), declared once: TRL's and
+    """One default, the rule that tracks best (docs/math.md, section 3), declared once: TRL's and
     verl's defaults and the trainer's preset are held to it by their own tests."""
     assert DEFAULT_RULE == "kalman"
     assert DifficultyAnchor().rule == DEFAULT_RULE
@@ -56,7 +56,7 @@ def _seed_mean(make, batch, kinds=("ramp", "step")):
 @pytest.mark.parametrize("belief", ["prior", "posterior"])
 @pytest.mark.parametrize("kind", ["ramp", "step"])
 def test_kalman_rule_beats_the_soft_rule_and_a_10_batch_window(kind, belief):
-    """Why the trainer's default anchor is the kalman rule (docs/theory.md's protocol: 3
+    """Why the trainer's default anchor is the kalman rule (docs/math.md section 3's protocol: 3
     seeds, binary rewards, mean |C_t - p_t| after batch 20): at 64 rewards a batch it
     tracks a ramp and a step closer than the soft rule and than a 10-batch window."""
     kalman = _seed_mean(lambda: DifficultyAnchor("kalman", belief=belief), SMALL_BATCH, (kind,))

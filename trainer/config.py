@@ -124,7 +124,7 @@ class AlgorithmConfig:
     history_prior_strength: float | None = None
     hadw: bool = True
     # kalman: Kalman filter anchor, prior belief, lambda 1.3 (the default: it tracks best
-    # at 64 and at 2048 rewards a batch, docs/theory.md); paper: soft anchor, prior
+    # at 64 and at 2048 rewards a batch, docs/math.md section 3); paper: soft anchor, prior
     # belief, lambda 1.3; authors_code: hard h=10, posterior belief, lambda 1.5
     anchor_preset: str = "kalman"
     lambda_scale: float | None = None  # None: the preset's value

@@ -169,7 +169,7 @@ def _save(figure, path: Path, pyplot) -> Path:
 
 
 # Where the figures go by default: the documentation's folder of a source checkout
-# (docs/theory.md shows them), whatever the working directory. An installed package has
+# (docs/math.md, section 7, shows them), whatever the working directory. An installed package has
 # none, and then --out is required.
 CHECKOUT_FIGURES = Path(__file__).resolve().parents[2] / "docs" / "figures"
 

@@ -1,5 +1,5 @@
 """How closely each anchor rule tracks a moving accuracy: ``python -m
-hadw_kernels.theory.anchor_tracking`` prints the table the README and docs/theory.md quote.
+hadw_kernels.theory.anchor_tracking`` prints the table docs/math.md quotes (section 3).
 
 The true accuracy p_t follows a ramp (0.3 to 0.7 over 300 batches) or a step (0.3, then
 0.7 from batch 150); each batch draws B binary rewards from it, and the tracking error is
