@@ -6,7 +6,7 @@ seeds and prompts, curves side by side and a markdown table.
     python trainer/tools/compare.py --seeds 1 3 --lr-scale 1.3          # on disjoint seeds, then one
     python trainer/tools/compare.py --seeds 0 1 2 3 --lr-scale 1.3      # call for the table (reuses all)
     python trainer/tools/compare.py --config trainer/configs/smollm2_arithmetic.yaml \\
-        --seeds 0 1 --name compare-smollm2 --table docs/smollm2-experiment.md \\
+        --seeds 0 1 --name compare-smollm2 --table runs/compare-smollm2/table.md \\
         --plot docs/figures/smollm2-experiment.png
     python trainer/tools/compare.py --sweep rollout.group_size=2,4,8,16 --seeds 0 1 2 3 4 5 6 7 \\
         --variants GRPO "GRPO+HA-DW (kalman)" --name sweep-group-size    # every variant at each G
