@@ -13,7 +13,7 @@ The extension is optional: without torch at build time, without a C++ compiler, 
 compiling fails, the install still succeeds, says why on stderr, and the "torch"
 backend serves the CPU. HADW_BUILD_CPP chooses: "auto" (default) builds when it can,
 "1" makes any failure to build an error (CI), "0" skips the extension.
-See docs/cpp-backend.md.
+See docs/architecture.md, "C++: building".
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _skip(reason: str) -> tuple[list, dict]:
         raise SystemExit(f"hadw-kernels: HADW_BUILD_CPP=1 but the C++ extension cannot be built: {reason}")
     _say(
         f"the C++ CPU kernels are NOT built: {reason}. The package works without them "
-        "(the 'torch' backend runs on the CPU). To build them, see docs/cpp-backend.md."
+        "(the 'torch' backend runs on the CPU). To build them, see docs/architecture.md, 'C++: building'."
     )
     return [], {}
 

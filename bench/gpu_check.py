@@ -52,7 +52,7 @@ from gpu_trainer import TrainerCheck, trainer_check
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes (CI)")
-    parser.add_argument("--report", type=Path, default=ROOT / "docs" / "gpu-report.md")
+    parser.add_argument("--report", type=Path, default=ROOT / "bench" / "results" / "gpu-report.md")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--rounds", type=int, default=7)
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --rounds: must be at least 1, got {args.rounds}")
     if args.time_limit is not None and not args.time_limit > 0:
         parser.error(f"argument --time-limit: must be positive, got {args.time_limit}")
+    if args.report == parser.get_default("report"):  # bench/results/ is git-ignored: a fresh clone has none
+        args.report.parent.mkdir(parents=True, exist_ok=True)
     if not args.report.parent.is_dir():  # before the hour of tests whose report it would lose
         parser.error(f"argument --report: no folder {str(args.report.parent)!r} to write {args.report.name!r} in")
     if args.dry_run:

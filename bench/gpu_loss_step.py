@@ -44,7 +44,7 @@ class Case:
 
 
 def implementations(case: Case) -> dict[str, tuple[str, dict]]:
-    """The rows of a case's table: their labels (docs/gpu-report.md's) -> the loss_impls
+    """The rows of a case's table: their labels (docs/benchmarks.md, "On a GPU"'s) -> the loss_impls
     implementation (the peers: loss_impls.PEERS with a GPU label) and the keywords of
     this library's call."""
     from loss_impls import BASELINE, BOUND, PEERS, hadw_impl

@@ -78,7 +78,7 @@ class Peer:
     """Another library's loss step, timed beside this library's."""
 
     impl: str  # its name for build_step
-    # Its row in the GPU check's loss-step tables (docs/gpu-report.md); None: not timed
+    # Its row in the GPU check's loss-step tables (docs/benchmarks.md, "On a GPU"); None: not timed
     # there (CCE's torch.compile path, which CCE's own kernel stands for on a GPU).
     gpu_label: str | None
     # Its Triton kernels need CUDA: the CPU benchmark (matrix.py) leaves it out, since

@@ -23,7 +23,7 @@
 // linear_surrogate_forward keeps the block's logits (a [block_rows, V] buffer, tile by
 // tile) between the softmax statistics and the gradient: the surrogate's d loss / d logp
 // of a token-level loss is known as soon as the row's log-prob is, so the block's
-// gradients are formed without recomputing its logits (docs/cpp-backend.md).
+// gradients are formed without recomputing its logits (docs/architecture.md, "C++: the linear kernels").
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
@@ -66,7 +66,7 @@ namespace {
 // kRecomputeBlockRows x 256 fp32 values stays well inside a core's L2.
 constexpr int64_t kVocabTile = 256;
 // Per tile of linear_surrogate_forward: its tiles live in the logits buffer anyway, so
-// they are wider: fewer, larger GEMM calls ran faster (docs/cpp-backend.md, "Linear kernels").
+// they are wider: fewer, larger GEMM calls ran faster (docs/architecture.md, "C++: the linear kernels").
 constexpr int64_t kSurrogateTile = 2048;
 // Slabs of tiles per block: partial results are per slab, so their count (not the
 // thread count) fixes the summation order. More slabs than threads lets a thread slowed

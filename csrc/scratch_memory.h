@@ -39,7 +39,7 @@ Scratch<T> uninitialized(int64_t count) {
 // of a loss step; the kept one is already resident. Its size is the largest buffer asked
 // for so far. A call that finds it in use (another thread) takes a buffer of its own.
 // (Huge pages through madvise cut the faults but cost more: the kernel compacts memory
-// to find them. Both measured in docs/cpp-backend.md, "Linear kernels".)
+// to find them. Both measured in docs/architecture.md, "C++: the linear kernels".)
 class LogitsWorkspace {
  public:
   class Lease {
@@ -102,7 +102,7 @@ class LogitsWorkspace {
 // autograd frees it once it is accumulated into weight.grad (or stolen as weight.grad,
 // later freed by zero_grad). Fresh memory costs a page fault per page on first write,
 // system time every step that the bound, with its outputs preallocated, never pays
-// (measured in docs/cpp-backend.md, "Linear kernels"). So the memory of the last such
+// (measured in docs/architecture.md, "C++: the linear kernels"). So the memory of the last such
 // tensor freed is kept, and the next call of the same size writes its resident pages
 // (one block per process, resident between calls like the logits buffer). The profiler
 // hears of the tensor's allocation and free as it would from the CPU allocator, so its

@@ -51,7 +51,7 @@ constexpr int kDegree = sizeof(kPolynomial) / sizeof(kPolynomial[0]) - 1;
 // exp for fp32 that the compiler can vectorise (std::exp is a libm call per element):
 // exp(x) = 2^k * exp(r) with k = round(x / ln 2), |r| <= ln(2)/2, and a degree-7 Taylor
 // polynomial for exp(r) (truncation error < 5e-9 relative, below fp32 rounding; its
-// error against double exp: docs/cpp-backend.md, "Surrogate kernel"). Underflows to 0
+// error against double exp: docs/architecture.md, "C++: the surrogate kernel"). Underflows to 0
 // below the smallest normal result, like std::exp up to denormals.
 HADW_ALWAYS_INLINE float vector_exp(float x) {
   using namespace exp_f32;
@@ -126,7 +126,7 @@ HADW_ALWAYS_INLINE void portable_row_sums(T* z, int64_t cols, T shift, bool keep
   T sum = 0;
   T shifted = 0;
   // Two loops, not one with the store under `if (keep_numerators)`: GCC 12 unswitches
-  // that one, but vectorises the copy without the store badly (docs/cpp-backend.md, "Building").
+  // that one, but vectorises the copy without the store badly (docs/architecture.md, "C++: building").
   if (keep_numerators) {
 #pragma omp simd reduction(+ : sum, shifted)
     for (int64_t col = 0; col < cols; ++col) {
@@ -207,7 +207,7 @@ __attribute__((target("avx512f"))) inline void avx512_row_sums(float* z, int64_t
 
 // exp_avx512's steps in 8 lanes, for x <= 0 (or NaN), with AVX2 and FMA. As with
 // AVX-512, what GCC makes of the portable loops costs time on an AVX2 machine too
-// (docs/cpp-backend.md, "Building"). 2^k is built in the exponent bits: x >= log(FLT_MIN)
+// (docs/architecture.md, "C++: building"). 2^k is built in the exponent bits: x >= log(FLT_MIN)
 // gives k >= -126, a normal power of two; below, the result is masked to 0.
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_avx2(__m256 x) {
   using namespace exp_f32;

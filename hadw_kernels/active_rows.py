@@ -8,7 +8,7 @@ default, and not under ``torch.compile``) their one host read carries the count 
 (``validation.linear_batch``, ``check_label_range``), and the rows are then found
 without a second read (``torch.nonzero_static`` with that size); the Triton and torch
 backends then sweep the active rows alone. Without the checks no count is read and
-every row enters the GEMMs, an inactive one zeroed (docs/fused-linear-logprob.md,
+every row enters the GEMMs, an inactive one zeroed (docs/architecture.md,
 "Which rows enter the GEMMs"). The C++ kernels find the active rows themselves on the
 CPU (``Backend.compacts_rows``).
 """

@@ -13,11 +13,11 @@ IGNORE_INDEX = -100
 # The linear loss holds the logits of ``block_rows`` rows at once, a [block_rows, V]
 # buffer. By default the rows are split into even blocks of at most the device's
 # buffer bytes and rows, a multiple of its row granule. CUDA (Triton): 1 GiB, where an
-# H100's block GEMMs run at full speed (docs/gpu-report.md). CPU (the C++ kernels, which
+# H100's block GEMMs run at full speed (docs/benchmarks.md, "On a GPU"). CPU (the C++ kernels, which
 # compile these values in through the generated header; Triton's interpreter uses them
 # too): 640 MiB and at most 1024 rows, since grad_W's GEMM reduces over a block's rows
 # and grad_W is read and written once per block, so fewer rows ran slower (measured in
-# docs/cpp-backend.md, "Linear kernels").
+# docs/architecture.md, "C++: the linear kernels").
 LOGITS_BUFFER_BYTES = {"cuda": 1 << 30, "cpu": 640 << 20}
 MAX_BLOCK_ROWS = {"cuda": 1 << 30, "cpu": 1024}
 BLOCK_ROWS_GRANULE = {"cuda": 16, "cpu": 64}
@@ -39,7 +39,7 @@ def block_rows_for(rows: int, vocab: int, element_size: int, device_type: str, r
     ``accumulator_bytes`` (``head_accumulator_bytes``) is what several blocks would add:
     when all rows' logits fit in the budget plus that, they are one block, which holds no
     more memory and spares the accumulator's passes (on an H100 at the Qwen3-4B head,
-    8192 bf16 rows: one block instead of three, docs/gpu-report.md)."""
+    8192 bf16 rows: one block instead of three, docs/benchmarks.md, "On a GPU")."""
     if requested:
         return requested
     device = device_type if device_type in LOGITS_BUFFER_BYTES else "cpu"

@@ -277,9 +277,9 @@ def fused_linear_hadw_grpo_loss(
     and the other per-token tensors [N] or [1, N]. The log-probs of the labels are formed block by block, never as [B*T, V]
     logits; padding rows (and every row whose label is ignored) enter no GEMM, except on
     the triton and torch backends with ``check_values=False`` or under ``torch.compile``,
-    where no count of them is read (docs/fused-linear-logprob.md). ``entropy_coef`` (an option of ``config``; default
+    where no count of them is read (docs/architecture.md, "Which rows enter the GEMMs"). ``entropy_coef`` (an option of ``config``; default
     0) subtracts the aggregated entropy of the token distribution (an exploration bonus). Under DeepSpeed ZeRO-3 pass the
-    gathered LM head (``GatheredParameters``), see docs/fused-linear-logprob.md.
+    gathered LM head (``GatheredParameters``), see docs/architecture.md, "Calling the linear loss".
 
     ``linear_path``: "gradients_in_forward" forms the gradients with respect to the
     hidden states and the head while each block's logits are at hand (three GEMMs:
@@ -287,7 +287,7 @@ def fused_linear_hadw_grpo_loss(
     log-probs, then backward recomputes the logits (four GEMMs; any loss, GSPO
     included); "auto" picks the first that applies. ``block_rows``: rows whose logits
     are held at once, a [block_rows, V] buffer (default: per backend and device,
-    docs/fused-linear-logprob.md). Other arguments as in :func:`fused_hadw_grpo_loss`.
+    docs/architecture.md, "The linear loss"). Other arguments as in :func:`fused_hadw_grpo_loss`.
     """
     config = _call_config(config, options, backend, linear=True)
     _check_linear_options(linear_path=linear_path, block_rows=block_rows, temperature=temperature)

@@ -39,7 +39,7 @@ activation and the loss's own buffers are alive at once):
 - The loss part, over the response tokens only (trainers keep only those logits):
   eager holds, at its peak in backward, the fp32 log-softmax saved for backward, the
   gradient flowing into it, the bf16 logits and their fp32 copy: 14 bytes a logit
-  (measured: docs/gpu-report.md).
+  (measured: docs/benchmarks.md, "On a GPU").
   Fused (the Triton path) holds no [N, V] tensor: the logits of one block of rows, the
   gradients of the hidden states and the LM head (with an fp32 accumulator for a bf16
   head over several blocks) and a few per-token vectors (loss_part_bytes).
@@ -69,7 +69,7 @@ PARAMETER_BYTES = BF16
 GRADIENT_BYTES = BF16
 OPTIMIZER_BYTES = 3 * FP32
 # Bytes a parameter DeepSpeed adds at the optimizer step: the fp32 gradients of its
-# partition and a bf16 copy of the updated weights (measured: docs/gpu-report.md).
+# partition and a bf16 copy of the updated weights (measured: docs/benchmarks.md, "On a GPU").
 STEP_BYTES = FP32 + BF16
 # The linear path's per-token vectors: int64 row index, fp32 log-probs, entropy, lse,
 # mean logit, the token gradients, and the per-token advantage, weight and old log-prob.
@@ -194,7 +194,7 @@ def loss_part_bytes(tokens: int, hidden: int, vocab: int, *, fused: bool, dtype_
     if not fused:
         # The logits, their fp32 copy (16-bit models), the fp32 log-softmax and its
         # gradient alive together: 14 bytes a logit for bf16 (measured on an H100,
-        # docs/gpu-report.md), 12 for fp32 (measured on the CPU, tests/test_plan.py).
+        # docs/benchmarks.md, "On a GPU"), 12 for fp32 (measured on the CPU, tests/test_plan.py).
         per_logit = dtype_bytes + (FP32 if dtype_bytes < FP32 else 0) + 2 * FP32
         return {"eager: logits, their fp32 copy, the log-softmax and its gradient": per_logit * tokens * vocab}
     accumulator = head_accumulator_bytes(vocab, hidden, dtype_bytes)

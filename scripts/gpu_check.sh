@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Validates and benchmarks the GPU half on a CUDA machine, offline, in one command, and
-# writes docs/gpu-report.md: the compiled tests beside a short run of the trainer (killed
+# writes bench/results/gpu-report.md: the compiled tests beside a short run of the trainer (killed
 # and resumed), the probe's train steps of Qwen3-1.7B, then the loss-step benchmarks.
 # --time-limit SECONDS shares a short lease among them (the stages that do not fit are
 # listed as not run); --skip-tests, --skip-trainer, --skip-probe, --skip-bench leave one out.

@@ -294,7 +294,7 @@ def test_rows_that_enter_the_gemms(loss, backend, layout, check_values):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in available_backends("cpu"),
                     reason="counts launches under Triton's interpreter")
 def test_triton_launches_per_call(monkeypatch):
-    """The Triton launches of each path (docs/triton-surrogate.md, "Launches"): the
+    """The Triton launches of each path (docs/architecture.md, "Triton: launches"): the
     surrogate one in its forward for every objective, ratio form and aggregation, none in
     backward (the gradient formed in the forward is scaled by torch.mul, ops/autograd.py);
     the linear loss's gradients-in-forward path two a block of rows and the surrogate's

@@ -31,7 +31,7 @@ NAME = "cpp"
 EXTENSION = "hadw_kernels._cpu_kernels"
 
 
-REBUILD = "rebuild it: pip install --no-build-isolation -e . (docs/cpp-backend.md)"
+REBUILD = "rebuild it: pip install --no-build-isolation -e . (docs/architecture.md, 'C++: building')"
 
 
 def _schemas_built_for(path: str) -> str | None:
@@ -59,7 +59,7 @@ def _load_extension() -> str | None:
             raise
         return (
             f"the C++ extension {EXTENSION} is not built (the install found no C++ compiler or no "
-            "torch at build time, or compiling failed: see its log, and docs/cpp-backend.md)"
+            "torch at build time, or compiling failed: see its log, and docs/architecture.md, 'C++: building')"
         )
     except ImportError as error:
         return (

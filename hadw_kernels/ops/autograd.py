@@ -7,7 +7,7 @@ return their gradients as outputs and have no formula: the loss is the end of th
 so the loss attaches them (``attach_gradients``) and backward only scales them by the
 upstream scalar. An op formula would cost the call more: torch.library's autograd
 wrapper refills the schema's defaults on every call, quadratic in its ~25 arguments
-(measured in docs/cpp-backend.md, "Performance").
+(measured in docs/benchmarks.md, "The C++ kernels while they were built").
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class _AttachGradients(torch.autograd.Function):
             scaled = [_scaled(gradient, grad_loss, dtype) for gradient, dtype in zip(ctx.gradients, ctx.dtypes)]
             return (None, None, None, *scaled, *[None] * len(scaled))
         # The stored gradients belong to this graph alone: scale them in place rather
-        # than copying tensors the size of the LM head (docs/cpp-backend.md). The
+        # than copying tensors the size of the LM head (docs/benchmarks.md, "The C++ kernels while they were built"). The
         # usual upstream gradient is exactly 1 (``loss.backward()``): on the CPU, where
         # reading it costs no device synchronisation, that pass over them is skipped; a
         # backend's own ``scale_in_place`` may skip it on its device (triton/scale.py).

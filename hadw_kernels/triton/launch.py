@@ -3,7 +3,7 @@ once, and on a GPU its compiled kernel called straight after the first launch.
 
 Triton's own launch (``kernel[grid](...)``) binds every argument by name, forms the
 specialisation key of all of them and looks up its cache on every call: for kernels of
-~40 arguments a large share of a small call's host time on a GPU (docs/triton-surrogate.md,
+~40 arguments a large share of a small call's host time on a GPU (docs/architecture.md,
 "Host work of a launch"). A :class:`BoundKernel` holds what one option set fixes (the
 constexprs, the options' scalars, ``num_warps``) and takes the rest, the tensors and
 shapes of a call, by position. On a GPU it keys the kernels Triton compiled by what Triton

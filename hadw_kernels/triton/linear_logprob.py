@@ -24,7 +24,7 @@ gradient GEMM reads it (it may hold inf or NaN); the row kernels read none of it
 and give it zeros and no gradient. The GEMMs are cuBLAS's, in the inputs' dtype with fp32
 accumulation, exactly as eager PyTorch forms the logits and their gradients; the row
 kernels compute in fp32 (fp64 for fp64 inputs). Memory: the [rows, V] buffer
-(``block_rows``, docs/fused-linear-logprob.md) plus, for 16-bit heads over several blocks,
+(``block_rows``, docs/architecture.md, "The linear loss") plus, for 16-bit heads over several blocks,
 an fp32 accumulator for grad_W.
 """
 
@@ -208,7 +208,7 @@ class _BlockSweep:
     label counts are never counted here (a read of the device, which would wait for it),
     so a row given whose label is ignored enters the GEMMs of its block, zeroed where a
     gradient GEMM would read it, and the row kernels give it zeros and no gradient
-    (docs/fused-linear-logprob.md, "Which rows enter the GEMMs")."""
+    (docs/architecture.md, "Which rows enter the GEMMs")."""
 
     def __init__(self, hidden, weight, bias, labels, ignore_index, block_rows):
         self.hidden, self.weight, self.bias, self.labels = hidden, weight, bias, labels.contiguous()
@@ -350,7 +350,7 @@ def linear_logprob_backward(grad_logprobs, grad_entropy, hidden, weight, bias, l
         raise ValueError(
             f"weight has shape {tuple(weight.shape)} in backward, hidden {tuple(hidden.shape)}: a ZeRO-3 "
             "LM head gathered for the forward must stay gathered through the backward "
-            "(docs/fused-linear-logprob.md)"
+            "(docs/architecture.md, 'Calling the linear loss')"
         )
     sweep = _BlockSweep(hidden, weight, bias, labels, ignore_index, 0)
     gradients = _Gradients(sweep)

@@ -4,7 +4,7 @@ upstream scalar of its backward, read on the device.
 ``loss.backward()`` hands an upstream gradient of exactly 1, but reading it on the host
 would synchronise with the GPU; eager ``mul_`` by it costs a pass over tensors the size
 of the LM head (and a slow mixed-dtype kernel for a 16-bit head; measured in
-docs/fused-linear-logprob.md, "On CUDA"). Here each program reads the scale and returns
+docs/architecture.md, "On CUDA: cuBLAS GEMMs and two row kernels"). Here each program reads the scale and returns
 at once when it is 1; otherwise it multiplies as ``mul_`` does (in fp32, fp64 for fp64
 values, rounded once to the values' dtype). A NaN scale is not 1: it reaches every value.
 Below SMALLEST_FOR_KERNEL values, ``mul_`` itself: a Triton launch costs more host time

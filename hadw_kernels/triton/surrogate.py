@@ -31,7 +31,7 @@ linear kernels (``linear_logprob.py``). All arithmetic is in the compute dtype (
 inputs are widened on load. Offsets are int64. Masked positions are never read, so
 padding may hold inf or NaN; a NaN at a valid position makes the loss NaN (maximum and
 minimum propagate NaN here: Triton's default drops it). Block sizes: ``_token_launch``
-and docs/triton-surrogate.md; launches: ``launch.BoundKernel``.
+and docs/architecture.md ("The Triton surrogate kernel"); launches: ``launch.BoundKernel``.
 """
 
 from __future__ import annotations
@@ -462,7 +462,7 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
 
 
 def _token_launch(width: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_T, num_warps) for the per-response kernel (docs/triton-surrogate.md), for
+    """(BLOCK_T, num_warps) for the per-response kernel (docs/architecture.md, "Triton: launch configuration by GPU generation"), for
     segments of ``width`` tokens on average (a padded batch's: its width).
 
     One program streams one response. Hopper (sm_90) needs about twice Ampere's bytes

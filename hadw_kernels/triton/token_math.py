@@ -276,7 +276,7 @@ def vespo_weight(summed_log_ratio, k, lam):
     the response's summed log-ratio clamped to [log 1e-8, LOG_RATIO_CLAMP]; 0 where phi
     is not finite (TRL's nan_to_num)."""
     # The lower bound log(1e-8) is no float32 number: as a bare constant Triton would round
-    # it to one and clamp float64 sums off by that rounding (docs/triton-surrogate.md,
+    # it to one and clamp float64 sums off by that rounding (docs/architecture.md,
     # "Numerics").
     lowest = tl.full(summed_log_ratio.shape, _VESPO_LOG_WEIGHT_MIN, summed_log_ratio.dtype)
     log_weight = clamp(summed_log_ratio, lowest, LOG_RATIO_LIMIT)

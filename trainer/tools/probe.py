@@ -31,7 +31,7 @@ the absolute peak stays under it (it counts the allocator's cached pages: an est
 tokens): each trial is two consecutive micro-batch steps (forward, backward, optimizer
 step) on the same engine, the model states, Adam's included, alive as in training. Two,
 because on a GPU a budget whose first step fits can run out of memory in the second
-(measured: docs/gpu-report.md), and training repeats steps.
+(measured: docs/benchmarks.md, "On a GPU"), and training repeats steps.
 
 Advantages are random (as computed elsewhere over the whole rollout batch); old
 log-probs are -log V (what a random model gives, roughly), so the ratio is near 1.
