@@ -188,6 +188,20 @@ def test_a_resume_may_change_only_what_does_not_change_the_training(tmp_path):
     assert resumed_settings(run_dir, load_config(None, ["rollout.engine=hf"])) == {}
 
 
+def test_a_saved_config_yaml_loads_back_as_the_run_s_config(tmp_path):
+    """A run's config.yaml is plain YAML of the sections, which --config and the tools
+    read back: every key, a task's own data keys and an exponent number among them."""
+    from trainer.config import save_config
+
+    started = load_config(None, ["train.learning_rate=1e-6", "data.exemplars=2", "data.levels=[copy,add]",
+                                 "algorithm.epsilon_high=0.28", "rollout.engine=hf"])
+    save_config(started, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == started
+    (tmp_path / "older.yaml").write_text("train:\n  learning_rate: 3e-4\ndata:\n  context_tokens: 5\n")
+    older = load_config(tmp_path / "older.yaml")
+    assert older.train.learning_rate == 3e-4 and older.data.context_tokens == 5
+
+
 def test_a_shipped_config_resolves_by_name_from_any_directory(tmp_path, monkeypatch):
     """The shipped configs resolved only from the checkout's root (trainer/configs/...)."""
     by_path = load_config(REPO / "trainer" / "configs" / "smollm2_arithmetic.yaml")

@@ -165,9 +165,11 @@ class SharedData:
     max_prompt_tokens: int = 1024
 
 
-# The config's data section: the shared keys, then each task's own (its row's data_fields).
-DataConfig = dataclass(type("DataConfig", (*(row.data_fields for row in reversed(TASKS.values()) if row.data_fields),
-                                          SharedData), {"__module__": __name__}))
+# The config's data section: the shared keys, then each task's own (its row's
+# data_fields), in the rows' order; the bases reversed, since a dataclass takes its bases'
+# fields last base first.
+_DATA_PARTS = (SharedData, *(row.data_fields for row in TASKS.values() if row.data_fields))
+DataConfig = dataclass(type("DataConfig", tuple(reversed(_DATA_PARTS)), {"__module__": __name__}))
 
 
 @dataclass
