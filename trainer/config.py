@@ -258,6 +258,9 @@ def config_from_dict(values: dict[str, Any]) -> Config:
 
 
 def _section(name: str, section_type: type, values: dict) -> Any:
+    """The ``name`` section built from ``values`` over its defaults. pydantic checks the
+    constructor's arguments: its strict mode takes a dataclass only as an instance, so the
+    arguments, not the section, are what it validates."""
     known = {key.name for key in dataclasses.fields(section_type)}
     for key in values:
         if f"{name}.{key}" in REPLACED_KEYS:
