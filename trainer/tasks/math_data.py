@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .problem import Problem, seeded_rng
@@ -20,6 +21,19 @@ from .problem import Problem, seeded_rng
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 MAX_REPORTED_ROWS = 10
+
+
+@dataclass
+class MathFiles:
+    """The data section's keys the math task alone reads (its row's ``data_fields``): local
+    JSON / JSONL / Parquet files and their field names."""
+
+    train_files: list[str] = field(default_factory=list)
+    question_field: str = "problem"
+    answer_field: str = "answer"
+    # True when the answer field holds a full solution whose last \boxed{} is the answer
+    answer_from_solution: bool = False
+    level_field: str = "level"
 
 
 class DataError(ValueError):

@@ -1,6 +1,6 @@
 """The tasks a run trains on (``data.task``), one row each: its difficulty levels, how
-its problems are drawn or loaded, its verifier, its fixed held-out set, and its own
-checks of the data section.
+its problems are drawn or loaded, its verifier, its fixed held-out set, the data keys it
+owns and its own checks of the data section; and the config's data and eval sections.
 
 The config's validation (:func:`check_data_section`), the reward (``rewards.py``), the
 loop's prompts and its evaluation, and ``tools/calibrate.py`` read a task's row and never
@@ -9,8 +9,9 @@ compare its name: a new task is a module of its own and a row of :data:`TASKS`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import arithmetic_task, math_data, synthetic_task
@@ -60,6 +61,10 @@ class Task:
     # (data section, model.path) -> None: the task's own checks of the data section,
     # raising ValueError naming the key.
     check: Callable[[Any, str], None] = _no_further_checks
+    # A dataclass of the data section's keys this task alone reads, with their defaults:
+    # the data section is composed of them (:data:`DataConfig`), and with another task
+    # each of them left at its default.
+    data_fields: type | None = None
 
     def __post_init__(self) -> None:
         if (self.draw is None) == (self.load is None):
@@ -96,9 +101,6 @@ class DrawnProblems:
 def _check_text_prompts(data, model_path: str) -> None:
     """A task whose prompts are text in ``data.prompt_template``, which a pretrained
     model's tokenizer reads (the tiny model's reads the synthetic task alone)."""
-    for key in ("context_tokens", "exemplars"):
-        if getattr(data, key):
-            raise ValueError(f"data.{key} belongs to the synthetic task, not data.task={data.task!r}")
     if not model_path:
         raise ValueError(
             f"data.task={data.task!r} needs model.path: the tiny model's word-level tokenizer cannot read its text"
@@ -120,6 +122,8 @@ TASKS: dict[str, Task] = {task.name: task for task in (
         levels=tuple(synthetic_task.LEVELS),
         draw=lambda levels, count, rng, data, held_out: synthetic_task.sample_problems(
             levels, count, rng, data.context_tokens, data.exemplars),
+        check=synthetic_task.check_synthetic_data,
+        data_fields=synthetic_task.SyntheticData,
     ),
     Task(
         "arithmetic",
@@ -138,8 +142,43 @@ TASKS: dict[str, Task] = {task.name: task for task in (
         verifier_needs_deadline=True,
         load=math_data.MathDataset,
         check=_check_math,
+        data_fields=math_data.MathFiles,
     ),
 )}
+
+# The paper's appendix "Prompt" template, as its example prompt reads: the appendix
+# spells it "{question}. Let's think", which puts a period after the question mark.
+PAPER_PROMPT_TEMPLATE = (
+    "{question} Let's think step by step and output the final answer within \\boxed{}."
+)
+
+
+@dataclass
+class SharedData:
+    """The data section's keys that are no one task's."""
+
+    task: str = "synthetic"
+    # the difficulty levels to draw prompts from; empty: all of the task's levels
+    levels: list[str] = field(default_factory=list)
+    prompt_template: str = PAPER_PROMPT_TEMPLATE
+    apply_chat_template: bool = False
+    max_prompt_tokens: int = 1024
+
+
+# The config's data section: the shared keys, then each task's own (its row's
+# data_fields), in the rows' order; the bases reversed, since a dataclass takes its bases'
+# fields last base first.
+_DATA_PARTS = (SharedData, *(row.data_fields for row in TASKS.values() if row.data_fields))
+DataConfig = dataclass(type("DataConfig", tuple(reversed(_DATA_PARTS)), {"__module__": __name__}))
+
+
+@dataclass
+class EvalConfig:
+    """The config's eval section: greedy accuracy per level on the task's fixed held-out
+    set, at step 0, every ``every`` rollout batches, and at the end; 0: no evaluation."""
+
+    every: int = 0
+    problems_per_level: int = 32
 
 
 def check_data_section(data, eval_config, model_path: str) -> Task:
@@ -152,9 +191,13 @@ def check_data_section(data, eval_config, model_path: str) -> Task:
     for level in data.levels:
         if level not in task.levels:
             raise ValueError(f"data.levels[] must be one of {task.levels}, got {level!r}")
-    for key in ("context_tokens", "exemplars"):
-        if getattr(data, key) < 0:
-            raise ValueError(f"data.{key} must be non-negative, got {getattr(data, key)}")
+    for other in TASKS.values():
+        if other is task or other.data_fields is None:
+            continue
+        defaults = other.data_fields()
+        for key in dataclasses.fields(defaults):
+            if getattr(data, key.name) != getattr(defaults, key.name):
+                raise ValueError(f"data.{key.name} belongs to the {other.name} task, not data.task={data.task!r}")
     task.check(data, model_path)
     if eval_config.every < 0:
         raise ValueError(f"eval.every must be non-negative, got {eval_config.every}")

@@ -1,5 +1,5 @@
-"""Verifiers that turn responses into rewards, and the guard that keeps a bad one from
-stopping the run.
+"""Verifiers that turn responses into rewards, the guard that keeps a bad one from
+stopping the run, and the config's reward section with its checks.
 
 Every reward function takes ``(response_text, answer)`` and returns a float: the task's
 verifier (its row in ``registry.py``) or ``reward.function``. A function that raises, or
@@ -25,6 +25,18 @@ from dataclasses import dataclass, field
 
 from .problem import Problem, RewardFunction
 from .registry import TASKS, Task
+
+
+@dataclass
+class RewardConfig:
+    """The config's reward section."""
+
+    # "package.module:function" taking (response, answer) -> float; empty: the task's own
+    function: str = ""
+    # > 0 runs the function in worker processes with this deadline per response (the
+    # MATH verifier always needs one); 0 calls it in process.
+    timeout_seconds: float = 10.0
+    workers: int = 1
 
 
 @dataclass
