@@ -90,6 +90,25 @@ def test_cuda_half_precision_takes_varlen_where_shapes_are_many_or_prefixed():
     assert not MANY_SHAPES._use_varlen(half.float(), 0.0)  # flash takes no float32
 
 
+@pytest.mark.parametrize("segments", [SHARED, TREE], ids=["shared", "tree"])
+def test_the_varlen_path_gathers_each_segment_s_keys(segments):
+    """The varlen path (CUDA) reads each segment's keys through one index, its prefix spans
+    then its own positions, and offsets into it: checked here on the CPU against the keys
+    the segments' mask lets the segment's last query read."""
+    tensors = segments._device_tensors(torch.device("cpu"))
+    allowed = torch.zeros(segments.tokens, segments.tokens, dtype=torch.bool)
+    for start, length, spans in zip(segments.starts, segments.lengths, segments.prefixes):
+        for prefix, prefix_length in spans:
+            allowed[start:start + length, prefix:prefix + prefix_length] = True
+        allowed[start:start + length, start:start + length] = True
+    keys = tensors["key_index"].tolist()
+    offsets = tensors["cu_k"].tolist()
+    for index, (start, length) in enumerate(zip(segments.starts, segments.lengths)):
+        mine = keys[offsets[index]:offsets[index + 1]]
+        assert sorted(mine) == allowed[start + length - 1].nonzero().flatten().tolist(), index
+        assert mine[-length:] == list(range(start, start + length)), index
+
+
 def test_costs_the_segments_own_squares():
     """The pairs formed: each segment's length times its keys (prefix and itself), not the
     row's length squared as a dense mask would."""
