@@ -3,10 +3,11 @@ tree's attention"): the segment attention's batched sdpa over buckets of equal-s
 segments (what ``Segments.attend`` runs), FlexAttention with a block mask of the same
 rule (compiled; eager FlexAttention is a reference implementation that forms every
 score), and one sdpa call under the dense [N, N] mask (what transformers forms for a
-packed row). Forward and backward of one layer's attention, float32, interleaved rounds
-(``interleaved.py``), on the tree of the TRL benchmark's system-prompt case: a
-1,000-token system prompt, four prompts of 64 more tokens, eight 64-token responses
-each.
+packed row). One layer's attention, float32, interleaved rounds (``interleaved.py``):
+the forward of all three, and forward and backward of those that have a backward here
+(FlexAttention has none on the CPU in torch 2.13), on the tree of the TRL benchmark's
+system-prompt case: a 1,000-token system prompt, four prompts of 64 more tokens, eight
+64-token responses each.
 
     .venv/bin/python bench/tree_attention.py --rounds 5
 """
@@ -67,38 +68,55 @@ def main() -> None:
     block_mask = create_block_mask(lambda b, h, query, key: allowed[query, key], 1, 1, tokens, tokens, device="cpu")
     compiled = torch.compile(flex_attention)
 
-    def timed(attention):
+    # FlexAttention on the CPU refuses inputs that require grad, even under no_grad.
+    frozen = [t.detach() for t in (q, k, v)]
+
+    def timed(attention, backward):
         def step():
             started = time.perf_counter()
-            out = attention()
-            out.backward(upstream)
+            if backward:
+                attention(q, k, v).backward(upstream)
+            else:
+                with torch.no_grad():
+                    attention(*frozen)
             return time.perf_counter() - started
         return step
 
-    steps = {
-        "segment attention (bucketed sdpa)": timed(lambda: segments.attend(q, k, v, scaling=None, dropout=0.0)),
-        "FlexAttention, compiled, block mask": timed(
-            lambda: compiled(q, k, v, block_mask=block_mask).transpose(1, 2)),
-        "sdpa, dense [N, N] mask": timed(lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed).transpose(1, 2)),
+    ways = {
+        "segment attention (bucketed sdpa)": lambda q, k, v: segments.attend(q, k, v, scaling=None, dropout=0.0),
+        "FlexAttention, compiled, block mask": lambda q, k, v: compiled(
+            q, k, v, block_mask=block_mask).transpose(1, 2),
+        "sdpa, dense [N, N] mask": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed).transpose(1, 2),
     }
     with torch.no_grad():  # the three compute one rule
-        ours_out = segments.attend(q, k, v, scaling=None, dropout=0.0)
-        for name, other in (("flex", compiled(q, k, v, block_mask=block_mask).transpose(1, 2)),
-                            ("dense", torch.nn.functional.scaled_dot_product_attention(
-                                q, k, v, attn_mask=allowed).transpose(1, 2))):
-            error = float((other - ours_out).abs().max())
+        ours = ways["segment attention (bucketed sdpa)"](*frozen)
+        for name, way in ways.items():
+            error = float((way(*frozen) - ours).abs().max())
             assert error < 1e-4, (name, error)
-    times = interleaved_times(steps, args.rounds)
-    ours = statistics.median(times["segment attention (bucketed sdpa)"])
-    density = float(allowed.float().mean())
-    print(f"{tokens} tokens, {len(segments.starts)} segments, mask density {density:.3f}; "
-          f"{args.heads} heads of {args.head_dim}, float32, one thread, forward + backward")
-    print("| attention | median s | x segment attention |")
-    print("| --- | ---: | ---: |")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median:.3f} | {median / ours:.2f} |")
+    with_backward = {}
+    for name, way in ways.items():
+        try:
+            way(q, k, v).backward(upstream)
+            with_backward[name] = way
+        except NotImplementedError as error:
+            print(f"{name}: no backward here ({str(error).splitlines()[0]})")
+    print(f"{tokens} tokens, {len(segments.starts)} segments, mask density {float(allowed.float().mean()):.3f}; "
+          f"{args.heads} heads of {args.head_dim}, float32, one thread")
+    print("| attention | forward, median s | x segment attention | forward + backward, median s | x segment attention |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    forward = interleaved_times({name: timed(way, False) for name, way in ways.items()}, args.rounds)
+    both = interleaved_times({name: timed(way, True) for name, way in with_backward.items()}, args.rounds)
+    base = "segment attention (bucketed sdpa)"
+    for name in ways:
+        cells = [f"{statistics.median(forward[name]):.3f}",
+                 f"{statistics.median(forward[name]) / statistics.median(forward[base]):.2f}"]
+        if name in both:
+            cells += [f"{statistics.median(both[name]):.3f}",
+                      f"{statistics.median(both[name]) / statistics.median(both[base]):.2f}"]
+        else:
+            cells += ["no backward on the CPU", ""]
+        print(f"| {name} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
