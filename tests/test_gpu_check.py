@@ -1,6 +1,7 @@
 """The GPU check command cannot rot: its dry run (CPU, Triton's interpreter, tiny shapes)
 runs every section and writes a report; a failing correctness test makes it exit 1."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +27,13 @@ def test_dry_run_writes_a_report(tmp_path):
     # The run killed inside a step and resumed lands on the uninterrupted curve.
     assert "Resumed run: steps [1, 2, 3]" in text and "reward/mean 0.00e+00" in text
     # The trainer's own log reaches the report: the layout of its micro-batches and why.
-    assert "uninterrupted: micro-batches: shared-prompt (the segment attention over sdpa" in text
+    assert "uninterrupted: micro-batches: prefix-tree (train.layout='auto', the segment attention over sdpa" in text
     assert "bench: tiny" in result.stdout and "paper scale G=4" in result.stdout
-    assert "| G=4 x 16 tokens and the largest budget, fused | fused | shared_prompt | 40 (35) | yes |" in text
+    # Two sequences of 4 + 16 tokens a micro-batch, the prompt shared: at most 4 + 2 x 15 fed
+    # in the prefix tree (less what the two random responses share).
+    assert re.search(r"\| G=4 x 16 tokens and the largest budget, fused \| fused \| prefix_tree \| 40 \((3[0-4])\) \| "
+                     r"yes \|", text)
+    assert "largest budget, eager FAILED" not in result.stdout
 
 
 def test_the_shell_entry_point_passes_its_flags(tmp_path):

@@ -70,6 +70,7 @@ def test_bisection_with_a_tolerance_stops_early_within_it(threshold):
 @pytest.mark.parametrize("loss, layout, flags", [
     ("fused", "prefix_tree", []), ("fused", "packed", ["--layout", "packed"]),
     ("eager", "padded", ["--layout", "padded"]), ("eager", "shared_prompt", ["--layout", "shared_prompt"]),
+    ("eager", "prefix_tree", []),
 ])
 def test_tiny_preset_runs_on_the_cpu(tmp_path, loss, layout, flags):
     out = tmp_path / "probe.json"

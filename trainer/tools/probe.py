@@ -335,7 +335,8 @@ def accumulate(policy, batch, old_logprobs, advantages, *, loss_normalizer: floa
     # without a fused head forms them).
     logits = policy.engine(**batch.model_inputs(policy.engine), use_cache=False, logits_to_keep=0 if batch.cu_seqlens is not None
                            else width + 1).logits
-    logits = logits if batch.cu_seqlens is not None else logits[:, :-1]
+    # Packed, the positions the loss reads (the prefix tree gathers each response's).
+    logits = batch.loss_hidden_states(logits) if batch.cu_seqlens is not None else logits[:, :-1]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     labels = batch.labels.clamp(min=0)
     token_logprobs = logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
