@@ -24,9 +24,6 @@ from .validation import check_advantage_options
 if TYPE_CHECKING:
     from .batch import SurrogateBatch
 
-# Kept for callers of the first release.
-STD_EPS = DEFAULT_STD_EPS
-
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1:

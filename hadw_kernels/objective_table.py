@@ -209,19 +209,34 @@ OBJECTIVES = {
     ), gradient="ratio_and_log_prob", ratio_levels=("token",), selects_tokens=True),
 }
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
+
+
+def shared_options(objectives: dict) -> dict[str, tuple[str, ...]]:
+    """Every objective-only option of ``objectives``, with the objectives that read it.
+    Raises ValueError where objectives that share an option declare it otherwise but for
+    its default, or put it at other indices of their option vectors: the kernels read it
+    by one index constant, and LossConfig checks it by one row. (An error, not an
+    ``assert``: ``python -O`` would skip an assert.)"""
+    owners_of = {option: tuple(name for name, objective in objectives.items() if option in objective.options)
+                 for objective in objectives.values() for option in objective.options}
+    for option, owners in owners_of.items():
+        first = objectives[owners[0]]
+        for owner in owners[1:]:
+            row = objectives[owner]
+            if replace(row.options[option], default=None) != replace(first.options[option], default=None):
+                raise ValueError(f"option {option!r} is declared otherwise in {owner!r} than in {owners[0]!r}: "
+                                 "a shared option is declared alike in each row but for its default")
+            if list(row.options).index(option) != list(first.options).index(option):
+                raise ValueError(f"option {option!r} sits at another index of {owner!r}'s option vector than of "
+                                 f"{owners[0]!r}'s: a shared option has one index constant")
+    return owners_of
+
+
 # Every objective-only option, with the objectives that read it.
-OBJECTIVE_OPTIONS = {option: tuple(name for name, objective in OBJECTIVES.items() if option in objective.options)
-                     for objective in OBJECTIVES.values() for option in objective.options}
+OBJECTIVE_OPTIONS = shared_options(OBJECTIVES)
 # Each option's row (its first; the rows that share it differ in the default alone).
 OPTIONS = {name: OBJECTIVES[owners[0]].options[name] for name, owners in OBJECTIVE_OPTIONS.items()}
-assert all(replace(OBJECTIVES[owner].options[name], default=None) == replace(OPTIONS[name], default=None)
-           for name, owners in OBJECTIVE_OPTIONS.items() for owner in owners), \
-    "an option shared by objectives is declared alike in each row but for its default"
 # Each option's index in its objectives' option vectors (the same in every objective that
-# reads it), and the longest vector: the kernels' fixed number of option slots.
+# reads it: shared_options).
 OPTION_INDEX = {option: list(OBJECTIVES[owners[0]].options).index(option)
                 for option, owners in OBJECTIVE_OPTIONS.items()}
-assert all(list(OBJECTIVES[owner].options).index(option) == OPTION_INDEX[option]
-           for option, owners in OBJECTIVE_OPTIONS.items() for owner in owners), \
-    "an option shared by objectives sits at the same index of each one's vector"
-OBJECTIVE_OPTION_SLOTS = max(len(objective.options) for objective in OBJECTIVES.values())
