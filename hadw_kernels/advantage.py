@@ -19,7 +19,7 @@ import torch
 from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
 from .estimators import ESTIMATORS, GroupStatistics, check_std_choice, estimator_row
 from .precision import accumulate_dtype
-from .validation import check_advantage_options
+from .value_checks import check_advantage_options
 
 if TYPE_CHECKING:
     from .batch import SurrogateBatch

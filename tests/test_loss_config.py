@@ -216,28 +216,28 @@ def test_a_call_s_config_is_built_once_per_set_of_options_and_never_hides_an_err
     call's host time was building it): the same options give the same object, a value of
     another type is still refused (False == 0, but a bool is no number), and an invalid set
     raises on every call."""
-    from hadw_kernels.loss import _call_config
+    from hadw_kernels.call_config import call_config
 
-    first = _call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, "auto", linear=False)
-    assert _call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, "auto", linear=False) is first
-    assert _call_config(None, {"loss_type": "dapo", "epsilon_high": 0.4}, "auto", linear=False).epsilon_high == 0.4
-    assert _call_config(None, {"loss_type": "dapo", "epsilon_low": 0}, "auto", linear=False).epsilon_low == 0
+    first = call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, linear=False)
+    assert call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, linear=False) is first
+    assert call_config(None, {"loss_type": "dapo", "epsilon_high": 0.4}, linear=False).epsilon_high == 0.4
+    assert call_config(None, {"loss_type": "dapo", "epsilon_low": 0}, linear=False).epsilon_low == 0
     for _ in range(2):
         with pytest.raises(TypeError, match="epsilon_low must be a number"):
-            _call_config(None, {"loss_type": "dapo", "epsilon_low": False}, "auto", linear=False)
+            call_config(None, {"loss_type": "dapo", "epsilon_low": False}, linear=False)
         with pytest.raises(ValueError, match="epsilon_low"):
-            _call_config(None, {"loss_type": "dapo", "epsilon_low": -1.0}, "auto", linear=False)
+            call_config(None, {"loss_type": "dapo", "epsilon_low": -1.0}, linear=False)
     # A value that does not hash (a list) is not cached: it is refused by name, every time.
     for _ in range(2):
         with pytest.raises(TypeError, match="epsilon_low must be a number"):
-            _call_config(None, {"loss_type": "dapo", "epsilon_low": [0.1]}, "auto", linear=False)
+            call_config(None, {"loss_type": "dapo", "epsilon_low": [0.1]}, linear=False)
     # A rollout correction with rejection filters hashes: its config is kept too.
     from hadw_kernels import RolloutCorrection
 
     correction = RolloutCorrection(rejection={"seq_mean_k3": 0.01})
-    built = _call_config(None, {"rollout_correction": correction}, "auto", linear=False)
+    built = call_config(None, {"rollout_correction": correction}, linear=False)
     assert built.rollout_correction == correction
-    assert _call_config(None, {"rollout_correction": correction}, "auto", linear=False) is built
+    assert call_config(None, {"rollout_correction": correction}, linear=False) is built
 
 
 def test_kernel_options_are_a_fresh_dict_each_call():
