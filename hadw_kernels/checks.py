@@ -9,6 +9,7 @@ of values read in one host synchronisation ``value_checks.py``'s.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +30,36 @@ def check_finite_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
     if not compiling() and not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values an option takes, ``low < value < high`` (``<=`` on a closed side), and
+    what its error says a value must do (``says``: "be finite and greater than 1"), after
+    the option's name and, where given, what the value is (``gloss``: "clip range")."""
+
+    low: float
+    high: float
+    says: str
+    low_closed: bool = False
+    high_closed: bool = False
+    gloss: str = ""
+
+    def hold(self, value: float) -> bool:
+        above = self.low < value or (self.low_closed and value == self.low)
+        below = value < self.high or (self.high_closed and value == self.high)
+        return above and below  # (NaN holds neither)
+
+    def check(self, name: str, value: float) -> None:
+        """Refuses a ``value`` outside the bounds, naming the option ``name``."""
+        if not self.hold(value):
+            named = f"{name} ({self.gloss})" if self.gloss else name
+            raise ValueError(f"{named} must {self.says}, got {value!r}")
+
+
+POSITIVE = Bounds(0.0, math.inf, "be a finite positive number")
+NON_NEGATIVE = Bounds(0.0, math.inf, "be finite and non-negative", low_closed=True)
+FINITE = Bounds(-math.inf, math.inf, "be a finite number")
 
 
 def cached_unless_compiling(cached, key, direct):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .checks import compiling
+from .checks import FINITE, NON_NEGATIVE, POSITIVE, Bounds, compiling
 
 # How the importance ratio of a token is formed (docs/math.md, section 5):
 #   token       rho_t = exp(l_t - lo_t)
@@ -42,26 +42,6 @@ GRADIENT_ROUTES = ("ratio", "detached_weight", "log_prob", "ratio_and_log_prob")
 OPTION_SLOTS = 4
 
 
-@dataclass(frozen=True)
-class Bounds:
-    """The values an option takes, ``low < value < high`` (``<=`` on a closed side), and
-    what its error says a value must do (``says``: "be finite and greater than 1")."""
-
-    low: float
-    high: float
-    says: str
-    low_closed: bool = False
-    high_closed: bool = False
-
-    def hold(self, value: float) -> bool:
-        above = self.low < value or (self.low_closed and value == self.low)
-        below = value < self.high or (self.high_closed and value == self.high)
-        return above and below  # (NaN holds neither)
-
-
-POSITIVE = Bounds(0.0, math.inf, "be a finite positive number")
-NON_NEGATIVE = Bounds(0.0, math.inf, "be finite and non-negative", low_closed=True)
-FINITE = Bounds(-math.inf, math.inf, "be a finite number")
 SHARE = Bounds(0.0, 1.0, "be in (0, 1] (the share of tokens selected)", high_closed=True)
 
 
@@ -86,8 +66,7 @@ class Option:
         if compiling():
             return
         for bounds in self.bounds:
-            if not bounds.hold(value):
-                raise ValueError(f"{self.name} must {bounds.says}, got {value!r}")
+            bounds.check(self.name, value)
 
 
 @dataclass(frozen=True)
