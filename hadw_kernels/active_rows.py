@@ -5,7 +5,7 @@ every position the loss does not count (padding, a packed row's prompt positions
 an inactive row has no log-prob, no entropy and no gradient. Which rows are active is
 known on the device only. Where the value checks run (``check_values=True``, the
 default, and not under ``torch.compile``) their one host read carries the count too
-(``validation.linear_batch``, ``check_label_range``), and the rows are then found
+(``validation.linear_batch``, ``value_checks.check_label_range``), and the rows are then found
 without a second read (``torch.nonzero_static`` with that size); the Triton and torch
 backends then sweep the active rows alone. Without the checks no count is read and
 every row enters the GEMMs, an inactive one zeroed (docs/architecture.md,

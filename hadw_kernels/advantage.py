@@ -19,13 +19,10 @@ import torch
 from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
 from .estimators import ESTIMATORS, GroupStatistics, check_std_choice, estimator_row
 from .precision import accumulate_dtype
-from .validation import check_advantage_options
+from .value_checks import check_advantage_options
 
 if TYPE_CHECKING:
     from .batch import SurrogateBatch
-
-# Kept for callers of the first release.
-STD_EPS = DEFAULT_STD_EPS
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation_table import AGG_MODES, AGGREGATIONS
+from .aggregation_table import AGGREGATIONS
 from .config import LossConfig
 from .layout import TokenLayout
 
@@ -40,12 +40,3 @@ def agg_weights(mask: torch.Tensor, layout: TokenLayout, config: LossConfig) -> 
     if rule.times_max_length:
         weights = weights / config.max_response_length
     return weights
-
-
-def counts_batch_tokens(loss_agg_mode: int, loss_normalizer: float | None) -> bool:
-    """Whether the aggregation of ``loss_agg_mode`` (its index in :data:`aggregation_table.AGG_MODES`,
-    as the ops take it) divides by the batch's count of valid tokens: token-mean without
-    ``loss_normalizer``. The kernels form that count in the launch that writes the
-    gradients, which therefore leave its 1 / N_tok to the ops' ``grad_scale``
-    (ops/schemas.py)."""
-    return AGGREGATIONS[AGG_MODES[loss_agg_mode]].count == "tokens" and loss_normalizer is None

@@ -38,3 +38,12 @@ AGGREGATIONS = {
     "token-sum": Aggregation(count="one"),  # verl's token-sum
 }
 AGG_MODES = tuple(AGGREGATIONS)
+
+
+def counts_batch_tokens(loss_agg_mode: int, loss_normalizer: float | None) -> bool:
+    """Whether the aggregation of ``loss_agg_mode`` (its index in :data:`AGG_MODES`,
+    as the ops take it) divides by the batch's count of valid tokens: token-mean without
+    ``loss_normalizer``. The kernels form that count in the launch that writes the
+    gradients, which therefore leave its 1 / N_tok to the ops' ``grad_scale``
+    (ops/schemas.py)."""
+    return AGGREGATIONS[AGG_MODES[loss_agg_mode]].count == "tokens" and loss_normalizer is None

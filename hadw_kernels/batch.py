@@ -1,8 +1,10 @@
-"""One call's batch: what validation leaves of a call to the losses (``validation.py``
-checks the call and returns it, built here by :func:`build_batch` for both losses), the
-one object every later hop takes (the correction rules, the backends, the reference). The
-kernel backends flatten it into the ops' arguments in one place
-(``backends/kernel_backend.op_arguments``)."""
+"""One call's inputs and its batch: :class:`CallInputs` (and the linear loss's
+:class:`LinearInputs`), a call's tensors as the caller gave them, which validation takes
+as one object (``validation.py``), and what validation leaves of them: the batch, built
+here by :func:`build_batch` for both losses, and the linear loss's head
+(:func:`build_head`), the objects every later hop takes (the correction rules, the
+backends, the reference). The kernel backends flatten them into the ops' arguments in one
+place (``backends/kernel_backend.op_arguments``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,42 @@ from .active_rows import RowSelection
 from .aggregation_table import AGGREGATIONS
 from .config import LossConfig
 from .layout import TokenLayout
+
+
+@dataclass(slots=True)
+class CallInputs:
+    """The tensors of one call of either loss as the caller passed them, before any check
+    (the losses' arguments of the same names): per-token ones [B, T] padded, [N] or
+    [1, N] packed with ``cu_seqlens``; ``logprobs`` None in the linear loss, ``entropy``
+    (what the entropy mask ranks) the surrogate loss's only."""
+
+    logprobs: torch.Tensor | None
+    old_logprobs: torch.Tensor | None
+    response_mask: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    group_index: torch.Tensor | None = None
+    anchor: float | torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    importance_weights: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class LinearInputs:
+    """The linear loss's own arguments: the hidden states, the LM head and the labels as
+    the caller passed them, and how the logits are formed and swept."""
+
+    hidden_states: torch.Tensor
+    lm_head_weight: torch.Tensor
+    labels: torch.Tensor
+    lm_head_bias: torch.Tensor | None
+    temperature: float
+    ignore_index: int
+    block_rows: int | None
 
 
 @dataclass(slots=True)
@@ -59,42 +97,27 @@ class SurrogateBatch:
         return dataclasses.replace(self, **changes)
 
 
-def build_batch(
-    layout: TokenLayout,
-    config: LossConfig,
-    logprobs: torch.Tensor | None,
-    old_logprobs: torch.Tensor | None,
-    response_mask: torch.Tensor,
-    *,
-    rewards: torch.Tensor | None,
-    advantages: torch.Tensor | None,
-    anchor: float | torch.Tensor | None,
-    ref_logprobs: torch.Tensor | None,
-    importance_weights: torch.Tensor | None,
-    rollout_logprobs: torch.Tensor | None,
-    entropy: torch.Tensor | None,
-    generator: torch.Generator | None,
-    with_metrics: bool,
-) -> SurrogateBatch:
-    """The batch of a validated call of either loss, its tensors as the caller gave them
+def build_batch(layout: TokenLayout, config: LossConfig, call: CallInputs, *, with_metrics: bool) -> SurrogateBatch:
+    """The batch of a validated ``call`` of either loss, its tensors as the caller gave them
     (``logprobs`` None in the linear loss): per-token ones flat on ``layout``, the
     behaviour log-probs of an on-policy call the detached current ones (the linear loss
     sets them after its sweep), the reference log-probs kept only where a KL term reads
     them, per-response importance weights repeated per token, and ``config``'s constant
     L of a ``times_max_length`` aggregation resolved: a padded batch's default is its
     width (a packed one has none: validation asks for L), so the kernels, which see flat
-    tokens, always receive it. ``entropy``: what the entropy mask ranks."""
+    tokens, always receive it. ``call.entropy``: what the entropy mask ranks."""
     if config.max_response_length is None and AGGREGATIONS[config.loss_agg_mode].times_max_length:
         config = dataclasses.replace(config, max_response_length=max(layout.padded_width, 1))
-    logprobs, old_logprobs = layout.flat(logprobs), layout.flat(old_logprobs)
+    logprobs, old_logprobs = layout.flat(call.logprobs), layout.flat(call.old_logprobs)
     if old_logprobs is None and logprobs is not None:
         old_logprobs = logprobs.detach()
     return SurrogateBatch(
-        layout, config, logprobs, old_logprobs, layout.flat(response_mask), rewards=rewards,
-        **caller_advantages(layout, advantages), anchor=anchor,
-        ref_logprobs=layout.flat(ref_logprobs) if config.beta > 0 else None,
-        importance_weights=layout.per_token(importance_weights), with_metrics=with_metrics,
-        rollout_logprobs=layout.flat(rollout_logprobs), mask_entropy=layout.flat(entropy), generator=generator,
+        layout, config, logprobs, old_logprobs, layout.flat(call.response_mask), rewards=call.rewards,
+        **caller_advantages(layout, call.advantages), anchor=call.anchor,
+        ref_logprobs=layout.flat(call.ref_logprobs) if config.beta > 0 else None,
+        importance_weights=layout.per_token(call.importance_weights), with_metrics=with_metrics,
+        rollout_logprobs=layout.flat(call.rollout_logprobs), mask_entropy=layout.flat(call.entropy),
+        generator=call.generator,
     )
 
 
@@ -113,7 +136,7 @@ class LinearHead:
     them (the gradient's shape), ``hidden`` the swept rows [R, H] and their ``labels`` [R]
     (ignored where the loss counts no token), ``rows`` which of the N rows they are (every
     row, or the active ones: active_rows.py), the LM head, its bias and how the logits
-    are formed. Built by validation (``validation.linear_batch``) with the call's batch."""
+    are formed. Built by :func:`build_head` with the call's batch."""
 
     hidden_states: torch.Tensor
     hidden: torch.Tensor
@@ -127,3 +150,17 @@ class LinearHead:
 
     def replace(self, **changes) -> "LinearHead":
         return dataclasses.replace(self, **changes)
+
+
+def flat_labels(layout: TokenLayout, batch: SurrogateBatch, linear: LinearInputs) -> torch.Tensor:
+    """The labels [N], ignored where the batch counts no token (padding, a prompt): such
+    rows are inactive (active_rows.py), and their labels are never checked or read."""
+    return layout.flat(linear.labels).masked_fill(~batch.mask.bool(), linear.ignore_index)
+
+
+def build_head(linear: LinearInputs, hidden: torch.Tensor, labels: torch.Tensor, rows: RowSelection) -> LinearHead:
+    """The head of a validated call of the linear loss: its hidden states flat [N, H]
+    (``hidden``) and labels [N] (:func:`flat_labels`) taken at ``rows``, the rows its sweep
+    runs over."""
+    return LinearHead(linear.hidden_states, rows.take(hidden), linear.lm_head_weight, linear.lm_head_bias,
+                      rows.take(labels), linear.temperature, linear.ignore_index, linear.block_rows, rows)

@@ -126,17 +126,3 @@ class RolloutCorrection:
         if level not in CORRECTION_LEVELS or rule not in CORRECTION_RULES:
             raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
         return cls(level=level, rule=rule, lower=clip_min, upper=clip_max)
-
-    @classmethod
-    def from_verl(cls, rollout_is: str | None = None, rollout_is_threshold: str | float | None = 2.0,
-                  rollout_is_batch_normalize: bool = False, rollout_rs: str | None = None,
-                  rollout_rs_threshold: str | float | None = None) -> "RolloutCorrection":
-        """verl's ``algorithm.rollout_correction`` options: ``rollout_is`` "token" or
-        "sequence" with a threshold "upper" (TIS) or "lower_upper" (IcePop), and the
-        comma-separated ``rollout_rs`` filters with one threshold each (or one for all;
-        a k1 threshold is "lower_upper" or "upper"). Parsed in the verl integration
-        (``integrations/verl_rollout_correction.py``, which imports no verl)."""
-        from .integrations.verl_rollout_correction import rollout_correction
-
-        return rollout_correction(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs,
-                                  rollout_rs_threshold)

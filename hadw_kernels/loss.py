@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from typing import TYPE_CHECKING
 
@@ -11,7 +10,7 @@ import torch
 
 from .active_rows import RowSelection, active_rows
 from .backends import check_backend_name, resolve_backend
-from .checks import cached_unless_compiling
+from .call_config import LINEAR_ONLY_OPTIONS, call_config
 from .config import LossConfig, LossOptions
 from .linear_blocks import IGNORE_INDEX, check_block_rows, check_linear_path
 from .metrics import ordered_metrics
@@ -21,18 +20,12 @@ from .objectives import SELECTIONS
 from .ops import attach_single_use_gradients
 from .precision import accumulate_dtype
 from .advantage import batch_advantages, estimated_batch, group_metrics
-from .batch import LinearHead, SurrogateBatch
+from .batch import CallInputs, LinearHead, LinearInputs, SurrogateBatch
 from .aggregation import agg_weights, aggregate
 from .token_terms import kl_estimate, masked_mean, own_token_ratio, token_ratio
-from .validation import (
-    assert_label_range,
-    check_label_range,
-    check_linear_inputs,
-    check_temperature,
-    device_of,
-    linear_batch,
-    surrogate_batch,
-)
+from .checks import check_temperature, device_of
+from .validation import check_linear_inputs, linear_batch, surrogate_batch
+from .value_checks import assert_label_range, check_label_range
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -147,13 +140,11 @@ def fused_hadw_grpo_loss(
     An empty batch (B = 0, or no response token) gives a loss of exactly 0 with zero
     metrics and zero gradients.
     """
-    config = _call_config(config, options, backend, linear=False)
-    batch = surrogate_batch(
-        config, logprobs, old_logprobs, response_mask, cu_seqlens=cu_seqlens, rewards=rewards, advantages=advantages,
-        group_index=group_index, anchor=anchor, ref_logprobs=ref_logprobs, importance_weights=importance_weights,
-        rollout_logprobs=rollout_logprobs, entropy=entropy, generator=generator,
-        check_values=_checks_run(check_values), with_metrics=return_metrics,
-    )
+    check_backend_name(backend)
+    config = call_config(config, options, linear=False)
+    call = CallInputs(logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, group_index, anchor,
+                      ref_logprobs, importance_weights, rollout_logprobs, entropy, generator)
+    batch = surrogate_batch(config, call, check_values=_checks_run(check_values), with_metrics=return_metrics)
     batch, group_figures = estimated_batch(batch)
     implementation = resolve_backend(backend, logprobs.device)
     loss, metrics = _corrected_surrogate(implementation, batch)
@@ -289,18 +280,16 @@ def fused_linear_hadw_grpo_loss(
     are held at once, a [block_rows, V] buffer (default: per backend and device,
     docs/architecture.md, "The linear loss"). Other arguments as in :func:`fused_hadw_grpo_loss`.
     """
-    config = _call_config(config, options, backend, linear=True)
+    check_backend_name(backend)
+    config = call_config(config, options, linear=True)
     _check_linear_options(linear_path=linear_path, block_rows=block_rows, temperature=temperature)
     # Resolved first: whether the checks' read counts the active rows is the backend's.
     implementation = resolve_backend(backend, device_of("hidden_states", hidden_states))
-    batch, head = linear_batch(
-        config, hidden_states, lm_head_weight, labels, old_logprobs, response_mask, cu_seqlens=cu_seqlens,
-        lm_head_bias=lm_head_bias, rewards=rewards, advantages=advantages, group_index=group_index, anchor=anchor,
-        ref_logprobs=ref_logprobs, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
-        generator=generator, temperature=temperature, ignore_index=ignore_index, block_rows=block_rows,
-        select_rows=not implementation.compacts_rows, check_values=_checks_run(check_values),
-        with_metrics=return_metrics,
-    )
+    call = CallInputs(None, old_logprobs, response_mask, cu_seqlens, rewards, advantages, group_index, anchor,
+                      ref_logprobs, importance_weights, rollout_logprobs, None, generator)
+    linear = LinearInputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature, ignore_index, block_rows)
+    batch, head = linear_batch(config, call, linear, select_rows=not implementation.compacts_rows,
+                               check_values=_checks_run(check_values), with_metrics=return_metrics)
     batch, corrected_metrics = estimated_batch(batch)
     old = batch.old_logprobs
     if _has_correction(batch.config) and not _reads_current_policy(batch.config, old is not None):
@@ -342,52 +331,6 @@ def _reads_current_policy(config: LossConfig, old_logprobs_given: bool) -> bool:
             or OBJECTIVES[config.objective].selects_tokens)
 
 
-# The loss options that only the linear loss takes (it forms the entropy from the logits).
-_LINEAR_ONLY_OPTIONS = ("entropy_coef",)
-
-
-def _call_config(config: LossConfig | None, options: dict, backend: str, *, linear: bool) -> LossConfig:
-    """The LossConfig of a call: ``config`` as given, or the preset of ``loss_type`` with
-    the option keywords given (not None) overriding it; and the backend's name checked."""
-    check_backend_name(backend)
-    if not options.keys() <= _OPTION_NAMES:
-        raise TypeError(f"unknown options {sorted(options.keys() - _OPTION_NAMES)}; the loss's options are "
-                        f"{sorted(_OPTION_NAMES)}")
-    if config is not None and not isinstance(config, LossConfig):
-        raise TypeError(f"config must be a LossConfig (LossConfig.build(loss_type, ...)), got {type(config).__name__}")
-    for name in () if linear else _LINEAR_ONLY_OPTIONS:
-        # Refused however it arrives: as a keyword, or held by a config (never dropped).
-        if options.get(name) is not None or (config is not None and getattr(config, name)):
-            raise TypeError(f"{name} needs the entropy of the token distribution: use fused_linear_hadw_grpo_loss")
-    if config is None:
-        loss_type = options.pop("loss_type", None) or "grpo"
-        # Keyed by each value's type too: True and 1 are equal but only one is valid.
-        return cached_unless_compiling(
-            _built_config,
-            lambda: (loss_type, tuple((name, type(value), value) for name, value in options.items())),
-            lambda: LossConfig.build(loss_type, **options))
-    given = sorted(name for name, value in options.items() if value is not None)
-    if given:
-        raise TypeError(f"pass the loss's options either as config= or as keywords, not both: got config and {given}")
-    if torch.compiler.is_compiling():
-        config.validate()
-    else:
-        config.validated()
-    return config
-
-
-_OPTION_NAMES = frozenset(LossOptions.__annotations__)
-
-
-# A call's config is built and checked once per distinct set of options, not on every
-# call: that was a quarter of a small call's host time (docs/benchmarks.md, "Host time of
-# a small call"). An invalid one raises and is not cached.
-@functools.lru_cache(maxsize=256)
-def _built_config(key: tuple) -> LossConfig:
-    loss_type, items = key
-    return LossConfig.build(loss_type, **{name: value for name, _, value in items})
-
-
 def _check_linear_options(*, linear_path, block_rows, temperature) -> None:
     check_linear_path(linear_path)
     check_block_rows(block_rows)
@@ -401,7 +344,7 @@ def call_options(function) -> set[str]:
     named = {name for name, parameter in parameters.items() if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
     loss_options = set(LossOptions.__annotations__)
     if function is not fused_linear_hadw_grpo_loss:
-        loss_options -= set(_LINEAR_ONLY_OPTIONS)
+        loss_options -= set(LINEAR_ONLY_OPTIONS)
     return named | loss_options
 
 
@@ -415,7 +358,8 @@ def check_options(function, **options) -> None:
     values.update((name, value) for name, value in options.items() if name in values)
     loss_options = {name: value for name, value in options.items() if name not in values}
     linear = function is fused_linear_hadw_grpo_loss
-    _call_config(values["config"], loss_options, values["backend"], linear=linear)
+    check_backend_name(values["backend"])
+    call_config(values["config"], loss_options, linear=linear)
     if linear:
         _check_linear_options(**{name: values[name] for name in ("linear_path", "block_rows", "temperature")})
 

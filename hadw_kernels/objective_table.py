@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .checks import compiling
+from .checks import FINITE, NON_NEGATIVE, POSITIVE, Bounds, compiling
 
 # How the importance ratio of a token is formed (docs/math.md, section 5):
 #   token       rho_t = exp(l_t - lo_t)
@@ -42,26 +42,6 @@ GRADIENT_ROUTES = ("ratio", "detached_weight", "log_prob", "ratio_and_log_prob")
 OPTION_SLOTS = 4
 
 
-@dataclass(frozen=True)
-class Bounds:
-    """The values an option takes, ``low < value < high`` (``<=`` on a closed side), and
-    what its error says a value must do (``says``: "be finite and greater than 1")."""
-
-    low: float
-    high: float
-    says: str
-    low_closed: bool = False
-    high_closed: bool = False
-
-    def hold(self, value: float) -> bool:
-        above = self.low < value or (self.low_closed and value == self.low)
-        below = value < self.high or (self.high_closed and value == self.high)
-        return above and below  # (NaN holds neither)
-
-
-POSITIVE = Bounds(0.0, math.inf, "be a finite positive number")
-NON_NEGATIVE = Bounds(0.0, math.inf, "be finite and non-negative", low_closed=True)
-FINITE = Bounds(-math.inf, math.inf, "be a finite number")
 SHARE = Bounds(0.0, 1.0, "be in (0, 1] (the share of tokens selected)", high_closed=True)
 
 
@@ -86,8 +66,7 @@ class Option:
         if compiling():
             return
         for bounds in self.bounds:
-            if not bounds.hold(value):
-                raise ValueError(f"{self.name} must {bounds.says}, got {value!r}")
+            bounds.check(self.name, value)
 
 
 @dataclass(frozen=True)
@@ -209,19 +188,34 @@ OBJECTIVES = {
     ), gradient="ratio_and_log_prob", ratio_levels=("token",), selects_tokens=True),
 }
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
+
+
+def shared_options(objectives: dict) -> dict[str, tuple[str, ...]]:
+    """Every objective-only option of ``objectives``, with the objectives that read it.
+    Raises ValueError where objectives that share an option declare it otherwise but for
+    its default, or put it at other indices of their option vectors: the kernels read it
+    by one index constant, and LossConfig checks it by one row. (An error, not an
+    ``assert``: ``python -O`` would skip an assert.)"""
+    owners_of = {option: tuple(name for name, objective in objectives.items() if option in objective.options)
+                 for objective in objectives.values() for option in objective.options}
+    for option, owners in owners_of.items():
+        first = objectives[owners[0]]
+        for owner in owners[1:]:
+            row = objectives[owner]
+            if replace(row.options[option], default=None) != replace(first.options[option], default=None):
+                raise ValueError(f"option {option!r} is declared otherwise in {owner!r} than in {owners[0]!r}: "
+                                 "a shared option is declared alike in each row but for its default")
+            if list(row.options).index(option) != list(first.options).index(option):
+                raise ValueError(f"option {option!r} sits at another index of {owner!r}'s option vector than of "
+                                 f"{owners[0]!r}'s: a shared option has one index constant")
+    return owners_of
+
+
 # Every objective-only option, with the objectives that read it.
-OBJECTIVE_OPTIONS = {option: tuple(name for name, objective in OBJECTIVES.items() if option in objective.options)
-                     for objective in OBJECTIVES.values() for option in objective.options}
+OBJECTIVE_OPTIONS = shared_options(OBJECTIVES)
 # Each option's row (its first; the rows that share it differ in the default alone).
 OPTIONS = {name: OBJECTIVES[owners[0]].options[name] for name, owners in OBJECTIVE_OPTIONS.items()}
-assert all(replace(OBJECTIVES[owner].options[name], default=None) == replace(OPTIONS[name], default=None)
-           for name, owners in OBJECTIVE_OPTIONS.items() for owner in owners), \
-    "an option shared by objectives is declared alike in each row but for its default"
 # Each option's index in its objectives' option vectors (the same in every objective that
-# reads it), and the longest vector: the kernels' fixed number of option slots.
+# reads it: shared_options).
 OPTION_INDEX = {option: list(OBJECTIVES[owners[0]].options).index(option)
                 for option, owners in OBJECTIVE_OPTIONS.items()}
-assert all(list(OBJECTIVES[owner].options).index(option) == OPTION_INDEX[option]
-           for option, owners in OBJECTIVE_OPTIONS.items() for owner in owners), \
-    "an option shared by objectives sits at the same index of each one's vector"
-OBJECTIVE_OPTION_SLOTS = max(len(objective.options) for objective in OBJECTIVES.values())

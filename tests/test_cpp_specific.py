@@ -274,7 +274,8 @@ def test_the_kernels_refuse_a_ratio_form_the_objective_lacks():
     args = dict(zip((name for _, name in cpp_declarations.parse(signatures.SIGNATURES["surrogate_loss"][0])),
                     _surrogate_args(batch=4, width=5, loss_type="gpg")))
     args["ratio_level"] = objective_table.RATIO_LEVELS.index("sequence")
-    with pytest.raises(RuntimeError, match="objective 6 does not take ratio_level 1"):
+    gpg = objective_table.OBJECTIVE_NAMES.index("gpg")
+    with pytest.raises(RuntimeError, match=f"objective {gpg} does not take ratio_level {args['ratio_level']}"):
         torch.ops.hadw_cpp.surrogate_loss(*_op_arguments("surrogate_loss", **args))
     for loss_type in ("gmpo", "vespo"):
         with pytest.raises(RuntimeError, match="has no token ratio form .* use the recompute path"):

@@ -583,8 +583,9 @@ def test_verl_s_rollout_correction_reaches_the_registered_loss():
     algorithm.rollout_correction (rollout_corr_helper) and hands them to the policy loss: the
     registered loss applies them in its kernels as verl's vanilla does; and the loss given
     them equals the loss forming them itself from the rollout log-probs
-    (RolloutCorrection.from_verl)."""
-    from hadw_kernels import RolloutCorrection, fused_hadw_grpo_loss
+    (rollout_correction_from_verl)."""
+    from hadw_kernels import fused_hadw_grpo_loss
+    from hadw_kernels.integrations.verl_rollout_correction import rollout_correction_from_verl
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
     old, logprob, advantages, mask, _ = policy_batch(with_is_weights=False)
@@ -604,7 +605,7 @@ def test_verl_s_rollout_correction_reaches_the_registered_loss():
     runs = []
     for kwargs in (dict(response_mask=filtered.bool(), importance_weights=weights),
                    dict(response_mask=mask, rollout_logprobs=rollout,
-                        rollout_correction=RolloutCorrection.from_verl(**options))):
+                        rollout_correction=rollout_correction_from_verl(**options))):
         logprob.grad = None
         loss = fused_hadw_grpo_loss(logprob, old, None, advantages=advantages, loss_type="dapo", dual_clip=3.0,
                                     **kwargs)

@@ -18,8 +18,6 @@ from hadw_kernels import (
     fused_linear_hadw_grpo_loss,
 )
 from hadw_kernels.objective_table import OBJECTIVE_OPTIONS, OBJECTIVES
-from hadw_kernels.objective_table import OPTIONS as OPTION_ROWS
-from hadw_kernels.presets import LOSS_PRESETS
 
 OPTIONS = dict(group_size=2, beta=0.04, kl_estimator="k2", dual_clip=3.0, epsilon_high=0.28, lambda_scale=1.5)
 
@@ -216,28 +214,28 @@ def test_a_call_s_config_is_built_once_per_set_of_options_and_never_hides_an_err
     call's host time was building it): the same options give the same object, a value of
     another type is still refused (False == 0, but a bool is no number), and an invalid set
     raises on every call."""
-    from hadw_kernels.loss import _call_config
+    from hadw_kernels.call_config import call_config
 
-    first = _call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, "auto", linear=False)
-    assert _call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, "auto", linear=False) is first
-    assert _call_config(None, {"loss_type": "dapo", "epsilon_high": 0.4}, "auto", linear=False).epsilon_high == 0.4
-    assert _call_config(None, {"loss_type": "dapo", "epsilon_low": 0}, "auto", linear=False).epsilon_low == 0
+    first = call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, linear=False)
+    assert call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, linear=False) is first
+    assert call_config(None, {"loss_type": "dapo", "epsilon_high": 0.4}, linear=False).epsilon_high == 0.4
+    assert call_config(None, {"loss_type": "dapo", "epsilon_low": 0}, linear=False).epsilon_low == 0
     for _ in range(2):
         with pytest.raises(TypeError, match="epsilon_low must be a number"):
-            _call_config(None, {"loss_type": "dapo", "epsilon_low": False}, "auto", linear=False)
+            call_config(None, {"loss_type": "dapo", "epsilon_low": False}, linear=False)
         with pytest.raises(ValueError, match="epsilon_low"):
-            _call_config(None, {"loss_type": "dapo", "epsilon_low": -1.0}, "auto", linear=False)
+            call_config(None, {"loss_type": "dapo", "epsilon_low": -1.0}, linear=False)
     # A value that does not hash (a list) is not cached: it is refused by name, every time.
     for _ in range(2):
         with pytest.raises(TypeError, match="epsilon_low must be a number"):
-            _call_config(None, {"loss_type": "dapo", "epsilon_low": [0.1]}, "auto", linear=False)
+            call_config(None, {"loss_type": "dapo", "epsilon_low": [0.1]}, linear=False)
     # A rollout correction with rejection filters hashes: its config is kept too.
     from hadw_kernels import RolloutCorrection
 
     correction = RolloutCorrection(rejection={"seq_mean_k3": 0.01})
-    built = _call_config(None, {"rollout_correction": correction}, "auto", linear=False)
+    built = call_config(None, {"rollout_correction": correction}, linear=False)
     assert built.rollout_correction == correction
-    assert _call_config(None, {"rollout_correction": correction}, "auto", linear=False) is built
+    assert call_config(None, {"rollout_correction": correction}, linear=False) is built
 
 
 def test_kernel_options_are_a_fresh_dict_each_call():
@@ -252,44 +250,12 @@ def test_kernel_options_are_a_fresh_dict_each_call():
 # --- the objectives' options, declared once in their rows ----------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLE_START = "<!-- The objectives' options: generated from objective_table.OBJECTIVES, held to it by tests/test_loss_config.py -->"
-TABLE_END = "<!-- end of the objectives' options -->"
-
-
-def options_table() -> str:
-    """docs/options.md's table of the objectives' options, from their rows: each option's
-    objectives with its default (a preset that sets it otherwise, in parentheses), what a
-    value given must do (its bounds, and the order of an increasing pair), and its line."""
-    lines = ["| option | objective: default | a value given must | what it is |", "| --- | --- | --- | --- |"]
-    for name, owners in OBJECTIVE_OPTIONS.items():
-        defaults = []
-        for owner in owners:
-            option = OBJECTIVES[owner].options[name]
-            default = "required" if option.required else "off" if option.default is None else f"{option.default:g}"
-            presets = [f"preset `{preset}`: {setting.options[name]:g}" for preset, setting in LOSS_PRESETS.items()
-                       if setting.objective == owner and name in setting.options]
-            defaults.append(f"`{owner}`: {default}" + (f" ({', '.join(presets)})" if presets else ""))
-        option = OPTION_ROWS[name]
-        musts = [bounds.says for bounds in option.bounds]
-        for owner in owners:
-            for lower, upper in OBJECTIVES[owner].increasing:
-                musts += [f"be below `{upper}`"] if name == lower else [f"be above `{lower}`"] if name == upper else []
-        lines.append(f"| `{name}` | {'; '.join(defaults)} | {'; '.join(musts)} | {option.doc} |")
-    return "\n".join(lines)
-
-
-def test_the_docs_options_table_is_the_rows():
-    """docs/options.md's table is generated from the rows: on a change, paste the expected
-    text this test prints between its markers."""
-    text = (ROOT / "docs" / "options.md").read_text()
-    assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1, "docs/options.md lost the table's markers"
-    written = text.split(TABLE_START)[1].split(TABLE_END)[0].strip()
-    assert written == options_table(), f"docs/options.md's options table is stale; it should read:\n{options_table()}"
 
 
 def test_the_option_fields_and_keywords_come_from_the_rows():
     """LossConfig has a field per objective option (a number or None, None by default),
-    in the table's order, and LossOptions a keyword; nothing else declares them."""
+    in the table's order, and LossOptions a keyword; nothing but their generated block
+    (hadw_kernels/codegen.py) declares them."""
     import dataclasses
 
     from hadw_kernels.config import LossOptions
@@ -300,36 +266,52 @@ def test_the_option_fields_and_keywords_come_from_the_rows():
     assert names[first:first + len(OBJECTIVE_OPTIONS)] == list(OBJECTIVE_OPTIONS)
     assert all(fields[name].default is None for name in OBJECTIVE_OPTIONS)
     assert set(OBJECTIVE_OPTIONS) <= set(LossOptions.__annotations__)
-    source = (ROOT / "hadw_kernels" / "config.py").read_text()
+    from hadw_kernels.codegen import FIELDS_END, FIELDS_START
+
+    head, rest = (ROOT / "hadw_kernels" / "config.py").read_text().split(FIELDS_START)
+    source = head + rest.split(FIELDS_END)[1]  # config.py but its generated fields
     assert not [name for name in OBJECTIVE_OPTIONS if re.search(rf"\b{name}\b", source)], \
         "config.py names an objective option: declare it in its row of objective_table.OBJECTIVES"
 
 
-def test_the_declared_keywords_are_the_fields():
-    """hadw_kernels/option_types.py declares LossOptions as a class (static type checkers
-    see the losses' keywords) and is generated from LossConfig's fields: on a change of
-    the rows or the fields, write the text this test prints into it."""
-    import typing
+def _named_objective_comparisons(path) -> list[str]:
+    """The comparisons in ``path`` with an objective's name (``x == "gmpo"``, ``x in
+    ("clip", "sapo")``)."""
+    import ast
 
-    from hadw_kernels.config import LossOptions, option_types_source
+    def names_objective(operand) -> bool:
+        elements = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+        return any(isinstance(element, ast.Constant) and element.value in OBJECTIVES for element in elements)
 
-    written = (ROOT / "hadw_kernels" / "option_types.py").read_text()
-    assert written == option_types_source(), f"hadw_kernels/option_types.py is stale; it should read:\n" \
-                                             f"{option_types_source()}"
-    hints = typing.get_type_hints(LossOptions)
-    assert list(hints) == ["loss_type", *(field.name for field in dataclasses.fields(LossConfig))]
-    assert all(type(None) in typing.get_args(hint) for hint in hints.values())
+    tree = ast.parse(path.read_text())
+    return [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and any(names_objective(operand) for operand in [node.left, *node.comparators])]
+
+
+# Where the package compares a value with an objective's name: objectives.py, whose
+# formulas are the objectives' own, and the two objectives that read whole responses
+# (GMPO's clipped log-ratios, VESPO's weight), which the reference forms by name
+# (docs/architecture.md, "Adding an objective").
+NAMED_OBJECTIVE_BRANCHES = {
+    "objectives.py": ["objective == 'dppo_tv'"],
+    "token_terms.py": ["config.objective == 'gmpo'"],
+    "reference/surrogate.py": ["config.objective == 'vespo'"],
+}
 
 
 def test_no_check_is_keyed_by_an_objective_s_name():
-    """LossConfig compares no value with an objective's name: each check is its row's."""
-    import ast
+    """No module of the package compares a value with an objective's name (each check is
+    its row's, LossConfig's included) but the branches listed above."""
+    package = ROOT / "hadw_kernels"
+    found = {str(path.relative_to(package)): _named_objective_comparisons(path)
+             for path in sorted(package.rglob("*.py"))}
+    assert {path: found for path, found in found.items() if found} == NAMED_OBJECTIVE_BRANCHES
 
-    tree = ast.parse((ROOT / "hadw_kernels" / "config.py").read_text())
-    keyed = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Compare)
-             and any(isinstance(operand, ast.Constant) and operand.value in OBJECTIVES
-                     for operand in [node.left, *node.comparators])]
-    assert not keyed, keyed
+
+def test_a_check_keyed_by_an_objective_s_name_is_found(tmp_path):
+    source = tmp_path / "trial.py"
+    source.write_text("def check(config):\n    if config.objective in ('sapo', 'other'):\n        raise ValueError\n")
+    assert _named_objective_comparisons(source) == ["config.objective in ('sapo', 'other')"]
 
 
 def _expected_refusal(objective: str, name: str, value: float) -> str | None:
@@ -365,3 +347,15 @@ def test_a_required_option_left_out_is_refused_by_its_row(objective):
     required = [option for option in OBJECTIVES[objective].options.values() if option.required]
     with pytest.raises(ValueError, match=rf"objective '{objective}' needs {required[0].name} \("):
         LossConfig.build("grpo", objective=objective)
+
+
+def test_every_field_range_names_a_field_and_holds_its_default():
+    """config.FIELD_BOUNDS: each bound is a field's, and the field's default (if any) is in it."""
+    from hadw_kernels.config import FIELD_BOUNDS
+
+    fields = {field.name: field for field in dataclasses.fields(LossConfig)}
+    assert set(FIELD_BOUNDS) <= set(fields)
+    for name, bounds in FIELD_BOUNDS.items():
+        default = fields[name].default
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            assert bounds.hold(default), name

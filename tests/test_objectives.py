@@ -3,6 +3,7 @@ derivative is autograd's of its value, at random points and at the edges (clip b
 delta, the dual-clip bound, A = 0), so the kernels that transcribe the derivative
 transcribe the reference's gradient."""
 
+import dataclasses
 import math
 
 import pytest
@@ -127,14 +128,6 @@ def test_gmpo_clips_the_harmful_side_only():
     assert zero.tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
-def test_every_row_fits_the_triton_option_slots():
-    """The Triton kernels take an objective's option vector as OPTION_SLOTS scalars: a row
-    with more options fails here (and is refused when the row is built)."""
-    from hadw_kernels.objective_table import OPTION_SLOTS
-
-    assert {name: len(row.options) for name, row in OBJECTIVES.items() if len(row.options) > OPTION_SLOTS} == {}
-
-
 def test_a_row_with_more_options_than_slots_is_refused():
     from hadw_kernels.objective_table import NON_NEGATIVE, OPTION_SLOTS, Objective, Option
 
@@ -143,6 +136,25 @@ def test_a_row_with_more_options_than_slots_is_refused():
     extra = Option("trial_extra", 1.0, (NON_NEGATIVE,), "one too many")
     with pytest.raises(ValueError, match=rf"at most {OPTION_SLOTS} options \(the Triton kernels' option slots"):
         Objective(options=(*options, extra), gradient="ratio")
+
+
+def test_a_shared_option_declared_otherwise_or_elsewhere_is_refused():
+    """Objectives that share an option declare it alike but for its default, at one index
+    of their option vectors (the kernels read it by one constant): refused otherwise, with
+    an error that ``python -O`` keeps."""
+    from hadw_kernels.objective_table import NON_NEGATIVE, POSITIVE, Objective, Option, shared_options
+
+    scale = Option("trial_scale", 1.0, (POSITIVE,), "a trial option")
+    other = Option("trial_other", 1.0, (NON_NEGATIVE,), "another")
+    alike = {"a": Objective(options=(scale,), gradient="ratio"),
+             "b": Objective(options=(dataclasses.replace(scale, default=2.0),), gradient="ratio")}
+    assert shared_options(alike) == {"trial_scale": ("a", "b")}
+    unlike = {**alike, "c": Objective(options=(dataclasses.replace(scale, bounds=(NON_NEGATIVE,)),), gradient="ratio")}
+    with pytest.raises(ValueError, match="'trial_scale' is declared otherwise in 'c' than in 'a'"):
+        shared_options(unlike)
+    moved = {**alike, "c": Objective(options=(other, scale), gradient="ratio")}
+    with pytest.raises(ValueError, match="'trial_scale' sits at another index of 'c'"):
+        shared_options(moved)
 
 
 def test_a_row_s_defaults_keep_its_bounds():

@@ -22,6 +22,7 @@ from hadw_kernels import (RolloutCorrection, available_backends, fused_hadw_grpo
 from hadw_kernels.batch import SurrogateBatch
 from hadw_kernels.config import LossConfig
 from hadw_kernels.correction_table import REJECTION_FILTERS, RejectionFilter
+from hadw_kernels.integrations.verl_rollout_correction import rollout_correction_from_verl
 from hadw_kernels.correction import correct
 from hadw_kernels.layout import TokenLayout
 
@@ -89,7 +90,7 @@ def test_verl_rollout_weights(level, threshold, batch_normalize):
     expected, _ = rollout_corr.compute_rollout_correction_weights(
         log_ratio, data["mask"].double(), rollout_is=level, rollout_is_threshold=threshold,
         rollout_is_batch_normalize=batch_normalize)
-    correction = RolloutCorrection.from_verl(level, threshold, batch_normalize)
+    correction = rollout_correction_from_verl(level, threshold, batch_normalize)
     weights, kept, metrics = corrected(data, rollout_correction=correction)
     mask = data["mask"]
     torch.testing.assert_close(weights[mask], expected[mask], **VERL)
@@ -107,7 +108,7 @@ def test_verl_rejection_filter(name):
     log_ratio = data["old"] - data["rollout"]
     expected, _ = rollout_corr.compute_rollout_rejection_mask(log_ratio, data["mask"].long(), rollout_rs=name,
                                                               rollout_rs_threshold=threshold)
-    _, kept, metrics = corrected(data, rollout_correction=RolloutCorrection.from_verl(
+    _, kept, metrics = corrected(data, rollout_correction=rollout_correction_from_verl(
         rollout_rs=name, rollout_rs_threshold=threshold))
     assert torch.equal(kept, expected.bool())
     assert 0 < float(metrics["rollout_rejected_frac"]) < 1, name
@@ -129,7 +130,7 @@ def test_verl_weights_and_filters_in_the_loss(backend):
         log_ratio, data["mask"].long(), rollout_rs=options["rollout_rs"],
         rollout_rs_threshold=options["rollout_rs_threshold"])
     expected = library_loss(data, backend, mask=filtered.bool(), importance_weights=weights)
-    got = library_loss(data, backend, rollout_correction=RolloutCorrection.from_verl(**options),
+    got = library_loss(data, backend, rollout_correction=rollout_correction_from_verl(**options),
                        rollout_logprobs=data["rollout"])
     torch.testing.assert_close(got, expected, **VERL)
 
@@ -327,18 +328,18 @@ def test_bad_correction_options(options, message):
 
 
 def test_verl_and_trl_spellings():
-    assert RolloutCorrection.from_verl("token", "2.0") == RolloutCorrection(level="token", rule="truncate", upper=2.0)
-    assert RolloutCorrection.from_verl("sequence", "0.5_2.0") == RolloutCorrection(level="sequence", rule="mask",
+    assert rollout_correction_from_verl("token", "2.0") == RolloutCorrection(level="token", rule="truncate", upper=2.0)
+    assert rollout_correction_from_verl("sequence", "0.5_2.0") == RolloutCorrection(level="sequence", rule="mask",
                                                                                     lower=0.5, upper=2.0)
-    assert RolloutCorrection.from_verl(rollout_rs="token_k1", rollout_rs_threshold=2.0).rejection == (
+    assert rollout_correction_from_verl(rollout_rs="token_k1", rollout_rs_threshold=2.0).rejection == (
         RejectionFilter("token_k1", upper=2.0, lower=0.5),)
     with pytest.raises(ValueError, match="2 values for 3 filters"):
-        RolloutCorrection.from_verl(rollout_rs="token_k1,token_k2,token_k3", rollout_rs_threshold="2.0,0.1")
+        rollout_correction_from_verl(rollout_rs="token_k1,token_k2,token_k3", rollout_rs_threshold="2.0,0.1")
     with pytest.raises(ValueError, match="unknown vllm_importance_sampling_mode"):
         RolloutCorrection.from_trl("batch_mask", None, 3.0)
     with pytest.raises(TypeError, match="vllm_importance_sampling_mode must be one of TRL's modes"):
         RolloutCorrection.from_trl(None, None, 3.0)
-    assert RolloutCorrection.from_verl("token", " 1e-3_5 ") == RolloutCorrection(level="token", rule="mask",
+    assert rollout_correction_from_verl("token", " 1e-3_5 ") == RolloutCorrection(level="token", rule="mask",
                                                                                   lower=1e-3, upper=5.0)
 
 
@@ -350,7 +351,7 @@ def test_malformed_verl_thresholds_are_refused_naming_the_option(option, thresho
     options = ({"rollout_is": "token", option: threshold} if option == "rollout_is_threshold"
                else {"rollout_rs": "token_k1", option: threshold})
     with pytest.raises(ValueError, match=f"^{option} must be a number, or a string 'upper' or 'lower_upper'"):
-        RolloutCorrection.from_verl(**options)
+        rollout_correction_from_verl(**options)
 
 
 @pytest.mark.parametrize("change, message", [

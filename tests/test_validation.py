@@ -273,12 +273,12 @@ def test_nonfinite_hidden_states_are_refused_at_response_tokens_only(poison):
 def test_finite_half_precision_inputs_pass_the_screen(monkeypatch):
     """The screening sum runs in fp32 at least: in fp16 it would overflow (65504) at a few
     thousand tokens and send every call down the masked checks."""
-    import hadw_kernels.validation as validation
+    import hadw_kernels.value_checks as value_checks
 
     def masked_check(*_):
         raise AssertionError("the masked checks ran for finite inputs")
 
-    monkeypatch.setattr(validation, "_nonfinite_at", masked_check)
+    monkeypatch.setattr(value_checks, "_nonfinite_at", masked_check)
     inputs = dict(logprobs=torch.full((4, 3000), -30.0, dtype=torch.float16),
                   old_logprobs=torch.zeros(4, 3000, dtype=torch.float16),
                   rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), response_mask=torch.ones(4, 3000, dtype=torch.bool))

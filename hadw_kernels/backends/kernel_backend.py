@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..ops import detached
+from ..checks import detached
 from ..batch import LinearHead, SurrogateBatch
 from ..metrics import GROUP_METRICS, METRIC_NAMES
 from ..precision import accumulate_dtype

@@ -8,6 +8,8 @@
 
 - :mod:`hadw_kernels.integrations.verl_rollout_correction`: verl's rollout-correction
   options (threshold strings) as a ``RolloutCorrection``; it imports no verl.
+- :mod:`hadw_kernels.integrations.verl_metrics`: verl's metrics of its policy losses, as
+  the ``hadw_`` losses report them; it imports no verl.
 
 Each of trl and verl imports its trainer, so this package imports neither.
 """

@@ -1,7 +1,7 @@
 """verl's ``algorithm.rollout_correction`` options as a :class:`RolloutCorrection`: its
 threshold strings ("upper", "lower_upper", comma-separated per filter) parsed strictly.
-``RolloutCorrection.from_verl`` calls this; it imports no verl, so it serves without the
-verl extra.
+It imports no verl, so it serves without the verl extra; the parser is the integration's,
+not ``correction_table``'s, so that the table imports no integration.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ..correction_table import RejectionFilter, RolloutCorrection
 _VERL_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
-def rollout_correction(rollout_is: str | None = None, rollout_is_threshold: str | float | None = 2.0,
+def rollout_correction_from_verl(rollout_is: str | None = None, rollout_is_threshold: str | float | None = 2.0,
                        rollout_is_batch_normalize: bool = False, rollout_rs: str | None = None,
                        rollout_rs_threshold: str | float | None = None) -> RolloutCorrection:
     """``rollout_is`` "token" or "sequence" with a threshold "upper" (TIS) or

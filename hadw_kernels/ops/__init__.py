@@ -2,7 +2,7 @@
 (``routing``), and how their gradients reach autograd (``autograd``)."""
 
 from . import autograd  # noqa: F401  (registers linear_logprob_forward's formula)
-from .autograd import attach_gradients, attach_single_use_gradients, detached
+from .autograd import attach_gradients, attach_single_use_gradients
 from .routing import (
     BackendUnavailable, call, has_kernel, register_kernel, serves, set_unavailable_reason, unavailable_message,
 )
@@ -16,7 +16,6 @@ __all__ = [
     "argument_names",
     "attach_gradients",
     "attach_single_use_gradients",
-    "detached",
     "call",
     "has_kernel",
     "register_kernel",

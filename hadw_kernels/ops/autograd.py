@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import detached
 from .routing import call
 from .schemas import LIBRARY, argument_names
 
@@ -138,10 +139,3 @@ def _apply(loss, scale_in_place, grad_scale, inputs, gradients) -> torch.Tensor:
                                       *[gradient for _, gradient in pairs])
     return _apply_function(loss, scale_in_place, grad_scale, *[_unwrap_if_dead(tensor) for tensor, _ in pairs],
                            *[gradient for _, gradient in pairs])
-
-
-def detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """``tensor`` without its autograd history, detached only where it has one: a detach
-    is an operator, and a small call's host time is counted in operators
-    (docs/benchmarks.md, "Host time of a small call")."""
-    return tensor.detach() if tensor is not None and tensor.requires_grad else tensor

@@ -4,7 +4,7 @@
                                      (cu_seqlens, hadw_kernels/layout.py): loss, its
                                      gradient (formed in the forward), metrics, and the
                                      gradient's factor ``grad_scale``: under token-mean
-                                     without a normaliser (aggregation.counts_batch_tokens)
+                                     without a normaliser (aggregation_table.counts_batch_tokens)
                                      a 0-d 1 / N_tok that the gradients leave out, the
                                      batch's count being formed in the launch that writes
                                      them; otherwise empty [0] (the gradients are whole)
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..aggregation import counts_batch_tokens
+from ..aggregation_table import counts_batch_tokens
 from ..metrics import METRIC_NAMES
 from ..precision import accumulate_dtype
 from .signatures import OPS, SIGNATURES

@@ -43,8 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..aggregation import counts_batch_tokens
-from ..aggregation_table import AGG_MODES, AGGREGATIONS
+from ..aggregation_table import AGG_MODES, AGGREGATIONS, counts_batch_tokens
 from ..metrics import METRIC_NAMES
 from ..objective_table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS
 from ..precision import accumulate_dtype

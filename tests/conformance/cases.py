@@ -127,6 +127,32 @@ CORRECTION_VARIANTS = [
             ("old_logprobs", "rewards", "ref_logprobs")),
 ]
 
+# Options of each objective (objective_table.OBJECTIVES) away from their defaults.
+OBJECTIVE_VARIANT_OPTIONS = {
+    "clip": dict(delta=1.35, dual_clip=2.5),
+    "cispo_cap": dict(ratio_cap=1.3),
+    "cispo_clip": dict(epsilon_low=0.1, epsilon_high=0.3),
+    "sapo": dict(sapo_temperature_pos=0.8, sapo_temperature_neg=1.3),
+    "gmpo": dict(epsilon_low=0.2, epsilon_high=0.3),
+    "vespo": dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
+    "gpg": dict(),
+    "dppo_tv": dict(ratio_cap=1.3, epsilon_low=0.1, epsilon_high=0.05),
+    "dppo_kl": dict(ratio_cap=1.3, epsilon_low=0.02, epsilon_high=0.05),
+    "dro": dict(dro_beta=0.6),
+    "clip_cov": dict(clip_cov_ratio=0.1, clip_cov_lb=0.05, clip_cov_ub=2.0),
+    "kl_cov": dict(kl_cov_ratio=0.1, ppo_kl_coef=0.7),
+}
+
+
+def unpreset_objective_variants() -> list[Variant]:
+    """A variant per objective that no loss type presets (cispo_clip), with its options of
+    OBJECTIVE_VARIANT_OPTIONS: each loss type then runs it in its ratio form, so that a
+    row added to the table without a preset runs on every backend."""
+    preset = {setting.objective for setting in LOSS_PRESETS.values()}
+    return [Variant(name, {"objective": name, "anchor": 0.3, **OBJECTIVE_VARIANT_OPTIONS[name]})
+            for name in OBJECTIVES if name not in preset]
+
+
 # Every option of the loss appears in at least one variant; each variant runs with
 # every loss type, dtype and backend.
 SURROGATE_VARIANTS = [
@@ -156,29 +182,14 @@ SURROGATE_VARIANTS = [
             ("old_logprobs", "rewards", "token_importance_weights")),
     Variant("gspo_token_weights", {"ratio_level": "gspo_token", "anchor": 0.5},
             ("old_logprobs", "rewards", "token_importance_weights")),
-    # The objective no loss type presets, in each loss type's ratio form.
-    Variant("cispo_clip", {"objective": "cispo_clip", "anchor": 0.3}),
+    # The objectives no loss type presets, in each loss type's ratio form.
+    *unpreset_objective_variants(),
     # The estimators formed before the kernels (estimators.py), with and without Phi.
     Variant("rloo", {"advantage_estimator": "rloo"}),
     Variant("james_stein_hadw", {"advantage_estimator": "james_stein", "anchor": 0.35}),
     # Rollout correction and token masks (correction.py): every rule, level and filter.
     *CORRECTION_VARIANTS,
 ]
-# Options of each objective (objective_table.OBJECTIVES) away from their defaults.
-OBJECTIVE_VARIANT_OPTIONS = {
-    "clip": dict(delta=1.35, dual_clip=2.5),
-    "cispo_cap": dict(ratio_cap=1.3),
-    "cispo_clip": dict(epsilon_low=0.1, epsilon_high=0.3),
-    "sapo": dict(sapo_temperature_pos=0.8, sapo_temperature_neg=1.3),
-    "gmpo": dict(epsilon_low=0.2, epsilon_high=0.3),
-    "vespo": dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
-    "gpg": dict(),
-    "dppo_tv": dict(ratio_cap=1.3, epsilon_low=0.1, epsilon_high=0.05),
-    "dppo_kl": dict(ratio_cap=1.3, epsilon_low=0.02, epsilon_high=0.05),
-    "dro": dict(dro_beta=0.6),
-    "clip_cov": dict(clip_cov_ratio=0.1, clip_cov_lb=0.05, clip_cov_ub=2.0),
-    "kl_cov": dict(kl_cov_ratio=0.1, ppo_kl_coef=0.7),
-}
 # The seed of the generator every call of an objective that draws its tokens gets afresh
 # (cast and rounded copy it per run), so that each run draws the same.
 SELECTION_SEED = 17

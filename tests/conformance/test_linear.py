@@ -18,6 +18,7 @@ from cases import (
     rounded,
     run_linear_loss,
     run_token_logprobs,
+    unpreset_objective_variants,
 )
 from check import assert_conforms
 from hadw_kernels import LOSS_TYPES, LossConfig, RolloutCorrection, fused_linear_hadw_grpo_loss
@@ -83,8 +84,8 @@ LINEAR_VARIANTS = [
     # Each objective's own options away from their defaults (cases.OBJECTIVE_VARIANT_OPTIONS).
     Variant("objective_options", {"anchor": 0.45}, ("old_logprobs", "rewards", "objective_options")),
     Variant("token_advantages_entropy", {"entropy_coef": 0.01}, ("old_logprobs", "token_advantages")),
-    # The objective no loss type presets, in each loss type's ratio form.
-    Variant("cispo_clip", {"objective": "cispo_clip", "anchor": 0.3}),
+    # The objectives no loss type presets, in each loss type's ratio form.
+    *unpreset_objective_variants(),
     # An estimator formed before the sweep (estimators.py), with Phi.
     Variant("james_stein_hadw", {"advantage_estimator": "james_stein", "anchor": 0.35}),
     # Rollout weights and filters (formed before the sweep), and the rules that read the

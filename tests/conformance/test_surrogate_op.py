@@ -9,6 +9,7 @@ import torch
 from cases import (
     DTYPES,
     LAYOUTS,
+    OBJECTIVE_VARIANT_OPTIONS,
     SURROGATE_VARIANTS,
     Variant,
     cast,
@@ -21,6 +22,8 @@ from cases import (
 )
 from check import assert_conforms, compare, compare_padded, drift
 from hadw_kernels import LOSS_TYPES, fused_hadw_grpo_loss
+from hadw_kernels.objective_table import OBJECTIVES
+from hadw_kernels.presets import LOSS_PRESETS
 
 PAIRWISE = pairwise_cases()
 
@@ -32,6 +35,15 @@ def test_the_cases_cover_every_pair():
         for second in range(first + 1, 4):
             pairs = {(case[first], case[second]) for case in seen}
             assert len(pairs) == len(axes[first]) * len(axes[second]), (first, second)
+
+
+def test_every_objective_runs_in_the_cases():
+    """Every row of the table runs here: through a loss type that presets it, or its own
+    variant (cases.unpreset_objective_variants); each has options away from its defaults."""
+    assert set(OBJECTIVE_VARIANT_OPTIONS) == set(OBJECTIVES)
+    run = {LOSS_PRESETS[loss_type].objective for loss_type in LOSS_TYPES}
+    run |= {variant.options["objective"] for variant in SURROGATE_VARIANTS if "objective" in variant.options}
+    assert run == set(OBJECTIVES)
 
 
 @pytest.mark.parametrize("loss_type, variant, dtype, layout", PAIRWISE,

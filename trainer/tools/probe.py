@@ -23,7 +23,7 @@ Memory: on a GPU ``torch.cuda.max_memory_allocated`` over the step (absolute: mo
 states included); a step that raises ``torch.cuda.OutOfMemoryError`` does not fit. On the
 CPU the process's resident set, after ``malloc_trim`` and with glibc's mmap threshold
 pinned (so freed tensors leave it): the kernel's exact high-water mark (VmHWM) on Linux,
-else RSS sampled by a psutil thread (``RssSampler``; it can miss a shorter spike). The peak
+else RSS sampled by a psutil thread (``memory_meter.RssSampler``; it can miss a shorter spike). The peak
 above the pre-step baseline is reported, and a budget fits a ``--memory-limit-gib`` when
 the absolute peak stays under it (it counts the allocator's cached pages: an estimate).
 
@@ -46,14 +46,14 @@ import math
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float, output_file
 from hadw_kernels.plan import PRESETS as SHAPES
 from hadw_kernels.layouts import LAYOUT_CHOICES
+
+from trainer.tools.memory_meter import MemoryMeter
 
 # The planner's models (one description of each model's shape), and the trainer's tiny one.
 PRESETS = (*SHAPES, "tiny")
@@ -102,129 +102,6 @@ def steady_median(seconds: list[float]) -> float:
     """The median step time after the first, which warms up (allocations, Adam's states,
     kernels); the first alone if it is the only one."""
     return statistics.median(seconds[1:] or seconds)
-
-
-# --- memory --------------------------------------------------------------------------
-
-
-class RssSampler:
-    """Peak resident set of this process, sampled every ``interval`` seconds by a thread."""
-
-    def __init__(self, interval: float = 0.002) -> None:
-        import psutil
-
-        self.process = psutil.Process()
-        self.interval = interval
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def rss(self) -> int:
-        return self.process.memory_info().rss
-
-    def __enter__(self) -> "RssSampler":
-        self.peak = self.rss()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self.rss())
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.rss())
-
-
-def _trim_heap() -> None:
-    """Gives freed C heap back to the OS (glibc), so an earlier trial's pages do not count."""
-    import gc
-
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _pin_mmap_threshold() -> None:
-    """Large blocks always from mmap, returned to the OS when freed (glibc). By default
-    glibc raises its mmap threshold to the size of each mmapped block it frees, so later
-    tensors of that size come from the heap and their freed pages stay resident: the
-    high-water mark then depends on how often that happened (it varied from run to run
-    of one step), not only on what the step holds."""
-    try:
-        import ctypes
-
-        m_mmap_threshold = -3  # glibc's malloc.h
-        ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 128 * 1024)
-    except (OSError, AttributeError):
-        pass
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"no {field} in /proc/self/status")
-
-
-def _kernel_peak_available() -> bool:
-    return os.access("/proc/self/clear_refs", os.W_OK) and os.path.exists("/proc/self/status")
-
-
-class MemoryMeter:
-    """One interface over CUDA's allocator statistics and the CPU's resident set: the
-    kernel's exact high-water mark (VmHWM, reset through /proc/self/clear_refs) on Linux,
-    else RSS sampled by a thread (which can miss a short peak)."""
-
-    def __init__(self, device) -> None:
-        import torch
-
-        self.torch = torch
-        self.cuda = device.type == "cuda"
-        self.kernel_peak = not self.cuda and _kernel_peak_available()
-        if not self.cuda:
-            _pin_mmap_threshold()
-        if self.cuda:
-            self.method = "torch.cuda.max_memory_allocated (absolute, model states included)"
-        elif self.kernel_peak:
-            self.method = ("process RSS high-water mark (VmHWM, reset after malloc_trim; mmap threshold pinned) "
-                           "(peak above the pre-step baseline; absolute peak against --memory-limit-gib)")
-        else:
-            self.method = ("process RSS sampled every 2 ms by a psutil thread after malloc_trim (peak above the "
-                           "pre-step baseline; absolute peak against --memory-limit-gib)")
-
-    def measure(self, work: Callable[[], None]) -> dict:
-        torch = self.torch
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            baseline = torch.cuda.memory_allocated()
-            work()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-            return {"baseline_bytes": baseline, "peak_bytes": peak, "peak_above_baseline_bytes": peak - baseline}
-        _trim_heap()
-        if self.kernel_peak:
-            with open("/proc/self/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")  # VmHWM := the resident set now
-            baseline = _status_bytes("VmRSS")
-            work()
-            peak = _status_bytes("VmHWM")
-            return {"baseline_bytes": baseline, "peak_bytes": peak, "peak_above_baseline_bytes": peak - baseline}
-        with RssSampler() as sampler:
-            baseline = sampler.peak
-            work()
-        return {"baseline_bytes": baseline, "peak_bytes": sampler.peak,
-                "peak_above_baseline_bytes": sampler.peak - baseline}
 
 
 # --- the model and the batch ---------------------------------------------------------
