@@ -10,7 +10,7 @@ from .config import KL_ESTIMATORS, LossConfig
 from .correction_table import RejectionFilter, RolloutCorrection
 from .metrics import METRIC_NAMES
 from .presets import LOSS_PRESETS, LOSS_TYPES
-from .layout import cu_seqlens_from_position_ids
+from .token_layout import cu_seqlens_from_position_ids
 from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from .module import HADWGRPOLoss, LinearHADWGRPOLoss
 

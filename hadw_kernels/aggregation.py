@@ -9,7 +9,7 @@ import torch
 
 from .aggregation_table import AGGREGATIONS
 from .config import LossConfig
-from .layout import TokenLayout
+from .token_layout import TokenLayout
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, layout: TokenLayout, config: LossConfig) -> torch.Tensor:

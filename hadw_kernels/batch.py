@@ -16,7 +16,7 @@ import torch
 from .active_rows import RowSelection
 from .aggregation_table import AGGREGATIONS
 from .config import LossConfig
-from .layout import TokenLayout
+from .token_layout import TokenLayout
 
 
 @dataclass(slots=True)

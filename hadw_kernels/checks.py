@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .layout import TokenLayout
+    from .token_layout import TokenLayout
 
 
 def compiling() -> bool:

@@ -28,7 +28,7 @@ import torch
 from .batch import SurrogateBatch
 from .correction_table import CORRECTION_RULES, REJECTION_STATISTICS, RejectionFilter
 from .objective_table import LOG_RATIO_CLAMP
-from .layout import TokenLayout
+from .token_layout import TokenLayout
 from .precision import accumulate_dtype
 
 # Weight means below this leave batch normalisation off (verl's guard against dividing by 0).

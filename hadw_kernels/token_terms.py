@@ -9,7 +9,7 @@ import torch
 
 from .config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LossConfig
 from .objective_table import LOG_RATIO_CLAMP
-from .layout import TokenLayout
+from .token_layout import TokenLayout
 from .objectives import gmpo_log_ratio
 
 

@@ -26,7 +26,7 @@ from .checks import (
     require_per_segment, require_per_token, require_tensor, require_values_device, shape,
 )
 from .config import LossConfig
-from .layout import TokenLayout
+from .token_layout import TokenLayout
 from . import value_checks
 from .value_checks import assert_cu_seqlens, assert_label_range, check_group_index
 

@@ -15,7 +15,7 @@ import torch
 
 from .active_rows import active_rows
 from .checks import check_anchor, check_finite_positive, compiling, detached, require_values_device
-from .layout import TokenLayout
+from .token_layout import TokenLayout
 from .precision import accumulate_dtype
 
 

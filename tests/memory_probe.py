@@ -15,7 +15,7 @@ import torch
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels.config import LossConfig
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
-from hadw_kernels.layout import TokenLayout
+from hadw_kernels.token_layout import TokenLayout
 from hadw_kernels.batch import SurrogateBatch
 from hadw_kernels.reference.surrogate import surrogate_loss
 

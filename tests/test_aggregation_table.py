@@ -11,7 +11,7 @@ from hadw_kernels import aggregation_table
 from hadw_kernels.backends import cpp_constants
 from hadw_kernels.aggregation_table import AGG_MODES, AGGREGATIONS
 from hadw_kernels.config import LossConfig
-from hadw_kernels.layout import TokenLayout
+from hadw_kernels.token_layout import TokenLayout
 from hadw_kernels.aggregation import aggregate, agg_weights
 
 

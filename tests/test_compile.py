@@ -176,7 +176,7 @@ def test_fake_kernels_match_the_cpp_ops(with_optional):
 
     config = LossConfig.build("grpo", 2, beta=0.04 if with_optional else 0.0, entropy_coef=0.01)
     rows = 4 * WIDTH
-    # Four segments of uneven lengths, one empty (the ops' one layout, hadw_kernels/layout.py).
+    # Four segments of uneven lengths, one empty (the ops' one layout, hadw_kernels/token_layout.py).
     cu_seqlens = torch.tensor([0, WIDTH - 3, WIDTH - 3, 3 * WIDTH, rows])
     logprobs = -torch.rand(rows)
     check("surrogate_loss", logprobs=logprobs, old_logprobs=logprobs - 0.1,

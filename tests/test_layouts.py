@@ -430,12 +430,12 @@ def test_the_maps_refuse_values_of_another_shape(name):
         batch.from_responses([torch.zeros(2), torch.zeros(3)])
     with pytest.raises(ValueError, match=r"per_response\[1\] of shape \(4,\): row 1's response has 3 tokens"):
         batch.from_responses([torch.zeros(2), torch.zeros(4), torch.zeros(1)])
-    with pytest.raises(TypeError, match=r"per_response\[0\] is a list"):
+    with pytest.raises(TypeError, match=r"per_response\[0\] must be a torch.Tensor, got list"):
         batch.from_responses([[0.0, 0.0], torch.zeros(3), torch.zeros(1)])
     for wrong in (torch.zeros(2), torch.zeros(4), torch.zeros(())):
         with pytest.raises(ValueError, match=rf"values of shape {re.escape(str(tuple(wrong.shape)))}: 3 rows"):
             batch.per_segment(wrong)
-    with pytest.raises(TypeError, match="values is a list"):
+    with pytest.raises(TypeError, match="values must be a torch.Tensor, got list"):
         batch.per_segment([1.0, 2.0, 3.0])
     hidden = torch.zeros(*batch.input_ids.shape, 4)
     assert batch.loss_hidden_states(hidden).shape[:2] == batch.labels.shape

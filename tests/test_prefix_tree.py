@@ -12,7 +12,7 @@ import torch
 
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels.layouts import LAYOUTS, enable_segment_attention
-from hadw_kernels.layouts.builders import fed_sequence
+from hadw_kernels.layouts.tallies import fed_sequence
 from test_layouts import VOCAB, tiny_model
 
 

@@ -24,7 +24,7 @@ from hadw_kernels.config import LossConfig
 from hadw_kernels.correction_table import REJECTION_FILTERS, RejectionFilter
 from hadw_kernels.integrations.verl_rollout_correction import rollout_correction_from_verl
 from hadw_kernels.correction import correct
-from hadw_kernels.layout import TokenLayout
+from hadw_kernels.token_layout import TokenLayout
 
 pytest.importorskip("trl", reason="the trl extra is not installed")
 rollout_corr = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="the verl extra is not installed")

@@ -27,7 +27,6 @@ placed them.
 
 from __future__ import annotations
 
-import bisect
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,10 +34,13 @@ from numbers import Integral
 
 import torch
 
+from ..checks import require_tensor
 from ..linear_blocks import IGNORE_INDEX
 from .attention import require_segment_attention
 from .rows import RowTokens, rows_by_group
 from .segments import Segments, Span, span_positions
+from .tallies import (PackedTally, PaddedTally, PrefixTreeTally, SharedPromptTally, TokenTally, common_prefix_length,
+                      fed_sequence)
 
 
 @dataclass
@@ -98,7 +100,7 @@ class LaidOutBatch:
         every position (``response_mask`` marks the counted ones, so the prompts' enter no
         GEMM), or in the prefix tree the positions each response reads, gathered (the
         backward adds up the gradients of the responses that share one)."""
-        _require_tensor("hidden_states", hidden_states)
+        require_tensor("hidden_states", hidden_states)
         if hidden_states.dim() != 3 or hidden_states.shape[:2] != self.input_ids.shape:
             raise ValueError(f"hidden_states of shape {tuple(hidden_states.shape)}: the model was fed input_ids of "
                              f"shape {tuple(self.input_ids.shape)}, so its last hidden states are "
@@ -118,7 +120,7 @@ class LaidOutBatch:
 
     def _require_rows(self, values, *, padded: bool = False) -> None:
         """``values`` one a row [b, ...], or (``padded``) each row's right-padded [b, W]."""
-        _require_tensor("values", values)
+        require_tensor("values", values)
         rows, longest = len(self.response_lengths), max(self.response_lengths)
         if padded and (values.dim() != 2 or values.shape[0] != rows or values.shape[1] < longest):
             raise ValueError(f"values of shape {tuple(values.shape)}: {rows} rows, the longest response {longest} "
@@ -128,7 +130,7 @@ class LaidOutBatch:
 
     def _require_layout(self, values) -> None:
         """``values`` per token in the loss's layout, the labels' shape."""
-        _require_tensor("values", values)
+        require_tensor("values", values)
         if values.shape != self.labels.shape:
             raise ValueError(f"values of shape {tuple(values.shape)}: the loss's layout is "
                              f"{tuple(self.labels.shape)} (the labels')")
@@ -180,7 +182,7 @@ class LaidOutBatch:
         if len(per_response) != len(self.response_lengths):
             raise ValueError(f"{len(per_response)} responses' values for {len(self.response_lengths)} rows")
         for row, (row_values, length) in enumerate(zip(per_response, self.response_lengths)):
-            _require_tensor(f"per_response[{row}]", row_values)
+            require_tensor(f"per_response[{row}]", row_values)
             if row_values.shape != (length,):
                 raise ValueError(f"per_response[{row}] of shape {tuple(row_values.shape)}: row {row}'s response has "
                                  f"{length} tokens")
@@ -188,139 +190,6 @@ class LaidOutBatch:
         out = values.new_zeros(self.labels.numel())
         out[self._token_index(self.labels.device)[2]] = values
         return out.view(self.labels.shape)
-
-
-def _require_tensor(name: str, value) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} is a {type(value).__name__}, not a tensor")
-
-
-class TokenTally:
-    """The tokens a growing set of a batch's rows (``rows.RowTokens``) feeds in a layout,
-    counted without building anything: ``with_rows`` what it would feed once ``rows``
-    (indices of the batch's rows) join, ``add`` them."""
-
-    def __init__(self, batch: RowTokens) -> None:
-        if not isinstance(batch, RowTokens):
-            raise TypeError(f"a tally counts a RowTokens (the rows' prompt and response token ids), not a "
-                            f"{type(batch).__name__}")
-        self.batch = batch
-        self.rows: list[int] = []
-
-    def with_rows(self, rows: Sequence[int]) -> int:
-        """The tokens fed once ``rows`` join (without adding them)."""
-        return self._with_rows(self._checked(rows))
-
-    def add(self, rows: Sequence[int]) -> None:
-        self._add(self._checked(rows))
-
-    def _checked(self, rows: Sequence[int]) -> list[int]:
-        rows, count = list(rows), len(self.batch)
-        for row in rows:
-            if type(row) is bool or not isinstance(row, Integral) or not 0 <= row < count:
-                raise ValueError(f"row {row!r} is not one of the batch's {count} rows")
-        return rows
-
-    def _with_rows(self, rows: Sequence[int]) -> int:
-        raise NotImplementedError
-
-    def _add(self, rows: Sequence[int]) -> None:
-        self.rows.extend(rows)
-
-
-class _PaddedTally(TokenTally):
-    """Every row padded to the widest prompt and the widest response (at least one
-    response position)."""
-
-    def __init__(self, batch: RowTokens) -> None:
-        super().__init__(batch)
-        self.prompt_width = self.response_width = 0
-
-    def _widths(self, rows: Sequence[int]) -> tuple[int, int]:
-        return (max([self.prompt_width, *(self.batch.prompt_lengths[row] for row in rows)]),
-                max([self.response_width, 1, *(self.batch.response_lengths[row] for row in rows)]))
-
-    def _with_rows(self, rows: Sequence[int]) -> int:
-        return (len(self.rows) + len(rows)) * sum(self._widths(rows))
-
-    def _add(self, rows: Sequence[int]) -> None:
-        super()._add(rows)
-        self.prompt_width, self.response_width = self._widths(rows)
-
-
-class _PackedTally(TokenTally):
-    """Every prompt and response token."""
-
-    def __init__(self, batch: RowTokens) -> None:
-        super().__init__(batch)
-        self.tokens = 0
-
-    def _tokens(self, rows: Sequence[int]) -> int:
-        return sum(self.batch.prompt_lengths[row] + self.batch.response_lengths[row] for row in rows)
-
-    def _with_rows(self, rows: Sequence[int]) -> int:
-        return self.tokens + self._tokens(rows)
-
-    def _add(self, rows: Sequence[int]) -> None:
-        super()._add(rows)
-        self.tokens += self._tokens(rows)
-
-
-class _SharedPromptTally(TokenTally):
-    """Each group's prompt once but its last token (whole where the group's responses
-    here are all empty), and every response token."""
-
-    def __init__(self, batch: RowTokens) -> None:
-        super().__init__(batch)
-        self.response_tokens = 0
-        self.prompts: dict[int, tuple[int, bool]] = {}  # group -> (prompt length, a response here has tokens)
-
-    def _merged(self, rows: Sequence[int]) -> dict[int, tuple[int, bool]]:
-        prompts = dict(self.prompts)
-        lengths = self.batch.response_lengths
-        for row in rows:
-            group = self.batch.groups[row]
-            has_tokens = prompts.get(group, (0, False))[1] or lengths[row] > 0
-            prompts[group] = (self.batch.prompt_lengths[row], has_tokens)
-        return prompts
-
-    def _with_rows(self, rows: Sequence[int]) -> int:
-        prompts = sum(length - has_tokens for length, has_tokens in self._merged(rows).values())
-        return self.response_tokens + sum(self.batch.response_lengths[row] for row in rows) + prompts
-
-    def _add(self, rows: Sequence[int]) -> None:
-        super()._add(rows)
-        self.prompts = self._merged(rows)
-        self.response_tokens += sum(self.batch.response_lengths[row] for row in rows)
-
-
-class _PrefixTreeTally(TokenTally):
-    """The distinct tokens of the rows' fed sequences (:func:`fed_sequence`): kept sorted,
-    a sequence joining between two others adds its length less its longest common
-    prefix with either (sorted, no earlier sequence shares more with it)."""
-
-    def __init__(self, batch: RowTokens) -> None:
-        super().__init__(batch)
-        self.sorted: list[list[int]] = []
-        self.tokens = 0
-
-    def _joined(self, rows: Sequence[int], sequences: list[list[int]]) -> int:
-        tokens = 0
-        for row in rows:
-            sequence = fed_sequence(self.batch.prompts[row], self.batch.responses[row])
-            at = bisect.bisect_left(sequences, sequence)
-            shared = max(_common_prefix_length(sequences[at - 1], sequence) if at else 0,
-                         _common_prefix_length(sequence, sequences[at]) if at < len(sequences) else 0)
-            tokens += len(sequence) - shared
-            sequences.insert(at, sequence)
-        return tokens
-
-    def _with_rows(self, rows: Sequence[int]) -> int:
-        return self.tokens + self._joined(rows, list(self.sorted))
-
-    def _add(self, rows: Sequence[int]) -> None:
-        super()._add(rows)
-        self.tokens += self._joined(rows, self.sorted)
 
 
 class Layout:
@@ -375,7 +244,7 @@ class Layout:
 
 class PaddedLayout(Layout):
     name = "padded"
-    _tally = _PaddedTally
+    _tally = PaddedTally
 
     def _build(self, batch, pad_token_id, device) -> LaidOutBatch:
         prompts, responses = batch.prompts, batch.responses
@@ -406,7 +275,7 @@ class PaddedLayout(Layout):
 class PackedLayout(Layout):
     name = "packed"
     packs = True
-    _tally = _PackedTally
+    _tally = PackedTally
 
     def _build(self, batch, pad_token_id, device) -> LaidOutBatch:
         prompts, responses = batch.prompts, batch.responses
@@ -438,7 +307,7 @@ class SharedPromptLayout(Layout):
     name = "shared_prompt"
     packs = True
     shares_prompts = True
-    _tally = _SharedPromptTally
+    _tally = SharedPromptTally
 
     def _build(self, batch, pad_token_id, device) -> LaidOutBatch:
         prompts, responses = batch.prompts, batch.responses
@@ -489,7 +358,7 @@ class PrefixTreeLayout(Layout):
     name = "prefix_tree"
     packs = True
     shares_prompts = True
-    _tally = _PrefixTreeTally
+    _tally = PrefixTreeTally
 
     def _build(self, batch, pad_token_id, device) -> LaidOutBatch:
         prompts, responses = batch.prompts, batch.responses
@@ -503,7 +372,7 @@ class PrefixTreeLayout(Layout):
         previous_spans: list[Span] = []
         for row in order:
             sequence = sequences[row]
-            shared = _common_prefix_length(previous, sequence)
+            shared = common_prefix_length(previous, sequence)
             spans = _first_positions(previous_spans, shared)
             if shared < len(sequence):
                 start, length = len(ids), len(sequence) - shared
@@ -527,27 +396,6 @@ class PrefixTreeLayout(Layout):
                                  None if in_order else order, device)
         laid_out.hidden_index = torch.cat(gathered).to(device)
         return laid_out
-
-
-def fed_sequence(prompt: list[int], response: list[int]) -> list[int]:
-    """The tokens of a row the prefix tree feeds: its prompt and its response but the last
-    token, whose hidden state predicts nothing (the prompt alone for an empty response)."""
-    return prompt + response[:-1]
-
-
-def _common_prefix_length(first: list[int], second: list[int]) -> int:
-    """How many leading tokens ``first`` and ``second`` share; list slices compared in C,
-    bisected (a sequence runs to thousands of tokens)."""
-    low, high = 0, min(len(first), len(second))
-    if first[:high] == second[:high]:
-        return high
-    while high - low > 1:  # first[:low] == second[:low], first[:high] != second[:high]
-        middle = (low + high) // 2
-        if first[:middle] == second[:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 def _first_positions(spans: list[Span], count: int) -> list[Span]:

@@ -1,7 +1,7 @@
 """The op schemas, defined once, and their fake (meta) implementations.
 
     hadw::surrogate_loss             the clipped surrogate from log-probs [N] in segments
-                                     (cu_seqlens, hadw_kernels/layout.py): loss, its
+                                     (cu_seqlens, hadw_kernels/token_layout.py): loss, its
                                      gradient (formed in the forward), metrics, and the
                                      gradient's factor ``grad_scale``: under token-mean
                                      without a normaliser (aggregation_table.counts_batch_tokens)

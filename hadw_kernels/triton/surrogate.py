@@ -21,7 +21,7 @@ writes as ``grad_scale`` for backward to apply with the upstream gradient (the o
 contract, ops/schemas.py), and divides the loss by.
 
 The tokens come flat, [N], in segments of one response each (``cu_seqlens``,
-hadw_kernels/layout.py): a program streams its segment's tokens, so a padded [B, T] batch
+hadw_kernels/token_layout.py): a program streams its segment's tokens, so a padded [B, T] batch
 (B segments of T) and a packed one run the same kernel. Advantages are per response
 (from rewards or the caller's) or the caller's per token.
 

@@ -25,7 +25,7 @@ from hadw_kernels.objective_table import OBJECTIVE_OPTIONS, OBJECTIVES
 from hadw_kernels.presets import LOSS_PRESETS, LOSS_TYPES
 from hadw_kernels.advantage import weighted_advantages
 from hadw_kernels.batch import SurrogateBatch, caller_advantages
-from hadw_kernels.layout import TokenLayout
+from hadw_kernels.token_layout import TokenLayout
 from hadw_kernels.objectives import SELECTIONS
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
 from hadw_kernels.correction import correct

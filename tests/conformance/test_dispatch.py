@@ -93,7 +93,7 @@ def test_unknown_backend_is_rejected():
 
 
 def _surrogate_arguments(config, dtype, device) -> dict:
-    """``surrogate_loss``'s arguments: four segments of 20 tokens, one empty (hadw_kernels/layout.py)."""
+    """``surrogate_loss``'s arguments: four segments of 20 tokens, one empty (hadw_kernels/token_layout.py)."""
     generator = torch.Generator().manual_seed(0)
     logprobs = (-torch.rand(20, generator=generator)).to(dtype=dtype, device=device)
     return dict(logprobs=logprobs, old_logprobs=logprobs.flip(0), response_mask=torch.ones(20, dtype=torch.bool,
