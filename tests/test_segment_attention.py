@@ -31,19 +31,25 @@ TREE = Segments.of([(0, 5, ()), (5, 4, ((0, 5),)), (9, 3, ((0, 5), (5, 2))), (12
 MANY_SHAPES = Segments.of([(sum(range(n)), n, ()) for n in range(1, 12)])
 
 
-def dense_attention(query, key, value, segments: Segments, scaling):
-    """float64 attention under the mask the segments describe: query j of a segment reads
-    its prefix and its own positions up to j."""
-    tokens, heads = query.shape[2], query.shape[1]
-    repeat = heads // key.shape[1]
-    q = query[0].double()
-    k, v = (t[0].double().repeat_interleave(repeat, 0) for t in (key, value))
-    allowed = torch.zeros(tokens, tokens, dtype=torch.bool, device=query.device)
+def allowed_keys(segments: Segments) -> torch.Tensor:
+    """[N, N], true where a query may read a key: query j of a segment reads its prefix
+    spans and its own positions up to j."""
+    allowed = torch.zeros(segments.tokens, segments.tokens, dtype=torch.bool)
     for start, length, spans in zip(segments.starts, segments.lengths, segments.prefixes):
         for j in range(length):
             for prefix, prefix_length in spans:
                 allowed[start + j, prefix:prefix + prefix_length] = True
             allowed[start + j, start:start + j + 1] = True
+    return allowed
+
+
+def dense_attention(query, key, value, segments: Segments, scaling):
+    """float64 attention under the mask the segments describe (:func:`allowed_keys`)."""
+    heads = query.shape[1]
+    repeat = heads // key.shape[1]
+    q = query[0].double()
+    k, v = (t[0].double().repeat_interleave(repeat, 0) for t in (key, value))
+    allowed = allowed_keys(segments).to(query.device)
     scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1).unsqueeze(0)
 
@@ -96,11 +102,7 @@ def test_the_varlen_path_gathers_each_segment_s_keys(segments):
     then its own positions, and offsets into it: checked here on the CPU against the keys
     the segments' mask lets the segment's last query read."""
     tensors = segments._device_tensors(torch.device("cpu"))
-    allowed = torch.zeros(segments.tokens, segments.tokens, dtype=torch.bool)
-    for start, length, spans in zip(segments.starts, segments.lengths, segments.prefixes):
-        for prefix, prefix_length in spans:
-            allowed[start:start + length, prefix:prefix + prefix_length] = True
-        allowed[start:start + length, start:start + length] = True
+    allowed = allowed_keys(segments)
     keys = tensors["key_index"].tolist()
     offsets = tensors["cu_k"].tolist()
     for index, (start, length) in enumerate(zip(segments.starts, segments.lengths)):

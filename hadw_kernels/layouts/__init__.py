@@ -1,8 +1,8 @@
 """The model's side of a micro-batch: padded, packed, shared-prompt and prefix-tree layouts
 of prompt + response token ids (``builders``; what they would feed, ``tallies``), the
-rows they read and which share a prompt (``rows``), the segment attention that keeps the samples of a packed row apart on a
-transformers model (``segments``, ``attention``), and the rule a host picks a layout by
-(``choice``). docs/layouts.md."""
+rows they read and which share a prompt (``rows``), the segment attention that keeps the
+samples of a packed row apart on a transformers model (``segments``, ``attention``), and
+the rule a host picks a layout by (``choice``). docs/layouts.md."""
 
 from .attention import SegmentAttentionUnavailable, disable_segment_attention, enable_segment_attention
 from .builders import LAYOUTS, LaidOutBatch, Layout, get_layout

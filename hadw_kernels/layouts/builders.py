@@ -392,10 +392,8 @@ class PrefixTreeLayout(Layout):
             offsets.append(len(labels))
             gathered.append(span_positions(row_spans[row])[first:first + len(response)])
         in_order = order == list(range(len(order)))
-        laid_out = _packed_batch(ids, positions, labels, offsets, starts, responses, Segments.of(segments),
-                                 None if in_order else order, device)
-        laid_out.hidden_index = torch.cat(gathered).to(device)
-        return laid_out
+        return _packed_batch(ids, positions, labels, offsets, starts, responses, Segments.of(segments),
+                             None if in_order else order, device, hidden_index=torch.cat(gathered).to(device))
 
 
 def _first_positions(spans: list[Span], count: int) -> list[Span]:
@@ -409,13 +407,15 @@ def _first_positions(spans: list[Span], count: int) -> list[Span]:
     return kept
 
 
-def _packed_batch(ids, positions, labels, offsets, starts, responses, segments, segment_rows, device) -> LaidOutBatch:
+def _packed_batch(ids, positions, labels, offsets, starts, responses, segments, segment_rows, device, *,
+                  hidden_index: torch.Tensor | None = None) -> LaidOutBatch:
     label_tensor = _long_tensor(labels)[None]
     return LaidOutBatch(
         _long_tensor(ids)[None].to(device), _long_tensor(positions)[None].to(device),
         None, segments, label_tensor.to(device), (label_tensor != IGNORE_INDEX).to(device),
         torch.tensor(offsets, dtype=torch.int64, device=device), response_starts=starts,
         response_lengths=[len(response) for response in responses], segment_rows=segment_rows,
+        hidden_index=hidden_index,
     )
 
 
