@@ -201,6 +201,25 @@ def test_every_tally_counts_what_its_layout_builds(seed):
     assert fed["prefix_tree"] == min(fed.values())
 
 
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_subset_of_checked_rows_builds_what_its_rows_build(name):
+    """A trainer checks its rollout batch once and builds each micro-batch from a subset
+    of it: the same batch as building those rows' tokens, shuffled rows and a group's
+    prompt ids from the whole batch included."""
+    prompts, responses = random_forked_rows(3)
+    rows = [7, 2, 9, 0, 4]
+    laid_out = LAYOUTS[name].build_rows(RowTokens(prompts, responses).subset(rows), pad_token_id=0)
+    expected = LAYOUTS[name].build([prompts[r] for r in rows], [responses[r] for r in rows], pad_token_id=0)
+    for field in ("input_ids", "position_ids", "attention_mask", "labels", "response_mask", "cu_seqlens",
+                  "hidden_index"):
+        mine, theirs = getattr(laid_out, field), getattr(expected, field)
+        assert (mine is None and theirs is None) or torch.equal(mine, theirs), field
+    assert laid_out.attention_segments == expected.attention_segments
+    assert (laid_out.response_starts, laid_out.segment_rows) == (expected.response_starts, expected.segment_rows)
+    with pytest.raises(TypeError, match="build_rows takes a RowTokens"):
+        LAYOUTS[name].build_rows([prompts, responses])
+
+
 def test_prefix_tree_layout():
     """Rows sorted by their fed sequences (prompt and response but its last token), each
     after its longest common prefix with the one before: a prompt shared by three rows,

@@ -103,7 +103,7 @@ def test_a_group_larger_than_the_budget_is_split_with_its_prompt_in_each_part():
     micro_batches, oversized = pack_by_tokens(range(4), batch, 25, layout=layout)
     assert micro_batches == [[0, 1], [2, 3]] and oversized == []
     for micro in micro_batches:
-        built = layout.build(*batch.subset(micro))
+        built = layout.build_rows(batch.subset(micro))
         assert built.fed_tokens == layout.fed_tokens(batch, micro) == 21
 
 

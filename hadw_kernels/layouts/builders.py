@@ -209,7 +209,15 @@ class Layout:
         ``rows.RowTokens``). ``pad_token_id``: what fills the padded layout's padding (the
         packed layouts pad nothing). Every prompt needs a token: a response's first token
         is predicted from its prompt's last."""
-        rows = RowTokens(prompts, responses)
+        return self.build_rows(RowTokens(prompts, responses), pad_token_id=pad_token_id, device=device)
+
+    def build_rows(self, rows: RowTokens, *, pad_token_id: int | None = None,
+                   device: torch.device | str = "cpu") -> LaidOutBatch:
+        """:meth:`build` of rows already checked (a ``RowTokens``, or its ``subset``: a
+        trainer's micro-batch of the rollout batch it checked once)."""
+        if not isinstance(rows, RowTokens):
+            raise TypeError(f"rows is a {type(rows).__name__}: build_rows takes a RowTokens (build takes the "
+                            "prompts and responses)")
         if not len(rows):
             raise ValueError("a micro-batch needs at least one row")
         if pad_token_id is not None:

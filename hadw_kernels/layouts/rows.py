@@ -68,26 +68,34 @@ class RowTokens:
     """A batch's rows as a layout reads them: each row's prompt and response token ids
     (lists of non-negative ints or 1-D integer tensors; checked once, by
     :func:`token_rows`), their lengths, and each row's prompt group
-    (:func:`prompt_groups`). What a layout's tally counts and its ``build`` lays out."""
+    (:func:`prompt_groups`). What a layout's tally counts and its ``build_rows`` lays
+    out; :meth:`subset` takes some of its rows without checking them again."""
 
     def __init__(self, prompts, responses) -> None:
-        self.prompts, self.responses = token_rows("prompts", prompts), token_rows("responses", responses)
-        if len(self.prompts) != len(self.responses):
-            raise ValueError(f"{len(self.prompts)} prompts for {len(self.responses)} responses")
-        empty = next((row for row, prompt in enumerate(self.prompts) if not prompt), None)
+        prompts, responses = token_rows("prompts", prompts), token_rows("responses", responses)
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+        empty = next((row for row, prompt in enumerate(prompts) if not prompt), None)
         if empty is not None:
             raise ValueError(f"prompts[{empty}] is empty: a sample needs a prompt token to predict its response's "
                              "first token from")
-        self.prompt_lengths = [len(prompt) for prompt in self.prompts]
-        self.response_lengths = [len(response) for response in self.responses]
-        self.groups = group_ids(self.prompts)
+        self._hold(prompts, responses, group_ids(prompts))
+
+    def _hold(self, prompts: list[list[int]], responses: list[list[int]], groups: list[int]) -> None:
+        self.prompts, self.responses, self.groups = prompts, responses, groups
+        self.prompt_lengths = [len(prompt) for prompt in prompts]
+        self.response_lengths = [len(response) for response in responses]
 
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def subset(self, rows: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """(prompts, responses) of ``rows``, in their order."""
-        return [self.prompts[row] for row in rows], [self.responses[row] for row in rows]
+    def subset(self, rows: Sequence[int]) -> "RowTokens":
+        """The batch of ``rows``, in their order: the rows as checked here, their prompt
+        groups this batch's (any ids serve, equal where prompts are)."""
+        subset = RowTokens.__new__(RowTokens)
+        subset._hold([self.prompts[row] for row in rows], [self.responses[row] for row in rows],
+                     [self.groups[row] for row in rows])
+        return subset
 
 
 def prompt_groups(prompts: Sequence[Sequence[int]]) -> list[int]:

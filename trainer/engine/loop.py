@@ -487,7 +487,8 @@ class Trainer:
         rows_tokens = RowTokens(row_prompts, responses)
 
         def batch_of(rows):
-            return self.policy.layout.build(*rows_tokens.subset(rows), pad_token_id=pad, device=self.policy.device)
+            return self.policy.layout.build_rows(rows_tokens.subset(rows), pad_token_id=pad,
+                                                 device=self.policy.device)
 
         # Behaviour log-probs: the policy before this batch's first update, kept per row.
         old_logprobs: list[torch.Tensor] = [None] * len(responses)
