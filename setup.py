@@ -71,7 +71,7 @@ def _package_file(*parts: str) -> dict:
 
 
 def _package_module(name: str):
-    """hadw_kernels/<name>.py imported under a stand-in package, so that its relative
+    """hadw_kernels/<name>.py (``name`` dotted: ``tables.metrics``) imported under a stand-in package, so that its relative
     imports resolve without running hadw_kernels/__init__.py, which imports the whole
     library (and the extension being built)."""
     stand_in = "_hadw_kernels_tables"

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds for the whole check: the tests and the trainer's runs get a third, the "
                              "probe's runs what is left but a reserve for the benchmarks (a lent GPU's time is short)")
     args = parser.parse_args(argv)
-    if args.rounds < 1:  # not hadw_kernels.cli's type: this script loads the library only where it runs
+    if args.rounds < 1:  # not hadw_kernels.tools.cli's type: this script loads the library only where it runs
         parser.error(f"argument --rounds: must be at least 1, got {args.rounds}")
     if args.time_limit is not None and not args.time_limit > 0:
         parser.error(f"argument --time-limit: must be positive, got {args.time_limit}")

@@ -216,7 +216,7 @@ def paper_scale(group_sizes: list[int], width: int, hidden: int, vocab: int) -> 
     """Peak memory of one loss step at Qwen3-4B's head, one prompt x G responses."""
     import torch
 
-    from hadw_kernels import plan
+    from hadw_kernels.tools import plan
     from loss_impls import Shape
 
     rows = []
@@ -317,7 +317,7 @@ def surrogate_lines(surrogate: list[tuple[str, dict]]) -> list[str]:
 def paper_lines(paper: list[dict], dry_run: bool) -> list[str]:
     lines = ["## The paper's scale: Qwen3-4B head, one prompt x G responses of 4096 tokens, bf16", "",
              "Peak memory of the loss step above its inputs; the planner's loss part "
-             "(`hadw_kernels.plan.loss_part_bytes`) beside it.", "",
+             "(`hadw_kernels.tools.plan.loss_part_bytes`) beside it.", "",
              "| G | tokens | eager MiB | hadw MiB | planner hadw MiB | planner eager MiB |",
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in paper:

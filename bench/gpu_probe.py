@@ -87,7 +87,7 @@ def probe_runs(dry_run: bool, seconds: float | None = None) -> list[ProbeRun]:
 def _planned_budget(run: ProbeRun, gpu_gib: float | None) -> str:
     """The planner's budget view for the probe's setting (one GPU, no fixed overhead:
     max_memory_allocated counts no CUDA context), or n/a."""
-    from hadw_kernels import plan
+    from hadw_kernels.tools import plan
 
     result = run.result or {}
     if result.get("preset") not in plan.PRESETS or gpu_gib is None:
@@ -116,7 +116,7 @@ def probe_lines(runs: list[ProbeRun], dry_run: bool) -> list[str]:
              "; budget: prompt + response tokens of the micro-batch's sequences (fed: the tokens through the "
              "model in its layout); tokens/s: prompt + response tokens of every sequence over the median step "
              "after a warm-up one, so layouts compare on the same work. Planner: "
-             "`hadw_kernels.plan.largest_token_budget` for the same setting (no fixed overhead).", "",
+             "`hadw_kernels.tools.plan.largest_token_budget` for the same setting (no fixed overhead).", "",
              "| run | loss | layout | budget tokens (fed) | fits | peak GiB | tokens/s | largest budget (fed) | "
              "tokens/s at it | planner budget |",
              "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]

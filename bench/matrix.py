@@ -167,7 +167,7 @@ def objective_cases(backends: tuple[str, ...], shape: Shape, loss_types) -> list
 
 
 def cases(quick: bool, backends: tuple[str, ...]) -> list[Case]:
-    from hadw_kernels.presets import LOSS_TYPES
+    from hadw_kernels.config.presets import LOSS_TYPES
 
     hidden_impls = implementations("hidden", backends)
     logprob_impls = implementations("logprobs", backends)

@@ -42,7 +42,7 @@ from typing import Iterable, TextIO
 
 import torch
 
-from hadw_kernels.cli import summary
+from hadw_kernels.tools.cli import summary
 from loss_impls import INPUTS, Shape, build_step, make_inputs
 
 MB = 1024 * 1024

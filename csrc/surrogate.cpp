@@ -66,7 +66,7 @@ std::vector<double> to_doubles(const at::Tensor& tensor) {
   return result;
 }
 
-// A_hat_i * Phi_i (hadw_kernels/advantage.py), in double.
+// A_hat_i * Phi_i (hadw_kernels/advantage/group.py), in double.
 Advantages group_advantages(const at::Tensor& rewards, int64_t group_size, bool normalize_std, double std_eps,
                             const std::optional<at::Tensor>& anchor, double lambda_scale) {
   Advantages result;
@@ -555,14 +555,14 @@ at::Tensor compute_copy(const at::Tensor& tensor, at::ScalarType compute) {
 
 // Whether the aggregation divides by the batch's valid tokens (token-mean without a
 // normaliser): the op's gradients then leave that 1 / N_tok to its grad_scale output
-// (hadw_kernels/aggregation.py: counts_batch_tokens; the contract in ops/schemas.py).
+// (hadw_kernels/formulas/aggregation.py: counts_batch_tokens; the contract in ops/schemas.py).
 bool counts_batch_tokens(int64_t loss_agg_mode, std::optional<double> loss_normalizer) {
   return config::kAggregations[loss_agg_mode].denominator == config::kDenominatorTokens &&
          !loss_normalizer.has_value();
 }
 
 // w_i of config.AGG_MODES, from the mode's row of config.AGGREGATIONS
-// (hadw_kernels/aggregation.py: agg_weights), but for the count of the batch's valid
+// (hadw_kernels/formulas/aggregation.py: agg_weights), but for the count of the batch's valid
 // tokens that grad_scale holds (counts_batch_tokens). The constant L of times_max_length
 // arrives resolved (the losses default it to a padded batch's width).
 std::vector<double> agg_weights(const std::vector<int64_t>& lengths, int64_t loss_agg_mode,

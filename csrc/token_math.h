@@ -1,6 +1,6 @@
 // The per-token math of the surrogate (hadw_kernels/reference/surrogate.py), shared by the
 // surrogate kernel (surrogate.cpp) and the gradients-in-forward linear kernel
-// (linear_logprob.cpp): each objective (hadw_kernels/objectives.py) and its derivatives, the
+// (linear_logprob.cpp): each objective (hadw_kernels/objectives/formulas.py) and its derivatives, the
 // KL estimators and theirs.
 //
 // Derivatives follow autograd's rules for the reference's ops, ties included:
@@ -23,7 +23,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "hadw_config.h"  // generated from hadw_kernels/config.py by setup.py
+#include "hadw_config.h"  // generated from hadw_kernels/config/loss_config.py by setup.py
 #include "tile_math.h"
 
 namespace hadw {

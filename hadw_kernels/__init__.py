@@ -1,18 +1,18 @@
 """Fused GRPO-family losses with History-Aware Adaptive Difficulty Weighting (HA-DW)."""
 
-from .advantage import group_advantages, hadw_advantages, hadw_weights
-from .anchor import DifficultyAnchor
-from .estimators import ESTIMATOR_NAMES
-from .history import PromptHistory, prompt_key
+from .advantage.anchor import DifficultyAnchor
+from .advantage.group import group_advantages, hadw_advantages, hadw_weights
+from .advantage.history import PromptHistory, prompt_key
 from .backends import BackendUnavailable, available_backends
-from .aggregation_table import AGG_MODES
-from .config import KL_ESTIMATORS, LossConfig
-from .correction_table import RejectionFilter, RolloutCorrection
-from .metrics import METRIC_NAMES
-from .presets import LOSS_PRESETS, LOSS_TYPES
-from .token_layout import cu_seqlens_from_position_ids
+from .batch.token_layout import cu_seqlens_from_position_ids
+from .config.loss_config import KL_ESTIMATORS, LossConfig
+from .config.presets import LOSS_PRESETS, LOSS_TYPES
 from .loss import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from .module import HADWGRPOLoss, LinearHADWGRPOLoss
+from .tables.aggregations import AGG_MODES
+from .tables.corrections import RejectionFilter, RolloutCorrection
+from .tables.estimators import ESTIMATOR_NAMES
+from .tables.metrics import METRIC_NAMES
 
 __all__ = [
     "AGG_MODES",

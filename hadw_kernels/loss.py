@@ -8,24 +8,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .active_rows import RowSelection, active_rows
+from .advantage.group import batch_advantages, estimated_batch, group_metrics
 from .backends import check_backend_name, resolve_backend
-from .call_config import LINEAR_ONLY_OPTIONS, call_config
-from .config import LossConfig, LossOptions
-from .linear_blocks import IGNORE_INDEX, check_block_rows, check_linear_path
-from .metrics import ordered_metrics
-from .objective_table import OBJECTIVES
-from .correction import correct, needs_current_logprobs
-from .objectives import SELECTIONS
+from .batch.active_rows import RowSelection, active_rows
+from .batch.inputs import CallInputs, LinearHead, LinearInputs, SurrogateBatch
+from .checks.arguments import check_temperature, device_of
+from .checks.validation import check_linear_inputs, linear_batch, surrogate_batch
+from .checks.values import assert_label_range, check_label_range
+from .config.call_config import LINEAR_ONLY_OPTIONS, call_config
+from .config.loss_config import LossConfig
+from .config.option_types import LossOptions
+from .formulas.aggregation import agg_weights, aggregate
+from .formulas.correction import correct, needs_current_logprobs
+from .formulas.token_terms import kl_estimate, masked_mean, own_token_ratio, token_ratio
+from .objectives.formulas import SELECTIONS
+from .objectives.table import OBJECTIVES
 from .ops import attach_single_use_gradients
-from .precision import accumulate_dtype
-from .advantage import batch_advantages, estimated_batch, group_metrics
-from .batch import CallInputs, LinearHead, LinearInputs, SurrogateBatch
-from .aggregation import agg_weights, aggregate
-from .token_terms import kl_estimate, masked_mean, own_token_ratio, token_ratio
-from .checks import check_temperature, device_of
-from .validation import check_linear_inputs, linear_batch, surrogate_batch
-from .value_checks import assert_label_range, check_label_range
+from .tables.linear_blocks import IGNORE_INDEX, check_block_rows, check_linear_path
+from .tables.metrics import ordered_metrics
+from .tables.precision import accumulate_dtype
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -1,11 +1,14 @@
-"""The floors of hadw_kernels' import graph (docs/architecture.md, "Modules"): a module
-that imports no other module of the package is on floor 1, any other one floor above the
-highest it imports. Counted from the imports a module runs when it is imported (its
-top-level ones, ``if TYPE_CHECKING:`` blocks left out); a function's own imports run
-later and are left out, as are imports of the package's root (``hadw_kernels``, the
-public API). Prints the floors, the number of arrows and the longest chain:
+"""The import graph of hadw_kernels (and the trainer's) (docs/architecture.md, "Import
+floors"). A module that imports no other module of the package is on floor 1, any other
+one floor above the highest it imports, counted from the imports a module runs when it is
+imported (its top-level ones, ``if TYPE_CHECKING:`` blocks left out). The cycle and the
+layer checks count a function's own imports too: an import deferred to call time is still
+an arrow, and a pair that import each other that way is a cycle. Imports of the package's
+root (``hadw_kernels``, the public API) are left out. Each subpackage and each module at
+the root is a unit; the units' graph must have no cycle, so that no import runs back up.
+Prints the floors, the number of arrows, the longest chain and the units' layers:
 
-    python scripts/import_floors.py
+    python scripts/import_floors.py [PACKAGE_DIR]
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ def module_name(path: Path, package: Path = PACKAGE) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _top_level(tree: ast.Module):
+def _statements(tree: ast.Module, deferred: bool):
     """The statements a module runs on import: its body, into ``if``/``try`` blocks, but
-    not an ``if TYPE_CHECKING:`` block."""
+    not an ``if TYPE_CHECKING:`` block; with ``deferred``, also every statement of its
+    functions and classes (what runs when they are called)."""
     pending = list(tree.body)
     while pending:
         node = pending.pop(0)
@@ -37,16 +41,20 @@ def _top_level(tree: ast.Module):
             pending[:0] = node.body + node.orelse
         elif isinstance(node, ast.Try):
             pending[:0] = node.body + [n for h in node.handlers for n in h.body] + node.orelse + node.finalbody
+        elif deferred and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.With,
+                                            ast.For, ast.While)):
+            pending[:0] = node.body + getattr(node, "orelse", [])
         else:
             yield node
 
 
-def imports_of(path: Path, modules: set[str], package: Path = PACKAGE) -> set[str]:
-    """The package's modules that ``path`` imports on import (absolute or relative)."""
+def imports_of(path: Path, modules: set[str], package: Path = PACKAGE, deferred: bool = False) -> set[str]:
+    """The package's modules that ``path`` imports on import (absolute or relative); with
+    ``deferred``, also those its functions import."""
     name = module_name(path, package)
     own_package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
-    for node in _top_level(ast.parse(path.read_text())):
+    for node in _statements(ast.parse(path.read_text()), deferred):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = own_package.split(".")[: len(own_package.split(".")) - node.level + 1]
@@ -63,11 +71,28 @@ def imports_of(path: Path, modules: set[str], package: Path = PACKAGE) -> set[st
     return {m for m in found if m in modules and m != root and m != name}
 
 
-def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
-    """Each module of ``package`` -> the package's modules it imports on import."""
+def import_graph(package: Path = PACKAGE, deferred: bool = False) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the package's modules it imports on import (with
+    ``deferred``, or at any time)."""
     paths = sorted(package.rglob("*.py"))
     modules = {module_name(path, package) for path in paths}
-    return {module_name(path, package): imports_of(path, modules, package) for path in paths}
+    return {module_name(path, package): imports_of(path, modules, package, deferred) for path in paths}
+
+
+def unit(module: str) -> str:
+    """The unit a module belongs to: its subpackage, or itself at the package's root
+    (``hadw_kernels.tables.bounds`` -> ``tables``, ``hadw_kernels.loss`` -> ``loss``)."""
+    return module.split(".")[1] if "." in module else module
+
+
+def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each unit -> the other units its modules import (the root's own module left out)."""
+    units: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if "." not in module:
+            continue
+        units.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
+    return units
 
 
 def floors(graph: dict[str, set[str]]) -> dict[str, int]:
@@ -101,15 +126,25 @@ def longest_chain(graph: dict[str, set[str]], floor: dict[str, int]) -> list[str
     return chain
 
 
-def main() -> None:
-    graph = import_graph()
+def main(argv: list[str]) -> None:
+    package = Path(argv[0]).resolve() if argv else PACKAGE
+    prefix = package.name + "."
+    graph = import_graph(package)
     floor = floors(graph)
     arrows = sum(len(targets) for targets in graph.values())
-    print(f"{len(graph)} modules, {arrows} arrows, {max(floor.values())} floors")
+    everything = import_graph(package, deferred=True)
+    floors(everything)  # raises on a cycle through a deferred import
+    deferred = sum(len(targets) for targets in everything.values()) - arrows
+    print(f"{len(graph)} modules, {arrows} arrows on import (+{deferred} deferred), {max(floor.values())} floors")
     for level in range(max(floor.values()), 0, -1):
-        print(f"{level:2d}: " + ", ".join(sorted(m.removeprefix('hadw_kernels.') for m in floor if floor[m] == level)))
-    print("longest chain: " + " -> ".join(m.removeprefix("hadw_kernels.") for m in longest_chain(graph, floor)))
+        print(f"{level:2d}: " + ", ".join(sorted(m.removeprefix(prefix) for m in floor if floor[m] == level)))
+    print("longest chain: " + " -> ".join(m.removeprefix(prefix) for m in longest_chain(graph, floor)))
+    units = unit_graph(everything)
+    layer = floors(units)
+    print(f"{len(units)} units, {sum(len(t) for t in units.values())} arrows between them, no cycle; layers:")
+    for level in range(max(layer.values()), 0, -1):
+        print(f"{level:2d}: " + ", ".join(sorted(u for u in layer if layer[u] == level)))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -12,7 +12,7 @@ import torch
 
 from hadw_kernels import AGG_MODES, LOSS_PRESETS, LOSS_TYPES, fused_hadw_grpo_loss, hadw_advantages
 from hadw_kernels import fused_linear_hadw_grpo_loss
-from hadw_kernels.objective_table import OBJECTIVES
+from hadw_kernels.objectives.table import OBJECTIVES
 
 GROUPS, GROUP_SIZE, WIDTH = 4, 4, 10
 ANCHOR, LAMBDA = 0.35, 1.5
@@ -225,7 +225,7 @@ def test_hadw_advantages_refuse_a_group_index_that_is_not_integer_ids(group_inde
 def test_the_group_metrics_come_with_rewards_only():
     """README.md lists phi_mean and zero_std_frac as the rewards path's only: given
     advantages, the loss cannot see the groups."""
-    from hadw_kernels.metrics import GROUP_METRICS
+    from hadw_kernels.tables.metrics import GROUP_METRICS
 
     data = rollout_batch()
     common = dict(anchor=None, return_metrics=True)

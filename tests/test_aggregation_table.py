@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from hadw_kernels import aggregation_table
+from hadw_kernels.tables import aggregations as aggregation_table
 from hadw_kernels.backends import cpp_constants
-from hadw_kernels.aggregation_table import AGG_MODES, AGGREGATIONS
-from hadw_kernels.config import LossConfig
-from hadw_kernels.token_layout import TokenLayout
-from hadw_kernels.aggregation import aggregate, agg_weights
+from hadw_kernels.tables.aggregations import AGG_MODES, AGGREGATIONS
+from hadw_kernels.config.loss_config import LossConfig
+from hadw_kernels.batch.token_layout import TokenLayout
+from hadw_kernels.formulas.aggregation import aggregate, agg_weights
 
 
 def _expected(rule, lengths, width, normalizer, max_length):
@@ -75,7 +75,7 @@ def test_a_new_row_reaches_every_backend(monkeypatch):
     header = cpp_constants.header(cpp_constants.installed)
     assert "kAggCount = 6" in header and "{1, true, true}" in header
     assert json.loads(json.dumps(cpp_constants.fingerprint(cpp_constants.installed)))["aggregations"][-1] == [1, 1, 1]
-    import hadw_kernels.aggregation as aggregation
+    import hadw_kernels.formulas.aggregation as aggregation
 
     monkeypatch.setattr(aggregation, "AGGREGATIONS", rows)
     mask = torch.tensor([[True, True, False], [True, False, False]])

@@ -10,8 +10,8 @@ import torch
 
 from gloo_ranks import on_ranks
 from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_advantages, hadw_weights
-from hadw_kernels.anchor import DEFAULT_RULE, checked_rewards
-from hadw_kernels.config import DEFAULT_LAMBDA_SCALE
+from hadw_kernels.advantage.anchor import DEFAULT_RULE, checked_rewards
+from hadw_kernels.config.loss_config import DEFAULT_LAMBDA_SCALE
 from hadw_kernels.theory.anchor_tracking import SEEDS, tracking_error
 
 BATCH = 2048  # binary rewards a rollout batch, as in the paper (docs/math.md section 3)

@@ -18,13 +18,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _demo(argv):
-    from hadw_kernels.demo import main
+    from hadw_kernels.tools.demo import main
 
     return main(argv)
 
 
 def _plan(argv):
-    from hadw_kernels.plan import main
+    from hadw_kernels.tools.plan import main
 
     return main(argv)
 
@@ -140,9 +140,9 @@ def test_a_bad_argument_is_a_usage_error_naming_the_flag(tool, argv, flag, capsy
 
 
 def test_the_demo_refuses_a_backend_that_cannot_run_here(monkeypatch, capsys):
-    import hadw_kernels.demo
+    import hadw_kernels.tools.demo
 
-    monkeypatch.setattr(hadw_kernels.demo, "available_backends", lambda device: ["torch"])
+    monkeypatch.setattr(hadw_kernels.tools.demo, "available_backends", lambda device: ["torch"])
     with pytest.raises(SystemExit) as exited:
         _demo(["--backend", "cpp"])
     assert exited.value.code == 2
@@ -229,7 +229,7 @@ def test_the_trainer_commands_run_from_any_directory(tmp_path):
 
 def _demo_output(seed: int) -> str:
     completed = subprocess.run(
-        [sys.executable, "-m", "hadw_kernels.demo", "--seed", str(seed), "--steps", "2", "--prompts", "2",
+        [sys.executable, "-m", "hadw_kernels.tools.demo", "--seed", str(seed), "--steps", "2", "--prompts", "2",
          "--group-size", "4", "--length", "16", "--hidden", "32", "--vocab", "64"],
         capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
     )

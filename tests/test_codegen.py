@@ -1,7 +1,7 @@
-"""Every derived file is what its generator writes (hadw_kernels/codegen.py): LossConfig's
+"""Every derived file is what its generator writes (hadw_kernels/tools/codegen.py): LossConfig's
 option fields, option_types.py, docs/options.md's table of the objectives' options and
 the C++ headers of a build. On a change of the tables, run ``python -m
-hadw_kernels.codegen``."""
+hadw_kernels.tools.codegen``."""
 
 import dataclasses
 import shutil
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hadw_kernels import codegen
-from hadw_kernels.config import LossConfig, LossOptions
+from hadw_kernels.tools import codegen
+from hadw_kernels.config.loss_config import LossConfig
+from hadw_kernels.config.option_types import LossOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +32,8 @@ def _copy(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("path, edit", [
     ("docs/options.md", lambda text: text.replace("| `dual_clip` | `clip`: off |", "| `dual_clip` | `clip`: 2 |")),
-    ("hadw_kernels/config.py", lambda text: text.replace("    delta: float | None = None\n", "")),
-    ("hadw_kernels/option_types.py", lambda text: text.replace("    beta: float | None\n", "")),
+    ("hadw_kernels/config/loss_config.py", lambda text: text.replace("    delta: float | None = None\n", "")),
+    ("hadw_kernels/config/option_types.py", lambda text: text.replace("    beta: float | None\n", "")),
 ])
 def test_an_edited_derived_file_is_stale_and_written_back(tmp_path, path, edit):
     root = _copy(tmp_path)
@@ -45,15 +46,15 @@ def test_an_edited_derived_file_is_stale_and_written_back(tmp_path, path, edit):
 
 
 def test_a_field_written_by_hand_reaches_the_keywords(tmp_path):
-    """option_types.py follows config.py's hand-written fields, read from its text: a new
+    """option_types.py follows loss_config.py's hand-written fields, read from its text: a new
     field becomes a keyword at its place."""
     root = _copy(tmp_path)
-    config = root / "hadw_kernels" / "config.py"
+    config = root / "hadw_kernels" / "config" / "loss_config.py"
     config.write_text(config.read_text().replace("    kl_bias_ratio: str = \"objective\"\n",
                                                  "    kl_bias_ratio: str = \"objective\"\n    trial: int | None = None\n"))
-    assert codegen.stale(root) == ["hadw_kernels/option_types.py"]
+    assert codegen.stale(root) == ["hadw_kernels/config/option_types.py"]
     codegen.write(root)
-    assert "    kl_bias_ratio: str | None\n    trial: int | None\n" in (root / "hadw_kernels" / "option_types.py").read_text()
+    assert "    kl_bias_ratio: str | None\n    trial: int | None\n" in (root / "hadw_kernels" / "config" / "option_types.py").read_text()
 
 
 def test_the_keywords_are_the_fields():

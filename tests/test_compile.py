@@ -166,7 +166,7 @@ def test_batch_size_changes_without_recompiling(loss, backend):
 def test_fake_kernels_match_the_cpp_ops(with_optional):
     """Every output of every hadw:: op has a fake of the real kernel's shape, dtype and
     strides, also with symbolic shapes (torch.library.opcheck)."""
-    from hadw_kernels.config import LossConfig
+    from hadw_kernels.config.loss_config import LossConfig
     from hadw_kernels.ops import argument_names
 
     def check(op, **arguments):
@@ -176,7 +176,7 @@ def test_fake_kernels_match_the_cpp_ops(with_optional):
 
     config = LossConfig.build("grpo", 2, beta=0.04 if with_optional else 0.0, entropy_coef=0.01)
     rows = 4 * WIDTH
-    # Four segments of uneven lengths, one empty (the ops' one layout, hadw_kernels/token_layout.py).
+    # Four segments of uneven lengths, one empty (the ops' one layout, hadw_kernels/batch/token_layout.py).
     cu_seqlens = torch.tensor([0, WIDTH - 3, WIDTH - 3, 3 * WIDTH, rows])
     logprobs = -torch.rand(rows)
     check("surrogate_loss", logprobs=logprobs, old_logprobs=logprobs - 0.1,

@@ -7,7 +7,7 @@ import torch
 
 from gloo_ranks import on_ranks
 from hadw_kernels import ESTIMATOR_NAMES, PromptHistory, hadw_advantages, prompt_key
-from hadw_kernels.estimators import ESTIMATORS
+from hadw_kernels.tables.estimators import ESTIMATORS
 from hadw_kernels.reference import estimators as reference
 
 BATCH_ESTIMATORS = [name for name in ESTIMATOR_NAMES if ESTIMATORS[name].scope != "history"]

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from hadw_kernels import LOSS_PRESETS, LossConfig, available_backends, fused_hadw_grpo_loss
-from hadw_kernels.aggregation_table import AGGREGATIONS
-from hadw_kernels.objective_table import OBJECTIVES
+from hadw_kernels.tables.aggregations import AGGREGATIONS
+from hadw_kernels.objectives.table import OBJECTIVES
 
 pytest.importorskip("trl", reason="the trl extra is not installed")
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="the verl extra is not installed")

@@ -23,7 +23,7 @@ from hadw_kernels import (
     fused_linear_hadw_grpo_loss,
     token_logprobs,
 )
-from hadw_kernels.linear_blocks import block_rows_for
+from hadw_kernels.tables.linear_blocks import block_rows_for
 from hadw_kernels.ops import routing
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")

@@ -19,7 +19,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hadw_kernels import (DifficultyAnchor, PromptHistory, fused_hadw_grpo_loss, hadw_advantages,  # noqa: E402
                           hadw_weights, prompt_key)
-from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
+from hadw_kernels.advantage.anchor import DEFAULT_RULE  # noqa: E402
 from hadw_kernels.integrations.trl import ANCHOR_FILE, HISTORY_FILE, HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
 from trl_runs import (PROMPTS, RUN, TOKENIZER, assert_masks_do_not_rest_on_rounding, logged_steps,  # noqa: E402
                       sevens, tiny_model_dir, train, train_recording_bounds)

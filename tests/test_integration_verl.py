@@ -28,7 +28,7 @@ from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
 
 from hadw_kernels import DifficultyAnchor, hadw_advantages  # noqa: E402
-from hadw_kernels.anchor import DEFAULT_RULE  # noqa: E402
+from hadw_kernels.advantage.anchor import DEFAULT_RULE  # noqa: E402
 from hadw_kernels.integrations import verl as hadw_verl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

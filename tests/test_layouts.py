@@ -14,7 +14,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaFor
 
 from hadw_kernels.layouts import (LAYOUTS, RowTokens, SegmentAttentionUnavailable, disable_segment_attention,
                                   enable_segment_attention, get_layout, prompt_groups, rows_by_group)
-from hadw_kernels.layouts.attention import keeps_samples_apart
+from hadw_kernels.layouts.switch import keeps_samples_apart
 
 VOCAB = 40
 

@@ -17,7 +17,7 @@ from hadw_kernels import (
     fused_hadw_grpo_loss,
     fused_linear_hadw_grpo_loss,
 )
-from hadw_kernels.objective_table import OBJECTIVE_OPTIONS, OBJECTIVES
+from hadw_kernels.objectives.table import OBJECTIVE_OPTIONS, OBJECTIVES
 
 OPTIONS = dict(group_size=2, beta=0.04, kl_estimator="k2", dual_clip=3.0, epsilon_high=0.28, lambda_scale=1.5)
 
@@ -129,7 +129,7 @@ def test_linear_loss_checks_the_batch_against_the_hidden_states():
 def test_the_option_keywords_are_the_config_fields():
     import dataclasses
 
-    from hadw_kernels.config import LossOptions
+    from hadw_kernels.config.option_types import LossOptions
 
     assert set(LossOptions.__annotations__) == {"loss_type"} | {f.name for f in dataclasses.fields(LossConfig)}
 
@@ -203,7 +203,7 @@ def test_loss_config_build_lists_its_options_for_an_unknown_one():
 
 
 def test_every_metric_says_what_it_is_a_mean_over():
-    from hadw_kernels.metrics import CORRECTION_METRIC_NAMES, METRIC_MEAN_OVER, METRIC_NAMES
+    from hadw_kernels.tables.metrics import CORRECTION_METRIC_NAMES, METRIC_MEAN_OVER, METRIC_NAMES
 
     assert tuple(METRIC_MEAN_OVER) == METRIC_NAMES + CORRECTION_METRIC_NAMES
     assert set(METRIC_MEAN_OVER.values()) <= {"tokens", "ratios", "responses", "groups"}
@@ -214,7 +214,7 @@ def test_a_call_s_config_is_built_once_per_set_of_options_and_never_hides_an_err
     call's host time was building it): the same options give the same object, a value of
     another type is still refused (False == 0, but a bool is no number), and an invalid set
     raises on every call."""
-    from hadw_kernels.call_config import call_config
+    from hadw_kernels.config.call_config import call_config
 
     first = call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, linear=False)
     assert call_config(None, {"loss_type": "dapo", "epsilon_high": 0.3}, linear=False) is first
@@ -255,10 +255,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_option_fields_and_keywords_come_from_the_rows():
     """LossConfig has a field per objective option (a number or None, None by default),
     in the table's order, and LossOptions a keyword; nothing but their generated block
-    (hadw_kernels/codegen.py) declares them."""
+    (hadw_kernels/tools/codegen.py) declares them."""
     import dataclasses
 
-    from hadw_kernels.config import LossOptions
+    from hadw_kernels.config.option_types import LossOptions
 
     fields = {field.name: field for field in dataclasses.fields(LossConfig)}
     names = list(fields)
@@ -266,7 +266,7 @@ def test_the_option_fields_and_keywords_come_from_the_rows():
     assert names[first:first + len(OBJECTIVE_OPTIONS)] == list(OBJECTIVE_OPTIONS)
     assert all(fields[name].default is None for name in OBJECTIVE_OPTIONS)
     assert set(OBJECTIVE_OPTIONS) <= set(LossOptions.__annotations__)
-    from hadw_kernels.codegen import FIELDS_END, FIELDS_START
+    from hadw_kernels.tools.codegen import FIELDS_END, FIELDS_START
 
     head, rest = (ROOT / "hadw_kernels" / "config.py").read_text().split(FIELDS_START)
     source = head + rest.split(FIELDS_END)[1]  # config.py but its generated fields
@@ -351,7 +351,7 @@ def test_a_required_option_left_out_is_refused_by_its_row(objective):
 
 def test_every_field_range_names_a_field_and_holds_its_default():
     """config.FIELD_BOUNDS: each bound is a field's, and the field's default (if any) is in it."""
-    from hadw_kernels.config import FIELD_BOUNDS
+    from hadw_kernels.config.loss_config import FIELD_BOUNDS
 
     fields = {field.name: field for field in dataclasses.fields(LossConfig)}
     assert set(FIELD_BOUNDS) <= set(fields)

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from hadw_kernels import objectives
-from hadw_kernels.config import LossConfig
-from hadw_kernels.objective_table import OBJECTIVE_NAMES, OBJECTIVE_OPTIONS, OBJECTIVES
-from hadw_kernels.presets import LOSS_PRESETS
+from hadw_kernels.objectives import formulas as objectives
+from hadw_kernels.config.loss_config import LossConfig
+from hadw_kernels.objectives.table import OBJECTIVE_NAMES, OBJECTIVE_OPTIONS, OBJECTIVES
+from hadw_kernels.config.presets import LOSS_PRESETS
 
 # Options away from the defaults where they exist, so each one is exercised.
 OPTIONS = {
@@ -129,7 +129,7 @@ def test_gmpo_clips_the_harmful_side_only():
 
 
 def test_a_row_with_more_options_than_slots_is_refused():
-    from hadw_kernels.objective_table import NON_NEGATIVE, OPTION_SLOTS, Objective, Option
+    from hadw_kernels.objectives.table import NON_NEGATIVE, OPTION_SLOTS, Objective, Option
 
     options = tuple(Option(f"trial_{index}", 1.0, (NON_NEGATIVE,), "a trial option") for index in range(OPTION_SLOTS))
     assert len(Objective(options=options, gradient="ratio").options) == OPTION_SLOTS
@@ -142,7 +142,7 @@ def test_a_shared_option_declared_otherwise_or_elsewhere_is_refused():
     """Objectives that share an option declare it alike but for its default, at one index
     of their option vectors (the kernels read it by one constant): refused otherwise, with
     an error that ``python -O`` keeps."""
-    from hadw_kernels.objective_table import NON_NEGATIVE, POSITIVE, Objective, Option, shared_options
+    from hadw_kernels.objectives.table import NON_NEGATIVE, POSITIVE, Objective, Option, shared_options
 
     scale = Option("trial_scale", 1.0, (POSITIVE,), "a trial option")
     other = Option("trial_other", 1.0, (NON_NEGATIVE,), "another")
@@ -158,7 +158,7 @@ def test_a_shared_option_declared_otherwise_or_elsewhere_is_refused():
 
 
 def test_a_row_s_defaults_keep_its_bounds():
-    from hadw_kernels.objective_table import POSITIVE, Objective, Option
+    from hadw_kernels.objectives.table import POSITIVE, Objective, Option
 
     with pytest.raises(ValueError, match="its default -1.0 is out of its bounds"):
         Objective(options=(Option("trial", -1.0, (POSITIVE,), "a trial option"),), gradient="ratio")

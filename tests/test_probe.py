@@ -157,7 +157,7 @@ def test_the_probe_builds_every_model_the_planner_knows():
     by the probe with the parameter count the planner computes from its shape."""
     import torch
 
-    from hadw_kernels.plan import PRESETS as SHAPES
+    from hadw_kernels.tools.plan import PRESETS as SHAPES
     from trainer.tools.probe import PRESETS, build_model
 
     assert PRESETS == (*SHAPES, "tiny")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, fused_hadw_grpo_loss
-from hadw_kernels import objectives
-from hadw_kernels.config import LossConfig
-from hadw_kernels.objective_table import OBJECTIVES
+from hadw_kernels.objectives import formulas as objectives
+from hadw_kernels.config.loss_config import LossConfig
+from hadw_kernels.objectives.table import OBJECTIVES
 
 # The loss types written out by hand here (the clip objective); the other objectives are
 # held to their hosts' own code (tests/test_host_objectives.py) and their derivatives to

@@ -1,11 +1,11 @@
-"""The token layout (hadw_kernels/token_layout.py): both layouts as tokens in segments, and the
+"""The token layout (hadw_kernels/batch/token_layout.py): both layouts as tokens in segments, and the
 offsets of a padding-free trainer's position ids."""
 
 import pytest
 import torch
 
 from hadw_kernels import HADWGRPOLoss, LinearHADWGRPOLoss, cu_seqlens_from_position_ids, fused_hadw_grpo_loss
-from hadw_kernels.token_layout import TokenLayout
+from hadw_kernels.batch.token_layout import TokenLayout
 
 
 def test_segments_of_a_packed_layout():

@@ -14,7 +14,7 @@ pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/
 
 REPO = Path(__file__).resolve().parents[1]
 
-from hadw_kernels.anchor import DEFAULT_RULE
+from hadw_kernels.advantage.anchor import DEFAULT_RULE
 from trainer.config import SENSIBLE_RANGES, ConfigError, load_config, range_warnings, validate
 from trainer.engine.loop import build_anchor
 

@@ -16,9 +16,10 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from hadw_kernels import fused_hadw_grpo_loss, objectives  # noqa: E402
-from hadw_kernels.config import LossConfig  # noqa: E402
-from hadw_kernels.objective_table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS  # noqa: E402
+from hadw_kernels import fused_hadw_grpo_loss  # noqa: E402
+from hadw_kernels.objectives import formulas as objectives  # noqa: E402
+from hadw_kernels.config.loss_config import LossConfig  # noqa: E402
+from hadw_kernels.objectives.table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS  # noqa: E402
 from hadw_kernels.triton import surrogate as triton_surrogate  # noqa: E402
 from hadw_kernels.triton import token_math as triton_token_math  # noqa: E402
 from hadw_kernels.triton import scale as scale_module  # noqa: E402
@@ -34,7 +35,7 @@ OBJECTIVE_CASES = [(name, options) for name in OBJECTIVE_NAMES for options in OP
 
 def test_the_kernels_take_the_option_slots_of_the_table():
     """objective_table.OPTION_SLOTS states how many option scalars the kernels take."""
-    from hadw_kernels.objective_table import OPTION_SLOTS
+    from hadw_kernels.objectives.table import OPTION_SLOTS
     from hadw_kernels.triton import linear_logprob as triton_linear
 
     for kernel in (triton_surrogate._surrogate_kernel, triton_linear._row_surrogate_kernel):

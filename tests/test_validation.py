@@ -90,7 +90,7 @@ def test_matching_group_index_is_accepted():
 
 
 def test_unknown_option_in_a_config_built_directly_is_rejected():
-    from hadw_kernels.config import LossConfig
+    from hadw_kernels.config.loss_config import LossConfig
 
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
         LossConfig(group_size=2, normalize_std=True, loss_agg_mode="grpo", epsilon_low=0.2,
@@ -273,7 +273,7 @@ def test_nonfinite_hidden_states_are_refused_at_response_tokens_only(poison):
 def test_finite_half_precision_inputs_pass_the_screen(monkeypatch):
     """The screening sum runs in fp32 at least: in fp16 it would overflow (65504) at a few
     thousand tokens and send every call down the masked checks."""
-    import hadw_kernels.value_checks as value_checks
+    import hadw_kernels.checks.values as value_checks
 
     def masked_check(*_):
         raise AssertionError("the masked checks ran for finite inputs")

@@ -11,9 +11,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, mangle_type
 
-from hadw_kernels.aggregation_table import AGG_MODES
-from hadw_kernels.config import KL_ESTIMATORS, LossConfig
-from hadw_kernels.objective_table import OBJECTIVE_NAMES, OBJECTIVES
+from hadw_kernels.tables.aggregations import AGG_MODES
+from hadw_kernels.config.loss_config import KL_ESTIMATORS, LossConfig
+from hadw_kernels.objectives.table import OBJECTIVE_NAMES, OBJECTIVES
 from hadw_kernels.triton import linear_logprob, scale, surrogate
 
 launches = []

@@ -353,9 +353,9 @@ def _check_algorithm(config: Config) -> None:
     once here rather than at the first step."""
     # Here, not at the top: the library imports torch, and run.py imports this module
     # before it sets the thread count torch reads when it loads.
-    from hadw_kernels.presets import LOSS_TYPES
-    from hadw_kernels.estimators import ESTIMATOR_NAMES
-    from hadw_kernels.history import PromptHistory
+    from hadw_kernels.config.presets import LOSS_TYPES
+    from hadw_kernels.tables.estimators import ESTIMATOR_NAMES
+    from hadw_kernels.advantage.history import PromptHistory
     from hadw_kernels.loss import check_options, fused_linear_hadw_grpo_loss
 
     algo = config.algorithm

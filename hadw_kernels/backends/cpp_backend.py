@@ -20,9 +20,9 @@ import json
 import torch
 
 from .. import ops
-from ..linear_blocks import block_rows_for
-from ..precision import accumulate_dtype
 from ..ops.signatures import SIGNATURES
+from ..tables.linear_blocks import block_rows_for
+from ..tables.precision import accumulate_dtype
 from .cpp_constants import fingerprint, installed
 from .cpp_declarations import SCHEMA_MARK, schema_digest
 from .kernel_backend import KernelBackend

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..checks import detached
-from ..batch import LinearHead, SurrogateBatch
-from ..metrics import GROUP_METRICS, METRIC_NAMES
-from ..precision import accumulate_dtype
+from ..batch.inputs import LinearHead, SurrogateBatch
+from ..checks.arguments import detached
+from ..tables.metrics import GROUP_METRICS, METRIC_NAMES
+from ..tables.precision import accumulate_dtype
 
 
 def name_metrics(metrics: torch.Tensor, *, with_groups: bool, with_kl: bool, with_entropy: bool) -> dict:

@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..batch import LinearHead, SurrogateBatch
+from ..batch.inputs import LinearHead, SurrogateBatch
 
 # (loss, metrics by name): the metrics that apply to the call, ``metrics.METRIC_NAMES`` order.
 LossAndMetrics = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -57,7 +57,7 @@ class Backend(Protocol):
 
     def surrogate_loss(self, batch: SurrogateBatch) -> LossAndMetrics:
         """The clipped surrogate of ``batch.config`` on the call's flat tensors
-        (:class:`~hadw_kernels.batch.SurrogateBatch`), differentiable with respect to its
+        (:class:`~hadw_kernels.batch.inputs.SurrogateBatch`), differentiable with respect to its
         log-probs and entropy, and its metrics when ``batch.with_metrics``; inputs are
         already validated."""
         ...

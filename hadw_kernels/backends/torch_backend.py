@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..reference.surrogate import surrogate_loss
-from ..tiled_logprobs import tiled_token_logprobs
+from .tiled_logprobs import tiled_token_logprobs
 
 
 class TorchBackend:

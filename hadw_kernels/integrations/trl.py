@@ -1,7 +1,7 @@
 """HA-DW and the fused linear loss in TRL's ``GRPOTrainer`` (TRL 1.15 and 1.16, checked on
 import: versions.py).
 
-    from hadw_kernels.integrations.trl import HADWGRPOConfig, HADWGRPOTrainer
+    from .trl import HADWGRPOConfig, HADWGRPOTrainer
 
     args = HADWGRPOConfig(output_dir="out", loss_type="dapo", hadw_lambda_scale=1.3)
     trainer = HADWGRPOTrainer(model=model, reward_funcs=accuracy, args=args, train_dataset=data)
@@ -56,22 +56,25 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import _ForwardRedirection
-from trl.trainer.utils import (maybe_gather_lm_head_ctx, split_pixel_values_by_grid, split_tensor_dict,
-                               unsplit_pixel_values_by_grid)
+from trl.trainer.utils import (
+    maybe_gather_lm_head_ctx,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
 
-from ..advantage import hadw_advantages, hadw_weights
-from ..estimators import ESTIMATORS
-from ..history import prompt_key
-from ..anchor import batch_reward_statistics
+from ..advantage.anchor import batch_reward_statistics
+from ..advantage.group import hadw_advantages, hadw_weights
+from ..advantage.history import prompt_key
 from ..backends import BackendUnavailable, resolve_backend
-from ..aggregation_table import AGGREGATIONS
-from ..correction_table import RolloutCorrection
-from ..presets import LOSS_PRESETS
+from ..config.presets import LOSS_PRESETS
 from ..layouts import LAYOUTS, LaidOutBatch, choose_layout
 from ..loss import fused_linear_hadw_grpo_loss, token_logprobs
+from ..tables.aggregations import AGGREGATIONS
+from ..tables.corrections import RolloutCorrection
+from ..tables.estimators import ESTIMATORS
 from .rewards import require_unit_interval
-from .trl_config import (TRL_LOSS_TYPES, HADWGRPOConfig, cap_below_one_inputs, positive_share,
-                         vespo_behaviour_logprobs)
+from .trl_config import TRL_LOSS_TYPES, HADWGRPOConfig, cap_below_one_inputs, positive_share, vespo_behaviour_logprobs
 from .trl_rows import forwards_of, in_layout, shuffled_by_group, token_rows_of
 
 logger = logging.getLogger(__name__)

@@ -18,17 +18,17 @@ require_supported("trl")
 import torch
 from trl import GRPOConfig
 
-from ..estimators import estimator_row
-from ..history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH, PromptHistory
-from ..anchor import DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_RULE, DEFAULT_WINDOW, DifficultyAnchor
+from ..advantage.anchor import DEFAULT_ETA, DEFAULT_ETA_MIN, DEFAULT_RULE, DEFAULT_WINDOW, DifficultyAnchor
+from ..advantage.history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH, PromptHistory
 from ..backends import check_backend_name
-from ..checks import check_finite_positive
-from ..config import DEFAULT_LAMBDA_SCALE, LossConfig
-from ..linear_blocks import check_block_rows, check_linear_path
-from ..objective_table import LOG_RATIO_CLAMP, OBJECTIVES, VESPO_LOG_WEIGHT_MIN
-from ..presets import LOSS_PRESETS
+from ..config.loss_config import DEFAULT_LAMBDA_SCALE, LossConfig
+from ..config.presets import LOSS_PRESETS
 from ..layouts.choice import check_layout_name
 from ..loss import refuse_gradients_in_forward
+from ..objectives.table import LOG_RATIO_CLAMP, OBJECTIVES, VESPO_LOG_WEIGHT_MIN
+from ..tables.bounds import check_finite_positive
+from ..tables.estimators import estimator_row
+from ..tables.linear_blocks import check_block_rows, check_linear_path
 
 
 class TrlLossType(NamedTuple):

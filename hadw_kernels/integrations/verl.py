@@ -50,13 +50,13 @@ from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
 from verl.trainer.ppo.core_algos import register_adv_est, register_policy_loss
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-from ..advantage import hadw_advantages
-from ..anchor import DifficultyAnchor
-from ..estimators import ESTIMATORS
-from ..checks import check_finite_positive
-from ..config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS
-from ..objective_table import OBJECTIVES
+from ..advantage.anchor import DifficultyAnchor
+from ..advantage.group import hadw_advantages
+from ..config.loss_config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS
 from ..loss import fused_hadw_grpo_loss
+from ..objectives.table import OBJECTIVES
+from ..tables.bounds import check_finite_positive
+from ..tables.estimators import ESTIMATORS
 from .rewards import require_unit_interval
 from .verl_metrics import CLIP_METRICS, verl_metrics
 

@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..objective_table import LOG_RATIO_CLAMP
-from ..objectives import dppo_moved_within, ppo_terms
+from ..objectives.formulas import dppo_moved_within, ppo_terms
+from ..objectives.table import LOG_RATIO_CLAMP
 
 
 def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from ..correction_table import RejectionFilter, RolloutCorrection
+from ..tables.corrections import RejectionFilter, RolloutCorrection
 
 # A number as verl's thresholds write one: digits, a point, an exponent; no Python
 # digit-group underscores, which would read "0.5_2_0" (a malformed "lower_upper") as 20.

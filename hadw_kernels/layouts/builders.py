@@ -34,13 +34,20 @@ from numbers import Integral
 
 import torch
 
-from ..checks import require_tensor
-from ..linear_blocks import IGNORE_INDEX
+from ..checks.arguments import require_tensor
+from ..tables.linear_blocks import IGNORE_INDEX
 from .attention import require_segment_attention
 from .rows import RowTokens, rows_by_group
 from .segments import Segments, Span, span_positions
-from .tallies import (PackedTally, PaddedTally, PrefixTreeTally, SharedPromptTally, TokenTally, common_prefix_length,
-                      fed_sequence)
+from .tallies import (
+    PackedTally,
+    PaddedTally,
+    PrefixTreeTally,
+    SharedPromptTally,
+    TokenTally,
+    common_prefix_length,
+    fed_sequence,
+)
 
 
 @dataclass

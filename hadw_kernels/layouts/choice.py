@@ -17,8 +17,9 @@ from typing import NamedTuple
 
 import torch
 
-from .attention import SegmentAttentionUnavailable, disable_segment_attention, enable_segment_attention, own_attention
+from .attention import SegmentAttentionUnavailable, disable_segment_attention, own_attention
 from .builders import LAYOUTS, Layout
+from .switch import enable_segment_attention
 
 AUTO = "auto"
 # The layout ``auto`` takes where the segment attention serves the models.

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+
 def _varlen_attention():
     """torch's varlen flash attention and the keywords its version takes for a causal,
     grouped-query call, or None where this torch has none."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import detached
+from ..checks.arguments import detached
 from .routing import call
 from .schemas import LIBRARY, argument_names
 

@@ -1,7 +1,7 @@
 """The op schemas, defined once, and their fake (meta) implementations.
 
     hadw::surrogate_loss             the clipped surrogate from log-probs [N] in segments
-                                     (cu_seqlens, hadw_kernels/token_layout.py): loss, its
+                                     (cu_seqlens, hadw_kernels/batch/token_layout.py): loss, its
                                      gradient (formed in the forward), metrics, and the
                                      gradient's factor ``grad_scale``: under token-mean
                                      without a normaliser (aggregation_table.counts_batch_tokens)
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from ..aggregation_table import counts_batch_tokens
-from ..metrics import METRIC_NAMES
-from ..precision import accumulate_dtype
+from ..tables.aggregations import counts_batch_tokens
+from ..tables.metrics import METRIC_NAMES
+from ..tables.precision import accumulate_dtype
 from .signatures import OPS, SIGNATURES
 
 LIBRARY = "hadw"

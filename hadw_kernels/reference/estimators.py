@@ -68,7 +68,7 @@ def history_replay(batches: list[tuple[list[float], list[int]]], discount: float
     """Each batch's per-response (alpha, beta) read before it, from the batches' (rewards,
     prompt keys) alone: every earlier reward of a prompt weighed discount ** (batches since)."""
     reads = []
-    for t, (rewards, keys) in enumerate(batches):
+    for t, (_, keys) in enumerate(batches):
         past = [(r, k, s) for s, (rs, ks) in enumerate(batches[:t]) for r, k in zip(rs, ks)]
         weights = [discount ** (t - 1 - s) for _, _, s in past]
         seen = sum(weights)

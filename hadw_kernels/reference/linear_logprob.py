@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..linear_blocks import IGNORE_INDEX
-from ..precision import accumulate_dtype
+from ..tables.linear_blocks import IGNORE_INDEX
+from ..tables.precision import accumulate_dtype
 
 
 def token_logprobs_reference(

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from ..advantage import batch_advantages, group_metrics
-from ..aggregation import aggregate
-from ..batch import SurrogateBatch
-from ..metrics import ordered_metrics
-from ..objective_table import LOG_RATIO_CLAMP, OBJECTIVES
-from ..objectives import VALUES, vespo_weight
-from ..precision import accumulate_dtype
-from ..token_terms import kl_estimate, masked_mean, token_ratio
+from ..advantage.group import batch_advantages, group_metrics
+from ..batch.inputs import SurrogateBatch
+from ..formulas.aggregation import aggregate
+from ..formulas.token_terms import kl_estimate, masked_mean, token_ratio
+from ..objectives.formulas import VALUES, vespo_weight
+from ..objectives.table import LOG_RATIO_CLAMP, OBJECTIVES
+from ..tables.metrics import ordered_metrics
+from ..tables.precision import accumulate_dtype
 
 
 def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

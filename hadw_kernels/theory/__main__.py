@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cli import (
+from ..tools.cli import (
     NON_NEGATIVE_FLOAT,
     NON_NEGATIVE_INT,
     POSITIVE_FLOAT,

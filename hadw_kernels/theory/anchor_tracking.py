@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..anchor import DifficultyAnchor
-from ..cli import summary
+from ..advantage.anchor import DifficultyAnchor
+from ..tools.cli import summary
 
 STEPS = 300
 KINDS = ("ramp", "step")

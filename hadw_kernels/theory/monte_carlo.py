@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..advantage import group_advantages, hadw_weights
+from ..advantage.group import group_advantages, hadw_weights
 
 Progress = Callable[[int, int], None]
 

@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..linear_blocks import block_rows_for, head_accumulator_bytes
-from ..objective_table import OBJECTIVE_NAMES, OBJECTIVES
-from ..precision import accumulate_dtype
+from ..objectives.table import OBJECTIVE_NAMES, OBJECTIVES
+from ..tables.linear_blocks import block_rows_for, head_accumulator_bytes
+from ..tables.precision import accumulate_dtype
 from .launch import bound_kernel
 from .surrogate import device_guard, objective_arguments
 from .token_math import INTERPRETING, kl_term, objective_option_values, policy_term, round_to_bfloat16, token_ratio

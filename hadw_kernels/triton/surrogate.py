@@ -21,7 +21,7 @@ writes as ``grad_scale`` for backward to apply with the upstream gradient (the o
 contract, ops/schemas.py), and divides the loss by.
 
 The tokens come flat, [N], in segments of one response each (``cu_seqlens``,
-hadw_kernels/token_layout.py): a program streams its segment's tokens, so a padded [B, T] batch
+hadw_kernels/batch/token_layout.py): a program streams its segment's tokens, so a padded [B, T] batch
 (B segments of T) and a packed one run the same kernel. Advantages are per response
 (from rewards or the caller's) or the caller's per token.
 
@@ -43,10 +43,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..aggregation_table import AGG_MODES, AGGREGATIONS, counts_batch_tokens
-from ..metrics import METRIC_NAMES
-from ..objective_table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS
-from ..precision import accumulate_dtype
+from ..objectives.table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS
+from ..tables.aggregations import AGG_MODES, AGGREGATIONS, counts_batch_tokens
+from ..tables.metrics import METRIC_NAMES
+from ..tables.precision import accumulate_dtype
+from .launch import bound_kernel
 from .token_math import (
     LOG_RATIO_LIMIT,
     OBJECTIVE_GMPO,
@@ -71,7 +72,6 @@ from .token_math import (
     token_ratio,
     vespo_weight,
 )
-from .launch import bound_kernel
 
 __all__ = ["surrogate_forward"]
 

@@ -15,8 +15,8 @@ import os
 import triton
 import triton.language as tl
 
-from ..config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, KL_ESTIMATORS
-from ..objective_table import (
+from ..config.loss_config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, KL_ESTIMATORS
+from ..objectives.table import (
     LOG_RATIO_CLAMP,
     OBJECTIVE_NAMES,
     OPTION_INDEX,

@@ -16,8 +16,8 @@ from cases import (
     run_surrogate_packed,
     surrogate_batch,
 )
-from hadw_kernels.aggregation_table import AGGREGATIONS
-from hadw_kernels.presets import LOSS_PRESETS
+from hadw_kernels.tables.aggregations import AGGREGATIONS
+from hadw_kernels.config.presets import LOSS_PRESETS
 from tolerance import assert_no_worse_than_eager
 
 

@@ -48,7 +48,7 @@ def device():
 @pytest.fixture(autouse=True)
 def _small_torch_tiles(monkeypatch):
     """The torch backend's tiles cross the suite's small shapes as the kernels' blocks do."""
-    from hadw_kernels import tiled_logprobs
+    from hadw_kernels.backends import tiled_logprobs
 
     monkeypatch.setattr(tiled_logprobs, "TOKEN_TILE", 8)
     monkeypatch.setattr(tiled_logprobs, "VOCAB_TILE", 64)

@@ -93,7 +93,7 @@ def test_unknown_backend_is_rejected():
 
 
 def _surrogate_arguments(config, dtype, device) -> dict:
-    """``surrogate_loss``'s arguments: four segments of 20 tokens, one empty (hadw_kernels/token_layout.py)."""
+    """``surrogate_loss``'s arguments: four segments of 20 tokens, one empty (hadw_kernels/batch/token_layout.py)."""
     generator = torch.Generator().manual_seed(0)
     logprobs = (-torch.rand(20, generator=generator)).to(dtype=dtype, device=device)
     return dict(logprobs=logprobs, old_logprobs=logprobs.flip(0), response_mask=torch.ones(20, dtype=torch.bool,
@@ -106,7 +106,7 @@ def _surrogate_arguments(config, dtype, device) -> dict:
 def test_outputs_match_the_fake_implementation(backend, device):
     """Shapes and dtypes of every op equal its fake (meta) outputs, which torch.compile trusts."""
     from hadw_kernels import ops
-    from hadw_kernels.config import LossConfig
+    from hadw_kernels.config.loss_config import LossConfig
 
     config = LossConfig.build("grpo", 2, entropy_coef=0.01)
     for dtype in (torch.float32, torch.bfloat16):
@@ -143,7 +143,7 @@ def test_an_unobserved_call_skips_the_dispatcher_and_every_observer_sees_the_op(
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hadw_kernels import ops
-    from hadw_kernels.config import LossConfig
+    from hadw_kernels.config.loss_config import LossConfig
     from hadw_kernels.ops import routing
 
     if backend == "torch":

@@ -14,7 +14,7 @@ import torch
 from cases import GROUP_SIZE, Variant, linear_batch, surrogate_batch
 from check import compare_padded
 from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
-from hadw_kernels.objective_table import OBJECTIVES
+from hadw_kernels.objectives.table import OBJECTIVES
 
 
 def _clean_batch(device, dtype=torch.float32, seed=0):

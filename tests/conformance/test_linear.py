@@ -22,7 +22,7 @@ from cases import (
 )
 from check import assert_conforms
 from hadw_kernels import LOSS_TYPES, LossConfig, RolloutCorrection, fused_linear_hadw_grpo_loss
-from hadw_kernels.objective_table import OBJECTIVES
+from hadw_kernels.objectives.table import OBJECTIVES
 from hadw_kernels.backends import load_backend
 
 # (batch, width, hidden, vocab, bias, temperature, logit scale): a vocabulary that no

@@ -22,8 +22,8 @@ from cases import (
 )
 from check import assert_conforms, compare, compare_padded, drift
 from hadw_kernels import LOSS_TYPES, fused_hadw_grpo_loss
-from hadw_kernels.objective_table import OBJECTIVES
-from hadw_kernels.presets import LOSS_PRESETS
+from hadw_kernels.objectives.table import OBJECTIVES
+from hadw_kernels.config.presets import LOSS_PRESETS
 
 PAIRWISE = pairwise_cases()
 

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, PromptHistory, hadw_advantages, prompt_key
-from hadw_kernels.estimators import ESTIMATORS
-from hadw_kernels.history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH
-from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE
-from hadw_kernels.metrics import METRIC_MEAN_OVER
+from hadw_kernels.tables.estimators import ESTIMATORS
+from hadw_kernels.advantage.history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH
+from hadw_kernels.config.loss_config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE
+from hadw_kernels.tables.metrics import METRIC_MEAN_OVER
 from hadw_kernels.layouts import RowTokens
 
 from .checkpoint import load_checkpoint, save_checkpoint

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hadw_kernels.aggregation_table import AGGREGATIONS
+from hadw_kernels.tables.aggregations import AGGREGATIONS
 from hadw_kernels.layouts import LAYOUTS, Layout, RowTokens
 
 

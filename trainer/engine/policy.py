@@ -20,7 +20,7 @@ import torch
 
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels import token_logprobs as fused_token_logprobs
-from hadw_kernels.linear_blocks import IGNORE_INDEX
+from hadw_kernels.tables.linear_blocks import IGNORE_INDEX
 from hadw_kernels.layouts import LaidOutBatch, choose_layout
 
 from ..config import loss_options, rollout_correction

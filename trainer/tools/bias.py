@@ -47,6 +47,8 @@ from pathlib import Path
 from trainer.checkpoint_files import CheckpointError, completed_checkpoints, verify_checkpoint
 from trainer.config import ConfigError, load_config, resolve_engine
 from trainer.tasks.registry import TASKS
+from trainer.tools.estimator_scores import COLUMNS, band_index, band_name, replayed_priors, score, table
+from trainer.tools.estimator_scores import summary as estimator_summary
 from trainer.tools.intervals import clustered_mean_interval, format_interval, mean_interval
 
 # Bands of the true accuracy p (lower edge inclusive; the last includes 1).
@@ -61,19 +63,6 @@ SCALES = ("centred", "std-normalised")
 OUTCOMES = ("correct", "wrong")
 # Synthetic problems are drawn from this seed (the arithmetic task has its own held-out seed).
 PROBLEM_SEED = 20261127
-
-
-def _bin(value: float, edges: tuple[float, ...]) -> int:
-    """The index of the bin of ``edges`` holding ``value`` (the last bin includes its top)."""
-    for index in range(len(edges) - 2, -1, -1):
-        if value >= edges[index]:
-            return index
-    return 0
-
-
-def _band_name(index: int, edges: tuple[float, ...] = BANDS) -> str:
-    close = "]" if index == len(edges) - 2 else ")"
-    return f"[{edges[index]:g}, {edges[index + 1]:g}{close}"
 
 
 @dataclass
@@ -162,7 +151,6 @@ def analyse(draws: Draws, lambda_scale: float) -> dict:
     result["levels"] = {level: statistics_of([a for a, name in zip(accuracy, draws.levels) if name == level])
                         for level in dict.fromkeys(draws.levels)}
     if draws.batch_prompts:
-        from trainer.tools.estimator_scores import score
 
         result["estimators"] = score(draws, accuracy, draws.batch_prompts, draws.priors, BANDS, AGGREGATES)
     return result
@@ -180,7 +168,7 @@ def _spread(one_correct: list[float], one_wrong: list[float], size: int) -> dict
     def counts(values):
         bins = [0] * (len(SPREAD_BINS) - 1)
         for value in values:
-            bins[_bin(value, SPREAD_BINS)] += 1
+            bins[band_index(value, SPREAD_BINS)] += 1
         return bins
 
     return {
@@ -198,7 +186,7 @@ def _bands(accuracy, errors, truths, updating, repeats, edges: tuple[float, ...]
     outcomes): the prompts, the responses, the true advantage and each estimate's signed
     and absolute error: the mean over the responses and its 95% half-width, each prompt's
     responses a cluster (they share its p and, within a group, their baseline)."""
-    groups = [(_band_name(index, edges), lambda p, index=index: _bin(p, edges) == index)
+    groups = [(band_name(index, edges), lambda p, index=index: band_index(p, edges) == index)
               for index in range(len(edges) - 1)]
     if with_aggregates:
         groups += list(AGGREGATES.items())
@@ -249,7 +237,7 @@ def report(step: int, result: dict, anchor_line: str) -> str:
                   f"{spread['one_correct']['baseline_above_p']:.0%}) and with one wrong response "
                   f"({spread['one_wrong']['groups']}, mean p {spread['one_wrong']['mean_p']:.3f}; baseline 1 - 1/G "
                   f"below p in {spread['one_wrong']['baseline_below_p']:.0%}), by their prompt's p:", "",
-                  "| groups | " + " | ".join(_band_name(i, SPREAD_BINS) for i in range(len(SPREAD_BINS) - 1)) + " |",
+                  "| groups | " + " | ".join(band_name(i, SPREAD_BINS) for i in range(len(SPREAD_BINS) - 1)) + " |",
                   "|" + " --- |" * len(SPREAD_BINS)]
         for key, name in (("one_correct", "one correct"), ("one_wrong", "one wrong")):
             lines.append(f"| {name} | " + " | ".join(str(count) for count in spread[key]["counts"]) + " |")
@@ -275,7 +263,6 @@ def report(step: int, result: dict, anchor_line: str) -> str:
                                   format_interval(*cell[estimate]["absolute"])]
                     lines.append("| " + " | ".join(cells) + " |")
     if "estimators" in result:
-        from trainer.tools.estimator_scores import COLUMNS, table
 
         header = ["p", "G", "estimator"] + [title for title, *_ in COLUMNS]
         lines += ["", "Every estimator against the truth, per band of p (centred; mean [95% interval], prompts as "
@@ -416,7 +403,7 @@ def _prepare_environment_first(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _prepare_environment_first(argv)
-    from hadw_kernels.cli import POSITIVE_INT, HelpFormatter, int_at_least, output_file, summary
+    from hadw_kernels.tools.cli import POSITIVE_INT, HelpFormatter, int_at_least, output_file, summary
 
     parser = argparse.ArgumentParser(description=summary(__doc__), formatter_class=HelpFormatter)
     parser.add_argument("run", type=Path, help="a run directory (runs/<run.name>) with checkpoints")
@@ -465,7 +452,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         parser.error(f"argument run: {error}")
     figures, draws_out, tables = run_checkpoints(args, config, problems, steps, available)
-    from trainer.tools.estimator_scores import summary as estimator_summary
 
     text = "\n\n".join(["## Summary", summary_table(figures),
                          "Every estimator against the truth over every prompt (centred; docs/estimators.md):",
@@ -568,7 +554,6 @@ def history_priors(args, config, trainer_state: dict, step: int, keys: list[int]
     history rebuilt from outcomes.jsonl at each of ``--history-discounts``."""
     from trainer.engine.loop import build_history
     from trainer.engine.metrics_log import read_metrics
-    from trainer.tools.estimator_scores import replayed_priors
 
     priors = {}
     history = build_history(config.algorithm)

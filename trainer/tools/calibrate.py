@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=32, help="problems per level (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the problems and the sampling (default 0)")
     args = parser.parse_args(argv)
-    # Checked here, not by hadw_kernels.cli's types: importing the library would load torch
+    # Checked here, not by hadw_kernels.tools.cli's types: importing the library would load torch
     # before prepare_environment sets its thread count.
     for flag, value, minimum in (("--prompts", args.prompts, 1), ("--seed", args.seed, 0)):
         if value < minimum:

@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, output_file, summary
+from hadw_kernels.tools.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, output_file, summary
 from trainer.config import ConfigError, load_config, validate
 from trainer.engine.metrics_log import read_metrics
 from trainer.tools.intervals import format_interval, mean_interval

@@ -26,10 +26,24 @@ COLUMNS = (("baseline MSE, all groups", "all", "squared"), ("baseline MSE, updat
 KINDS = tuple(f"{kind}|{subset}" for kind in ("squared", "signed", "absolute") for subset in SUBSETS)
 
 
+def band_index(value: float, edges: tuple[float, ...]) -> int:
+    """The index of the bin of ``edges`` holding ``value`` (the last bin includes its top)."""
+    for index in range(len(edges) - 2, -1, -1):
+        if value >= edges[index]:
+            return index
+    return 0
+
+
+def band_name(index: int, edges: tuple[float, ...]) -> str:
+    """The name of bin ``index`` of ``edges``, closed at the top in the last bin."""
+    close = "]" if index == len(edges) - 2 else ")"
+    return f"[{edges[index]:g}, {edges[index + 1]:g}{close}"
+
+
 def estimator_labels(history_discounts: dict[str, float]) -> list[tuple[str, str, str | None]]:
     """(label, estimator, history name) of every scored estimator: the batch estimators,
     then the prompt history at each discount given."""
-    from hadw_kernels.estimators import ESTIMATORS
+    from hadw_kernels.tables.estimators import ESTIMATORS
 
     labels = [(row.name, row.name, None) for row in ESTIMATORS.values() if row.scope != "history"]
     labels += [(f"prompt_history ({name})", "prompt_history", name) for name in history_discounts]
@@ -45,13 +59,12 @@ def score(draws, accuracy: list[float], batch_prompts: int, priors: dict[str, li
 
     from hadw_kernels import hadw_advantages
 
-    from trainer.tools.bias import _band_name, _bin
 
     prompts = len(accuracy)
     order = np.random.default_rng(BATCH_SHUFFLE_SEED).permutation(prompts).tolist()
     batches = [order[start:start + batch_prompts] for start in range(0, prompts, batch_prompts)]
     labels = estimator_labels({name: 0.0 for name in priors})
-    bands = [(_band_name(index, edges), lambda p, index=index: _bin(p, edges) == index)
+    bands = [(band_name(index, edges), lambda p, index=index: band_index(p, edges) == index)
              for index in range(len(edges) - 1)] + list(aggregates.items())
     result = {}
     for size, repeats in draws.groups.items():

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hadw_kernels.cli import HelpFormatter, output_file, summary
+from hadw_kernels.tools.cli import HelpFormatter, output_file, summary
 from trainer.config import ConfigError, load_config
 from trainer.engine.metrics_log import read_metrics
 

@@ -49,8 +49,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from hadw_kernels.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float, output_file
-from hadw_kernels.plan import PRESETS as SHAPES
+from hadw_kernels.tools.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float, output_file
+from hadw_kernels.tools.plan import PRESETS as SHAPES
 from hadw_kernels.layouts import LAYOUT_CHOICES
 
 from trainer.tools.memory_meter import MemoryMeter
@@ -526,7 +526,7 @@ def prepare(args) -> None:
 
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or default_threads(args.preset == "tiny"))
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    # torch read the variable when it loaded, with the argument types (hadw_kernels.cli).
+    # torch read the variable when it loaded, with the argument types (hadw_kernels.tools.cli).
     import torch
 
     torch.set_num_threads(threads)

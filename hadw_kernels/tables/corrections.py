@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .checks import check_finite_positive
+from .bounds import check_finite_positive
 
 # A rollout weight w = exp(l_old - l_rollout) is formed per token or per response (exp of the summed
 # log ratio), and a rule bounds it: "truncate" clamps w into [lower, upper], "mask" sets it

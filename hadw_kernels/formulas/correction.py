@@ -25,11 +25,11 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from .batch import SurrogateBatch
-from .correction_table import CORRECTION_RULES, REJECTION_STATISTICS, RejectionFilter
-from .objective_table import LOG_RATIO_CLAMP
-from .token_layout import TokenLayout
-from .precision import accumulate_dtype
+from ..batch.inputs import SurrogateBatch
+from ..batch.token_layout import TokenLayout
+from ..objectives.table import LOG_RATIO_CLAMP
+from ..tables.corrections import CORRECTION_RULES, REJECTION_STATISTICS, RejectionFilter
+from ..tables.precision import accumulate_dtype
 
 # Weight means below this leave batch normalisation off (verl's guard against dividing by 0).
 BATCH_NORMALIZE_MIN_MEAN = 1e-8

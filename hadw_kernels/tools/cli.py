@@ -1,4 +1,4 @@
-"""What the command-line tools (``python -m hadw_kernels.demo``, ``.plan``, ``.theory``,
+"""What the command-line tools (``python -m hadw_kernels.tools.demo``, ``.plan``, ``.theory``,
 ``trainer/``'s probe, compare and calibrate) share: argument types that refuse a bad
 value while the arguments are parsed, the way argparse users expect (the usage line, one
 message naming the flag, exit code 2, no traceback), and a help formatter that shows

@@ -1,9 +1,9 @@
-"""Peak GPU memory of one GRPO training micro-step: ``python -m hadw_kernels.plan``.
+"""Peak GPU memory of one GRPO training micro-step: ``python -m hadw_kernels.tools.plan``.
 
 An ESTIMATE from a model's shape, for the eager loss (fp32 logits) and the fused one,
 with the largest group size G that fits a GPU. Example:
 
-    python -m hadw_kernels.plan --model Qwen3-4B --group-size 8 --response-length 4096 \
+    python -m hadw_kernels.tools.plan --model Qwen3-4B --group-size 8 --response-length 4096 \
         --gpus 8 --zero-stage 3
 
 ``--budget`` speaks in token budgets instead: the largest number of tokens (prompt +
@@ -13,7 +13,7 @@ micro-batches by tokens rather than by whole groups (``python -m trainer.tools.p
 micro-batches of k sequences with their gradients accumulated, so the micro-step's
 memory no longer grows with G (only the number of micro-batches, hence the time, does).
 
-    python -m hadw_kernels.plan --budget --model Qwen3-1.7B --response-length 4096 --gpus 1 --zero-stage 2
+    python -m hadw_kernels.tools.plan --budget --model Qwen3-1.7B --response-length 4096 --gpus 1 --zero-stage 2
 
 What is counted, per GPU, at the step's peak (the start of backward, when every saved
 activation and the loss's own buffers are alive at once):
@@ -58,8 +58,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from ..tables.linear_blocks import block_rows_for, head_accumulator_bytes
 from .cli import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, summary
-from .linear_blocks import block_rows_for, head_accumulator_bytes
 
 GIB = 1024**3
 BF16 = 2
@@ -371,7 +371,7 @@ def format_report(model: ModelShape, step: MicroStep, gpu_gib: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.plan", description=summary(__doc__),
+    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.tools.plan", description=summary(__doc__),
                                      formatter_class=HelpFormatter)
     parser.add_argument("--model", choices=sorted(PRESETS), default="Qwen3-4B", help="the model's shape")
     parser.add_argument("--group-size", "-G", type=POSITIVE_INT, default=8, help="responses per prompt")

@@ -1,7 +1,7 @@
 """Per-prompt history: a discounted Beta posterior of each prompt's success rate, for the
 ``prompt_history`` estimator (docs/math.md, section 2a).
 
-Like :class:`~hadw_kernels.anchor.DifficultyAnchor` it lives across rollout batches:
+Like :class:`~hadw_kernels.advantage.anchor.DifficultyAnchor` it lives across rollout batches:
 once per batch, :meth:`PromptHistory.update` returns each response's pseudo-counts
 (alpha, beta) read before the batch is folded in, which ``hadw_advantages(...,
 estimator="prompt_history", prior=...)`` turns into leave-one-out baselines. Prompts are
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..tables.bounds import check_finite_positive
 from .anchor import checked_rewards
-from .checks import check_finite_positive
 
 STATE_VERSION = 1
 # The discount per rollout batch and the prior's strength (docs/math.md, section 2a, and

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checks.arguments import require_float
 from .anchor_state import STATE_VERSION, checked_state, is_number
-from .checks import require_float
 
 RULES = ("soft", "hard", "kalman")
 # The one default rule, read by DifficultyAnchor, TRL's HADWGRPOConfig and verl's

@@ -15,11 +15,14 @@ VESPO's weight and GMPO's ratio need the whole response first: :func:`gmpo_log_r
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from .config import LossConfig
-from .objective_table import LOG_RATIO_CLAMP, OBJECTIVES, VESPO_LOG_WEIGHT_MIN
+from .table import LOG_RATIO_CLAMP, OBJECTIVES, VESPO_LOG_WEIGHT_MIN
+
+if TYPE_CHECKING:  # the formulas read a config; the config reads the objectives' rows
+    from ..config.loss_config import LossConfig
 
 
 def _where(condition, if_true, if_false):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .checks import FINITE, NON_NEGATIVE, POSITIVE, Bounds, compiling
+from ..tables.bounds import FINITE, NON_NEGATIVE, POSITIVE, Bounds, compiling
 
 # How the importance ratio of a token is formed (docs/math.md, section 5):
 #   token       rho_t = exp(l_t - lo_t)

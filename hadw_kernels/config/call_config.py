@@ -10,12 +10,28 @@ import functools
 
 import torch
 
-from .checks import cached_unless_compiling
-from .config import LossConfig, LossOptions
+from ..tables.bounds import compiling
+from .loss_config import LossConfig
+from .option_types import LossOptions
 
 # The loss options that only the linear loss takes (it forms the entropy from the logits).
 LINEAR_ONLY_OPTIONS = ("entropy_coef",)
 OPTION_NAMES = frozenset(LossOptions.__annotations__)
+
+
+def cached_unless_compiling(cached, key, direct):
+    """``cached(key())``, a call's value formed once per key, or ``direct()`` under
+    torch.compile (traced once per graph; Dynamo does not trace the cache) or for a key
+    that does not hash (an option of the wrong type, a list say, which ``direct`` then
+    refuses by name)."""
+    if compiling():
+        return direct()
+    key = key()
+    try:
+        hash(key)
+    except TypeError:
+        return direct()
+    return cached(key)
 
 
 def call_config(config: LossConfig | None, options: dict, *, linear: bool) -> LossConfig:

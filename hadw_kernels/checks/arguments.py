@@ -1,80 +1,20 @@
-"""The package's check primitives: an option's value (``check_finite_positive``), a
-tensor argument's type, dtype, shape in the batch's layout and device, the anchor and the
-generator of a call, and what becomes of value checks under torch.compile: a float there
-may be symbolic, so value checks do not run while tracing (docs/architecture.md,
-"torch.compile"). What a call as a whole must satisfy is ``validation.py``'s, the checks
-of values read in one host synchronisation ``value_checks.py``'s.
+"""The check primitives of a call's arguments: a tensor argument's type, dtype, shape in
+the batch's layout and device, the anchor, the generator and the temperature. An option's
+range is ``tables/bounds.py``'s; what a call as a whole must satisfy ``validation.py``'s;
+the checks of values read in one host synchronisation ``values.py``'s.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..tables.bounds import check_finite_positive, compiling
+
 if TYPE_CHECKING:
-    from .token_layout import TokenLayout
-
-
-def compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
-def check_finite_positive(name: str, value) -> None:
-    """``value`` is a finite positive real (lambda_scale, std_eps, ...): strings, bools,
-    NaN and non-positive values raise ValueError naming ``name``. Under torch.compile a
-    float argument is symbolic and its value is not checked."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-    if not compiling() and not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The values an option takes, ``low < value < high`` (``<=`` on a closed side), and
-    what its error says a value must do (``says``: "be finite and greater than 1"), after
-    the option's name and, where given, what the value is (``gloss``: "clip range")."""
-
-    low: float
-    high: float
-    says: str
-    low_closed: bool = False
-    high_closed: bool = False
-    gloss: str = ""
-
-    def hold(self, value: float) -> bool:
-        above = self.low < value or (self.low_closed and value == self.low)
-        below = value < self.high or (self.high_closed and value == self.high)
-        return above and below  # (NaN holds neither)
-
-    def check(self, name: str, value: float) -> None:
-        """Refuses a ``value`` outside the bounds, naming the option ``name``."""
-        if not self.hold(value):
-            named = f"{name} ({self.gloss})" if self.gloss else name
-            raise ValueError(f"{named} must {self.says}, got {value!r}")
-
-
-POSITIVE = Bounds(0.0, math.inf, "be a finite positive number")
-NON_NEGATIVE = Bounds(0.0, math.inf, "be finite and non-negative", low_closed=True)
-FINITE = Bounds(-math.inf, math.inf, "be a finite number")
-
-
-def cached_unless_compiling(cached, key, direct):
-    """``cached(key())``, a call's value formed once per key, or ``direct()`` under
-    torch.compile (traced once per graph; Dynamo does not trace the cache) or for a key
-    that does not hash (an option of the wrong type, a list say, which ``direct`` then
-    refuses by name)."""
-    if compiling():
-        return direct()
-    key = key()
-    try:
-        hash(key)
-    except TypeError:
-        return direct()
-    return cached(key)
+    from ..batch.token_layout import TokenLayout
 
 
 def detached(tensor: torch.Tensor | None) -> torch.Tensor | None:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config.loss_config import LossConfig
+from ..tables.aggregations import AGGREGATIONS
 from .active_rows import RowSelection
-from .aggregation_table import AGGREGATIONS
-from .config import LossConfig
 from .token_layout import TokenLayout
 
 

@@ -1,4 +1,4 @@
-"""A short demo of the loss on random data: ``python -m hadw_kernels.demo``.
+"""A short demo of the loss on random data: ``python -m hadw_kernels.tools.demo``.
 
 Simulates a few rollout batches whose accuracy drifts upward, updates the difficulty
 anchor once per batch, and prints the loss, its metrics and the anchor's figures.
@@ -10,13 +10,13 @@ import argparse
 
 import torch
 
-from . import LOSS_TYPES, DifficultyAnchor, available_backends, fused_linear_hadw_grpo_loss
-from .backends import BACKENDS
+from .. import LOSS_TYPES, DifficultyAnchor, available_backends, fused_linear_hadw_grpo_loss
+from ..backends import BACKENDS
 from .cli import POSITIVE_INT, HelpFormatter, int_at_least, summary
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.demo", description=summary(__doc__),
+    parser = argparse.ArgumentParser(prog="python -m hadw_kernels.tools.demo", description=summary(__doc__),
                                      formatter_class=HelpFormatter)
     parser.add_argument("--steps", type=POSITIVE_INT, default=5, help="rollout batches (one loss call each)")
     parser.add_argument("--prompts", type=POSITIVE_INT, default=4, help="prompts per rollout batch")

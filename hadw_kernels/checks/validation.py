@@ -18,17 +18,26 @@ from __future__ import annotations
 
 import torch
 
-from .active_rows import RowSelection, active_rows
-from .aggregation_table import AGGREGATIONS
-from .batch import CallInputs, LinearHead, LinearInputs, SurrogateBatch, build_batch, build_head, flat_labels
-from .checks import (
-    check_anchor, check_generator, check_temperature, compiling, require_float, require_layout_shape,
-    require_per_segment, require_per_token, require_tensor, require_values_device, shape,
+from ..batch.active_rows import RowSelection, active_rows
+from ..batch.inputs import CallInputs, LinearHead, LinearInputs, SurrogateBatch, build_batch, build_head, flat_labels
+from ..batch.token_layout import TokenLayout
+from ..config.loss_config import LossConfig
+from ..tables.aggregations import AGGREGATIONS
+from ..tables.bounds import compiling
+from . import values as value_checks
+from .arguments import (
+    check_anchor,
+    check_generator,
+    check_temperature,
+    require_float,
+    require_layout_shape,
+    require_per_segment,
+    require_per_token,
+    require_tensor,
+    require_values_device,
+    shape,
 )
-from .config import LossConfig
-from .token_layout import TokenLayout
-from . import value_checks
-from .value_checks import assert_cu_seqlens, assert_label_range, check_group_index
+from .values import assert_cu_seqlens, assert_label_range, check_group_index
 
 
 def batch_layout(response_mask, cu_seqlens) -> TokenLayout:

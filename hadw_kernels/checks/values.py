@@ -13,10 +13,11 @@ import math
 
 import torch
 
-from .active_rows import active_rows
-from .checks import check_anchor, check_finite_positive, compiling, detached, require_values_device
-from .token_layout import TokenLayout
-from .precision import accumulate_dtype
+from ..batch.active_rows import active_rows
+from ..batch.token_layout import TokenLayout
+from ..tables.bounds import check_finite_positive, compiling
+from ..tables.precision import accumulate_dtype
+from .arguments import check_anchor, detached, require_values_device
 
 
 def _cu_seqlens_faults(cu_seqlens: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation_table import AGGREGATIONS
-from .config import LossConfig
-from .token_layout import TokenLayout
+from ..batch.token_layout import TokenLayout
+from ..config.loss_config import LossConfig
+from ..tables.aggregations import AGGREGATIONS
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, layout: TokenLayout, config: LossConfig) -> torch.Tensor:

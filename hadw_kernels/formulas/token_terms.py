@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from .config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LossConfig
-from .objective_table import LOG_RATIO_CLAMP
-from .token_layout import TokenLayout
-from .objectives import gmpo_log_ratio
+from ..batch.token_layout import TokenLayout
+from ..config.loss_config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LossConfig
+from ..objectives.formulas import gmpo_log_ratio
+from ..objectives.table import LOG_RATIO_CLAMP
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:

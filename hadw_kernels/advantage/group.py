@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
-from .estimators import ESTIMATORS, GroupStatistics, check_std_choice, estimator_row
-from .precision import accumulate_dtype
-from .value_checks import check_advantage_options
+from ..checks.values import check_advantage_options
+from ..config.loss_config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
+from ..tables.estimators import ESTIMATORS, GroupStatistics, check_std_choice, estimator_row
+from ..tables.precision import accumulate_dtype
 
 if TYPE_CHECKING:
-    from .batch import SurrogateBatch
+    from ..batch.inputs import SurrogateBatch
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .precision import accumulate_dtype
+from ..tables.precision import accumulate_dtype
 
 TOKEN_TILE = 1024
 VOCAB_TILE = 4096
