@@ -210,6 +210,74 @@ def test_the_estimators_advantages_are_the_library_s(estimator, use_hadw, model_
     assert all(math.isfinite(step["loss"]) for step in steps) and "hadw/advantage_abs_mean" in steps[0]
 
 
+def _train_scoring(reward_function, model_dir, tmp_path, **options):
+    trainer = RecordingTrainer(
+        model=model_dir, reward_funcs=reward_function, train_dataset=PROMPTS, processing_class=TOKENIZER,
+        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 3, "hadw_anchor_rule": "soft",
+                                                         **options}),
+    )
+    trainer.train()
+    return trainer
+
+
+def first_of_each_group_unscored(completions, **_):
+    # TRL hands a process's completions grouped by prompt, 4 a prompt (RUN's num_generations).
+    return [None if index % 4 == 0 else score for index, score in enumerate(sevens(completions))]
+
+
+@pytest.mark.parametrize("estimator, use_hadw", [("grpo", True), ("rloo", False), ("james_stein", True),
+                                                 ("prompt_history", False)])
+def test_unscored_completions_enter_no_baseline_and_no_history(estimator, use_hadw, model_dir, tmp_path):
+    """A completion no reward function scored (NaN) gets advantage 0, and the others' are
+    those of the scored completions alone (grouped by their prompt): no value stands in for
+    it in a leave-one-out mean, the batch's statistics or the prompt's history."""
+    trainer = _train_scoring(first_of_each_group_unscored, model_dir, tmp_path, use_hadw=use_hadw,
+                             hadw_advantage_estimator=estimator, hadw_history_discount=0.5)
+    history = PromptHistory(discount=0.5)
+    for generation in trainer.generations:
+        rewards = generation["rewards"]
+        scored = ~torch.isnan(rewards)
+        assert int(scored.sum()) == 12
+        keys = [key for key, kept in zip(generation["keys"], scored.tolist()) if kept]
+        prior = history.update(rewards[scored], keys) if estimator == "prompt_history" else None
+        groups = torch.arange(16)[scored] // 4
+        advantages = generation["advantages"]
+        assert advantages[~scored].tolist() == [0.0] * 4
+        if estimator == "grpo":  # TRL's own advantages, each times the Phi of the scored rewards
+            phi = hadw_weights(rewards[scored], 3, generation["belief"])
+            grouped = rewards[scored].view(-1, 3)
+            trl = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+            torch.testing.assert_close(advantages[scored], trl * phi)
+        else:
+            expected = hadw_advantages(rewards[scored], group_index=groups, estimator=estimator,
+                                       anchor=generation["belief"], prior=prior)
+            torch.testing.assert_close(advantages[scored], expected.to(advantages.dtype))
+    if estimator == "prompt_history":
+        assert trainer.history.state_dict() == history.state_dict()
+
+
+def prompt_0_unscored(prompts, completions, **_):
+    return [None if prompt == "0 1" else score for prompt, score in zip(prompts, sevens(completions))]
+
+
+@pytest.mark.parametrize("use_hadw", [True, False])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "james_stein", "prompt_history"])
+def test_a_wholly_unscored_group_gets_advantage_0_as_in_stock_trl(estimator, use_hadw, model_dir, tmp_path):
+    trainer = _train_scoring(prompt_0_unscored, model_dir, tmp_path, use_hadw=use_hadw,
+                             hadw_advantage_estimator=estimator)
+    unscored = [generation for generation in trainer.generations if bool(torch.isnan(generation["rewards"]).any())]
+    assert unscored, "no generation batch held the unscored prompt"
+    for generation in trainer.generations:
+        advantages, rewards = generation["advantages"], generation["rewards"]
+        assert bool(torch.isfinite(advantages).all())
+        assert bool((advantages[torch.isnan(rewards)] == 0).all())
+    assert all(math.isfinite(step["loss"]) for step in logged_steps(trainer))
+    if estimator == "prompt_history":
+        unscored_keys = {key for generation in unscored
+                         for key, reward in zip(generation["keys"], generation["rewards"].tolist()) if math.isnan(reward)}
+        assert not unscored_keys & {row[0] for row in trainer.history.state_dict()["prompts"]}
+
+
 class ResumeProbe(HADWGRPOTrainer):
     """Keeps the anchor's state as TRL's resume leaves it, before any new batch."""
 
@@ -249,6 +317,21 @@ def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
     )
     with pytest.raises(ValueError, match=r"accuracies in \[0, 1\].*reward_weights that sum to 1"):
         trainer.train()
+
+
+def test_the_history_s_need_for_unit_rewards_is_named_without_hadw(model_dir, tmp_path):
+    def plus_minus_one(completions, **_):
+        return [2.0 * score - 1.0 for score in sevens(completions)]
+
+    trainer = HADWGRPOTrainer(
+        model=model_dir, reward_funcs=plus_minus_one, train_dataset=PROMPTS, processing_class=TOKENIZER,
+        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 1, "use_hadw": False,
+                                                         "hadw_advantage_estimator": "prompt_history"}),
+    )
+    with pytest.raises(ValueError, match=r"^hadw_advantage_estimator='prompt_history' \(its Beta posterior\) reads "
+                                         r"rewards as accuracies in \[0, 1\]") as error:
+        trainer.train()
+    assert "HA-DW" not in str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -300,7 +383,7 @@ def test_trl_s_default_bf16_trains_on_the_cpu(model_dir, tmp_path):
         (dict(hadw_linear_path="fast"), "unknown hadw_linear_path 'fast'"),
         (dict(hadw_anchor_rule="median"), "hadw_anchor_\\*: unknown rule 'median'"),
         (dict(hadw_anchor_initial=1.5), "hadw_anchor_\\*: initial must lie in"),
-        (dict(hadw_advantage_estimator="median"), "estimator must be one of"),
+        (dict(hadw_advantage_estimator="median"), "^hadw_advantage_estimator must be one of"),
         (dict(hadw_history_discount=1.5), "hadw_history_discount must be in"),
         (dict(hadw_history_prior_strength=0.0), "hadw_history_prior_strength must be"),
         (dict(hadw_advantage_estimator="rloo", use_hadw=False, multi_objective_aggregation="normalize_then_sum"),

@@ -214,7 +214,10 @@ class HADWGRPOConfig(GRPOConfig):
         check_layout_name("hadw_layout", self.hadw_layout)
         if self.hadw_shuffle not in ("auto", "rows", "groups"):
             raise ValueError(f"unknown hadw_shuffle {self.hadw_shuffle!r}; choose 'auto', 'rows' or 'groups'")
-        estimator = estimator_row(self.hadw_advantage_estimator)
+        try:
+            estimator = estimator_row(self.hadw_advantage_estimator)
+        except ValueError as error:
+            raise ValueError(f"hadw_advantage_{error}") from None
         try:
             self.history()
         except ValueError as error:
