@@ -1,6 +1,6 @@
 """Fused GRPO-family losses with History-Aware Adaptive Difficulty Weighting (HA-DW)."""
 
-from .advantage import group_advantages, hadw_advantages, hadw_weights
+from .advantage import batch_totals, group_advantages, hadw_advantages, hadw_weights
 from .anchor import DifficultyAnchor
 from .estimators import ESTIMATOR_NAMES
 from .history import PromptHistory, prompt_key
@@ -30,6 +30,7 @@ __all__ = [
     "RejectionFilter",
     "RolloutCorrection",
     "available_backends",
+    "batch_totals",
     "cu_seqlens_from_position_ids",
     "fused_hadw_grpo_loss",
     "fused_linear_hadw_grpo_loss",
