@@ -2,6 +2,9 @@
 against the float64 loops of hadw_kernels/reference/estimators.py, on exact small cases
 and random batches, and their refusals."""
 
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
@@ -156,6 +159,48 @@ def test_history_state_round_trips_and_refuses_another_discount():
 def test_prompt_key_is_stable_and_takes_tensors():
     assert prompt_key([3, 4, 5]) == prompt_key(torch.tensor([3, 4, 5])) != prompt_key([3, 4, 6])
     assert 0 <= prompt_key("a prompt") < 2 ** 63
+
+
+def test_a_text_never_shares_a_token_list_s_key_and_token_keys_stay_as_saved():
+    assert prompt_key("1,2,3") != prompt_key([1, 2, 3]) and prompt_key("") != prompt_key([])
+    # The key a history saved before texts were tagged holds for these ids.
+    assert prompt_key([1, 2, 3]) == prompt_key(np.array([1, 2, 3])) == 1517167407554927345
+
+
+@pytest.mark.parametrize("tokens", [[1.5, 2.0], torch.tensor([1.0, 2.0]), b"\x01\x02", [True, False], 7])
+def test_prompt_key_refuses_what_is_neither_token_ids_nor_text(tokens):
+    with pytest.raises(TypeError, match="^prompt_key takes integer token ids or a str"):
+        prompt_key(tokens)
+
+
+def test_a_history_none_of_whose_keys_recurs_warns_once():
+    history = PromptHistory()
+    with pytest.warns(UserWarning, match="no prompt key has recurred in 20 rollout batches") as caught:
+        for step in range(40):
+            history.update(torch.tensor([1.0, 0.0]), [step, step])  # a new key every batch: verl's uids
+    assert len([w for w in caught if "recurred" in str(w.message)]) == 1
+    recurring = PromptHistory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(40):
+            recurring.update(torch.tensor([1.0, 0.0]), [step % 10, step % 10])
+    # Restored, a history that has seen a key recur stays quiet.
+    restored = PromptHistory()
+    restored.load_state_dict(recurring.state_dict())
+    assert restored.state_dict() == recurring.state_dict()
+
+
+def test_a_version_1_history_still_loads_with_its_token_keys():
+    history = PromptHistory(discount=0.8)
+    history.update(torch.tensor([1.0, 0.0, 1.0, 1.0]), [prompt_key([1, 2, 3])] * 2 + [5, 5])
+    saved = history.state_dict()
+    old = {key: value for key, value in saved.items() if key != "recurred"} | {"version": 1}
+    restored = PromptHistory(discount=0.8)
+    with pytest.warns(UserWarning, match="version-1 PromptHistory state: prompts keyed by prompt_key\\(text\\)"):
+        restored.load_state_dict(old)
+    assert restored.read([prompt_key([1, 2, 3]), 5]).tolist() == history.read([prompt_key([1, 2, 3]), 5]).tolist()
+    with pytest.raises(ValueError, match="not a PromptHistory state of version 1 or 2"):
+        restored.load_state_dict({**saved, "version": 3})
 
 
 # --- refusals -----------------------------------------------------------------------------

@@ -307,6 +307,19 @@ def test_anchor_survives_save_and_resume(model_dir, tmp_path):
     assert resumed.anchor.prior == saved["posterior"]
 
 
+def test_resuming_a_checkpoint_without_the_history_says_it_starts_afresh(model_dir, tmp_path):
+    train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=2, save_strategy="steps", save_steps=2,
+          hadw_anchor_rule="soft")
+    assert not (tmp_path / "checkpoint-2" / HISTORY_FILE).exists()
+    resumed = HADWGRPOTrainer(
+        model=model_dir, reward_funcs=sevens, train_dataset=PROMPTS, processing_class=TOKENIZER,
+        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 3, "hadw_anchor_rule": "soft",
+                                                         "hadw_advantage_estimator": "prompt_history"}),
+    )
+    with pytest.warns(UserWarning, match=f"which holds no {HISTORY_FILE}: it starts afresh"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
 def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
     def plus_minus_one(completions, **_):
         return [2.0 * score - 1.0 for score in sevens(completions)]

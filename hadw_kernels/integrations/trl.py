@@ -488,7 +488,9 @@ class HADWGRPOTrainer(GRPOTrainer):
         for name, state in self._states().items():
             path = os.path.join(checkpoint, name)
             if not os.path.exists(path):
-                logger.warning("resuming from %s, which holds no %s: it starts afresh", checkpoint, name)
+                # A UserWarning, which every host shows; this module's logger needs a handler.
+                warnings.warn(f"resuming from {checkpoint}, which holds no {name}: it starts afresh", UserWarning,
+                              stacklevel=2)
                 continue
             with open(path) as handle:
                 state.load_state_dict(json.load(handle))
