@@ -144,6 +144,8 @@ def hadw_advantages(
     """
     if (group_size is None) == (group_index is None):
         raise ValueError("pass exactly one of group_size (contiguous groups) and group_index")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
+        raise TypeError(f"group_size must be an int, got {group_size!r}")
     if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
         raise TypeError("rewards must be a floating-point tensor")
     row = estimator_row(estimator)
@@ -158,11 +160,24 @@ def hadw_advantages(
         return advantage
     if group_size is not None:
         grouped = _grouped(rewards, group_size)  # the contiguous groups' checks
-        dense = torch.arange(rewards.numel(), device=rewards.device) // group_size
-        return estimated_advantages(grouped.reshape(-1), dense, grouped.shape[0], row, normalize_std, std_eps, anchor,
-                                    lambda_scale, prior)[0]
-    return estimated_advantages(*_indexed(rewards, group_index), row, normalize_std, std_eps, anchor, lambda_scale,
-                                prior)[0]
+        values, dense = grouped.reshape(-1), torch.arange(rewards.numel(), device=rewards.device) // group_size
+        groups = grouped.shape[0]
+    else:
+        values, dense, groups = _indexed(rewards, group_index)
+    if prior is not None:
+        _check_prior_groups(prior, dense, groups)
+    return estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)[0]
+
+
+def _check_prior_groups(prior: torch.Tensor, dense: torch.Tensor, groups: int) -> None:
+    """A group's responses share their prompt, so their pseudo-counts: rows that differ
+    were read for other prompts (keys out of step with the rewards' order)."""
+    low = torch.full((groups, 2), float("inf"), dtype=prior.dtype, device=prior.device).scatter_reduce_(
+        0, dense[:, None].expand(-1, 2), prior, "amin")
+    high = torch.full_like(low, float("-inf")).scatter_reduce_(0, dense[:, None].expand(-1, 2), prior, "amax")
+    if not bool((low == high).all()):
+        raise ValueError("prior's rows differ within a group: a group's responses share their prompt's pseudo-counts "
+                         "(PromptHistory.update's rows, in the rewards' order)")
 
 
 def _indexed(rewards: torch.Tensor, group_index) -> tuple[torch.Tensor, torch.Tensor, int]:

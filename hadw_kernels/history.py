@@ -108,7 +108,7 @@ class PromptHistory:
         ``all_gather=False``: the rewards and keys are every rank's already (TRL gathers
         them)."""
         device = rewards.device if isinstance(rewards, torch.Tensor) else torch.device("cpu")
-        values = checked_rewards(rewards).reshape(-1)
+        values = checked_rewards(rewards, "the history counts them as its Beta posterior's successes").reshape(-1)
         keys = _keys(prompt_keys)
         if len(keys) != values.numel():
             raise ValueError(f"prompt_keys has {len(keys)} entries, rewards {values.numel()}")
@@ -172,7 +172,8 @@ class PromptHistory:
             isinstance(prompts, list) and all(isinstance(row, list) and len(row) == 4 for row in prompts) else None
         if not isinstance(step, int) or step < 0 or numbers is None or len(seen) != 2 or not all(
                 isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in numbers) or not all(
-                isinstance(row[0], int) and row[3] <= step for row in prompts):
+                isinstance(row[0], int) and row[3] <= step for row in prompts) or \
+                len({row[0] for row in prompts}) != len(prompts):
             raise ValueError("the history state is malformed (step, seen or prompts)")
         if version == 1:
             warnings.warn("a version-1 PromptHistory state: prompts keyed by prompt_key(text) hash differently now "

@@ -211,6 +211,9 @@ def check_batch_inputs(layout: TokenLayout, config: LossConfig, call: CallInputs
         if call.batch_totals is not None:
             raise ValueError("batch_totals are read by advantage_estimator='james_stein' from rewards; advantages= "
                              "are formed already (hadw_advantages over the whole batch)")
+        if config.advantage_estimator != "grpo":
+            raise ValueError(f"advantage_estimator={config.advantage_estimator!r} forms the advantages from rewards; "
+                             "advantages= are formed already: pass the estimator to hadw_advantages instead")
         tensors["advantages"] = advantages
     if call.batch_totals is not None:
         if ESTIMATORS[config.advantage_estimator].scope != "batch":

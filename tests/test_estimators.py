@@ -218,6 +218,18 @@ def test_a_version_1_history_still_loads_with_its_token_keys():
     (lambda r: hadw_advantages(r * 2, group_size=2, estimator="prompt_history", prior=torch.ones(4, 2)), ValueError,
      r"\[0, 1\]"),
     (lambda r: hadw_advantages(r, group_size=3, estimator="james_stein"), ValueError, "do not split"),
+    # Inputs the estimator would read wrong, or that contradict another.
+    (lambda r: hadw_advantages(r, group_size=2, estimator="prompt_history",
+                               prior=torch.tensor([[1.0, 1.0], [2.0, 1.0], [1.0, 3.0], [1.0, 3.0]])), ValueError,
+     "^prior's rows differ within a group"),
+    (lambda r: hadw_advantages(r, group_index=[0, 1, 0, 1], estimator="prompt_history",
+                               prior=torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 3.0], [1.0, 3.0]])), ValueError,
+     "^prior's rows differ within a group"),
+    (lambda r: hadw_advantages(r, group_size=2.0), TypeError, "^group_size must be an int, got 2.0"),
+    (lambda r: hadw_advantages(r, group_size=True), TypeError, "^group_size must be an int, got True"),
+    (lambda r: fused_hadw_grpo_loss(torch.zeros(4, 3), None, None, torch.ones(4, 3), advantages=r,
+                                    advantage_estimator="rloo"), ValueError,
+     "^advantage_estimator='rloo' forms the advantages from rewards; advantages= are formed already"),
 ])
 def test_refusals_name_the_argument(call, error, match):
     with pytest.raises(error, match=match):
@@ -231,6 +243,18 @@ def test_refusals_name_the_argument(call, error, match):
 def test_history_options_are_checked(options, match):
     with pytest.raises(ValueError, match=match):
         PromptHistory(**options)
+
+
+def test_the_history_names_its_own_need_for_unit_rewards_and_refuses_a_state_with_a_key_twice():
+    history = PromptHistory()
+    with pytest.raises(ValueError, match=r"^rewards must lie in \[0, 1\]: the history counts them as its Beta "
+                                         "posterior's successes"):
+        history.update(torch.tensor([2.0, 0.0]), [1, 1])
+    history.update(torch.tensor([1.0, 0.0, 1.0, 1.0]), [1, 1, 2, 2])
+    state = history.state_dict()
+    state["prompts"][1][0] = state["prompts"][0][0]
+    with pytest.raises(ValueError, match="malformed"):
+        PromptHistory().load_state_dict(state)
 
 
 def test_history_update_refuses_bad_keys():

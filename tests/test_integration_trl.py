@@ -191,9 +191,10 @@ def test_the_estimators_advantages_are_the_library_s(estimator, use_hadw, model_
     """Five steps, three generation batches of four prompts (eight in the dataset: the
     third batch's prompts were seen in the first): each batch's advantages are
     hadw_advantages' on its gathered rewards, the history replayed from the batches."""
+    history_options = dict(hadw_history_discount=0.5) if estimator == "prompt_history" else {}
     trainer = train(RecordingTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=5, use_hadw=use_hadw,
-                    hadw_advantage_estimator=estimator, hadw_anchor_rule="soft", hadw_history_discount=0.5,
-                    save_strategy="steps", save_steps=5)
+                    hadw_advantage_estimator=estimator, hadw_anchor_rule="soft", save_strategy="steps", save_steps=5,
+                    **history_options)
     assert len(trainer.generations) == 3
     history = PromptHistory(discount=0.5)
     for generation in trainer.generations:
@@ -231,8 +232,9 @@ def test_unscored_completions_enter_no_baseline_and_no_history(estimator, use_ha
     """A completion no reward function scored (NaN) gets advantage 0, and the others' are
     those of the scored completions alone (grouped by their prompt): no value stands in for
     it in a leave-one-out mean, the batch's statistics or the prompt's history."""
+    history_options = dict(hadw_history_discount=0.5) if estimator == "prompt_history" else {}
     trainer = _train_scoring(first_of_each_group_unscored, model_dir, tmp_path, use_hadw=use_hadw,
-                             hadw_advantage_estimator=estimator, hadw_history_discount=0.5)
+                             hadw_advantage_estimator=estimator, **history_options)
     history = PromptHistory(discount=0.5)
     for generation in trainer.generations:
         rewards = generation["rewards"]
@@ -399,6 +401,11 @@ def test_trl_s_default_bf16_trains_on_the_cpu(model_dir, tmp_path):
         (dict(hadw_advantage_estimator="median"), "^hadw_advantage_estimator must be one of"),
         (dict(hadw_history_discount=1.5), "hadw_history_discount must be in"),
         (dict(hadw_history_prior_strength=0.0), "hadw_history_prior_strength must be"),
+        # A history option with an estimator that reads no history.
+        (dict(hadw_history_discount=0.5), "^hadw_history_discount is read by hadw_advantage_estimator='prompt_history' "
+                                          "alone, not 'grpo'"),
+        (dict(hadw_advantage_estimator="rloo", hadw_history_prior_strength=4.0),
+         "^hadw_history_prior_strength is read by hadw_advantage_estimator='prompt_history' alone, not 'rloo'"),
         (dict(hadw_advantage_estimator="rloo", use_hadw=False, multi_objective_aggregation="normalize_then_sum"),
          "needs multi_objective_aggregation='sum_then_normalize'"),
         # What the first step would otherwise raise, after generating.
