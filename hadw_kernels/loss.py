@@ -50,6 +50,7 @@ def fused_hadw_grpo_loss(
     rollout_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    batch_totals: torch.Tensor | None = None,
     return_metrics: bool = False,
     backend: str = "auto",
     check_values: bool = True,
@@ -132,6 +133,15 @@ def fused_hadw_grpo_loss(
             required with ``loss_normalizer`` and in a packed batch, which has no width).
         generator: the random draws of an objective that draws its tokens (clip_cov:
             ``torch.randperm``'s generator; None: the global one, as verl).
+        advantage_estimator: the baseline of the advantage formed from ``rewards``
+            (docs/math.md, section 2a): "grpo" (in the kernel), "rloo" or "james_stein"
+            (formed before it); "prompt_history" needs ``advantages=``.
+        batch_totals: with ``advantage_estimator="james_stein"``, the whole rollout
+            batch's sums (:func:`~hadw_kernels.batch_totals`, this call's groups
+            among them): each group shrinks toward the batch's other groups, not the
+            call's. Without it the call's groups are the batch, which must hold two or
+            more, on one process (a call of one group, or under torch.distributed, is
+            refused: each rank's would shrink over its own groups alone).
         return_metrics: also return a dict of 0-d tensors (metrics.METRIC_NAMES).
         backend: "auto", "torch", "triton" or "cpp".
         check_values: check finite inputs at response tokens, a 0/1 mask, rewards and
@@ -144,7 +154,7 @@ def fused_hadw_grpo_loss(
     check_backend_name(backend)
     config = call_config(config, options, linear=False)
     call = CallInputs(logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, group_index, anchor,
-                      ref_logprobs, importance_weights, rollout_logprobs, entropy, generator)
+                      ref_logprobs, importance_weights, rollout_logprobs, entropy, generator, batch_totals)
     batch = surrogate_batch(config, call, check_values=_checks_run(check_values), with_metrics=return_metrics)
     batch, group_figures = estimated_batch(batch)
     implementation = resolve_backend(backend, logprobs.device)
@@ -257,6 +267,7 @@ def fused_linear_hadw_grpo_loss(
     block_rows: int | None = None,
     linear_path: str = "auto",
     generator: torch.Generator | None = None,
+    batch_totals: torch.Tensor | None = None,
     return_metrics: bool = False,
     backend: str = "auto",
     check_values: bool = True,
@@ -287,7 +298,7 @@ def fused_linear_hadw_grpo_loss(
     # Resolved first: whether the checks' read counts the active rows is the backend's.
     implementation = resolve_backend(backend, device_of("hidden_states", hidden_states))
     call = CallInputs(None, old_logprobs, response_mask, cu_seqlens, rewards, advantages, group_index, anchor,
-                      ref_logprobs, importance_weights, rollout_logprobs, None, generator)
+                      ref_logprobs, importance_weights, rollout_logprobs, None, generator, batch_totals)
     linear = LinearInputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature, ignore_index, block_rows)
     batch, head = linear_batch(config, call, linear, select_rows=not implementation.compacts_rows,
                                check_values=_checks_run(check_values), with_metrics=return_metrics)

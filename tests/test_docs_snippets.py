@@ -49,7 +49,8 @@ def snippet_setup() -> dict:
     (requires grad), ``old_logprobs``, ``ref_logprobs``; ``response_mask`` [B, T] bool
     (lengths 1 to T); ``hidden_states`` [B, T, H] (requires grad), ``labels`` [B, T]
     (token ids), ``model`` (``model.lm_head``, a [V, H] linear layer); ``uids`` [B]
-    (each row's group id); ``belief`` (an anchor's belief, 0.4)."""
+    (each row's group id); ``prompt_ids`` (each row's prompt token ids, a list a row, a
+    group's rows alike); ``belief`` (an anchor's belief, 0.4)."""
     generator = torch.Generator().manual_seed(0)
     prompts, group, width, hidden, vocab = 2, 4, 6, 16, 32
     batch = prompts * group
@@ -69,6 +70,7 @@ def snippet_setup() -> dict:
         labels=torch.randint(0, vocab, (batch, width), generator=generator),
         model=model,
         uids=torch.arange(batch) // group,
+        prompt_ids=[[1, 5 + row // group, 9] for row in range(batch)],
         belief=0.4,
     )
 

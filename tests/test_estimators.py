@@ -2,11 +2,15 @@
 against the float64 loops of hadw_kernels/reference/estimators.py, on exact small cases
 and random batches, and their refusals."""
 
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
 from gloo_ranks import on_ranks
-from hadw_kernels import ESTIMATOR_NAMES, PromptHistory, hadw_advantages, prompt_key
+from hadw_kernels import (ESTIMATOR_NAMES, PromptHistory, batch_totals, fused_hadw_grpo_loss,
+                          fused_linear_hadw_grpo_loss, hadw_advantages, prompt_key)
 from hadw_kernels.tables.estimators import ESTIMATORS
 from hadw_kernels.reference import estimators as reference
 
@@ -157,6 +161,48 @@ def test_prompt_key_is_stable_and_takes_tensors():
     assert 0 <= prompt_key("a prompt") < 2 ** 63
 
 
+def test_a_text_never_shares_a_token_list_s_key_and_token_keys_stay_as_saved():
+    assert prompt_key("1,2,3") != prompt_key([1, 2, 3]) and prompt_key("") != prompt_key([])
+    # The key a history saved before texts were tagged holds for these ids.
+    assert prompt_key([1, 2, 3]) == prompt_key(np.array([1, 2, 3])) == 1517167407554927345
+
+
+@pytest.mark.parametrize("tokens", [[1.5, 2.0], torch.tensor([1.0, 2.0]), b"\x01\x02", [True, False], 7])
+def test_prompt_key_refuses_what_is_neither_token_ids_nor_text(tokens):
+    with pytest.raises(TypeError, match="^prompt_key takes integer token ids or a str"):
+        prompt_key(tokens)
+
+
+def test_a_history_none_of_whose_keys_recurs_warns_once():
+    history = PromptHistory()
+    with pytest.warns(UserWarning, match="no prompt key has recurred in 20 rollout batches") as caught:
+        for step in range(40):
+            history.update(torch.tensor([1.0, 0.0]), [step, step])  # a new key every batch: verl's uids
+    assert len([w for w in caught if "recurred" in str(w.message)]) == 1
+    recurring = PromptHistory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(40):
+            recurring.update(torch.tensor([1.0, 0.0]), [step % 10, step % 10])
+    # Restored, a history that has seen a key recur stays quiet.
+    restored = PromptHistory()
+    restored.load_state_dict(recurring.state_dict())
+    assert restored.state_dict() == recurring.state_dict()
+
+
+def test_a_version_1_history_still_loads_with_its_token_keys():
+    history = PromptHistory(discount=0.8)
+    history.update(torch.tensor([1.0, 0.0, 1.0, 1.0]), [prompt_key([1, 2, 3])] * 2 + [5, 5])
+    saved = history.state_dict()
+    old = {key: value for key, value in saved.items() if key != "recurred"} | {"version": 1}
+    restored = PromptHistory(discount=0.8)
+    with pytest.warns(UserWarning, match="version-1 PromptHistory state: prompts keyed by prompt_key\\(text\\)"):
+        restored.load_state_dict(old)
+    assert restored.read([prompt_key([1, 2, 3]), 5]).tolist() == history.read([prompt_key([1, 2, 3]), 5]).tolist()
+    with pytest.raises(ValueError, match="not a PromptHistory state of version 1 or 2"):
+        restored.load_state_dict({**saved, "version": 3})
+
+
 # --- refusals -----------------------------------------------------------------------------
 
 
@@ -172,6 +218,18 @@ def test_prompt_key_is_stable_and_takes_tensors():
     (lambda r: hadw_advantages(r * 2, group_size=2, estimator="prompt_history", prior=torch.ones(4, 2)), ValueError,
      r"\[0, 1\]"),
     (lambda r: hadw_advantages(r, group_size=3, estimator="james_stein"), ValueError, "do not split"),
+    # Inputs the estimator would read wrong, or that contradict another.
+    (lambda r: hadw_advantages(r, group_size=2, estimator="prompt_history",
+                               prior=torch.tensor([[1.0, 1.0], [2.0, 1.0], [1.0, 3.0], [1.0, 3.0]])), ValueError,
+     "^prior's rows differ within a group"),
+    (lambda r: hadw_advantages(r, group_index=[0, 1, 0, 1], estimator="prompt_history",
+                               prior=torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 3.0], [1.0, 3.0]])), ValueError,
+     "^prior's rows differ within a group"),
+    (lambda r: hadw_advantages(r, group_size=2.0), TypeError, "^group_size must be an int, got 2.0"),
+    (lambda r: hadw_advantages(r, group_size=True), TypeError, "^group_size must be an int, got True"),
+    (lambda r: fused_hadw_grpo_loss(torch.zeros(4, 3), None, None, torch.ones(4, 3), advantages=r,
+                                    advantage_estimator="rloo"), ValueError,
+     "^advantage_estimator='rloo' forms the advantages from rewards; advantages= are formed already"),
 ])
 def test_refusals_name_the_argument(call, error, match):
     with pytest.raises(error, match=match):
@@ -187,6 +245,18 @@ def test_history_options_are_checked(options, match):
         PromptHistory(**options)
 
 
+def test_the_history_names_its_own_need_for_unit_rewards_and_refuses_a_state_with_a_key_twice():
+    history = PromptHistory()
+    with pytest.raises(ValueError, match=r"^rewards must lie in \[0, 1\]: the history counts them as its Beta "
+                                         "posterior's successes"):
+        history.update(torch.tensor([2.0, 0.0]), [1, 1])
+    history.update(torch.tensor([1.0, 0.0, 1.0, 1.0]), [1, 1, 2, 2])
+    state = history.state_dict()
+    state["prompts"][1][0] = state["prompts"][0][0]
+    with pytest.raises(ValueError, match="malformed"):
+        PromptHistory().load_state_dict(state)
+
+
 def test_history_update_refuses_bad_keys():
     history = PromptHistory()
     with pytest.raises(ValueError, match="prompt_keys has 1"):
@@ -198,7 +268,105 @@ def test_history_update_refuses_bad_keys():
     assert history.step == 0 and len(history) == 0  # nothing folded in
 
 
+# --- James-Stein inside a fused loss -------------------------------------------------------
+
+
+def _loss_batch(responses, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    logprobs = torch.randn(responses, 5, generator=generator, dtype=torch.float64) * 0.1 - 1
+    old = logprobs + torch.randn(responses, 5, generator=generator, dtype=torch.float64) * 0.05
+    rewards = torch.rand(responses, generator=generator, dtype=torch.float64)
+    return logprobs, old, rewards, torch.ones(responses, 5)
+
+
+def test_a_micro_batch_shrinks_over_the_whole_batch_given_its_totals():
+    logprobs, old, rewards, mask = _loss_batch(12)
+    whole = hadw_advantages(rewards, group_size=3, estimator="james_stein", anchor=0.4)
+    totals = batch_totals(rewards, group_size=3)
+    for rows in (slice(0, 6), slice(6, 9)):  # two groups, and one
+        given = fused_hadw_grpo_loss(logprobs[rows], old[rows], rewards[rows], mask[rows], group_size=3,
+                                     advantage_estimator="james_stein", anchor=0.4, batch_totals=totals)
+        expected = fused_hadw_grpo_loss(logprobs[rows], old[rows], None, mask[rows], advantages=whole[rows])
+        torch.testing.assert_close(given, expected)
+    # The whole batch in one call: its own groups are the batch, with or without the totals.
+    torch.testing.assert_close(
+        fused_hadw_grpo_loss(logprobs, old, rewards, mask, group_size=3, advantage_estimator="james_stein",
+                             batch_totals=totals),
+        fused_hadw_grpo_loss(logprobs, old, rewards, mask, group_size=3, advantage_estimator="james_stein"))
+
+
+def test_totals_add_over_parts_of_the_batch():
+    _, _, rewards, _ = _loss_batch(12)
+    parts = batch_totals(rewards[:6], group_size=3) + batch_totals(rewards[6:], group_size=3)
+    torch.testing.assert_close(parts, batch_totals(rewards, group_size=3))
+    labels = torch.arange(4).repeat_interleave(3).flip(0)
+    torch.testing.assert_close(batch_totals(rewards, group_index=labels), batch_totals(rewards, group_size=3))
+
+
+@pytest.mark.parametrize("linear", [False, True])
+def test_a_one_group_call_is_not_silently_rloo(linear):
+    logprobs, old, rewards, mask = _loss_batch(3)
+    with pytest.raises(ValueError, match="^advantage_estimator='james_stein' shrinks toward the batch's other groups "
+                                         "and this call holds 1: pass batch_totals"):
+        if linear:
+            hidden = torch.randn(3, 5, 4, dtype=torch.float64)
+            fused_linear_hadw_grpo_loss(hidden, torch.randn(7, 4, dtype=torch.float64), torch.zeros(3, 5, dtype=torch.long),
+                                        old, rewards, mask, group_size=3, advantage_estimator="james_stein")
+        else:
+            fused_hadw_grpo_loss(logprobs, old, rewards, mask, group_size=3, advantage_estimator="james_stein")
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(advantage_estimator="rloo"), "^batch_totals are read by advantage_estimator='james_stein' only, not 'rloo'"),
+    (dict(advantage_estimator="james_stein", totals=torch.zeros(5, dtype=torch.float64)),
+     r"^batch_totals must be \[6\]"),
+    (dict(advantage_estimator="james_stein", totals="part"),
+     "^batch_totals must be finite and count this call's 2 groups and 6 responses among two groups or more, got 1 "
+     "groups"),
+    (dict(advantage_estimator="james_stein", totals=torch.tensor([4.0, 12, 6, 1, 2, float("nan")])),
+     "^batch_totals must be finite"),
+    (dict(advantage_estimator="james_stein", advantages=True), "^batch_totals are read by"),
+])
+def test_batch_totals_that_contradict_the_call_are_refused(options, match):
+    logprobs, old, rewards, mask = _loss_batch(12)
+    totals = options.pop("totals", batch_totals(rewards, group_size=3))
+    if isinstance(totals, str):
+        totals = batch_totals(rewards[:3], group_size=3)
+    if options.pop("advantages", False):
+        options.update(advantages=torch.zeros(6, dtype=torch.float64))
+        rewards = None
+    with pytest.raises(ValueError, match=match):
+        fused_hadw_grpo_loss(logprobs[:6], old[:6], None if rewards is None else rewards[:6], mask[:6],
+                             group_size=3, batch_totals=totals, **options)
+
+
 # --- under torch.distributed ---------------------------------------------------------------
+
+
+def _james_stein_on_rank(rank):
+    logprobs, old, rewards, mask = _loss_batch(12)
+    rows = slice(6 * rank, 6 * rank + 6)
+    try:
+        fused_hadw_grpo_loss(logprobs[rows], old[rows], rewards[rows], mask[rows], group_size=3,
+                             advantage_estimator="james_stein")
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    totals = batch_totals(rewards[rows], group_size=3, all_reduce=True)
+    given = fused_hadw_grpo_loss(logprobs[rows], old[rows], rewards[rows], mask[rows], group_size=3,
+                                 advantage_estimator="james_stein", batch_totals=totals)
+    whole = hadw_advantages(rewards, group_size=3, estimator="james_stein")
+    expected = fused_hadw_grpo_loss(logprobs[rows], old[rows], None, mask[rows], advantages=whole[rows])
+    return refusal, float(given), float(expected)
+
+
+@pytest.mark.slow
+def test_under_ddp_james_stein_needs_the_whole_batch_s_totals():
+    for refusal, given, expected in on_ranks(_james_stein_on_rank).values():
+        assert refusal.startswith("advantage_estimator='james_stein' under torch.distributed would shrink over "
+                                  "this rank's groups alone")
+        assert given == pytest.approx(expected, rel=1e-12)
+
 
 
 def _history_on_rank(rank):

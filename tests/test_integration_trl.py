@@ -191,9 +191,10 @@ def test_the_estimators_advantages_are_the_library_s(estimator, use_hadw, model_
     """Five steps, three generation batches of four prompts (eight in the dataset: the
     third batch's prompts were seen in the first): each batch's advantages are
     hadw_advantages' on its gathered rewards, the history replayed from the batches."""
+    history_options = dict(hadw_history_discount=0.5) if estimator == "prompt_history" else {}
     trainer = train(RecordingTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=5, use_hadw=use_hadw,
-                    hadw_advantage_estimator=estimator, hadw_anchor_rule="soft", hadw_history_discount=0.5,
-                    save_strategy="steps", save_steps=5)
+                    hadw_advantage_estimator=estimator, hadw_anchor_rule="soft", save_strategy="steps", save_steps=5,
+                    **history_options)
     assert len(trainer.generations) == 3
     history = PromptHistory(discount=0.5)
     for generation in trainer.generations:
@@ -208,6 +209,75 @@ def test_the_estimators_advantages_are_the_library_s(estimator, use_hadw, model_
         assert set(seen_again) <= set(trainer.generations[0]["keys"] + trainer.generations[1]["keys"])
     steps = logged_steps(trainer)
     assert all(math.isfinite(step["loss"]) for step in steps) and "hadw/advantage_abs_mean" in steps[0]
+
+
+def _train_scoring(reward_function, model_dir, tmp_path, **options):
+    trainer = RecordingTrainer(
+        model=model_dir, reward_funcs=reward_function, train_dataset=PROMPTS, processing_class=TOKENIZER,
+        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 3, "hadw_anchor_rule": "soft",
+                                                         **options}),
+    )
+    trainer.train()
+    return trainer
+
+
+def first_of_each_group_unscored(completions, **_):
+    # TRL hands a process's completions grouped by prompt, 4 a prompt (RUN's num_generations).
+    return [None if index % 4 == 0 else score for index, score in enumerate(sevens(completions))]
+
+
+@pytest.mark.parametrize("estimator, use_hadw", [("grpo", True), ("rloo", False), ("james_stein", True),
+                                                 ("prompt_history", False)])
+def test_unscored_completions_enter_no_baseline_and_no_history(estimator, use_hadw, model_dir, tmp_path):
+    """A completion no reward function scored (NaN) gets advantage 0, and the others' are
+    those of the scored completions alone (grouped by their prompt): no value stands in for
+    it in a leave-one-out mean, the batch's statistics or the prompt's history."""
+    history_options = dict(hadw_history_discount=0.5) if estimator == "prompt_history" else {}
+    trainer = _train_scoring(first_of_each_group_unscored, model_dir, tmp_path, use_hadw=use_hadw,
+                             hadw_advantage_estimator=estimator, **history_options)
+    history = PromptHistory(discount=0.5)
+    for generation in trainer.generations:
+        rewards = generation["rewards"]
+        scored = ~torch.isnan(rewards)
+        assert int(scored.sum()) == 12
+        keys = [key for key, kept in zip(generation["keys"], scored.tolist()) if kept]
+        prior = history.update(rewards[scored], keys) if estimator == "prompt_history" else None
+        groups = torch.arange(16)[scored] // 4
+        advantages = generation["advantages"]
+        assert advantages[~scored].tolist() == [0.0] * 4
+        if estimator == "grpo":  # TRL's own advantages, each times the Phi of the scored rewards
+            phi = hadw_weights(rewards[scored], 3, generation["belief"])
+            grouped = rewards[scored].view(-1, 3)
+            trl = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+            torch.testing.assert_close(advantages[scored], trl * phi)
+        else:
+            expected = hadw_advantages(rewards[scored], group_index=groups, estimator=estimator,
+                                       anchor=generation["belief"], prior=prior)
+            torch.testing.assert_close(advantages[scored], expected.to(advantages.dtype))
+    if estimator == "prompt_history":
+        assert trainer.history.state_dict() == history.state_dict()
+
+
+def prompt_0_unscored(prompts, completions, **_):
+    return [None if prompt == "0 1" else score for prompt, score in zip(prompts, sevens(completions))]
+
+
+@pytest.mark.parametrize("use_hadw", [True, False])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "james_stein", "prompt_history"])
+def test_a_wholly_unscored_group_gets_advantage_0_as_in_stock_trl(estimator, use_hadw, model_dir, tmp_path):
+    trainer = _train_scoring(prompt_0_unscored, model_dir, tmp_path, use_hadw=use_hadw,
+                             hadw_advantage_estimator=estimator)
+    unscored = [generation for generation in trainer.generations if bool(torch.isnan(generation["rewards"]).any())]
+    assert unscored, "no generation batch held the unscored prompt"
+    for generation in trainer.generations:
+        advantages, rewards = generation["advantages"], generation["rewards"]
+        assert bool(torch.isfinite(advantages).all())
+        assert bool((advantages[torch.isnan(rewards)] == 0).all())
+    assert all(math.isfinite(step["loss"]) for step in logged_steps(trainer))
+    if estimator == "prompt_history":
+        unscored_keys = {key for generation in unscored
+                         for key, reward in zip(generation["keys"], generation["rewards"].tolist()) if math.isnan(reward)}
+        assert not unscored_keys & {row[0] for row in trainer.history.state_dict()["prompts"]}
 
 
 class ResumeProbe(HADWGRPOTrainer):
@@ -239,6 +309,19 @@ def test_anchor_survives_save_and_resume(model_dir, tmp_path):
     assert resumed.anchor.prior == saved["posterior"]
 
 
+def test_resuming_a_checkpoint_without_the_history_says_it_starts_afresh(model_dir, tmp_path):
+    train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path, max_steps=2, save_strategy="steps", save_steps=2,
+          hadw_anchor_rule="soft")
+    assert not (tmp_path / "checkpoint-2" / HISTORY_FILE).exists()
+    resumed = HADWGRPOTrainer(
+        model=model_dir, reward_funcs=sevens, train_dataset=PROMPTS, processing_class=TOKENIZER,
+        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 3, "hadw_anchor_rule": "soft",
+                                                         "hadw_advantage_estimator": "prompt_history"}),
+    )
+    with pytest.warns(UserWarning, match=f"which holds no {HISTORY_FILE}: it starts afresh"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
 def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
     def plus_minus_one(completions, **_):
         return [2.0 * score - 1.0 for score in sevens(completions)]
@@ -249,6 +332,21 @@ def test_rewards_outside_the_unit_interval_are_refused(model_dir, tmp_path):
     )
     with pytest.raises(ValueError, match=r"accuracies in \[0, 1\].*reward_weights that sum to 1"):
         trainer.train()
+
+
+def test_the_history_s_need_for_unit_rewards_is_named_without_hadw(model_dir, tmp_path):
+    def plus_minus_one(completions, **_):
+        return [2.0 * score - 1.0 for score in sevens(completions)]
+
+    trainer = HADWGRPOTrainer(
+        model=model_dir, reward_funcs=plus_minus_one, train_dataset=PROMPTS, processing_class=TOKENIZER,
+        args=HADWGRPOConfig(output_dir=str(tmp_path), **{**RUN, "max_steps": 1, "use_hadw": False,
+                                                         "hadw_advantage_estimator": "prompt_history"}),
+    )
+    with pytest.raises(ValueError, match=r"^hadw_advantage_estimator='prompt_history' \(its Beta posterior\) reads "
+                                         r"rewards as accuracies in \[0, 1\]") as error:
+        trainer.train()
+    assert "HA-DW" not in str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -300,9 +398,14 @@ def test_trl_s_default_bf16_trains_on_the_cpu(model_dir, tmp_path):
         (dict(hadw_linear_path="fast"), "unknown hadw_linear_path 'fast'"),
         (dict(hadw_anchor_rule="median"), "hadw_anchor_\\*: unknown rule 'median'"),
         (dict(hadw_anchor_initial=1.5), "hadw_anchor_\\*: initial must lie in"),
-        (dict(hadw_advantage_estimator="median"), "estimator must be one of"),
+        (dict(hadw_advantage_estimator="median"), "^hadw_advantage_estimator must be one of"),
         (dict(hadw_history_discount=1.5), "hadw_history_discount must be in"),
         (dict(hadw_history_prior_strength=0.0), "hadw_history_prior_strength must be"),
+        # A history option with an estimator that reads no history.
+        (dict(hadw_history_discount=0.5), "^hadw_history_discount is read by hadw_advantage_estimator='prompt_history' "
+                                          "alone, not 'grpo'"),
+        (dict(hadw_advantage_estimator="rloo", hadw_history_prior_strength=4.0),
+         "^hadw_history_prior_strength is read by hadw_advantage_estimator='prompt_history' alone, not 'rloo'"),
         (dict(hadw_advantage_estimator="rloo", use_hadw=False, multi_objective_aggregation="normalize_then_sum"),
          "needs multi_objective_aggregation='sum_then_normalize'"),
         # What the first step would otherwise raise, after generating.

@@ -81,6 +81,16 @@ def test_rng_and_trainer_state_round_trip_as_json(tmp_path):
     assert not list((tmp_path / "step-00000003").glob("*.pt"))
 
 
+def test_resuming_a_checkpoint_of_before_the_history_says_it_starts_afresh(tmp_path):
+    save_checkpoint(tmp_path, 2, _Engine(), _anchor_after([0.5]), keep=2, history=PromptHistory())
+    state_file = tmp_path / "step-00000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["history"]
+    state_file.write_text(json.dumps(state))
+    with pytest.warns(UserWarning, match="holds no prompts' history: prompt_history's baselines start from the prior"):
+        assert load_checkpoint(tmp_path / "step-00000002", _Engine(), DifficultyAnchor(), PromptHistory()) == 2
+
+
 def test_a_crafted_rank_file_cannot_run_code(tmp_path):
     """rank<r>.pt was once loaded with weights_only=False, so a crafted file ran
     arbitrary code on --resume. The trainer's state is JSON now: a pickle is an error."""

@@ -396,10 +396,11 @@ class DifficultyAnchor:
         )
 
 
-def checked_rewards(rewards) -> torch.Tensor:
-    """Rewards as a float64 tensor, refused unless finite and in [0, 1]. A tensor must be
-    floating point, as the losses require (an int or bool tensor is refused with their
-    message); a sequence or array of numbers is converted."""
+def checked_rewards(rewards, why: str = "the anchor is a belief about an accuracy (the paper's y_t)") -> torch.Tensor:
+    """Rewards as a float64 tensor, refused unless finite and in [0, 1] (``why``: what reads
+    them as accuracies). A tensor must be floating point, as the losses require (an int or
+    bool tensor is refused with their message); a sequence or array of numbers is
+    converted."""
     if not isinstance(rewards, torch.Tensor):
         try:
             rewards = torch.as_tensor(rewards, dtype=torch.float64)
@@ -411,10 +412,7 @@ def checked_rewards(rewards) -> torch.Tensor:
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards must be finite: they contain NaN or inf")
     if bool(((rewards < 0) | (rewards > 1)).any()):
-        raise ValueError(
-            "rewards must lie in [0, 1]: the anchor is a belief about an accuracy (the paper's y_t); "
-            "scale the rewards into [0, 1] first"
-        )
+        raise ValueError(f"rewards must lie in [0, 1]: {why}; scale the rewards into [0, 1] first")
     return rewards
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from ..checks.values import check_advantage_options
 from ..config.loss_config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
@@ -143,6 +144,8 @@ def hadw_advantages(
     """
     if (group_size is None) == (group_index is None):
         raise ValueError("pass exactly one of group_size (contiguous groups) and group_index")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
+        raise TypeError(f"group_size must be an int, got {group_size!r}")
     if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
         raise TypeError("rewards must be a floating-point tensor")
     row = estimator_row(estimator)
@@ -157,9 +160,29 @@ def hadw_advantages(
         return advantage
     if group_size is not None:
         grouped = _grouped(rewards, group_size)  # the contiguous groups' checks
-        dense = torch.arange(rewards.numel(), device=rewards.device) // group_size
-        return estimated_advantages(grouped.reshape(-1), dense, grouped.shape[0], row, normalize_std, std_eps, anchor,
-                                    lambda_scale, prior)[0]
+        values, dense = grouped.reshape(-1), torch.arange(rewards.numel(), device=rewards.device) // group_size
+        groups = grouped.shape[0]
+    else:
+        values, dense, groups = _indexed(rewards, group_index)
+    if prior is not None:
+        _check_prior_groups(prior, dense, groups)
+    return estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)[0]
+
+
+def _check_prior_groups(prior: torch.Tensor, dense: torch.Tensor, groups: int) -> None:
+    """A group's responses share their prompt, so their pseudo-counts: rows that differ
+    were read for other prompts (keys out of step with the rewards' order)."""
+    low = torch.full((groups, 2), float("inf"), dtype=prior.dtype, device=prior.device).scatter_reduce_(
+        0, dense[:, None].expand(-1, 2), prior, "amin")
+    high = torch.full_like(low, float("-inf")).scatter_reduce_(0, dense[:, None].expand(-1, 2), prior, "amax")
+    if not bool((low == high).all()):
+        raise ValueError("prior's rows differ within a group: a group's responses share their prompt's pseudo-counts "
+                         "(PromptHistory.update's rows, in the rewards' order)")
+
+
+def _indexed(rewards: torch.Tensor, group_index) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(rewards in their accumulation dtype, dense group id [B], groups) of checked
+    ``group_index`` labels."""
     if not isinstance(group_index, torch.Tensor):
         try:  # a list or a numpy array of ids: on rewards' device, as a tensor would be
             group_index = torch.as_tensor(group_index, device=rewards.device)
@@ -175,17 +198,52 @@ def hadw_advantages(
     counts = torch.zeros(groups, dtype=values.dtype, device=values.device).index_add_(0, dense, torch.ones_like(values))
     if bool((counts < 2).any()):
         raise ValueError("every group of group_index needs at least 2 responses (a group-relative baseline)")
-    return estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)[0]
+    return values, dense, groups
+
+
+def batch_totals(
+    rewards: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    group_index: torch.Tensor | Sequence[int] | None = None,
+    all_reduce: bool = False,
+) -> torch.Tensor:
+    """The sums over a rollout batch's groups that ``james_stein`` reads (float64 [6],
+    ``estimators.BATCH_TOTALS``; docs/math.md, section 2a), for a fused loss's
+    ``batch_totals=``: a call that holds part of the batch (a micro-batch, one rank's
+    share) then shrinks each of its groups toward the whole batch's other groups, as
+    ``hadw_advantages`` over the whole batch does. Groups as in ``hadw_advantages``;
+    ``all_reduce=True`` sums every rank's totals (each rank's groups whole, its own), so
+    every rank holds the whole batch's."""
+    if (group_size is None) == (group_index is None):
+        raise ValueError("pass exactly one of group_size (contiguous groups) and group_index")
+    if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
+        raise TypeError("rewards must be a floating-point tensor")
+    check_advantage_options(rewards, None, DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS)
+    if group_size is not None:
+        grouped = _grouped(rewards, group_size)
+        values, dense = grouped.reshape(-1), torch.arange(rewards.numel(), device=rewards.device) // group_size
+        groups = grouped.shape[0]
+    else:
+        values, dense, groups = _indexed(rewards, group_index)
+    totals = GroupStatistics.of(values.to(torch.float64), dense, groups).totals()
+    if all_reduce and dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            totals = totals.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(totals)
+        totals = totals.to(rewards.device)
+    return totals
 
 
 def estimated_advantages(values: torch.Tensor, dense: torch.Tensor, groups: int, row, normalize_std: bool,
-                         std_eps: float, anchor, lambda_scale: float,
-                         prior: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                         std_eps: float, anchor, lambda_scale: float, prior: torch.Tensor | None,
+                         totals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(A * Phi, Phi) [B] of checked inputs: ``values`` the rewards in their accumulation
-    dtype, ``dense`` each one's group id in 0..groups-1; Phi is 1 without an anchor, and
+    dtype, ``dense`` each one's group id in 0..groups-1, ``totals`` the whole batch's
+    (``batch_totals``; None: these groups are the batch); Phi is 1 without an anchor, and
     lambda where A is 0 (as hadw_weights gives it). No host read: the fused losses call it
     on the batch validation returned."""
-    stats = GroupStatistics.of(values, dense, groups)
+    stats = GroupStatistics.of(values, dense, groups, totals)
     advantage = values - row.baseline(values, dense, stats, prior)
     if normalize_std:
         advantage = advantage / (stats.variances.sqrt()[dense] + std_eps)
@@ -223,9 +281,11 @@ def weighted_advantages(
     advantages: torch.Tensor | None,
     config: LossConfig,
     anchor: float | torch.Tensor | None,
+    totals: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(A, Phi [S] or None): the caller's advantages (as given: per token [N] or per
-    response [S]), or A * Phi [S] from rewards by ``config.advantage_estimator``."""
+    response [S]), or A * Phi [S] from rewards by ``config.advantage_estimator``, over the
+    batch whose ``totals`` are given (None: the call's groups are the batch)."""
     if advantages is not None:
         return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
     rewards = rewards.detach()
@@ -234,7 +294,7 @@ def weighted_advantages(
         dense = torch.arange(values.numel(), device=values.device) // config.group_size
         return estimated_advantages(values, dense, values.numel() // config.group_size,
                                     ESTIMATORS[config.advantage_estimator], config.normalize_std, config.std_eps, anchor,
-                                    config.lambda_scale, None)
+                                    config.lambda_scale, None, totals)
     advantage_hat = group_advantages(
         rewards, config.group_size, normalize_std=config.normalize_std, std_eps=config.std_eps
     )
@@ -249,12 +309,28 @@ def estimated_batch(batch: SurrogateBatch) -> tuple[SurrogateBatch, dict[str, to
     """A call whose estimator reads beyond the group's mean (``config.advantage_estimator``
     other than "grpo"): its advantages formed here, over the call's groups, and handed to
     the backend as each response's, with the group metrics the kernels then cannot form.
-    The group mean's stay in the kernels (one launch)."""
+    The group mean's stay in the kernels (one launch). James-Stein shrinks over
+    ``batch.batch_totals``' batch, or else over the call's groups, which must then be a
+    whole batch of two groups or more on one process (docs/math.md, section 2a)."""
     if batch.rewards is None or ESTIMATORS[batch.config.advantage_estimator].group_mean:
         return batch, {}
-    advantages, phi = weighted_advantages(batch.rewards, None, batch.config, batch.anchor)
+    if ESTIMATORS[batch.config.advantage_estimator].scope == "batch" and batch.batch_totals is None:
+        _refuse_partial_batch(batch.rewards.numel() // batch.config.group_size)
+    advantages, phi = weighted_advantages(batch.rewards, None, batch.config, batch.anchor, batch.batch_totals)
     figures = group_metrics(batch.rewards, phi, batch.config.group_size) if batch.with_metrics else {}
     return batch.replace(rewards=None, anchor=None, response_advantages=advantages), figures
+
+
+def _refuse_partial_batch(groups: int) -> None:
+    """Where a call's own groups cannot be the batch James-Stein shrinks over."""
+    if groups < 2:
+        raise ValueError(f"advantage_estimator='james_stein' shrinks toward the batch's other groups and this call "
+                         f"holds {groups}: pass batch_totals (hadw_kernels.batch_totals over the whole "
+                         "batch), or advantages from hadw_advantages over it")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("advantage_estimator='james_stein' under torch.distributed would shrink over this rank's "
+                         "groups alone: pass batch_totals (hadw_kernels.batch_totals(..., all_reduce=True)), "
+                         "or advantages from hadw_advantages over the gathered batch")
 
 
 def batch_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

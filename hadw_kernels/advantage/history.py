@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -20,7 +22,13 @@ import torch.distributed as dist
 from ..tables.bounds import check_finite_positive
 from .anchor import checked_rewards
 
-STATE_VERSION = 1
+# Version 2 tags a text's key apart from a token list's (prompt_key) and records whether
+# any key recurred; a version-1 state still loads (its token keys are unchanged).
+STATE_VERSION = 2
+LOADED_VERSIONS = (1, 2)
+# Rollout batches after which a history none of whose keys has recurred warns, once: its
+# baselines read the prior alone (docs/math.md, section 2a).
+RECURRENCE_WINDOW = 20
 # The discount per rollout batch and the prior's strength (docs/math.md, section 2a, and
 # docs/estimators.md for the measurement that chose them).
 DEFAULT_DISCOUNT = 0.9
@@ -28,11 +36,18 @@ DEFAULT_PRIOR_STRENGTH = 2.0
 
 
 def prompt_key(tokens: Sequence[int] | torch.Tensor | str) -> int:
-    """A stable signed 63-bit key for a prompt's token ids (or its text): the same on every
-    rank and in every process, unlike Python's ``hash``."""
-    if isinstance(tokens, torch.Tensor):
-        tokens = tokens.reshape(-1).tolist()
-    data = tokens.encode() if isinstance(tokens, str) else ",".join(str(int(t)) for t in tokens).encode()
+    """A stable non-negative 63-bit key for a prompt's token ids (or its text): the same on
+    every rank and in every process, unlike Python's ``hash``. A text and a list of token
+    ids never share a key (``"1,2,3"`` is not ``[1, 2, 3]``); token ids must be integers."""
+    if isinstance(tokens, str):
+        data = b"text:" + tokens.encode()
+    else:
+        if isinstance(tokens, torch.Tensor) or (hasattr(tokens, "tolist") and not isinstance(tokens, Sequence)):
+            tokens = tokens.reshape(-1).tolist()  # a tensor's or array's ids, as Python numbers
+        if isinstance(tokens, (bytes, bytearray)) or not isinstance(tokens, Sequence) or not all(
+                isinstance(token, numbers.Integral) and not isinstance(token, bool) for token in tokens):
+            raise TypeError(f"prompt_key takes integer token ids or a str, got {tokens!r:.80}")
+        data = ",".join(str(int(token)) for token in tokens).encode()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
@@ -55,6 +70,7 @@ class PromptHistory:
         # key -> [alpha, beta, step of the last update]
         self._prompts: dict[int, list[float]] = {}
         self._seen = [0.0, 0.0]  # every reward's discounted successes and failures
+        self._recurred = False  # whether any batch held a key an earlier one had
 
     def __len__(self) -> int:
         return len(self._prompts)
@@ -92,7 +108,7 @@ class PromptHistory:
         ``all_gather=False``: the rewards and keys are every rank's already (TRL gathers
         them)."""
         device = rewards.device if isinstance(rewards, torch.Tensor) else torch.device("cpu")
-        values = checked_rewards(rewards).reshape(-1)
+        values = checked_rewards(rewards, "the history counts them as its Beta posterior's successes").reshape(-1)
         keys = _keys(prompt_keys)
         if len(keys) != values.numel():
             raise ValueError(f"prompt_keys has {len(keys)} entries, rewards {values.numel()}")
@@ -105,7 +121,14 @@ class PromptHistory:
             entry = totals.setdefault(key, [0.0, 0.0])
             entry[0] += value
             entry[1] += 1.0 - value
+        self._recurred = self._recurred or any(key in self._prompts for key in totals)
         self.step += 1
+        if self.step == RECURRENCE_WINDOW and not self._recurred:
+            warnings.warn(
+                f"PromptHistory: no prompt key has recurred in {RECURRENCE_WINDOW} rollout batches, so every baseline "
+                "reads the prior alone: key prompts by their tokens (prompt_key(token_ids)), not by ids made anew "
+                "each step such as verl's uids; prompts that come back this seldom gain nothing from the history",
+                UserWarning, stacklevel=2)
         decay = self.discount
         self._seen = [decay * self._seen[0], decay * self._seen[1]]
         for key, (successes, failures) in totals.items():
@@ -126,15 +149,21 @@ class PromptHistory:
             "config": {"discount": self.discount, "prior_strength": self.prior_strength},
             "step": self.step,
             "seen": list(self._seen),
+            "recurred": self._recurred,
             "prompts": [[key, *values] for key, values in self._prompts.items()],
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restores a ``state_dict()``, checked whole before anything is assigned; a state
         saved with another discount or prior strength is refused (its counts mean another
-        thing)."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not a PromptHistory state of version {STATE_VERSION}")
+        thing). A version-1 state loads with a warning: its keys of texts were hashed
+        untagged, so those prompts start afresh (token keys are unchanged)."""
+        version = state.get("version") if isinstance(state, dict) else None
+        if version not in LOADED_VERSIONS:
+            raise ValueError(f"not a PromptHistory state of version {' or '.join(map(str, LOADED_VERSIONS))}")
+        recurred = state.get("recurred", True) if version == 1 else state.get("recurred")
+        if not isinstance(recurred, bool):
+            raise ValueError("the history state is malformed (recurred)")
         config = {"discount": self.discount, "prior_strength": self.prior_strength}
         if state.get("config") != config:
             raise ValueError(f"the state was saved with {state.get('config')}, this history has {config}")
@@ -143,11 +172,16 @@ class PromptHistory:
             isinstance(prompts, list) and all(isinstance(row, list) and len(row) == 4 for row in prompts) else None
         if not isinstance(step, int) or step < 0 or numbers is None or len(seen) != 2 or not all(
                 isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in numbers) or not all(
-                isinstance(row[0], int) and row[3] <= step for row in prompts):
+                isinstance(row[0], int) and row[3] <= step for row in prompts) or \
+                len({row[0] for row in prompts}) != len(prompts):
             raise ValueError("the history state is malformed (step, seen or prompts)")
+        if version == 1:
+            warnings.warn("a version-1 PromptHistory state: prompts keyed by prompt_key(text) hash differently now "
+                          "and start afresh (keys of token ids are unchanged)", UserWarning, stacklevel=2)
         self.step = step
         self._seen = [float(seen[0]), float(seen[1])]
         self._prompts = {row[0]: [float(row[1]), float(row[2]), row[3]] for row in prompts}
+        self._recurred = recurred
 
     def __repr__(self) -> str:
         return (f"PromptHistory(discount={self.discount}, prior_strength={self.prior_strength}, "

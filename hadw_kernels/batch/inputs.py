@@ -39,6 +39,7 @@ class CallInputs:
     rollout_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     generator: torch.Generator | None = None
+    batch_totals: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -73,7 +74,9 @@ class SurrogateBatch:
     ``rollout_logprobs``, ``mask_entropy``, ``generator``: what the correction rules and
     token selections read before the op (``loss._corrected_surrogate``), not the op:
     the rollout engine's log-probs [N], the entropies the entropy mask ranks [N] (the
-    caller's, or those the linear loss formed) and the draw's generator."""
+    caller's, or those the linear loss formed) and the draw's generator.
+    ``batch_totals``: the whole rollout batch's sums that ``james_stein`` reads
+    (``advantage.batch_totals``; None: the call's groups are the batch)."""
 
     layout: TokenLayout
     config: LossConfig
@@ -92,6 +95,7 @@ class SurrogateBatch:
     rollout_logprobs: torch.Tensor | None = None
     mask_entropy: torch.Tensor | None = None
     generator: torch.Generator | None = None
+    batch_totals: torch.Tensor | None = None
 
     def replace(self, **changes) -> "SurrogateBatch":
         return dataclasses.replace(self, **changes)
@@ -117,7 +121,7 @@ def build_batch(layout: TokenLayout, config: LossConfig, call: CallInputs, *, wi
         ref_logprobs=layout.flat(call.ref_logprobs) if config.beta > 0 else None,
         importance_weights=layout.per_token(call.importance_weights), with_metrics=with_metrics,
         rollout_logprobs=layout.flat(call.rollout_logprobs), mask_entropy=layout.flat(call.entropy),
-        generator=call.generator,
+        generator=call.generator, batch_totals=call.batch_totals,
     )
 
 

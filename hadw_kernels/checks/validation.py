@@ -16,6 +16,8 @@ paper's y_t), and Phi = lambda exp(|p - C|) is only bounded by lambda e for p an
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..batch.active_rows import RowSelection, active_rows
@@ -24,6 +26,7 @@ from ..batch.token_layout import TokenLayout
 from ..config.loss_config import LossConfig
 from ..tables.aggregations import AGGREGATIONS
 from ..tables.bounds import compiling
+from ..tables.estimators import BATCH_TOTALS, ESTIMATORS
 from . import values as value_checks
 from .arguments import (
     check_anchor,
@@ -79,6 +82,8 @@ def surrogate_batch(config: LossConfig, call: CallInputs, *, check_values: bool,
     check_batch_inputs(layout, config, call, inputs={"logprobs": call.logprobs})
     if check_values:
         _check_call_values(layout, config, call)
+        if call.batch_totals is not None:
+            _check_batch_totals(layout, config, call.batch_totals)
     else:
         assert_cu_seqlens(layout)
     return build_batch(layout, config, call, with_metrics=with_metrics)
@@ -111,6 +116,8 @@ def linear_batch(config: LossConfig, call: CallInputs, linear: LinearInputs, *, 
         count = _check_call_values(layout, config, call, batch=batch,
                                    linear=(hidden, labels, linear.lm_head_weight.shape[0], linear.ignore_index),
                                    active=active)
+        if batch.batch_totals is not None:
+            _check_batch_totals(layout, config, batch.batch_totals)
     else:
         assert_label_range(labels, linear.lm_head_weight.shape[0], linear.ignore_index)
         assert_cu_seqlens(layout)
@@ -142,6 +149,18 @@ def _check_call_values(layout: TokenLayout, config: LossConfig, call: CallInputs
         read["old_logprobs"] = batch.old_logprobs
     return value_checks.check_values(layout, batch.mask, read, anchor=call.anchor, linear=linear,
                                      correction=(batch.rollout_logprobs, None), active=active)
+
+
+def _check_batch_totals(layout: TokenLayout, config: LossConfig, totals: torch.Tensor) -> None:
+    """The whole batch's totals hold this call's groups and responses, and two groups or
+    more (one more host read, in the calls that pass them)."""
+    values = dict(zip(BATCH_TOTALS, totals.tolist()))
+    groups = layout.segments // config.group_size
+    if not all(math.isfinite(value) for value in values.values()) or values["groups"] < max(groups, 2) or \
+            values["responses"] < layout.segments:
+        raise ValueError(f"batch_totals must be finite and count this call's {groups} groups and {layout.segments} "
+                         f"responses among two groups or more, got {values['groups']:g} groups and "
+                         f"{values['responses']:g} responses")
 
 
 def check_batch_inputs(layout: TokenLayout, config: LossConfig, call: CallInputs, *,
@@ -198,7 +217,23 @@ def check_batch_inputs(layout: TokenLayout, config: LossConfig, call: CallInputs
             )
         if group_index is not None:
             raise ValueError("group_index checks the groups of rewards; advantages need none")
+        if call.batch_totals is not None:
+            raise ValueError("batch_totals are read by advantage_estimator='james_stein' from rewards; advantages= "
+                             "are formed already (hadw_advantages over the whole batch)")
+        if config.advantage_estimator != "grpo":
+            raise ValueError(f"advantage_estimator={config.advantage_estimator!r} forms the advantages from rewards; "
+                             "advantages= are formed already: pass the estimator to hadw_advantages instead")
         tensors["advantages"] = advantages
+    if call.batch_totals is not None:
+        if ESTIMATORS[config.advantage_estimator].scope != "batch":
+            raise ValueError(f"batch_totals are read by advantage_estimator='james_stein' only, not "
+                             f"{config.advantage_estimator!r}")
+        require_tensor("batch_totals", call.batch_totals)
+        require_float("batch_totals", call.batch_totals)
+        if shape(call.batch_totals) != (len(BATCH_TOTALS),):
+            raise ValueError(f"batch_totals must be [{len(BATCH_TOTALS)}] (hadw_kernels.batch_totals), "
+                             f"got shape {shape(call.batch_totals)}")
+        tensors["batch_totals"] = call.batch_totals
     if group_index is not None:
         require_tensor("group_index", group_index)
         require_per_segment("group_index", group_index, layout)

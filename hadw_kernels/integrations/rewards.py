@@ -13,15 +13,17 @@ from __future__ import annotations
 import torch
 
 
-def require_unit_interval(rewards: torch.Tensor, fix: str) -> None:
+def require_unit_interval(rewards: torch.Tensor, fix: str, reader: str = "HA-DW") -> None:
     """Raises ValueError unless every non-NaN reward lies in [0, 1]; ``fix`` says how,
-    in the trainer's terms. NaN marks a response no reward function scored (TRL)."""
+    in the trainer's terms, and ``reader`` names what reads them as accuracies (HA-DW, or
+    the prompt history's Beta posterior). NaN marks a response no reward function scored
+    (TRL)."""
     scored = rewards[~torch.isnan(rewards)]
     if scored.numel() == 0:
         return
     low, high = scored.min().item(), scored.max().item()
     if not (0.0 <= low and high <= 1.0):
         raise ValueError(
-            f"HA-DW reads rewards as accuracies in [0, 1], got rewards in [{low:g}, {high:g}]: {fix}. "
-            "Without HA-DW any real reward works."
+            f"{reader} reads rewards as accuracies in [0, 1], got rewards in [{low:g}, {high:g}]: {fix}. "
+            f"Without {reader} any real reward works."
         )

@@ -64,15 +64,17 @@ from trl.trainer.utils import (
 )
 
 from ..advantage.anchor import batch_reward_statistics
-from ..advantage.group import hadw_advantages, hadw_weights
+from ..advantage.group import estimated_advantages
 from ..advantage.history import prompt_key
 from ..backends import BackendUnavailable, resolve_backend
+from ..config.loss_config import DEFAULT_STD_EPS
 from ..config.presets import LOSS_PRESETS
 from ..layouts import LAYOUTS, LaidOutBatch, choose_layout
 from ..loss import fused_linear_hadw_grpo_loss, token_logprobs
 from ..tables.aggregations import AGGREGATIONS
 from ..tables.corrections import RolloutCorrection
 from ..tables.estimators import ESTIMATORS
+from ..tables.precision import accumulate_dtype
 from .rewards import require_unit_interval
 from .trl_config import TRL_LOSS_TYPES, HADWGRPOConfig, cap_below_one_inputs, positive_share, vespo_behaviour_logprobs
 from .trl_rows import forwards_of, in_layout, shuffled_by_group, token_rows_of
@@ -237,10 +239,11 @@ class HADWGRPOTrainer(GRPOTrainer):
         # TRL's reward: the weighted sum over reward functions; NaN where none scored.
         weighted = rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
         rewards = weighted.nansum(dim=1).masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
-        if self.anchor is not None or self.history is not None:
-            require_unit_interval(
-                rewards, "scale each reward function into [0, 1] and give reward_weights that sum to 1"
-            )
+        fix = "scale each reward function into [0, 1] and give reward_weights that sum to 1"
+        if self.anchor is not None:
+            require_unit_interval(rewards, fix)
+        if self.history is not None:
+            require_unit_interval(rewards, fix, reader="hadw_advantage_estimator='prompt_history' (its Beta posterior)")
         scored = rewards[~torch.isnan(rewards)]
         if self.anchor is not None and mode == "train" and scored.numel() > 0:
             # Once per generation batch, from every process's rewards (TRL gathered them, so
@@ -250,40 +253,60 @@ class HADWGRPOTrainer(GRPOTrainer):
         belief = None if self.anchor is None else self.anchor.value
         if group_size < 2 or (belief is None and self.estimator.group_mean):
             return output  # no group to compare with; or no belief yet, and TRL's advantages stand
-        # An unscored response takes its group's mean: it leaves the group mean as TRL's
-        # nanmean has it, and its advantage stays 0.
-        unscored = torch.isnan(rewards)
-        group_means = torch.nanmean(rewards.view(-1, group_size), dim=1).repeat_interleave(group_size)
-        rewards = torch.where(unscored, group_means, rewards)
         local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
-        phi = None if belief is None else hadw_weights(rewards, group_size, belief,
-                                                       lambda_scale=self.args.hadw_lambda_scale)
+        prior = self._history_prior(output, rewards, mode)
+        advantages, phi, counted = self._scored_advantages(rewards, group_size, belief, prior)
         if self.estimator.group_mean:
             output["advantages"] = output["advantages"] * phi[local].to(output["advantages"].dtype)
         else:
-            advantages = hadw_advantages(rewards, group_size=group_size, estimator=self.estimator.name,
-                                         anchor=belief, lambda_scale=self.args.hadw_lambda_scale,
-                                         prior=self._history_prior(output, rewards, mode))
-            advantages = advantages.masked_fill(unscored, 0.0)
             output["advantages"] = advantages[local].to(output["advantages"].dtype)
             self._metrics[mode]["hadw/advantage_abs_mean"].append(advantages.abs().mean().item())
-        if phi is not None:
+        if belief is not None:
             self._metrics[mode]["hadw/anchor"].append(belief)
-            self._metrics[mode]["hadw/phi_mean"].append(phi.mean().item())
+            if bool(counted.any()):
+                self._metrics[mode]["hadw/phi_mean"].append(phi[counted].mean().item())
         return output
+
+    def _scored_advantages(self, rewards: torch.Tensor, group_size: int, belief: float | None,
+                           prior: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(A * Phi, Phi, counted) [B] of the gathered batch by the estimator, from the
+        scored completions alone (docs/integrations/trl.md, "Unscored completions"): an
+        unscored one (NaN) enters no baseline, not even the batch's other groups' under
+        james_stein, and gets A = 0 (Phi 1), as does every completion of a group with fewer
+        than two scored, which has no group to compare with: stock TRL's 0. ``counted``:
+        the completions that entered."""
+        groups = torch.arange(rewards.numel(), device=rewards.device) // group_size
+        scored = ~torch.isnan(rewards)
+        per_group = torch.zeros(rewards.numel() // group_size, device=rewards.device).index_add_(
+            0, groups, scored.float())
+        counted = scored & (per_group[groups] >= 2)
+        advantages, phi = torch.zeros_like(rewards), torch.ones_like(rewards)
+        if bool(counted.any()):
+            values = rewards[counted].to(accumulate_dtype(rewards.dtype))
+            dense = torch.unique(groups[counted], return_inverse=True)[1]
+            taken, weights = estimated_advantages(
+                values, dense, int(dense.max()) + 1, self.estimator, False, DEFAULT_STD_EPS, belief,
+                self.args.hadw_lambda_scale, None if prior is None else prior[counted])
+            advantages[counted], phi[counted] = taken.to(rewards.dtype), weights.to(rewards.dtype)
+        return advantages, phi, counted
 
     def _history_prior(self, output, rewards: torch.Tensor, mode: str) -> torch.Tensor | None:
         """Each completion's (alpha, beta) of its prompt, read before this generation batch
         (every process's: the history folds in the gathered batch, so it is the same on
-        every process); the batch is folded in once, in training. Prompts are keyed by
-        their tokens."""
+        every process); the batch's scored completions are folded in once, in training (an
+        unscored one's row is NaN). Prompts are keyed by their tokens."""
         if self.history is None:
             return None
         keys = [prompt_key(ids[mask.bool()]) for ids, mask in zip(output["prompt_ids"], output["prompt_mask"])]
         keys = gather_object(keys)
         if mode != "train":
             return self.history.read(keys).to(rewards.device)
-        return self.history.update(rewards, keys, all_gather=False)
+        scored = ~torch.isnan(rewards)
+        prior = torch.full((rewards.numel(), 2), float("nan"), dtype=torch.float64, device=rewards.device)
+        if bool(scored.any()):
+            prior[scored] = self.history.update(rewards[scored], [key for key, kept in zip(keys, scored.tolist())
+                                                                   if kept], all_gather=False)
+        return prior
 
     # -- the fused loss -------------------------------------------------------------------
 
@@ -468,7 +491,9 @@ class HADWGRPOTrainer(GRPOTrainer):
         for name, state in self._states().items():
             path = os.path.join(checkpoint, name)
             if not os.path.exists(path):
-                logger.warning("resuming from %s, which holds no %s: it starts afresh", checkpoint, name)
+                # A UserWarning, which every host shows; this module's logger needs a handler.
+                warnings.warn(f"resuming from {checkpoint}, which holds no {name}: it starts afresh", UserWarning,
+                              stacklevel=2)
                 continue
             with open(path) as handle:
                 state.load_state_dict(json.load(handle))

@@ -214,11 +214,21 @@ class HADWGRPOConfig(GRPOConfig):
         check_layout_name("hadw_layout", self.hadw_layout)
         if self.hadw_shuffle not in ("auto", "rows", "groups"):
             raise ValueError(f"unknown hadw_shuffle {self.hadw_shuffle!r}; choose 'auto', 'rows' or 'groups'")
-        estimator = estimator_row(self.hadw_advantage_estimator)
+        try:
+            estimator = estimator_row(self.hadw_advantage_estimator)
+        except ValueError as error:
+            raise ValueError(f"hadw_advantage_{error}") from None
         try:
             self.history()
         except ValueError as error:
             raise ValueError(f"hadw_history_{error}") from None
+        set_apart = [name for name, value, default in (
+            ("hadw_history_discount", self.hadw_history_discount, DEFAULT_DISCOUNT),
+            ("hadw_history_prior_strength", self.hadw_history_prior_strength, DEFAULT_PRIOR_STRENGTH))
+            if value != default]
+        if set_apart and estimator.scope != "history":
+            raise ValueError(f"{set_apart[0]} is read by hadw_advantage_estimator='prompt_history' alone, not "
+                             f"{self.hadw_advantage_estimator!r}")
         if not estimator.group_mean and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(f"hadw_advantage_estimator={self.hadw_advantage_estimator!r} forms each completion's "
                              "baseline from the rewards, which needs multi_objective_aggregation='sum_then_normalize' "

@@ -15,23 +15,38 @@ from dataclasses import dataclass
 
 import torch
 
+# The sums over a batch's groups that James-Stein reads (docs/math.md, section 2a), in the
+# order of batch_totals' [6] tensor: each a plain sum, so ranks or micro-batches add theirs.
+BATCH_TOTALS = ("groups", "responses", "rewards", "noise", "means", "squared_means")
+
 
 @dataclass(frozen=True)
 class GroupStatistics:
-    """Per group: its response count, reward sum and unbiased reward variance."""
+    """Per group: its response count, reward sum and unbiased reward variance; and
+    ``batch``, the whole batch's :data:`BATCH_TOTALS` where the groups are part of a
+    larger batch (None: these groups are the batch)."""
 
     counts: torch.Tensor
     sums: torch.Tensor
     variances: torch.Tensor
+    batch: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, values: torch.Tensor, dense: torch.Tensor, groups: int) -> "GroupStatistics":
+    def of(cls, values: torch.Tensor, dense: torch.Tensor, groups: int,
+           batch: torch.Tensor | None = None) -> "GroupStatistics":
         counts = torch.zeros(groups, dtype=values.dtype, device=values.device).index_add_(
             0, dense, torch.ones_like(values))
         sums = torch.zeros_like(counts).index_add_(0, dense, values)
         centred = values - (sums / counts)[dense]
         squares = torch.zeros_like(counts).index_add_(0, dense, centred.square())
-        return cls(counts, sums, squares / (counts - 1))
+        return cls(counts, sums, squares / (counts - 1), batch)
+
+    def totals(self) -> torch.Tensor:
+        """:data:`BATCH_TOTALS` [6] of these groups, in their dtype."""
+        means = self.sums / self.counts
+        noise = self.variances / (self.counts - 1)
+        return torch.stack([self.counts.new_tensor(float(self.counts.numel())), self.counts.sum(), self.sums.sum(),
+                            noise.sum(), means.sum(), means.square().sum()])
 
 
 def _leave_one_out(values: torch.Tensor, dense: torch.Tensor, stats: GroupStatistics) -> torch.Tensor:
@@ -44,20 +59,22 @@ def james_stein_weights(stats: GroupStatistics) -> tuple[torch.Tensor, torch.Ten
     mean: v is the mean over the other groups of their variance over (n - 1) (the
     sampling variance of a leave-one-out mean), s the variance of their means around
     their mean, lambda = v / (v + s) (0 where both are 0, or with no other group), and
-    m_other the mean of the other groups' rewards."""
-    groups = stats.counts.numel()
-    others = groups - 1
+    m_other the mean of the other groups' rewards. The other groups are those of
+    ``stats.batch`` where given (the whole batch's totals, these groups among them)."""
     means = stats.sums / stats.counts
     noise = stats.variances / (stats.counts - 1)
-    if others == 0:
+    if stats.batch is None and stats.counts.numel() == 1:
         zero = torch.zeros_like(means)
         return zero, zero
-    other_noise = (noise.sum() - noise) / others
-    other_mean_of_means = (means.sum() - means) / others
-    other_spread = ((means.square().sum() - means.square()) / others - other_mean_of_means.square()).clamp_min(0)
+    groups, responses, rewards, noises, sums_of_means, squares = (
+        stats.totals() if stats.batch is None else stats.batch.to(means.dtype)).unbind()
+    others = groups - 1
+    other_noise = (noises - noise) / others
+    other_mean_of_means = (sums_of_means - means) / others
+    other_spread = ((squares - means.square()) / others - other_mean_of_means.square()).clamp_min(0)
     total = other_noise + other_spread
     shrinkage = torch.where(total > 0, other_noise / torch.where(total > 0, total, 1), torch.zeros_like(total))
-    other_rewards = (stats.sums.sum() - stats.sums) / (stats.counts.sum() - stats.counts)
+    other_rewards = (rewards - stats.sums) / (responses - stats.counts)
     return shrinkage, other_rewards
 
 

@@ -27,6 +27,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -136,8 +137,11 @@ def load_checkpoint(path: Path, engine, anchor, history) -> int:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {path / DEEPSPEED_TAG}")
     try:
         anchor.load_state_dict(state["anchor"])
-        if "history" in state:  # absent from the checkpoints of before the prompts' history
+        if "history" in state:
             history.load_state_dict(state["history"])
+        else:  # a checkpoint of before the prompts' history
+            warnings.warn(f"resuming from {path}, which holds no prompts' history: prompt_history's baselines start "
+                          "from the prior again", UserWarning, stacklevel=2)
         if rank_state is not None:
             set_rng_state(rank_state["rng"])
         return int(state["step"])

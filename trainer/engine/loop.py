@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -335,7 +336,11 @@ class Trainer:
         # Both once per rollout batch, over every rank's responses: the history is the same
         # on every rank, and each rank keeps its own rows' advantages.
         keys = [prompt_key(ids) for ids in prompt_ids]
-        prior = self.history.update(rewards, [key for key in keys for _ in range(self.group_size)])
+        with warnings.catch_warnings():
+            if ESTIMATORS[self.config.algorithm.advantage_estimator].scope != "history":
+                # Kept for the bias tool alone: prompts that seldom recur cost this run nothing.
+                warnings.filterwarnings("ignore", message="PromptHistory: no prompt key has recurred")
+            prior = self.history.update(rewards, [key for key in keys for _ in range(self.group_size)])
         own_rows = slice(self.rank * len(rewards), (self.rank + 1) * len(rewards))
         all_rewards = _all_gather(rewards)
         all_advantages, group_figures = batch_advantages(all_rewards, self.group_size, self.config.algorithm,
