@@ -15,10 +15,10 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from .anchor import checked_rewards
 from .checks import check_finite_positive
+from .distributed import all_gather_objects
 
 STATE_VERSION = 1
 # The discount per rollout batch and the prior's strength (docs/math.md, section 2a, and
@@ -100,7 +100,7 @@ class PromptHistory:
             raise ValueError("cannot update the history from an empty batch of rewards")
         prior = self.read(keys)
         totals: dict[int, list[float]] = {}
-        gathered = _gathered if all_gather else list
+        gathered = all_gather_objects if all_gather else list
         for key, value in zip(gathered(keys), gathered(values.tolist())):
             entry = totals.setdefault(key, [0.0, 0.0])
             entry[0] += value
@@ -164,13 +164,3 @@ def _keys(keys) -> list[int]:
     if not all(isinstance(key, int) and not isinstance(key, bool) for key in keys):
         raise TypeError("prompt_keys must hold integers (e.g. hadw_kernels.prompt_key(tokens))")
     return list(keys)
-
-
-def _gathered(items: list) -> list:
-    """Every rank's ``items``, concatenated in rank order (this rank's alone without a
-    process group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(items)
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, list(items))
-    return [item for part in parts for item in part]

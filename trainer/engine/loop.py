@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, PromptHistory, hadw_advantages, prompt_key
+from hadw_kernels.distributed import all_gather_rows, all_reduce, barrier
 from hadw_kernels.estimators import ESTIMATORS
 from hadw_kernels.history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH
 from hadw_kernels.config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE
@@ -97,22 +98,6 @@ def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale:
     return advantages, {"phi_mean": float(phi.mean()), "zero_std_frac": float(degenerate.mean())}
 
 
-def _all_gather(values: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``values`` (equal shapes), concatenated in rank order."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, values.contiguous())
-        return torch.cat(parts)
-    return values
-
-
-def _all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values, op=op)
-    return values
-
-
 class UpdateFigures:
     """The loss and the metrics of one update, the same however its mini-batches are cut
     into micro-batches and its rollout batch over ranks. A micro-batch's loss is its share
@@ -152,16 +137,11 @@ class UpdateFigures:
         names = sorted(self.sums)
         totals = torch.tensor([self.loss, *(self.sums[name] for name in names), *(self.counts[name] for name in names)],
                               dtype=torch.float64)
-        totals = _all_reduce(totals).tolist()
+        totals = all_reduce(totals).tolist()
         sums, counts = totals[1:1 + len(names)], totals[1 + len(names):]
         result = {"loss": totals[0] / (self.mini_batches * world_size)}
         result.update((name, total / count if count else 0.0) for name, total, count in zip(names, sums, counts))
         return result
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _logprob_gap(trainer_logprobs: list[torch.Tensor], engine_logprobs: list[list[float]]) -> float:
@@ -192,7 +172,7 @@ class Trainer:
                 resolved = copy.deepcopy(config)
                 resolved.rollout.engine = self.engine_name
                 save_config(resolved, self.run_dir / "config.yaml")
-        _barrier()
+        barrier()
 
         self.tokenizer, model, model_dir = self._build_model()
         self._build_prompt_source()
@@ -259,7 +239,7 @@ class Trainer:
             source = resolve_model_source(model_config.path)
             if self.rank == 0:
                 ensure_converted(source, model_config.cache_dir)
-            _barrier()
+            barrier()
             model_dir = cached_model_dir(source, model_config.cache_dir)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -276,7 +256,7 @@ class Trainer:
         model_dir = self.run_dir / "initial_model"
         if self.rank == 0 and not (model_dir / "config.json").exists():
             save_initial_model(model, tokenizer, model_dir, self.run_dir / "tokenizer")
-        _barrier()
+        barrier()
         return tokenizer, model, model_dir
 
     def _build_prompt_source(self) -> None:
@@ -337,11 +317,11 @@ class Trainer:
         keys = [prompt_key(ids) for ids in prompt_ids]
         prior = self.history.update(rewards, [key for key in keys for _ in range(self.group_size)])
         own_rows = slice(self.rank * len(rewards), (self.rank + 1) * len(rewards))
-        all_rewards = _all_gather(rewards)
+        all_rewards = all_gather_rows(rewards)
         all_advantages, group_figures = batch_advantages(all_rewards, self.group_size, self.config.algorithm,
-                                                         self.lambda_scale, belief, _all_gather(prior))
+                                                         self.lambda_scale, belief, all_gather_rows(prior))
         self.outcomes.write({"step": step + 1, "size": self.group_size,
-                             "keys": _all_gather(torch.tensor(keys, dtype=torch.int64)).tolist(),
+                             "keys": all_gather_rows(torch.tensor(keys, dtype=torch.int64)).tolist(),
                              "successes": all_rewards.view(-1, self.group_size).sum(dim=1).tolist()})
         tallies = self._global_tallies(per_response, rewards, responses, len(scored.errors))
         self._log_samples(step, problems, prompt_ids, texts, scored.rewards)
@@ -403,7 +383,7 @@ class Trainer:
         values[-3] = errors
         values[-2] = float((groups.amax(dim=1) == groups.amin(dim=1)).sum())
         values[-1] = groups.shape[0]
-        values = _all_reduce(values).tolist()
+        values = all_reduce(values).tolist()
         return {"level_sums": values[:levels], "level_counts": values[levels:2 * levels],
                 "tokens": values[-4], "errors": int(values[-3]), "degenerate_groups": int(values[-2]),
                 "groups": int(values[-1])}
@@ -447,7 +427,7 @@ class Trainer:
             index = self.levels.index(problem.level)
             values[index] += reward
             values[levels + index] += 1
-        values = _all_reduce(values).tolist()
+        values = all_reduce(values).tolist()
         row = {"step": step}
         for index, level in enumerate(self.levels):
             row[f"eval/{level}"] = values[index] / values[levels + index]
@@ -473,7 +453,7 @@ class Trainer:
                 f"note: a response of {longest} prompt+response tokens exceeds train.micro_batch_tokens="
                 f"{train.micro_batch_tokens}; such responses get a micro-batch of their own (said once)"
             )
-        count = int(_all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
+        count = int(all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
         return split_to_count(micro_batches, count, batch, layout=layout)
 
     def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, advantages, group_figures,
