@@ -123,7 +123,8 @@ def hadw_advantages(
     std_eps: float = DEFAULT_STD_EPS,
     estimator: str = "grpo",
     prior: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_phi: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A * Phi [B] for a whole rollout batch, to pass to the losses as ``advantages``.
 
     Groups are either contiguous runs of ``group_size`` rows, or the rows sharing a
@@ -139,7 +140,9 @@ def hadw_advantages(
     rewards in, at least fp32 out; no gradient. The inputs are refused as the fused loss
     refuses them: an anchor outside [0, 1] or not finite, lambda_scale or std_eps not
     finite and positive, NaN or inf rewards, and rewards outside [0, 1] with an anchor
-    or a prior.
+    or a prior. ``return_phi=True`` returns (A * Phi, Phi), Phi [B] the weights as they
+    were multiplied in (1 without an anchor, lambda_scale where A is 0), for a caller that
+    reports them (docs/math.md, section 4).
     """
     if (group_size is None) == (group_index is None):
         raise ValueError("pass exactly one of group_size (contiguous groups) and group_index")
@@ -150,16 +153,9 @@ def hadw_advantages(
     check_std_choice(row, normalize_std)
     check_advantage_options(rewards, anchor, lambda_scale, std_eps)
     _check_prior(row, prior, rewards)
-    if group_size is not None and row.group_mean:  # the kernels' own reference (group_advantages)
-        advantage = group_advantages(rewards, group_size, normalize_std=normalize_std, std_eps=std_eps)
-        if anchor is not None:
-            advantage = advantage * hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
-        return advantage
     if group_size is not None:
-        grouped = _grouped(rewards, group_size)  # the contiguous groups' checks
-        dense = torch.arange(rewards.numel(), device=rewards.device) // group_size
-        return estimated_advantages(grouped.reshape(-1), dense, grouped.shape[0], row, normalize_std, std_eps, anchor,
-                                    lambda_scale, prior)[0]
+        both = _contiguous_advantages(rewards, group_size, row, normalize_std, std_eps, anchor, lambda_scale, prior)
+        return both if return_phi else both[0]
     if not isinstance(group_index, torch.Tensor):
         try:  # a list or a numpy array of ids: on rewards' device, as a tensor would be
             group_index = torch.as_tensor(group_index, device=rewards.device)
@@ -175,7 +171,26 @@ def hadw_advantages(
     counts = torch.zeros(groups, dtype=values.dtype, device=values.device).index_add_(0, dense, torch.ones_like(values))
     if bool((counts < 2).any()):
         raise ValueError("every group of group_index needs at least 2 responses (a group-relative baseline)")
-    return estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)[0]
+    both = estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)
+    return both if return_phi else both[0]
+
+
+def _contiguous_advantages(rewards: torch.Tensor, group_size: int, row, normalize_std: bool, std_eps: float, anchor,
+                           lambda_scale: float, prior: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A * Phi, Phi) [B] of checked rewards in contiguous groups: the group mean's by the
+    kernels' own reference (group_advantages, hadw_weights), the other estimators' by
+    estimated_advantages. No host read."""
+    if row.group_mean:
+        advantage_hat = group_advantages(rewards, group_size, normalize_std=normalize_std, std_eps=std_eps)
+        if anchor is None:
+            phi = torch.ones_like(advantage_hat)
+        else:
+            phi = hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
+        return advantage_hat * phi, phi
+    values = _grouped(rewards, group_size).reshape(-1)
+    dense = torch.arange(values.numel(), device=values.device) // group_size
+    return estimated_advantages(values, dense, values.numel() // group_size, row, normalize_std, std_eps, anchor,
+                                lambda_scale, prior)
 
 
 def estimated_advantages(values: torch.Tensor, dense: torch.Tensor, groups: int, row, normalize_std: bool,
@@ -228,21 +243,8 @@ def weighted_advantages(
     response [S]), or A * Phi [S] from rewards by ``config.advantage_estimator``."""
     if advantages is not None:
         return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
-    rewards = rewards.detach()
-    if not ESTIMATORS[config.advantage_estimator].group_mean:
-        values = rewards.to(accumulate_dtype(rewards.dtype))
-        dense = torch.arange(values.numel(), device=values.device) // config.group_size
-        return estimated_advantages(values, dense, values.numel() // config.group_size,
-                                    ESTIMATORS[config.advantage_estimator], config.normalize_std, config.std_eps, anchor,
-                                    config.lambda_scale, None)
-    advantage_hat = group_advantages(
-        rewards, config.group_size, normalize_std=config.normalize_std, std_eps=config.std_eps
-    )
-    if anchor is None:
-        phi = torch.ones_like(advantage_hat)
-    else:
-        phi = hadw_weights(rewards, config.group_size, anchor, lambda_scale=config.lambda_scale)
-    return advantage_hat * phi, phi
+    return _contiguous_advantages(rewards, config.group_size, ESTIMATORS[config.advantage_estimator],
+                                  config.normalize_std, config.std_eps, anchor, config.lambda_scale, None)
 
 
 def estimated_batch(batch: SurrogateBatch) -> tuple[SurrogateBatch, dict[str, torch.Tensor]]:

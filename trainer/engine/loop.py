@@ -78,21 +78,11 @@ def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale:
     formed once so that micro-batches may take any rows, and the groups' figures
     (phi_mean, zero_std_frac) the loss cannot see once given advantages. ``prior``: each
     response's (alpha, beta), read by the history estimators."""
-    anchor = belief if algo.hadw else None
     row = ESTIMATORS[algo.advantage_estimator]
     normalize_std = LOSS_PRESETS[algo.loss_type].normalize_std and row.takes_std
-    plain = hadw_advantages(rewards, group_size=group_size, lambda_scale=lambda_scale, normalize_std=normalize_std,
-                            estimator=row.name, prior=prior if row.scope == "history" else None)
-    advantages = plain
-    if anchor is not None:
-        advantages = hadw_advantages(rewards, group_size=group_size, anchor=anchor, lambda_scale=lambda_scale,
-                                     normalize_std=normalize_std, estimator=row.name,
-                                     prior=prior if row.scope == "history" else None)
-    phi = torch.ones_like(plain)
-    if anchor is not None:
-        # Phi where A is 0 is lambda (exp(0)), as hadw_weights gives it: it multiplies nothing.
-        phi = torch.where(plain != 0, advantages / torch.where(plain != 0, plain, 1),
-                          torch.full_like(plain, lambda_scale))
+    advantages, phi = hadw_advantages(rewards, group_size=group_size, anchor=belief if algo.hadw else None,
+                                      lambda_scale=lambda_scale, normalize_std=normalize_std, estimator=row.name,
+                                      prior=prior if row.scope == "history" else None, return_phi=True)
     grouped = rewards.view(-1, group_size)
     degenerate = (grouped.amax(dim=1) == grouped.amin(dim=1)).float()
     return advantages, {"phi_mean": float(phi.mean()), "zero_std_frac": float(degenerate.mean())}
