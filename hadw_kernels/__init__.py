@@ -1,6 +1,6 @@
 """Fused GRPO-family losses with History-Aware Adaptive Difficulty Weighting (HA-DW)."""
 
-from .advantage import group_advantages, hadw_advantages, hadw_weights
+from .advantage import all_equal_groups, group_advantages, hadw_advantages, hadw_weights
 from .anchor import DifficultyAnchor
 from .estimators import ESTIMATOR_NAMES
 from .history import PromptHistory, prompt_key
@@ -29,6 +29,7 @@ __all__ = [
     "LossConfig",
     "RejectionFilter",
     "RolloutCorrection",
+    "all_equal_groups",
     "available_backends",
     "cu_seqlens_from_position_ids",
     "fused_hadw_grpo_loss",

@@ -11,6 +11,7 @@ micro-batches may split and shuffle the rows freely.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,10 +38,21 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.detach().to(dtype).view(-1, group_size)
 
 
-def _degenerate(grouped: torch.Tensor) -> torch.Tensor:
-    """Groups whose rewards are all equal. Tested by min == max, not by std == 0:
-    the mean of equal non-dyadic rewards is not always bit-equal to them."""
-    return grouped.amax(dim=1) == grouped.amin(dim=1)
+def all_equal_groups(rewards: torch.Tensor, group_size: int | None = None, *, dense: torch.Tensor | None = None,
+                     groups: int | None = None) -> torch.Tensor:
+    """[groups] bool: whether each group's rewards are all equal, the groups the in-group
+    baselines give exactly 0 and ``zero_std_frac`` counts. Groups are contiguous runs of
+    ``group_size`` rewards [B], or ``dense`` [B] holds each reward's group in
+    0..groups-1. Tested by min == max, not by std == 0: the mean of equal non-dyadic
+    rewards is not always bit-equal to them (docs/math.md, section 2). A group holding a
+    NaN is not equal. No host read."""
+    rewards = rewards.detach().to(accumulate_dtype(rewards.dtype))  # exact: equal stays equal
+    if dense is None:
+        groups = rewards.numel() // group_size
+        dense = torch.arange(rewards.numel(), device=rewards.device) // group_size
+    lowest = torch.full((groups,), math.inf, dtype=rewards.dtype, device=rewards.device)
+    highest = torch.full_like(lowest, -math.inf)
+    return lowest.scatter_reduce_(0, dense, rewards, "amin") == highest.scatter_reduce_(0, dense, rewards, "amax")
 
 
 def group_advantages(
@@ -59,7 +71,8 @@ def group_advantages(
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std and grouped.numel():
         centred = centred / (grouped.std(dim=1, keepdim=True) + std_eps)
-    centred = torch.where(_degenerate(grouped)[:, None], torch.zeros_like(centred), centred)
+    equal = all_equal_groups(grouped.reshape(-1), group_size)
+    centred = torch.where(equal[:, None], torch.zeros_like(centred), centred)
     return centred.reshape(-1)
 
 
@@ -94,9 +107,8 @@ def hadw_weights(
     grouped = _grouped(rewards, group_size)
     group_mean = grouped.mean(dim=1, keepdim=True)
     advantage_sign = torch.sign(grouped - group_mean)
-    advantage_sign = torch.where(
-        _degenerate(grouped)[:, None], torch.zeros_like(advantage_sign), advantage_sign
-    )
+    equal = all_equal_groups(grouped.reshape(-1), group_size)
+    advantage_sign = torch.where(equal[:, None], torch.zeros_like(advantage_sign), advantage_sign)
     difficulty = group_mean - _anchor_operand(anchor, grouped)
     exponent = -advantage_sign * torch.sign(difficulty) * difficulty.abs()
     return (lambda_scale * torch.exp(exponent)).reshape(-1)
@@ -205,9 +217,8 @@ def estimated_advantages(values: torch.Tensor, dense: torch.Tensor, groups: int,
     if normalize_std:
         advantage = advantage / (stats.variances.sqrt()[dense] + std_eps)
     if row.scope == "group":  # in-group baselines give equal rewards exactly 0 (a mean of them may round)
-        lowest = torch.full_like(stats.counts, float("inf")).scatter_reduce_(0, dense, values, "amin")
-        highest = torch.full_like(stats.counts, float("-inf")).scatter_reduce_(0, dense, values, "amax")
-        advantage = torch.where((lowest == highest)[dense], torch.zeros_like(advantage), advantage)
+        equal = all_equal_groups(values, dense=dense, groups=groups)
+        advantage = torch.where(equal[dense], torch.zeros_like(advantage), advantage)
     if anchor is None:
         return advantage, torch.ones_like(advantage)
     difficulty = (stats.sums / stats.counts)[dense] - _anchor_operand(anchor, values)
@@ -270,8 +281,7 @@ def batch_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor 
 
 def group_metrics(rewards: torch.Tensor, phi: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     """phi_mean and zero_std_frac (groups whose rewards are all equal)."""
-    grouped = rewards.detach().view(-1, group_size)
-    degenerate = (grouped.amax(dim=1) == grouped.amin(dim=1)).float()
+    degenerate = all_equal_groups(rewards, group_size).float()
     return {
         "phi_mean": phi.float().sum() / max(phi.numel(), 1),
         "zero_std_frac": degenerate.sum() / max(degenerate.numel(), 1),

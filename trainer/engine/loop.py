@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, PromptHistory, hadw_advantages, prompt_key
+from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, PromptHistory, all_equal_groups, hadw_advantages, prompt_key
 from hadw_kernels.distributed import all_gather_rows, all_reduce, barrier
 from hadw_kernels.estimators import ESTIMATORS
 from hadw_kernels.history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH
@@ -83,9 +83,8 @@ def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale:
     advantages, phi = hadw_advantages(rewards, group_size=group_size, anchor=belief if algo.hadw else None,
                                       lambda_scale=lambda_scale, normalize_std=normalize_std, estimator=row.name,
                                       prior=prior if row.scope == "history" else None, return_phi=True)
-    grouped = rewards.view(-1, group_size)
-    degenerate = (grouped.amax(dim=1) == grouped.amin(dim=1)).float()
-    return advantages, {"phi_mean": float(phi.mean()), "zero_std_frac": float(degenerate.mean())}
+    all_equal = all_equal_groups(rewards, group_size).float()
+    return advantages, {"phi_mean": float(phi.mean()), "zero_std_frac": float(all_equal.mean())}
 
 
 class UpdateFigures:
@@ -368,11 +367,11 @@ class Trainer:
             index = self.levels.index(problem.level)
             values[index] += reward
             values[levels + index] += 1
-        groups = rewards.view(-1, self.group_size)
+        all_equal = all_equal_groups(rewards, self.group_size)
         values[-4] = sum(len(r) for r in responses)
         values[-3] = errors
-        values[-2] = float((groups.amax(dim=1) == groups.amin(dim=1)).sum())
-        values[-1] = groups.shape[0]
+        values[-2] = float(all_equal.sum())
+        values[-1] = all_equal.numel()
         values = all_reduce(values).tolist()
         return {"level_sums": values[:levels], "level_counts": values[levels:2 * levels],
                 "tokens": values[-4], "errors": int(values[-3]), "degenerate_groups": int(values[-2]),
