@@ -270,7 +270,7 @@ def estimated_batch(batch: SurrogateBatch) -> tuple[SurrogateBatch, dict[str, to
     return batch.replace(rewards=None, anchor=None, response_advantages=advantages), figures
 
 
-def batch_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def call_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A call's advantages, detached: each token's [N]; each response's [S] (None where
     the caller's are per token); and Phi [S] (None unless formed from rewards)."""
     if batch.advantages is not None:
