@@ -1,7 +1,7 @@
 """Fused GRPO-family losses with History-Aware Adaptive Difficulty Weighting (HA-DW)."""
 
 from .advantage.anchor import DifficultyAnchor
-from .advantage.group import batch_totals, group_advantages, hadw_advantages, hadw_weights
+from .advantage.group import all_equal_groups, batch_totals, group_advantages, hadw_advantages, hadw_weights
 from .advantage.history import PromptHistory, prompt_key
 from .backends import BackendUnavailable, available_backends
 from .batch.token_layout import cu_seqlens_from_position_ids
@@ -29,6 +29,7 @@ __all__ = [
     "LossConfig",
     "RejectionFilter",
     "RolloutCorrection",
+    "all_equal_groups",
     "available_backends",
     "batch_totals",
     "cu_seqlens_from_position_ids",

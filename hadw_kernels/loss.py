@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .advantage.group import batch_advantages, estimated_batch, group_metrics
+from .advantage.group import call_advantages, estimated_batch, group_metrics
 from .backends import check_backend_name, resolve_backend
 from .batch.active_rows import RowSelection, active_rows
 from .batch.inputs import CallInputs, LinearHead, LinearInputs, SurrogateBatch
@@ -181,7 +181,7 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch):
     # selections their covariance.
     token_advantage = None
     if config.off_policy_mask_threshold is not None or config.kl_bias_correction or selects_tokens:
-        token_advantage, _, _ = batch_advantages(batch)
+        token_advantage, _, _ = call_advantages(batch)
     if _has_correction(config):
         correction = correct(batch, token_advantage=token_advantage)
         mask, importance_weights = _fold(correction, batch.mask, batch.importance_weights, logprobs.dtype)
@@ -426,7 +426,7 @@ def _gradients_in_forward(implementation, head: LinearHead, batch: SurrogateBatc
     rows, its per-token inputs (each token's advantage among them) taken and its per-row
     outputs put back at them; every per-token tensor after it is [N]."""
     config, layout, rows = batch.config, batch.layout, head.rows
-    token_advantage, _, phi = batch_advantages(batch)
+    token_advantage, _, phi = call_advantages(batch)
     swept = batch.replace(mask=rows.take(batch.mask), old_logprobs=rows.take(batch.old_logprobs),
                           rewards=None, advantages=rows.take(token_advantage), response_advantages=None, anchor=None,
                           ref_logprobs=rows.take(batch.ref_logprobs),

@@ -35,7 +35,7 @@ def rollout_batch(seed: int = 0):
     return dict(logprobs=logprobs, old=old, ref=ref, mask=mask, rewards=rewards, weights=weights)
 
 
-def batch_advantages(data, loss_type, with_hadw):
+def preset_advantages(data, loss_type, with_hadw):
     preset = LOSS_PRESETS[loss_type]
     return hadw_advantages(
         data["rewards"], group_size=GROUP_SIZE, anchor=ANCHOR if with_hadw else None, lambda_scale=LAMBDA,
@@ -73,7 +73,7 @@ def test_advantages_equal_the_rewards_path_on_whole_groups(loss_type, with_hadw)
     results = []
     for inputs in (
         dict(rewards=data["rewards"], group_size=GROUP_SIZE, anchor=ANCHOR if with_hadw else None),
-        dict(rewards=None, advantages=batch_advantages(data, loss_type, with_hadw)),
+        dict(rewards=None, advantages=preset_advantages(data, loss_type, with_hadw)),
     ):
         logprobs = data["logprobs"].clone().requires_grad_()
         loss = fused_hadw_grpo_loss(
@@ -102,7 +102,7 @@ def whole_batch_count(mask, mode):
                                        if not OBJECTIVES[LOSS_PRESETS[loss_type].objective].selects_tokens])
 def test_micro_batches_that_split_groups_and_shuffle_rows_add_up(loss_type, mode):
     data = rollout_batch(seed=1)
-    advantages = batch_advantages(data, loss_type, with_hadw=True)
+    advantages = preset_advantages(data, loss_type, with_hadw=True)
     options = dict(loss_normalizer=whole_batch_count(data["mask"], mode), max_response_length=WIDTH)
     everything = torch.arange(data["mask"].shape[0])
     expected_loss, expected_gradient = loss_and_gradient(everything, data, advantages, loss_type, mode, **options)
@@ -125,7 +125,7 @@ def test_linear_loss_micro_batches_add_up():
     hidden_states = torch.randn(batch, WIDTH, hidden, generator=generator, dtype=torch.float64)
     head = torch.randn(vocabulary, hidden, generator=generator, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, vocabulary, (batch, WIDTH), generator=generator)
-    advantages = batch_advantages(data, "dapo", with_hadw=True)
+    advantages = preset_advantages(data, "dapo", with_hadw=True)
     tokens = float(data["mask"].sum())
 
     def loss_on(rows):
@@ -232,6 +232,6 @@ def test_the_group_metrics_come_with_rewards_only():
     _, with_rewards = fused_hadw_grpo_loss(data["logprobs"], data["old"], data["rewards"], data["mask"],
                                            group_size=GROUP_SIZE, **common)
     _, with_advantages = fused_hadw_grpo_loss(data["logprobs"], data["old"], None, data["mask"],
-                                              advantages=batch_advantages(data, "grpo", False), **common)
+                                              advantages=preset_advantages(data, "grpo", False), **common)
     assert set(GROUP_METRICS) <= set(with_rewards)
     assert set(with_rewards) - set(with_advantages) == set(GROUP_METRICS)

@@ -28,7 +28,7 @@ try:
     from trainer.config import ConfigError, keys_help, load_config, range_warnings, resumed_settings, validate
 except ModuleNotFoundError as missing:  # the library's own venv, without the trainer extra
     sys.exit(f"{missing}: the trainer needs its extra; run `bash scripts/setup_venv.sh` (docs/trainer.md)")
-from trainer.engine.environment import prepare_environment, world_size
+from trainer.engine.environment import launched_world_size, prepare_environment
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(args.config, args.overrides)
             # Before anything imports torch (validation does): it reads the thread count then.
             prepare_environment(config)
-            validate(config, world_size())
+            validate(config, launched_world_size())
             if int(os.environ.get("RANK", "0")) == 0:
                 for warning in range_warnings(config):
                     print(f"warning: {warning}", file=sys.stderr)

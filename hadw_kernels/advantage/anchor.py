@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import distributed
 from ..checks.arguments import require_float
 from .anchor_state import STATE_VERSION, checked_state, is_number
 
@@ -422,10 +423,10 @@ def batch_reward_statistics(rewards: torch.Tensor, *, all_reduce: bool = True) -
     gathered from every rank, as TRL does)."""
     rewards = rewards.detach().reshape(-1).to(torch.float64)
     totals = torch.stack([rewards.sum(), rewards.square().sum(), rewards.new_tensor(float(rewards.numel()))])
-    if all_reduce and dist.is_available() and dist.is_initialized():
+    if all_reduce and distributed.is_distributed():
         if dist.get_backend() == "nccl":
             totals = totals.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(totals)
+        totals = distributed.all_reduce(totals)
     total, squares, count = totals.tolist()
     if count == 0:
         raise ValueError("cannot update the anchor from an empty batch of rewards")

@@ -11,12 +11,13 @@ micro-batches may split and shuffle the rows freely.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
+from .. import distributed
 from ..checks.values import check_advantage_options
 from ..config.loss_config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
 from ..tables.estimators import ESTIMATORS, GroupStatistics, check_std_choice, estimator_row
@@ -38,10 +39,21 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.detach().to(dtype).view(-1, group_size)
 
 
-def _degenerate(grouped: torch.Tensor) -> torch.Tensor:
-    """Groups whose rewards are all equal. Tested by min == max, not by std == 0:
-    the mean of equal non-dyadic rewards is not always bit-equal to them."""
-    return grouped.amax(dim=1) == grouped.amin(dim=1)
+def all_equal_groups(rewards: torch.Tensor, group_size: int | None = None, *, dense: torch.Tensor | None = None,
+                     groups: int | None = None) -> torch.Tensor:
+    """[groups] bool: whether each group's rewards are all equal, the groups the in-group
+    baselines give exactly 0 and ``zero_std_frac`` counts. Groups are contiguous runs of
+    ``group_size`` rewards [B], or ``dense`` [B] holds each reward's group in
+    0..groups-1. Tested by min == max, not by std == 0: the mean of equal non-dyadic
+    rewards is not always bit-equal to them (docs/math.md, section 2). A group holding a
+    NaN is not equal. No host read."""
+    rewards = rewards.detach().to(accumulate_dtype(rewards.dtype))  # exact: equal stays equal
+    if dense is None:
+        groups = rewards.numel() // group_size
+        dense = torch.arange(rewards.numel(), device=rewards.device) // group_size
+    lowest = torch.full((groups,), math.inf, dtype=rewards.dtype, device=rewards.device)
+    highest = torch.full_like(lowest, -math.inf)
+    return lowest.scatter_reduce_(0, dense, rewards, "amin") == highest.scatter_reduce_(0, dense, rewards, "amax")
 
 
 def group_advantages(
@@ -60,7 +72,8 @@ def group_advantages(
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std and grouped.numel():
         centred = centred / (grouped.std(dim=1, keepdim=True) + std_eps)
-    centred = torch.where(_degenerate(grouped)[:, None], torch.zeros_like(centred), centred)
+    equal = all_equal_groups(grouped.reshape(-1), group_size)
+    centred = torch.where(equal[:, None], torch.zeros_like(centred), centred)
     return centred.reshape(-1)
 
 
@@ -95,9 +108,8 @@ def hadw_weights(
     grouped = _grouped(rewards, group_size)
     group_mean = grouped.mean(dim=1, keepdim=True)
     advantage_sign = torch.sign(grouped - group_mean)
-    advantage_sign = torch.where(
-        _degenerate(grouped)[:, None], torch.zeros_like(advantage_sign), advantage_sign
-    )
+    equal = all_equal_groups(grouped.reshape(-1), group_size)
+    advantage_sign = torch.where(equal[:, None], torch.zeros_like(advantage_sign), advantage_sign)
     difficulty = group_mean - _anchor_operand(anchor, grouped)
     exponent = -advantage_sign * torch.sign(difficulty) * difficulty.abs()
     return (lambda_scale * torch.exp(exponent)).reshape(-1)
@@ -124,7 +136,8 @@ def hadw_advantages(
     std_eps: float = DEFAULT_STD_EPS,
     estimator: str = "grpo",
     prior: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_phi: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A * Phi [B] for a whole rollout batch, to pass to the losses as ``advantages``.
 
     Groups are either contiguous runs of ``group_size`` rows, or the rows sharing a
@@ -140,7 +153,9 @@ def hadw_advantages(
     rewards in, at least fp32 out; no gradient. The inputs are refused as the fused loss
     refuses them: an anchor outside [0, 1] or not finite, lambda_scale or std_eps not
     finite and positive, NaN or inf rewards, and rewards outside [0, 1] with an anchor
-    or a prior.
+    or a prior. ``return_phi=True`` returns (A * Phi, Phi), Phi [B] the weights as they
+    were multiplied in (1 without an anchor, lambda_scale where A is 0), for a caller that
+    reports them (docs/math.md, section 4).
     """
     if (group_size is None) == (group_index is None):
         raise ValueError("pass exactly one of group_size (contiguous groups) and group_index")
@@ -153,11 +168,9 @@ def hadw_advantages(
     check_std_choice(row, normalize_std)
     check_advantage_options(rewards, anchor, lambda_scale, std_eps)
     _check_prior(row, prior, rewards)
-    if group_size is not None and row.group_mean:  # the kernels' own reference (group_advantages)
-        advantage = group_advantages(rewards, group_size, normalize_std=normalize_std, std_eps=std_eps)
-        if anchor is not None:
-            advantage = advantage * hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
-        return advantage
+    if group_size is not None and row.group_mean:
+        both = _group_mean_advantages(rewards, group_size, normalize_std, std_eps, anchor, lambda_scale)
+        return both if return_phi else both[0]
     if group_size is not None:
         grouped = _grouped(rewards, group_size)  # the contiguous groups' checks
         values, dense = grouped.reshape(-1), torch.arange(rewards.numel(), device=rewards.device) // group_size
@@ -166,7 +179,20 @@ def hadw_advantages(
         values, dense, groups = _indexed(rewards, group_index)
     if prior is not None:
         _check_prior_groups(prior, dense, groups)
-    return estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)[0]
+    both = estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)
+    return both if return_phi else both[0]
+
+
+def _group_mean_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool, std_eps: float, anchor,
+                           lambda_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A * Phi, Phi) [B] of checked rewards in contiguous groups under the group mean's
+    baseline, by the kernels' own reference (group_advantages, hadw_weights). No host
+    read."""
+    advantage_hat = group_advantages(rewards, group_size, normalize_std=normalize_std, std_eps=std_eps)
+    if anchor is None:
+        return advantage_hat, torch.ones_like(advantage_hat)
+    phi = hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
+    return advantage_hat * phi, phi
 
 
 def _check_prior_groups(prior: torch.Tensor, dense: torch.Tensor, groups: int) -> None:
@@ -227,11 +253,10 @@ def batch_totals(
     else:
         values, dense, groups = _indexed(rewards, group_index)
     totals = GroupStatistics.of(values.to(torch.float64), dense, groups).totals()
-    if all_reduce and dist.is_available() and dist.is_initialized():
-        if dist.get_backend() == "nccl":
+    if all_reduce and distributed.is_distributed():
+        if torch.distributed.get_backend() == "nccl":
             totals = totals.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(totals)
-        totals = totals.to(rewards.device)
+        totals = distributed.all_reduce(totals).to(rewards.device)
     return totals
 
 
@@ -248,9 +273,8 @@ def estimated_advantages(values: torch.Tensor, dense: torch.Tensor, groups: int,
     if normalize_std:
         advantage = advantage / (stats.variances.sqrt()[dense] + std_eps)
     if row.scope == "group":  # in-group baselines give equal rewards exactly 0 (a mean of them may round)
-        lowest = torch.full_like(stats.counts, float("inf")).scatter_reduce_(0, dense, values, "amin")
-        highest = torch.full_like(stats.counts, float("-inf")).scatter_reduce_(0, dense, values, "amax")
-        advantage = torch.where((lowest == highest)[dense], torch.zeros_like(advantage), advantage)
+        equal = all_equal_groups(values, dense=dense, groups=groups)
+        advantage = torch.where(equal[dense], torch.zeros_like(advantage), advantage)
     if anchor is None:
         return advantage, torch.ones_like(advantage)
     difficulty = (stats.sums / stats.counts)[dense] - _anchor_operand(anchor, values)
@@ -295,14 +319,8 @@ def weighted_advantages(
         return estimated_advantages(values, dense, values.numel() // config.group_size,
                                     ESTIMATORS[config.advantage_estimator], config.normalize_std, config.std_eps, anchor,
                                     config.lambda_scale, None, totals)
-    advantage_hat = group_advantages(
-        rewards, config.group_size, normalize_std=config.normalize_std, std_eps=config.std_eps
-    )
-    if anchor is None:
-        phi = torch.ones_like(advantage_hat)
-    else:
-        phi = hadw_weights(rewards, config.group_size, anchor, lambda_scale=config.lambda_scale)
-    return advantage_hat * phi, phi
+    return _group_mean_advantages(rewards, config.group_size, config.normalize_std, config.std_eps, anchor,
+                                  config.lambda_scale)
 
 
 def estimated_batch(batch: SurrogateBatch) -> tuple[SurrogateBatch, dict[str, torch.Tensor]]:
@@ -327,13 +345,13 @@ def _refuse_partial_batch(groups: int) -> None:
         raise ValueError(f"advantage_estimator='james_stein' shrinks toward the batch's other groups and this call "
                          f"holds {groups}: pass batch_totals (hadw_kernels.batch_totals over the whole "
                          "batch), or advantages from hadw_advantages over it")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed.world_size() > 1:
         raise ValueError("advantage_estimator='james_stein' under torch.distributed would shrink over this rank's "
                          "groups alone: pass batch_totals (hadw_kernels.batch_totals(..., all_reduce=True)), "
                          "or advantages from hadw_advantages over the gathered batch")
 
 
-def batch_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def call_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A call's advantages, detached: each token's [N]; each response's [S] (None where
     the caller's are per token); and Phi [S] (None unless formed from rewards)."""
     if batch.advantages is not None:
@@ -344,8 +362,7 @@ def batch_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor 
 
 def group_metrics(rewards: torch.Tensor, phi: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     """phi_mean and zero_std_frac (groups whose rewards are all equal)."""
-    grouped = rewards.detach().view(-1, group_size)
-    degenerate = (grouped.amax(dim=1) == grouped.amin(dim=1)).float()
+    degenerate = all_equal_groups(rewards, group_size).float()
     return {
         "phi_mean": phi.float().sum() / max(phi.numel(), 1),
         "zero_std_frac": degenerate.sum() / max(degenerate.numel(), 1),

@@ -17,8 +17,8 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
+from ..distributed import all_gather_objects
 from ..tables.bounds import check_finite_positive
 from .anchor import checked_rewards
 
@@ -116,7 +116,7 @@ class PromptHistory:
             raise ValueError("cannot update the history from an empty batch of rewards")
         prior = self.read(keys)
         totals: dict[int, list[float]] = {}
-        gathered = _gathered if all_gather else list
+        gathered = all_gather_objects if all_gather else list
         for key, value in zip(gathered(keys), gathered(values.tolist())):
             entry = totals.setdefault(key, [0.0, 0.0])
             entry[0] += value
@@ -198,13 +198,3 @@ def _keys(keys) -> list[int]:
     if not all(isinstance(key, int) and not isinstance(key, bool) for key in keys):
         raise TypeError("prompt_keys must hold integers (e.g. hadw_kernels.prompt_key(tokens))")
     return list(keys)
-
-
-def _gathered(items: list) -> list:
-    """Every rank's ``items``, concatenated in rank order (this rank's alone without a
-    process group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(items)
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, list(items))
-    return [item for part in parts for item in part]

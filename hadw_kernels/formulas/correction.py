@@ -27,6 +27,7 @@ import torch
 
 from ..batch.inputs import SurrogateBatch
 from ..batch.token_layout import TokenLayout
+from ..distributed import all_gather_rows, all_reduce
 from ..objectives.table import LOG_RATIO_CLAMP
 from ..tables.corrections import CORRECTION_RULES, REJECTION_STATISTICS, RejectionFilter
 from ..tables.precision import accumulate_dtype
@@ -188,9 +189,7 @@ def _batch_mean(weights: torch.Tensor, mask: torch.Tensor, layout: TokenLayout, 
         per_response = layout.segment_sum(torch.where(mask, weights, 0.0)) / lengths.clamp(min=1).to(weights.dtype)
         total = per_response.sum()
         count = (lengths > 0).sum().to(weights.dtype)
-    totals = torch.stack([total, count])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(totals)
+    totals = all_reduce(torch.stack([total, count]))
     mean = totals[0] / totals[1].clamp(min=1)
     return torch.where(mean > BATCH_NORMALIZE_MIN_MEAN, mean, torch.ones_like(mean))
 
@@ -201,9 +200,7 @@ def _entropy_threshold(entropies: torch.Tensor, mask: torch.Tensor, quantile: fl
     interpolation in the entropies' dtype: the value TRL's torch.quantile gives, without
     its limit of 2^24 values); the ranks' entropies are gathered when torch.distributed is
     initialised (a collective)."""
-    values = entropies[mask]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        values = _gather_variable(values)
+    values = all_gather_rows(entropies[mask])
     if values.numel() == 0:
         return torch.full((), math.inf, device=entropies.device)
     ordered = values.sort().values
@@ -215,17 +212,3 @@ def _entropy_threshold(entropies: torch.Tensor, mask: torch.Tensor, quantile: fl
 
 
 _HOST_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
-
-
-def _gather_variable(values: torch.Tensor) -> torch.Tensor:
-    """Every rank's 1-D ``values`` (lengths may differ), concatenated."""
-    world = torch.distributed.get_world_size()
-    length = torch.tensor([values.numel()], device=values.device)
-    lengths = [torch.zeros_like(length) for _ in range(world)]
-    torch.distributed.all_gather(lengths, length)
-    longest = int(max(int(item) for item in lengths))
-    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
-    padded[: values.numel()] = values
-    gathered = [torch.zeros_like(padded) for _ in range(world)]
-    torch.distributed.all_gather(gathered, padded)
-    return torch.cat([part[: int(count)] for part, count in zip(gathered, lengths)])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..advantage.group import batch_advantages, group_metrics
+from ..advantage.group import call_advantages, group_metrics
 from ..batch.inputs import SurrogateBatch
 from ..formulas.aggregation import aggregate
 from ..formulas.token_terms import kl_estimate, masked_mean, token_ratio
@@ -44,7 +44,7 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
     logprobs = batch.logprobs.to(compute)
     old_logprobs = batch.old_logprobs.detach().to(compute)
     entropy = None if batch.entropy is None else batch.entropy.to(compute)
-    token_advantage, response_advantage, phi = batch_advantages(batch)
+    token_advantage, response_advantage, phi = call_advantages(batch)
     token_advantage = token_advantage.to(torch.promote_types(token_advantage.dtype, logprobs.dtype))
     # Every per-token input is masked before it meets another: padding may hold inf or
     # NaN, and a sequence ratio gathers its tokens' gradients (NaN * 0 is NaN).

@@ -32,21 +32,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from hadw_kernels import distributed
 
 from ..checkpoint_files import CheckpointError, completed_checkpoints, write_manifest
 
 DEEPSPEED_TAG = "state"
 TRAINER_STATE = "trainer_state.json"
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _bytes_to_text(tensor: torch.Tensor) -> str:
@@ -83,7 +75,7 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(root: Path, step: int, engine, anchor, keep: int, history) -> Path:
     """Collective: every rank calls it. Returns the completed directory."""
-    rank = _rank()
+    rank = distributed.rank()
     partial = root / f".partial-{step:08d}"
     final = root / f"step-{step:08d}"
     if rank == 0:
@@ -91,7 +83,7 @@ def save_checkpoint(root: Path, step: int, engine, anchor, keep: int, history) -
         for stale in root.glob(".partial-*"):
             shutil.rmtree(stale)
         partial.mkdir()
-    _barrier()
+    distributed.barrier()
     engine.save_checkpoint(str(partial), tag=DEEPSPEED_TAG, save_latest=False)
     # Each rank's own RNG states and anchor (the anchors agree: their y_t is all-reduced).
     rank_state = {"rng": rng_state(), "anchor": anchor.state_dict()}
@@ -100,7 +92,7 @@ def save_checkpoint(root: Path, step: int, engine, anchor, keep: int, history) -
         # The prompts' history is the same on every rank (each folds in the gathered batch).
         state = {"step": step, "anchor": anchor.state_dict(), "history": history.state_dict()}
         (partial / TRAINER_STATE).write_text(json.dumps(state))
-    _barrier()
+    distributed.barrier()
     if rank == 0:
         write_manifest(partial)
         if final.exists():  # the same step saved again (e.g. a resumed run's last step)
@@ -108,7 +100,7 @@ def save_checkpoint(root: Path, step: int, engine, anchor, keep: int, history) -
         os.replace(partial, final)
         for _, old in completed_checkpoints(root)[:-keep]:
             shutil.rmtree(old)
-    _barrier()
+    distributed.barrier()
     return final
 
 
@@ -124,7 +116,7 @@ def _read_json(path: Path) -> dict:
 def load_checkpoint(path: Path, engine, anchor, history) -> int:
     """Restores everything into the live objects; returns the step it was saved at."""
     state = _read_json(path / TRAINER_STATE)
-    rank_file = path / f"rank{_rank()}.json"
+    rank_file = path / f"rank{distributed.rank()}.json"
     # Absent when resuming on more ranks than were saved: those keep fresh RNG states.
     rank_state = _read_json(rank_file) if rank_file.exists() else None
     try:

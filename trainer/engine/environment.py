@@ -131,7 +131,9 @@ def _check_port_free(port: str) -> None:
                           "MASTER_PORT, and the trainer picks a free port, or export a free one") from None
 
 
-def world_size() -> int:
+def launched_world_size() -> int:
+    """The launcher's world size, for the checks made before the process group starts
+    (hadw_kernels.distributed.world_size is the started group's)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 

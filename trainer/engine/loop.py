@@ -27,10 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, PromptHistory, hadw_advantages, prompt_key
-from hadw_kernels.tables.estimators import ESTIMATORS
+from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, PromptHistory, all_equal_groups, hadw_advantages, prompt_key
 from hadw_kernels.advantage.history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH
 from hadw_kernels.config.loss_config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE
+from hadw_kernels.distributed import all_gather_rows, all_reduce, barrier
+from hadw_kernels.tables.estimators import ESTIMATORS
 from hadw_kernels.tables.metrics import METRIC_MEAN_OVER
 from hadw_kernels.layouts import RowTokens
 
@@ -78,40 +79,13 @@ def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale:
     formed once so that micro-batches may take any rows, and the groups' figures
     (phi_mean, zero_std_frac) the loss cannot see once given advantages. ``prior``: each
     response's (alpha, beta), read by the history estimators."""
-    anchor = belief if algo.hadw else None
     row = ESTIMATORS[algo.advantage_estimator]
     normalize_std = LOSS_PRESETS[algo.loss_type].normalize_std and row.takes_std
-    plain = hadw_advantages(rewards, group_size=group_size, lambda_scale=lambda_scale, normalize_std=normalize_std,
-                            estimator=row.name, prior=prior if row.scope == "history" else None)
-    advantages = plain
-    if anchor is not None:
-        advantages = hadw_advantages(rewards, group_size=group_size, anchor=anchor, lambda_scale=lambda_scale,
-                                     normalize_std=normalize_std, estimator=row.name,
-                                     prior=prior if row.scope == "history" else None)
-    phi = torch.ones_like(plain)
-    if anchor is not None:
-        # Phi where A is 0 is lambda (exp(0)), as hadw_weights gives it: it multiplies nothing.
-        phi = torch.where(plain != 0, advantages / torch.where(plain != 0, plain, 1),
-                          torch.full_like(plain, lambda_scale))
-    grouped = rewards.view(-1, group_size)
-    degenerate = (grouped.amax(dim=1) == grouped.amin(dim=1)).float()
-    return advantages, {"phi_mean": float(phi.mean()), "zero_std_frac": float(degenerate.mean())}
-
-
-def _all_gather(values: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``values`` (equal shapes), concatenated in rank order."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, values.contiguous())
-        return torch.cat(parts)
-    return values
-
-
-def _all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values, op=op)
-    return values
+    advantages, phi = hadw_advantages(rewards, group_size=group_size, anchor=belief if algo.hadw else None,
+                                      lambda_scale=lambda_scale, normalize_std=normalize_std, estimator=row.name,
+                                      prior=prior if row.scope == "history" else None, return_phi=True)
+    all_equal = all_equal_groups(rewards, group_size).float()
+    return advantages, {"phi_mean": float(phi.mean()), "zero_std_frac": float(all_equal.mean())}
 
 
 class UpdateFigures:
@@ -153,16 +127,11 @@ class UpdateFigures:
         names = sorted(self.sums)
         totals = torch.tensor([self.loss, *(self.sums[name] for name in names), *(self.counts[name] for name in names)],
                               dtype=torch.float64)
-        totals = _all_reduce(totals).tolist()
+        totals = all_reduce(totals).tolist()
         sums, counts = totals[1:1 + len(names)], totals[1 + len(names):]
         result = {"loss": totals[0] / (self.mini_batches * world_size)}
         result.update((name, total / count if count else 0.0) for name, total, count in zip(names, sums, counts))
         return result
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _logprob_gap(trainer_logprobs: list[torch.Tensor], engine_logprobs: list[list[float]]) -> float:
@@ -193,7 +162,7 @@ class Trainer:
                 resolved = copy.deepcopy(config)
                 resolved.rollout.engine = self.engine_name
                 save_config(resolved, self.run_dir / "config.yaml")
-        _barrier()
+        barrier()
 
         self.tokenizer, model, model_dir = self._build_model()
         self._build_prompt_source()
@@ -260,7 +229,7 @@ class Trainer:
             source = resolve_model_source(model_config.path)
             if self.rank == 0:
                 ensure_converted(source, model_config.cache_dir)
-            _barrier()
+            barrier()
             model_dir = cached_model_dir(source, model_config.cache_dir)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -277,7 +246,7 @@ class Trainer:
         model_dir = self.run_dir / "initial_model"
         if self.rank == 0 and not (model_dir / "config.json").exists():
             save_initial_model(model, tokenizer, model_dir, self.run_dir / "tokenizer")
-        _barrier()
+        barrier()
         return tokenizer, model, model_dir
 
     def _build_prompt_source(self) -> None:
@@ -342,11 +311,11 @@ class Trainer:
                 warnings.filterwarnings("ignore", message="PromptHistory: no prompt key has recurred")
             prior = self.history.update(rewards, [key for key in keys for _ in range(self.group_size)])
         own_rows = slice(self.rank * len(rewards), (self.rank + 1) * len(rewards))
-        all_rewards = _all_gather(rewards)
+        all_rewards = all_gather_rows(rewards)
         all_advantages, group_figures = batch_advantages(all_rewards, self.group_size, self.config.algorithm,
-                                                         self.lambda_scale, belief, _all_gather(prior))
+                                                         self.lambda_scale, belief, all_gather_rows(prior))
         self.outcomes.write({"step": step + 1, "size": self.group_size,
-                             "keys": _all_gather(torch.tensor(keys, dtype=torch.int64)).tolist(),
+                             "keys": all_gather_rows(torch.tensor(keys, dtype=torch.int64)).tolist(),
                              "successes": all_rewards.view(-1, self.group_size).sum(dim=1).tolist()})
         tallies = self._global_tallies(per_response, rewards, responses, len(scored.errors))
         self._log_samples(step, problems, prompt_ids, texts, scored.rewards)
@@ -403,12 +372,12 @@ class Trainer:
             index = self.levels.index(problem.level)
             values[index] += reward
             values[levels + index] += 1
-        groups = rewards.view(-1, self.group_size)
+        all_equal = all_equal_groups(rewards, self.group_size)
         values[-4] = sum(len(r) for r in responses)
         values[-3] = errors
-        values[-2] = float((groups.amax(dim=1) == groups.amin(dim=1)).sum())
-        values[-1] = groups.shape[0]
-        values = _all_reduce(values).tolist()
+        values[-2] = float(all_equal.sum())
+        values[-1] = all_equal.numel()
+        values = all_reduce(values).tolist()
         return {"level_sums": values[:levels], "level_counts": values[levels:2 * levels],
                 "tokens": values[-4], "errors": int(values[-3]), "degenerate_groups": int(values[-2]),
                 "groups": int(values[-1])}
@@ -452,7 +421,7 @@ class Trainer:
             index = self.levels.index(problem.level)
             values[index] += reward
             values[levels + index] += 1
-        values = _all_reduce(values).tolist()
+        values = all_reduce(values).tolist()
         row = {"step": step}
         for index, level in enumerate(self.levels):
             row[f"eval/{level}"] = values[index] / values[levels + index]
@@ -478,7 +447,7 @@ class Trainer:
                 f"note: a response of {longest} prompt+response tokens exceeds train.micro_batch_tokens="
                 f"{train.micro_batch_tokens}; such responses get a micro-batch of their own (said once)"
             )
-        count = int(_all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
+        count = int(all_reduce(torch.tensor([len(micro_batches)], dtype=torch.float64), dist.ReduceOp.MAX)[0])
         return split_to_count(micro_batches, count, batch, layout=layout)
 
     def _update(self, step, prompt_ids, responses, engine_logprobs, rewards, advantages, group_figures,

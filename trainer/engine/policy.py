@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hadw_kernels import fused_linear_hadw_grpo_loss
+from hadw_kernels import distributed, fused_linear_hadw_grpo_loss
 from hadw_kernels import token_logprobs as fused_token_logprobs
 from hadw_kernels.tables.linear_blocks import IGNORE_INDEX
 from hadw_kernels.layouts import LaidOutBatch, choose_layout
@@ -181,15 +181,12 @@ class Policy:
         to it since is the user's; config validation refuses such a run before training,
         docs/trainer.md). Files that appeared during the run are kept: the new export is
         left beside them and rank 0 raises, after the collective."""
-        import torch.distributed as dist
-
         from ..checkpoint_files import hf_export_foreign_entries, write_hf_export_marker
 
-        rank = dist.get_rank() if dist.is_initialized() else 0
         parameters = list(self.module.parameters())
         foreign: list[str] = []
         with self._gathered(parameters):  # ZeRO-3: the full weights on every rank
-            if rank == 0:
+            if distributed.rank() == 0:
                 partial = directory.with_name(f".partial-{directory.name}")
                 shutil.rmtree(partial, ignore_errors=True)
                 self.module.save_pretrained(partial)
@@ -199,8 +196,7 @@ class Policy:
                 if not foreign:
                     shutil.rmtree(directory, ignore_errors=True)
                     os.replace(partial, directory)
-        if dist.is_initialized():
-            dist.barrier()
+        distributed.barrier()
         if foreign:
             raise FileExistsError(
                 f"{directory} holds {foreign[:8]}, which the trainer did not write: it was left as it is and the "

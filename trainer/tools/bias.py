@@ -104,7 +104,7 @@ def analyse(draws: Draws, lambda_scale: float) -> dict:
     """Every table's figures from one checkpoint's draws (see the module's docstring)."""
     import torch
 
-    from hadw_kernels import group_advantages, hadw_weights
+    from hadw_kernels import all_equal_groups, group_advantages, hadw_weights
 
     prompts = len(draws.levels)
     accuracy = [true_accuracy(k, draws.reference) for k in draws.reference_correct]
@@ -118,11 +118,12 @@ def analyse(draws: Draws, lambda_scale: float) -> dict:
         for batch, belief in zip(repeats, draws.beliefs[size]):
             rewards = torch.tensor([r for group in batch for r in group], dtype=torch.float64)
             phi = hadw_weights(rewards, size, belief, lambda_scale=lambda_scale).view(prompts, size)
+            all_equal = all_equal_groups(rewards, size).tolist()
             for scale in SCALES:
                 advantage = group_advantages(rewards, size, normalize_std=scale != "centred").view(prompts, size)
                 estimates = {"GRPO": advantage, "HA-DW": advantage * phi, "HA-DW / lambda": advantage * phi / lambda_scale}
                 for index, group in enumerate(batch):
-                    if min(group) == max(group):
+                    if all_equal[index]:
                         continue
                     p = accuracy[index]
                     scale_by = 1.0 if scale == "centred" else true_std(draws.reference_correct[index], draws.reference)

@@ -378,13 +378,13 @@ def phi_balance(seed: dict) -> float:
     it pulls the above-mean ones up. Nan where no logged group updates."""
     import torch
 
-    from hadw_kernels import group_advantages, hadw_weights
+    from hadw_kernels import all_equal_groups, group_advantages, hadw_weights
 
     beliefs = {row["step"]: row["anchor/belief"] for row in seed["metrics"]}
     below = above = 0.0
     for sample in seed["samples"]:
         rewards = torch.tensor(sample["group_rewards"], dtype=torch.float64)
-        if rewards.numel() < 2 or rewards.max() == rewards.min():
+        if rewards.numel() < 2 or all_equal_groups(rewards, rewards.numel()).item():
             continue
         weighted = group_advantages(rewards, rewards.numel()) * hadw_weights(rewards, rewards.numel(),
                                                                            beliefs[sample["step"]])

@@ -57,7 +57,7 @@ def score(draws, accuracy: list[float], batch_prompts: int, priors: dict[str, li
     import numpy as np
     import torch
 
-    from hadw_kernels import hadw_advantages
+    from hadw_kernels import all_equal_groups, hadw_advantages
 
 
     prompts = len(accuracy)
@@ -73,6 +73,7 @@ def score(draws, accuracy: list[float], batch_prompts: int, priors: dict[str, li
         for repeat in repeats:
             for members in batches:
                 rewards = torch.tensor([r for i in members for r in repeat[i]], dtype=torch.float64)
+                updating = (~all_equal_groups(rewards, size)).tolist()
                 for label, estimator, history in labels:
                     prior = None
                     if history is not None:
@@ -82,8 +83,7 @@ def score(draws, accuracy: list[float], batch_prompts: int, priors: dict[str, li
                                                 prior=prior).view(len(members), size)
                     for row, i in enumerate(members):
                         group = repeat[i]
-                        updating = min(group) != max(group)
-                        subsets = SUBSETS if updating else SUBSETS[:1]
+                        subsets = SUBSETS if updating[row] else SUBSETS[:1]
                         for position, reward in enumerate(group):
                             a = float(advantage[row, position])
                             error = a - (reward - accuracy[i])  # = p - b

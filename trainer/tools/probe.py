@@ -543,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     prepare(args)
     import torch.distributed
 
+    from hadw_kernels.distributed import is_distributed
+
     probe = None
     try:
         probe = Probe(args)
@@ -554,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         # figures were written.
         if probe is not None:
             probe.close()
-        if torch.distributed.is_initialized():
+        if is_distributed():
             torch.distributed.destroy_process_group()
     text = json.dumps(result, indent=2)
     if args.json:
