@@ -228,20 +228,30 @@ def weighted_advantages(
     response [S]), or A * Phi [S] from rewards by ``config.advantage_estimator``."""
     if advantages is not None:
         return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
+    if rewards is None:  # validation passes exactly one of them (check_batch_inputs)
+        raise ValueError("pass exactly one of rewards and advantages")
+    return reward_advantages(rewards, config, anchor)
+
+
+def reward_advantages(rewards: torch.Tensor, config: LossConfig,
+                      anchor: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A * Phi, Phi) [S] from ``rewards`` by ``config.advantage_estimator``
+    (:func:`weighted_advantages` of a call with rewards)."""
+    group_size = config.reward_group_size()
     rewards = rewards.detach()
     if not ESTIMATORS[config.advantage_estimator].group_mean:
         values = rewards.to(accumulate_dtype(rewards.dtype))
-        dense = torch.arange(values.numel(), device=values.device) // config.group_size
-        return estimated_advantages(values, dense, values.numel() // config.group_size,
+        dense = torch.arange(values.numel(), device=values.device) // group_size
+        return estimated_advantages(values, dense, values.numel() // group_size,
                                     ESTIMATORS[config.advantage_estimator], config.normalize_std, config.std_eps, anchor,
                                     config.lambda_scale, None)
     advantage_hat = group_advantages(
-        rewards, config.group_size, normalize_std=config.normalize_std, std_eps=config.std_eps
+        rewards, group_size, normalize_std=config.normalize_std, std_eps=config.std_eps
     )
     if anchor is None:
         phi = torch.ones_like(advantage_hat)
     else:
-        phi = hadw_weights(rewards, config.group_size, anchor, lambda_scale=config.lambda_scale)
+        phi = hadw_weights(rewards, group_size, anchor, lambda_scale=config.lambda_scale)
     return advantage_hat * phi, phi
 
 
@@ -252,8 +262,8 @@ def estimated_batch(batch: SurrogateBatch) -> tuple[SurrogateBatch, dict[str, to
     The group mean's stay in the kernels (one launch)."""
     if batch.rewards is None or ESTIMATORS[batch.config.advantage_estimator].group_mean:
         return batch, {}
-    advantages, phi = weighted_advantages(batch.rewards, None, batch.config, batch.anchor)
-    figures = group_metrics(batch.rewards, phi, batch.config.group_size) if batch.with_metrics else {}
+    advantages, phi = reward_advantages(batch.rewards, batch.config, batch.anchor)
+    figures = group_metrics(batch.rewards, phi, batch.config.reward_group_size()) if batch.with_metrics else {}
     return batch.replace(rewards=None, anchor=None, response_advantages=advantages), figures
 
 
