@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -173,7 +173,8 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch):
     the entropy mask reads. An objective that selects tokens (objectives.SELECTIONS)
     selects them here, over the tokens the correction leaves counted, with
     ``batch.generator``."""
-    config, layout, logprobs, old_logprobs = batch.config, batch.layout, batch.logprobs, batch.old_logprobs
+    config, layout = batch.config, batch.layout
+    logprobs, old_logprobs = batch.current_logprobs(), batch.behaviour_logprobs()
     corrected_metrics = {}
     selects_tokens = OBJECTIVES[config.objective].selects_tokens
     # Each token's advantage (A_hat Phi from rewards, or the caller's), for the rules that
@@ -195,6 +196,7 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch):
         batch = batch.replace(mask=mask, importance_weights=importance_weights, entropy=entropy)
     if selects_tokens:
         counted = batch.mask.bool()
+        token_advantage = cast(torch.Tensor, token_advantage)  # formed above for every objective that selects
         selected = SELECTIONS[config.objective](logprobs.detach(), old_logprobs.detach(),
                                                 token_advantage.to(logprobs.dtype), counted, config, batch.generator)
         if batch.with_metrics:
@@ -308,7 +310,8 @@ def fused_linear_hadw_grpo_loss(
         # Weights and filters from the behaviour and rollout log-probs alone: formed before
         # the sweep, whose rejected rows then enter no GEMM.
         correction = correct(batch, token_advantage=None)
-        mask, importance_weights = _fold(correction, batch.mask, batch.importance_weights, old.dtype)
+        mask, importance_weights = _fold(correction, batch.mask, batch.importance_weights,
+                                         batch.behaviour_logprobs().dtype)
         head = head.replace(labels=head.labels.masked_fill(head.rows.take(~mask.bool()), head.ignore_index))
         corrected_metrics.update(correction.metrics)
         batch = batch.replace(config=dataclasses.replace(batch.config, rollout_correction=None), mask=mask,
@@ -441,8 +444,8 @@ def _gradients_in_forward(implementation, head: LinearHead, batch: SurrogateBatc
         rewards=None, advantages=token_advantage, response_advantages=None, anchor=None,
         entropy=entropy,
     ))
-    if phi is not None and batch.with_metrics:
-        metrics.update(group_metrics(batch.rewards, phi, config.group_size))
+    if phi is not None and batch.rewards is not None and batch.with_metrics:  # phi is formed from rewards alone
+        metrics.update(group_metrics(batch.rewards, phi, config.reward_group_size()))
         metrics = ordered_metrics(metrics)
     inputs = [head.hidden_states, head.weight, head.bias]
     gradients = [grad_hidden.view_as(head.hidden_states), grad_weight, None if head.bias is None else grad_bias]
@@ -489,7 +492,11 @@ def token_logprobs(
         with_entropy=with_entropy,
     )
     logprobs = rows.put(logprobs).view(labels.shape)
-    return (logprobs, rows.put(entropy).view(labels.shape)) if with_entropy else logprobs
+    if not with_entropy:
+        return logprobs
+    if entropy is None:  # Backend.token_logprobs forms it when asked
+        raise RuntimeError(f"backend {implementation.name!r} formed no entropy with with_entropy=True")
+    return logprobs, rows.put(entropy).view(labels.shape)
 
 
 def _rows_to_count(implementation, labels: torch.Tensor, ignore_index: int) -> torch.Tensor | None:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -18,7 +20,8 @@ def _per_call(function) -> set[str]:
 
 
 class _HeldOptions(torch.nn.Module):
-    _function = None
+    # The loss a subclass holds the options of (a staticmethod there).
+    _function: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(self, **options) -> None:
         super().__init__()

@@ -22,6 +22,8 @@ NOT_HOPS = {
     "loss._checks_run",
     "loss._has_correction",
     "batch.inputs.SurrogateBatch.replace",
+    "batch.inputs.SurrogateBatch.current_logprobs",
+    "batch.inputs.SurrogateBatch.behaviour_logprobs",
     "checks.arguments.device_of",
     "checks.arguments.require_tensor",
     "checks.arguments.require_float",

@@ -195,7 +195,10 @@ class DifficultyAnchor:
         rewards = checked_rewards(rewards)
         mean, variance, count = batch_reward_statistics(rewards)
         self.observe(mean, count=count, variance=variance)
-        return self.value
+        value = self.value
+        if value is None:  # observe sets the prior (from y_1 at the latest) and the posterior
+            raise RuntimeError("the anchor holds no belief after an update")
+        return value
 
     def observe(self, y: float, *, count: int | None = None, variance: float | None = None) -> None:
         """One step of the belief given the batch accuracy y_t.
@@ -242,6 +245,14 @@ class DifficultyAnchor:
             self.posterior = (1.0 - self.eta_t) * self.prior + self.eta_t * y
         self._posteriors.append(self.posterior)
 
+    def _bank_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The kalman rule's bank (mu, x, P), None before its first batch: the three are
+        set together (:meth:`_imm_step`, :meth:`load_state_dict`) and cleared together
+        (:meth:`reset`)."""
+        if self._mu is None or self._x is None or self._P is None:
+            return None
+        return self._mu, self._x, self._P
+
     def _imm_step(self, y: float, count: int, variance: float) -> None:
         """One batch of the IMM bank (docs/math.md, "The kalman rule"), over all models at once."""
         # phi: the pooled ratio of the rewards' variance to a Bernoulli variance at their
@@ -256,7 +267,8 @@ class DifficultyAnchor:
             clamped = min(max(belief, edge), 1.0 - edge)
             return phi * clamped * (1.0 - clamped) / count
 
-        if self._mu is None:  # the first batch: every model at level y_1, slope 0
+        state = self._bank_state()
+        if state is None:  # the first batch: every model at level y_1, slope 0
             self._mu = np.full(MODELS, 1.0 / MODELS)
             self._x = np.zeros((MODELS, 2))
             self._x[:, 0] = y
@@ -269,7 +281,7 @@ class DifficultyAnchor:
             self.sigma_t = math.sqrt(self._P[0, 0, 0])
             return
 
-        mu, x, P = self._mu, self._x, self._P
+        mu, x, P = state
         # 1. predicted model probabilities c_j and mixing weights w_ij = pi_ij mu_i / c_j.
         joint = _SWITCHING * mu[:, None]
         c = joint.sum(axis=0)
@@ -339,11 +351,13 @@ class DifficultyAnchor:
     def state_dict(self) -> dict:
         """The whole state as plain Python numbers and lists (JSON-ready), versioned."""
         bank = None
-        if self._mu is not None:
+        state = self._bank_state()
+        if state is not None:
+            mu, x, P = state
             bank = {
-                "mu": self._mu.tolist(),
-                "x": self._x.tolist(),
-                "P": np.stack([self._P[:, 0, 0], self._P[:, 0, 1], self._P[:, 1, 1]], axis=1).tolist(),
+                "mu": mu.tolist(),
+                "x": x.tolist(),
+                "P": np.stack([P[:, 0, 0], P[:, 0, 1], P[:, 1, 1]], axis=1).tolist(),
                 "variance_sum": self._variance_sum,
                 "bernoulli_sum": self._bernoulli_sum,
             }

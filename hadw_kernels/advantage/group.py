@@ -312,14 +312,25 @@ def weighted_advantages(
     batch whose ``totals`` are given (None: the call's groups are the batch)."""
     if advantages is not None:
         return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
+    if rewards is None:  # validation passes exactly one of them (check_batch_inputs)
+        raise ValueError("pass exactly one of rewards and advantages")
+    return reward_advantages(rewards, config, anchor, totals)
+
+
+def reward_advantages(rewards: torch.Tensor, config: LossConfig, anchor: float | torch.Tensor | None,
+                      totals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A * Phi, Phi) [S] from ``rewards`` by ``config.advantage_estimator``
+    (:func:`weighted_advantages` of a call with rewards), over the batch whose ``totals``
+    are given."""
+    group_size = config.reward_group_size()
     rewards = rewards.detach()
     if not ESTIMATORS[config.advantage_estimator].group_mean:
         values = rewards.to(accumulate_dtype(rewards.dtype))
-        dense = torch.arange(values.numel(), device=values.device) // config.group_size
-        return estimated_advantages(values, dense, values.numel() // config.group_size,
+        dense = torch.arange(values.numel(), device=values.device) // group_size
+        return estimated_advantages(values, dense, values.numel() // group_size,
                                     ESTIMATORS[config.advantage_estimator], config.normalize_std, config.std_eps, anchor,
                                     config.lambda_scale, None, totals)
-    return _group_mean_advantages(rewards, config.group_size, config.normalize_std, config.std_eps, anchor,
+    return _group_mean_advantages(rewards, group_size, config.normalize_std, config.std_eps, anchor,
                                   config.lambda_scale)
 
 
@@ -332,10 +343,11 @@ def estimated_batch(batch: SurrogateBatch) -> tuple[SurrogateBatch, dict[str, to
     whole batch of two groups or more on one process (docs/math.md, section 2a)."""
     if batch.rewards is None or ESTIMATORS[batch.config.advantage_estimator].group_mean:
         return batch, {}
+    group_size = batch.config.reward_group_size()
     if ESTIMATORS[batch.config.advantage_estimator].scope == "batch" and batch.batch_totals is None:
-        _refuse_partial_batch(batch.rewards.numel() // batch.config.group_size)
-    advantages, phi = weighted_advantages(batch.rewards, None, batch.config, batch.anchor, batch.batch_totals)
-    figures = group_metrics(batch.rewards, phi, batch.config.group_size) if batch.with_metrics else {}
+        _refuse_partial_batch(batch.rewards.numel() // group_size)
+    advantages, phi = reward_advantages(batch.rewards, batch.config, batch.anchor, batch.batch_totals)
+    figures = group_metrics(batch.rewards, phi, group_size) if batch.with_metrics else {}
     return batch.replace(rewards=None, anchor=None, response_advantages=advantages), figures
 
 

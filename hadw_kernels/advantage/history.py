@@ -168,13 +168,16 @@ class PromptHistory:
         if state.get("config") != config:
             raise ValueError(f"the state was saved with {state.get('config')}, this history has {config}")
         step, seen, prompts = state.get("step"), state.get("seen"), state.get("prompts")
-        numbers = [*seen, *(v for row in prompts for v in row[1:])] if isinstance(seen, list) and \
-            isinstance(prompts, list) and all(isinstance(row, list) and len(row) == 4 for row in prompts) else None
-        if not isinstance(step, int) or step < 0 or numbers is None or len(seen) != 2 or not all(
+        malformed = "the history state is malformed (step, seen or prompts)"
+        if not (isinstance(seen, list) and isinstance(prompts, list)
+                and all(isinstance(row, list) and len(row) == 4 for row in prompts)):
+            raise ValueError(malformed)
+        numbers = [*seen, *(v for row in prompts for v in row[1:])]
+        if not isinstance(step, int) or step < 0 or len(seen) != 2 or not all(
                 isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in numbers) or not all(
                 isinstance(row[0], int) and row[3] <= step for row in prompts) or \
                 len({row[0] for row in prompts}) != len(prompts):
-            raise ValueError("the history state is malformed (step, seen or prompts)")
+            raise ValueError(malformed)
         if version == 1:
             warnings.warn("a version-1 PromptHistory state: prompts keyed by prompt_key(text) hash differently now "
                           "and start afresh (keys of token ids are unchanged)", UserWarning, stacklevel=2)

@@ -16,7 +16,7 @@ def name_metrics(metrics: torch.Tensor, *, with_groups: bool, with_kl: bool, wit
     """The metrics vector (``metrics.METRIC_NAMES`` order) as a dict of the metrics that
     apply to this call."""
     named = dict(zip(METRIC_NAMES, metrics.detach().unbind()))
-    dropped = set()
+    dropped: set[str] = set()
     if not with_groups:
         dropped.update(GROUP_METRICS)
     if not with_kl:

@@ -9,6 +9,9 @@ and routing as on a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from .. import ops
@@ -20,7 +23,7 @@ from .kernel_backend import KernelBackend
 
 NAME = "triton"
 
-_IMPLEMENTATIONS = {
+_IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     "surrogate_loss": surrogate_forward,
     "linear_logprob_forward": linear_logprob_forward,
     "linear_logprob_backward": linear_logprob_backward,

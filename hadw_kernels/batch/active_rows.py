@@ -16,6 +16,7 @@ CPU (``Backend.compacts_rows``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -43,11 +44,25 @@ class RowSelection:
             return cls()
         return cls(torch.nonzero_static(active, size=count).flatten(), active.shape[0])
 
+    @overload
+    def take(self, values: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def take(self, values: None) -> None: ...
+    @overload
+    def take(self, values: torch.Tensor | None) -> torch.Tensor | None: ...
+
     def take(self, values: torch.Tensor | None) -> torch.Tensor | None:
         """``values`` [N, ...] at the selected rows (differentiable)."""
         if self.index is None or values is None:
             return values
         return values.index_select(0, self.index)
+
+    @overload
+    def put(self, values: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def put(self, values: None) -> None: ...
+    @overload
+    def put(self, values: torch.Tensor | None) -> torch.Tensor | None: ...
 
     def put(self, values: torch.Tensor | None) -> torch.Tensor | None:
         """``values`` of the selected rows back at their rows of [N, ...], zero at the

@@ -100,6 +100,26 @@ class SurrogateBatch:
     def replace(self, **changes) -> "SurrogateBatch":
         return dataclasses.replace(self, **changes)
 
+    def current_logprobs(self) -> torch.Tensor:
+        """``logprobs``, as what reads the current policy takes them: the surrogate op,
+        the token selections and the rules that read the current policy, every one of
+        which runs once they are formed (the linear loss's sweep forms them; the
+        surrogate loss is given them). Raises where they are not formed yet."""
+        if self.logprobs is None:
+            raise ValueError("the batch's log-probs are read before they are formed (the linear loss forms them "
+                             "in its sweep)")
+        return self.logprobs
+
+    def behaviour_logprobs(self) -> torch.Tensor:
+        """``old_logprobs``, as the surrogate op and the correction rules take them: the
+        caller's, or an on-policy call's current ones (:func:`build_batch` sets them for
+        the surrogate loss, the linear loss after its sweep). Raises where they are not
+        set yet."""
+        if self.old_logprobs is None:
+            raise ValueError("the batch's behaviour log-probs are read before they are set (an on-policy call of "
+                             "the linear loss takes them from its sweep)")
+        return self.old_logprobs
+
 
 def build_batch(layout: TokenLayout, config: LossConfig, call: CallInputs, *, with_metrics: bool) -> SurrogateBatch:
     """The batch of a validated ``call`` of either loss, its tensors as the caller gave them
@@ -111,6 +131,8 @@ def build_batch(layout: TokenLayout, config: LossConfig, call: CallInputs, *, wi
     width (a packed one has none: validation asks for L), so the kernels, which see flat
     tokens, always receive it. ``call.entropy``: what the entropy mask ranks."""
     if config.max_response_length is None and AGGREGATIONS[config.loss_agg_mode].times_max_length:
+        if layout.padded_width is None:  # check_batch_inputs refuses this call first
+            raise ValueError(f"loss_agg_mode={config.loss_agg_mode!r} in a packed batch needs max_response_length")
         config = dataclasses.replace(config, max_response_length=max(layout.padded_width, 1))
     logprobs, old_logprobs = layout.flat(call.logprobs), layout.flat(call.old_logprobs)
     if old_logprobs is None and logprobs is not None:

@@ -19,6 +19,7 @@ every kernel take this one form, so a feature is written once for both layouts.
 from __future__ import annotations
 
 import functools
+from typing import overload
 
 import torch
 
@@ -35,7 +36,7 @@ class TokenLayout:
         self.padded_width = padded_width
         # The caller's per-token shape ([B, T], [N] or [1, N]): outputs go back to it.
         self.shape = (tokens,) if shape is None else tuple(shape)
-        self._token_segment = None
+        self._token_segment: torch.Tensor | None = None
 
     @classmethod
     def padded(cls, batch: int, width: int, device: torch.device) -> "TokenLayout":
@@ -62,9 +63,23 @@ class TokenLayout:
     def is_packed(self) -> bool:
         return self.padded_width is None
 
+    @overload
+    def flat(self, values: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def flat(self, values: None) -> None: ...
+    @overload
+    def flat(self, values: torch.Tensor | None) -> torch.Tensor | None: ...
+
     def flat(self, values: torch.Tensor | None) -> torch.Tensor | None:
         """A per-token tensor in the caller's shape as [N] (a view when it can be)."""
         return None if values is None else values.reshape(self.tokens)
+
+    @overload
+    def per_token(self, values: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def per_token(self, values: None) -> None: ...
+    @overload
+    def per_token(self, values: torch.Tensor | None) -> torch.Tensor | None: ...
 
     def per_token(self, values: torch.Tensor | None) -> torch.Tensor | None:
         """Values per token or per response (importance weights) as [N]: a tensor of one

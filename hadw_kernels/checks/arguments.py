@@ -7,7 +7,7 @@ the checks of values read in one host synchronisation ``values.py``'s.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 
@@ -16,6 +16,13 @@ from ..tables.bounds import check_finite_positive, compiling
 if TYPE_CHECKING:
     from ..batch.token_layout import TokenLayout
 
+
+@overload
+def detached(tensor: torch.Tensor) -> torch.Tensor: ...
+@overload
+def detached(tensor: None) -> None: ...
+@overload
+def detached(tensor: torch.Tensor | None) -> torch.Tensor | None: ...
 
 def detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """``tensor`` without its autograd history, detached only where it has one: a detach

@@ -53,7 +53,8 @@ def batch_layout(response_mask, cu_seqlens) -> TokenLayout:
         if response_mask.dim() != 2:
             hint = ": a packed batch passes cu_seqlens" if response_mask.dim() == 1 else ""
             raise ValueError(f"response_mask must be [B, T], got shape {shape(response_mask)}{hint}")
-        return TokenLayout.padded(*response_mask.shape, response_mask.device)
+        rows, width = response_mask.shape
+        return TokenLayout.padded(rows, width, response_mask.device)
     require_tensor("cu_seqlens", cu_seqlens)
     if response_mask.dim() not in (1, 2) or (response_mask.dim() == 2 and response_mask.shape[0] != 1):
         raise ValueError(
@@ -75,11 +76,11 @@ def surrogate_batch(config: LossConfig, call: CallInputs, *, check_values: bool,
     """A ``call`` of ``fused_hadw_grpo_loss`` checked (the per-token log-probs, then the
     batch's other tensors: :func:`check_batch_inputs`; with ``check_values`` their values
     in one host read) and its batch (``batch.build_batch``)."""
-    require_tensor("logprobs", call.logprobs)
+    logprobs = require_tensor("logprobs", call.logprobs)
     layout = batch_layout(call.response_mask, call.cu_seqlens)
-    require_float("logprobs", call.logprobs)
-    require_layout_shape("logprobs", call.logprobs, layout)
-    check_batch_inputs(layout, config, call, inputs={"logprobs": call.logprobs})
+    require_float("logprobs", logprobs)
+    require_layout_shape("logprobs", logprobs, layout)
+    check_batch_inputs(layout, config, call, inputs={"logprobs": logprobs})
     if check_values:
         _check_call_values(layout, config, call)
         if call.batch_totals is not None:
@@ -202,7 +203,7 @@ def check_batch_inputs(layout: TokenLayout, config: LossConfig, call: CallInputs
             )
         tensors["rewards"] = rewards
     else:
-        require_tensor("advantages", advantages)
+        advantages = require_tensor("advantages", advantages)
         require_float("advantages", advantages)
         if shape(advantages) != (batch,):
             # Per token (verl's [B, T], process rewards): the layout's per-token shape.
@@ -265,7 +266,7 @@ def check_batch_inputs(layout: TokenLayout, config: LossConfig, call: CallInputs
     require_values_device(next(iter(devices)), device)
     check_generator(call.generator, device)
     if group_index is not None and not compiling():  # a value check (docs/architecture.md)
-        check_group_index(group_index, config.group_size)
+        check_group_index(group_index, config.reward_group_size())
 
 
 def _correction_inputs(layout: TokenLayout, config: LossConfig, rollout_logprobs, entropy, *,

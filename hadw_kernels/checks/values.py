@@ -105,6 +105,15 @@ def _read(probes: dict[str, torch.Tensor]) -> dict:
     return dict(zip(probes, torch.stack(list(probes.values())).tolist()))
 
 
+def _layout_of(layout: TokenLayout | None) -> TokenLayout:
+    """The layout a per-token check reads: :func:`check_values` takes None only for a call
+    without per-token tensors (``check_advantage_options``' rewards), which reaches no such
+    check."""
+    if layout is None:
+        raise ValueError("per-token tensors are checked in their batch's layout: check_values needs one")
+    return layout
+
+
 def check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, torch.Tensor], *, anchor,
                   linear=None, correction=(None, None), active=None) -> int | None:
     """Every check from a few reductions read in one host synchronisation; a failure is
@@ -126,8 +135,8 @@ def check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, to
     rollout_logprobs, entropy = detached(correction[0]), detached(correction[1])
     segments = None if layout is None else layout.segments
     per_response, per_token = {}, {}
-    for name, values in inputs.items():
-        values = detached(values)
+    for name, given in inputs.items():
+        values = detached(given)
         if (values.dim() == 1 and values.shape[0] == segments) or (layout is None and name == "rewards"):
             per_response[name] = values
         else:
@@ -146,11 +155,11 @@ def check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, to
     # call"): the per-token inputs are combined before their one sum, x - y + z ...
     screen = None
     if per_token:
-        values = list(per_token.values())
-        if layout is not None and any(other.shape != values[0].shape for other in values[1:]):
-            values = [layout.flat(other) for other in values]  # [B, T], [N] and [1, N] may come mixed
-        combined = values[0]
-        for sign, other in enumerate(values[1:]):
+        token_values = list(per_token.values())
+        if layout is not None and any(other.shape != token_values[0].shape for other in token_values[1:]):
+            token_values = [layout.flat(other) for other in token_values]  # [B, T], [N] and [1, N] may come mixed
+        combined = token_values[0]
+        for sign, other in enumerate(token_values[1:]):
             combined = combined - other if sign % 2 == 0 else combined + other
         # (Summed in fp32 at least: fp16 would overflow at a few thousand tokens.)
         screen = combined.sum(dtype=accumulate_dtype(combined.dtype))
@@ -167,8 +176,9 @@ def check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, to
     if isinstance(anchor, torch.Tensor):
         probes["anchor"] = anchor
     if rollout_logprobs is not None or entropy is not None:
-        counted = layout.flat(response_mask) != 0
-        rollout_logprobs, entropy = layout.flat(rollout_logprobs), layout.flat(entropy)
+        token_layout = _layout_of(layout)
+        counted = token_layout.flat(response_mask) != 0
+        rollout_logprobs, entropy = token_layout.flat(rollout_logprobs), token_layout.flat(entropy)
         if rollout_logprobs is not None:
             probes["rollout_nan"] = (torch.isnan(rollout_logprobs) & counted).any()
             probes["rollout_positive"] = ((rollout_logprobs > 0) & counted).any()
@@ -191,14 +201,16 @@ def check_values(layout: TokenLayout | None, response_mask, inputs: dict[str, to
     read = _read(probes)
     screened = math.isfinite(read.get("finite", 0))
     if read.get("cu_seqlens", 0) != 0:
-        _raise_cu_seqlens(layout.cu_seqlens, layout.tokens)
+        token_layout = _layout_of(layout)
+        _raise_cu_seqlens(token_layout.cu_seqlens, token_layout.tokens)
     if read.get("mask", 0) != 0:
         raise ValueError("response_mask must contain only 0 and 1")
     if not screened and per_token:
-        flat_mask = layout.flat(response_mask)
+        token_layout = _layout_of(layout)
+        flat_mask = token_layout.flat(response_mask)
         masked_out = ~flat_mask if flat_mask.dtype == torch.bool else flat_mask == 0
         for name, values in per_token.items():
-            if bool(_nonfinite_at(layout.flat(values), masked_out)):
+            if bool(_nonfinite_at(token_layout.flat(values), masked_out)):
                 raise ValueError(f"{name} contain NaN or inf at response tokens")
     for name, values in per_response.items():
         if name + "_min" in read:

@@ -7,6 +7,8 @@ in one place."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -34,9 +36,11 @@ def cached_unless_compiling(cached, key, direct):
     return cached(key)
 
 
-def call_config(config: LossConfig | None, options: dict, *, linear: bool) -> LossConfig:
+def call_config(config: LossConfig | None, options: Mapping[str, Any], *, linear: bool) -> LossConfig:
     """The LossConfig of a call: ``config`` as given, or the preset of ``loss_type`` with
-    the option keywords given (not None) overriding it."""
+    the option keywords given (not None) overriding it. ``options``: the keywords as the
+    caller gave them (a loss's typed ``**options``; a name outside :class:`LossOptions`
+    is refused here), not modified."""
     if not options.keys() <= OPTION_NAMES:
         raise TypeError(f"unknown options {sorted(options.keys() - OPTION_NAMES)}; the loss's options are "
                         f"{sorted(OPTION_NAMES)}")
@@ -47,12 +51,13 @@ def call_config(config: LossConfig | None, options: dict, *, linear: bool) -> Lo
         if options.get(name) is not None or (config is not None and getattr(config, name)):
             raise TypeError(f"{name} needs the entropy of the token distribution: use fused_linear_hadw_grpo_loss")
     if config is None:
-        loss_type = options.pop("loss_type", None) or "grpo"
+        loss_type = options.get("loss_type") or "grpo"
+        fields = {name: value for name, value in options.items() if name != "loss_type"}
         # Keyed by each value's type too: True and 1 are equal but only one is valid.
         return cached_unless_compiling(
             _built_config,
-            lambda: (loss_type, tuple((name, type(value), value) for name, value in options.items())),
-            lambda: LossConfig.build(loss_type, **options))
+            lambda: (loss_type, tuple((name, type(value), value) for name, value in fields.items())),
+            lambda: LossConfig.build(loss_type, **fields))
     given = sorted(name for name, value in options.items() if value is not None)
     if given:
         raise TypeError(f"pass the loss's options either as config= or as keywords, not both: got config and {given}")

@@ -156,6 +156,25 @@ class LossConfig:
         row = OBJECTIVES[self.objective].options.get(name)
         return None if row is None else row.default
 
+    def reward_group_size(self) -> int:
+        """``group_size``, which a call with rewards (or a group index) has: validation
+        refuses rewards without it (``check_batch_inputs``), so what forms advantages
+        from rewards reads it here. Raises that same error where it is None."""
+        if self.group_size is None:
+            raise ValueError("rewards need group_size (responses per prompt, each group's rows contiguous)")
+        return self.group_size
+
+    def option_value(self, name: str) -> float:
+        """An objective option a formula reads as a number: :meth:`option`'s value, which
+        every option the formulas read this way has (a default, or ``required`` and so
+        refused by :meth:`validate` when unset). Raises ValueError naming the option where
+        it has none: a call on a config its objective does not read it from, or a row
+        changed without its formula."""
+        value = self.option(name)
+        if value is None:
+            raise ValueError(f"objective {self.objective!r} has no value for option {name!r}")
+        return value
+
     @classmethod
     def build(
         cls,
@@ -239,9 +258,14 @@ class LossConfig:
             elif option.required:
                 raise ValueError(f"objective {self.objective!r} needs {option.name} ({option.doc})")
         for lower, upper in objective.increasing:
-            if not compiling() and not self.option(lower) < self.option(upper):
-                raise ValueError(f"{lower} must be below {upper}, got {self.option(lower)!r} and "
-                                 f"{self.option(upper)!r}")
+            if compiling():
+                continue
+            low, high = self.option(lower), self.option(upper)
+            if low is None or high is None:
+                # Only a table row whose pair has no default and is not required gets here.
+                raise ValueError(f"{lower} and {upper} must both be set to be compared, got {low!r} and {high!r}")
+            if not low < high:
+                raise ValueError(f"{lower} must be below {upper}, got {low!r} and {high!r}")
         if self.entropy_mask_dtype not in ENTROPY_MASK_DTYPES:
             raise ValueError(f"entropy_mask_dtype must be one of {ENTROPY_MASK_DTYPES}, got "
                              f"{self.entropy_mask_dtype!r}")

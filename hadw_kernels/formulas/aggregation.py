@@ -38,5 +38,7 @@ def agg_weights(mask: torch.Tensor, layout: TokenLayout, config: LossConfig) -> 
     if rule.per_response_mean:
         weights = weights / lengths.clamp(min=1)
     if rule.times_max_length:
+        if config.max_response_length is None:  # the losses resolve it first (batch.build_batch)
+            raise ValueError(f"loss_agg_mode={config.loss_agg_mode!r} needs max_response_length")
         weights = weights / config.max_response_length
     return weights

@@ -20,7 +20,7 @@ with an upper bound, its IcePop ``rule="mask"`` with both; verl's ``rollout_rs``
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -96,7 +96,7 @@ def correct(batch: SurrogateBatch, *, token_advantage: torch.Tensor | None) -> T
     sweep, where no rule that reads them runs), the rollout engine's log-probs
     (``batch.rollout_logprobs``), ``token_advantage`` each token's advantage (its sign),
     and each token's entropy (``batch.mask_entropy``, the entropy mask's)."""
-    config, layout, old_logprobs, logprobs = batch.config, batch.layout, batch.old_logprobs, batch.logprobs
+    config, layout, old_logprobs = batch.config, batch.layout, batch.behaviour_logprobs()
     rollout_logprobs, entropy = batch.rollout_logprobs, batch.mask_entropy
     mask = batch.mask.bool()
     dtype = torch.float64 if old_logprobs.dtype == torch.float64 else torch.float32
@@ -111,6 +111,8 @@ def correct(batch: SurrogateBatch, *, token_advantage: torch.Tensor | None) -> T
 
     correction = config.rollout_correction
     if correction is not None:
+        if rollout_logprobs is None:  # validation refuses it first (_correction_inputs)
+            raise ValueError("rollout_correction needs rollout_logprobs (the rollout engine's log-probs of the tokens)")
         # No rollout log-prob (NaN: the engine could not score the token) is no evidence: ratio 1.
         log_ratio = torch.where(mask, (old_logprobs.to(dtype) - rollout_logprobs.to(dtype)).nan_to_num(0.0), 0.0)
         if correction.level is not None:
@@ -132,6 +134,9 @@ def correct(batch: SurrogateBatch, *, token_advantage: torch.Tensor | None) -> T
             metrics["rollout_rejected_frac"] = counted_mean(mask & ~keep)
 
     if config.off_policy_mask_threshold is not None:
+        logprobs = batch.current_logprobs()
+        if token_advantage is None:  # the losses form it for this mask (loss._corrected_surrogate)
+            raise ValueError("the off-policy mask reads each token's advantage: pass token_advantage")
         # DeepSeek-V3.2's off-policy sequence mask, as TRL: drop a response of negative
         # advantage whose sampler drifted from the current policy by more than the threshold.
         sampler = old_logprobs if rollout_logprobs is None else rollout_logprobs
@@ -142,6 +147,8 @@ def correct(batch: SurrogateBatch, *, token_advantage: torch.Tensor | None) -> T
         weights = _times(weights, kept.to(dtype))
 
     if config.top_entropy_quantile < 1.0:
+        if entropy is None:  # validation asks the surrogate loss for it; the linear loss forms it
+            raise ValueError("top_entropy_quantile < 1 needs entropy, each token's entropy under the current policy")
         # In fp32 at least, the comparison too: a bfloat16 one would round the quantile to
         # bfloat16 and keep tokens below it.
         read = accumulate_dtype(entropy.dtype) if config.entropy_mask_dtype == "entropy" else torch.float32
@@ -173,7 +180,9 @@ def _passes(rejection: RejectionFilter, log_ratio: torch.Tensor, mask: torch.Ten
         per_response = per_response.scatter_reduce(0, layout.token_segment, torch.where(mask, statistic, 0.0), "amax")
         statistic = layout.expand(per_response)
     if REJECTION_STATISTICS[rejection.statistic]:
-        return (statistic >= math.log(rejection.lower)) & (statistic <= math.log(rejection.upper))
+        # RejectionFilter.__post_init__ sets lower (1 / upper by default) for every statistic with one.
+        lower = cast(float, rejection.lower)
+        return (statistic >= math.log(lower)) & (statistic <= math.log(rejection.upper))
     return statistic <= rejection.upper
 
 
@@ -211,4 +220,4 @@ def _entropy_threshold(entropies: torch.Tensor, mask: torch.Tensor, quantile: fl
     return torch.lerp(ordered[below], ordered[math.ceil(rank)], rank - below)
 
 
-_HOST_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
+_HOST_FLOATS: dict[torch.dtype, type[np.floating]] = {torch.float32: np.float32, torch.float64: np.float64}

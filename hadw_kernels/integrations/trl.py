@@ -101,6 +101,10 @@ class HADWGRPOTrainer(GRPOTrainer):
     arguments, with ``args`` a :class:`HADWGRPOConfig`. ``self.anchor`` is the
     difficulty anchor (None with ``use_hadw=False``)."""
 
+    # Declared for the checker (transformers' Trainer holds a TrainingArguments): __init__
+    # refuses any other args, so the HADWGRPOConfig fields (TRL's and ours) are there.
+    args: HADWGRPOConfig
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, HADWGRPOConfig):

@@ -7,6 +7,7 @@ loss. Imports no verl.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -111,7 +112,7 @@ def _dro_metrics(terms: MetricInputs) -> dict:
 # verl's function returns, by name (a float 0.0 where verl reports a constant), and
 # whether verl clamps the log-ratio to +-20 (before its ratio and its ppo_kl alike): the
 # rule then receives it clamped.
-CLIP_METRICS = {
+CLIP_METRICS: dict[str, tuple[Callable[[MetricInputs], dict], bool]] = {
     "vanilla": (_vanilla_metrics, True),
     "gspo": (_gspo_metrics, False),
     "sapo": (_sapo_metrics, True),

@@ -13,10 +13,14 @@ not import it.
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from .segments import Segments
+
+if TYPE_CHECKING:  # for the checker only: importing hadw_kernels does not import transformers
+    from transformers import PreTrainedModel
 
 NAME_PREFIX = "hadw_segments_over_"
 
@@ -134,7 +138,7 @@ def _mask_function(original: str):
     return mask
 
 
-def registered_name(model: torch.nn.Module) -> str:
+def registered_name(model: PreTrainedModel) -> str:
     """The segment attention's name over ``model``'s attention, registered once; raises
     :class:`SegmentAttentionUnavailable` where it cannot serve the model."""
     from transformers import AttentionInterface
@@ -159,16 +163,18 @@ def registered_name(model: torch.nn.Module) -> str:
     return name
 
 
-def transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+def transformers_model(model: torch.nn.Module) -> PreTrainedModel:
     """``model``, or the model a wrapper (DDP, DeepSpeed, FSDP) holds as ``.module``: the
     first whose config names its attention; a TypeError where there is none."""
-    inner = model
+    inner: object = model
     while not hasattr(getattr(inner, "config", None), "_attn_implementation"):
         inner = getattr(inner, "module", None)
         if not isinstance(inner, torch.nn.Module):
             raise TypeError(f"model is a {type(model).__name__}: a transformers model (or a wrapper holding one as "
                             ".module) whose config names its attention")
-    return inner
+    # A module whose config names its attention, found above: a transformers model, used
+    # through PreTrainedModel's interface (its config, set_attn_implementation, ...).
+    return cast("PreTrainedModel", inner)
 
 
 def require_segment_attention(model: torch.nn.Module) -> None:

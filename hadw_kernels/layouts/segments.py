@@ -26,6 +26,7 @@ This module needs torch only; ``attention.py`` hands it to a transformers model.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -226,7 +227,7 @@ class Segments:
         return torch.cat(parts)[inverse].unsqueeze(0)
 
 
-def span_positions(spans: tuple[Span, ...]) -> torch.Tensor:
+def span_positions(spans: Sequence[Span]) -> torch.Tensor:
     """The positions of ``spans``, in order."""
     if not spans:
         return torch.empty(0, dtype=torch.long)

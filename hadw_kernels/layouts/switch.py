@@ -5,10 +5,15 @@ and the attention, which it switches to."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .attention import NAME_PREFIX, SegmentAttentionUnavailable, own_attention, registered_name, transformers_model
 from .builders import LAYOUTS
+
+if TYPE_CHECKING:  # for the checker only: importing hadw_kernels does not import transformers
+    from transformers import PreTrainedModel
 
 
 def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> None:
@@ -38,13 +43,15 @@ def enable_segment_attention(model: torch.nn.Module, *, check: bool = True) -> N
             "attention (a response's hidden states differ from its own run's)")
 
 
-def keeps_samples_apart(model: torch.nn.Module) -> bool:
+def keeps_samples_apart(model: PreTrainedModel) -> bool:
     """Whether ``model``'s attention keeps each sample of a packed row to itself in both
     packed layouts: asked of the model, not of a list. Three samples (two sharing a
     prompt) are laid out in every packed layout; each response position must get the
     hidden state it gets alone, and no sample may see another's tokens."""
-    vocab = model.get_input_embeddings().weight.shape[0]
-    device = model.get_input_embeddings().weight.device
+    embedding = model.get_input_embeddings().weight
+    if not isinstance(embedding, torch.Tensor):  # nn.Module's attributes type as a tensor or a module
+        raise TypeError(f"the model's input embeddings hold no weight tensor, got {type(embedding).__name__}")
+    vocab, device = embedding.shape[0], embedding.device
     generator = torch.Generator().manual_seed(0)
 
     def tokens(count):

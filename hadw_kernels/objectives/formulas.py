@@ -35,18 +35,19 @@ def _where(condition, if_true, if_false):
 def clip_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-min(rho' A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho' = min(rho, delta); then
     bounded by -c A for A < 0 under dual clip."""
-    capped = rho if config.option("delta") is None else rho.clamp(max=config.option("delta"))
+    delta, dual_clip = config.option("delta"), config.option("dual_clip")
+    capped = rho if delta is None else rho.clamp(max=delta)
     unclipped = -capped * advantage
     clipped = -rho.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high) * advantage
     loss = torch.maximum(unclipped, clipped)
-    if config.option("dual_clip") is not None:
-        loss = _where(advantage < 0, torch.minimum(loss, -config.option("dual_clip") * advantage), loss)
+    if dual_clip is not None:
+        loss = _where(advantage < 0, torch.minimum(loss, -dual_clip * advantage), loss)
     return loss
 
 
 def cispo_cap_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-sg[min(rho, ratio_cap)] A l."""
-    return -rho.detach().clamp(max=config.option("ratio_cap")) * advantage * logprob
+    return -rho.detach().clamp(max=config.option_value("ratio_cap")) * advantage * logprob
 
 
 def cispo_clip_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
@@ -55,8 +56,8 @@ def cispo_clip_value(rho, advantage, logprob, old_logprob, weight, config: LossC
 
 
 def sapo_temperature(advantage, config: LossConfig):
-    return _where(advantage > 0, torch.full_like(advantage, config.option("sapo_temperature_pos")),
-                  torch.full_like(advantage, config.option("sapo_temperature_neg")))
+    return _where(advantage > 0, torch.full_like(advantage, config.option_value("sapo_temperature_pos")),
+                  torch.full_like(advantage, config.option_value("sapo_temperature_neg")))
 
 
 def sapo_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
@@ -105,12 +106,12 @@ def dppo_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig)
     """-sg[min(rho, ratio_cap)] A l sg[m], m whether p moved within the range on A's side
     (:func:`dppo_moved_within`; dppo_tv and dppo_kl differ in m alone)."""
     moved = _dppo_mask(logprob, old_logprob, advantage, config)
-    return -rho.detach().clamp(max=config.option("ratio_cap")) * advantage * logprob * moved
+    return -rho.detach().clamp(max=config.option_value("ratio_cap")) * advantage * logprob * moved
 
 
 def dro_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-(A l - dro_beta / 2 (l - l_old)^2)."""
-    return -(logprob * advantage - 0.5 * config.option("dro_beta") * (logprob - old_logprob).square())
+    return -(logprob * advantage - 0.5 * config.option_value("dro_beta") * (logprob - old_logprob).square())
 
 
 def clip_cov_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
@@ -120,7 +121,7 @@ def clip_cov_value(rho, advantage, logprob, old_logprob, weight, config: LossCon
 
 def kl_cov_value(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """-A rho + s ppo_kl_coef |l - l_old|, s the token's selection (:func:`kl_cov_selection`)."""
-    return -advantage * rho + weight * config.option("ppo_kl_coef") * (logprob - old_logprob).abs()
+    return -advantage * rho + weight * config.option_value("ppo_kl_coef") * (logprob - old_logprob).abs()
 
 
 VALUES = {
@@ -157,9 +158,10 @@ def clip_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig)
     through_clipped = _where((rho >= low) & (rho <= high), -advantage, zero)
     d_ratio = _where(unclipped > clipped, through_unclipped,
                      _where(clipped > unclipped, through_clipped, 0.5 * (through_unclipped + through_clipped)))
-    if config.option("dual_clip") is not None:
+    dual_clip = config.option("dual_clip")
+    if dual_clip is not None:
         objective = torch.maximum(unclipped, clipped)
-        bound = -config.option("dual_clip") * advantage
+        bound = -dual_clip * advantage
         negative = advantage < 0
         d_ratio = _where(negative & (objective > bound), zero,
                          _where(negative & (objective == bound), 0.5 * d_ratio, d_ratio))
@@ -167,7 +169,7 @@ def clip_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig)
 
 
 def cispo_cap_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
-    return torch.zeros_like(rho), -rho.clamp(max=config.option("ratio_cap")) * advantage
+    return torch.zeros_like(rho), -rho.clamp(max=config.option_value("ratio_cap")) * advantage
 
 
 def cispo_clip_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
@@ -194,11 +196,11 @@ def gpg_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
 
 def dppo_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     moved = _dppo_mask(logprob, old_logprob, advantage, config)
-    return torch.zeros_like(rho), -rho.clamp(max=config.option("ratio_cap")) * advantage * moved
+    return torch.zeros_like(rho), -rho.clamp(max=config.option_value("ratio_cap")) * advantage * moved
 
 
 def dro_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
-    return torch.zeros_like(rho), -advantage + config.option("dro_beta") * (logprob - old_logprob)
+    return torch.zeros_like(rho), -advantage + config.option_value("dro_beta") * (logprob - old_logprob)
 
 
 def clip_cov_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
@@ -208,7 +210,7 @@ def clip_cov_slope(rho, advantage, logprob, old_logprob, weight, config: LossCon
 
 def kl_cov_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfig):
     """|x|'s derivative is sign(x), 0 at 0 (autograd's)."""
-    return -advantage, weight * config.option("ppo_kl_coef") * torch.sign(logprob - old_logprob)
+    return -advantage, weight * config.option_value("ppo_kl_coef") * torch.sign(logprob - old_logprob)
 
 
 SLOPES = {
@@ -245,10 +247,10 @@ def vespo_weight(summed_log_ratio, advantage, config: LossConfig):
     for A >= 0, else the _neg pair; 0 where it overflows (TRL's nan_to_num)."""
     log_w = summed_log_ratio.clamp(VESPO_LOG_WEIGHT_MIN, LOG_RATIO_CLAMP)
     nonnegative = advantage >= 0
-    k = _where(nonnegative, torch.full_like(log_w, config.option("vespo_k_pos")),
-               torch.full_like(log_w, config.option("vespo_k_neg")))
-    lam = _where(nonnegative, torch.full_like(log_w, config.option("vespo_lambda_pos")),
-                 torch.full_like(log_w, config.option("vespo_lambda_neg")))
+    k = _where(nonnegative, torch.full_like(log_w, config.option_value("vespo_k_pos")),
+               torch.full_like(log_w, config.option_value("vespo_k_neg")))
+    lam = _where(nonnegative, torch.full_like(log_w, config.option_value("vespo_lambda_pos")),
+                 torch.full_like(log_w, config.option_value("vespo_lambda_neg")))
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -283,12 +285,12 @@ def clip_cov_selection(logprobs, old_logprobs, advantage, mask, config: LossConf
     ratio = torch.exp(logprobs - old_logprobs)  # unclamped, as verl's
     unclipped, clipped = ppo_terms(ratio, advantage, config.epsilon_low, config.epsilon_high)
     covariance = _covariance(advantage, logprobs, mask)
-    candidates = mask & ~(clipped > unclipped) & (covariance > config.option("clip_cov_lb")) \
-        & (covariance < config.option("clip_cov_ub"))
+    candidates = mask & ~(clipped > unclipped) & (covariance > config.option_value("clip_cov_lb")) \
+        & (covariance < config.option_value("clip_cov_ub"))
     positions = torch.nonzero(candidates).flatten()
     selected = torch.zeros_like(mask)
     if positions.numel() > 0:
-        count = max(int(config.option("clip_cov_ratio") * int(mask.sum())), 1)
+        count = max(int(config.option_value("clip_cov_ratio") * int(mask.sum())), 1)
         # On the generator's device: the CPU by default (verl's draw), or the inputs'.
         on = None if generator is None else generator.device
         drawn = torch.randperm(positions.numel(), generator=generator, device=on)[:count].to(positions.device)
@@ -305,7 +307,7 @@ def kl_cov_selection(logprobs, old_logprobs, advantage, mask, config: LossConfig
     if positions.numel() > 0:
         valid_advantage, valid_logprobs = advantage[positions], logprobs[positions]
         covariance = (valid_advantage - valid_advantage.mean()) * (valid_logprobs - valid_logprobs.mean())
-        count = max(1, int(positions.numel() * config.option("kl_cov_ratio")))
+        count = max(1, int(positions.numel() * config.option_value("kl_cov_ratio")))
         selected[positions[torch.topk(covariance, count, largest=True).indices]] = True
     return selected
 

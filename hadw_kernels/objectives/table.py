@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..tables.bounds import FINITE, NON_NEGATIVE, POSITIVE, Bounds, compiling
 
@@ -88,11 +89,20 @@ class Objective:
     ``selects_tokens``: whether it reads a batch statistic that selects tokens before the
     kernels run (``objectives.SELECTIONS``; the kernels receive the selection per token)."""
 
-    options: dict
+    options: dict[str, Option]
     gradient: str
     ratio_levels: tuple[str, ...] = RATIO_LEVELS
     selects_tokens: bool = False
     increasing: tuple[tuple[str, str], ...] = ()
+
+    if TYPE_CHECKING:
+        # The generated __init__ as it is called: ``options`` given as a tuple of rows (or
+        # a dict of them), held as a dict by name once __post_init__ has checked the rows.
+        # The field's annotation says what is held; this, for the checker only, what is
+        # taken. Keep it in step with the fields above.
+        def __init__(self, options: tuple[Option, ...] | dict[str, Option], gradient: str,
+                     ratio_levels: tuple[str, ...] = RATIO_LEVELS, selects_tokens: bool = False,
+                     increasing: tuple[tuple[str, str], ...] = ()) -> None: ...
 
     def __post_init__(self) -> None:
         rows = tuple(self.options.values()) if isinstance(self.options, dict) else tuple(self.options)
@@ -190,7 +200,7 @@ OBJECTIVES = {
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
 
 
-def shared_options(objectives: dict) -> dict[str, tuple[str, ...]]:
+def shared_options(objectives: dict[str, Objective]) -> dict[str, tuple[str, ...]]:
     """Every objective-only option of ``objectives``, with the objectives that read it.
     Raises ValueError where objectives that share an option declare it otherwise but for
     its default, or put it at other indices of their option vectors: the kernels read it

@@ -27,6 +27,8 @@ def baseline(rewards: list[float], groups: list[int], i: int, estimator: str,
     if estimator == "rloo":
         return leave_one_out
     if estimator == "prompt_history":
+        if prior is None:
+            raise ValueError("estimator 'prompt_history' needs prior, the prompt's pseudo-counts (alpha, beta)")
         alpha, beta = prior
         return (alpha + sum(others_in_group)) / (alpha + beta + len(others_in_group))
     assert estimator == "james_stein"

@@ -40,9 +40,10 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
     importance_weights, selected = batch.importance_weights, batch.selected
     # In fp32 at least (precision.py), as every kernel computes: a float16 ratio overflows
     # once the log-ratio passes 11. The gradient reaches the inputs in their own dtype.
-    compute = accumulate_dtype(batch.logprobs.dtype)
-    logprobs = batch.logprobs.to(compute)
-    old_logprobs = batch.old_logprobs.detach().to(compute)
+    given_logprobs = batch.current_logprobs()
+    compute = accumulate_dtype(given_logprobs.dtype)
+    logprobs = given_logprobs.to(compute)
+    old_logprobs = batch.behaviour_logprobs().detach().to(compute)
     entropy = None if batch.entropy is None else batch.entropy.to(compute)
     token_advantage, response_advantage, phi = call_advantages(batch)
     token_advantage = token_advantage.to(torch.promote_types(token_advantage.dtype, logprobs.dtype))
@@ -68,6 +69,8 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
 
     metrics: dict[str, torch.Tensor] = {}
     if config.beta > 0:
+        if batch.ref_logprobs is None:  # validation refuses this call first (check_batch_inputs)
+            raise ValueError("beta > 0 needs ref_logprobs (the reference policy's log-probs)")
         zero = torch.zeros_like(logprobs)
         ref_kl = kl_estimate(own_logprobs, torch.where(mask, batch.ref_logprobs.detach(), zero), config.kl_estimator)
         loss = loss + config.beta * aggregate(ref_kl, mask, layout, config)
@@ -97,8 +100,8 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
         token_log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs)).detach().clamp(
             -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         metrics["approx_kl"] = masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask)
-        if phi is not None:
-            metrics.update(group_metrics(batch.rewards, phi, config.group_size))
+        if phi is not None and batch.rewards is not None:  # phi is formed from rewards alone
+            metrics.update(group_metrics(batch.rewards, phi, config.reward_group_size()))
     return loss, ordered_metrics(metrics)
 
 

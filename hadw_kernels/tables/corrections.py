@@ -45,11 +45,13 @@ class RejectionFilter:
             raise ValueError(f"unknown rejection filter {self.name!r}; expected one of {REJECTION_FILTERS}")
         check_finite_positive(f"rejection filter {self.name!r}'s upper bound", self.upper)
         if REJECTION_STATISTICS[self.statistic]:
-            if self.lower is None:
-                object.__setattr__(self, "lower", 1.0 / self.upper)
-            check_finite_positive(f"rejection filter {self.name!r}'s lower bound", self.lower)
-            if self.lower > self.upper:
-                raise ValueError(f"rejection filter {self.name!r}: lower bound {self.lower} above upper {self.upper}")
+            lower = self.lower
+            if lower is None:
+                lower = 1.0 / self.upper
+                object.__setattr__(self, "lower", lower)
+            check_finite_positive(f"rejection filter {self.name!r}'s lower bound", lower)
+            if lower > self.upper:
+                raise ValueError(f"rejection filter {self.name!r}: lower bound {lower} above upper {self.upper}")
         elif self.lower is not None:
             raise ValueError(f"rejection filter {self.name!r} takes an upper bound only ({self.statistic} >= 0), "
                              f"got lower={self.lower}")

@@ -41,7 +41,7 @@ class CorrectResponseAdvantages:
 
 
 def correct_response_advantages(
-    accuracies: Sequence[float],
+    accuracies: Sequence[float] | np.ndarray,
     group_size: int,
     groups_per_accuracy: int,
     *,
@@ -126,7 +126,7 @@ class NonBinaryBaselineBias:
 
 
 def truncated_gaussian_baseline_bias(
-    locations: Sequence[float],
+    locations: Sequence[float] | np.ndarray,
     scale: float,
     group_size: int,
     spread_thresholds: Sequence[float],

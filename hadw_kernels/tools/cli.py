@@ -18,7 +18,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     """Every option's default after its help, unless the help already says it
     ("(default: ...)"); the description and epilog as written."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         help_text = action.help or ""
         return help_text if "(default: " in help_text else super()._get_help_string(action)
 

@@ -54,13 +54,16 @@ class Derived:
 
     def written(self, current: str, root: Path) -> str:
         """The file's text with its derived part formed anew."""
-        if self.start is None:
+        start, end = self.start, self.end
+        if start is None:
             return self.text(root)
-        if current.count(self.start) != 1 or current.count(self.end) != 1:
-            raise ValueError(f"{self.path} must hold the markers {self.start!r} and {self.end!r} once each")
-        head, rest = current.split(self.start)
-        _, tail = rest.split(self.end)
-        return f"{head}{self.start}\n{self.text(root)}{self.end}{tail}"
+        if end is None:
+            raise ValueError(f"{self.path}: a derived part with a start marker needs an end marker")
+        if current.count(start) != 1 or current.count(end) != 1:
+            raise ValueError(f"{self.path} must hold the markers {start!r} and {end!r} once each")
+        head, rest = current.split(start)
+        _, tail = rest.split(end)
+        return f"{head}{start}\n{self.text(root)}{end}{tail}"
 
 
 # --- LossConfig's option fields ---------------------------------------------------------
