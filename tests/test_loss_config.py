@@ -268,10 +268,10 @@ def test_the_option_fields_and_keywords_come_from_the_rows():
     assert set(OBJECTIVE_OPTIONS) <= set(LossOptions.__annotations__)
     from hadw_kernels.tools.codegen import FIELDS_END, FIELDS_START
 
-    head, rest = (ROOT / "hadw_kernels" / "config.py").read_text().split(FIELDS_START)
-    source = head + rest.split(FIELDS_END)[1]  # config.py but its generated fields
+    head, rest = (ROOT / "hadw_kernels" / "config" / "loss_config.py").read_text().split(FIELDS_START)
+    source = head + rest.split(FIELDS_END)[1]  # loss_config.py but its generated fields
     assert not [name for name in OBJECTIVE_OPTIONS if re.search(rf"\b{name}\b", source)], \
-        "config.py names an objective option: declare it in its row of objective_table.OBJECTIVES"
+        "loss_config.py names an objective option: declare it in its row of objectives/table.py"
 
 
 def _named_objective_comparisons(path) -> list[str]:
@@ -293,8 +293,8 @@ def _named_objective_comparisons(path) -> list[str]:
 # (GMPO's clipped log-ratios, VESPO's weight), which the reference forms by name
 # (docs/architecture.md, "Adding an objective").
 NAMED_OBJECTIVE_BRANCHES = {
-    "objectives.py": ["objective == 'dppo_tv'"],
-    "token_terms.py": ["config.objective == 'gmpo'"],
+    "objectives/formulas.py": ["objective == 'dppo_tv'"],
+    "formulas/token_terms.py": ["config.objective == 'gmpo'"],
     "reference/surrogate.py": ["config.objective == 'vespo'"],
 }
 
