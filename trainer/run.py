@@ -23,6 +23,12 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+# Run as a file, Python puts this file's folder on the path, not the checkout that holds
+# the package: the wheel installs the library only, the trainer runs from its checkout
+# (docs/trainer.md).
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 try:
     from trainer.checkpoint_files import HF_EXPORT_MARKER, CheckpointError, checkpoint_step, select_checkpoint
     from trainer.config import ConfigError, keys_help, load_config, range_warnings, resumed_settings, validate
