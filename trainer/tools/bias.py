@@ -51,7 +51,8 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer.checkpoint_files import CheckpointError, completed_checkpoints, verify_checkpoint
-from trainer.config import ConfigError, load_config, resolve_engine
+from trainer.config import ConfigError, load_config
+from trainer.engine.settings import resolve_engine
 from trainer.tasks.registry import TASKS
 from trainer.tools.estimator_scores import COLUMNS, band_index, band_name, replayed_priors, score, table
 from trainer.tools.estimator_scores import summary as estimator_summary

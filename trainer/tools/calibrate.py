@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from trainer.config import resolve_engine
+    from trainer.engine.settings import resolve_engine
     from trainer.models.pretrained import ensure_converted, resolve_model_source
     from trainer.tasks.problem import encode_prompt
     from trainer.tasks.rewards import build_reward

@@ -118,7 +118,7 @@ def build_model(preset: str, dtype, device, seed: int):
     import torch
 
     if preset == "tiny":
-        from trainer.config import ModelConfig
+        from trainer.models.checks import ModelConfig
         from trainer.tasks.synthetic_task import VOCABULARY
         from trainer.models.tiny_model import build_tiny_model, build_tokenizer
 
