@@ -48,6 +48,11 @@ from gpu_progress import ROOT, START, say
 from gpu_report import write_report
 from gpu_trainer import TrainerCheck, trainer_check
 
+# gpu_trainer.py reads the trainer's runs with the trainer's own modules, which the wheel
+# does not install: they are imported from this checkout.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -201,10 +201,10 @@ def test_probe_help_describes_it_once_and_whole(capsys):
 
 
 @pytest.mark.slow
-def test_the_trainer_commands_run_from_any_directory(tmp_path):
-    """The trainer is installed with the library: each command runs as a module and as a
-    file from a directory outside the checkout, and the probe writes only where it is
-    told (--json)."""
+def test_the_trainer_commands_run_from_the_checkout(tmp_path):
+    """The wheel installs the library only: each trainer command runs as a file from any
+    directory (it puts its checkout on the path) and as a module from the checkout's
+    root, and the probe writes only where it is told (--json)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     env.pop("PYTHONPATH", None)
@@ -213,16 +213,17 @@ def test_the_trainer_commands_run_from_any_directory(tmp_path):
     figures = tmp_path / "out" / "probe.json"
     probe = ["--preset", "tiny", "--device", "cpu", "-G", "2", "-L", "4", "-P", "2", "--steps", "1",
              "--threads", "1", "--json", str(figures)]
-    completed = subprocess.run([sys.executable, "-m", "trainer.tools.probe", *probe], cwd=elsewhere, env=env,
-                               capture_output=True, text=True, timeout=600)
+    completed = subprocess.run([sys.executable, str(REPO / "trainer" / "tools" / "probe.py"), *probe], cwd=elsewhere,
+                               env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert json.loads(figures.read_text())["preset"] == "tiny"
     assert list(elsewhere.iterdir()) == []
     for module in ("trainer.run", "trainer.tools.probe", "trainer.tools.compare", "trainer.tools.calibrate",
                    "trainer.tools.plot", "trainer.tools.bias"):
         as_file = REPO.joinpath(*module.split(".")).with_suffix(".py")
-        for command in ([sys.executable, "-m", module, "--help"], [sys.executable, str(as_file), "--help"]):
-            shown = subprocess.run(command, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+        for command, cwd in (([sys.executable, "-m", module, "--help"], REPO),
+                             ([sys.executable, str(as_file), "--help"], elsewhere)):
+            shown = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
             assert shown.returncode == 0 and shown.stdout.startswith("usage:"), (command, shown.stderr[-2000:])
     assert list(elsewhere.iterdir()) == []
 

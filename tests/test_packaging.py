@@ -23,7 +23,8 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "hadw_kernels", "trainer")
+# trainer/ and bench/ too, as a checkout has them: the wheel must leave them out.
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "hadw_kernels", "trainer", "bench")
 
 
 def pip(*arguments, cwd=None) -> subprocess.CompletedProcess:
@@ -41,7 +42,8 @@ def wheel(tmp_path_factory) -> Path:
     for name in SOURCES:
         source = ROOT / name
         if source.is_dir():
-            shutil.copytree(source, work / "src" / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+            ignored = shutil.ignore_patterns("__pycache__", "*.so", "results")
+            shutil.copytree(source, work / "src" / name, ignore=ignored)
         else:
             (work / "src").mkdir(exist_ok=True)
             shutil.copy(source, work / "src" / name)
@@ -80,11 +82,9 @@ def test_wheel_declares_ranges_license_types_and_the_verl_plugin(wheel):
         (entry_points_name,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
         entry_points = archive.read(entry_points_name).decode()
     assert "hadw_kernels/py.typed" in names
-    # The trainer, every subpackage and its configs: `python -m trainer.run` from anywhere.
-    trainer_files = {name for name in names if name.startswith("trainer/")}
-    source_files = {path.relative_to(ROOT).as_posix() for path in (ROOT / "trainer").rglob("*")
-                    if path.suffix in (".py", ".yaml") and "__pycache__" not in path.parts}
-    assert trainer_files == source_files and "trainer/configs/smollm2_arithmetic.yaml" in trainer_files
+    # The library alone: the trainer and the benchmarks, in the sources it was built from,
+    # run from the checkout, so no generic top-level name (`trainer`) reaches site-packages.
+    assert {name.split("/")[0] for name in names} == {"hadw_kernels", "hadw_kernels-0.2.0.dist-info"}
     assert any(re.search(r"\.dist-info/licenses/LICENSE$", name) for name in names)
     assert metadata["License-Expression"] == "Apache-2.0"
     requirements = [Requirement(text) for text in metadata.get_all("Requires-Dist")]
@@ -156,6 +156,9 @@ def test_package_installs_beside_a_real_torch_and_imports_without_triton(wheel, 
 
     result = pip("--python", str(python), "install", "--no-deps", "--no-index", str(wheel))
     assert result.returncode == 0, result.stderr[-3000:]
+    # What pip put in site-packages: the library and its metadata, no `trainer`.
+    installed = {path.name for path in site_packages(python).iterdir()} - {"present.pth"}
+    assert {name for name in installed if not name.startswith("_")} == {"hadw_kernels", "hadw_kernels-0.2.0.dist-info"}
     probe = (
         "import importlib.util, hadw_kernels\n"
         "from hadw_kernels.backends import load_backend, BackendUnavailable\n"

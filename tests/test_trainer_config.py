@@ -416,7 +416,7 @@ def test_rollout_correction_resolves_against_the_engine():
     """auto: TRL's default (sequence_mask above 3) with vLLM rollouts at temperature 1, none
     with the HF engine or tempered sampling; a mode named corrects as TRL's does."""
     from hadw_kernels import RolloutCorrection
-    from trainer.config import rollout_correction
+    from trainer.engine.settings import rollout_correction
 
     assert rollout_correction(load_config(None, ["rollout.engine=hf"])) is None
     assert rollout_correction(load_config(None, ["algorithm.rollout_correction=none"])) is None
@@ -524,3 +524,69 @@ def test_a_task_s_own_data_keys_are_refused_with_another_task():
     assert owned >= 7  # context_tokens, exemplars, and the math task's files and field names
     assert "data.train_files belongs to the math task" in _error(["data.train_files=[a.jsonl]"])
     assert "data.exemplars belongs to the synthetic task" in _error(["data.task=arithmetic", "data.exemplars=2"])
+
+
+def test_every_section_is_declared_for_pydantic_strict_and_closed():
+    """Each section is a pydantic dataclass (section.py): its values are checked as it is
+    built, from a YAML file or in code, and a key it does not declare is refused."""
+    from pydantic import ValidationError
+
+    from trainer.config import Config
+
+    for section in dataclasses.fields(Config):
+        section_type = type(section.default_factory())
+        declared = section_type.__pydantic_config__
+        assert declared["extra"] == "forbid" and declared["strict"] and not declared["allow_inf_nan"], section.name
+        with pytest.raises(ValidationError, match="nonesuch"):
+            section_type(nonesuch=1)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.top_p=2", "rollout.top_p must be in (0, 1], got 2"),
+    ("rollout.vllm_gpu_memory_utilization=1.5", "rollout.vllm_gpu_memory_utilization must be a fraction in (0, 1]"),
+    ("train.zero_stage=4", "train.zero_stage must be one of 0, 1, 2 or 3, got 4"),
+    ("algorithm.anchor_preset=soft", "algorithm.anchor_preset must be one of 'kalman', 'paper' or 'authors_code'"),
+    ("algorithm.anchor_window=0", "algorithm.anchor_window must be positive, got 0"),
+    ("model.num_heads=0", "model.num_heads must be positive, got 0"),
+    ("eval.every=-1", "eval.every must be non-negative, got -1"),
+    ("reward.timeout_seconds=-1", "reward.timeout_seconds must be non-negative, got -1"),
+    ("data.exemplars=-2", "data.exemplars must be non-negative, got -2"),
+])
+def test_a_field_s_choices_and_bounds_are_refused_as_it_is_loaded(override, message):
+    """Choices (Literal) and bounds (Field) are the fields' declarations: a value outside
+    fails as the config is loaded, before validate, in one line naming the key."""
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, [override])
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_a_resume_s_settings_are_compared_once_and_handed_to_the_loop(tmp_path, monkeypatch):
+    """run.py compares a resume's settings with the run's config.yaml once, before the run
+    is built, and hands them to the loop, which records them (it compared them again);
+    a new run's config.yaml is written by run.py, with the engine resolved."""
+    import trainer.engine.environment
+    import trainer.engine.loop
+    import trainer.run
+    from trainer.config import resumed_settings, save_config
+
+    built = []
+    calls = []
+    monkeypatch.setattr(trainer.run, "prepare_environment", lambda config: None)
+    monkeypatch.setattr(trainer.engine.environment, "init_distributed", lambda verbose: (0, 1))
+    monkeypatch.setattr(trainer.engine.loop, "Trainer", lambda *args: built.append(args) or
+                        __import__("types").SimpleNamespace(run=lambda: []))
+    monkeypatch.setattr(trainer.run, "resumed_settings", lambda *args: calls.append(args) or resumed_settings(*args))
+    common = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=r", "--set", "rollout.engine=auto"]
+    assert trainer.run.main(common) == 0
+    (config, _, _, checkpoint, resumed), = built
+    assert checkpoint is None and resumed is None and calls == []
+    saved = load_config(tmp_path / "r" / "config.yaml")
+    assert saved.rollout.engine in ("vllm", "hf") and saved.train == config.train
+
+    checkpoint = tmp_path / "r" / "checkpoints" / "step-3"
+    monkeypatch.setattr(trainer.run, "resume_point", lambda *args: trainer.run.ResumePoint(checkpoint, []))
+    (tmp_path / "r" / "config.yaml").unlink()
+    save_config(trainer.config.resolved(config), tmp_path / "r" / "config.yaml")
+    assert trainer.run.main(common + ["--set", "train.steps=300", "--resume"]) == 0
+    assert len(calls) == 1 and built[-1][4] == {"train.steps": [200, 300]}
+    assert not hasattr(trainer.engine.loop, "resumed_settings")  # the loop takes them as given

@@ -6,8 +6,10 @@ import ast
 from pathlib import Path
 
 TRAINER = Path(__file__).resolve().parents[1] / "trainer"
-# The first part of a module's name under trainer/ -> its floor.
-FLOORS = {"run": 4, "tools": 3, "engine": 2, "config": 1, "tasks": 0, "models": 0, "checkpoint_files": -1}
+# The first part of a module's name under trainer/ -> its floor. The config composes the
+# parts' sections, the engine's among them, so it sits above the engine.
+FLOORS = {"run": 4, "tools": 3, "config": 2, "engine": 1, "tasks": 0, "models": 0, "checkpoint_files": -1,
+          "section": -1}
 
 
 def _part(module: str) -> str:

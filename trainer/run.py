@@ -23,9 +23,24 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+# Run as a file, Python puts this file's folder on the path, not the checkout that holds
+# the package: the wheel installs the library only, the trainer runs from its checkout
+# (docs/trainer.md).
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 try:
     from trainer.checkpoint_files import HF_EXPORT_MARKER, CheckpointError, checkpoint_step, select_checkpoint
-    from trainer.config import ConfigError, keys_help, load_config, range_warnings, resumed_settings, validate
+    from trainer.config import (
+        ConfigError,
+        keys_help,
+        load_config,
+        range_warnings,
+        resolved,
+        resumed_settings,
+        save_config,
+        validate,
+    )
 except ModuleNotFoundError as missing:  # the library's own venv, without the trainer extra
     sys.exit(f"{missing}: the trainer needs its extra; run `bash scripts/setup_venv.sh` (docs/trainer.md)")
 from trainer.engine.environment import launched_world_size, prepare_environment
@@ -153,18 +168,19 @@ def main(argv: list[str] | None = None) -> int:
                 claim.enter_context(claimed_run_directory(config.run_dir))
                 for warning in warnings:
                     print(f"warning: {warning}", file=sys.stderr)
-            if checkpoint is not None:
-                resumed_settings(config.run_dir, config)
+            resumed = resumed_settings(config.run_dir, config) if checkpoint is not None else None
         except ConfigError as error:
             print(f"config error: {error}", file=sys.stderr)
             return 2
         if (complete := completed_message(config, checkpoint)) is not None:
             print(complete)
             return 0
-        return _train(config, checkpoint)
+        return _train(config, checkpoint, resumed)
 
 
-def _train(config, checkpoint) -> int:
+def _train(config, checkpoint, resumed: dict[str, list] | None) -> int:
+    """Trains; ``resumed``: the settings this resume changes (None: the run has no
+    config.yaml yet, and rank 0 writes it, resolved)."""
     from trainer.engine.environment import init_distributed
     from trainer.engine.loop import Trainer
 
@@ -173,7 +189,9 @@ def _train(config, checkpoint) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    trainer = Trainer(config, rank, size, checkpoint)
+    if rank == 0 and resumed is None:
+        save_config(resolved(config), config.run_dir / "config.yaml")
+    trainer = Trainer(config, rank, size, checkpoint, resumed)
     rows = trainer.run()
     if rank == 0 and rows:
         first, last = rows[0], rows[-1]

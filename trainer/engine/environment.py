@@ -117,7 +117,7 @@ def _check_port_free(port: str) -> None:
     """A MASTER_PORT the user exported, for a run without a launcher, must be free here:
     a second run on the same port died inside torch.distributed with a traceback that did
     not name it."""
-    from ..config import ConfigError
+    from ..section import ConfigError
 
     try:
         number = int(port)
@@ -162,7 +162,7 @@ def init_distributed(verbose: bool = True) -> tuple[int, int]:
                 raise
             port = os.environ["MASTER_PORT"]
             if _standalone_port == "exported":
-                from ..config import ConfigError
+                from ..section import ConfigError
 
                 raise ConfigError(
                     f"MASTER_PORT={port} was taken by another process after the trainer found it free (another "

@@ -17,7 +17,6 @@ anchor, since its accuracy is an observation like any other.
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 import warnings
@@ -36,15 +35,14 @@ from hadw_kernels.tables.metrics import METRIC_MEAN_OVER
 from hadw_kernels.layouts import RowTokens
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from ..config import Config, resolve_engine, resumed_settings, save_config
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
 from .policy import Policy
+from .settings import resolve_engine
 from ..tasks.problem import Problem, encode_prompt
 from ..tasks.registry import TASKS
 from ..tasks.rewards import build_reward
 from ..tasks.synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY
-
 MAX_ERROR_MESSAGES = 20
 # The all-degenerate warning: the first few times, then every this many steps.
 DEGENERATE_WARNINGS_FIRST = 3
@@ -143,7 +141,8 @@ def _logprob_gap(trainer_logprobs: list[torch.Tensor], engine_logprobs: list[lis
 
 
 class Trainer:
-    def __init__(self, config: Config, rank: int, world_size: int, checkpoint: Path | None) -> None:
+    def __init__(self, config, rank: int, world_size: int, checkpoint: Path | None,
+                 resumed_changes: dict[str, list] | None) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -151,17 +150,9 @@ class Trainer:
         self.group_size = config.rollout.group_size
         self.prompts_per_rank = config.train.prompts_per_step // world_size
         self.engine_name = resolve_engine(config.rollout.engine)
-        # A resumed run keeps the config it trained with: the settings a resume may change
-        # (run.py checked them) are recorded in resumes.jsonl instead.
-        resumed_changes = None
-        if rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if checkpoint is not None and (self.run_dir / "config.yaml").exists():
-                resumed_changes = resumed_settings(self.run_dir, config)
-            else:
-                resolved = copy.deepcopy(config)
-                resolved.rollout.engine = self.engine_name
-                save_config(resolved, self.run_dir / "config.yaml")
+        # A resumed run keeps the config it trained with (run.py saves a new run's): the
+        # settings a resume changes (``resumed_changes``, which run.py checked) are recorded
+        # in resumes.jsonl instead.
         barrier()
 
         self.tokenizer, model, model_dir = self._build_model()
@@ -177,7 +168,7 @@ class Trainer:
         self.start_step = 0
         if checkpoint is not None:
             self.start_step = load_checkpoint(checkpoint, self.policy.engine, self.anchor, self.history)
-        if resumed_changes is not None:
+        if rank == 0 and resumed_changes is not None:
             with (self.run_dir / "resumes.jsonl").open("a") as handle:
                 handle.write(json.dumps({"step": self.start_step, "checkpoint": checkpoint.name,
                                          "changed": resumed_changes}) + "\n")

@@ -23,7 +23,7 @@ from hadw_kernels import token_logprobs as fused_token_logprobs
 from hadw_kernels.tables.linear_blocks import IGNORE_INDEX
 from hadw_kernels.layouts import LaidOutBatch, choose_layout
 
-from ..config import loss_options, rollout_correction
+from .settings import loss_options, rollout_correction
 
 
 def response_hidden_states(forward, batch: LaidOutBatch) -> torch.Tensor:

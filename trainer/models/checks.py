@@ -6,8 +6,11 @@ attention). Nothing is loaded; torch is not imported."""
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from typing import Literal
 
+from pydantic import Field
+
+from ..section import section
 from .pretrained import ModelSourceError, check_gguf, head_dim, resolve_model_source
 
 # The tiny model's architectures (tiny_model.py) and the dtypes a model trains in.
@@ -17,35 +20,30 @@ DTYPES = ("float32", "bfloat16")
 VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-@dataclass
+@section
 class ModelConfig:
     # A Hugging Face directory, a .gguf file or a packaged model name (pretrained.py);
     # empty builds the tiny random model below.
     path: str = ""
     # where a GGUF model's converted Hugging Face directory is kept; empty: ~/.cache/hadw-trainer/models
     cache_dir: str = ""
-    architecture: str = "llama"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int = 256
-    dtype: str = "float32"
+    architecture: Literal[ARCHITECTURES] = "llama"
+    hidden_size: int = Field(64, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(2, gt=0)
+    head_dim: int = Field(32, gt=0)
+    intermediate_size: int = Field(256, gt=0)
+    dtype: Literal[DTYPES] = "float32"
     gradient_checkpointing: bool = False
 
 
 def check_model_section(model, engine: str) -> None:
     """``model`` (the model section) for rollouts by ``engine`` (``vllm`` or ``hf``, resolved).
-    Raises ValueError naming the key."""
-    for key, choices in (("architecture", ARCHITECTURES), ("dtype", DTYPES)):
-        if getattr(model, key) not in choices:
-            raise ValueError(f"model.{key} must be one of {choices}, got {getattr(model, key)!r}")
+    Raises ValueError naming the key (the fields' own choices and bounds are checked
+    when the section is built)."""
     if model.path:
         _check_model_path(model.path, engine)
         return
-    for key in ("hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size"):
-        if not getattr(model, key) > 0:
-            raise ValueError(f"model.{key} must be positive, got {getattr(model, key)}")
     if model.hidden_size % model.num_heads:
         raise ValueError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}")
     if engine == "vllm" and model.head_dim not in VLLM_HEAD_DIMS:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 
+from ..section import section
 from .problem import Problem, seeded_rng
 
 # The files data.train_files may name.
@@ -23,7 +24,7 @@ DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 MAX_REPORTED_ROWS = 10
 
 
-@dataclass
+@section
 class MathFiles:
     """The data section's keys the math task alone reads (its row's ``data_fields``): local
     JSON / JSONL / Parquet files and their field names."""

@@ -14,6 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pydantic import Field
+
+from ..section import section
 from . import arithmetic_task, math_data, synthetic_task
 from .problem import Problem, RewardFunction, seeded_rng
 
@@ -122,7 +125,6 @@ TASKS: dict[str, Task] = {task.name: task for task in (
         levels=tuple(synthetic_task.LEVELS),
         draw=lambda levels, count, rng, data, held_out: synthetic_task.sample_problems(
             levels, count, rng, data.context_tokens, data.exemplars),
-        check=synthetic_task.check_synthetic_data,
         data_fields=synthetic_task.SyntheticData,
     ),
     Task(
@@ -153,10 +155,12 @@ PAPER_PROMPT_TEMPLATE = (
 )
 
 
-@dataclass
+@section
 class SharedData:
     """The data section's keys that are no one task's."""
 
+    # Not a Literal of TASKS' names: a task is its row alone, and a row registered after
+    # this module is imported is a choice too; check_data_section reads the registry.
     task: str = "synthetic"
     # the difficulty levels to draw prompts from; empty: all of the task's levels
     levels: list[str] = field(default_factory=list)
@@ -169,22 +173,23 @@ class SharedData:
 # data_fields), in the rows' order; the bases reversed, since a dataclass takes its bases'
 # fields last base first.
 _DATA_PARTS = (SharedData, *(row.data_fields for row in TASKS.values() if row.data_fields))
-DataConfig = dataclass(type("DataConfig", tuple(reversed(_DATA_PARTS)), {"__module__": __name__}))
+DataConfig = section(type("DataConfig", tuple(reversed(_DATA_PARTS)), {"__module__": __name__}))
 
 
-@dataclass
+@section
 class EvalConfig:
     """The config's eval section: greedy accuracy per level on the task's fixed held-out
     set, at step 0, every ``every`` rollout batches, and at the end; 0: no evaluation."""
 
-    every: int = 0
-    problems_per_level: int = 32
+    every: int = Field(0, ge=0)
+    problems_per_level: int = Field(32, gt=0)
 
 
 def check_data_section(data, eval_config, model_path: str) -> Task:
     """The data section's checks and the eval section's (which asks for the task's
     held-out set), the task's own among them; returns the task's row. Raises ValueError
-    naming the key."""
+    naming the key (the fields' own choices and bounds are checked when the sections are
+    built)."""
     if data.task not in TASKS:
         raise ValueError(f"data.task must be one of {tuple(TASKS)}, got {data.task!r}")
     task = TASKS[data.task]
@@ -199,11 +204,7 @@ def check_data_section(data, eval_config, model_path: str) -> Task:
             if getattr(data, key.name) != getattr(defaults, key.name):
                 raise ValueError(f"data.{key.name} belongs to the {other.name} task, not data.task={data.task!r}")
     task.check(data, model_path)
-    if eval_config.every < 0:
-        raise ValueError(f"eval.every must be non-negative, got {eval_config.every}")
     if eval_config.every and task.held_out is None:
         with_held_out = " or ".join(repr(name) for name, row in TASKS.items() if row.held_out is not None)
         raise ValueError(f"eval.every needs a task with a held-out set: data.task={with_held_out}")
-    if not eval_config.problems_per_level > 0:
-        raise ValueError(f"eval.problems_per_level must be positive, got {eval_config.problems_per_level}")
     return task

@@ -23,11 +23,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pydantic import Field
+
+from ..section import section
 from .problem import Problem, RewardFunction
 from .registry import TASKS, Task
 
 
-@dataclass
+@section
 class RewardConfig:
     """The config's reward section."""
 
@@ -35,8 +38,8 @@ class RewardConfig:
     function: str = ""
     # > 0 runs the function in worker processes with this deadline per response (the
     # MATH verifier always needs one); 0 calls it in process.
-    timeout_seconds: float = 10.0
-    workers: int = 1
+    timeout_seconds: float = Field(10.0, ge=0)
+    workers: int = Field(1, gt=0)
 
 
 @dataclass
@@ -211,10 +214,6 @@ def load_function(spec: str) -> RewardFunction:
 def check_reward_section(reward_config, task: Task) -> None:
     """The reward section's checks for ``task`` (its registry row): the function imports,
     and a verifier that needs a deadline has one. Raises ValueError naming the key."""
-    if reward_config.timeout_seconds < 0:
-        raise ValueError(f"reward.timeout_seconds must be non-negative, got {reward_config.timeout_seconds}")
-    if not reward_config.workers > 0:
-        raise ValueError(f"reward.workers must be positive, got {reward_config.workers}")
     if reward_config.function:
         try:
             load_function(reward_config.function)

@@ -23,9 +23,11 @@ layout, docs/layouts.md).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pydantic import Field
+
+from ..section import section
 from .problem import Problem
 
 if TYPE_CHECKING:
@@ -43,23 +45,16 @@ _FIRST_NUMBER = re.compile(r"\d+")
 EXEMPLAR_SEED = 20261202
 
 
-@dataclass
+@section
 class SyntheticData:
     """The data section's keys this task alone reads (its row's ``data_fields``)."""
 
     # random digits before each prompt, which the answer ignores (a long-prompt workload); 0: none
-    context_tokens: int = 0
+    context_tokens: int = Field(0, ge=0)
     # this many solved problems (the same for every prompt of the run) before each prompt,
     # few-shot exemplars every prompt shares (the prefix tree lays them out once a
     # micro-batch); 0: none
-    exemplars: int = 0
-
-
-def check_synthetic_data(data, model_path: str) -> None:
-    """The synthetic task's own checks of the data section."""
-    for key in ("context_tokens", "exemplars"):
-        if getattr(data, key) < 0:
-            raise ValueError(f"data.{key} must be non-negative, got {getattr(data, key)}")
+    exemplars: int = Field(0, ge=0)
 
 
 def make_problem(level: str, rng: np.random.Generator) -> Problem:

@@ -44,8 +44,15 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+# Run as a file, Python puts this file's folder on the path, not the checkout that holds
+# the package: the wheel installs the library only, the trainer runs from its checkout
+# (docs/trainer.md).
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from trainer.checkpoint_files import CheckpointError, completed_checkpoints, verify_checkpoint
-from trainer.config import ConfigError, load_config, resolve_engine
+from trainer.config import ConfigError, load_config
+from trainer.engine.settings import resolve_engine
 from trainer.tasks.registry import TASKS
 from trainer.tools.estimator_scores import COLUMNS, band_index, band_name, replayed_priors, score, table
 from trainer.tools.estimator_scores import summary as estimator_summary

@@ -15,6 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a file, Python puts this file's folder on the path, not the checkout that holds
+# the package: the wheel installs the library only, the trainer runs from its checkout
+# (docs/trainer.md).
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from trainer.config import ConfigError, load_config, validate
 from trainer.engine.environment import prepare_environment
 from trainer.tasks.registry import TASKS
@@ -48,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from trainer.config import resolve_engine
+    from trainer.engine.settings import resolve_engine
     from trainer.models.pretrained import ensure_converted, resolve_model_source
     from trainer.tasks.problem import encode_prompt
     from trainer.tasks.rewards import build_reward

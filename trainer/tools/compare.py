@@ -53,11 +53,18 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a file, Python puts this file's folder on the path, not the checkout that holds
+# the package: the wheel installs the library only, the trainer runs from its checkout
+# (docs/trainer.md).
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from hadw_kernels.tools.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, output_file, summary
 from trainer.config import ConfigError, load_config, validate
 from trainer.engine.metrics_log import read_metrics
 from trainer.tools.intervals import format_interval, mean_interval
 
+RUN = Path(__file__).resolve().parents[1] / "run.py"
 LR_SCALED = "GRPO (lr x mean Phi)"
 KALMAN = "GRPO+HA-DW (kalman)"
 VARIANTS = {
@@ -197,7 +204,8 @@ def run_variants(args, shared: list[str], output: Path, directory: str, progress
             _check_learning_rate(output / name, learning_rate)
             rows = read_metrics(output / name / "metrics.jsonl")
             if not rows or rows[-1]["step"] < base.train.steps:
-                command = [sys.executable, "-m", "trainer.run"]
+                # The file, not `-m trainer.run`: it finds its checkout from any directory.
+                command = [sys.executable, str(RUN)]
                 if args.config:
                     command += ["--config", args.config]
                 overrides = shared + variant + [f"train.seed={seed}", f"run.name={name}"]

@@ -11,6 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
+# Run as a file, Python puts this file's folder on the path, not the checkout that holds
+# the package: the wheel installs the library only, the trainer runs from its checkout
+# (docs/trainer.md).
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from hadw_kernels.tools.cli import HelpFormatter, output_file, summary
 from trainer.config import ConfigError, load_config
 from trainer.engine.metrics_log import read_metrics

@@ -48,6 +48,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+# Run as a file, Python puts this file's folder on the path, not the checkout that holds
+# the package: the wheel installs the library only, the trainer runs from its checkout
+# (docs/trainer.md).
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hadw_kernels.tools.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float, output_file
 from hadw_kernels.tools.plan import PRESETS as SHAPES
@@ -111,7 +118,7 @@ def build_model(preset: str, dtype, device, seed: int):
     import torch
 
     if preset == "tiny":
-        from trainer.config import ModelConfig
+        from trainer.models.checks import ModelConfig
         from trainer.tasks.synthetic_task import VOCABULARY
         from trainer.models.tiny_model import build_tiny_model, build_tokenizer
 
