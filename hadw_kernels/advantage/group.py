@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -49,8 +49,12 @@ def all_equal_groups(rewards: torch.Tensor, group_size: int | None = None, *, de
     NaN is not equal. No host read."""
     rewards = rewards.detach().to(accumulate_dtype(rewards.dtype))  # exact: equal stays equal
     if dense is None:
+        if group_size is None:
+            raise ValueError("all_equal_groups takes group_size (contiguous groups) or dense and groups")
         groups = rewards.numel() // group_size
         dense = torch.arange(rewards.numel(), device=rewards.device) // group_size
+    elif groups is None:
+        raise ValueError("all_equal_groups takes groups with dense: the number of groups dense labels")
     lowest = torch.full((groups,), math.inf, dtype=rewards.dtype, device=rewards.device)
     highest = torch.full_like(lowest, -math.inf)
     return lowest.scatter_reduce_(0, dense, rewards, "amin") == highest.scatter_reduce_(0, dense, rewards, "amax")
@@ -123,6 +127,21 @@ def _contiguous_index(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
         raise TypeError(f"group_index must hold integers, got {group_index.dtype}")
     unique, dense = torch.unique(group_index, return_inverse=True)
     return dense, unique.numel()
+
+
+# The return's type follows return_phi (the trainer and the integrations read one or both).
+@overload
+def hadw_advantages(rewards: torch.Tensor, *, group_size: int | None = ...,
+                    group_index: torch.Tensor | Sequence[int] | None = ..., anchor: float | torch.Tensor | None = ...,
+                    lambda_scale: float = ..., normalize_std: bool | None = ..., std_eps: float = ...,
+                    estimator: str = ..., prior: torch.Tensor | None = ...,
+                    return_phi: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def hadw_advantages(rewards: torch.Tensor, *, group_size: int | None = ...,
+                    group_index: torch.Tensor | Sequence[int] | None = ..., anchor: float | torch.Tensor | None = ...,
+                    lambda_scale: float = ..., normalize_std: bool | None = ..., std_eps: float = ...,
+                    estimator: str = ..., prior: torch.Tensor | None = ...,
+                    return_phi: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def hadw_advantages(

@@ -156,7 +156,7 @@ def _check_batch_totals(layout: TokenLayout, config: LossConfig, totals: torch.T
     """The whole batch's totals hold this call's groups and responses, and two groups or
     more (one more host read, in the calls that pass them)."""
     values = dict(zip(BATCH_TOTALS, totals.tolist()))
-    groups = layout.segments // config.group_size
+    groups = layout.segments // config.reward_group_size()
     if not all(math.isfinite(value) for value in values.values()) or values["groups"] < max(groups, 2) or \
             values["responses"] < layout.segments:
         raise ValueError(f"batch_totals must be finite and count this call's {groups} groups and {layout.segments} "
