@@ -8,8 +8,9 @@ transcribe (one branch per objective); tests/test_objectives.py holds every slop
 autograd's at random points and at the edges (ties, clip bounds). Quantities taken
 through a stop-gradient (CISPO's clipped ratio, VESPO's weight) enter as constants.
 
-VESPO's weight and GMPO's ratio need the whole response first: :func:`gmpo_log_ratio` and
-:func:`vespo_weight` are those per-response steps.
+VESPO's weight and GMPO's ratio need the whole response first: their rows' response step
+(``objective_table.RESPONSE_STEPS``) says which, and :data:`RESPONSE_FORMULAS` holds each
+one's formula of it (:func:`gmpo_log_ratio`, :func:`vespo_weight`).
 """
 
 from __future__ import annotations
@@ -250,6 +251,12 @@ def vespo_weight(summed_log_ratio, advantage, config: LossConfig):
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+# Each objective's formula of its response step (objective_table.RESPONSE_STEPS), as
+# f(log-ratio, A, config): for clipped_log_ratio_mean a token's log-ratio as its response's
+# mean takes it; for log_ratio_sum the token's weight from its response's summed log-ratio.
+RESPONSE_FORMULAS = {"gmpo": gmpo_log_ratio, "vespo": vespo_weight}
+
+
 def ppo_terms(ratio, advantage, epsilon_low: float, epsilon_high: float):
     """PPO's two loss terms (verl's pg_losses1 and pg_losses2): -A rho, -A clip(rho)."""
     return -advantage * ratio, -advantage * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
@@ -311,4 +318,5 @@ SELECTIONS = {"clip_cov": clip_cov_selection, "kl_cov": kl_cov_selection}
 assert set(SELECTIONS) == {name for name, objective in OBJECTIVES.items() if objective.selects_tokens}
 
 assert set(VALUES) == set(SLOPES), "every objective declares its value and its derivative"
+assert set(RESPONSE_FORMULAS) == {name for name, objective in OBJECTIVES.items() if objective.response_step != "none"}
 assert math.isfinite(VESPO_LOG_WEIGHT_MIN)

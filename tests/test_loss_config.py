@@ -289,13 +289,10 @@ def _named_objective_comparisons(path) -> list[str]:
 
 
 # Where the package compares a value with an objective's name: objectives.py, whose
-# formulas are the objectives' own, and the two objectives that read whole responses
-# (GMPO's clipped log-ratios, VESPO's weight), which the reference forms by name
-# (docs/architecture.md, "Adding an objective").
+# formulas are the objectives' own (the objectives that read whole responses are found by
+# their rows' response step: docs/architecture.md, "Adding an objective").
 NAMED_OBJECTIVE_BRANCHES = {
     "objectives.py": ["objective == 'dppo_tv'"],
-    "token_terms.py": ["config.objective == 'gmpo'"],
-    "reference/surrogate.py": ["config.objective == 'vespo'"],
 }
 
 

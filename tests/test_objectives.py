@@ -162,3 +162,24 @@ def test_a_row_s_defaults_keep_its_bounds():
 
     with pytest.raises(ValueError, match="its default -1.0 is out of its bounds"):
         Objective(options=(Option("trial", -1.0, (POSITIVE,), "a trial option"),), gradient="ratio")
+
+
+def test_a_row_s_response_step_is_checked():
+    """A response step is one of RESPONSE_STEPS, on an objective without the token ratio
+    form (which reads no whole response) and, for log_ratio_sum, that selects no tokens
+    (both would be its one per-token weight)."""
+    from hadw_kernels.objective_table import Objective
+
+    with pytest.raises(ValueError, match="response step is one of"):
+        Objective(options=(), gradient="ratio", ratio_levels=("sequence",), response_step="log_ratio_mean")
+    with pytest.raises(ValueError, match="takes no token ratio form"):
+        Objective(options=(), gradient="ratio", response_step="clipped_log_ratio_mean")
+    with pytest.raises(ValueError, match="not both"):
+        Objective(options=(), gradient="detached_weight", ratio_levels=("sequence",), selects_tokens=True,
+                  response_step="log_ratio_sum")
+
+
+def test_every_response_step_has_its_formula():
+    assert set(objectives.RESPONSE_FORMULAS) == {name for name, objective in OBJECTIVES.items()
+                                                 if objective.response_step != "none"}
+
