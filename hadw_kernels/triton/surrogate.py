@@ -47,14 +47,16 @@ from ..aggregation_table import AGG_MODES, AGGREGATIONS, counts_batch_tokens
 from ..metrics import METRIC_NAMES
 from ..objective_table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS
 from ..precision import accumulate_dtype
-from .token_math import (
-    LOG_RATIO_LIMIT,
+from .codes import (
     OBJECTIVE_GMPO,
     OBJECTIVE_VESPO,
     OPTION_VESPO_K_NEG,
     OPTION_VESPO_K_POS,
     OPTION_VESPO_LAMBDA_NEG,
     OPTION_VESPO_LAMBDA_POS,
+)
+from .token_math import (
+    LOG_RATIO_LIMIT,
     SEQUENCE_RATIO,
     TOKEN_RATIO,
     aggregation_weight,

@@ -16,13 +16,27 @@ import triton
 import triton.language as tl
 
 from ..config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, KL_ESTIMATORS
-from ..objective_table import (
-    LOG_RATIO_CLAMP,
-    OBJECTIVE_NAMES,
-    OPTION_INDEX,
-    OPTION_SLOTS,
-    RATIO_LEVELS,
-    VESPO_LOG_WEIGHT_MIN,
+from ..objective_table import LOG_RATIO_CLAMP, OPTION_SLOTS, RATIO_LEVELS, VESPO_LOG_WEIGHT_MIN
+from .codes import (
+    OBJECTIVE_CISPO_CAP,
+    OBJECTIVE_CISPO_CLIP,
+    OBJECTIVE_CLIP,
+    OBJECTIVE_CLIP_COV,
+    OBJECTIVE_DPPO_KL,
+    OBJECTIVE_DPPO_TV,
+    OBJECTIVE_DRO,
+    OBJECTIVE_GMPO,
+    OBJECTIVE_GPG,
+    OBJECTIVE_KL_COV,
+    OBJECTIVE_SAPO,
+    OBJECTIVE_VESPO,
+    OPTION_DELTA,
+    OPTION_DRO_BETA,
+    OPTION_DUAL_CLIP,
+    OPTION_PPO_KL_COEF,
+    OPTION_RATIO_CAP,
+    OPTION_SAPO_TEMPERATURE_NEG,
+    OPTION_SAPO_TEMPERATURE_POS,
 )
 
 _KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
@@ -33,16 +47,10 @@ _KL_K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
 TOKEN_RATIO = tl.constexpr(RATIO_LEVELS.index("token"))
 SEQUENCE_RATIO = tl.constexpr(RATIO_LEVELS.index("sequence"))
 
-# Each objective option's index in the option vector, generated from the objective table
-# as OPTION_<NAME> (OPTION_DUAL_CLIP, OPTION_SAPO_TEMPERATURE_POS, ...): module-level
-# constexprs, the only globals a Triton function reads.
-globals().update({f"OPTION_{name.upper()}": tl.constexpr(index) for name, index in OPTION_INDEX.items()})
-# Each objective's code (its index in OBJECTIVE_NAMES), generated the same way as
-# OBJECTIVE_<NAME>: OBJECTIVE_CLIP, OBJECTIVE_GMPO, ...
-globals().update({f"OBJECTIVE_{name.upper()}": tl.constexpr(code) for code, name in enumerate(OBJECTIVE_NAMES)})
-# The kernels take the vector as OPTION_SLOTS fp64 scalars, option_0 ... option_3
-# (objective_table.OPTION_SLOTS says why; a row with more options is refused there), and
-# objective_option_values gathers them.
+# The objectives' codes and their options' indices in the option vector (OPTION_<NAME>)
+# are codes.py's. The kernels take the vector as OPTION_SLOTS fp64 scalars, option_0 ...
+# option_3 (objective_table.OPTION_SLOTS says why; a row with more options is refused
+# there), and objective_option_values gathers them.
 
 LOG_RATIO_LIMIT = tl.constexpr(LOG_RATIO_CLAMP)
 _VESPO_LOG_WEIGHT_MIN = tl.constexpr(VESPO_LOG_WEIGHT_MIN)
