@@ -3,9 +3,11 @@
 (``linear_logprob.py``), as ``csrc/token_math.h`` is by the C++ ones.
 
 ``objective_terms`` transcribes objectives.py's values and derivatives, one branch per
-objective (its code in objective_table.OBJECTIVE_NAMES); ``policy_term`` adds the ratio's chain
-rule, ``kl_term`` the KL estimators, ``aggregation_weight`` a token's weight by the
-aggregation mode. All arithmetic is in the compute dtype of the caller's tensors.
+objective (its code in objective_table.OBJECTIVE_NAMES); ``response_log_ratio`` and
+``response_weights`` its formula of its response step (objectives.RESPONSE_FORMULAS), one
+branch per objective that has one; ``policy_term`` adds the ratio's chain rule,
+``kl_term`` the KL estimators, ``aggregation_weight`` a token's weight by the aggregation
+mode. All arithmetic is in the compute dtype of the caller's tensors.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from .codes import (
     OPTION_RATIO_CAP,
     OPTION_SAPO_TEMPERATURE_NEG,
     OPTION_SAPO_TEMPERATURE_POS,
+    OPTION_VESPO_K_NEG,
+    OPTION_VESPO_K_POS,
+    OPTION_VESPO_LAMBDA_NEG,
+    OPTION_VESPO_LAMBDA_POS,
 )
 
 _KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
@@ -263,19 +269,34 @@ def policy_term(ratio, ratio_passes, advantage, logprob, old_logprob, weight, ra
 
 
 @triton.jit
-def gmpo_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high):
-    """objectives.gmpo_log_ratio: the log-ratio clipped to [-eps_low, eps_high] on the side
-    A's sign makes harmful (above for A > 0, below for A < 0; 0 for A = 0)."""
-    direction = sign(advantage)
-    clipped = clamp(log_ratio, -epsilon_low, epsilon_high)
-    return direction * tl.minimum(direction * log_ratio, direction * clipped, propagate_nan=tl.PropagateNan.ALL)
+def response_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high, OBJECTIVE: tl.constexpr):
+    """(a token's log-ratio as its response's mean takes it, whether that passes the
+    log-ratio's gradient) of an objective whose response step is clipped_log_ratio_mean:
+    objectives.RESPONSE_FORMULAS, one branch per objective; the gradient passes as autograd
+    gives it for the reference, ties included."""
+    if OBJECTIVE == OBJECTIVE_GMPO:
+        # objectives.gmpo_log_ratio: clipped to [-eps_low, eps_high] on the side A's sign
+        # makes harmful (above for A > 0, below for A < 0; 0 for A = 0).
+        direction = sign(advantage)
+        clipped = clamp(log_ratio, -epsilon_low, epsilon_high)
+        value = direction * tl.minimum(direction * log_ratio, direction * clipped, propagate_nan=tl.PropagateNan.ALL)
+        passes = ((advantage > 0) & (log_ratio <= epsilon_high)) | ((advantage < 0) & (log_ratio >= -epsilon_low))
+    else:
+        tl.static_assert(False, "an objective whose response step is clipped_log_ratio_mean without a branch here")
+    return value, passes
 
 
 @triton.jit
-def gmpo_passes(log_ratio, advantage, epsilon_low, epsilon_high):
-    """Where :func:`gmpo_log_ratio` passes its log-ratio's gradient (all of it, ties
-    included, as autograd gives it): A > 0 and lr <= eps_high, or A < 0 and lr >= -eps_low."""
-    return ((advantage > 0) & (log_ratio <= epsilon_high)) | ((advantage < 0) & (log_ratio >= -epsilon_low))
+def response_weights(summed_log_ratio, options, OBJECTIVE: tl.constexpr):
+    """(the weight of the tokens with A >= 0, of those with A < 0) from their response's
+    sum of clamped log-ratios, of an objective whose response step is log_ratio_sum:
+    objectives.RESPONSE_FORMULAS, one branch per objective."""
+    if OBJECTIVE == OBJECTIVE_VESPO:
+        nonnegative = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_POS], options[OPTION_VESPO_LAMBDA_POS])
+        negative = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_NEG], options[OPTION_VESPO_LAMBDA_NEG])
+    else:
+        tl.static_assert(False, "an objective whose response step is log_ratio_sum without a branch here")
+    return nonnegative, negative
 
 
 @triton.jit
