@@ -532,10 +532,15 @@ def test_generated_header_holds_config_values():
         assert constants[f"k{prefix}Count"] == len(names)
         for index, name in enumerate(names):
             assert constants[f"k{prefix}{cpp_constants._identifier(name)}"] == index, name
-    for prefix, names in (("Objective", objective_table.OBJECTIVE_NAMES), ("RatioLevel", objective_table.RATIO_LEVELS)):
+    for prefix, names in (("Objective", objective_table.OBJECTIVE_NAMES), ("RatioLevel", objective_table.RATIO_LEVELS),
+                          ("ResponseStep", objective_table.RESPONSE_STEPS)):
         assert constants[f"k{prefix}Count"] == len(names)
         for index, name in enumerate(names):
             assert constants[f"k{prefix}{cpp_constants._identifier(name)}"] == index, name
+    steps = re.search(r"kObjectiveResponseStep\[kObjectiveCount\] = \{(.*)\};",
+                      cpp_constants.header(cpp_constants.installed)).group(1)
+    assert [int(code) for code in steps.split(", ")] == [
+        objective_table.RESPONSE_STEPS.index(objective.response_step) for objective in objective_table.OBJECTIVES.values()]
     table = re.search(r"kObjectiveTakesRatioLevel\[kObjectiveCount\]\[kRatioLevelCount\] = \{(.*)\};",
                       cpp_constants.header(cpp_constants.installed)).group(1)
     expected = [[level in objective.ratio_levels for level in objective_table.RATIO_LEVELS]
