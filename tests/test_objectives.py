@@ -183,3 +183,21 @@ def test_every_response_step_has_its_formula():
     assert set(objectives.RESPONSE_FORMULAS) == {name for name, objective in OBJECTIVES.items()
                                                  if objective.response_step != "none"}
 
+
+def test_only_the_formula_files_name_an_objective_s_code():
+    """The kernels branch on the row's fields (its response step, its gradient route), and
+    on an objective's code only in their formula files, one branch per objective: a new
+    objective is its row and its formulas (docs/architecture.md, "Adding an objective")."""
+    import re
+    from pathlib import Path
+
+    from hadw_kernels.backends import cpp_constants
+
+    root = Path(__file__).resolve().parents[1]
+    code = re.compile(r"\b(?:OBJECTIVE_(?:{})|kObjective(?:{}))\b".format(
+        "|".join(name.upper() for name in OBJECTIVE_NAMES),
+        "|".join(cpp_constants._identifier(name) for name in OBJECTIVE_NAMES)))
+    sources = [*sorted((root / "hadw_kernels" / "triton").glob("*.py")), *sorted((root / "csrc").iterdir())]
+    naming = {str(path.relative_to(root)) for path in sources if code.search(path.read_text())}
+    # codes.py defines the codes (python -m hadw_kernels.codegen writes it).
+    assert naming == {"hadw_kernels/triton/codes.py", "hadw_kernels/triton/token_math.py", "csrc/token_math.h"}
