@@ -30,8 +30,8 @@ LOG_RATIO_CLAMP = 20.0
 VESPO_LOG_WEIGHT_MIN = math.log(1e-8)
 
 # What an objective reads of its whole response before its per-token formula (docs/math.md,
-# section 5), the kernels' branch on its code; the objective's own formula of the step is
-# its entry of objectives.RESPONSE_FORMULAS:
+# section 5). The kernels branch on the step's code; the objective's own formula of the
+# step is its entry of objectives.RESPONSE_FORMULAS:
 #   none                    nothing (in a sequence form, s_i = exp(mean log-ratio))
 #   clipped_log_ratio_mean  s_i = exp(mean of the tokens' log-ratios, each first through
 #                           the objective's clip by its advantage); the sequence form's share
@@ -41,7 +41,7 @@ VESPO_LOG_WEIGHT_MIN = math.log(1e-8)
 #                           response's sum of log-ratios (each clamped to +-LOG_RATIO_CLAMP),
 #                           one value for the tokens with A >= 0 and one for A < 0 (VESPO's
 #                           phi); s_i as for none
-# A token ratio form reads no whole response: an objective with a step takes none.
+# The token ratio form reads no whole response: an objective with a step does not take it.
 RESPONSE_STEPS = ("none", "clipped_log_ratio_mean", "log_ratio_sum")
 
 # How an objective's gradient reaches a token's log-prob (objectives.SLOPES gives it):
