@@ -40,6 +40,8 @@ namespace hadw {
 namespace {
 
 static_assert(config::kMetricCount == 8, "config.METRIC_NAMES changed: fill the new metric in surrogate.cpp");
+static_assert(config::kResponseStepCount == 3,
+              "objectives.table.RESPONSE_STEPS changed: teach sequence_ratio (csrc/surrogate.cpp) the new one");
 
 double sign(double value) { return static_cast<double>((value > 0) - (value < 0)); }
 
@@ -254,8 +256,8 @@ HADW_ALWAYS_INLINE void sequence_ratio_pass(const T* logprobs, const T* old_logp
   }
 }
 
-// Each token's log-ratio as the response's mean takes it (response_log_ratio), and, for
-// VESPO's summed weight, the log-ratio clamped to +-LOG_RATIO_CLAMP.
+// Each token's log-ratio as the response's mean takes it (response_log_ratio), and, for a
+// log_ratio_sum step's weight, the log-ratio clamped to +-LOG_RATIO_CLAMP.
 template <int64_t kObjective, typename T>
 HADW_ALWAYS_INLINE void response_log_ratio_pass(const T* logprobs, const T* old_logprobs, const T* advantage,
                                                 int64_t count, const ObjectiveOptions<T>& options, T* log_ratio,
@@ -265,7 +267,7 @@ HADW_ALWAYS_INLINE void response_log_ratio_pass(const T* logprobs, const T* old_
   for (int64_t t = 0; t < count; ++t) {
     const T raw = logprobs[t] - old_logprobs[t];
     log_ratio[t] = response_log_ratio<kObjective>(raw, advantage[t], options).value;
-    if constexpr (kObjective == config::kObjectiveVespo) {
+    if constexpr (kResponseStep<kObjective> == config::kResponseStepLogRatioSum) {
       clamped_log_ratio[t] = clamp_keep_nan(raw, -limit, limit);
     }
   }
@@ -286,7 +288,7 @@ HADW_ALWAYS_INLINE void ratio_slope_pass(const T* logprobs, const T* advantage, 
 }
 
 // The sequence form's gradient through s_i, shared by the response's tokens (each where
-// its log-ratio passes the objective's clip: GMPO's).
+// its log-ratio passes the objective's clip, under clipped_log_ratio_mean).
 template <int64_t kObjective, typename T>
 HADW_ALWAYS_INLINE void shared_pass(const T* logprobs, const T* old_logprobs, const T* advantage, int64_t count,
                                     T shared, const ObjectiveOptions<T>& options, T* slope) {
@@ -345,13 +347,6 @@ HADW_ALWAYS_INLINE void gradient_pass(const uint8_t* mask, int64_t count, T weig
   }
 }
 
-// VESPO's phi = w^k exp(lambda (1 - w)), log w the response's summed log-ratio clamped
-// (objectives.vespo_weight); 0 where it is not finite, as TRL's nan_to_num.
-double vespo_weight(double log_weight, double k, double lambda) {
-  const double phi = std::exp(lambda + k * log_weight - lambda * std::exp(log_weight));
-  return std::isfinite(phi) ? phi : 0.0;
-}
-
 // What the tokens of a response share in the sequence ratio forms (docs/math.md, section 5).
 template <typename T>
 struct SequenceRatio {
@@ -368,10 +363,10 @@ HADW_ALWAYS_INLINE const T* chunk_advantage(const Problem<T>& problem, int64_t p
   return problem.token_advantage != nullptr ? problem.token_advantage + position : repeated;
 }
 
-// The sequence ratio of a non-empty response: a first sweep for its mean log-ratio (and
-// VESPO's summed one) and the sign of its advantage, which the clip fractions count it
-// by; in the sequence form a second for sum_t iw_t dl/drho(s_i, A_t), whose share reaches
-// every token through s_i.
+// The sequence ratio of a non-empty response: a first sweep for its mean log-ratio (and,
+// under log_ratio_sum, its summed one) and the sign of its advantage, which the clip
+// fractions count it by; in the sequence form a second for sum_t iw_t dl/drho(s_i, A_t),
+// whose share reaches every token through s_i.
 template <int64_t kObjective, typename T>
 HADW_ALWAYS_INLINE SequenceRatio<T> sequence_ratio(const Problem<T>& problem, int64_t row, const T* repeated,
                                                    ResponseSums& sums) {
@@ -390,7 +385,7 @@ HADW_ALWAYS_INLINE SequenceRatio<T> sequence_ratio(const Problem<T>& problem, in
     response_log_ratio_pass<kObjective>(problem.logprobs + offset + start, problem.old_logprobs + offset + start,
                                         advantage, count, problem.options, log_ratio, clamped_log_ratio);
     log_ratio_sum += masked_sum_in_double(log_ratio, mask + start, count);
-    if constexpr (kObjective == config::kObjectiveVespo) {
+    if constexpr (kResponseStep<kObjective> == config::kResponseStepLogRatioSum) {
       clamped_log_ratio_sum += masked_sum_in_double(clamped_log_ratio, mask + start, count);
     }
     advantage_sum += masked_sum_in_double(advantage, mask + start, count);
@@ -403,12 +398,8 @@ HADW_ALWAYS_INLINE SequenceRatio<T> sequence_ratio(const Problem<T>& problem, in
   if (problem.ratio_level == config::kRatioLevelGspoToken && passes) {
     sequence.own_ratio_slope = sequence.ratio;
   }
-  if constexpr (kObjective == config::kObjectiveVespo) {
-    const double log_weight = clamp_keep_nan(clamped_log_ratio_sum, config::kVespoLogWeightMin, limit);
-    const double* option = problem.options.exact;
-    sequence.weights = {
-        static_cast<T>(vespo_weight(log_weight, option[config::kOptionVespoKPos], option[config::kOptionVespoLambdaPos])),
-        static_cast<T>(vespo_weight(log_weight, option[config::kOptionVespoKNeg], option[config::kOptionVespoLambdaNeg]))};
+  if constexpr (kResponseStep<kObjective> == config::kResponseStepLogRatioSum) {
+    sequence.weights = response_weights<kObjective>(clamped_log_ratio_sum, problem.options);
   }
   if (problem.ratio_level == config::kRatioLevelSequence && passes) {
     double slope_sum = 0;

@@ -1,7 +1,7 @@
 // The per-token math of the surrogate (hadw_kernels/reference/surrogate.py), shared by the
 // surrogate kernel (surrogate.cpp) and the gradients-in-forward linear kernel
-// (linear_logprob.cpp): each objective (hadw_kernels/objectives/formulas.py) and its derivatives, the
-// KL estimators and theirs.
+// (linear_logprob.cpp): each objective (hadw_kernels/objectives/formulas.py) and its derivatives, its
+// formula of its response step (the row's response formula), the KL estimators and theirs.
 //
 // Derivatives follow autograd's rules for the reference's ops, ties included:
 // torch.clamp passes the gradient on the closed interval (NaN: none), torch.maximum /
@@ -77,12 +77,12 @@ HADW_ALWAYS_INLINE T clamped_exp_minus_one_minus_x(T x, T limit) {
 // LossConfig.objective_options) in the compute type (the reference rounds its Python-float
 // thresholds to the tensors' dtype), read by the generated kOption<Name> indices; an
 // option that is off arrives as +inf. `exact` keeps the vector in double for the
-// per-response steps that compute in double (VESPO's weight).
+// per-response steps that compute in double (a log_ratio_sum step's weight).
 template <typename T>
 struct ObjectiveOptions {
   T ratio_low;       // 1 - epsilon_low
   T ratio_high;      // 1 + epsilon_high
-  T log_ratio_low;   // -epsilon_low: GMPO clips in log space
+  T log_ratio_low;   // -epsilon_low: a clipped_log_ratio_mean step clips in log space
   T log_ratio_high;  // epsilon_high
   T values[config::kObjectiveOptionSlots] = {};
   double exact[config::kObjectiveOptionSlots] = {};
@@ -107,8 +107,8 @@ inline void check_objective_options(const char* op, int64_t objective, c10::Arra
               " options (config.OBJECTIVES), got ", vector.size());
 }
 
-// VESPO's weight phi of the token's response, for a non-negative and for a negative
-// advantage (its (k, lambda) go by the sign of A); no other objective reads it.
+// The weight of the token's response by its response step log_ratio_sum (VESPO's phi), for
+// a non-negative and for a negative advantage; no other objective reads it.
 template <typename T>
 struct ResponseWeights {
   T nonnegative = 0;
@@ -241,11 +241,16 @@ HADW_ALWAYS_INLINE decltype(auto) with_objective(int64_t objective, F&& f) {
   return f(std::integral_constant<int64_t, kCode>{});
 }
 
+// The objective's response step (objectives.table.RESPONSE_STEPS), a kResponseStep code.
+template <int64_t kObjective>
+constexpr int64_t kResponseStep = config::kObjectiveResponseStep[kObjective];
+
 // A token's log-ratio as its response's mean takes it, and whether it passes its
-// gradient: GMPO clips it to [-epsilon_low, epsilon_high] on the side its advantage makes
-// harmful (above for A > 0, below for A < 0; 0 for A = 0, NaN kept), and the clip passes
-// where the bound does not bind (objectives.gmpo_log_ratio). Every other objective
-// averages the log-ratio as it is.
+// gradient: as it is, unless the objective's response step is clipped_log_ratio_mean, whose
+// clip is the objective's formula (objectives.RESPONSE_FORMULAS), one branch each. GMPO
+// clips it to [-epsilon_low, epsilon_high] on the side its advantage makes harmful (above
+// for A > 0, below for A < 0; 0 for A = 0, NaN kept), and the clip passes where the bound
+// does not bind (objectives.gmpo_log_ratio).
 template <typename T>
 struct ResponseLogRatio {
   T value;
@@ -255,7 +260,9 @@ struct ResponseLogRatio {
 template <int64_t kObjective, typename T>
 HADW_ALWAYS_INLINE ResponseLogRatio<T> response_log_ratio(T log_ratio, T advantage,
                                                           const ObjectiveOptions<T>& options) {
-  if constexpr (kObjective == config::kObjectiveGmpo) {
+  if constexpr (kResponseStep<kObjective> != config::kResponseStepClippedLogRatioMean) {
+    return {log_ratio, true};
+  } else if constexpr (kObjective == config::kObjectiveGmpo) {
     const T below_high = log_ratio > options.log_ratio_high ? options.log_ratio_high : log_ratio;
     const T above_low = log_ratio < options.log_ratio_low ? options.log_ratio_low : log_ratio;
     const T value = advantage > 0 ? below_high : (advantage < 0 ? above_low : T(0) * log_ratio);
@@ -263,7 +270,33 @@ HADW_ALWAYS_INLINE ResponseLogRatio<T> response_log_ratio(T log_ratio, T advanta
                         (advantage < 0 && log_ratio >= options.log_ratio_low);
     return {value, passes};
   } else {
-    return {log_ratio, true};
+    static_assert(kObjective == config::kObjectiveGmpo,
+                  "an objective whose response step is clipped_log_ratio_mean: teach response_log_ratio its clip");
+  }
+}
+
+// VESPO's phi = w^k exp(lambda (1 - w)), log w the response's summed log-ratio clamped
+// (objectives.vespo_weight); 0 where it is not finite, as TRL's nan_to_num.
+inline double vespo_weight(double summed_log_ratio, double k, double lambda) {
+  const double log_weight = clamp_keep_nan(summed_log_ratio, config::kVespoLogWeightMin, config::kLogRatioClamp);
+  const double phi = std::exp(lambda + k * log_weight - lambda * std::exp(log_weight));
+  return std::isfinite(phi) ? phi : 0.0;
+}
+
+// The weights of a response whose objective's response step is log_ratio_sum, from the sum
+// of its tokens' clamped log-ratios, in double from the exact options: the objective's
+// formula (objectives.RESPONSE_FORMULAS), one branch each.
+template <int64_t kObjective, typename T>
+ResponseWeights<T> response_weights(double summed_log_ratio, const ObjectiveOptions<T>& options) {
+  if constexpr (kObjective == config::kObjectiveVespo) {
+    const double* option = options.exact;
+    return {static_cast<T>(vespo_weight(summed_log_ratio, option[config::kOptionVespoKPos],
+                                        option[config::kOptionVespoLambdaPos])),
+            static_cast<T>(vespo_weight(summed_log_ratio, option[config::kOptionVespoKNeg],
+                                        option[config::kOptionVespoLambdaNeg]))};
+  } else {
+    static_assert(kObjective == config::kObjectiveVespo,
+                  "an objective whose response step is log_ratio_sum: teach response_weights its weight");
   }
 }
 

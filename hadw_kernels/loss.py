@@ -91,7 +91,7 @@ def fused_hadw_grpo_loss(
         loss_type: a preset (``presets.LOSS_PRESETS``: TRL's loss types, "grpo" the
             default, and verl's policy losses; docs/options.md); each of its choices can
             be overridden below.
-        objective, ratio_level: the per-token loss (a row of ``objective_table.OBJECTIVES``) and
+        objective, ratio_level: the per-token loss (a row of ``objectives.table.OBJECTIVES``) and
             the ratio's form ("token", "sequence", "gspo_token"); docs/math.md, section 5.
         loss_agg_mode: verl's aggregation ("token-mean", "seq-mean-token-mean",
             "seq-mean-token-sum", "seq-mean-token-sum-norm") or "token-sum".
@@ -104,7 +104,7 @@ def fused_hadw_grpo_loss(
             beta 0: none), aggregated like the loss; estimators k1, k2, k3 (the default,
             verl's low_var_kl), abs.
         dual_clip, delta, ratio_cap, sapo_temperature_pos, ...: the objectives' own
-            options, each read by the objectives whose row of ``objective_table.OBJECTIVES``
+            options, each read by the objectives whose row of ``objectives.table.OBJECTIVES``
             names it (docs/options.md).
         importance_weights: detached rollout-engine correction, [B, T] or [B] (packed:
             [N] or [1, N], or [S]; a 1-D tensor of length S is per response),

@@ -87,7 +87,7 @@ def test_advantages_equal_the_rewards_path_on_whole_groups(loss_type, with_hadw)
 
 
 def whole_batch_count(mask, mode):
-    """What loss_normalizer stands for in each mode (aggregation_table.AGG_MODES)."""
+    """What loss_normalizer stands for in each mode (tables.aggregations.AGG_MODES)."""
     if mode == "token-mean":
         return float(mask.sum())
     if mode == "token-sum":

@@ -1,4 +1,4 @@
-"""aggregation_table.AGGREGATIONS is the one description of the aggregation modes: the reference
+"""tables.aggregations.AGGREGATIONS is the one description of the aggregation modes: the reference
 and every backend read it. A mode's weights come out of the reference and the Triton
 host code as the table says, and the C++ build carries the table it was compiled with."""
 
@@ -68,7 +68,7 @@ def test_a_new_row_reaches_every_backend(monkeypatch):
     """A mode appended to the table is read by the reference and the Triton host code,
     and changes the C++ header and fingerprint (a stale build is refused by the cpp
     backend's fingerprint check, cpp_backend.py)."""
-    rows = dict(AGGREGATIONS, **{"seq-sum-norm-mean": aggregation_table.Aggregation(
+    rows = dict(AGGREGATIONS, **{"seq-sum-norm-mean": tables.aggregations.Aggregation(
         count="responses", per_response_mean=True, times_max_length=True)})
     monkeypatch.setattr(aggregation_table, "AGGREGATIONS", rows)
     monkeypatch.setattr(aggregation_table, "AGG_MODES", tuple(rows))
@@ -89,4 +89,4 @@ def test_a_new_row_reaches_every_backend(monkeypatch):
 
 def test_an_unknown_count_is_refused():
     with pytest.raises(ValueError, match="aggregation counts one of"):
-        aggregation_table.Aggregation(count="tokens-squared")
+        tables.aggregations.Aggregation(count="tokens-squared")

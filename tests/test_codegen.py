@@ -1,6 +1,6 @@
 """Every derived file is what its generator writes (hadw_kernels/tools/codegen.py): LossConfig's
-option fields, option_types.py, docs/options.md's table of the objectives' options and
-the C++ headers of a build. On a change of the tables, run ``python -m
+option fields, option_types.py, docs/options.md's table of the objectives' options, the
+Triton kernels' codes and the C++ headers of a build. On a change of the tables, run ``python -m
 hadw_kernels.tools.codegen``."""
 
 import dataclasses
@@ -34,6 +34,7 @@ def _copy(tmp_path: Path) -> Path:
     ("docs/options.md", lambda text: text.replace("| `dual_clip` | `clip`: off |", "| `dual_clip` | `clip`: 2 |")),
     ("hadw_kernels/config/loss_config.py", lambda text: text.replace("    delta: float | None = None\n", "")),
     ("hadw_kernels/config/option_types.py", lambda text: text.replace("    beta: float | None\n", "")),
+    ("hadw_kernels/triton/codes.py", lambda text: text.replace("OBJECTIVE_CLIP: tl.constexpr = tl.constexpr(0)\n", "")),
 ])
 def test_an_edited_derived_file_is_stale_and_written_back(tmp_path, path, edit):
     root = _copy(tmp_path)

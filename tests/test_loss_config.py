@@ -169,7 +169,7 @@ FIELD_TYPES = {
     "rollout_correction": "a RolloutCorrection or None", "off_policy_mask_threshold": "a number or None",
     "top_entropy_quantile": "a number", "entropy_mask_dtype": "a string", "kl_bias_correction": "a bool",
     "kl_bias_ratio": "a string", "advantage_estimator": "a string",
-    # Every objective's own option (objective_table.OBJECTIVES): a number, or None for its default.
+    # Every objective's own option (objectives.table.OBJECTIVES): a number, or None for its default.
     **{name: "a number or None" for name in OBJECTIVE_OPTIONS},
 }
 
@@ -289,13 +289,10 @@ def _named_objective_comparisons(path) -> list[str]:
 
 
 # Where the package compares a value with an objective's name: objectives.py, whose
-# formulas are the objectives' own, and the two objectives that read whole responses
-# (GMPO's clipped log-ratios, VESPO's weight), which the reference forms by name
-# (docs/architecture.md, "Adding an objective").
+# formulas are the objectives' own (the objectives that read whole responses are found by
+# their rows' response step: docs/architecture.md, "Adding an objective").
 NAMED_OBJECTIVE_BRANCHES = {
     "objectives/formulas.py": ["objective == 'dppo_tv'"],
-    "formulas/token_terms.py": ["config.objective == 'gmpo'"],
-    "reference/surrogate.py": ["config.objective == 'vespo'"],
 }
 
 

@@ -1,4 +1,4 @@
-"""The objectives' table (objective_table.OBJECTIVES, objectives.py): every objective's declared
+"""The objectives' table (objectives.table.OBJECTIVES, objectives.py): every objective's declared
 derivative is autograd's of its value, at random points and at the edges (clip bounds,
 delta, the dual-clip bound, A = 0), so the kernels that transcribe the derivative
 transcribe the reference's gradient."""
@@ -162,3 +162,42 @@ def test_a_row_s_defaults_keep_its_bounds():
 
     with pytest.raises(ValueError, match="its default -1.0 is out of its bounds"):
         Objective(options=(Option("trial", -1.0, (POSITIVE,), "a trial option"),), gradient="ratio")
+
+
+def test_a_row_s_response_step_is_checked():
+    """A response step is one of RESPONSE_STEPS, on an objective without the token ratio
+    form (which reads no whole response) and, for log_ratio_sum, that selects no tokens
+    (both would be its one per-token weight)."""
+    from hadw_kernels.objective_table import Objective
+
+    with pytest.raises(ValueError, match="response step is one of"):
+        Objective(options=(), gradient="ratio", ratio_levels=("sequence",), response_step="log_ratio_mean")
+    with pytest.raises(ValueError, match="takes no token ratio form"):
+        Objective(options=(), gradient="ratio", response_step="clipped_log_ratio_mean")
+    with pytest.raises(ValueError, match="not both"):
+        Objective(options=(), gradient="detached_weight", ratio_levels=("sequence",), selects_tokens=True,
+                  response_step="log_ratio_sum")
+
+
+def test_every_response_step_has_its_formula():
+    assert set(objectives.RESPONSE_FORMULAS) == {name for name, objective in OBJECTIVES.items()
+                                                 if objective.response_step != "none"}
+
+
+def test_only_the_formula_files_name_an_objective_s_code():
+    """The kernels branch on the row's fields (its response step, its gradient route), and
+    on an objective's code only in their formula files, one branch per objective: a new
+    objective is its row and its formulas (docs/architecture.md, "Adding an objective")."""
+    import re
+    from pathlib import Path
+
+    from hadw_kernels.backends import cpp_constants
+
+    root = Path(__file__).resolve().parents[1]
+    code = re.compile(r"\b(?:OBJECTIVE_(?:{})|kObjective(?:{}))\b".format(
+        "|".join(name.upper() for name in OBJECTIVE_NAMES),
+        "|".join(cpp_constants._identifier(name) for name in OBJECTIVE_NAMES)))
+    sources = [*sorted((root / "hadw_kernels" / "triton").glob("*.py")), *sorted((root / "csrc").iterdir())]
+    naming = {str(path.relative_to(root)) for path in sources if code.search(path.read_text())}
+    # codes.py defines the codes (python -m hadw_kernels.codegen writes it).
+    assert naming == {"hadw_kernels/triton/codes.py", "hadw_kernels/triton/token_math.py", "csrc/token_math.h"}

@@ -34,7 +34,7 @@ OBJECTIVE_CASES = [(name, options) for name in OBJECTIVE_NAMES for options in OP
 
 
 def test_the_kernels_take_the_option_slots_of_the_table():
-    """objective_table.OPTION_SLOTS states how many option scalars the kernels take."""
+    """objectives.table.OPTION_SLOTS states how many option scalars the kernels take."""
     from hadw_kernels.objectives.table import OPTION_SLOTS
     from hadw_kernels.triton import linear_logprob as triton_linear
 
@@ -250,13 +250,13 @@ def test_the_gradient_route_splits_the_objectives_as_their_slopes_do():
 
 
 @triton.jit
-def _gmpo_kernel(log_ratio_ptr, advantage_ptr, clipped_ptr, passes_ptr, epsilon_low: tl.float64,
-                 epsilon_high: tl.float64, BLOCK: tl.constexpr):
+def _response_log_ratio_kernel(log_ratio_ptr, advantage_ptr, clipped_ptr, passes_ptr, epsilon_low: tl.float64,
+                               epsilon_high: tl.float64, OBJECTIVE: tl.constexpr, BLOCK: tl.constexpr):
     index = tl.arange(0, BLOCK)
     log_ratio = tl.load(log_ratio_ptr + index)
     advantage = tl.load(advantage_ptr + index)
-    tl.store(clipped_ptr + index, triton_token_math.gmpo_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high))
-    passes = triton_token_math.gmpo_passes(log_ratio, advantage, epsilon_low, epsilon_high)
+    clipped, passes = triton_token_math.response_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high, OBJECTIVE)
+    tl.store(clipped_ptr + index, clipped)
     tl.store(passes_ptr + index, passes.to(tl.float64))
 
 
@@ -271,7 +271,8 @@ def test_gmpo_clip_and_where_it_passes_the_gradient():
     log_ratio = torch.cat([log_ratio, torch.zeros(block - log_ratio.numel(), dtype=torch.float64)])
     advantage = torch.cat([advantage, torch.zeros(block - advantage.numel(), dtype=torch.float64)])
     clipped, passes = (torch.empty(block, dtype=torch.float64, device=DEVICE) for _ in range(2))
-    _gmpo_kernel[(1,)](log_ratio.to(DEVICE), advantage.to(DEVICE), clipped, passes, 0.2, 0.3, BLOCK=block)
+    _response_log_ratio_kernel[(1,)](log_ratio.to(DEVICE), advantage.to(DEVICE), clipped, passes, 0.2, 0.3,
+                                     OBJECTIVE=OBJECTIVE_NAMES.index("gmpo"), BLOCK=block)
     leaf = log_ratio.clone().requires_grad_()
     expected = objectives.gmpo_log_ratio(leaf, advantage, config)
     (gradient,) = torch.autograd.grad(expected.sum(), leaf)

@@ -51,6 +51,9 @@ def constants(load) -> dict:
         "objective_options": [list(objective.options) for objective in objectives.OBJECTIVES.values()],
         "objective_ratio_levels": [[int(level in objective.ratio_levels) for level in objectives.RATIO_LEVELS]
                                    for objective in objectives.OBJECTIVES.values()],
+        "response_steps": list(objectives.RESPONSE_STEPS),
+        "objective_response_steps": [objectives.RESPONSE_STEPS.index(objective.response_step)
+                                     for objective in objectives.OBJECTIVES.values()],
         "vespo_log_weight_min": float(objectives.VESPO_LOG_WEIGHT_MIN),
         "log_ratio_clamp": float(objectives.LOG_RATIO_CLAMP),
         "k3_log_ratio_clamp": float(config.K3_LOG_RATIO_CLAMP),
@@ -83,8 +86,9 @@ def header(load) -> str:
     codes("Kl", values["kl_estimators"])
     codes("Objective", values["objectives"])
     codes("RatioLevel", values["ratio_levels"])
+    codes("ResponseStep", values["response_steps"])
     codes("Denominator", values["aggregation_counts"])
-    lines.append("// Per aggregation mode (aggregation_table.AGGREGATIONS): {denominator (a kDenominator code), per-response mean, times L}.")
+    lines.append("// Per aggregation mode (tables.aggregations.AGGREGATIONS): {denominator (a kDenominator code), per-response mean, times L}.")
     lines.append("struct Aggregation {")
     lines.append("  int64_t denominator;")
     lines.append("  bool per_response_mean;")
@@ -94,12 +98,16 @@ def header(load) -> str:
                      for count, mean, length in values["aggregations"])
     lines.append(f"constexpr Aggregation kAggregations[kAggCount] = {{{rows}}};")
     lines.append("")
-    lines.append("// Per objective (objective_table.OBJECTIVES): whether it takes each ratio form (objective_table.RATIO_LEVELS).")
+    lines.append("// Per objective (objectives.table.OBJECTIVES): whether it takes each ratio form (objectives.table.RATIO_LEVELS).")
     rows = ", ".join("{" + ", ".join("true" if taken else "false" for taken in levels) + "}"
                      for levels in values["objective_ratio_levels"])
     lines.append(f"constexpr bool kObjectiveTakesRatioLevel[kObjectiveCount][kRatioLevelCount] = {{{rows}}};")
     lines.append("")
-    lines.append("// The objectives' option vectors (objective_table.OBJECTIVES, LossConfig.objective_options): each")
+    lines.append("// Per objective (objectives.table.OBJECTIVES): its response step (a kResponseStep code).")
+    steps = ", ".join(map(str, values["objective_response_steps"]))
+    lines.append(f"constexpr int64_t kObjectiveResponseStep[kObjectiveCount] = {{{steps}}};")
+    lines.append("")
+    lines.append("// The objectives' option vectors (objectives.table.OBJECTIVES, LossConfig.objective_options): each")
     lines.append("// objective's length, the longest, and each option's index in its objectives' vectors.")
     counts = [len(options) for options in values["objective_options"]]
     lines.append(f"constexpr int64_t kObjectiveOptionCounts[kObjectiveCount] = {{{', '.join(map(str, counts))}}};")

@@ -12,7 +12,7 @@ from ..tables.corrections import RolloutCorrection
 class LossOptions(TypedDict, total=False):
     """The loss's options as keywords of the two losses (their ``**options``):
     ``loss_type`` (default "grpo") and the fields of ``LossConfig``, objective options
-    included (``objective_table.OBJECTIVES``). Left out or None: the preset's value, or
+    included (``objectives.table.OBJECTIVES``). Left out or None: the preset's value, or
     LossConfig's default; ``entropy_coef`` is the linear loss's only."""
 
     loss_type: str | None

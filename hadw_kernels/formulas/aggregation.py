@@ -1,5 +1,5 @@
 """The aggregation of per-token values into the loss, by ``config.loss_agg_mode``'s row of
-:data:`aggregation_table.AGGREGATIONS` (docs/math.md, section 5b): the weight w_i of each response's
+:data:`tables.aggregations.AGGREGATIONS` (docs/math.md, section 5b): the weight w_i of each response's
 valid tokens. The reference, the linear loss's bias-corrected KL and the kernels' callers
 (which hand w to the kernels) all take it from here."""
 
@@ -21,7 +21,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, layout: TokenLayout, con
 
 def agg_weights(mask: torch.Tensor, layout: TokenLayout, config: LossConfig) -> torch.Tensor:
     """w_i [S]: the weight of each valid token of response i, by the mode's row of
-    :data:`aggregation_table.AGGREGATIONS`. Float64, for the kernels that take it. The constant L of
+    :data:`tables.aggregations.AGGREGATIONS`. Float64, for the kernels that take it. The constant L of
     ``times_max_length`` is ``config.max_response_length``, which the losses resolve
     (the mask width of a padded batch by default)."""
     rule = AGGREGATIONS[config.loss_agg_mode]

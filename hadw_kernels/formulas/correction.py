@@ -7,7 +7,7 @@ rollout and current log-probs, the tokens' entropies), never [N, V]. :func:`corr
 turns them into one detached weight per token and the tokens left in the loss; every
 backend then applies them as it applies a caller's ``importance_weights`` and mask, inside
 its kernels, so each rule composes with every objective, aggregation and with HA-DW. A
-rule is a row of correction_table.py's tables (CORRECTION_RULES, REJECTION_STATISTICS,
+rule is a row of tables/corrections.py's tables (CORRECTION_RULES, REJECTION_STATISTICS,
 REJECTION_REDUCTIONS) and its formula a row of this module's (:data:`WEIGHT_RULES`,
 :data:`STATISTICS`).
 
@@ -49,14 +49,14 @@ def _mask_outside(weight, lower, upper):
     return weight.masked_fill(outside, 0.0)
 
 
-# How the bounds [lower, upper] act on a raw weight w (correction_table.CORRECTION_RULES); a token
+# How the bounds [lower, upper] act on a raw weight w (tables.corrections.CORRECTION_RULES); a token
 # whose weight the rule changed counts as corrected.
 WEIGHT_RULES: dict[str, Callable] = {
     "truncate": _truncate,  # TRL's *_truncate, verl's TIS: w clamped into the bounds
     "mask": _mask_outside,  # TRL's *_mask, verl's IcePop: w = 0 outside them (the token stays counted)
 }
 
-# Each rejection statistic (correction_table.REJECTION_STATISTICS) of a token's log ratio
+# Each rejection statistic (tables.corrections.REJECTION_STATISTICS) of a token's log ratio
 # x = log(pi_old / pi_rollout), verl's names.
 STATISTICS: dict[str, Callable] = {
     "k1": lambda x: -x,
@@ -65,7 +65,7 @@ STATISTICS: dict[str, Callable] = {
 }
 
 assert set(WEIGHT_RULES) == set(CORRECTION_RULES) and set(STATISTICS) == set(REJECTION_STATISTICS), (
-    "every rule and statistic of correction_table.py has its formula here"
+    "every rule and statistic of tables/corrections.py has its formula here"
 )
 
 

@@ -1,5 +1,5 @@
 """Per-token quantities of the surrogate in plain PyTorch, through autograd: the ratio in
-each ratio form (objective_table.RATIO_LEVELS), the KL estimate (config.KL_ESTIMATORS) and a masked
+each ratio form (objectives.table.RATIO_LEVELS), the KL estimate (config.KL_ESTIMATORS) and a masked
 mean. The reference (reference/surrogate.py) builds the loss from them; the losses'
 Python-side terms (the bias-corrected KL) use them beside the backends' ops."""
 
@@ -9,8 +9,8 @@ import torch
 
 from ..batch.token_layout import TokenLayout
 from ..config.loss_config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LossConfig
-from ..objectives.formulas import gmpo_log_ratio
-from ..objectives.table import LOG_RATIO_CLAMP
+from ..objectives.formulas import RESPONSE_FORMULAS
+from ..objectives.table import LOG_RATIO_CLAMP, OBJECTIVES
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -43,15 +43,17 @@ def own_token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: to
 def token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, advantage: torch.Tensor,
                 layout: TokenLayout, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rho [N] with its gradient, the ratio the metrics count, the mask they count it
-    over) in ``config.ratio_level``'s form (objective_table.RATIO_LEVELS); GMPO's log-ratios are
-    clipped first (objectives.gmpo_log_ratio). Every log-ratio entering exp is clamped to
+    over) in ``config.ratio_level``'s form (objectives.table.RATIO_LEVELS); an objective whose
+    response step is clipped_log_ratio_mean (GMPO) clips the log-ratios first, by its
+    formula (objectives.RESPONSE_FORMULAS). Every log-ratio entering exp is clamped to
     +-LOG_RATIO_CLAMP."""
-    if config.ratio_level == "token":  # (GMPO's ratio is per response only)
+    if config.ratio_level == "token":  # (no objective with a response step takes it)
         ratio = own_token_ratio(logprobs, old_logprobs, mask)
         return ratio, ratio.detach(), mask
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    if config.objective == "gmpo":
-        log_ratio = torch.where(mask, gmpo_log_ratio(log_ratio, advantage, config), torch.zeros_like(log_ratio))
+    if OBJECTIVES[config.objective].response_step == "clipped_log_ratio_mean":
+        clipped = RESPONSE_FORMULAS[config.objective](log_ratio, advantage, config)
+        log_ratio = torch.where(mask, clipped, torch.zeros_like(log_ratio))
     lengths = layout.segment_sum(mask)
     sequence_log_ratio = layout.segment_sum(log_ratio) / lengths.clamp(min=1)
     metric_ratio = torch.exp(sequence_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))

@@ -1,4 +1,4 @@
-"""The policy objectives of ``objective_table.OBJECTIVES`` (docs/math.md, section 5): each a
+"""The policy objectives of ``objectives.table.OBJECTIVES`` (docs/math.md, section 5): each a
 per-token loss to minimise, written once here as a function of the token's ratio rho,
 its advantage A and its log-prob l, with its derivative.
 
@@ -8,8 +8,9 @@ transcribe (one branch per objective); tests/test_objectives.py holds every slop
 autograd's at random points and at the edges (ties, clip bounds). Quantities taken
 through a stop-gradient (CISPO's clipped ratio, VESPO's weight) enter as constants.
 
-VESPO's weight and GMPO's ratio need the whole response first: :func:`gmpo_log_ratio` and
-:func:`vespo_weight` are those per-response steps.
+VESPO's weight and GMPO's ratio need the whole response first: their rows' response step
+(``objectives.table.RESPONSE_STEPS``) says which, and :data:`RESPONSE_FORMULAS` holds each
+one's formula of it (:func:`gmpo_log_ratio`, :func:`vespo_weight`).
 """
 
 from __future__ import annotations
@@ -255,13 +256,19 @@ def vespo_weight(summed_log_ratio, advantage, config: LossConfig):
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+# Each objective's formula of its response step (objectives.table.RESPONSE_STEPS), as
+# f(log-ratio, A, config): for clipped_log_ratio_mean a token's log-ratio as its response's
+# mean takes it; for log_ratio_sum the token's weight from its response's summed log-ratio.
+RESPONSE_FORMULAS = {"gmpo": gmpo_log_ratio, "vespo": vespo_weight}
+
+
 def ppo_terms(ratio, advantage, epsilon_low: float, epsilon_high: float):
     """PPO's two loss terms (verl's pg_losses1 and pg_losses2): -A rho, -A clip(rho)."""
     return -advantage * ratio, -advantage * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
 
 
 # --- the batch statistics that select tokens ------------------------------------------------
-# An objective with selects_tokens (objective_table.OBJECTIVES) reads the whole call first: its
+# An objective with selects_tokens (objectives.table.OBJECTIVES) reads the whole call first: its
 # selection [N] (bool) reaches every backend's kernels as each token's weight s (1: selected).
 # Both read counts on the host, as verl's functions do: the number of tokens to select, and
 # clip_cov the number of candidates its random draw permutes (docs/architecture.md).
@@ -316,4 +323,5 @@ SELECTIONS = {"clip_cov": clip_cov_selection, "kl_cov": kl_cov_selection}
 assert set(SELECTIONS) == {name for name, objective in OBJECTIVES.items() if objective.selects_tokens}
 
 assert set(VALUES) == set(SLOPES), "every objective declares its value and its derivative"
+assert set(RESPONSE_FORMULAS) == {name for name, objective in OBJECTIVES.items() if objective.response_step != "none"}
 assert math.isfinite(VESPO_LOG_WEIGHT_MIN)

@@ -2,8 +2,10 @@
 every backend, ``LossConfig`` (its option fields and their checks), ``LossOptions`` and
 the options table of docs/options.md read them from here. The formulas are
 ``objectives.py``'s (docs/math.md, section 5); the kernels branch on the codes generated
-from this table (``kObjective<Name>``, ``kOption<Name>`` in the C++ header that setup.py
-generates; ``OBJECTIVE_<NAME>``, ``OPTION_<NAME>`` in ``triton/token_math.py``).
+from this table (``kObjective<Name>``, ``kOption<Name>``, ``kResponseStep<Name>`` in the C++
+header that setup.py generates; ``OBJECTIVE_<NAME>``, ``OPTION_<NAME>``,
+``RESPONSE_STEP_<NAME>`` in ``triton/codes.py``, which ``python -m hadw_kernels.codegen``
+writes).
 """
 
 from __future__ import annotations
@@ -27,6 +29,21 @@ RATIO_LEVELS = ("token", "sequence", "gspo_token")
 LOG_RATIO_CLAMP = 20.0
 # VESPO's summed log-ratio is clamped to [log 1e-8, LOG_RATIO_CLAMP] (TRL's bounds).
 VESPO_LOG_WEIGHT_MIN = math.log(1e-8)
+
+# What an objective reads of its whole response before its per-token formula (docs/math.md,
+# section 5). The kernels branch on the step's code; the objective's own formula of the
+# step is its entry of objectives.RESPONSE_FORMULAS:
+#   none                    nothing (in a sequence form, s_i = exp(mean log-ratio))
+#   clipped_log_ratio_mean  s_i = exp(mean of the tokens' log-ratios, each first through
+#                           the objective's clip by its advantage); the sequence form's share
+#                           through s_i reaches a token where its clip passes the gradient
+#                           (GMPO)
+#   log_ratio_sum           a stop-gradient weight per token: the objective's formula of the
+#                           response's sum of log-ratios (each clamped to +-LOG_RATIO_CLAMP),
+#                           one value for the tokens with A >= 0 and one for A < 0 (VESPO's
+#                           phi); s_i as for none
+# The token ratio form reads no whole response: an objective with a step does not take it.
+RESPONSE_STEPS = ("none", "clipped_log_ratio_mean", "log_ratio_sum")
 
 # How an objective's gradient reaches a token's log-prob (objectives.SLOPES gives it):
 # "ratio": through its ratio alone (d loss / d logp = 0; in a sequence ratio form the
@@ -87,13 +104,17 @@ class Objective:
     ``gradient``: how its gradient reaches the log-prob (GRADIENT_ROUTES); the kernels
     branch on it.
     ``selects_tokens``: whether it reads a batch statistic that selects tokens before the
-    kernels run (``objectives.SELECTIONS``; the kernels receive the selection per token)."""
+    kernels run (``objectives.SELECTIONS``; the kernels receive the selection per token).
+    ``response_step``: what it reads of its whole response before its per-token formula
+    (:data:`RESPONSE_STEPS`; its formula ``objectives.RESPONSE_FORMULAS``); the kernels
+    branch on it."""
 
     options: dict[str, Option]
     gradient: str
     ratio_levels: tuple[str, ...] = RATIO_LEVELS
     selects_tokens: bool = False
     increasing: tuple[tuple[str, str], ...] = ()
+    response_step: str = "none"
 
     if TYPE_CHECKING:
         # The generated __init__ as it is called: ``options`` given as a tuple of rows (or
@@ -111,9 +132,16 @@ class Objective:
             raise ValueError(f"an objective declares an option twice: {names}")
         if len(rows) > OPTION_SLOTS:
             raise ValueError(f"an objective takes at most {OPTION_SLOTS} options (the Triton kernels' option "
-                             f"slots, objective_table.OPTION_SLOTS), got {len(rows)}: {names}")
+                             f"slots, objectives.table.OPTION_SLOTS), got {len(rows)}: {names}")
         if self.gradient not in GRADIENT_ROUTES:
             raise ValueError(f"an objective's gradient is one of {GRADIENT_ROUTES}, got {self.gradient!r}")
+        if self.response_step not in RESPONSE_STEPS:
+            raise ValueError(f"an objective's response step is one of {RESPONSE_STEPS}, got {self.response_step!r}")
+        if self.response_step != "none" and "token" in self.ratio_levels:
+            raise ValueError(f"an objective with response step {self.response_step!r} takes no token ratio form: "
+                             "the token form reads no whole response")
+        if self.response_step == "log_ratio_sum" and self.selects_tokens:
+            raise ValueError("an objective's per-token weight is its response step's or its selection, not both")
         for option in rows:
             if option.default is not None and not all(bounds.hold(option.default) for bounds in option.bounds):
                 raise ValueError(f"option {option.name!r}: its default {option.default!r} is out of its bounds")
@@ -159,7 +187,8 @@ OBJECTIVES = {
     ), gradient="ratio"),
     # GMPO (verl's geo_mean): -A exp(mean over the response of l - lo clipped in log space
     # to [-eps_low, eps_high] on the side A's sign makes harmful).
-    "gmpo": Objective(options=(), gradient="ratio", ratio_levels=("sequence",)),
+    "gmpo": Objective(options=(), gradient="ratio", ratio_levels=("sequence",),
+                      response_step="clipped_log_ratio_mean"),
     # VESPO (TRL): -sg[phi] A l, phi = w^k exp(lam (1 - w)), w the response's summed ratio,
     # (k, lam) by the sign of A.
     "vespo": Objective(options=(
@@ -167,7 +196,7 @@ OBJECTIVES = {
         Option("vespo_lambda_pos", 3.0, (POSITIVE,), "VESPO's gamma rate lambda for A >= 0"),
         Option("vespo_k_neg", 3.0, (NON_NEGATIVE,), "VESPO's gamma shape k for A < 0"),
         Option("vespo_lambda_neg", 2.0, (POSITIVE,), "VESPO's gamma rate lambda for A < 0"),
-    ), gradient="detached_weight", ratio_levels=("sequence",)),
+    ), gradient="detached_weight", ratio_levels=("sequence",), response_step="log_ratio_sum"),
     # GPG (verl): -A l, no ratio.
     "gpg": Objective(options=(), gradient="log_prob", ratio_levels=("token",)),
     # DPPO (verl's dppo_tv, dppo_kl): -sg[min(rho, ratio_cap)] A l on the tokens whose

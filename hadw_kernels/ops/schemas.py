@@ -4,7 +4,7 @@
                                      (cu_seqlens, hadw_kernels/batch/token_layout.py): loss, its
                                      gradient (formed in the forward), metrics, and the
                                      gradient's factor ``grad_scale``: under token-mean
-                                     without a normaliser (aggregation_table.counts_batch_tokens)
+                                     without a normaliser (tables.aggregations.counts_batch_tokens)
                                      a 0-d 1 / N_tok that the gradients leave out, the
                                      batch's count being formed in the launch that writes
                                      them; otherwise empty [0] (the gradients are whole)

@@ -3,7 +3,7 @@
 ``backends/cpp_declarations.py``) both come from here. Plain strings, no torch: setup.py
 reads this file before the package is importable."""
 
-# The per-token objective (objective_table.OBJECTIVES, as LossConfig.token_options gives it: its
+# The per-token objective (objectives.table.OBJECTIVES, as LossConfig.token_options gives it: its
 # code, the clip range and its option vector) and the KL and entropy terms.
 _PER_TOKEN_OPTIONS = (
     "int objective, float epsilon_low, float epsilon_high, float[] objective_options, float beta, int kl_estimator, "

@@ -16,7 +16,7 @@ from ..advantage.group import call_advantages, group_metrics
 from ..batch.inputs import SurrogateBatch
 from ..formulas.aggregation import aggregate
 from ..formulas.token_terms import kl_estimate, masked_mean, token_ratio
-from ..objectives.formulas import VALUES, vespo_weight
+from ..objectives.formulas import RESPONSE_FORMULAS, VALUES
 from ..objectives.table import LOG_RATIO_CLAMP, OBJECTIVES
 from ..tables.metrics import ordered_metrics
 from ..tables.precision import accumulate_dtype
@@ -52,14 +52,16 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
     token_advantage = torch.where(mask, token_advantage, torch.zeros_like(token_advantage))
 
     ratio, metric_ratio, ratio_mask = token_ratio(logprobs, old_logprobs, mask, token_advantage, layout, config)
-    # The objective's per-token weight: VESPO's phi, or the batch statistic's selection.
+    # The objective's per-token weight: its response step's (VESPO's phi), or the batch
+    # statistic's selection.
+    objective = OBJECTIVES[config.objective]
     weight = None
-    if OBJECTIVES[config.objective].selects_tokens:
+    if objective.selects_tokens:
         weight = torch.zeros_like(logprobs) if selected is None else (selected & mask).to(logprobs.dtype)
-    if config.objective == "vespo":
+    if objective.response_step == "log_ratio_sum":
         summed = layout.segment_sum(torch.where(mask, (logprobs - old_logprobs).detach(), torch.zeros_like(logprobs))
                                     .clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        weight = vespo_weight(layout.expand(summed), token_advantage, config)
+        weight = RESPONSE_FORMULAS[config.objective](layout.expand(summed), token_advantage, config)
     own_logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
     own_old_logprobs = torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs))
     per_token = VALUES[config.objective](ratio, token_advantage, own_logprobs, own_old_logprobs, weight, config)

@@ -9,11 +9,11 @@ A = A_hat * Phi (each member of a group forms the group's figures again from its
 a few loads, where a launch of its own cost a kernel launch); its valid-token count T_i
 (counted first where seq-mean-token-mean divides by it); then each token's contribution to
 the loss, d loss / d logprobs and d loss / d entropy, and the response's metric partial sums.
-A sequence ratio form first reads the response for its mean log-ratio (and VESPO's summed
-one), and the "sequence" form then once more for the sum of its tokens' slopes through the
-shared ratio. The program that arrives last (an atomic count of arrivals) sums every
-response's partials in a fixed order, in float64, into the loss and the metrics: as
-deterministic as a launch of its own, without one.
+A sequence ratio form first reads the response for its mean log-ratio (and, by the
+objective's response step, its summed one), and the "sequence" form then once more for the
+sum of its tokens' slopes through the shared ratio. The program that arrives last (an
+atomic count of arrivals) sums every response's partials in a fixed order, in float64,
+into the loss and the metrics: as deterministic as a launch of its own, without one.
 
 The one figure no program has before its tokens is token-mean's count of the batch's valid
 tokens: the gradient is written without its 1 / N_tok, which the last program forms and
@@ -43,34 +43,28 @@ import torch
 import triton
 import triton.language as tl
 
-from ..objectives.table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS
+from ..objectives.table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS, RESPONSE_STEPS
 from ..tables.aggregations import AGG_MODES, AGGREGATIONS, counts_batch_tokens
 from ..tables.metrics import METRIC_NAMES
 from ..tables.precision import accumulate_dtype
+from .codes import RESPONSE_STEP_CLIPPED_LOG_RATIO_MEAN, RESPONSE_STEP_LOG_RATIO_SUM
 from .launch import bound_kernel
 from .token_math import (
     LOG_RATIO_LIMIT,
-    OBJECTIVE_GMPO,
-    OBJECTIVE_VESPO,
-    OPTION_VESPO_K_NEG,
-    OPTION_VESPO_K_POS,
-    OPTION_VESPO_LAMBDA_NEG,
-    OPTION_VESPO_LAMBDA_POS,
     SEQUENCE_RATIO,
     TOKEN_RATIO,
     aggregation_weight,
     clamp,
     exp_minus_one_minus_x,
-    gmpo_log_ratio,
-    gmpo_passes,
     kl_term,
     objective_option_values,
     objective_terms,
     option_slots,
     policy_term,
+    response_log_ratio,
+    response_weights,
     sign,
     token_ratio,
-    vespo_weight,
 )
 
 __all__ = ["surrogate_forward"]
@@ -226,6 +220,7 @@ def _surrogate_kernel(
     option_0: tl.float64, option_1: tl.float64, option_2: tl.float64, option_3: tl.float64,
     beta: tl.float64, entropy_coef: tl.float64,
     OBJECTIVE: tl.constexpr,
+    RESPONSE_STEP: tl.constexpr,
     RATIO_LEVEL: tl.constexpr,
     THROUGH_RATIO: tl.constexpr,
     HAS_GROUPS: tl.constexpr,
@@ -248,15 +243,17 @@ def _surrogate_kernel(
     metrics. The token form is local to each token. The sequence forms first read the
     response for s_i; gspo_token then gives each token the token form's gradient with
     rho = s_i, while the "sequence" form passes each token s_i / T_i times the sum over
-    the response of w_i iw_t' d l / d rho (GMPO: where the token's clip passes), read in
-    a second pass before any gradient is written."""
+    the response of w_i iw_t' d l / d rho (where the token's clip passes, under the
+    response step clipped_log_ratio_mean), read in a second pass before any gradient is
+    written. RESPONSE_STEP is the objective's (objectives.table.RESPONSE_STEPS)."""
     row = tl.program_id(0).to(tl.int64)
     first = tl.load(offsets_ptr + row)
     end = tl.load(offsets_ptr + row + 1)
     compute = grad_logprobs_ptr.dtype.element_ty
     ratio_low = tl.full([], 1.0 - epsilon_low, compute)
     ratio_high = tl.full([], 1.0 + epsilon_high, compute)
-    # The clip range as it is: GMPO's is in log space, DPPO's a bound on the divergence.
+    # The clip range as it is: a clipped_log_ratio_mean step's is in log space, DPPO's a
+    # bound on the divergence.
     log_range_low = tl.full([], epsilon_low, compute)
     log_range_high = tl.full([], epsilon_high, compute)
     options = objective_option_values(option_0, option_1, option_2, option_3, compute)
@@ -291,10 +288,11 @@ def _surrogate_kernel(
         length = tl.zeros([], tl.int32)
 
     approx_kl = zeros
-    weight = zeros  # VESPO's phi per token, or the objective's selection
+    weight = zeros  # the response step's weight per token (VESPO's phi), or the selection
     if RATIO_LEVEL != TOKEN_RATIO:
-        # s_i = exp(mean log-ratio; GMPO's clipped on the harmful side first), and VESPO's
-        # sum of the tokens' clamped log-ratios.
+        # s_i = exp(mean log-ratio, each through the objective's clip first under
+        # clipped_log_ratio_mean), and under log_ratio_sum the sum of the tokens' clamped
+        # log-ratios.
         log_ratio_sum = zeros
         clamped_sum = zeros
         count = tl.zeros([BLOCK_T], dtype=tl.int32)
@@ -307,22 +305,22 @@ def _surrogate_kernel(
             log_ratio = logprobs - old
             clamped = clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
             approx_kl += tl.where(valid, exp_minus_one_minus_x(clamped), 0.0)
-            if OBJECTIVE == OBJECTIVE_GMPO:
+            if RESPONSE_STEP == RESPONSE_STEP_CLIPPED_LOG_RATIO_MEAN:
                 advantage = _token_advantages(advantage_ptr, stride_advantage, response_advantage, tokens, valid, zeros,
                                               PER_TOKEN_ADVANTAGES)
-                clipped_log_ratio = gmpo_log_ratio(log_ratio, advantage, log_range_low, log_range_high)
+                clipped_log_ratio, _ = response_log_ratio(log_ratio, advantage, log_range_low, log_range_high,
+                                                          OBJECTIVE)
                 log_ratio_sum += tl.where(valid, clipped_log_ratio, 0.0)
             else:
                 log_ratio_sum += tl.where(valid, log_ratio, 0.0)
-            if OBJECTIVE == OBJECTIVE_VESPO:
+            if RESPONSE_STEP == RESPONSE_STEP_LOG_RATIO_SUM:
                 clamped_sum += tl.where(valid, clamped, 0.0)
         length = tl.sum(count, axis=0)
         length_count = tl.maximum(length, 1).to(compute)
         ratio, ratio_passes = token_ratio(zeros + tl.sum(log_ratio_sum, axis=0) / length_count)
-        if OBJECTIVE == OBJECTIVE_VESPO:
-            summed_log_ratio = zeros + tl.sum(clamped_sum, axis=0)
-            weight_pos = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_POS], options[OPTION_VESPO_LAMBDA_POS])
-            weight_neg = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_NEG], options[OPTION_VESPO_LAMBDA_NEG])
+        if RESPONSE_STEP == RESPONSE_STEP_LOG_RATIO_SUM:
+            weight_nonnegative, weight_negative = response_weights(zeros + tl.sum(clamped_sum, axis=0), options,
+                                                                   OBJECTIVE)
         if RATIO_LEVEL == SEQUENCE_RATIO and THROUGH_RATIO:
             slope_sum = zeros
             for start in range(first, end, BLOCK_T):
@@ -330,7 +328,10 @@ def _surrogate_kernel(
                 valid = tl.load(mask_ptr + tokens * stride_mask, mask=tokens < end, other=0) != 0
                 advantage = _token_advantages(advantage_ptr, stride_advantage, response_advantage, tokens, valid, zeros,
                                               PER_TOKEN_ADVANTAGES)
-                _, d_ratio, _ = objective_terms(ratio, advantage, zeros, zeros, weight, ratio_low, ratio_high,
+                slope_weight = weight
+                if RESPONSE_STEP == RESPONSE_STEP_LOG_RATIO_SUM:
+                    slope_weight = tl.where(advantage >= 0, weight_nonnegative, weight_negative)
+                _, d_ratio, _ = objective_terms(ratio, advantage, zeros, zeros, slope_weight, ratio_low, ratio_high,
                                                 log_range_low, log_range_high, options, OBJECTIVE)
                 if HAS_IMPORTANCE:
                     d_ratio *= tl.load(importance_ptr + tokens * stride_importance, mask=valid, other=0.0).to(compute)
@@ -358,13 +359,15 @@ def _surrogate_kernel(
         if RATIO_LEVEL != TOKEN_RATIO:
             advantage_sum += advantage  # the sign of the response's, for its clip fractions
         # The log-probs are read (again) where this token's terms need them: its own ratio,
-        # the KL, an objective that weighs the log-prob, GMPO's clip of its log-ratio.
-        if RATIO_LEVEL == TOKEN_RATIO or HAS_KL or not THROUGH_RATIO or OBJECTIVE == OBJECTIVE_GMPO:
+        # the KL, an objective that weighs the log-prob, the clip of its log-ratio under
+        # clipped_log_ratio_mean.
+        if (RATIO_LEVEL == TOKEN_RATIO or HAS_KL or not THROUGH_RATIO
+                or RESPONSE_STEP == RESPONSE_STEP_CLIPPED_LOG_RATIO_MEAN):
             logprobs = tl.load(logprobs_ptr + tokens * stride_logprobs, mask=valid, other=0.0).to(compute)
         else:
             logprobs = zeros
         old = logprobs  # read below where a term needs it: every objective that does takes token ratios
-        if RATIO_LEVEL == TOKEN_RATIO or OBJECTIVE == OBJECTIVE_GMPO:
+        if RATIO_LEVEL == TOKEN_RATIO or RESPONSE_STEP == RESPONSE_STEP_CLIPPED_LOG_RATIO_MEAN:
             old = tl.load(old_ptr + tokens * stride_old, mask=valid, other=0.0).to(compute)
             log_ratio = logprobs - old
         if RATIO_LEVEL == TOKEN_RATIO:
@@ -374,8 +377,8 @@ def _surrogate_kernel(
             clip_low += (valid & (ratio < ratio_low) & (advantage < 0)).to(compute)
             clip_high += (valid & (ratio > ratio_high) & (advantage > 0)).to(compute)
             ratio_sum += tl.where(valid, ratio, 0.0)
-        if OBJECTIVE == OBJECTIVE_VESPO:
-            weight = tl.where(advantage >= 0, weight_pos, weight_neg)
+        if RESPONSE_STEP == RESPONSE_STEP_LOG_RATIO_SUM:
+            weight = tl.where(advantage >= 0, weight_nonnegative, weight_negative)
         if HAS_SELECTED:
             weight = (tl.load(selected_ptr + tokens * stride_selected, mask=valid, other=0) != 0).to(compute)
         if RATIO_LEVEL == SEQUENCE_RATIO:
@@ -390,8 +393,9 @@ def _surrogate_kernel(
             objective *= token_importance
             grad *= token_importance
         if RATIO_LEVEL == SEQUENCE_RATIO and THROUGH_RATIO:
-            if OBJECTIVE == OBJECTIVE_GMPO:
-                grad += tl.where(gmpo_passes(log_ratio, advantage, log_range_low, log_range_high), ratio_share, 0.0)
+            if RESPONSE_STEP == RESPONSE_STEP_CLIPPED_LOG_RATIO_MEAN:
+                _, passes = response_log_ratio(log_ratio, advantage, log_range_low, log_range_high, OBJECTIVE)
+                grad += tl.where(passes, ratio_share, 0.0)
             else:
                 grad += ratio_share
         if HAS_KL:
@@ -482,7 +486,7 @@ def aggregation(
     loss_agg_mode: int, loss_normalizer: float | None, max_response_length: int | None, segments: int
 ) -> tuple[float, bool, bool]:
     """(denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of ``aggregation_weight`` for an
-    aggregation mode, from its row of aggregation_table.AGGREGATIONS (aggregation.agg_weights).
+    aggregation mode, from its row of tables.aggregations.AGGREGATIONS (aggregation.agg_weights).
     COUNT_TOKENS: the denominator is the batch's valid tokens, counted on the device and
     applied through ``grad_scale``. The constant L of ``times_max_length`` arrives
     resolved (the losses default it to a padded batch's width)."""
@@ -531,7 +535,8 @@ class _OptionSet:
             group_size=group_size or 1, std_eps=float(std_eps), lambda_scale=float(lambda_scale),
             **objective_arguments(objective, epsilon_low, epsilon_high, objective_options),
             beta=float(beta), entropy_coef=float(entropy_coef),
-            RATIO_LEVEL=ratio_level, THROUGH_RATIO=OBJECTIVES[name].through_ratio, NORMALIZE_STD=normalize_std,
+            RESPONSE_STEP=RESPONSE_STEPS.index(OBJECTIVES[name].response_step), RATIO_LEVEL=ratio_level,
+            THROUGH_RATIO=OBJECTIVES[name].through_ratio, NORMALIZE_STD=normalize_std,
             BLOCK_G=triton.next_power_of_2(group_size or 1), HAS_KL=self.has_kl, KL_ESTIMATOR=kl_estimator,
         )
         # (denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of a call of S segments.

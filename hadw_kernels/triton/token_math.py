@@ -3,9 +3,11 @@
 (``linear_logprob.py``), as ``csrc/token_math.h`` is by the C++ ones.
 
 ``objective_terms`` transcribes objectives.py's values and derivatives, one branch per
-objective (its code in objective_table.OBJECTIVE_NAMES); ``policy_term`` adds the ratio's chain
-rule, ``kl_term`` the KL estimators, ``aggregation_weight`` a token's weight by the
-aggregation mode. All arithmetic is in the compute dtype of the caller's tensors.
+objective (its code in objectives.table.OBJECTIVE_NAMES); ``response_log_ratio`` and
+``response_weights`` its formula of its response step (objectives.RESPONSE_FORMULAS), one
+branch per objective that has one; ``policy_term`` adds the ratio's chain rule,
+``kl_term`` the KL estimators, ``aggregation_weight`` a token's weight by the aggregation
+mode. All arithmetic is in the compute dtype of the caller's tensors.
 """
 
 from __future__ import annotations
@@ -16,33 +18,45 @@ import triton
 import triton.language as tl
 
 from ..config.loss_config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, KL_ESTIMATORS
-from ..objectives.table import (
-    LOG_RATIO_CLAMP,
-    OBJECTIVE_NAMES,
-    OPTION_INDEX,
-    OPTION_SLOTS,
-    RATIO_LEVELS,
-    VESPO_LOG_WEIGHT_MIN,
+from ..objectives.table import LOG_RATIO_CLAMP, OPTION_SLOTS, RATIO_LEVELS, VESPO_LOG_WEIGHT_MIN
+from .codes import (
+    OBJECTIVE_CISPO_CAP,
+    OBJECTIVE_CISPO_CLIP,
+    OBJECTIVE_CLIP,
+    OBJECTIVE_CLIP_COV,
+    OBJECTIVE_DPPO_KL,
+    OBJECTIVE_DPPO_TV,
+    OBJECTIVE_DRO,
+    OBJECTIVE_GMPO,
+    OBJECTIVE_GPG,
+    OBJECTIVE_KL_COV,
+    OBJECTIVE_SAPO,
+    OBJECTIVE_VESPO,
+    OPTION_DELTA,
+    OPTION_DRO_BETA,
+    OPTION_DUAL_CLIP,
+    OPTION_PPO_KL_COEF,
+    OPTION_RATIO_CAP,
+    OPTION_SAPO_TEMPERATURE_NEG,
+    OPTION_SAPO_TEMPERATURE_POS,
+    OPTION_VESPO_K_NEG,
+    OPTION_VESPO_K_POS,
+    OPTION_VESPO_LAMBDA_NEG,
+    OPTION_VESPO_LAMBDA_POS,
 )
 
 _KL_K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
 _KL_K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
 _KL_K3 = tl.constexpr(KL_ESTIMATORS.index("k3"))
 
-# The ratio forms (objective_table.RATIO_LEVELS) by their codes.
+# The ratio forms (objectives.table.RATIO_LEVELS) by their codes.
 TOKEN_RATIO = tl.constexpr(RATIO_LEVELS.index("token"))
 SEQUENCE_RATIO = tl.constexpr(RATIO_LEVELS.index("sequence"))
 
-# Each objective option's index in the option vector, generated from the objective table
-# as OPTION_<NAME> (OPTION_DUAL_CLIP, OPTION_SAPO_TEMPERATURE_POS, ...): module-level
-# constexprs, the only globals a Triton function reads.
-globals().update({f"OPTION_{name.upper()}": tl.constexpr(index) for name, index in OPTION_INDEX.items()})
-# Each objective's code (its index in OBJECTIVE_NAMES), generated the same way as
-# OBJECTIVE_<NAME>: OBJECTIVE_CLIP, OBJECTIVE_GMPO, ...
-globals().update({f"OBJECTIVE_{name.upper()}": tl.constexpr(code) for code, name in enumerate(OBJECTIVE_NAMES)})
-# The kernels take the vector as OPTION_SLOTS fp64 scalars, option_0 ... option_3
-# (objective_table.OPTION_SLOTS says why; a row with more options is refused there), and
-# objective_option_values gathers them.
+# The objectives' codes and their options' indices in the option vector (OPTION_<NAME>)
+# are codes.py's. The kernels take the vector as OPTION_SLOTS fp64 scalars, option_0 ...
+# option_3 (objectives.table.OPTION_SLOTS says why; a row with more options is refused
+# there), and objective_option_values gathers them.
 
 LOG_RATIO_LIMIT = tl.constexpr(LOG_RATIO_CLAMP)
 _VESPO_LOG_WEIGHT_MIN = tl.constexpr(VESPO_LOG_WEIGHT_MIN)
@@ -255,19 +269,34 @@ def policy_term(ratio, ratio_passes, advantage, logprob, old_logprob, weight, ra
 
 
 @triton.jit
-def gmpo_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high):
-    """objectives.gmpo_log_ratio: the log-ratio clipped to [-eps_low, eps_high] on the side
-    A's sign makes harmful (above for A > 0, below for A < 0; 0 for A = 0)."""
-    direction = sign(advantage)
-    clipped = clamp(log_ratio, -epsilon_low, epsilon_high)
-    return direction * tl.minimum(direction * log_ratio, direction * clipped, propagate_nan=tl.PropagateNan.ALL)
+def response_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high, OBJECTIVE: tl.constexpr):
+    """(a token's log-ratio as its response's mean takes it, whether that passes the
+    log-ratio's gradient) of an objective whose response step is clipped_log_ratio_mean:
+    objectives.RESPONSE_FORMULAS, one branch per objective; the gradient passes as autograd
+    gives it for the reference, ties included."""
+    if OBJECTIVE == OBJECTIVE_GMPO:
+        # objectives.gmpo_log_ratio: clipped to [-eps_low, eps_high] on the side A's sign
+        # makes harmful (above for A > 0, below for A < 0; 0 for A = 0).
+        direction = sign(advantage)
+        clipped = clamp(log_ratio, -epsilon_low, epsilon_high)
+        value = direction * tl.minimum(direction * log_ratio, direction * clipped, propagate_nan=tl.PropagateNan.ALL)
+        passes = ((advantage > 0) & (log_ratio <= epsilon_high)) | ((advantage < 0) & (log_ratio >= -epsilon_low))
+    else:
+        tl.static_assert(False, "an objective whose response step is clipped_log_ratio_mean without a branch here")
+    return value, passes
 
 
 @triton.jit
-def gmpo_passes(log_ratio, advantage, epsilon_low, epsilon_high):
-    """Where :func:`gmpo_log_ratio` passes its log-ratio's gradient (all of it, ties
-    included, as autograd gives it): A > 0 and lr <= eps_high, or A < 0 and lr >= -eps_low."""
-    return ((advantage > 0) & (log_ratio <= epsilon_high)) | ((advantage < 0) & (log_ratio >= -epsilon_low))
+def response_weights(summed_log_ratio, options, OBJECTIVE: tl.constexpr):
+    """(the weight of the tokens with A >= 0, of those with A < 0) from their response's
+    sum of clamped log-ratios, of an objective whose response step is log_ratio_sum:
+    objectives.RESPONSE_FORMULAS, one branch per objective."""
+    if OBJECTIVE == OBJECTIVE_VESPO:
+        nonnegative = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_POS], options[OPTION_VESPO_LAMBDA_POS])
+        negative = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_NEG], options[OPTION_VESPO_LAMBDA_NEG])
+    else:
+        tl.static_assert(False, "an objective whose response step is log_ratio_sum without a branch here")
+    return nonnegative, negative
 
 
 @triton.jit

@@ -127,7 +127,7 @@ CORRECTION_VARIANTS = [
             ("old_logprobs", "rewards", "ref_logprobs")),
 ]
 
-# Options of each objective (objective_table.OBJECTIVES) away from their defaults.
+# Options of each objective (objectives.table.OBJECTIVES) away from their defaults.
 OBJECTIVE_VARIANT_OPTIONS = {
     "clip": dict(delta=1.35, dual_clip=2.5),
     "cispo_cap": dict(ratio_cap=1.3),

@@ -101,7 +101,7 @@ def loss_normalizer(loss_agg_mode: str, *, batch_tokens: float, mini_batches: in
     """The ``loss_normalizer`` every micro-batch of a mini-batch passes, so that the
     micro-batches' gradients add up to the mini-batch's however it is cut, and the ranks'
     (which DeepSpeed averages) to the whole mini-batch's over all ranks. It replaces the
-    count the mode divides by (its row of ``aggregation_table.AGGREGATIONS``)."""
+    count the mode divides by (its row of ``tables.aggregations.AGGREGATIONS``)."""
     if loss_agg_mode not in AGGREGATIONS:
         raise ValueError(f"no micro-batch normaliser for loss_agg_mode {loss_agg_mode!r}")
     count = AGGREGATIONS[loss_agg_mode].count
