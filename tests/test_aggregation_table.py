@@ -68,7 +68,7 @@ def test_a_new_row_reaches_every_backend(monkeypatch):
     """A mode appended to the table is read by the reference and the Triton host code,
     and changes the C++ header and fingerprint (a stale build is refused by the cpp
     backend's fingerprint check, cpp_backend.py)."""
-    rows = dict(AGGREGATIONS, **{"seq-sum-norm-mean": tables.aggregations.Aggregation(
+    rows = dict(AGGREGATIONS, **{"seq-sum-norm-mean": aggregation_table.Aggregation(
         count="responses", per_response_mean=True, times_max_length=True)})
     monkeypatch.setattr(aggregation_table, "AGGREGATIONS", rows)
     monkeypatch.setattr(aggregation_table, "AGG_MODES", tuple(rows))
@@ -89,4 +89,4 @@ def test_a_new_row_reaches_every_backend(monkeypatch):
 
 def test_an_unknown_count_is_refused():
     with pytest.raises(ValueError, match="aggregation counts one of"):
-        tables.aggregations.Aggregation(count="tokens-squared")
+        aggregation_table.Aggregation(count="tokens-squared")

@@ -277,8 +277,8 @@ def test_the_kernels_refuse_a_ratio_form_the_objective_lacks():
     (the losses route those to the recompute path)."""
     args = dict(zip((name for _, name in cpp_declarations.parse(signatures.SIGNATURES["surrogate_loss"][0])),
                     _surrogate_args(batch=4, width=5, loss_type="gpg")))
-    args["ratio_level"] = objectives.table.RATIO_LEVELS.index("sequence")
-    gpg = objectives.table.OBJECTIVE_NAMES.index("gpg")
+    args["ratio_level"] = objective_table.RATIO_LEVELS.index("sequence")
+    gpg = objective_table.OBJECTIVE_NAMES.index("gpg")
     with pytest.raises(RuntimeError, match=f"objective {gpg} does not take ratio_level {args['ratio_level']}"):
         torch.ops.hadw_cpp.surrogate_loss(*_op_arguments("surrogate_loss", **args))
     for loss_type in ("gmpo", "vespo"):
@@ -531,27 +531,27 @@ def _header_constants(text: str) -> dict[str, float]:
 
 def test_generated_header_holds_config_values():
     constants = _header_constants(cpp_constants.header(cpp_constants.installed))
-    for prefix, names in (("Metric", metrics.METRIC_NAMES), ("Agg", tables.aggregations.AGG_MODES),
+    for prefix, names in (("Metric", metrics.METRIC_NAMES), ("Agg", aggregation_table.AGG_MODES),
                           ("Kl", config.KL_ESTIMATORS)):
         assert constants[f"k{prefix}Count"] == len(names)
         for index, name in enumerate(names):
             assert constants[f"k{prefix}{cpp_constants._identifier(name)}"] == index, name
-    for prefix, names in (("Objective", objectives.table.OBJECTIVE_NAMES), ("RatioLevel", objectives.table.RATIO_LEVELS),
-                          ("ResponseStep", objectives.table.RESPONSE_STEPS)):
+    for prefix, names in (("Objective", objective_table.OBJECTIVE_NAMES), ("RatioLevel", objective_table.RATIO_LEVELS),
+                          ("ResponseStep", objective_table.RESPONSE_STEPS)):
         assert constants[f"k{prefix}Count"] == len(names)
         for index, name in enumerate(names):
             assert constants[f"k{prefix}{cpp_constants._identifier(name)}"] == index, name
     steps = re.search(r"kObjectiveResponseStep\[kObjectiveCount\] = \{(.*)\};",
                       cpp_constants.header(cpp_constants.installed)).group(1)
     assert [int(code) for code in steps.split(", ")] == [
-        objectives.table.RESPONSE_STEPS.index(objective.response_step) for objective in objectives.table.OBJECTIVES.values()]
+        objective_table.RESPONSE_STEPS.index(objective.response_step) for objective in objective_table.OBJECTIVES.values()]
     table = re.search(r"kObjectiveTakesRatioLevel\[kObjectiveCount\]\[kRatioLevelCount\] = \{(.*)\};",
                       cpp_constants.header(cpp_constants.installed)).group(1)
-    expected = [[level in objective.ratio_levels for level in objectives.table.RATIO_LEVELS]
-                for objective in objectives.table.OBJECTIVES.values()]
+    expected = [[level in objective.ratio_levels for level in objective_table.RATIO_LEVELS]
+                for objective in objective_table.OBJECTIVES.values()]
     assert [[flag == "true" for flag in row.split(", ")] for row in re.findall(r"\{([^{}]*)\}", table)] == expected
-    assert constants["kLogRatioClamp"] == objectives.table.LOG_RATIO_CLAMP
-    assert constants["kVespoLogWeightMin"] == objectives.table.VESPO_LOG_WEIGHT_MIN
+    assert constants["kLogRatioClamp"] == objective_table.LOG_RATIO_CLAMP
+    assert constants["kVespoLogWeightMin"] == objective_table.VESPO_LOG_WEIGHT_MIN
     assert constants["kK3LogRatioClamp"] == config.K3_LOG_RATIO_CLAMP
     assert constants["kK3ValueClamp"] == config.K3_VALUE_CLAMP
 

@@ -168,7 +168,7 @@ def test_a_row_s_response_step_is_checked():
     """A response step is one of RESPONSE_STEPS, on an objective without the token ratio
     form (which reads no whole response) and, for log_ratio_sum, that selects no tokens
     (both would be its one per-token weight)."""
-    from hadw_kernels.objective_table import Objective
+    from hadw_kernels.objectives.table import Objective
 
     with pytest.raises(ValueError, match="response step is one of"):
         Objective(options=(), gradient="ratio", ratio_levels=("sequence",), response_step="log_ratio_mean")
@@ -199,5 +199,5 @@ def test_only_the_formula_files_name_an_objective_s_code():
         "|".join(cpp_constants._identifier(name) for name in OBJECTIVE_NAMES)))
     sources = [*sorted((root / "hadw_kernels" / "triton").glob("*.py")), *sorted((root / "csrc").iterdir())]
     naming = {str(path.relative_to(root)) for path in sources if code.search(path.read_text())}
-    # codes.py defines the codes (python -m hadw_kernels.codegen writes it).
+    # codes.py defines the codes (python -m hadw_kernels.tools.codegen writes it).
     assert naming == {"hadw_kernels/triton/codes.py", "hadw_kernels/triton/token_math.py", "csrc/token_math.h"}

@@ -4,7 +4,7 @@ the options table of docs/options.md read them from here. The formulas are
 ``objectives.py``'s (docs/math.md, section 5); the kernels branch on the codes generated
 from this table (``kObjective<Name>``, ``kOption<Name>``, ``kResponseStep<Name>`` in the C++
 header that setup.py generates; ``OBJECTIVE_<NAME>``, ``OPTION_<NAME>``,
-``RESPONSE_STEP_<NAME>`` in ``triton/codes.py``, which ``python -m hadw_kernels.codegen``
+``RESPONSE_STEP_<NAME>`` in ``triton/codes.py``, which ``python -m hadw_kernels.tools.codegen``
 writes).
 """
 
