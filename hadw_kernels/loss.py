@@ -21,7 +21,6 @@ from .config.option_types import LossOptions
 from .formulas.aggregation import agg_weights, aggregate
 from .formulas.correction import correct, needs_current_logprobs
 from .formulas.token_terms import kl_estimate, masked_mean, own_token_ratio, token_ratio
-from .objectives.formulas import SELECTIONS
 from .objectives.table import OBJECTIVES
 from .ops import attach_single_use_gradients
 from .tables.linear_blocks import IGNORE_INDEX, check_block_rows, check_linear_path
@@ -170,7 +169,7 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch):
     KL term added: every backend applies them in its kernels as it applies a caller's
     weights, so they compose with every objective. ``batch.entropy``: what the op takes
     (the linear loss's, with its gradient: bonus and metric); ``batch.mask_entropy``: what
-    the entropy mask reads. An objective that selects tokens (objectives.SELECTIONS)
+    the entropy mask reads. An objective that selects tokens (its row's selection)
     selects them here, over the tokens the correction leaves counted, with
     ``batch.generator``."""
     config, layout = batch.config, batch.layout
@@ -197,7 +196,7 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch):
     if selects_tokens:
         counted = batch.mask.bool()
         token_advantage = cast(torch.Tensor, token_advantage)  # formed above for every objective that selects
-        selected = SELECTIONS[config.objective](logprobs.detach(), old_logprobs.detach(),
+        selected = OBJECTIVES[config.objective].selection(logprobs.detach(), old_logprobs.detach(),
                                                 token_advantage.to(logprobs.dtype), counted, config, batch.generator)
         if batch.with_metrics:
             corrected_metrics["selected_frac"] = masked_mean(selected, counted)

@@ -192,7 +192,7 @@ EDGE_CASES = [
 @needs_extension
 @pytest.mark.parametrize("loss_type, options", EDGE_CASES)
 def test_ties_and_bounds_follow_the_reference(loss_type, options):
-    """The derivative's conventions where they decide (objectives.SLOPES: half of the
+    """The derivative's conventions where they decide (each row's slope: half of the
     gradient through each branch at a tie, a clamp passing it on its closed interval),
     and the clip fractions' strict bounds, as the reference's, in fp64 where the edges
     are exact. Per-token importance weights throughout."""

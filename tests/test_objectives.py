@@ -30,6 +30,9 @@ OPTIONS = {
     "kl_cov": [dict(ppo_kl_coef=0.6)],
 }
 
+# A trial row's formulas: the checks of a row read none of them.
+TRIAL_FORMULAS = {"value": objectives.clip_value, "slope": objectives.clip_slope}
+
 
 def _config(objective, options):
     return LossConfig.build("grpo", objective=objective, **options)
@@ -64,16 +67,12 @@ def test_declared_derivative_is_autograds(objective, options):
     ratio, advantage, logprob, old_logprob, weight = _points(config)
     ratio = ratio.clone().requires_grad_()
     logprob = logprob.clone().requires_grad_()
-    value = objectives.VALUES[objective](ratio, advantage, logprob, old_logprob, weight, config)
+    value = OBJECTIVES[objective].value(ratio, advantage, logprob, old_logprob, weight, config)
     d_ratio, d_logprob = torch.autograd.grad(value.sum(), [ratio, logprob], allow_unused=True, materialize_grads=True)
-    declared_ratio, declared_logprob = objectives.SLOPES[objective](ratio.detach(), advantage, logprob.detach(),
-                                                                    old_logprob, weight, config)
+    declared_ratio, declared_logprob = OBJECTIVES[objective].slope(ratio.detach(), advantage, logprob.detach(),
+                                                                   old_logprob, weight, config)
     torch.testing.assert_close(declared_ratio, d_ratio, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(declared_logprob, d_logprob, rtol=1e-12, atol=1e-12)
-
-
-def test_every_objective_declares_value_and_derivative():
-    assert set(objectives.VALUES) == set(objectives.SLOPES) == set(OBJECTIVE_NAMES)
 
 
 def test_every_preset_resolves():
@@ -132,10 +131,10 @@ def test_a_row_with_more_options_than_slots_is_refused():
     from hadw_kernels.objectives.table import NON_NEGATIVE, OPTION_SLOTS, Objective, Option
 
     options = tuple(Option(f"trial_{index}", 1.0, (NON_NEGATIVE,), "a trial option") for index in range(OPTION_SLOTS))
-    assert len(Objective(options=options, gradient="ratio").options) == OPTION_SLOTS
+    assert len(Objective(options=options, gradient="ratio", **TRIAL_FORMULAS).options) == OPTION_SLOTS
     extra = Option("trial_extra", 1.0, (NON_NEGATIVE,), "one too many")
     with pytest.raises(ValueError, match=rf"at most {OPTION_SLOTS} options \(the Triton kernels' option slots"):
-        Objective(options=(*options, extra), gradient="ratio")
+        Objective(options=(*options, extra), gradient="ratio", **TRIAL_FORMULAS)
 
 
 def test_a_shared_option_declared_otherwise_or_elsewhere_is_refused():
@@ -146,13 +145,14 @@ def test_a_shared_option_declared_otherwise_or_elsewhere_is_refused():
 
     scale = Option("trial_scale", 1.0, (POSITIVE,), "a trial option")
     other = Option("trial_other", 1.0, (NON_NEGATIVE,), "another")
-    alike = {"a": Objective(options=(scale,), gradient="ratio"),
-             "b": Objective(options=(dataclasses.replace(scale, default=2.0),), gradient="ratio")}
+    alike = {"a": Objective(options=(scale,), gradient="ratio", **TRIAL_FORMULAS),
+             "b": Objective(options=(dataclasses.replace(scale, default=2.0),), gradient="ratio", **TRIAL_FORMULAS)}
     assert shared_options(alike) == {"trial_scale": ("a", "b")}
-    unlike = {**alike, "c": Objective(options=(dataclasses.replace(scale, bounds=(NON_NEGATIVE,)),), gradient="ratio")}
+    unlike = {**alike, "c": Objective(options=(dataclasses.replace(scale, bounds=(NON_NEGATIVE,)),), gradient="ratio",
+                                      **TRIAL_FORMULAS)}
     with pytest.raises(ValueError, match="'trial_scale' is declared otherwise in 'c' than in 'a'"):
         shared_options(unlike)
-    moved = {**alike, "c": Objective(options=(other, scale), gradient="ratio")}
+    moved = {**alike, "c": Objective(options=(other, scale), gradient="ratio", **TRIAL_FORMULAS)}
     with pytest.raises(ValueError, match="'trial_scale' sits at another index of 'c'"):
         shared_options(moved)
 
@@ -161,7 +161,8 @@ def test_a_row_s_defaults_keep_its_bounds():
     from hadw_kernels.objectives.table import POSITIVE, Objective, Option
 
     with pytest.raises(ValueError, match="its default -1.0 is out of its bounds"):
-        Objective(options=(Option("trial", -1.0, (POSITIVE,), "a trial option"),), gradient="ratio")
+        Objective(options=(Option("trial", -1.0, (POSITIVE,), "a trial option"),), gradient="ratio",
+                  **TRIAL_FORMULAS)
 
 
 def test_a_row_s_response_step_is_checked():
@@ -171,17 +172,25 @@ def test_a_row_s_response_step_is_checked():
     from hadw_kernels.objectives.table import Objective
 
     with pytest.raises(ValueError, match="response step is one of"):
-        Objective(options=(), gradient="ratio", ratio_levels=("sequence",), response_step="log_ratio_mean")
+        Objective(options=(), gradient="ratio", **TRIAL_FORMULAS, ratio_levels=("sequence",),
+                  response_step="log_ratio_mean")
     with pytest.raises(ValueError, match="takes no token ratio form"):
-        Objective(options=(), gradient="ratio", response_step="clipped_log_ratio_mean")
+        Objective(options=(), gradient="ratio", **TRIAL_FORMULAS, response_step="clipped_log_ratio_mean",
+                  response_formula=objectives.gmpo_log_ratio)
     with pytest.raises(ValueError, match="not both"):
-        Objective(options=(), gradient="detached_weight", ratio_levels=("sequence",), selects_tokens=True,
-                  response_step="log_ratio_sum")
+        Objective(options=(), gradient="detached_weight", **TRIAL_FORMULAS, ratio_levels=("sequence",),
+                  selection=objectives.kl_cov_selection,
+                  response_step="log_ratio_sum", response_formula=objectives.vespo_weight)
 
 
-def test_every_response_step_has_its_formula():
-    assert set(objectives.RESPONSE_FORMULAS) == {name for name, objective in OBJECTIVES.items()
-                                                 if objective.response_step != "none"}
+def test_a_response_step_comes_with_its_formula_and_only_then():
+    from hadw_kernels.objectives.table import Objective
+
+    with pytest.raises(ValueError, match="has its formula"):
+        Objective(options=(), gradient="ratio", **TRIAL_FORMULAS, ratio_levels=("sequence",),
+                  response_step="clipped_log_ratio_mean")
+    with pytest.raises(ValueError, match="has its formula"):
+        Objective(options=(), gradient="ratio", **TRIAL_FORMULAS, response_formula=objectives.gmpo_log_ratio)
 
 
 def test_only_the_formula_files_name_an_objective_s_code():

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, fused_hadw_grpo_loss
-from hadw_kernels.objectives import formulas as objectives
 from hadw_kernels.config.loss_config import LossConfig
 from hadw_kernels.objectives.table import OBJECTIVES
 
@@ -194,7 +193,7 @@ def _vanishes_without_advantage(loss_type: str) -> bool:
     """Whether the preset's objective is 0 where A = 0 (dro's and kl_cov's penalties are not)."""
     config = LossConfig.build(loss_type)
     points = torch.linspace(-3.0, -0.1, 7, dtype=torch.float64)
-    value = objectives.VALUES[config.objective](torch.exp(points - points.flip(0)), torch.zeros_like(points), points,
+    value = OBJECTIVES[config.objective].value(torch.exp(points - points.flip(0)), torch.zeros_like(points), points,
                                                 points.flip(0), torch.ones_like(points), config)
     return bool(torch.all(value == 0))
 

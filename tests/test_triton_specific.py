@@ -217,8 +217,8 @@ def test_objective_terms_are_objectives_py(objective, options):
     config = objective_config(objective, options)
     points = objective_points(config)
     value, d_ratio, d_logprob = _objective_terms(config, *points)
-    expected_ratio, expected_logprob = objectives.SLOPES[objective](*points, config)
-    torch.testing.assert_close(value, objectives.VALUES[objective](*points, config), rtol=1e-12, atol=1e-12)
+    expected_ratio, expected_logprob = OBJECTIVES[objective].slope(*points, config)
+    torch.testing.assert_close(value, OBJECTIVES[objective].value(*points, config), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(d_ratio, expected_ratio, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(d_logprob, expected_logprob, rtol=1e-12, atol=1e-12)
 
@@ -240,7 +240,7 @@ def test_the_gradient_route_splits_the_objectives_as_their_slopes_do():
     an objective through the ratio has no log-prob slope, the others no ratio slope."""
     for objective in OBJECTIVE_NAMES:
         config = objective_config(objective, OPTIONS[objective][0])
-        d_ratio, d_logprob = objectives.SLOPES[objective](*objective_points(config), config)
+        d_ratio, d_logprob = OBJECTIVES[objective].slope(*objective_points(config), config)
         if OBJECTIVES[objective].gradient == "ratio_and_log_prob":
             assert torch.any(d_logprob != 0) and torch.any(d_ratio != 0), objective
         elif OBJECTIVES[objective].through_ratio:

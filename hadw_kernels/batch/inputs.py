@@ -69,7 +69,7 @@ class SurrogateBatch:
     ``importance_weights``: per token (a per-response weight repeated over its tokens).
     ``entropy``: the entropy the op takes, with its gradient (the linear loss's bonus and
     metric). ``selected``: the tokens an objective's batch statistic selected
-    (``objectives.SELECTIONS``; None: none). ``with_metrics``: whether the call returns
+    (the objective's row's ``selection``; None: none). ``with_metrics``: whether the call returns
     its metrics (a backend may skip forming them otherwise).
     ``rollout_logprobs``, ``mask_entropy``, ``generator``: what the correction rules and
     token selections read before the op (``loss._corrected_surrogate``), not the op:

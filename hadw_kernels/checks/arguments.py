@@ -107,7 +107,7 @@ def check_anchor(anchor) -> None:
 
 
 def check_generator(generator, device: torch.device) -> None:
-    """The draw's generator (objectives.SELECTIONS; clip_cov alone draws): None (torch's
+    """The draw's generator (an objective's selection; clip_cov alone draws): None (torch's
     global one, as verl's), or a ``torch.Generator`` on the CPU (where the draw runs by
     default) or on the inputs' ``device``. Checked whatever the objective, so a wrong
     value is refused on the call that passes it, not on the first that draws."""

@@ -9,7 +9,6 @@ import torch
 
 from ..batch.token_layout import TokenLayout
 from ..config.loss_config import K3_LOG_RATIO_CLAMP, K3_VALUE_CLAMP, LossConfig
-from ..objectives.formulas import RESPONSE_FORMULAS
 from ..objectives.table import LOG_RATIO_CLAMP, OBJECTIVES
 
 
@@ -45,14 +44,15 @@ def token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.
     """(rho [N] with its gradient, the ratio the metrics count, the mask they count it
     over) in ``config.ratio_level``'s form (objectives.table.RATIO_LEVELS); an objective whose
     response step is clipped_log_ratio_mean (GMPO) clips the log-ratios first, by its
-    formula (objectives.RESPONSE_FORMULAS). Every log-ratio entering exp is clamped to
+    formula (its row's response_formula). Every log-ratio entering exp is clamped to
     +-LOG_RATIO_CLAMP."""
     if config.ratio_level == "token":  # (no objective with a response step takes it)
         ratio = own_token_ratio(logprobs, old_logprobs, mask)
         return ratio, ratio.detach(), mask
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    if OBJECTIVES[config.objective].response_step == "clipped_log_ratio_mean":
-        clipped = RESPONSE_FORMULAS[config.objective](log_ratio, advantage, config)
+    row = OBJECTIVES[config.objective]
+    if row.response_step == "clipped_log_ratio_mean":
+        clipped = row.response_formula(log_ratio, advantage, config)
         log_ratio = torch.where(mask, clipped, torch.zeros_like(log_ratio))
     lengths = layout.segment_sum(mask)
     sequence_log_ratio = layout.segment_sum(log_ratio) / lengths.clamp(min=1)

@@ -9,8 +9,9 @@ autograd's at random points and at the edges (ties, clip bounds). Quantities tak
 through a stop-gradient (CISPO's clipped ratio, VESPO's weight) enter as constants.
 
 VESPO's weight and GMPO's ratio need the whole response first: their rows' response step
-(``objectives.table.RESPONSE_STEPS``) says which, and :data:`RESPONSE_FORMULAS` holds each
-one's formula of it (:func:`gmpo_log_ratio`, :func:`vespo_weight`).
+(``objectives.table.RESPONSE_STEPS``) says which, and the row's ``response_formula`` is
+its formula of it (:func:`gmpo_log_ratio`, :func:`vespo_weight`). Each row of
+``objectives.table.OBJECTIVES`` holds its formulas: nothing here is keyed by a name.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .table import LOG_RATIO_CLAMP, OBJECTIVES, VESPO_LOG_WEIGHT_MIN
-
-if TYPE_CHECKING:  # the formulas read a config; the config reads the objectives' rows
+if TYPE_CHECKING:  # the formulas read a config; the config reads the objectives' rows, which hold them
     from ..config.loss_config import LossConfig
+
+# rho = exp(clamp(log-ratio)): keeps exp finite for any policy drift.
+LOG_RATIO_CLAMP = 20.0
+# VESPO's summed log-ratio is clamped to [log 1e-8, LOG_RATIO_CLAMP] (TRL's bounds).
+VESPO_LOG_WEIGHT_MIN = math.log(1e-8)
 
 
 def _where(condition, if_true, if_false):
@@ -125,20 +129,6 @@ def kl_cov_value(rho, advantage, logprob, old_logprob, weight, config: LossConfi
     return -advantage * rho + weight * config.option_value("ppo_kl_coef") * (logprob - old_logprob).abs()
 
 
-VALUES = {
-    "clip": clip_value,
-    "cispo_cap": cispo_cap_value,
-    "cispo_clip": cispo_clip_value,
-    "sapo": sapo_value,
-    "gmpo": gmpo_value,
-    "vespo": vespo_value,
-    "gpg": gpg_value,
-    "dppo_tv": dppo_value,
-    "dppo_kl": dppo_value,
-    "dro": dro_value,
-    "clip_cov": clip_cov_value,
-    "kl_cov": kl_cov_value,
-}
 
 
 # --- derivatives -----------------------------------------------------------------------------
@@ -214,20 +204,6 @@ def kl_cov_slope(rho, advantage, logprob, old_logprob, weight, config: LossConfi
     return -advantage, weight * config.option_value("ppo_kl_coef") * torch.sign(logprob - old_logprob)
 
 
-SLOPES = {
-    "clip": clip_slope,
-    "cispo_cap": cispo_cap_slope,
-    "cispo_clip": cispo_clip_slope,
-    "sapo": sapo_slope,
-    "gmpo": gmpo_slope,
-    "vespo": vespo_slope,
-    "gpg": gpg_slope,
-    "dppo_tv": dppo_slope,
-    "dppo_kl": dppo_slope,
-    "dro": dro_slope,
-    "clip_cov": clip_cov_slope,
-    "kl_cov": kl_cov_slope,
-}
 
 
 # --- the per-response steps ----------------------------------------------------------------
@@ -256,10 +232,6 @@ def vespo_weight(summed_log_ratio, advantage, config: LossConfig):
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-# Each objective's formula of its response step (objectives.table.RESPONSE_STEPS), as
-# f(log-ratio, A, config): for clipped_log_ratio_mean a token's log-ratio as its response's
-# mean takes it; for log_ratio_sum the token's weight from its response's summed log-ratio.
-RESPONSE_FORMULAS = {"gmpo": gmpo_log_ratio, "vespo": vespo_weight}
 
 
 def ppo_terms(ratio, advantage, epsilon_low: float, epsilon_high: float):
@@ -268,7 +240,7 @@ def ppo_terms(ratio, advantage, epsilon_low: float, epsilon_high: float):
 
 
 # --- the batch statistics that select tokens ------------------------------------------------
-# An objective with selects_tokens (objectives.table.OBJECTIVES) reads the whole call first: its
+# An objective with a selection (its row's ``selection``) reads the whole call first: its
 # selection [N] (bool) reaches every backend's kernels as each token's weight s (1: selected).
 # Both read counts on the host, as verl's functions do: the number of tokens to select, and
 # clip_cov the number of candidates its random draw permutes (docs/architecture.md).
@@ -317,11 +289,3 @@ def kl_cov_selection(logprobs, old_logprobs, advantage, mask, config: LossConfig
         count = max(1, int(positions.numel() * config.option_value("kl_cov_ratio")))
         selected[positions[torch.topk(covariance, count, largest=True).indices]] = True
     return selected
-
-
-SELECTIONS = {"clip_cov": clip_cov_selection, "kl_cov": kl_cov_selection}
-assert set(SELECTIONS) == {name for name, objective in OBJECTIVES.items() if objective.selects_tokens}
-
-assert set(VALUES) == set(SLOPES), "every objective declares its value and its derivative"
-assert set(RESPONSE_FORMULAS) == {name for name, objective in OBJECTIVES.items() if objective.response_step != "none"}
-assert math.isfinite(VESPO_LOG_WEIGHT_MIN)

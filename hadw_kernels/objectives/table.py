@@ -11,10 +11,14 @@ writes).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..tables.bounds import FINITE, NON_NEGATIVE, POSITIVE, Bounds, compiling
+from . import formulas as f
+from .formulas import LOG_RATIO_CLAMP as LOG_RATIO_CLAMP
+from .formulas import VESPO_LOG_WEIGHT_MIN as VESPO_LOG_WEIGHT_MIN
 
 # How the importance ratio of a token is formed (docs/math.md, section 5):
 #   token       rho_t = exp(l_t - lo_t)
@@ -25,14 +29,10 @@ from ..tables.bounds import FINITE, NON_NEGATIVE, POSITIVE, Bounds, compiling
 # The two sequence forms give the same loss and gradient unless per-token importance
 # weights differ within a response.
 RATIO_LEVELS = ("token", "sequence", "gspo_token")
-# rho = exp(clamp(log-ratio)): keeps exp finite for any policy drift.
-LOG_RATIO_CLAMP = 20.0
-# VESPO's summed log-ratio is clamped to [log 1e-8, LOG_RATIO_CLAMP] (TRL's bounds).
-VESPO_LOG_WEIGHT_MIN = math.log(1e-8)
 
 # What an objective reads of its whole response before its per-token formula (docs/math.md,
 # section 5). The kernels branch on the step's code; the objective's own formula of the
-# step is its entry of objectives.RESPONSE_FORMULAS:
+# step is its row's response_formula:
 #   none                    nothing (in a sequence form, s_i = exp(mean log-ratio))
 #   clipped_log_ratio_mean  s_i = exp(mean of the tokens' log-ratios, each first through
 #                           the objective's clip by its advantage); the sequence form's share
@@ -45,7 +45,7 @@ VESPO_LOG_WEIGHT_MIN = math.log(1e-8)
 # The token ratio form reads no whole response: an objective with a step does not take it.
 RESPONSE_STEPS = ("none", "clipped_log_ratio_mean", "log_ratio_sum")
 
-# How an objective's gradient reaches a token's log-prob (objectives.SLOPES gives it):
+# How an objective's gradient reaches a token's log-prob (its row's slope gives it):
 # "ratio": through its ratio alone (d loss / d logp = 0; in a sequence ratio form the
 # slopes are summed over the response); "detached_weight": a stop-gradient weight times
 # the log-prob (d loss / d rho = 0; its value's numerical derivative is not its gradient);
@@ -91,7 +91,8 @@ class Option:
 class Objective:
     """A policy objective: the per-token loss to minimise as a function of the token's
     ratio rho, its advantage A and its log-prob l (docs/math.md, section 5; the formulas
-    and their derivatives are ``objectives.py``'s, the kernels' one branch each).
+    and their derivatives are the row's ``value`` and ``slope``, written in formulas.py;
+    the kernels' one branch each).
 
     ``options``: its :class:`Option` rows in the order of its option vector (given as a
     tuple, held by name), at most :data:`OPTION_SLOTS`. An option some objectives share
@@ -103,27 +104,34 @@ class Objective:
     ``ratio_levels``: the ratio forms it takes (RATIO_LEVELS), the first its default.
     ``gradient``: how its gradient reaches the log-prob (GRADIENT_ROUTES); the kernels
     branch on it.
-    ``selects_tokens``: whether it reads a batch statistic that selects tokens before the
-    kernels run (``objectives.SELECTIONS``; the kernels receive the selection per token).
+    ``value``: the per-token loss, f(rho, A, l, l_old, weight, config), what the reference
+    differentiates; ``slope``: (d value / d rho, d value / d l) as autograd gives them, what
+    the kernels transcribe.
+    ``selection``: the batch statistic that selects tokens before the kernels run, or None
+    (the kernels receive the selection per token; :attr:`selects_tokens`).
     ``response_step``: what it reads of its whole response before its per-token formula
-    (:data:`RESPONSE_STEPS`; its formula ``objectives.RESPONSE_FORMULAS``); the kernels
-    branch on it."""
+    (:data:`RESPONSE_STEPS`), the kernels branch on it; ``response_formula`` its formula
+    of that step, f(log-ratio, A, config), with a step and only then."""
 
     options: dict[str, Option]
     gradient: str
+    value: Callable
+    slope: Callable
     ratio_levels: tuple[str, ...] = RATIO_LEVELS
-    selects_tokens: bool = False
+    selection: Callable | None = None
     increasing: tuple[tuple[str, str], ...] = ()
     response_step: str = "none"
+    response_formula: Callable | None = None
 
     if TYPE_CHECKING:
         # The generated __init__ as it is called: ``options`` given as a tuple of rows (or
         # a dict of them), held as a dict by name once __post_init__ has checked the rows.
         # The field's annotation says what is held; this, for the checker only, what is
         # taken. Keep it in step with the fields above.
-        def __init__(self, options: tuple[Option, ...] | dict[str, Option], gradient: str,
-                     ratio_levels: tuple[str, ...] = RATIO_LEVELS, selects_tokens: bool = False,
-                     increasing: tuple[tuple[str, str], ...] = ()) -> None: ...
+        def __init__(self, options: tuple[Option, ...] | dict[str, Option], gradient: str, value: Callable,
+                     slope: Callable, ratio_levels: tuple[str, ...] = RATIO_LEVELS,
+                     selection: Callable | None = None, increasing: tuple[tuple[str, str], ...] = (),
+                     response_step: str = "none", response_formula: Callable | None = None) -> None: ...
 
     def __post_init__(self) -> None:
         rows = tuple(self.options.values()) if isinstance(self.options, dict) else tuple(self.options)
@@ -140,6 +148,8 @@ class Objective:
         if self.response_step != "none" and "token" in self.ratio_levels:
             raise ValueError(f"an objective with response step {self.response_step!r} takes no token ratio form: "
                              "the token form reads no whole response")
+        if (self.response_step == "none") != (self.response_formula is None):
+            raise ValueError("an objective with a response step has its formula (response_formula), and only then")
         if self.response_step == "log_ratio_sum" and self.selects_tokens:
             raise ValueError("an objective's per-token weight is its response step's or its selection, not both")
         for option in rows:
@@ -149,6 +159,10 @@ class Objective:
             if not set(pair) <= set(names):
                 raise ValueError(f"increasing names options the objective does not take: {pair}")
         object.__setattr__(self, "options", {option.name: option for option in rows})
+
+    @property
+    def selects_tokens(self) -> bool:
+        return self.selection is not None
 
     @property
     def through_ratio(self) -> bool:
@@ -171,24 +185,25 @@ OBJECTIVES = {
         # At or above 1 + epsilon_high, delta bounds the negative advantages' loss as
         # dual_clip=delta does; below it, it also caps the positive ones (TRL allows both).
         Option("delta", None, (POSITIVE,), "the cap on the unclipped ratio (TRL's two-sided clip)"),
-    ), gradient="ratio"),
+    ), gradient="ratio", value=f.clip_value, slope=f.clip_slope),
     # CISPO as TRL defines it: -sg[min(rho, ratio_cap)] A l, an absolute cap (TRL's
     # epsilon_high; the ScaleRL paper's 5). TRL's epsilon_high left at its 0.2 would cap
     # every weight far below 1: the bound refuses it (docs/options.md).
-    "cispo_cap": Objective(options=(replace(_RATIO_CAP, default=5.0),), gradient="detached_weight"),
+    "cispo_cap": Objective(options=(replace(_RATIO_CAP, default=5.0),), gradient="detached_weight",
+                           value=f.cispo_cap_value, slope=f.cispo_cap_slope),
     # CISPO as verl defines it: -sg[clip(rho, 1 - eps_low, 1 + eps_high)] A l.
-    "cispo_clip": Objective(options=(), gradient="detached_weight"),
+    "cispo_clip": Objective(options=(), gradient="detached_weight", value=f.cispo_clip_value, slope=f.cispo_clip_slope),
     # SAPO: -(4 / tau) sigmoid(tau (rho - 1)) A, tau by the sign of A. The kernels compute
     # in fp32: 4 / tau overflows below the temperatures' range, tau itself above it, and
     # tau (rho - 1) is then NaN on policy (inf * 0).
     "sapo": Objective(options=(
         Option("sapo_temperature_pos", 1.0, (POSITIVE, _SAPO_TEMPERATURE), "SAPO's temperature tau for A > 0"),
         Option("sapo_temperature_neg", 1.05, (POSITIVE, _SAPO_TEMPERATURE), "SAPO's temperature tau for A <= 0"),
-    ), gradient="ratio"),
+    ), gradient="ratio", value=f.sapo_value, slope=f.sapo_slope),
     # GMPO (verl's geo_mean): -A exp(mean over the response of l - lo clipped in log space
     # to [-eps_low, eps_high] on the side A's sign makes harmful).
-    "gmpo": Objective(options=(), gradient="ratio", ratio_levels=("sequence",),
-                      response_step="clipped_log_ratio_mean"),
+    "gmpo": Objective(options=(), gradient="ratio", value=f.gmpo_value, slope=f.gmpo_slope, ratio_levels=("sequence",),
+                      response_step="clipped_log_ratio_mean", response_formula=f.gmpo_log_ratio),
     # VESPO (TRL): -sg[phi] A l, phi = w^k exp(lam (1 - w)), w the response's summed ratio,
     # (k, lam) by the sign of A.
     "vespo": Objective(options=(
@@ -196,35 +211,38 @@ OBJECTIVES = {
         Option("vespo_lambda_pos", 3.0, (POSITIVE,), "VESPO's gamma rate lambda for A >= 0"),
         Option("vespo_k_neg", 3.0, (NON_NEGATIVE,), "VESPO's gamma shape k for A < 0"),
         Option("vespo_lambda_neg", 2.0, (POSITIVE,), "VESPO's gamma rate lambda for A < 0"),
-    ), gradient="detached_weight", ratio_levels=("sequence",), response_step="log_ratio_sum"),
+    ), gradient="detached_weight", value=f.vespo_value, slope=f.vespo_slope, ratio_levels=("sequence",),
+        response_step="log_ratio_sum", response_formula=f.vespo_weight),
     # GPG (verl): -A l, no ratio.
-    "gpg": Objective(options=(), gradient="log_prob", ratio_levels=("token",)),
+    "gpg": Objective(options=(), gradient="log_prob", value=f.gpg_value, slope=f.gpg_slope, ratio_levels=("token",)),
     # DPPO (verl's dppo_tv, dppo_kl): -sg[min(rho, ratio_cap)] A l on the tokens whose
     # probability moved within the clip range, now a divergence bound, in the direction A's
     # sign favours (A > 0: up by at most epsilon_high; else down by at most epsilon_low):
     # p - p_old (tv), or the binary KL of (p_old, p) (kl); the other tokens give 0.
     "dppo_tv": Objective(options=(replace(_RATIO_CAP, default=20.0),), gradient="detached_weight",
-                         ratio_levels=("token",)),
+                         value=f.dppo_value, slope=f.dppo_slope, ratio_levels=("token",)),
     "dppo_kl": Objective(options=(replace(_RATIO_CAP, default=20.0),), gradient="detached_weight",
-                         ratio_levels=("token",)),
+                         value=f.dppo_value, slope=f.dppo_slope, ratio_levels=("token",)),
     # DRO (verl): -(A l - dro_beta / 2 (l - l_old)^2).
     "dro": Objective(options=(
         Option("dro_beta", None, (POSITIVE,), "the coefficient of its quadratic log-ratio penalty; verl has no default",
                required=True),
-    ), gradient="log_prob", ratio_levels=("token",)),
+    ), gradient="log_prob", value=f.dro_value, slope=f.dro_slope, ratio_levels=("token",)),
     # Clip-Cov (verl): PPO's clip, 0 on max(1, floor(clip_cov_ratio N)) tokens drawn at random
     # among the unclipped ones whose (A - mean A)(l - mean l) lies in (clip_cov_lb, clip_cov_ub).
     "clip_cov": Objective(options=(
         Option("clip_cov_ratio", 2e-4, (POSITIVE, SHARE), "the share of tokens whose gradient is cut"),
         Option("clip_cov_lb", 1.0, (FINITE,), "the covariance band's lower end (exclusive)"),
         Option("clip_cov_ub", 5.0, (FINITE,), "the covariance band's upper end (exclusive)"),
-    ), gradient="ratio", ratio_levels=("token",), selects_tokens=True, increasing=(("clip_cov_lb", "clip_cov_ub"),)),
+    ), gradient="ratio", value=f.clip_cov_value, slope=f.clip_cov_slope, ratio_levels=("token",),
+        selection=f.clip_cov_selection, increasing=(("clip_cov_lb", "clip_cov_ub"),)),
     # KL-Cov (verl): -A rho, plus ppo_kl_coef |l - l_old| on the max(1, floor(kl_cov_ratio N))
     # tokens of largest (A - mean A)(l - mean l).
     "kl_cov": Objective(options=(
         Option("kl_cov_ratio", 2e-4, (POSITIVE, SHARE), "the share of tokens that take the KL penalty"),
         Option("ppo_kl_coef", 0.1, (NON_NEGATIVE,), "the coefficient of the penalty abs(l - l_old)"),
-    ), gradient="ratio_and_log_prob", ratio_levels=("token",), selects_tokens=True),
+    ), gradient="ratio_and_log_prob", value=f.kl_cov_value, slope=f.kl_cov_slope, ratio_levels=("token",),
+        selection=f.kl_cov_selection),
 }
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
 

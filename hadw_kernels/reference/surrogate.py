@@ -16,7 +16,6 @@ from ..advantage.group import call_advantages, group_metrics
 from ..batch.inputs import SurrogateBatch
 from ..formulas.aggregation import aggregate
 from ..formulas.token_terms import kl_estimate, masked_mean, token_ratio
-from ..objectives.formulas import RESPONSE_FORMULAS, VALUES
 from ..objectives.table import LOG_RATIO_CLAMP, OBJECTIVES
 from ..tables.metrics import ordered_metrics
 from ..tables.precision import accumulate_dtype
@@ -61,10 +60,10 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
     if objective.response_step == "log_ratio_sum":
         summed = layout.segment_sum(torch.where(mask, (logprobs - old_logprobs).detach(), torch.zeros_like(logprobs))
                                     .clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        weight = RESPONSE_FORMULAS[config.objective](layout.expand(summed), token_advantage, config)
+        weight = objective.response_formula(layout.expand(summed), token_advantage, config)
     own_logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
     own_old_logprobs = torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs))
-    per_token = VALUES[config.objective](ratio, token_advantage, own_logprobs, own_old_logprobs, weight, config)
+    per_token = objective.value(ratio, token_advantage, own_logprobs, own_old_logprobs, weight, config)
     if importance_weights is not None:
         per_token = per_token * torch.where(mask, importance_weights.detach(), torch.zeros_like(per_token))
     loss = aggregate(per_token, mask, layout, config)

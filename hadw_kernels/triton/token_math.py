@@ -4,7 +4,7 @@
 
 ``objective_terms`` transcribes objectives.py's values and derivatives, one branch per
 objective (its code in objectives.table.OBJECTIVE_NAMES); ``response_log_ratio`` and
-``response_weights`` its formula of its response step (objectives.RESPONSE_FORMULAS), one
+``response_weights`` its formula of its response step (its row's response_formula), one
 branch per objective that has one; ``policy_term`` adds the ratio's chain rule,
 ``kl_term`` the KL estimators, ``aggregation_weight`` a token's weight by the aggregation
 mode. All arithmetic is in the compute dtype of the caller's tensors.
@@ -188,7 +188,7 @@ def dppo_moved_within(logprob, old_logprob, advantage, epsilon_low, epsilon_high
 @triton.jit
 def objective_terms(ratio, advantage, logprob, old_logprob, weight, ratio_low, ratio_high, epsilon_low, epsilon_high,
                     options, OBJECTIVE: tl.constexpr):
-    """(l, d l / d rho, d l / d logp) of a token: objectives.py's VALUES and SLOPES, one
+    """(l, d l / d rho, d l / d logp) of a token: its row's value and slope, one
     branch per objective (docs/math.md, section 5). ``ratio`` is the token's rho in its
     ratio form (GMPO: the response's geometric mean of clipped ratios), ``logprob`` and
     ``old_logprob`` its log-probs (read only by the objectives that weigh them), ``weight``
@@ -272,7 +272,7 @@ def policy_term(ratio, ratio_passes, advantage, logprob, old_logprob, weight, ra
 def response_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high, OBJECTIVE: tl.constexpr):
     """(a token's log-ratio as its response's mean takes it, whether that passes the
     log-ratio's gradient) of an objective whose response step is clipped_log_ratio_mean:
-    objectives.RESPONSE_FORMULAS, one branch per objective; the gradient passes as autograd
+    the row's response_formula, one branch per objective; the gradient passes as autograd
     gives it for the reference, ties included."""
     if OBJECTIVE == OBJECTIVE_GMPO:
         # objectives.gmpo_log_ratio: clipped to [-eps_low, eps_high] on the side A's sign
@@ -290,7 +290,7 @@ def response_log_ratio(log_ratio, advantage, epsilon_low, epsilon_high, OBJECTIV
 def response_weights(summed_log_ratio, options, OBJECTIVE: tl.constexpr):
     """(the weight of the tokens with A >= 0, of those with A < 0) from their response's
     sum of clamped log-ratios, of an objective whose response step is log_ratio_sum:
-    objectives.RESPONSE_FORMULAS, one branch per objective."""
+    the row's response_formula, one branch per objective."""
     if OBJECTIVE == OBJECTIVE_VESPO:
         nonnegative = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_POS], options[OPTION_VESPO_LAMBDA_POS])
         negative = vespo_weight(summed_log_ratio, options[OPTION_VESPO_K_NEG], options[OPTION_VESPO_LAMBDA_NEG])

@@ -26,7 +26,6 @@ from hadw_kernels.config.presets import LOSS_PRESETS, LOSS_TYPES
 from hadw_kernels.advantage.group import weighted_advantages
 from hadw_kernels.batch.inputs import SurrogateBatch, caller_advantages
 from hadw_kernels.batch.token_layout import TokenLayout
-from hadw_kernels.objectives.formulas import SELECTIONS
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
 from hadw_kernels.formulas.correction import correct
 from hadw_kernels.reference.surrogate import surrogate_loss as reference_surrogate
@@ -464,7 +463,7 @@ def reference_linear_loss(hidden_states, lm_head_weight, labels, response_mask, 
                                            kwargs.get("anchor"))
         token_advantage = advantage if advantages is not None else layout.expand(advantage)
         flat_logprobs = layout.flat(logprobs).detach()
-        selected = SELECTIONS[config.objective](
+        selected = OBJECTIVES[config.objective].selection(
             flat_logprobs, flat_logprobs if old is None else layout.flat(old).to(flat_logprobs.dtype),
             token_advantage.to(flat_logprobs.dtype), mask.reshape(-1), config, generator)
         selection = dict(selected=selected)
