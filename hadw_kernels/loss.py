@@ -175,12 +175,12 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch):
     config, layout = batch.config, batch.layout
     logprobs, old_logprobs = batch.current_logprobs(), batch.behaviour_logprobs()
     corrected_metrics = {}
-    selects_tokens = OBJECTIVES[config.objective].selects_tokens
+    selection = OBJECTIVES[config.objective].selection
     # Each token's advantage (A_hat Phi from rewards, or the caller's), for the rules that
     # read it: the off-policy mask its sign, the bias-corrected KL GMPO's clip side, the
     # selections their covariance.
     token_advantage = None
-    if config.off_policy_mask_threshold is not None or config.kl_bias_correction or selects_tokens:
+    if config.off_policy_mask_threshold is not None or config.kl_bias_correction or selection is not None:
         token_advantage, _, _ = call_advantages(batch)
     if _has_correction(config):
         correction = correct(batch, token_advantage=token_advantage)
@@ -193,11 +193,11 @@ def _corrected_surrogate(implementation, batch: SurrogateBatch):
             entropy = entropy * correction.entropy_keep.to(entropy.dtype)
         corrected_metrics.update(correction.metrics)
         batch = batch.replace(mask=mask, importance_weights=importance_weights, entropy=entropy)
-    if selects_tokens:
+    if selection is not None:
         counted = batch.mask.bool()
         token_advantage = cast(torch.Tensor, token_advantage)  # formed above for every objective that selects
-        selected = OBJECTIVES[config.objective].selection(logprobs.detach(), old_logprobs.detach(),
-                                                token_advantage.to(logprobs.dtype), counted, config, batch.generator)
+        selected = selection(logprobs.detach(), old_logprobs.detach(), token_advantage.to(logprobs.dtype), counted,
+                             config, batch.generator)
         if batch.with_metrics:
             corrected_metrics["selected_frac"] = masked_mean(selected, counted)
         batch = batch.replace(selected=selected)

@@ -51,7 +51,7 @@ def token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.
         return ratio, ratio.detach(), mask
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
     row = OBJECTIVES[config.objective]
-    if row.response_step == "clipped_log_ratio_mean":
+    if row.response_step == "clipped_log_ratio_mean" and row.response_formula is not None:
         clipped = row.response_formula(log_ratio, advantage, config)
         log_ratio = torch.where(mask, clipped, torch.zeros_like(log_ratio))
     lengths = layout.segment_sum(mask)

@@ -57,7 +57,7 @@ def surrogate_loss(batch: SurrogateBatch) -> tuple[torch.Tensor, dict[str, torch
     weight = None
     if objective.selects_tokens:
         weight = torch.zeros_like(logprobs) if selected is None else (selected & mask).to(logprobs.dtype)
-    if objective.response_step == "log_ratio_sum":
+    if objective.response_step == "log_ratio_sum" and objective.response_formula is not None:
         summed = layout.segment_sum(torch.where(mask, (logprobs - old_logprobs).detach(), torch.zeros_like(logprobs))
                                     .clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         weight = objective.response_formula(layout.expand(summed), token_advantage, config)
