@@ -178,12 +178,17 @@ def _sevens(completions, **_):
 
 
 def test_the_layout_is_chosen_when_the_trainer_is_built(model_dirs, tmp_path, caplog):
-    with caplog.at_level("INFO", logger="hadw_kernels.integrations.trl"):
+    """The choice is logged at INFO under TRL's own verbosity (``log_level``), as a TRL user
+    sets it; at ``log_level="warning"`` it is not."""
+    chosen = "the prefix_tree layout (hadw_layout='auto', the segment attention over sdpa)"
+    for log_level in ("warning", "info"):
+        caplog.clear()
         trainer = HADWGRPOTrainer(model=model_dirs["llama"], reward_funcs=_sevens, train_dataset=PROMPTS,
-                                  processing_class=TOKENIZER, args=HADWGRPOConfig(output_dir=str(tmp_path), **RUN))
+                                  processing_class=TOKENIZER,
+                                  args=HADWGRPOConfig(output_dir=str(tmp_path), **RUN, log_level=log_level))
+        assert (chosen in caplog.text) == (log_level == "info"), log_level
     assert trainer.layout.name == "prefix_tree"
     assert trainer.model.config._attn_implementation == "hadw_segments_over_sdpa"
-    assert "the prefix_tree layout (hadw_layout='auto', the segment attention over sdpa)" in caplog.text
     with pytest.raises(ValueError, match="unknown hadw_layout 'ragged'"):
         HADWGRPOConfig(output_dir=str(tmp_path), **RUN, hadw_layout="ragged")
     with pytest.raises(ValueError, match="unknown hadw_shuffle 'tokens'"):
@@ -214,8 +219,8 @@ def test_a_model_the_segment_attention_cannot_serve(layout, tmp_path):
 
 
 def test_the_layout_is_reported_where_a_user_looks(model_dirs, tmp_path):
-    """An eager-attention model falls back to padded rows with a warning (the choice's
-    INFO line shows under no verbosity TRL or transformers sets); every logged step holds
+    """An eager-attention model falls back to padded rows with a warning (shown at TRL's
+    default verbosity, where the choice's INFO line is not); every logged step holds
     the tokens the layout fed the model, beside TRL's own figures."""
     from transformers import AutoModelForCausalLM
 

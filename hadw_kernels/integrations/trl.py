@@ -96,6 +96,20 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier
                     "logits_scaling")
 
 
+def _follow_trainer_verbosity(args) -> None:
+    """This module's logger at the level transformers' Trainer gives its own on this process
+    (``log_level``, ``log_level_replica``: ``args.get_process_log_level()``, which the Trainer
+    passes to ``transformers.logging.set_verbosity``), so that ``log_level="info"`` shows the
+    layout the trainer chose. TRL's GRPOTrainer logs through accelerate's ``get_logger``, which
+    reads ``ACCELERATE_LOG_LEVEL`` only, and writes warnings alone; a logger outside
+    ``transformers`` gets none of transformers' verbosity or its stderr handler. A handler of
+    its own only where no logger up the chain has one: a user's logging config (or pytest's)
+    receives the lines once, through propagation."""
+    logger.setLevel(args.get_process_log_level())
+    if not logger.hasHandlers():
+        logger.addHandler(logging.StreamHandler())
+
+
 class HADWGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` with HA-DW and the fused linear loss; takes the same
     arguments, with ``args`` a :class:`HADWGRPOConfig`. ``self.anchor`` is the
@@ -132,6 +146,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         self._forward_redirection = _ForwardRedirection()
         self._gathered_rewards_per_func = None
         self.layout, because = self._choose_layout(model)
+        _follow_trainer_verbosity(self.args)
         logger.info("HADWGRPOTrainer: the model's forwards in the %s layout (%s)", self.layout.name, because)
         shuffle = self.args.hadw_shuffle
         if shuffle == "auto":
@@ -162,7 +177,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         layout, reason, fallback = choose_layout(models, wanted, option="hadw_layout",
                                                  check=not is_deepspeed_zero3_enabled())
         if fallback is not None:
-            # A warning, not the INFO line: neither TRL's nor transformers' verbosity shows this module's logger.
+            # A warning as well as the INFO line: it shows at transformers' default verbosity (warning).
             warnings.warn(f"hadw_layout='auto' feeds this model padded rows: {fallback}. Its forwards cost what stock "
                           "TRL's do; shared runs of tokens are laid out once only for a model the segment attention "
                           "serves (sdpa attention without sliding windows, say; docs/layouts.md)", UserWarning,
@@ -495,7 +510,7 @@ class HADWGRPOTrainer(GRPOTrainer):
         for name, state in self._states().items():
             path = os.path.join(checkpoint, name)
             if not os.path.exists(path):
-                # A UserWarning, which every host shows; this module's logger needs a handler.
+                # A UserWarning, which every host shows, whatever its log level.
                 warnings.warn(f"resuming from {checkpoint}, which holds no {name}: it starts afresh", UserWarning,
                               stacklevel=2)
                 continue
