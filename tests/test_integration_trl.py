@@ -21,8 +21,8 @@ from hadw_kernels import (DifficultyAnchor, PromptHistory, fused_hadw_grpo_loss,
                           hadw_weights, prompt_key)
 from hadw_kernels.advantage.anchor import DEFAULT_RULE  # noqa: E402
 from hadw_kernels.integrations.trl import ANCHOR_FILE, HISTORY_FILE, HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
-from trl_runs import (PROMPTS, RUN, TOKENIZER, assert_masks_do_not_rest_on_rounding, logged_steps,  # noqa: E402
-                      sevens, tiny_model_dir, train, train_recording_bounds)
+from trl_runs import (PROMPTS, RUN, STOCK_TRL, TOKENIZER, assert_masks_do_not_rest_on_rounding,  # noqa: E402
+                      logged_steps, sevens, tiny_model_dir, train, train_recording_bounds)
 
 # Each TRL loss type, with its options set away from their defaults where it has them:
 # delta above and below 1 + epsilon_high, CISPO's cap low enough to bind, other SAPO
@@ -37,10 +37,9 @@ LOSS_SETTINGS = {
     "cispo+sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.02),
     # TRL's default epsilon_high (epsilon, 0.2) as CISPO's cap: taken, with a warning; with
     # the old log-probs TRL computes here, with none (each step one generation batch: TRL's
-    # ratio is 1; TRL's row shuffle, so that its means over micro-batches average the same
-    # rows), and at sequence level with the bias-corrected KL and the off-policy mask.
+    # ratio is 1), and at sequence level with the bias-corrected KL and the off-policy mask.
     "cispo+default_cap": dict(loss_type="cispo"),
-    "cispo+default_cap+on_policy": dict(loss_type="cispo", gradient_accumulation_steps=4, hadw_shuffle="rows"),
+    "cispo+default_cap+on_policy": dict(loss_type="cispo", gradient_accumulation_steps=4),
     "cispo+default_cap+sequence+kl_bias+off_policy_mask": dict(
         loss_type="cispo", importance_sampling_level="sequence", beta=0.05, use_bias_correction_kl=True,
         off_policy_mask_threshold=0.02),
@@ -95,7 +94,7 @@ def test_without_hadw_the_integration_is_trl(setting, model_dir, spread_model_di
     stock, recorded = train_recording_bounds(model_dir, tmp_path / "stock",
                                              **{k: v for k, v in options.items() if not k.startswith("hadw_")})
     assert_masks_do_not_rest_on_rounding(recorded, options)
-    fused = train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path / "fused", use_hadw=False, **options)
+    fused = train(HADWGRPOTrainer, HADWGRPOConfig, model_dir, tmp_path / "fused", **STOCK_TRL, **options)
     assert fused.anchor is None
     stock_steps, fused_steps = logged_steps(stock), logged_steps(fused)
     assert len(stock_steps) == len(fused_steps) == 2

@@ -15,7 +15,7 @@ pytest.importorskip("trl", reason="the trl extra is not installed")
 from trl import GRPOConfig  # noqa: E402
 
 from hadw_kernels.integrations.trl import HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
-from trl_runs import (PROMPTS, RUN, TOKENIZER, BoundaryRecordingTrainer, VllmRollouts,  # noqa: E402
+from trl_runs import (PROMPTS, RUN, STOCK_TRL, TOKENIZER, BoundaryRecordingTrainer, VllmRollouts,  # noqa: E402
                       assert_masks_do_not_rest_on_rounding, logged_steps, tiny_model_dir, train,
                       train_recording_bounds)
 
@@ -99,7 +99,7 @@ def test_each_layout_is_trl(layout, loss_type, feature, architecture, model_dirs
                                              **{k: v for k, v in options.items() if not k.startswith("hadw_")})
     assert_masks_do_not_rest_on_rounding(recorded, options)
     fused = train(DropInWithVllm if with_vllm else HADWGRPOTrainer, HADWGRPOConfig, model_dirs[architecture],
-                  tmp_path / "fused", use_hadw=False, **options)
+                  tmp_path / "fused", **STOCK_TRL, **options)
     assert fused.layout.name == layout and not fused.shuffles_groups
     if with_vllm:
         assert any(step["sampling/importance_sampling_ratio/min"] == 0 for step in logged_steps(stock))
@@ -161,7 +161,7 @@ def test_what_trl_users_combine_it_with(layout, options, model_dirs, tmp_path):
     stock = _train_with(BoundaryRecordingTrainer, GRPOConfig, model_dirs["plain"], tmp_path / "stock", extra,
                         stock_options)
     fused = _train_with(HADWGRPOTrainer, HADWGRPOConfig, model_dirs["plain"], tmp_path / "fused", extra,
-                        dict(fused_options, use_hadw=False))
+                        dict(fused_options, **STOCK_TRL))
     assert fused.layout.name == layout
     assert_runs_equal(stock, fused)
 

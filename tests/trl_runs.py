@@ -24,6 +24,10 @@ RUN = dict(
     save_strategy="no", use_cpu=True, bf16=False, seed=0,
 )
 
+# The drop-in's settings for stock TRL's numbers: the A/B recipe of docs/integrations/trl.md
+# ("A/B against stock TRL"), which the tests comparing the two runs take as written.
+STOCK_TRL = dict(use_hadw=False, hadw_shuffle="rows")
+
 
 def tiny_model_dir(directory, head_scale: float = 1.0, architecture: str = "llama") -> str:
     """A tiny Llama (or Qwen2) saved to disk: TRL builds its reference model (beta > 0)
