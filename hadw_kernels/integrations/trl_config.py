@@ -84,7 +84,8 @@ class HADWGRPOConfig(GRPOConfig):
 
         use_hadw (`bool`, *optional*, defaults to `True`):
             Multiply the advantages by Phi, from the difficulty anchor. With `False` the trainer runs TRL's loss
-            with the fused kernel only.
+            with the fused kernel only; stock TRL's numbers (an A/B run) also take `hadw_shuffle="rows"`
+            (docs/integrations/trl.md, "A/B against stock TRL").
         hadw_lambda_scale (`float`, *optional*, defaults to `1.3`):
             Phi's scale lambda (the paper's best; the authors' code uses 1.5).
         hadw_advantage_estimator (`str`, *optional*, defaults to `"grpo"`):
