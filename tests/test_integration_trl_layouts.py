@@ -195,6 +195,22 @@ def test_the_layout_is_chosen_when_the_trainer_is_built(model_dirs, tmp_path, ca
         HADWGRPOConfig(output_dir=str(tmp_path), **RUN, hadw_shuffle="tokens")
 
 
+def test_the_layout_choice_reaches_stderr_without_a_logging_config(model_dirs, tmp_path, capsys, monkeypatch):
+    """A TRL user who configured no logging (no handler up the logger's chain, which
+    pytest's capture would otherwise be) still sees the INFO line with log_level="info",
+    on stderr, as transformers' own lines."""
+    import logging
+
+    from hadw_kernels.integrations import trl as drop_in
+
+    monkeypatch.setattr(drop_in.logger, "propagate", False)
+    monkeypatch.setattr(drop_in.logger, "handlers", [])  # the handler the trainer adds goes with the test
+    HADWGRPOTrainer(model=model_dirs["llama"], reward_funcs=_sevens, train_dataset=PROMPTS, processing_class=TOKENIZER,
+                    args=HADWGRPOConfig(output_dir=str(tmp_path), **RUN, log_level="info"))
+    assert [type(handler) for handler in drop_in.logger.handlers] == [logging.StreamHandler]
+    assert "HADWGRPOTrainer: the model's forwards in the prefix_tree layout" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("layout", ["auto", "packed"])
 def test_a_model_the_segment_attention_cannot_serve(layout, tmp_path):
     """Sliding-window attention: "auto" stays padded, a packed layout is refused by name."""
