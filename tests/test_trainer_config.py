@@ -524,3 +524,14 @@ def test_a_task_s_own_data_keys_are_refused_with_another_task():
     assert owned >= 7  # context_tokens, exemplars, and the math task's files and field names
     assert "data.train_files belongs to the math task" in _error(["data.train_files=[a.jsonl]"])
     assert "data.exemplars belongs to the synthetic task" in _error(["data.task=arithmetic", "data.exemplars=2"])
+
+
+def test_the_std_divides_only_the_group_mean_s_advantage():
+    """algorithm.normalize_std: false drops GRPO's std alone (Dr.GRPO's advantage at the
+    loss type's aggregation); true with an estimator that gives all-equal groups an
+    advantage (std 0) is refused, naming both keys."""
+    validate(load_config(None, ["algorithm.normalize_std=false"]))
+    validate(load_config(None, ["algorithm.normalize_std=false", "algorithm.advantage_estimator=rloo"]))
+    message = _error(["algorithm.normalize_std=true", "algorithm.advantage_estimator=prompt_history"])
+    assert message.startswith("algorithm.normalize_std=true divides by the group's std, which "
+                              "algorithm.advantage_estimator='prompt_history' does not take")
