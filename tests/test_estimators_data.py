@@ -114,6 +114,19 @@ def test_extract_takes_each_finished_run_s_last_fifth(tmp_path):
     assert len(printed.getvalue().splitlines()) == 2  # seeds 0 and 1 make no pair: the header alone
 
 
+def test_extract_reads_one_task_s_sweep_and_its_held_out_accuracy(tmp_path):
+    """A compare.py sweep of one task (ROOT/<key>-<value>/<run>): ROOT's name is the task,
+    and each level's held-out accuracy at the run's end is a column."""
+    run_dir = tmp_path / "estimators-smollm2" / "group_size-4" / "grpo-seed2"
+    _run(run_dir, ["rollout.group_size=4", "algorithm.hadw=false", "train.seed=2"], 0.5)
+    evaluations = [{"step": 0, "eval/plus": 0.5, "eval/two-digit": 0.1}, {"step": 10, "eval/plus": 0.75,
+                                                                          "eval/two-digit": 0.25}]
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in evaluations))
+    (row,) = extract(tmp_path / "estimators-smollm2")
+    assert (row["task"], row["group_size"], row["seed"]) == ("estimators-smollm2", 4, 2)
+    assert (row["eval_plus"], row["eval_two-digit"]) == (0.75, 0.25)
+
+
 def test_a_run_whose_settings_are_not_its_arm_s_is_refused(tmp_path):
     """The arm is read from the directory's name; the run's config must hold that arm's
     settings, or its figures would be quoted under another arm's name."""

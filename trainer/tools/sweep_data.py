@@ -8,7 +8,8 @@ from that file alone, so a reader can recompute every mean and interval.
     python -m trainer.tools.sweep_data refresh docs/estimators.md      # every quoted table, from its command
 
 ``extract`` reads every finished run under ``ROOT/<task>/<key>-<value>/<variant>-seed<k>/``
-(compare.py's layout for ``--name <sweep>/<task> --sweep rollout.group_size=...``): one
+(compare.py's layout for ``--name <sweep>/<task> --sweep rollout.group_size=...``), or
+under ``ROOT/<key>-<value>/<variant>-seed<k>/`` (one task: ROOT's name is its name): one
 row per run with its task (the directory), its prompt pool, G, arm, seed and steps, then
 compare.py's figures over the last fifth of its steps (the training reward, each level's
 training accuracy, the entropy), the held-out greedy accuracy of each level at its end
@@ -57,7 +58,7 @@ def extract(root: Path) -> list[dict]:
     """One row per finished run under ``root`` (module docstring), ordered by task, G,
     arm (compare.py's order) and seed."""
     rows = []
-    for config_path in sorted(root.glob("*/*/*/config.yaml")):
+    for config_path in sorted([*root.glob("*/*/config.yaml"), *root.glob("*/*/*/config.yaml")]):
         run_dir = config_path.parent
         match = _RUN.match(run_dir.name)
         arm = arm_of(match["slug"]) if match else None
