@@ -191,6 +191,9 @@ def test_the_fingerprint_leaves_out_what_does_not_change_a_run(tmp_path):
     assert "prompt_pool" not in text
     (run_dir / "config.yaml").write_text(text)
     assert saved_fingerprint(run_dir)["sha256"] == base["sha256"]
+    (run_dir / "config.yaml").write_text(text + "train:\n  retired_key: 1\n")
+    with pytest.raises(SystemExit, match="does not read as this trainer's config .*retired_key"):
+        saved_fingerprint(run_dir)
 
 
 def _write_run(directory: Path, seed: int, reward: float, add: float) -> None:

@@ -15,7 +15,10 @@ Each run is ``trainer/run.py`` in its own process (one engine per process), name
 ``<name>/<variant>-seed<k>`` under ``run.output_dir``. A seed fixes the prompts of every
 step (drawn from (seed, step)), so the variants of a seed train on the same prompts.
 Finished runs are reused and unfinished ones resumed, so an interrupted comparison picks
-up where it stopped. The PNG (``<name>/comparison.png`` unless ``--plot``) shows the training reward and, where the
+up where it stopped; only where they ran what this call asks: each run's fingerprint
+(every setting of its resolved config but where it is, what it shows and the machine's
+resources: ``UNFINGERPRINTED``) is compared with this call's, a mismatch refused naming
+the differing keys, and stored beside the run (``fingerprint.json``). The PNG (``<name>/comparison.png`` unless ``--plot``) shows the training reward and, where the
 task has a held-out set (eval.every > 0), the held-out greedy accuracy of each level
 (otherwise the training accuracy per level): the mean over seeds with the min-max band.
 
@@ -282,7 +285,13 @@ def saved_fingerprint(run_dir: Path) -> dict | None:
     """The fingerprint of what ``run_dir`` ran, from the config.yaml the trainer wrote when
     it started (a key an older trainer did not write reads as its default); None before."""
     saved = run_dir / "config.yaml"
-    return fingerprint(load_config(saved)) if saved.exists() else None
+    if not saved.exists():
+        return None
+    try:
+        return fingerprint(load_config(saved))
+    except ConfigError as error:  # a key since renamed or removed: what it ran cannot be compared
+        raise SystemExit(f"{saved} does not read as this trainer's config ({error}): what the run ran cannot be "
+                         "compared with this call; use another --name") from None
 
 
 def check_fingerprint(run_dir: Path, asked: dict) -> None:
