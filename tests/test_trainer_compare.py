@@ -109,8 +109,91 @@ def test_scaled_variant_needs_a_factor_or_the_kalman_runs():
 def test_run_names_are_plain_paths():
     assert [run_name("compare", label, 1) for label in VARIANTS] == [
         "compare/grpo-seed1", "compare/grpo-lr-x-mean-phi-seed1", "compare/grpo-ha-dw-kalman-seed1",
-        "compare/grpo-ha-dw-authors-seed1", "compare/rloo-seed1", "compare/james-stein-seed1",
-        "compare/prompt-history-seed1"]
+        "compare/grpo-ha-dw-authors-seed1", "compare/dr.grpo-seed1", "compare/rloo-seed1",
+        "compare/james-stein-seed1", "compare/prompt-history-seed1", "compare/prompt-history-phi-seed1"]
+
+
+def test_the_arms_differ_from_grpo_in_what_their_names_say():
+    """Dr.GRPO is GRPO without the std and nothing else (its loss type's aggregation kept);
+    the history arm with Phi is the history arm with HA-DW's kalman Phi."""
+    from trainer.config import load_config
+    from trainer.tools.compare import fingerprint
+
+    def settings(label):
+        return fingerprint(load_config(None, VARIANTS[label]))["settings"]
+
+    def differing(first, second):
+        return {key for key in settings(first) if settings(first)[key] != settings(second)[key]}
+
+    assert differing("Dr.GRPO", "GRPO") == {"algorithm.normalize_std"}
+    assert settings("Dr.GRPO")["algorithm.normalize_std"] is False
+    assert settings("Dr.GRPO")["algorithm.loss_type"] == "grpo"
+    assert differing("prompt history+Phi", "prompt history") == {"algorithm.hadw"}
+    assert differing("prompt history+Phi", KALMAN) == {"algorithm.advantage_estimator"}
+
+
+def test_dr_grpo_s_advantage_is_grpo_s_without_the_std():
+    import torch
+
+    from trainer.config import load_config
+    from trainer.engine.loop import batch_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    grpo = batch_advantages(rewards, 4, load_config(None, VARIANTS["GRPO"]).algorithm, 1.3, belief=0.5)[0]
+    dr_grpo = batch_advantages(rewards, 4, load_config(None, VARIANTS["Dr.GRPO"]).algorithm, 1.3, belief=0.5)[0]
+    assert torch.allclose(dr_grpo, torch.tensor([0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0, 0.0]))
+    assert torch.allclose(grpo[:4], dr_grpo[:4] / rewards[:4].std(), atol=1e-4)
+
+
+def _finished(run_dir: Path, overrides: list[str], steps: int = 10) -> None:
+    """A finished run as the trainer leaves it: its resolved config.yaml and its metrics."""
+    from trainer.config import load_config, save_config
+
+    _write_run(run_dir, 0, 0.5, 0.3)
+    save_config(load_config(None, overrides + [f"train.steps={steps}"]), run_dir / "config.yaml")
+
+
+def test_a_finished_run_is_reused_only_with_the_settings_it_ran(tmp_path, capsys):
+    """A run is named by its variant and seed, not by the rest of its config: a call that
+    asks for another G, task setting or estimator under the same name is refused, naming
+    each differing key, rather than read back."""
+    output = tmp_path / "runs"
+    run_dir = output / run_name("compare", "GRPO", 0)
+    _finished(run_dir, ["algorithm.hadw=false", "rollout.group_size=2", "train.seed=0"])
+    call = ["--variants", "GRPO", "--seeds", "0", "--steps", "10", "--set", f"run.output_dir={output}"]
+    assert main(call + ["--set", "rollout.group_size=2", "--set", "run.threads=1"]) == 0  # reused: threads do not count
+    assert (run_dir / "fingerprint.json").exists()
+    with pytest.raises(SystemExit, match=r"ran with other settings than this call asks \(rollout.group_size 2 -> 4\)"):
+        main(call + ["--set", "rollout.group_size=4"])
+    with pytest.raises(SystemExit, match=r"data.prompt_pool 0 -> 100, rollout.group_size 2 -> 8\)"):
+        main(call + ["--set", "rollout.group_size=8", "--set", "data.prompt_pool=100"])
+    with pytest.raises(SystemExit, match="ran 10 steps, this call asks for 5"):
+        main(call[:4] + ["--steps", "5", "--set", f"run.output_dir={output}", "--set", "rollout.group_size=2"])
+
+
+def test_the_fingerprint_leaves_out_what_does_not_change_a_run(tmp_path):
+    from trainer.config import load_config, save_config
+    from trainer.tools.compare import fingerprint, saved_fingerprint
+
+    base = fingerprint(load_config(None, []))
+    moved = fingerprint(load_config(None, ["run.name=elsewhere", "run.output_dir=/tmp/x", "run.threads=2",
+                                           "run.plot=false", "run.progress=false", "run.keep_checkpoints=4",
+                                           "train.steps=50"]))
+    assert moved["sha256"] == base["sha256"]
+    for changed in ("train.seed=1", "algorithm.advantage_estimator=rloo", "data.prompt_pool=10", "eval.every=5",
+                    "train.learning_rate=1e-3", "run.log_samples=8"):
+        assert fingerprint(load_config(None, [changed]))["sha256"] != base["sha256"], changed
+    # A config.yaml an older trainer wrote, without a key added since, reads as its default.
+    run_dir = tmp_path / "older"
+    run_dir.mkdir()
+    save_config(load_config(None, []), run_dir / "config.yaml")
+    text = (run_dir / "config.yaml").read_text().replace("  prompt_pool: 0\n", "")
+    assert "prompt_pool" not in text
+    (run_dir / "config.yaml").write_text(text)
+    assert saved_fingerprint(run_dir)["sha256"] == base["sha256"]
+    (run_dir / "config.yaml").write_text(text + "train:\n  retired_key: 1\n")
+    with pytest.raises(SystemExit, match="does not read as this trainer's config .*retired_key"):
+        saved_fingerprint(run_dir)
 
 
 def _write_run(directory: Path, seed: int, reward: float, add: float) -> None:

@@ -590,3 +590,14 @@ def test_a_resume_s_settings_are_compared_once_and_handed_to_the_loop(tmp_path, 
     assert trainer.run.main(common + ["--set", "train.steps=300", "--resume"]) == 0
     assert len(calls) == 1 and built[-1][4] == {"train.steps": [200, 300]}
     assert not hasattr(trainer.engine.loop, "resumed_settings")  # the loop takes them as given
+
+
+def test_the_std_divides_only_the_group_mean_s_advantage():
+    """algorithm.normalize_std: false drops GRPO's std alone (Dr.GRPO's advantage at the
+    loss type's aggregation); true with an estimator that gives all-equal groups an
+    advantage (std 0) is refused, naming both keys."""
+    validate(load_config(None, ["algorithm.normalize_std=false"]))
+    validate(load_config(None, ["algorithm.normalize_std=false", "algorithm.advantage_estimator=rloo"]))
+    message = _error(["algorithm.normalize_std=true", "algorithm.advantage_estimator=prompt_history"])
+    assert message.startswith("algorithm.normalize_std=true divides by the group's std, which "
+                              "algorithm.advantage_estimator='prompt_history' does not take")

@@ -160,3 +160,45 @@ def test_the_config_loads_no_numerics_library():
             "print(sorted(name for name in ('numpy', 'torch') if name in sys.modules))")
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert shown.returncode == 0 and shown.stdout.strip() == "[]", shown.stderr[-2000:]
+
+
+def test_a_prompt_pool_makes_prompts_recur_as_a_large_dataset_s_do():
+    """data.prompt_pool: each step's prompts drawn from one fixed pool of distinct prompts
+    (the same for every seed, as a dataset is one file), so that over 200 steps of 64
+    prompts a prompt of a pool of 5000 recurs about 12800 / 5000 = 2.6 times, where the
+    levels' 152 problems recur every 2-3 steps."""
+    from collections import Counter
+
+    def visits(overrides):
+        config = load_config(None, ["train.prompts_per_step=64"] + overrides)
+        validate(config)
+        source = TASKS["synthetic"].prompt_source(config.data, config.eval, config.train.seed)
+        return Counter(problem.prompt for step in range(200) for problem in source.problems(step, 64, 0, 1))
+
+    assert len(visits([])) == 10 + 10 + 100 + 2 ** synthetic_task.COUNT_LENGTH  # every problem, ~84 visits each
+    pooled = visits(["data.prompt_pool=5000"])
+    pool = synthetic_task.prompt_pool(tuple(synthetic_task.LEVELS), 5000)
+    assert len({problem.prompt for problem in pool}) == 5000
+    assert set(pooled) <= {problem.prompt for problem in pool}
+    assert 2.5 < sum(pooled.values()) / len(pooled) < 3.5  # visits of a prompt drawn at all
+    assert max(pooled.values()) < 12
+    # Another seed draws other prompts of the same pool.
+    assert set(visits(["data.prompt_pool=5000", "train.seed=1"])) <= {problem.prompt for problem in pool}
+    # Each prompt is an identifier (its own number, 4 digits) before a problem whose answer
+    # it leaves as it was: the verifier reads the response alone.
+    for problem in pool[:50]:
+        identifier, question = problem.prompt.split(" ", 4)[:4], problem.prompt.split(" ", 4)[4]
+        assert all(token.isdigit() for token in identifier)
+        assert synthetic_task.score_synthetic(problem.answer, problem.answer) == 1.0
+        assert question.split()[0] == problem.level
+    assert synthetic_task.pool_id_tokens(5000) == 4 and synthetic_task.pool_id_tokens(0) == 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.prompt_pool=-1"], "data.prompt_pool must be non-negative"),
+    (["data.prompt_pool=100", "data.context_tokens=3"], "data.prompt_pool draws prompts that recur"),
+])
+def test_a_prompt_pool_is_refused_where_it_cannot_recur(overrides, message):
+    # (with another task, as each of a task's own keys: test_trainer_config.py)
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, overrides))

@@ -42,7 +42,7 @@ from .settings import resolve_engine
 from ..tasks.problem import Problem, encode_prompt
 from ..tasks.registry import TASKS
 from ..tasks.rewards import build_reward
-from ..tasks.synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY
+from ..tasks.synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY, pool_id_tokens
 MAX_ERROR_MESSAGES = 20
 # The all-degenerate warning: the first few times, then every this many steps.
 DEGENERATE_WARNINGS_FIRST = 3
@@ -78,7 +78,8 @@ def batch_advantages(rewards: torch.Tensor, group_size: int, algo, lambda_scale:
     (phi_mean, zero_std_frac) the loss cannot see once given advantages. ``prior``: each
     response's (alpha, beta), read by the history estimators."""
     row = ESTIMATORS[algo.advantage_estimator]
-    normalize_std = LOSS_PRESETS[algo.loss_type].normalize_std and row.takes_std
+    normalize_std = LOSS_PRESETS[algo.loss_type].normalize_std if algo.normalize_std is None else algo.normalize_std
+    normalize_std = normalize_std and row.takes_std
     advantages, phi = hadw_advantages(rewards, group_size=group_size, anchor=belief if algo.hadw else None,
                                       lambda_scale=lambda_scale, normalize_std=normalize_std, estimator=row.name,
                                       prior=prior if row.scope == "history" else None, return_phi=True)
@@ -228,11 +229,12 @@ class Trainer:
         from ..models.tiny_model import build_tiny_model, build_tokenizer, save_initial_model
 
         tokenizer = build_tokenizer(VOCABULARY)
-        # Positions for the longest prompt (its context and exemplars included: an exemplar,
-        # a prompt and its one-token answer, is at most a prompt's length) and response.
+        # Positions for the longest prompt (its context, its pool identifier and exemplars
+        # included: an exemplar, a prompt and its one-token answer, is at most a prompt's
+        # length) and response.
         data = self.config.data
-        positions = (data.context_tokens + (data.exemplars + 1) * MAX_SYNTHETIC_PROMPT_TOKENS
-                     + self.config.rollout.max_new_tokens)
+        positions = (data.context_tokens + pool_id_tokens(data.prompt_pool)
+                     + (data.exemplars + 1) * MAX_SYNTHETIC_PROMPT_TOKENS + self.config.rollout.max_new_tokens)
         model = build_tiny_model(model_config, tokenizer, self.config.train.seed, positions).to(dtype)
         model_dir = self.run_dir / "initial_model"
         if self.rank == 0 and not (model_dir / "config.json").exists():

@@ -47,6 +47,10 @@ class AlgorithmConfig:
     # The baseline of A = r - b (docs/math.md, section 2a): grpo (the group's mean, divided
     # by its std as the loss type says), rloo, james_stein or prompt_history.
     advantage_estimator: str = "grpo"
+    # Whether the group's std divides the grpo estimator's r - b; None: the loss type's
+    # (grpo: yes, dr_grpo: no). false keeps the loss type's aggregation and drops the std
+    # alone (Dr.GRPO's advantage), so a run differs from GRPO in the std and nothing else.
+    normalize_std: bool | None = None
     # prompt_history's discount per rollout batch and prior strength; None: the library's.
     history_discount: float | None = None
     history_prior_strength: float | None = None
@@ -173,12 +177,16 @@ def _check_algorithm(config) -> None:
     from hadw_kernels.advantage.history import PromptHistory
     from hadw_kernels.config.presets import LOSS_TYPES
     from hadw_kernels.loss import check_options, fused_linear_hadw_grpo_loss
-    from hadw_kernels.tables.estimators import ESTIMATOR_NAMES
+    from hadw_kernels.tables.estimators import ESTIMATOR_NAMES, ESTIMATORS
 
     algo = config.algorithm
     for key, choices in (("loss_type", LOSS_TYPES), ("advantage_estimator", ESTIMATOR_NAMES)):
         if getattr(algo, key) not in choices:
             raise ConfigError(f"algorithm.{key} must be one of {choices}, got {getattr(algo, key)!r}")
+    if algo.normalize_std and not ESTIMATORS[algo.advantage_estimator].takes_std:
+        raise ConfigError(f"algorithm.normalize_std=true divides by the group's std, which "
+                          f"algorithm.advantage_estimator={algo.advantage_estimator!r} does not take (its all-equal "
+                          "groups get an advantage and a std of 0): leave it unset")
     try:
         PromptHistory(**{name: value for name, value in (("discount", algo.history_discount),
                                                          ("prior_strength", algo.history_prior_strength))

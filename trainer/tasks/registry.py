@@ -124,7 +124,8 @@ TASKS: dict[str, Task] = {task.name: task for task in (
         verifier_needs_deadline=False,
         levels=tuple(synthetic_task.LEVELS),
         draw=lambda levels, count, rng, data, held_out: synthetic_task.sample_problems(
-            levels, count, rng, data.context_tokens, data.exemplars),
+            levels, count, rng, data.context_tokens, data.exemplars, data.prompt_pool),
+        check=synthetic_task.check_synthetic_data,
         data_fields=synthetic_task.SyntheticData,
     ),
     Task(

@@ -15,7 +15,10 @@ Each run is ``trainer/run.py`` in its own process (one engine per process), name
 ``<name>/<variant>-seed<k>`` under ``run.output_dir``. A seed fixes the prompts of every
 step (drawn from (seed, step)), so the variants of a seed train on the same prompts.
 Finished runs are reused and unfinished ones resumed, so an interrupted comparison picks
-up where it stopped. The PNG (``<name>/comparison.png`` unless ``--plot``) shows the training reward and, where the
+up where it stopped; only where they ran what this call asks: each run's fingerprint
+(every setting of its resolved config but where it is, what it shows and the machine's
+resources: ``UNFINGERPRINTED``) is compared with this call's, a mismatch refused naming
+the differing keys, and stored beside the run (``fingerprint.json``). The PNG (``<name>/comparison.png`` unless ``--plot``) shows the training reward and, where the
 task has a held-out set (eval.every > 0), the held-out greedy accuracy of each level
 (otherwise the training accuracy per level): the mean over seeds with the min-max band.
 
@@ -44,6 +47,8 @@ rate (docs/trainer.md).
 from __future__ import annotations
 
 import argparse
+import copy
+import hashlib
 import json
 import math
 import shlex
@@ -60,7 +65,8 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hadw_kernels.tools.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, output_file, summary
-from trainer.config import ConfigError, load_config, validate
+from trainer.config import RESUMABLE_KEYS, ConfigError, load_config, validate
+from trainer.engine.settings import resolve_engine
 from trainer.engine.metrics_log import read_metrics
 from trainer.tools.intervals import format_interval, mean_interval
 
@@ -72,10 +78,16 @@ VARIANTS = {
     LR_SCALED: ["algorithm.hadw=false"],  # and train.learning_rate, set in main()
     KALMAN: ["algorithm.hadw=true", "algorithm.anchor_preset=kalman"],
     "GRPO+HA-DW (authors)": ["algorithm.hadw=true", "algorithm.anchor_preset=authors_code"],
-    # The estimators of docs/math.md section 2a, each without Phi.
+    # The estimators of docs/math.md section 2a, each without Phi and without the std; so
+    # that the baseline's effect reads apart from the std's, GRPO's own baseline without
+    # the std too (Dr.GRPO's advantage, at GRPO's aggregation: only the std differs).
+    "Dr.GRPO": ["algorithm.hadw=false", "algorithm.normalize_std=false"],
     "RLOO": ["algorithm.hadw=false", "algorithm.advantage_estimator=rloo"],
     "James-Stein": ["algorithm.hadw=false", "algorithm.advantage_estimator=james_stein"],
     "prompt history": ["algorithm.hadw=false", "algorithm.advantage_estimator=prompt_history"],
+    # HA-DW's Phi on the history's advantages.
+    "prompt history+Phi": ["algorithm.hadw=true", "algorithm.anchor_preset=kalman",
+                           "algorithm.advantage_estimator=prompt_history"],
 }
 
 
@@ -202,7 +214,12 @@ def run_variants(args, shared: list[str], output: Path, directory: str, progress
         for seed in args.seeds:
             name = run_name(directory, label, seed)
             _check_learning_rate(output / name, learning_rate)
+            asked = fingerprint(load_config(args.config, shared + variant + [f"train.seed={seed}", f"run.name={name}"]))
+            check_fingerprint(output / name, asked)
             rows = read_metrics(output / name / "metrics.jsonl")
+            if rows and rows[-1]["step"] > base.train.steps:
+                raise SystemExit(f"{output / name} ran {rows[-1]['step']} steps, this call asks for {base.train.steps}: "
+                                 "its last steps' figures would be read as this call's; use another --name")
             if not rows or rows[-1]["step"] < base.train.steps:
                 # The file, not `-m trainer.run`: it finds its checkout from any directory.
                 command = [sys.executable, str(RUN)]
@@ -215,6 +232,7 @@ def run_variants(args, shared: list[str], output: Path, directory: str, progress
                       f"({time.perf_counter() - progress['started']:.0f} s so far): {' '.join(command[2:])}", flush=True)
                 _timed_run(command, name, times)
                 rows = read_metrics(output / name / "metrics.jsonl")
+            write_fingerprint(output / name)
             progress["done"] += 1
             evaluations = read_metrics(output / name / "eval.jsonl")
             runs[label].append({"seed": seed, "metrics": rows, "eval": evaluations,
@@ -247,6 +265,63 @@ def _check_learning_rate(run_dir: Path, learning_rate: float) -> None:
     if saved.exists() and load_config(saved).train.learning_rate != learning_rate:
         raise SystemExit(f"{run_dir} ran at learning rate {load_config(saved).train.learning_rate:g}, this call asks "
                          f"for {learning_rate:g}: pass the --lr-scale it ran with, or another --name")
+
+
+# The settings left out of a run's fingerprint: where the run is, and those that change
+# neither what a step computes nor what this tool reads of it. That is the trainer's own
+# list of what a resume may change (what it shows and logs, how often it saves, machine
+# resources), less the evaluation's keys (they set the held-out figures the table
+# reports) and run.log_samples (the groups phi_balance reads); train.steps among them,
+# since a shorter run is resumed to the steps asked (a longer one is refused by its steps).
+UNFINGERPRINTED = (RESUMABLE_KEYS - {"eval.every", "eval.problems_per_level", "run.log_samples"}) | {
+    "run.name", "run.output_dir"}
+FINGERPRINT_FILE = "fingerprint.json"
+
+
+def fingerprint(config) -> dict:
+    """What a run computes, for its reuse: ``{"settings": {section.key: value}, "sha256"}``,
+    every key of the resolved config (rollout.engine resolved, as the run saves it) but
+    :data:`UNFINGERPRINTED`, and the SHA-256 of their canonical JSON."""
+    resolved = copy.deepcopy(config)
+    resolved.rollout.engine = resolve_engine(resolved.rollout.engine)
+    settings = {f"{section}.{key}": value for section, keys in resolved.to_dict().items()
+                for key, value in keys.items() if f"{section}.{key}" not in UNFINGERPRINTED}
+    text = json.dumps(settings, sort_keys=True, separators=(",", ":"))
+    return {"settings": settings, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def saved_fingerprint(run_dir: Path) -> dict | None:
+    """The fingerprint of what ``run_dir`` ran, from the config.yaml the trainer wrote when
+    it started (a key an older trainer did not write reads as its default); None before."""
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        return None
+    try:
+        return fingerprint(load_config(saved))
+    except ConfigError as error:  # a key since renamed or removed: what it ran cannot be compared
+        raise SystemExit(f"{saved} does not read as this trainer's config ({error}): what the run ran cannot be "
+                         "compared with this call; use another --name") from None
+
+
+def check_fingerprint(run_dir: Path, asked: dict) -> None:
+    """A run is reused or resumed only where it ran what this call asks: otherwise refused,
+    one line naming each differing key with the run's value and this call's (the run is
+    never removed here: another --name runs the new settings beside it)."""
+    saved = saved_fingerprint(run_dir)
+    if saved is None or saved["sha256"] == asked["sha256"]:
+        return
+    ran, wanted = saved["settings"], asked["settings"]
+    differing = ", ".join(f"{key} {ran.get(key)!r} -> {wanted.get(key)!r}"
+                          for key in sorted(set(ran) | set(wanted)) if ran.get(key) != wanted.get(key))
+    raise SystemExit(f"{run_dir} ran with other settings than this call asks ({differing}): "
+                     "use another --name, or move that run away to rerun it")
+
+
+def write_fingerprint(run_dir: Path) -> None:
+    """The run's fingerprint stored beside it (what the data files quote)."""
+    saved = saved_fingerprint(run_dir)
+    if saved is not None:
+        (run_dir / FINGERPRINT_FILE).write_text(json.dumps(saved, indent=1, sort_keys=True) + "\n")
 
 
 # A seed has collapsed when, over the last fifth of its steps, its policy is nearly
@@ -360,7 +435,7 @@ def sweep_summary(results: dict[str, dict[str, list[dict]]], steps: int) -> dict
     summary["weighing"] = {
         value: {label: {"belief": mean_interval([window_mean(seed["metrics"], "anchor/belief") for seed in seeds]),
                         "balance": mean_interval([phi_balance(seed) for seed in seeds])}
-                for label, seeds in runs.items() if "algorithm.hadw=true" in VARIANTS[label]}
+                for label, seeds in runs.items() if "algorithm.hadw=true" in VARIANTS[label] and _grpo_baseline(label)}
         for value, runs in results.items()}
     for index, value in enumerate(values):
         figures = per_seed[value]
@@ -375,6 +450,11 @@ def sweep_summary(results: dict[str, dict[str, list[dict]]], steps: int) -> dict
                 label: {key: mean_interval(_paired(figures[label][key], following[key])) for key in keys}
                 for label in labels[1:]}
     return summary
+
+
+def _grpo_baseline(label: str) -> bool:
+    """Whether a variant keeps GRPO's baseline, whose advantages phi_balance forms."""
+    return not any(setting.startswith("algorithm.advantage_estimator=") for setting in VARIANTS[label])
 
 
 def phi_balance(seed: dict) -> float:

@@ -1,0 +1,136 @@
+"""docs/estimators.md's sweep tables from the per-seed data file beside them
+(docs/data/estimators-sweep.csv): each table is the output of the command written above
+it, and each of its means and 95% t intervals is recomputed here from the file's rows;
+and trainer/tools/sweep_data.py's extraction of finished runs."""
+
+import contextlib
+import io
+import json
+import math
+import re
+import shlex
+import statistics
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
+
+from trainer.tools.intervals import t_critical
+from trainer.tools.sweep_data import extract, main, read_rows, refresh, write_rows
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "estimators.md"
+COMMAND = re.compile(r"```bash\n(python -m trainer\.tools\.sweep_data tables [^\n]+)\n```\n\n((?:\|[^\n]*\n)+)")
+
+
+def _documented_tables() -> list[tuple[list[str], str]]:
+    return [(shlex.split(command)[4:], table.rstrip("\n")) for command, table in COMMAND.findall(DOC.read_text())]
+
+
+def _interval(values: list[float], signed: bool = False) -> str:
+    """The mean [95% t interval] as the tables print it, computed here from first principles."""
+    values = [value for value in values if not math.isnan(value)]
+    mean = statistics.fmean(values)
+    sign = "+" if signed else ""
+    if len(values) < 2:
+        return f"{mean:{sign}.3f}"
+    half = t_critical(0.95, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return f"{mean:{sign}.3f} [{mean - half:{sign}.3f}, {mean + half:{sign}.3f}]"
+
+
+def test_each_table_is_its_command_s_output():
+    assert _documented_tables(), "docs/estimators.md quotes no sweep_data table"
+    text = DOC.read_text()
+    assert refresh(text) == text, "a table differs from its command's output: python -m trainer.tools.sweep_data refresh"
+
+
+def test_each_mean_and_interval_is_recomputed_from_the_data_file():
+    checked = 0
+    for arguments, table in _documented_tables():
+        rows = read_rows(REPO / arguments[0])
+        header, _, *lines = table.splitlines()
+        names = [cell.strip() for cell in header.strip("|").split("|")]
+        for line in lines:
+            cells = dict(zip(names, (cell.strip() for cell in line.strip("|").split("|"))))
+            chosen = [row for row in rows if row["task"] == cells["task"] and row["group_size"] == int(cells["G"])]
+            if "difference" in cells:
+                arm, baseline = cells["difference"].split(" - ")
+                of = {row["seed"]: row for row in chosen if row["arm"] == arm}
+                base = {row["seed"]: row for row in chosen if row["arm"] == baseline}
+                seeds = sorted(set(of) & set(base))
+                assert int(cells["pairs"]) == len(seeds)
+                values = {name: [of[seed][name] - base[seed][name] for seed in seeds] for name in rows[0]
+                          if name not in ("task", "arm", "fingerprint")}
+                signed = True
+            else:
+                chosen = [row for row in chosen if row["arm"] == cells["arm"]]
+                assert int(cells["seeds"]) == len(chosen)
+                values = {name: [row[name] for row in chosen] for name in rows[0] if name not in ("task", "arm",
+                                                                                                 "fingerprint")}
+                signed = False
+            for name, shown in cells.items():
+                column = {"reward": "reward"}.get(name) or (
+                    f"eval_{name.removesuffix(' (held-out)')}" if name.endswith("(held-out)") else f"acc_{name}")
+                if column in values:
+                    assert shown == _interval(values[column], signed), (line, name)
+                    checked += 1
+    assert checked > 0
+
+
+def _run(directory: Path, overrides: list[str], reward: float, steps: int = 10, finished: bool = True) -> None:
+    """A run as the trainer leaves it: its resolved config.yaml and its metrics."""
+    from trainer.config import load_config, save_config
+
+    directory.mkdir(parents=True)
+    save_config(load_config(None, overrides + [f"train.steps={steps}"]), directory / "config.yaml")
+    last = steps if finished else steps - 3
+    rows = [{"step": s, "reward/mean": reward if s > 8 else 0.0, "acc/copy": 1.0, "acc/add": None if s == 10 else 0.5,
+             "entropy_mean": 0.4} for s in range(1, last + 1)]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_extract_takes_each_finished_run_s_last_fifth(tmp_path):
+    root = tmp_path / "sweep"
+    _run(root / "recurring/group_size-2/grpo-seed0", ["rollout.group_size=2", "algorithm.hadw=false"], 0.5)
+    _run(root / "recurring/group_size-2/dr.grpo-seed1", ["rollout.group_size=2", "algorithm.hadw=false",
+                                                          "algorithm.normalize_std=false", "train.seed=1"], 0.25)
+    _run(root / "rare/group_size-4/prompt-history-phi-seed0", ["rollout.group_size=4", "data.prompt_pool=50",
+                                                               "algorithm.advantage_estimator=prompt_history",
+                                                               "algorithm.hadw=true"], 0.75)
+    _run(root / "rare/group_size-4/grpo-seed3", ["rollout.group_size=4", "algorithm.hadw=false"], 0.9, finished=False)
+    rows = extract(root)
+    assert [(row["task"], row["group_size"], row["arm"], row["seed"], row["prompt_pool"]) for row in rows] == [
+        ("rare", 4, "prompt history+Phi", 0, 50), ("recurring", 2, "GRPO", 0, 0), ("recurring", 2, "Dr.GRPO", 1, 0)]
+    # the last fifth of 10 steps: steps 9 and 10; add logged at step 9 alone
+    assert rows[1]["reward"] == 0.5 and rows[1]["acc_add"] == 0.5 and rows[1]["acc_copy"] == 1.0
+    assert len(rows[0]["fingerprint"]) == 16
+    write_rows(rows, tmp_path / "data.csv")
+    back = read_rows(tmp_path / "data.csv")
+    assert back == rows
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(["tables", str(tmp_path / "data.csv"), "--differences", "--baseline", "Dr.GRPO"])
+    assert len(printed.getvalue().splitlines()) == 2  # seeds 0 and 1 make no pair: the header alone
+
+
+def test_extract_reads_one_task_s_sweep_and_its_held_out_accuracy(tmp_path):
+    """A compare.py sweep of one task (ROOT/<key>-<value>/<run>): ROOT's name is the task,
+    and each level's held-out accuracy at the run's end is a column."""
+    run_dir = tmp_path / "estimators-smollm2" / "group_size-4" / "grpo-seed2"
+    _run(run_dir, ["rollout.group_size=4", "algorithm.hadw=false", "train.seed=2"], 0.5)
+    evaluations = [{"step": 0, "eval/plus": 0.5, "eval/two-digit": 0.1}, {"step": 10, "eval/plus": 0.75,
+                                                                          "eval/two-digit": 0.25}]
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in evaluations))
+    (row,) = extract(tmp_path / "estimators-smollm2")
+    assert (row["task"], row["group_size"], row["seed"]) == ("estimators-smollm2", 4, 2)
+    assert (row["eval_plus"], row["eval_two-digit"]) == (0.75, 0.25)
+
+
+def test_a_run_whose_settings_are_not_its_arm_s_is_refused(tmp_path):
+    """The arm is read from the directory's name; the run's config must hold that arm's
+    settings, or its figures would be quoted under another arm's name."""
+    _run(tmp_path / "sweep/recurring/group_size-2/dr.grpo-seed0", ["rollout.group_size=2", "algorithm.hadw=false"], 0.5)
+    with pytest.raises(ValueError, match=r"dr.grpo-seed0 is named for Dr.GRPO, whose algorithm.normalize_std=false "
+                                         r"it did not run \(it ran None\)"):
+        extract(tmp_path / "sweep")
