@@ -29,8 +29,9 @@ LOADED_VERSIONS = (1, 2)
 # Rollout batches after which a history none of whose keys has recurred warns, once: its
 # baselines read the prior alone (docs/math.md, section 2a).
 RECURRENCE_WINDOW = 20
-# The discount per rollout batch and the prior's strength (docs/math.md, section 2a, and
-# docs/estimators.md for the measurement that chose them).
+# The discount per rollout batch, chosen by docs/estimators.md's measurement of 0.5-1.0,
+# and the prior's strength: two pseudo-responses at the discounted mean reward, a weak
+# prior that was not measured against another strength (docs/math.md, section 2a).
 DEFAULT_DISCOUNT = 0.9
 DEFAULT_PRIOR_STRENGTH = 2.0
 
