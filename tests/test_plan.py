@@ -295,7 +295,8 @@ def test_measured_budget_table_is_well_formed():
 @pytest.mark.parametrize("row", _measured_budgets() or [None])
 def test_planned_budget_within_10_percent_of_the_measured(row):
     """The budget view against the probe's GPU measurements (docs/measured-budgets.json).
-    That table is EMPTY until the probe has run on a GPU: the test skips, it does not pass."""
+    Each row is a measured run; with no row (a table cleared, a fresh checkout's) the test
+    skips, it does not pass."""
     if row is None:
         pytest.skip("no measured budgets yet: docs/measured-budgets.json is empty (run the probe on a GPU)")
     step = budget_step(gpus=row["gpus"], zero_stage=row["zero_stage"], prompt_length=row["prompt_length"],
