@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Run by torchrun as a file: its folder (trl_runs) and the checkout (the trainer, which runs
+# from its checkout and is not installed with the library) on the path.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
