@@ -190,12 +190,7 @@ def hadw_advantages(
     if group_size is not None and row.group_mean:
         both = _group_mean_advantages(rewards, group_size, normalize_std, std_eps, anchor, lambda_scale)
         return both if return_phi else both[0]
-    if group_size is not None:
-        grouped = _grouped(rewards, group_size)  # the contiguous groups' checks
-        values, dense = grouped.reshape(-1), torch.arange(rewards.numel(), device=rewards.device) // group_size
-        groups = grouped.shape[0]
-    else:
-        values, dense, groups = _indexed(rewards, group_index)
+    values, dense, groups = _labelled(rewards, group_size, group_index)
     if prior is not None:
         _check_prior_groups(prior, dense, groups)
     both = estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)
@@ -223,6 +218,16 @@ def _check_prior_groups(prior: torch.Tensor, dense: torch.Tensor, groups: int) -
     if not bool((low == high).all()):
         raise ValueError("prior's rows differ within a group: a group's responses share their prompt's pseudo-counts "
                          "(PromptHistory.update's rows, in the rewards' order)")
+
+
+def _labelled(rewards: torch.Tensor, group_size: int | None,
+              group_index) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(rewards as values, dense group id [B], groups) of checked groups: contiguous runs of
+    ``group_size`` (their checks are ``_grouped``'s), or ``group_index``'s labels."""
+    if group_size is None:
+        return _indexed(rewards, group_index)
+    grouped = _grouped(rewards, group_size)
+    return grouped.reshape(-1), torch.arange(rewards.numel(), device=rewards.device) // group_size, grouped.shape[0]
 
 
 def _indexed(rewards: torch.Tensor, group_index) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -265,12 +270,7 @@ def batch_totals(
     if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
         raise TypeError("rewards must be a floating-point tensor")
     check_advantage_options(rewards, None, DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS)
-    if group_size is not None:
-        grouped = _grouped(rewards, group_size)
-        values, dense = grouped.reshape(-1), torch.arange(rewards.numel(), device=rewards.device) // group_size
-        groups = grouped.shape[0]
-    else:
-        values, dense, groups = _indexed(rewards, group_index)
+    values, dense, groups = _labelled(rewards, group_size, group_index)
     totals = GroupStatistics.of(values.to(torch.float64), dense, groups).totals()
     if all_reduce and distributed.is_distributed():
         if torch.distributed.get_backend() == "nccl":
