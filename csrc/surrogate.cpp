@@ -26,6 +26,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -68,9 +69,81 @@ std::vector<double> to_doubles(const at::Tensor& tensor) {
   return result;
 }
 
-// A_hat_i * Phi_i (hadw_kernels/advantage/group.py), in double.
-Advantages group_advantages(const at::Tensor& rewards, int64_t group_size, bool normalize_std, double std_eps,
-                            const std::optional<at::Tensor>& anchor, double lambda_scale) {
+// Per group of contiguous rewards: its count, sum, mean and noise (the unbiased variance over
+// n - 1: the sampling variance of a leave-one-out mean), and whether its rewards are all equal.
+struct GroupFigures {
+  double total = 0;
+  double mean = 0;
+  double squares = 0;
+  bool degenerate = false;
+};
+
+GroupFigures group_figures(const double* group, int64_t group_size) {
+  GroupFigures figures;
+  double lowest = group[0];
+  double highest = group[0];
+  for (int64_t i = 0; i < group_size; ++i) {
+    figures.total += group[i];
+    lowest = std::min(lowest, group[i]);
+    highest = std::max(highest, group[i]);
+  }
+  figures.mean = figures.total / static_cast<double>(group_size);
+  for (int64_t i = 0; i < group_size; ++i) {
+    figures.squares += (group[i] - figures.mean) * (group[i] - figures.mean);
+  }
+  // min == max, not std == 0: the mean of equal non-dyadic rewards need not equal them.
+  figures.degenerate = lowest == highest;
+  return figures;
+}
+
+double noise_of(const GroupFigures& figures, int64_t group_size) {
+  const double less_one = static_cast<double>(group_size - 1);
+  return figures.squares / less_one / less_one;
+}
+
+// tables.estimators.BATCH_TOTALS of the call's groups: the batch James-Stein shrinks over
+// when the caller gives none.
+std::array<double, config::kTotalCount> call_totals(const std::vector<double>& reward, int64_t group_size) {
+  std::array<double, config::kTotalCount> totals{};
+  const int64_t batch = static_cast<int64_t>(reward.size());
+  for (int64_t first = 0; first < batch; first += group_size) {
+    const GroupFigures figures = group_figures(reward.data() + first, group_size);
+    totals[config::kTotalGroups] += 1;
+    totals[config::kTotalResponses] += static_cast<double>(group_size);
+    totals[config::kTotalRewards] += figures.total;
+    totals[config::kTotalNoise] += noise_of(figures, group_size);
+    totals[config::kTotalMeans] += figures.mean;
+    totals[config::kTotalSquaredMeans] += figures.mean * figures.mean;
+  }
+  return totals;
+}
+
+// James-Stein's baseline from the group's own (leave-one-out) one and the batch's totals less
+// this group's (tables/estimators.py, james_stein_weights).
+double shrunk(double own, const std::array<double, config::kTotalCount>& totals, const GroupFigures& figures,
+              int64_t group_size) {
+  const double others = std::max(totals[config::kTotalGroups] - 1, 1.0);
+  const double other_noise = (totals[config::kTotalNoise] - noise_of(figures, group_size)) / others;
+  const double other_mean_of_means = (totals[config::kTotalMeans] - figures.mean) / others;
+  const double other_spread = std::max(
+      (totals[config::kTotalSquaredMeans] - figures.mean * figures.mean) / others -
+          other_mean_of_means * other_mean_of_means,
+      0.0);
+  const double spread = other_noise + other_spread;
+  const double shrinkage = spread > 0 ? other_noise / spread : 0.0;
+  const double other_rewards = (totals[config::kTotalRewards] - figures.total) /
+                               std::max(totals[config::kTotalResponses] - static_cast<double>(group_size), 1.0);
+  return (1 - shrinkage) * own + shrinkage * other_rewards;
+}
+
+// A_hat_i * Phi_i by the estimator's row (tables/estimators.py: its scope and whether the
+// response's own reward leaves its group; hadw_kernels/advantage/group.py), in double.
+Advantages group_advantages(const at::Tensor& rewards, int64_t group_size, int64_t estimator, bool normalize_std,
+                            double std_eps, const std::optional<at::Tensor>& anchor, double lambda_scale,
+                            const std::optional<at::Tensor>& batch_totals, const std::optional<at::Tensor>& prior) {
+  TORCH_CHECK(estimator >= 0 && estimator < config::kEstimatorCount,
+              "hadw_cpp::surrogate_loss: unknown advantage_estimator code ", estimator);
+  const config::Estimator row = config::kEstimators[estimator];
   Advantages result;
   result.has_groups = true;
   const std::vector<double> reward = to_doubles(rewards);
@@ -83,38 +156,61 @@ Advantages group_advantages(const at::Tensor& rewards, int64_t group_size, bool 
     belief = anchor->detach().reshape({}).to(reward_type).to(at::kDouble).item<double>();
   }
   const int64_t batch = static_cast<int64_t>(reward.size());
+  std::array<double, config::kTotalCount> totals{};
+  if (row.scope == config::kScopeBatch) {
+    if (batch_totals.has_value()) {
+      TORCH_CHECK(batch_totals->numel() == config::kTotalCount, "hadw_cpp::surrogate_loss: batch_totals must be [",
+                  config::kTotalCount, "], got shape ", batch_totals->sizes());
+      const std::vector<double> given = to_doubles(*batch_totals);
+      std::copy(given.begin(), given.end(), totals.begin());
+    } else {
+      totals = call_totals(reward, group_size);
+    }
+  }
+  std::vector<double> pseudo_counts;
+  if (row.scope == config::kScopeHistory) {
+    TORCH_CHECK(prior.has_value() && prior->dim() == 2 && prior->size(0) == batch && prior->size(1) == 2,
+                "hadw_cpp::surrogate_loss: the history's estimator needs prior [", batch, ", 2]");
+    pseudo_counts = to_doubles(*prior);
+  }
   result.advantage.resize(batch);
   result.groups = batch / group_size;
   for (int64_t first = 0; first < batch; first += group_size) {
     const double* group = reward.data() + first;
-    double total = 0;
-    double lowest = group[0];
-    double highest = group[0];
+    const GroupFigures figures = group_figures(group, group_size);
+    const double std_dev = std::sqrt(figures.squares / static_cast<double>(group_size - 1));
+    result.degenerate_groups += figures.degenerate;
     for (int64_t i = 0; i < group_size; ++i) {
-      total += group[i];
-      lowest = std::min(lowest, group[i]);
-      highest = std::max(highest, group[i]);
-    }
-    const double mean = total / static_cast<double>(group_size);
-    double squares = 0;
-    for (int64_t i = 0; i < group_size; ++i) {
-      squares += (group[i] - mean) * (group[i] - mean);
-    }
-    const double std_dev = std::sqrt(squares / static_cast<double>(group_size - 1));
-    // min == max, not std == 0: the mean of equal non-dyadic rewards need not equal them.
-    const bool degenerate = lowest == highest;
-    result.degenerate_groups += degenerate;
-    for (int64_t i = 0; i < group_size; ++i) {
-      const double centred = group[i] - mean;
-      double advantage_hat = normalize_std ? centred / (std_dev + std_eps) : centred;
+      double advantage_hat = group[i] - figures.mean;
+      if (row.scope != config::kScopeGroup || row.leave_one_out) {
+        double sum = figures.total;
+        double count = static_cast<double>(group_size);
+        if (row.leave_one_out) {
+          sum -= group[i];
+          count -= 1;
+        }
+        if (row.scope == config::kScopeHistory) {
+          const double alpha = pseudo_counts[2 * (first + i)];
+          const double beta = pseudo_counts[2 * (first + i) + 1];
+          sum += alpha;
+          count += alpha + beta;
+        }
+        double baseline = sum / count;
+        if (row.scope == config::kScopeBatch) {
+          baseline = shrunk(baseline, totals, figures, group_size);
+        }
+        advantage_hat = group[i] - baseline;
+      }
+      if (normalize_std) {
+        advantage_hat /= std_dev + std_eps;
+      }
+      if (row.scope == config::kScopeGroup && figures.degenerate) {
+        advantage_hat = 0.0;
+      }
       double phi = 1.0;
       if (belief.has_value()) {
-        const double difficulty = mean - *belief;
-        const double advantage_sign = degenerate ? 0.0 : sign(centred);
-        phi = lambda_scale * std::exp(-advantage_sign * sign(difficulty) * std::abs(difficulty));
-      }
-      if (degenerate) {
-        advantage_hat = 0.0;
+        const double difficulty = figures.mean - *belief;
+        phi = lambda_scale * std::exp(-sign(advantage_hat) * sign(difficulty) * std::abs(difficulty));
       }
       result.advantage[first + i] = advantage_hat * phi;
       result.phi_sum += phi;
@@ -745,8 +841,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
     const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& rewards,
     const std::optional<at::Tensor>& advantages, const std::optional<at::Tensor>& response_advantages,
     const std::optional<at::Tensor>& anchor, const std::optional<at::Tensor>& ref_logprobs,
-    const std::optional<at::Tensor>& importance_weights, const std::optional<at::Tensor>& entropy, const std::optional<at::Tensor>& selected,
-    std::optional<int64_t> group_size, bool normalize_std, double std_eps,
+    const std::optional<at::Tensor>& importance_weights, const std::optional<at::Tensor>& entropy,
+    const std::optional<at::Tensor>& selected, const std::optional<at::Tensor>& batch_totals,
+    const std::optional<at::Tensor>& prior, std::optional<int64_t> group_size, int64_t advantage_estimator,
+    bool normalize_std, double std_eps,
     double lambda_scale, int64_t loss_agg_mode, int64_t ratio_level, int64_t objective, double epsilon_low,
     double epsilon_high, c10::ArrayRef<double> objective_options, double beta, int64_t kl_estimator,
     double entropy_coef,
@@ -806,7 +904,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> surrogate
     TORCH_CHECK(group_size.has_value() && *group_size >= 2 && segments % *group_size == 0,
                 "hadw_cpp::surrogate_loss: rewards need a group_size >= 2 that divides the segments (", segments,
                 "), got ", group_size.has_value() ? std::to_string(*group_size) : std::string("None"));
-    advantage_terms = group_advantages(*rewards, *group_size, normalize_std, std_eps, anchor, lambda_scale);
+    advantage_terms = group_advantages(*rewards, *group_size, advantage_estimator, normalize_std, std_eps, anchor,
+                                       lambda_scale, batch_totals, prior);
   }
   const Options call{loss_agg_mode, ratio_level, objective, epsilon_low, epsilon_high, objective_options,
                      beta, kl_estimator, entropy_coef, loss_normalizer, max_response_length};

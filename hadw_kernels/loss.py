@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .advantage.group import call_advantages, estimated_batch, group_metrics
+from .advantage.group import call_advantages, group_metrics
 from .backends import check_backend_name, resolve_backend
 from .batch.active_rows import RowSelection, active_rows
 from .batch.inputs import CallInputs, LinearHead, LinearInputs, SurrogateBatch
@@ -50,6 +50,7 @@ def fused_hadw_grpo_loss(
     entropy: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     batch_totals: torch.Tensor | None = None,
+    prior: torch.Tensor | None = None,
     return_metrics: bool = False,
     backend: str = "auto",
     check_values: bool = True,
@@ -133,14 +134,17 @@ def fused_hadw_grpo_loss(
         generator: the random draws of an objective that draws its tokens (clip_cov:
             ``torch.randperm``'s generator; None: the global one, as verl).
         advantage_estimator: the baseline of the advantage formed from ``rewards``
-            (docs/math.md, section 2a): "grpo" (in the kernel), "rloo" or "james_stein"
-            (formed before it); "prompt_history" needs ``advantages=``.
+            (docs/math.md, section 2a), inside the kernels' launch: "grpo", "rloo",
+            "james_stein" or "prompt_history" (which reads ``prior``).
         batch_totals: with ``advantage_estimator="james_stein"``, the whole rollout
             batch's sums (:func:`~hadw_kernels.batch_totals`, this call's groups
             among them): each group shrinks toward the batch's other groups, not the
             call's. Without it the call's groups are the batch, which must hold two or
             more, on one process (a call of one group, or under torch.distributed, is
             refused: each rank's would shrink over its own groups alone).
+        prior: with ``advantage_estimator="prompt_history"``, each response's
+            pseudo-counts (alpha, beta) [B, 2], ``PromptHistory.update``'s for the
+            rollout batch, in its rows' order (a group's rows alike; rewards in [0, 1]).
         return_metrics: also return a dict of 0-d tensors (metrics.METRIC_NAMES).
         backend: "auto", "torch", "triton" or "cpp".
         check_values: check finite inputs at response tokens, a 0/1 mask, rewards and
@@ -153,14 +157,13 @@ def fused_hadw_grpo_loss(
     check_backend_name(backend)
     config = call_config(config, options, linear=False)
     call = CallInputs(logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, group_index, anchor,
-                      ref_logprobs, importance_weights, rollout_logprobs, entropy, generator, batch_totals)
+                      ref_logprobs, importance_weights, rollout_logprobs, entropy, generator, batch_totals, prior)
     batch = surrogate_batch(config, call, check_values=_checks_run(check_values), with_metrics=return_metrics)
-    batch, group_figures = estimated_batch(batch)
     implementation = resolve_backend(backend, logprobs.device)
     loss, metrics = _corrected_surrogate(implementation, batch)
     if not return_metrics:
         return loss
-    return loss, ordered_metrics({**metrics, **group_figures})
+    return loss, metrics
 
 
 def _corrected_surrogate(implementation, batch: SurrogateBatch):
@@ -269,6 +272,7 @@ def fused_linear_hadw_grpo_loss(
     linear_path: str = "auto",
     generator: torch.Generator | None = None,
     batch_totals: torch.Tensor | None = None,
+    prior: torch.Tensor | None = None,
     return_metrics: bool = False,
     backend: str = "auto",
     check_values: bool = True,
@@ -299,11 +303,11 @@ def fused_linear_hadw_grpo_loss(
     # Resolved first: whether the checks' read counts the active rows is the backend's.
     implementation = resolve_backend(backend, device_of("hidden_states", hidden_states))
     call = CallInputs(None, old_logprobs, response_mask, cu_seqlens, rewards, advantages, group_index, anchor,
-                      ref_logprobs, importance_weights, rollout_logprobs, None, generator, batch_totals)
+                      ref_logprobs, importance_weights, rollout_logprobs, None, generator, batch_totals, prior)
     linear = LinearInputs(hidden_states, lm_head_weight, labels, lm_head_bias, temperature, ignore_index, block_rows)
     batch, head = linear_batch(config, call, linear, select_rows=not implementation.compacts_rows,
                                check_values=_checks_run(check_values), with_metrics=return_metrics)
-    batch, corrected_metrics = estimated_batch(batch)
+    corrected_metrics = {}
     old = batch.old_logprobs
     if _has_correction(batch.config) and not _reads_current_policy(batch.config, old is not None):
         # Weights and filters from the behaviour and rollout log-probs alone: formed before

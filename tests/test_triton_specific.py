@@ -65,7 +65,8 @@ def test_kernels_compile_for_a100_and_h100(tmp_path):
                             timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.splitlines()[0] == str(sorted([
-        "_logit_gradient_kernel", "_row_stats_kernel", "_row_surrogate_kernel", "_scale_kernel", "_surrogate_kernel"]))
+        "_logit_gradient_kernel", "_row_stats_kernel", "_row_surrogate_kernel", "_scale_kernel", "_surrogate_kernel",
+        "_totals_kernel"]))
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])  # dapo: token-mean, whose grad_scale is an output too

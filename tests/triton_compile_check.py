@@ -14,7 +14,8 @@ from triton.runtime.jit import JITFunction, mangle_type
 from hadw_kernels.tables.aggregations import AGG_MODES
 from hadw_kernels.config.loss_config import KL_ESTIMATORS, LossConfig
 from hadw_kernels.objectives.table import OBJECTIVE_NAMES, OBJECTIVES
-from hadw_kernels.triton import linear_logprob, scale, surrogate
+from hadw_kernels.tables.estimators import ESTIMATOR_NAMES, ESTIMATORS
+from hadw_kernels.triton import advantage, linear_logprob, scale, surrogate
 
 launches = []
 
@@ -29,7 +30,7 @@ class Recorder:
 
 
 scale.SMALLEST_FOR_KERNEL = 0  # the kernel, not mul_, on these small tensors
-for module in (surrogate, linear_logprob, scale):
+for module in (surrogate, advantage, linear_logprob, scale):
     for name, value in list(vars(module).items()):
         if isinstance(value, JITFunction) and name.endswith("_kernel"):
             setattr(module, name, Recorder(value))
@@ -38,8 +39,9 @@ batch, width = 8, 64
 mask = torch.ones(batch * width, dtype=torch.bool)
 cu_seqlens = torch.arange(batch + 1) * width
 # Every objective in every ratio form it takes, each with other options (advantages from
-# rewards, the caller's per token or per response, importance weights, a KL estimator, an
-# aggregation mode, the entropy, delta and dual clip) turning over along the list.
+# rewards by each estimator, James-Stein's with and without the batch's totals, the
+# caller's per token or per response, importance weights, a KL estimator, an aggregation
+# mode, the entropy, delta and dual clip) turning over along the list.
 FORMS = [(objective, level) for objective in OBJECTIVE_NAMES for level in OBJECTIVES[objective].ratio_levels]
 CLIP_OPTIONS = [dict(delta=1.5, dual_clip=3.0), dict(dual_clip=3.0), dict()]
 REQUIRED_OPTIONS = {"dro": dict(dro_beta=0.1)}  # an option without a default
@@ -48,11 +50,12 @@ for dtype in (torch.bfloat16, torch.float32):
     for index, (objective, level) in enumerate(FORMS):
         source = ("rewards", "token", "response")[index % 3]
         from_rewards = source == "rewards"
+        estimator = ESTIMATORS[ESTIMATOR_NAMES[(index // 3) % len(ESTIMATOR_NAMES)] if from_rewards else "grpo"]
         options = CLIP_OPTIONS[index % 3] if objective == "clip" else REQUIRED_OPTIONS.get(objective, {})
         config = LossConfig.build(
             "grpo", 4 if from_rewards else None, objective=objective, ratio_level=level, beta=0.1,
             kl_estimator=KL_ESTIMATORS[index % len(KL_ESTIMATORS)], loss_agg_mode=AGG_MODES[index % len(AGG_MODES)],
-            max_response_length=width, entropy_coef=0.01, **options)
+            max_response_length=width, entropy_coef=0.01, advantage_estimator=estimator.name, **options)
         surrogate.surrogate_forward(
             logprobs=values(), old_logprobs=values(), response_mask=mask, cu_seqlens=cu_seqlens,
             rewards=torch.zeros(batch) if from_rewards else None,
@@ -61,7 +64,9 @@ for dtype in (torch.bfloat16, torch.float32):
             anchor=torch.tensor(0.5) if from_rewards else None, ref_logprobs=values(),
             importance_weights=torch.ones(batch * width) if index % 2 == 0 else None,
             entropy=values() if index % 4 < 2 else None,
-            selected=mask if OBJECTIVES[objective].selects_tokens else None, **config.kernel_options())
+            selected=mask if OBJECTIVES[objective].selects_tokens else None,
+            batch_totals=torch.ones(6, dtype=torch.float64) if estimator.scope == "batch" and index // 12 % 2 else None,
+            prior=torch.ones(batch, 2) if estimator.scope == "history" else None, **config.kernel_options())
     hidden = torch.zeros(batch * width, 32, dtype=dtype)
     weight = torch.zeros(100, 32, dtype=dtype)
     bias = torch.zeros(100, dtype=dtype)

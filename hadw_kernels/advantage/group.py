@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Literal, overload
 import torch
 
 from .. import distributed
-from ..checks.values import check_advantage_options
+from ..checks.values import check_advantage_options, check_prior, check_prior_values
 from ..config.loss_config import DEFAULT_LAMBDA_SCALE, DEFAULT_STD_EPS, LossConfig
-from ..tables.estimators import ESTIMATORS, GroupStatistics, check_std_choice, estimator_row
+from ..tables.estimators import ESTIMATORS, GroupStatistics, baseline, check_std_choice, estimator_row
 from ..tables.precision import accumulate_dtype
 
 if TYPE_CHECKING:
@@ -186,13 +186,13 @@ def hadw_advantages(
     normalize_std = row.takes_std if normalize_std is None else normalize_std
     check_std_choice(row, normalize_std)
     check_advantage_options(rewards, anchor, lambda_scale, std_eps)
-    _check_prior(row, prior, rewards)
+    check_prior(row.scope, row.name, prior, rewards)
     if group_size is not None and row.group_mean:
         both = _group_mean_advantages(rewards, group_size, normalize_std, std_eps, anchor, lambda_scale)
         return both if return_phi else both[0]
     values, dense, groups = _labelled(rewards, group_size, group_index)
     if prior is not None:
-        _check_prior_groups(prior, dense, groups)
+        check_prior_values(prior, values, dense, groups)
     both = estimated_advantages(values, dense, groups, row, normalize_std, std_eps, anchor, lambda_scale, prior)
     return both if return_phi else both[0]
 
@@ -207,17 +207,6 @@ def _group_mean_advantages(rewards: torch.Tensor, group_size: int, normalize_std
         return advantage_hat, torch.ones_like(advantage_hat)
     phi = hadw_weights(rewards, group_size, anchor, lambda_scale=lambda_scale)
     return advantage_hat * phi, phi
-
-
-def _check_prior_groups(prior: torch.Tensor, dense: torch.Tensor, groups: int) -> None:
-    """A group's responses share their prompt, so their pseudo-counts: rows that differ
-    were read for other prompts (keys out of step with the rewards' order)."""
-    low = torch.full((groups, 2), float("inf"), dtype=prior.dtype, device=prior.device).scatter_reduce_(
-        0, dense[:, None].expand(-1, 2), prior, "amin")
-    high = torch.full_like(low, float("-inf")).scatter_reduce_(0, dense[:, None].expand(-1, 2), prior, "amax")
-    if not bool((low == high).all()):
-        raise ValueError("prior's rows differ within a group: a group's responses share their prompt's pseudo-counts "
-                         "(PromptHistory.update's rows, in the rewards' order)")
 
 
 def _labelled(rewards: torch.Tensor, group_size: int | None,
@@ -288,7 +277,7 @@ def estimated_advantages(values: torch.Tensor, dense: torch.Tensor, groups: int,
     lambda where A is 0 (as hadw_weights gives it). No host read: the fused losses call it
     on the batch validation returned."""
     stats = GroupStatistics.of(values, dense, groups, totals)
-    advantage = values - row.baseline(values, dense, stats, prior)
+    advantage = values - baseline(row, values, dense, stats, prior)
     if normalize_std:
         advantage = advantage / (stats.variances.sqrt()[dense] + std_eps)
     if row.scope == "group":  # in-group baselines give equal rewards exactly 0 (a mean of them may round)
@@ -301,85 +290,42 @@ def estimated_advantages(values: torch.Tensor, dense: torch.Tensor, groups: int,
     return advantage * phi, phi
 
 
-def _check_prior(row, prior, rewards: torch.Tensor) -> None:
-    if row.scope != "history":
-        if prior is not None:
-            raise ValueError(f"prior is read by the history estimators only, not estimator={row.name!r}")
-        return
-    if prior is None:
-        raise ValueError(f"estimator={row.name!r} needs prior: the [B, 2] pseudo-counts PromptHistory.update returns")
-    if not isinstance(prior, torch.Tensor) or not prior.is_floating_point():
-        raise TypeError("prior must be a floating-point tensor [B, 2] (PromptHistory.update's)")
-    if prior.shape != (rewards.numel(), 2) or prior.device != rewards.device:
-        raise ValueError(f"prior must be [{rewards.numel()}, 2] on {rewards.device}, got {tuple(prior.shape)} "
-                         f"on {prior.device}")
-    if not bool(torch.isfinite(prior).all()) or bool((prior < 0).any()) or not bool((prior.sum(1) > 0).all()):
-        raise ValueError("prior's pseudo-counts must be finite, non-negative and not both 0")
-    if bool(((rewards < 0) | (rewards > 1)).any()):
-        raise ValueError("rewards must lie in [0, 1] with a prompt history: its prior counts successes")
-
-
 def weighted_advantages(
     rewards: torch.Tensor | None,
     advantages: torch.Tensor | None,
     config: LossConfig,
     anchor: float | torch.Tensor | None,
     totals: torch.Tensor | None = None,
+    prior: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(A, Phi [S] or None): the caller's advantages (as given: per token [N] or per
     response [S]), or A * Phi [S] from rewards by ``config.advantage_estimator``, over the
-    batch whose ``totals`` are given (None: the call's groups are the batch)."""
+    batch whose ``totals`` are given (None: the call's groups are the batch), with each
+    response's ``prior`` pseudo-counts [S, 2] for the history's estimator."""
     if advantages is not None:
         return advantages.detach().to(accumulate_dtype(advantages.dtype)), None
     if rewards is None:  # validation passes exactly one of them (check_batch_inputs)
         raise ValueError("pass exactly one of rewards and advantages")
-    return reward_advantages(rewards, config, anchor, totals)
+    return reward_advantages(rewards, config, anchor, totals, prior)
 
 
 def reward_advantages(rewards: torch.Tensor, config: LossConfig, anchor: float | torch.Tensor | None,
-                      totals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      totals: torch.Tensor | None = None,
+                      prior: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(A * Phi, Phi) [S] from ``rewards`` by ``config.advantage_estimator``
     (:func:`weighted_advantages` of a call with rewards), over the batch whose ``totals``
-    are given."""
+    are given, with ``prior`` for the history's estimator: the reference every backend's
+    in-kernel advantage is tested against."""
     group_size = config.reward_group_size()
     rewards = rewards.detach()
-    if not ESTIMATORS[config.advantage_estimator].group_mean:
+    row = ESTIMATORS[config.advantage_estimator]
+    if not row.group_mean:
         values = rewards.to(accumulate_dtype(rewards.dtype))
         dense = torch.arange(values.numel(), device=values.device) // group_size
-        return estimated_advantages(values, dense, values.numel() // group_size,
-                                    ESTIMATORS[config.advantage_estimator], config.normalize_std, config.std_eps, anchor,
-                                    config.lambda_scale, None, totals)
+        return estimated_advantages(values, dense, values.numel() // group_size, row, config.normalize_std,
+                                    config.std_eps, anchor, config.lambda_scale, prior, totals)
     return _group_mean_advantages(rewards, group_size, config.normalize_std, config.std_eps, anchor,
                                   config.lambda_scale)
-
-
-def estimated_batch(batch: SurrogateBatch) -> tuple[SurrogateBatch, dict[str, torch.Tensor]]:
-    """A call whose estimator reads beyond the group's mean (``config.advantage_estimator``
-    other than "grpo"): its advantages formed here, over the call's groups, and handed to
-    the backend as each response's, with the group metrics the kernels then cannot form.
-    The group mean's stay in the kernels (one launch). James-Stein shrinks over
-    ``batch.batch_totals``' batch, or else over the call's groups, which must then be a
-    whole batch of two groups or more on one process (docs/math.md, section 2a)."""
-    if batch.rewards is None or ESTIMATORS[batch.config.advantage_estimator].group_mean:
-        return batch, {}
-    group_size = batch.config.reward_group_size()
-    if ESTIMATORS[batch.config.advantage_estimator].scope == "batch" and batch.batch_totals is None:
-        _refuse_partial_batch(batch.rewards.numel() // group_size)
-    advantages, phi = reward_advantages(batch.rewards, batch.config, batch.anchor, batch.batch_totals)
-    figures = group_metrics(batch.rewards, phi, group_size) if batch.with_metrics else {}
-    return batch.replace(rewards=None, anchor=None, response_advantages=advantages), figures
-
-
-def _refuse_partial_batch(groups: int) -> None:
-    """Where a call's own groups cannot be the batch James-Stein shrinks over."""
-    if groups < 2:
-        raise ValueError(f"advantage_estimator='james_stein' shrinks toward the batch's other groups and this call "
-                         f"holds {groups}: pass batch_totals (hadw_kernels.batch_totals over the whole "
-                         "batch), or advantages from hadw_advantages over it")
-    if distributed.world_size() > 1:
-        raise ValueError("advantage_estimator='james_stein' under torch.distributed would shrink over this rank's "
-                         "groups alone: pass batch_totals (hadw_kernels.batch_totals(..., all_reduce=True)), "
-                         "or advantages from hadw_advantages over the gathered batch")
 
 
 def call_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -387,7 +333,8 @@ def call_advantages(batch: SurrogateBatch) -> tuple[torch.Tensor, torch.Tensor |
     the caller's are per token); and Phi [S] (None unless formed from rewards)."""
     if batch.advantages is not None:
         return weighted_advantages(None, batch.advantages, batch.config, None)[0], None, None
-    response, phi = weighted_advantages(batch.rewards, batch.response_advantages, batch.config, batch.anchor)
+    response, phi = weighted_advantages(batch.rewards, batch.response_advantages, batch.config, batch.anchor,
+                                        batch.batch_totals, batch.prior)
     return batch.layout.expand(response), response, phi
 
 

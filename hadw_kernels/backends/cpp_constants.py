@@ -19,7 +19,7 @@ import json
 
 HEADER_NAME = "hadw_config.h"
 # The package's modules (under hadw_kernels/) whose values the header holds.
-SOURCES = ("tables.metrics", "tables.aggregations", "objectives.table", "config.loss_config")
+SOURCES = ("tables.metrics", "tables.aggregations", "objectives.table", "config.loss_config", "tables.estimators")
 
 
 def installed(name: str):
@@ -35,7 +35,7 @@ def _identifier(name: str) -> str:
 def constants(load) -> dict:
     """The values the kernels are compiled with, each from its module of :data:`SOURCES`
     (``load(name)``)."""
-    metrics, aggregations, objectives, config = (load(name) for name in SOURCES)
+    metrics, aggregations, objectives, config, estimators = (load(name) for name in SOURCES)
     return {
         "metric_names": list(metrics.METRIC_NAMES),
         "agg_modes": list(aggregations.AGG_MODES),
@@ -54,6 +54,11 @@ def constants(load) -> dict:
         "response_steps": list(objectives.RESPONSE_STEPS),
         "objective_response_steps": [objectives.RESPONSE_STEPS.index(objective.response_step)
                                      for objective in objectives.OBJECTIVES.values()],
+        "estimators": list(estimators.ESTIMATOR_NAMES),
+        "estimator_scopes": list(estimators.SCOPES),
+        "estimator_rows": [[estimators.SCOPES.index(row.scope), int(row.leave_one_out)]
+                           for row in estimators.ESTIMATORS.values()],
+        "batch_totals": list(estimators.BATCH_TOTALS),
         "vespo_log_weight_min": float(objectives.VESPO_LOG_WEIGHT_MIN),
         "log_ratio_clamp": float(objectives.LOG_RATIO_CLAMP),
         "k3_log_ratio_clamp": float(config.K3_LOG_RATIO_CLAMP),
@@ -88,6 +93,9 @@ def header(load) -> str:
     codes("RatioLevel", values["ratio_levels"])
     codes("ResponseStep", values["response_steps"])
     codes("Denominator", values["aggregation_counts"])
+    codes("Estimator", values["estimators"])
+    codes("Scope", values["estimator_scopes"])
+    codes("Total", values["batch_totals"])
     lines.append("// Per aggregation mode (tables.aggregations.AGGREGATIONS): {denominator (a kDenominator code), per-response mean, times L}.")
     lines.append("struct Aggregation {")
     lines.append("  int64_t denominator;")
@@ -106,6 +114,15 @@ def header(load) -> str:
     lines.append("// Per objective (objectives.table.OBJECTIVES): its response step (a kResponseStep code).")
     steps = ", ".join(map(str, values["objective_response_steps"]))
     lines.append(f"constexpr int64_t kObjectiveResponseStep[kObjectiveCount] = {{{steps}}};")
+    lines.append("")
+    lines.append("// Per advantage estimator (tables.estimators.ESTIMATORS): its scope (a kScope code) and whether the")
+    lines.append("// response's own reward leaves its group's sum.")
+    lines.append("struct Estimator {")
+    lines.append("  int64_t scope;")
+    lines.append("  bool leave_one_out;")
+    lines.append("};")
+    rows = ", ".join(f"{{{scope}, {'true' if leaves else 'false'}}}" for scope, leaves in values["estimator_rows"])
+    lines.append(f"constexpr Estimator kEstimators[kEstimatorCount] = {{{rows}}};")
     lines.append("")
     lines.append("// The objectives' option vectors (objectives.table.OBJECTIVES, LossConfig.objective_options): each")
     lines.append("// objective's length, the longest, and each option's index in its objectives' vectors.")

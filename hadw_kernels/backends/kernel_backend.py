@@ -44,6 +44,7 @@ def op_arguments(op: str, batch: SurrogateBatch, head: LinearHead | None = None,
     """``hadw::<op>``'s arguments by their schema names (``ops/signatures.py``), from a
     call's batch: the one place a batch becomes op arguments. Its tensors detached (the
     op forms the gradients, which the caller attaches), the anchor as a tensor, the
+    estimator's inputs (the batch's totals, the prompts' pseudo-counts), the
     reference log-probs where a KL term reads them, its config's options as the schemas
     take them (``LossConfig.kernel_options``); with ``head`` the linear sweep's
     (``linear_surrogate_forward``), whose per-token inputs (``agg_weights``, each token's
@@ -72,6 +73,8 @@ def op_arguments(op: str, batch: SurrogateBatch, head: LinearHead | None = None,
         "importance_weights": per_token(batch.importance_weights),
         "entropy": detached(batch.entropy),
         "selected": batch.selected,
+        "batch_totals": detached(batch.batch_totals),
+        "prior": detached(batch.prior),
         "agg_weights": per_token(agg_weights),
         **config.kernel_options(),
         **formed,

@@ -40,6 +40,7 @@ class CallInputs:
     entropy: torch.Tensor | None = None
     generator: torch.Generator | None = None
     batch_totals: torch.Tensor | None = None
+    prior: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -76,7 +77,9 @@ class SurrogateBatch:
     the rollout engine's log-probs [N], the entropies the entropy mask ranks [N] (the
     caller's, or those the linear loss formed) and the draw's generator.
     ``batch_totals``: the whole rollout batch's sums that ``james_stein`` reads
-    (``advantage.batch_totals``; None: the call's groups are the batch)."""
+    (``advantage.batch_totals``; None: the call's groups are the batch). ``prior``: each
+    response's pseudo-counts (alpha, beta) [S, 2] that ``prompt_history`` reads
+    (``PromptHistory.update``'s)."""
 
     layout: TokenLayout
     config: LossConfig
@@ -96,6 +99,7 @@ class SurrogateBatch:
     mask_entropy: torch.Tensor | None = None
     generator: torch.Generator | None = None
     batch_totals: torch.Tensor | None = None
+    prior: torch.Tensor | None = None
 
     def replace(self, **changes) -> "SurrogateBatch":
         return dataclasses.replace(self, **changes)
@@ -143,7 +147,7 @@ def build_batch(layout: TokenLayout, config: LossConfig, call: CallInputs, *, wi
         ref_logprobs=layout.flat(call.ref_logprobs) if config.beta > 0 else None,
         importance_weights=layout.per_token(call.importance_weights), with_metrics=with_metrics,
         rollout_logprobs=layout.flat(call.rollout_logprobs), mask_entropy=layout.flat(call.entropy),
-        generator=call.generator, batch_totals=call.batch_totals,
+        generator=call.generator, batch_totals=call.batch_totals, prior=call.prior,
     )
 
 

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from .. import distributed
 from ..batch.active_rows import RowSelection, active_rows
 from ..batch.inputs import CallInputs, LinearHead, LinearInputs, SurrogateBatch, build_batch, build_head, flat_labels
 from ..batch.token_layout import TokenLayout
@@ -40,7 +41,7 @@ from .arguments import (
     require_values_device,
     shape,
 )
-from .values import assert_cu_seqlens, assert_label_range, check_group_index
+from .values import assert_cu_seqlens, assert_label_range, check_group_index, check_prior
 
 
 def batch_layout(response_mask, cu_seqlens) -> TokenLayout:
@@ -83,8 +84,7 @@ def surrogate_batch(config: LossConfig, call: CallInputs, *, check_values: bool,
     check_batch_inputs(layout, config, call, inputs={"logprobs": logprobs})
     if check_values:
         _check_call_values(layout, config, call)
-        if call.batch_totals is not None:
-            _check_batch_totals(layout, config, call.batch_totals)
+        _check_estimator_values(layout, config, call)
     else:
         assert_cu_seqlens(layout)
     return build_batch(layout, config, call, with_metrics=with_metrics)
@@ -117,8 +117,7 @@ def linear_batch(config: LossConfig, call: CallInputs, linear: LinearInputs, *, 
         count = _check_call_values(layout, config, call, batch=batch,
                                    linear=(hidden, labels, linear.lm_head_weight.shape[0], linear.ignore_index),
                                    active=active)
-        if batch.batch_totals is not None:
-            _check_batch_totals(layout, config, batch.batch_totals)
+        _check_estimator_values(layout, config, call)
     else:
         assert_label_range(labels, linear.lm_head_weight.shape[0], linear.ignore_index)
         assert_cu_seqlens(layout)
@@ -152,6 +151,18 @@ def _check_call_values(layout: TokenLayout, config: LossConfig, call: CallInputs
                                      correction=(batch.rollout_logprobs, None), active=active)
 
 
+def _check_estimator_values(layout: TokenLayout, config: LossConfig, call: CallInputs) -> None:
+    """What the estimator reads beyond the rewards, by value: the whole batch's totals
+    (:func:`_check_batch_totals`) and the prompts' pseudo-counts
+    (``values.check_prior_values``), each one more host read in the calls that pass them."""
+    if call.batch_totals is not None:
+        _check_batch_totals(layout, config, call.batch_totals)
+    if call.prior is not None and call.rewards is not None:
+        group_size = config.reward_group_size()
+        dense = torch.arange(layout.segments, device=call.rewards.device) // group_size
+        value_checks.check_prior_values(call.prior, call.rewards, dense, layout.segments // group_size)
+
+
 def _check_batch_totals(layout: TokenLayout, config: LossConfig, totals: torch.Tensor) -> None:
     """The whole batch's totals hold this call's groups and responses, and two groups or
     more (one more host read, in the calls that pass them)."""
@@ -162,6 +173,19 @@ def _check_batch_totals(layout: TokenLayout, config: LossConfig, totals: torch.T
         raise ValueError(f"batch_totals must be finite and count this call's {groups} groups and {layout.segments} "
                          f"responses among two groups or more, got {values['groups']:g} groups and "
                          f"{values['responses']:g} responses")
+
+
+def _refuse_partial_batch(groups: int) -> None:
+    """Where a call's own groups cannot be the batch James-Stein shrinks over, without the
+    whole batch's totals: one group, or one rank's share of a distributed batch."""
+    if groups < 2:
+        raise ValueError(f"advantage_estimator='james_stein' shrinks toward the batch's other groups and this call "
+                         f"holds {groups}: pass batch_totals (hadw_kernels.batch_totals over the whole "
+                         "batch), or advantages from hadw_advantages over it")
+    if distributed.world_size() > 1:
+        raise ValueError("advantage_estimator='james_stein' under torch.distributed would shrink over this rank's "
+                         "groups alone: pass batch_totals (hadw_kernels.batch_totals(..., all_reduce=True)), "
+                         "or advantages from hadw_advantages over the gathered batch")
 
 
 def check_batch_inputs(layout: TokenLayout, config: LossConfig, call: CallInputs, *,
@@ -202,6 +226,12 @@ def check_batch_inputs(layout: TokenLayout, config: LossConfig, call: CallInputs
                 "each group's responses must be contiguous and complete"
             )
         tensors["rewards"] = rewards
+        estimator = ESTIMATORS[config.advantage_estimator]
+        check_prior(estimator.scope, estimator.name, call.prior, rewards)
+        if call.prior is not None:
+            tensors["prior"] = call.prior
+        if estimator.scope == "batch" and call.batch_totals is None:
+            _refuse_partial_batch(batch // config.group_size)
     else:
         advantages = require_tensor("advantages", advantages)
         require_float("advantages", advantages)
@@ -221,6 +251,9 @@ def check_batch_inputs(layout: TokenLayout, config: LossConfig, call: CallInputs
         if call.batch_totals is not None:
             raise ValueError("batch_totals are read by advantage_estimator='james_stein' from rewards; advantages= "
                              "are formed already (hadw_advantages over the whole batch)")
+        if call.prior is not None:
+            raise ValueError("prior is read by advantage_estimator='prompt_history' from rewards; advantages= are "
+                             "formed already (hadw_advantages(..., prior=...))")
         if config.advantage_estimator != "grpo":
             raise ValueError(f"advantage_estimator={config.advantage_estimator!r} forms the advantages from rewards; "
                              "advantages= are formed already: pass the estimator to hadw_advantages instead")

@@ -68,6 +68,45 @@ def check_advantage_options(rewards: torch.Tensor, anchor, lambda_scale, std_eps
     check_values(None, None, {"rewards": rewards}, anchor=anchor)
 
 
+def check_prior(scope: str, name: str, prior, rewards: torch.Tensor) -> None:
+    """``prior`` as estimator ``name`` of ``scope`` (tables.estimators.SCOPES) takes it:
+    the history's estimator needs the [B, 2] floating pseudo-counts PromptHistory.update
+    returns, on the rewards' device; every other estimator none. No host read."""
+    if scope != "history":
+        if prior is not None:
+            raise ValueError(f"prior is read by the history estimators only, not estimator={name!r}")
+        return
+    if prior is None:
+        raise ValueError(f"estimator={name!r} needs prior: the [B, 2] pseudo-counts PromptHistory.update returns")
+    if not isinstance(prior, torch.Tensor) or not prior.is_floating_point():
+        raise TypeError("prior must be a floating-point tensor [B, 2] (PromptHistory.update's)")
+    if tuple(prior.shape) != (rewards.numel(), 2) or prior.device != rewards.device:
+        raise ValueError(f"prior must be [{rewards.numel()}, 2] on {rewards.device}, got {tuple(prior.shape)} "
+                         f"on {prior.device}")
+
+
+def check_prior_values(prior: torch.Tensor, rewards: torch.Tensor, dense: torch.Tensor, groups: int) -> None:
+    """The pseudo-counts finite, non-negative and not both 0, alike within each group (a
+    group's responses share their prompt: rows that differ were read for other prompts,
+    keys out of step with the rewards' order), and the rewards in [0, 1] (the prior counts
+    successes). One host read."""
+    low = torch.full((groups, 2), math.inf, dtype=prior.dtype, device=prior.device).scatter_reduce_(
+        0, dense[:, None].expand(-1, 2), prior, "amin")
+    high = torch.full_like(low, -math.inf).scatter_reduce_(0, dense[:, None].expand(-1, 2), prior, "amax")
+    faults = torch.stack([
+        ~torch.isfinite(prior).all() | (prior < 0).any() | ~(prior.sum(1) > 0).all(),
+        (low != high).any(),
+        ((rewards < 0) | (rewards > 1)).any(),
+    ]).tolist()
+    if faults[0]:
+        raise ValueError("prior's pseudo-counts must be finite, non-negative and not both 0")
+    if faults[1]:
+        raise ValueError("prior's rows differ within a group: a group's responses share their prompt's pseudo-counts "
+                         "(PromptHistory.update's rows, in the rewards' order)")
+    if faults[2]:
+        raise ValueError("rewards must lie in [0, 1] with a prompt history: its prior counts successes")
+
+
 def check_group_index(group_index: torch.Tensor, group_size: int) -> None:
     """Rows come in contiguous, complete groups: a trainer that shuffled rows (TRL with
     steps_per_generation > 1, verl's balance_batch) would otherwise get wrong advantages."""

@@ -23,7 +23,7 @@ from ..objectives.table import OBJECTIVE_NAMES, OBJECTIVE_OPTIONS, OBJECTIVES, R
 from ..tables.aggregations import AGG_MODES
 from ..tables.bounds import NON_NEGATIVE, POSITIVE, Bounds, compiling
 from ..tables.corrections import RolloutCorrection
-from ..tables.estimators import ESTIMATORS, check_std_choice, estimator_row
+from ..tables.estimators import ESTIMATOR_NAMES, ESTIMATORS, check_std_choice, estimator_row
 from .presets import LOSS_PRESETS, LOSS_TYPES
 
 # KL(pi || pi_ref) estimators from the token log-probs, as verl's kl_penalty (k3 is its
@@ -237,10 +237,6 @@ class LossConfig:
             raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
         estimator = estimator_row(self.advantage_estimator)
         check_std_choice(estimator, self.normalize_std)
-        if estimator.scope == "history":
-            raise ValueError(f"advantage_estimator={estimator.name!r} reads a PromptHistory across calls: form the "
-                             "advantages with hadw_advantages(..., estimator=..., prior=history.update(...)) and pass "
-                             "them as advantages")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}; expected one of {OBJECTIVE_NAMES}")
         if self.ratio_level not in OBJECTIVES[self.objective].ratio_levels:
@@ -300,7 +296,8 @@ class LossConfig:
 
     def kernel_options(self) -> dict:
         """The resolved options as the ops take them (``ops.schemas``): names of modes
-        become their index in :data:`AGG_MODES`, :data:`RATIO_LEVELS`, :data:`KL_ESTIMATORS`.
+        become their index in :data:`AGG_MODES`, :data:`RATIO_LEVELS`, :data:`KL_ESTIMATORS`,
+        ``tables.estimators.ESTIMATOR_NAMES``.
         Formed once per config (a config is frozen), but under torch.compile; each call
         gets its own dict, so a caller that edits one changes no other call's."""
         if compiling():
@@ -316,6 +313,7 @@ class LossConfig:
     def _kernel_options(self) -> dict:
         return dict(
             group_size=self.group_size,
+            advantage_estimator=ESTIMATOR_NAMES.index(self.advantage_estimator),
             normalize_std=self.normalize_std,
             std_eps=float(self.std_eps),
             lambda_scale=float(self.lambda_scale),

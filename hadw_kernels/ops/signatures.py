@@ -14,7 +14,7 @@ SIGNATURES = {
         "(Tensor logprobs, Tensor old_logprobs, Tensor response_mask, Tensor cu_seqlens, Tensor? rewards, "
         "Tensor? advantages, Tensor? response_advantages, "
         "Tensor? anchor, Tensor? ref_logprobs, Tensor? importance_weights, Tensor? entropy, Tensor? selected, "
-        "int? group_size, "
+        "Tensor? batch_totals, Tensor? prior, int? group_size, int advantage_estimator, "
         "bool normalize_std, float std_eps, float lambda_scale, int loss_agg_mode, int ratio_level, "
         f"{_PER_TOKEN_OPTIONS}, float? loss_normalizer, int? max_response_length)",
         "(Tensor loss, Tensor grad_logprobs, Tensor grad_entropy, Tensor metrics, Tensor grad_scale)",

@@ -10,7 +10,6 @@ the row. The baselines are written once here, over any grouping of a batch's res
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +48,6 @@ class GroupStatistics:
                             noise.sum(), means.sum(), means.square().sum()])
 
 
-def _leave_one_out(values: torch.Tensor, dense: torch.Tensor, stats: GroupStatistics) -> torch.Tensor:
-    return (stats.sums[dense] - values) / (stats.counts[dense] - 1)
-
-
 def james_stein_weights(stats: GroupStatistics) -> tuple[torch.Tensor, torch.Tensor]:
     """(lambda_g, m_other_g) per group, each from the batch's other groups alone, so the
     baseline of a response depends on no reward of its own group beyond the leave-one-out
@@ -78,51 +73,64 @@ def james_stein_weights(stats: GroupStatistics) -> tuple[torch.Tensor, torch.Ten
     return shrinkage, other_rewards
 
 
-def _group_mean(values, dense, stats, prior):
-    return (stats.sums / stats.counts)[dense]
-
-
-def _rloo(values, dense, stats, prior):
-    return _leave_one_out(values, dense, stats)
-
-
-def _james_stein(values, dense, stats, prior):
-    shrinkage, other_mean = james_stein_weights(stats)
-    return (1 - shrinkage[dense]) * _leave_one_out(values, dense, stats) + shrinkage[dense] * other_mean[dense]
-
-
-def _prompt_history(values, dense, stats, prior):
-    alpha, beta = prior[:, 0].to(values.dtype), prior[:, 1].to(values.dtype)
-    return (alpha + stats.sums[dense] - values) / (alpha + beta + stats.counts[dense] - 1)
+# Where a baseline reads beyond the response's group, as the kernels take it (each an
+# index: the Triton and C++ backends' codes are generated from this tuple): "group"
+# (nothing), "batch" (the call's or the whole batch's other groups, through their
+# BATCH_TOTALS) or "history" (the prompt's pseudo-counts (alpha, beta) across batches).
+SCOPES = ("group", "batch", "history")
 
 
 @dataclass(frozen=True)
 class Estimator:
+    """One estimator, as every backend forms it (docs/math.md, section 2a): from the
+    group's reward sum S and count n, the response's own reward r left out where
+    ``leave_one_out`` (S - r over n - 1), the prompt's pseudo-counts added where the
+    scope is "history" ((alpha + S - r) / (alpha + beta + n - 1)), and that shrunk by
+    the other groups' statistics where it is "batch" (James-Stein)."""
+
     name: str
-    # What the baseline reads beyond the response's own group: "group" (nothing: the
-    # fused surrogate computes it inside its one launch), "batch" (the other groups of the
-    # call: one pass over the batch's group statistics before the launch) or "history"
-    # (a PromptHistory's pseudo-counts, given by the caller).
     scope: str
+    leave_one_out: bool
     # Whether the group's std may divide r - b. Only the group mean's: the estimators that
     # borrow from outside the group give its all-equal groups an advantage, whose std is 0.
     takes_std: bool
-    # Whether the baseline is the group's mean: the fused surrogate forms it inside its one
-    # launch, and it is the hosts' own advantage (TRL's, verl's grpo).
-    group_mean: bool
     summary: str
-    # b_i [B] from the rewards, each response's group id, the groups' statistics and, for
-    # "history", the [B, 2] pseudo-counts (alpha, beta) of each response's prompt.
-    baseline: Callable[[torch.Tensor, torch.Tensor, "GroupStatistics", torch.Tensor | None], torch.Tensor]
+
+    @property
+    def group_mean(self) -> bool:
+        """Whether the baseline is the group's mean: the hosts' own advantage (TRL's,
+        verl's grpo), which they may form themselves."""
+        return self.scope == "group" and not self.leave_one_out
+
+
+def baseline(row: Estimator, values: torch.Tensor, dense: torch.Tensor, stats: GroupStatistics,
+             prior: torch.Tensor | None) -> torch.Tensor:
+    """b_i [B] of ``row`` from the rewards, each response's group id, the groups'
+    statistics and, for the "history" scope, the [B, 2] pseudo-counts (alpha, beta) of
+    each response's prompt."""
+    sums, counts = stats.sums[dense], stats.counts[dense]
+    if row.leave_one_out:
+        sums, counts = sums - values, counts - 1
+    if row.scope == "history":
+        if prior is None:
+            raise ValueError(f"estimator={row.name!r} needs prior: the [B, 2] pseudo-counts PromptHistory.update "
+                             "returns")
+        alpha, beta = prior[:, 0].to(values.dtype), prior[:, 1].to(values.dtype)
+        sums, counts = alpha + sums, alpha + beta + counts
+    own = sums / counts
+    if row.scope != "batch":
+        return own
+    shrinkage, other_mean = james_stein_weights(stats)
+    return (1 - shrinkage[dense]) * own + shrinkage[dense] * other_mean[dense]
 
 
 ESTIMATORS: dict[str, Estimator] = {row.name: row for row in (
-    Estimator("grpo", "group", True, True, "the group's mean (GRPO; Dr.GRPO without the std)", _group_mean),
-    Estimator("rloo", "group", False, False, "the mean of the group's other responses (leave-one-out)", _rloo),
-    Estimator("james_stein", "batch", False, False,
-              "the leave-one-out mean shrunk toward the other prompts' mean by the batch's variances (JSPO)", _james_stein),
-    Estimator("prompt_history", "history", False, False,
-              "the prompt's discounted Beta posterior, with the group's other responses (SPO/DBB)", _prompt_history),
+    Estimator("grpo", "group", False, True, "the group's mean (GRPO; Dr.GRPO without the std)"),
+    Estimator("rloo", "group", True, False, "the mean of the group's other responses (leave-one-out)"),
+    Estimator("james_stein", "batch", True, False,
+              "the leave-one-out mean shrunk toward the other prompts' mean by the batch's variances (JSPO)"),
+    Estimator("prompt_history", "history", True, False,
+              "the prompt's discounted Beta posterior, with the group's other responses (SPO/DBB)"),
 )}
 ESTIMATOR_NAMES = tuple(ESTIMATORS)
 

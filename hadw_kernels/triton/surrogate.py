@@ -4,9 +4,9 @@ one launch over the tokens, which reads no value back to the host.
 
 ``_surrogate_kernel`` runs one program per response (segment) on grid axis 0 (2^31 - 1
 programs). A program forms what its response needs from its group and itself: with
-rewards, its group's mean and std, A_hat and Phi from the anchor (read from device memory),
-A = A_hat * Phi (each member of a group forms the group's figures again from its G rewards:
-a few loads, where a launch of its own cost a kernel launch); its valid-token count T_i
+rewards, its advantage A = A_hat * Phi by the call's estimator (``advantage.py``; James-
+Stein without the caller's batch totals first has them reduced over the call's groups, one
+launch more); its valid-token count T_i
 (counted first where seq-mean-token-mean divides by it); then each token's contribution to
 the loss, d loss / d logprobs and d loss / d entropy, and the response's metric partial sums.
 A sequence ratio form first reads the response for its mean log-ratio (and, by the
@@ -45,8 +45,10 @@ import triton.language as tl
 
 from ..objectives.table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS, RESPONSE_STEPS
 from ..tables.aggregations import AGG_MODES, AGGREGATIONS, counts_batch_tokens
+from ..tables.estimators import ESTIMATOR_NAMES, ESTIMATORS, SCOPES
 from ..tables.metrics import METRIC_NAMES
 from ..tables.precision import accumulate_dtype
+from .advantage import call_totals, group_advantage_terms
 from .codes import RESPONSE_STEP_CLIPPED_LOG_RATIO_MEAN, RESPONSE_STEP_LOG_RATIO_SUM
 from .launch import bound_kernel
 from .token_math import (
@@ -63,7 +65,6 @@ from .token_math import (
     policy_term,
     response_log_ratio,
     response_weights,
-    sign,
     token_ratio,
 )
 
@@ -98,40 +99,6 @@ _M_ENTROPY = _METRIC["entropy_mean"]
 
 
 # --- kernel -------------------------------------------------------------------------------
-
-
-@triton.jit
-def _group_terms(rewards_ptr, stride_rewards, anchor_ptr, row, group_size, std_eps, lambda_scale, dtype: tl.constexpr,
-                 NORMALIZE_STD: tl.constexpr, HAS_ANCHOR: tl.constexpr, BLOCK_G: tl.constexpr):
-    """(A_i = A_hat_i * Phi_i, Phi_i, whether the group is degenerate) of response ``row``,
-    from its group's rewards: mean and unbiased std + ``std_eps``, degenerate groups by
-    min == max (the float32 mean of three rewards of 0.9 is not 0.9, so std == 0 would miss them),
-    Phi = lambda exp(-sgn(A_hat) sgn(p_hat - C) |p_hat - C|), C the anchor."""
-    group = row // group_size
-    members = tl.arange(0, BLOCK_G)
-    in_group = members < group_size
-    rewards = tl.load(rewards_ptr + (group * group_size + members) * stride_rewards, mask=in_group,
-                      other=0.0).to(dtype)
-    mean = tl.sum(rewards, axis=0) / group_size
-    centred = tl.where(in_group, rewards - mean, 0.0)
-    degenerate = tl.max(tl.where(in_group, rewards, -float("inf")), axis=0) == tl.min(
-        tl.where(in_group, rewards, float("inf")), axis=0
-    )
-    advantage_hat = centred
-    if NORMALIZE_STD:
-        std = tl.sqrt(tl.sum(centred * centred, axis=0) / (group_size - 1))
-        advantage_hat = centred / (std + tl.full([], std_eps, dtype))
-    advantage_hat = tl.where(degenerate, 0.0, advantage_hat)
-    if HAS_ANCHOR:
-        difficulty = mean - tl.load(anchor_ptr).to(dtype)
-        advantage_sign = tl.where(degenerate, 0.0, sign(centred))
-        exponent = -advantage_sign * sign(difficulty) * tl.abs(difficulty)
-        phi = tl.full([], lambda_scale, dtype) * tl.exp(exponent)
-    else:
-        phi = tl.full([BLOCK_G], 1.0, dtype)
-    own = members == row - group * group_size
-    return (tl.sum(tl.where(own, advantage_hat * phi, 0.0), axis=0), tl.sum(tl.where(own, phi, 0.0), axis=0),
-            degenerate)
 
 
 @triton.jit
@@ -211,6 +178,7 @@ def _surrogate_kernel(
     selected_ptr, stride_selected,
     offsets_ptr,
     rewards_ptr, stride_rewards, anchor_ptr,
+    totals_ptr, prior_ptr, stride_prior_row, stride_prior_column,
     advantage_ptr, stride_advantage,
     grad_logprobs_ptr, grad_entropy_ptr, partials_ptr, arrivals_ptr,
     loss_ptr, metrics_ptr, grad_scale_ptr,
@@ -226,6 +194,8 @@ def _surrogate_kernel(
     HAS_GROUPS: tl.constexpr,
     NORMALIZE_STD: tl.constexpr,
     HAS_ANCHOR: tl.constexpr,
+    SCOPE: tl.constexpr,
+    LEAVE_ONE_OUT: tl.constexpr,
     BLOCK_G: tl.constexpr,
     PER_TOKEN_ADVANTAGES: tl.constexpr,
     PER_RESPONSE_MEAN: tl.constexpr,
@@ -271,9 +241,10 @@ def _surrogate_kernel(
     if HAS_GROUPS:
         group_dtype = tl.float64 if (rewards_ptr.dtype.element_ty == tl.float64) or (compute == tl.float64) \
             else tl.float32
-        group_advantage, group_phi, group_degenerate = _group_terms(
-            rewards_ptr, stride_rewards, anchor_ptr, row, group_size, std_eps, lambda_scale, group_dtype,
-            NORMALIZE_STD, HAS_ANCHOR, BLOCK_G)
+        group_advantage, group_phi, group_degenerate = group_advantage_terms(
+            rewards_ptr, stride_rewards, anchor_ptr, totals_ptr, prior_ptr, stride_prior_row, stride_prior_column,
+            row, group_size, std_eps, lambda_scale, group_dtype, NORMALIZE_STD, HAS_ANCHOR, SCOPE, LEAVE_ONE_OUT,
+            BLOCK_G)
         response_advantage = group_advantage.to(compute)
         phi = group_phi.to(compute)
         degenerate = tl.where(group_degenerate & (row % group_size == 0), 1.0, 0.0).to(compute)
@@ -521,7 +492,7 @@ class _OptionSet:
     arguments, the aggregation's rule, and a bound kernel per shape of a call (its inputs'
     presence, the tile)."""
 
-    def __init__(self, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
+    def __init__(self, group_size, advantage_estimator, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
                  epsilon_low, epsilon_high, objective_options, beta, kl_estimator, entropy_coef, loss_normalizer,
                  max_response_length):
         name = OBJECTIVE_NAMES[objective]
@@ -531,12 +502,14 @@ class _OptionSet:
             raise ValueError(f"objective {name!r} takes ratio_level in {OBJECTIVES[name].ratio_levels}, got "
                              f"{RATIO_LEVELS[ratio_level]!r}")
         self.has_kl = beta > 0
+        self.estimator = ESTIMATORS[ESTIMATOR_NAMES[advantage_estimator]]
         self.arguments = dict(
             group_size=group_size or 1, std_eps=float(std_eps), lambda_scale=float(lambda_scale),
             **objective_arguments(objective, epsilon_low, epsilon_high, objective_options),
             beta=float(beta), entropy_coef=float(entropy_coef),
             RESPONSE_STEP=RESPONSE_STEPS.index(OBJECTIVES[name].response_step), RATIO_LEVEL=ratio_level,
             THROUGH_RATIO=OBJECTIVES[name].through_ratio, NORMALIZE_STD=normalize_std,
+            SCOPE=SCOPES.index(self.estimator.scope), LEAVE_ONE_OUT=self.estimator.leave_one_out,
             BLOCK_G=triton.next_power_of_2(group_size or 1), HAS_KL=self.has_kl, KL_ESTIMATOR=kl_estimator,
         )
         # (denominator, PER_RESPONSE_MEAN, COUNT_TOKENS) of a call of S segments.
@@ -565,7 +538,8 @@ def _option_set(*options) -> _OptionSet:
 
 def surrogate_forward(
     logprobs, old_logprobs, response_mask, cu_seqlens, rewards, advantages, response_advantages, anchor, ref_logprobs,
-    importance_weights, entropy, selected, group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode,
+    importance_weights, entropy, selected, batch_totals, prior, group_size, advantage_estimator, normalize_std, std_eps,
+    lambda_scale, loss_agg_mode,
     ratio_level, objective, epsilon_low, epsilon_high, objective_options, beta, kl_estimator, entropy_coef,
     loss_normalizer, max_response_length,
 ):
@@ -579,7 +553,8 @@ def surrogate_forward(
     per response [S]. Only shapes and Python scalars steer the launch; no tensor value
     reaches the host.
     """
-    options = _option_set(group_size, normalize_std, std_eps, lambda_scale, loss_agg_mode, ratio_level, objective,
+    options = _option_set(group_size, advantage_estimator, normalize_std, std_eps, lambda_scale, loss_agg_mode,
+                          ratio_level, objective,
                           epsilon_low, epsilon_high, tuple(objective_options), beta, kl_estimator, entropy_coef,
                           loss_normalizer, max_response_length)
     (tokens,) = logprobs.shape
@@ -604,6 +579,8 @@ def surrogate_forward(
     arrivals = torch.zeros((), dtype=torch.int32, device=device)
 
     has_groups = rewards is not None
+    if has_groups and options.estimator.scope == "batch" and batch_totals is None:
+        batch_totals = call_totals(rewards, group_size)  # the call's groups are the batch: one launch more
     per_token_advantages = advantages is not None
     caller_advantages = advantages if per_token_advantages else response_advantages
     # bool storage read as bytes: one byte per token, and any dtype works through `!= 0`.
@@ -630,6 +607,7 @@ def surrogate_forward(
             selected_bytes, stride(selected_bytes),
             offsets,
             rewards, stride(rewards), anchor,
+            batch_totals, prior, stride(prior), 0 if prior is None else prior.stride(1),
             caller_advantages, stride(caller_advantages),
             grad_logprobs, grad_entropy, partials, arrivals,
             loss, metrics, grad_scale,

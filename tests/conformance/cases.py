@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hadw_kernels import fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
+from hadw_kernels import batch_totals, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
 from hadw_kernels.backends import load_backend
 from hadw_kernels.tables.aggregations import AGGREGATIONS
 from hadw_kernels.config.loss_config import LossConfig
@@ -83,6 +83,15 @@ def surrogate_batch(seed: int, batch: int = 12, width: int = 37, drift: float = 
     # bound of the correction variants.
     rollout = (old + 0.15 * torch.randn(batch, width, generator=generator, dtype=torch.float64)).clamp(max=0.0)
     data["rollout_logprobs"] = _poison(rollout, mask)
+    # What the estimators read beyond the rewards (drawn after the rest, which they leave
+    # as it was): each group's prompt's pseudo-counts, alike over the group's rows, and the
+    # totals of a rollout batch that holds these groups and two more.
+    groups = -(-batch // GROUP_SIZE)
+    data["prior"] = (0.5 + 3 * torch.rand(groups, 2, generator=generator, dtype=torch.float64)).repeat_interleave(
+        GROUP_SIZE, 0)[:batch]
+    others = torch.bernoulli(torch.full((2 * GROUP_SIZE,), 0.3), generator=generator).double()
+    whole = torch.cat([rewards[: batch - batch % GROUP_SIZE], others])
+    data["batch_totals"] = batch_totals(whole, group_size=GROUP_SIZE)
     return data
 
 
@@ -183,9 +192,15 @@ SURROGATE_VARIANTS = [
             ("old_logprobs", "rewards", "token_importance_weights")),
     # The objectives no loss type presets, in each loss type's ratio form.
     *unpreset_objective_variants(),
-    # The estimators formed before the kernels (estimators.py), with and without Phi.
+    # The estimators (tables/estimators.py), inside the kernels' launch, with and without
+    # Phi: James-Stein over the call's groups and over a larger batch's totals, the
+    # history's with its prompts' pseudo-counts.
     Variant("rloo", {"advantage_estimator": "rloo"}),
     Variant("james_stein_hadw", {"advantage_estimator": "james_stein", "anchor": 0.35}),
+    Variant("james_stein_batch_totals", {"advantage_estimator": "james_stein"},
+            ("old_logprobs", "rewards", "batch_totals")),
+    Variant("prompt_history_hadw", {"advantage_estimator": "prompt_history", "anchor": 0.45},
+            ("old_logprobs", "rewards", "prior")),
     # Rollout correction and token masks (correction.py): every rule, level and filter.
     *CORRECTION_VARIANTS,
 ]
@@ -251,16 +266,20 @@ def fresh(generator: torch.Generator) -> torch.Generator:
     return torch.Generator().set_state(generator.get_state())
 
 
+# What the advantages are formed from: at least fp32, as a trainer holds them.
+_ADVANTAGE_DATA = ("rewards", "advantages", "prior", "batch_totals")
+
+
 def cast(kwargs: dict, dtype: torch.dtype, device: torch.device) -> dict:
-    """Float tensors to ``dtype`` (rewards and advantages at least fp32, as a trainer
-    holds them) on ``device``; a generator copied."""
+    """Float tensors to ``dtype`` (what the advantages are formed from at least fp32, as
+    a trainer holds them) on ``device``; a generator copied."""
     out = {}
     for key, value in kwargs.items():
         if isinstance(value, torch.Generator):
             value = fresh(value)
         if isinstance(value, torch.Tensor):
             if value.is_floating_point():
-                target = torch.promote_types(dtype, torch.float32) if key in ("rewards", "advantages") else dtype
+                target = torch.promote_types(dtype, torch.float32) if key in _ADVANTAGE_DATA else dtype
                 value = value.to(target)
             value = value.to(device)
         out[key] = value
@@ -272,7 +291,7 @@ def rounded(kwargs: dict, dtype: torch.dtype) -> dict:
     computation of the fast path's inputs sees."""
     return {
         key: value.to(dtype).double() if isinstance(value, torch.Tensor) and value.is_floating_point()
-        and key not in ("rewards", "advantages") else fresh(value) if isinstance(value, torch.Generator) else value
+        and key not in _ADVANTAGE_DATA else fresh(value) if isinstance(value, torch.Generator) else value
         for key, value in kwargs.items()
     }
 
@@ -313,7 +332,7 @@ def run_surrogate_op_with_entropy(backend: str, logprobs, entropy, response_mask
 
 
 _TENSOR_KEYS = {"old_logprobs", "rewards", "advantages", "anchor", "ref_logprobs", "importance_weights",
-                "rollout_logprobs"}
+                "rollout_logprobs", "prior", "batch_totals"}
 # The options whose rules the public losses apply around the backend's op (correction.py).
 CORRECTION_OPTIONS = ("rollout_correction", "off_policy_mask_threshold", "top_entropy_quantile", "kl_bias_correction")
 
@@ -460,7 +479,7 @@ def reference_linear_loss(hidden_states, lm_head_weight, labels, response_mask, 
         old = kwargs.get("old_logprobs")
         advantages = kwargs.get("advantages")
         advantage, _ = weighted_advantages(kwargs.get("rewards"), layout.per_token(advantages), config,
-                                           kwargs.get("anchor"))
+                                           kwargs.get("anchor"), kwargs.get("batch_totals"), kwargs.get("prior"))
         token_advantage = advantage if advantages is not None else layout.expand(advantage)
         flat_logprobs = layout.flat(logprobs).detach()
         selected = OBJECTIVES[config.objective].selection(

@@ -86,8 +86,10 @@ LINEAR_VARIANTS = [
     Variant("token_advantages_entropy", {"entropy_coef": 0.01}, ("old_logprobs", "token_advantages")),
     # The objectives no loss type presets, in each loss type's ratio form.
     *unpreset_objective_variants(),
-    # An estimator formed before the sweep (estimators.py), with Phi.
+    # The estimators (tables/estimators.py), with Phi: the batch's and the history's.
     Variant("james_stein_hadw", {"advantage_estimator": "james_stein", "anchor": 0.35}),
+    Variant("prompt_history_hadw", {"advantage_estimator": "prompt_history", "anchor": 0.4},
+            ("old_logprobs", "rewards", "prior")),
     # Rollout weights and filters (formed before the sweep), and the rules that read the
     # current policy (the recompute path only).
     Variant("rollout_correction_filters",
