@@ -1,9 +1,10 @@
-"""Measured figures are quoted from one place: the README's and docs/trainer.md's opening
-figures of the CPU default run are those of docs/trainer.md's measurement table (its
-shared-prompt column, the layout the default run uses), the README's sweep over G, CPU
-benchmark and GPU loss step and the TRL drop-in's layout ratios (README and
-docs/integrations/trl.md) are their pages' tables, and the code's comments quote none
-(docs/ holds them)."""
+"""Measured figures are quoted from one place, the measurement log (docs/results/, a page a
+day): the README's and docs/trainer.md's opening figures of the CPU default run are those of
+the log's table of the trainer's layouts (its shared-prompt column, the layout that run
+used), the README's sweep over G and estimators' evidence are their pages' tables and those
+tables compare.py's output (which the log keeps whole), the README's CPU benchmark, GPU loss
+step and the TRL drop-in's layout ratios (README and docs/integrations/trl.md) are the log's
+tables, and the code's comments quote none (docs/ holds them)."""
 
 import ast
 import io
@@ -12,6 +13,12 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+
+
+def log_section(date: str, title: str) -> str:
+    """The text of the log's section ``## title`` of ``date``'s page, up to the next ``## ``."""
+    return (RESULTS / f"{date}.md").read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
 def table_cell(text: str, row: str) -> str:
@@ -22,27 +29,30 @@ def table_cell(text: str, row: str) -> str:
 
 
 def test_the_cpu_default_figures_are_the_table_s():
+    table = log_section("2026-11-26", "The trainer's layouts on the CPU default")
     trainer = (ROOT / "docs" / "trainer.md").read_text()
-    fastest = table_cell(trainer, "wall time").split("-")[0]  # "1 min 21 s" of "1 min 21 s-1 min 22 s"
-    reward_row = next(line for line in trainer.splitlines() if line.startswith("| mean reward, last 40 steps"))
+    fastest = table_cell(table, "wall time").split("-")[0]  # "1 min 21 s" of "1 min 21 s-1 min 22 s"
+    reward_row = next(line for line in table.splitlines() if line.startswith("| mean reward, last 40 steps"))
     first = float(re.search(r"first step (\d\.\d+)", reward_row).group(1))
     last = float(reward_row.strip("| ").split(" | ")[-1])
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"2 cores: {fastest}; mean reward {first:.2f} at the first step, {last:.2f} over the last 40" in readme
+    assert "shared-prompt layout" in readme  # the layout it was measured in, no longer the default
     trainer = " ".join(trainer.split())
     assert f"It finished in {fastest} on 2 cores" in trainer
     assert f"the mean reward going from {first:.2f} at the first step to {last:.2f} over the last 40" in trainer
 
 
-# The heading under which an evidence page keeps trainer/tools/compare.py's output whole.
-COMPARE_OUTPUT = "\n## Appendix: compare.py's output, whole\n"
+# The log's sections that keep trainer/tools/compare.py's output whole, one an evidence page.
+HADW_OUTPUT = ("2026-11-28", "Appendix: compare.py's output, whole (HA-DW over G)")
+ESTIMATORS_OUTPUT = ("2026-12-02", "Appendix: compare.py's output, whole (estimators)")
 
 
 def test_the_readme_s_hadw_evidence_is_the_sweep_table_s():
     """The README's result of the sweep over G quotes docs/hadw-evidence.md's table of
     HA-DW minus GRPO (the reward over the last 40 steps, 95% interval) at every G, and the
-    page's rows are those compare.py wrote (the page's appendix holds its output)."""
-    evidence, output = (ROOT / "docs" / "hadw-evidence.md").read_text().split(COMPARE_OUTPUT, 1)
+    page's rows are those compare.py wrote (the log keeps its output whole)."""
+    evidence, output = (ROOT / "docs" / "hadw-evidence.md").read_text(), log_section(*HADW_OUTPUT)
     rows = re.findall(r"^\| (\d+) \| GRPO\+HA-DW \(kalman\) - GRPO \| ([^|]+) \|", evidence, re.M)
     assert [size for size, _ in rows] == ["2", "4", "8", "16"]
     readme = " ".join((ROOT / "README.md").read_text().split())
@@ -56,8 +66,8 @@ def test_the_readme_s_hadw_evidence_is_the_sweep_table_s():
 
 def test_the_trl_layout_figures_are_the_benchmark_table_s():
     """The README's and docs/integrations/trl.md's step-time ratios of the TRL drop-in are
-    those of docs/benchmarks.md's table ("The TRL drop-in's layouts", its "x stock" column)."""
-    table = (ROOT / "docs" / "benchmarks.md").read_text().split("## The TRL drop-in's layouts", 1)[1]
+    those of the log's table ("The TRL drop-in's layouts", its "x stock" column)."""
+    table = log_section("2026-11-28", "The TRL drop-in's layouts")
 
     def ratio(case: str, trainer: str) -> str:
         (line,) = [line for line in table.splitlines() if line.startswith(f"| {case} | {trainer} |")]
@@ -71,7 +81,8 @@ def test_the_trl_layout_figures_are_the_benchmark_table_s():
     assert f"long-tailed completions, {ratio('long-tail', 'shared_prompt')}x, where the drop-in padded takes " \
            f"{ratio('long-tail', 'padded')}x" in trl
     # The whole step with generation: a user's report, quoted from the page that labels it.
-    whole = re.search(r"step took \*\*(\d\.\d+)x of stock TRL's with generation counted", " ".join(table.split()))
+    report = log_section("2026-12-02", "A user's whole TRL step, with generation")
+    whole = re.search(r"step took \*\*(\d\.\d+)x of stock TRL's with generation counted", " ".join(report.split()))
     assert f"a user's whole step with generation on a 300-token preamble at G = 8 took {whole.group(1)}x" in readme
 
 
@@ -164,9 +175,10 @@ def table_rows(text: str, header: str) -> list[list[str]]:
 
 
 def test_the_readme_s_cpu_benchmark_is_benchmarks_md_s():
-    """The README's dense on-policy table quotes docs/benchmarks.md's latest full run: each
+    """The README's dense on-policy table quotes the log's latest full run: each
     shape's hadw[cpp] / bound, eager, TRL and Liger against hadw[cpp]."""
-    bench = (ROOT / "docs" / "benchmarks.md").read_text().split("### Dense on-policy: the first mini-batch", 1)[1]
+    bench = log_section("2026-11-24", "CPU benchmark: the full run on the AMD EPYC").split(
+        "### Dense on-policy: the first mini-batch", 1)[1]
     source = {}
     for cells in table_rows(bench, "| shape, threads | bound (ms) |"):
         shape, threads = cells[0].rsplit(", ", 1)
@@ -180,31 +192,34 @@ def test_the_readme_s_cpu_benchmark_is_benchmarks_md_s():
     assert quoted and quoted == {key: source[key] for key in quoted}
 
 
-def test_the_readme_s_gpu_loss_step_is_benchmarks_md_s():
-    """The README's H100 table quotes docs/benchmarks.md's ("On a GPU", the loss step of
-    2026-11-23): each row's time, its ratio to the bound and its peak; the ratio to eager is
-    the times' (to rounding)."""
-    doc = (ROOT / "docs" / "benchmarks.md").read_text().split("\n## On a GPU\n", 1)[1]
+def test_the_gpu_loss_step_quoted_is_the_log_s():
+    """The README's and docs/benchmarks.md's GPU loss step quote the log's H100 table (the loss
+    step of 2026-11-23): the fused path's time and ratio to the bound, and eager's ratio."""
+    doc = log_section("2026-11-23", "GPU: the loss step on an H100")
     source = {cells[0]: cells[1:] for cells in table_rows(doc, "| | ms | / bound | peak above inputs |")}
-    rows = table_rows((ROOT / "README.md").read_text(), "| | ms | / bound | / eager | peak above inputs |")
-    eager = float(next(cells[1] for cells in rows if cells[0].startswith("eager")))
-    assert len(rows) >= 5
-    for label, ms, to_bound, to_eager, peak in rows:
-        assert source[label.removeprefix("hadw[triton], ")] == [ms, to_bound, peak], label
-        assert abs(float(ms) / eager - float(to_eager.rstrip("x"))) <= 0.011, label
+    ms, to_bound, _ = source["gradients in forward"]
+    eager = source["eager (materialised logits)"][1]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"{ms} ms, {to_bound} the bound, eager {eager} on the H100" in readme
+    bench = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    assert f"{ms} ms, {to_bound} the bound (eager {eager}" in bench
 
 
 def test_the_readme_s_estimator_evidence_is_the_sweep_table_s():
-    """The README's result of the estimators' sweep quotes docs/estimators.md's paired
-    differences to GRPO (the reward over the last 40 steps, 95% interval) at every G, and
-    the page's rows are those compare.py wrote (the page's appendix holds its output)."""
-    evidence, output = (ROOT / "docs" / "estimators.md").read_text().split(COMPARE_OUTPUT, 1)
+    """The README's estimator table (between its estimator-recommendation markers) quotes
+    docs/estimators.md's paired differences to GRPO (the reward over the last 40 steps, 95%
+    interval) at every G, and the page's rows are those compare.py wrote (the log keeps its
+    output whole)."""
+    evidence = (ROOT / "docs" / "estimators.md").read_text()
+    output = log_section(*ESTIMATORS_OUTPUT)
     rows = re.findall(r"^\| (\d+) \| (prompt history|James-Stein) - GRPO \| ([^|]+) \|", evidence, re.M)
     assert {size for size, _, _ in rows} == {"2", "4", "8"} and len(rows) == 6
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- estimator-recommendation:start -->", 1)[1].split("<!-- estimator-recommendation:end -->")[0]
     for size, label, reward in rows:
-        assert f"{reward.strip()} at G = {size}" in readme, (size, label, reward)
-    assert "(docs/estimators.md)" in readme
+        (line,) = [line for line in block.splitlines() if line.startswith(f"| {size} |")]
+        assert f"{label} {reward.strip()}" in line, (size, label, reward)
+    assert "(docs/estimators.md)" in readme or "](docs/estimators.md)" in readme
     output = output.splitlines()
     table_rows = [line for line in evidence.splitlines() if re.match(r"^\| \d+ \| (prompt history|James-Stein) - GRPO", line)]
     assert table_rows and all(line in output for line in table_rows)

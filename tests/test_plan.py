@@ -119,7 +119,7 @@ def test_activations_with_and_without_checkpointing():
 def test_the_optimizer_step_is_the_peak_of_small_micro_batches():
     """DeepSpeed's fp32 gradient partition and the bf16 copy of the updated weights (6 bytes
     a parameter, sharded as the fp32 states) when the activations are gone: the flat peak
-    the H100 probe measured from 1 to 8 sequences (35.3 GiB, docs/benchmarks.md, "On a GPU")."""
+    the H100 probe measured from 1 to 8 sequences (35.3 GiB, docs/results/2026-11-26.md, "The planner against two-step budgets")."""
     model = PRESETS["Qwen3-1.7B"]
     small = estimate(model, budget_step(group_size=1, overhead_gib=0), fused=True)
     assert small.peak == small.at_optimizer_step
@@ -201,7 +201,7 @@ def measure(impl: str) -> dict:
 @pytest.mark.parametrize("impl, fused", [("eager", False)])
 def test_loss_part_matches_the_measured_cpu_peak(impl, fused):
     """The eager formula against a CPU measurement (the fused one is the GPU path's,
-    measured on an H100 by scripts/gpu_check.sh: docs/benchmarks.md, "On a GPU")."""
+    measured on an H100 by scripts/gpu_check.sh: docs/results/2026-11-23.md)."""
     tokens = MEASURED_SHAPE["prompts"] * MEASURED_SHAPE["group_size"] * MEASURED_SHAPE["length"]
     planned_mib = sum(
         loss_part_bytes(tokens, MEASURED_SHAPE["hidden"], MEASURED_SHAPE["vocab"], fused=fused, dtype_bytes=4).values()
