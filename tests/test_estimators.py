@@ -384,3 +384,49 @@ def test_every_rank_holds_the_whole_batchs_history():
     # Prompt 1 was seen with 2 successes (rank 0) and 2 failures (rank 1); the mean of all
     # six rewards is 1/2, so its prior reads (1 + 2, 1 + 2) on both ranks.
     assert results[0][1][0] == results[1][1][0] == [3.0, 3.0]
+
+
+# --- the history inside a fused loss -------------------------------------------------------
+
+
+@pytest.mark.parametrize("linear", [False, True])
+def test_a_fused_loss_reads_the_history_s_prior_as_hadw_advantages_does(linear):
+    logprobs, old, rewards, mask = _loss_batch(12)
+    rewards = (rewards > 0.5).double()
+    history = PromptHistory()
+    history.update(torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0]), [7, 7, 8, 8, 9, 9])
+    prior = history.update(rewards, [7] * 3 + [8] * 3 + [9] * 3 + [10] * 3)
+    expected = hadw_advantages(rewards, group_size=3, estimator="prompt_history", prior=prior, anchor=0.4)
+    if linear:
+        hidden, weight = torch.randn(12, 5, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+        labels = torch.randint(0, 7, (12, 5))
+        given = fused_linear_hadw_grpo_loss(hidden, weight, labels, old, rewards, mask, group_size=3, anchor=0.4,
+                                            advantage_estimator="prompt_history", prior=prior)
+        formed = fused_linear_hadw_grpo_loss(hidden, weight, labels, old, None, mask, advantages=expected)
+    else:
+        given = fused_hadw_grpo_loss(logprobs, old, rewards, mask, group_size=3, anchor=0.4,
+                                     advantage_estimator="prompt_history", prior=prior)
+        formed = fused_hadw_grpo_loss(logprobs, old, None, mask, advantages=expected)
+    torch.testing.assert_close(given, formed)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(advantage_estimator="prompt_history"), "^estimator='prompt_history' needs prior"),
+    (dict(advantage_estimator="rloo", prior=torch.ones(6, 2)), "^prior is read by the history estimators only"),
+    (dict(advantage_estimator="prompt_history", prior=torch.ones(5, 2)), r"^prior must be \[6, 2\]"),
+    (dict(advantage_estimator="prompt_history", prior=torch.tensor([[1.0, 1]] * 3 + [[1.0, 2]] * 2 + [[2.0, 1]])),
+     "^prior's rows differ within a group"),
+    (dict(advantage_estimator="prompt_history", prior=torch.full((6, 2), float("inf"))), "^prior's pseudo-counts"),
+    (dict(advantage_estimator="prompt_history", prior=torch.ones(6, 2), rewards=2.0), r"^rewards must lie in \[0, 1\]"),
+    (dict(prior=torch.ones(6, 2), advantages=True), "^prior is read by advantage_estimator='prompt_history'"),
+])
+def test_a_fused_loss_refuses_a_prior_that_contradicts_the_call(options, match):
+    logprobs, old, rewards, mask = _loss_batch(6)
+    options = dict(options)
+    rewards = (rewards > 0.5).double() * options.pop("rewards", 1.0)
+    if options.pop("advantages", False):
+        call = dict(rewards=None, advantages=torch.ones(6))
+    else:
+        call = dict(rewards=rewards, group_size=3)
+    with pytest.raises((ValueError, TypeError), match=match):
+        fused_hadw_grpo_loss(logprobs, old, response_mask=mask, **call, **options)

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hadw_kernels import (
     RolloutCorrection,
     available_backends,
+    batch_totals,
     fused_hadw_grpo_loss,
     fused_linear_hadw_grpo_loss,
     token_logprobs,
@@ -328,6 +329,21 @@ def test_triton_launches_per_call(monkeypatch):
             forward, backward = launches_of(lambda: fused_hadw_grpo_loss(
                 logprobs, logprobs.detach() + 0.1, response_mask=mask, loss_type=loss_type, **data, **common))
             assert (forward, backward) == (["_surrogate_kernel"], []), (loss_type, data.keys())
+
+    # Every estimator inside that launch (tables/estimators.py); James-Stein without the
+    # batch's totals first reduces the call's groups' (one program).
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    estimators = {
+        "rloo": ({}, ["_surrogate_kernel"]),
+        "prompt_history": ({"prior": torch.full((8, 2), 1.5)}, ["_surrogate_kernel"]),
+        "james_stein": ({"batch_totals": batch_totals(rewards, group_size=2)}, ["_surrogate_kernel"]),
+        None: ({}, ["_totals_kernel", "_surrogate_kernel"]),
+    }
+    for estimator, (inputs, expected) in estimators.items():
+        forward, backward = launches_of(lambda: fused_hadw_grpo_loss(
+            logprobs, logprobs.detach() + 0.1, rewards, mask, group_size=2, anchor=0.3, loss_type="dr_grpo",
+            advantage_estimator=estimator or "james_stein", **inputs, **common))
+        assert (forward, backward) == (expected, []), estimator
 
     # The gradients-in-forward path in three blocks of rows, the last one short; the
     # recompute path's ops plan their own (linear_blocks.block_rows_for): one.
