@@ -17,10 +17,11 @@ import pytest
 pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
 
 from trainer.tools.intervals import t_critical
-from trainer.tools.sweep_data import extract, main, read_rows, refresh, write_rows
+from trainer.tools.sweep_data import SWEPT_GROUP_SIZES, extract, main, read_rows, refresh, write_rows
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "estimators.md"
+README = REPO / "README.md"
 COMMAND = re.compile(r"```bash\n(python -m trainer\.tools\.sweep_data tables [^\n]+)\n```\n\n((?:\|[^\n]*\n)+)")
 
 
@@ -134,3 +135,39 @@ def test_a_run_whose_settings_are_not_its_arm_s_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"dr.grpo-seed0 is named for Dr.GRPO, whose algorithm.normalize_std=false "
                                          r"it did not run \(it ran None\)"):
         extract(tmp_path / "sweep")
+
+
+def test_the_readme_s_recommendation_is_the_data_file_s():
+    """The README's estimator table is ``sweep_data recommend``'s output on the data file,
+    and each row's difference is recomputed here: that arm's reward minus GRPO's on the
+    seeds both ran, its interval above 0 where the row recommends it, and no other arm's
+    mean difference above it."""
+    text = README.read_text()
+    block = text.split("<!-- estimator-recommendation:start -->", 1)[1].split("<!-- estimator-recommendation:end -->")[0]
+    assert "sweep_data recommend docs/data/estimators-sweep.csv" in block
+    assert refresh(text) == text, "the README's table differs from its command's output"
+    rows = read_rows(REPO / "docs" / "data" / "estimators-sweep.csv")
+    lines = [line for line in block.splitlines() if line.startswith("| ") and not line.startswith(("| task", "| ---"))]
+    measured = set()
+    for line in lines:
+        task, size, use, against, pairs = (cell.strip() for cell in line.strip("|").split("|"))
+        if against == "not yet run":
+            assert {int(value) for value in size.split(", ")} == set(SWEPT_GROUP_SIZES) - {row["group_size"] for row in rows}
+            continue
+        arm, shown = against.split(": ")
+
+        def differences(name):
+            of = {row["seed"]: row["reward"] for row in rows
+                  if (row["task"], row["group_size"], row["arm"]) == (task, int(size), name)}
+            base = {row["seed"]: row["reward"] for row in rows
+                    if (row["task"], row["group_size"], row["arm"]) == (task, int(size), "GRPO")}
+            return [of[seed] - base[seed] for seed in sorted(set(of) & set(base))]
+
+        values = differences(arm)
+        assert shown == _interval(values, signed=True) and int(pairs) == len(values)
+        others = {row["arm"] for row in rows if (row["task"], row["group_size"]) == (task, int(size))} - {"GRPO"}
+        assert all(statistics.fmean(differences(other)) <= statistics.fmean(values) for other in others)
+        low = float(shown.split("[")[1].split(",")[0])
+        assert (use == arm) == (low > 0) and (use == arm or use.startswith("GRPO"))
+        measured.add((task, int(size)))
+    assert measured == {(row["task"], row["group_size"]) for row in rows}

@@ -5,6 +5,7 @@ from that file alone, so a reader can recompute every mean and interval.
         --out docs/data/estimators-sweep.csv
     python -m trainer.tools.sweep_data tables docs/data/estimators-sweep.csv
     python -m trainer.tools.sweep_data tables docs/data/estimators-sweep.csv --differences --baseline Dr.GRPO
+    python -m trainer.tools.sweep_data recommend docs/data/estimators-sweep.csv
     python -m trainer.tools.sweep_data refresh docs/estimators.md      # every quoted table, from its command
 
 ``extract`` reads every finished run under ``ROOT/<task>/<key>-<value>/<variant>-seed<k>/``
@@ -17,10 +18,12 @@ where it was evaluated, and its fingerprint (compare.py: the SHA-256 of the sett
 ran). An unfinished run is left out. ``tables`` prints, per task, G and arm, the mean over
 the seeds [95% t interval] (trainer/tools/intervals.py) of each figure; with
 ``--differences``, each arm minus ``--baseline`` on the seeds both ran (paired: a seed
-fixes the initial weights and the prompts). ``refresh`` rewrites, in a markdown file,
-each table that follows a fenced ``python -m trainer.tools.sweep_data tables ...`` command
-with that command's output (paths from the repository's root), so the docs follow the
-data file.
+fixes the initial weights and the prompts). ``recommend`` prints, per task and G, the arm
+to use: the one whose reward exceeds the baseline's by the most with its paired
+95% interval above 0, else the baseline (the README's table). ``refresh`` rewrites, in a
+markdown file, each table that follows a fenced ``python -m trainer.tools.sweep_data
+tables ...`` (or ``recommend ...``) command with that command's output (paths from the
+repository's root), so the docs follow the data file.
 """
 
 from __future__ import annotations
@@ -180,25 +183,76 @@ def differences_table(rows: list[dict], baseline: str) -> str:
     return "\n".join(lines)
 
 
+# The group sizes the sweep runs (scripts/estimators_sweep.sh): those without a run in the
+# file are named in the recommendation as not yet measured.
+SWEPT_GROUP_SIZES = (2, 4, 8, 16)
+
+
+def paired_differences(rows: list[dict], task: str, group_size: int, arm: str, baseline: str,
+                       figure: str = "reward") -> list[float]:
+    """``arm``'s ``figure`` minus ``baseline``'s on each seed both ran, in seed order."""
+    of = {row["seed"]: row[figure] for row in rows if (row["task"], row["group_size"], row["arm"]) ==
+          (task, group_size, arm)}
+    base = {row["seed"]: row[figure] for row in rows if (row["task"], row["group_size"], row["arm"]) ==
+            (task, group_size, baseline)}
+    return [of[seed] - base[seed] for seed in sorted(set(of) & set(base))]
+
+
+def recommendation_table(rows: list[dict], baseline: str = "GRPO") -> str:
+    """Per task and G: the arm to use, by the training reward over the last 40 steps
+    minus ``baseline``'s paired by seed: the arm with the largest mean difference whose
+    95% t interval lies above 0, else ``baseline``; beside it that difference (or, where the
+    baseline stays, the best other arm's), and the pairs. Then the swept G's the file has
+    no run of."""
+    lines = ["| task | G | use | reward minus " + baseline + ", last 40 steps [95% interval] | seeds |",
+             "| --- | --- | --- | --- | --- |"]
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    for task in tasks:
+        for group_size in sorted({row["group_size"] for row in rows if row["task"] == task}):
+            arms = [arm for cell_task, size, arm in _cells(rows) if (cell_task, size) == (task, group_size)
+                    and arm != baseline]
+            scored = []
+            for arm in arms:
+                differences = paired_differences(rows, task, group_size, arm, baseline)
+                if len(differences) >= 2:
+                    scored.append((mean_interval(differences), arm, len(differences)))
+            if not scored:
+                continue
+            (mean, half_width), arm, pairs = max(scored, key=lambda item: item[0][0])
+            shown = format_interval(mean, half_width, signed=True)
+            use = arm if mean - half_width > 0 else f"{baseline} (no arm clear of it)"
+            against = f"{arm}: {shown}"
+            lines.append(f"| {task} | {group_size} | {use} | {against} | {pairs} |")
+    missing = [str(size) for size in SWEPT_GROUP_SIZES if size not in {row["group_size"] for row in rows}]
+    if missing:
+        lines.append(f"| {', '.join(tasks)} | {', '.join(missing)} | {baseline} (the default) | not yet run | 0 |")
+    return "\n".join(lines)
+
+
 REPO = Path(__file__).resolve().parents[2]
 # A quoted table: its command in a bash block, a blank line, then the table's lines.
-QUOTED = re.compile(r"(```bash\n(python -m trainer\.tools\.sweep_data tables [^\n]+)\n```\n\n)((?:\|[^\n]*\n)+)")
+QUOTED = re.compile(r"(```bash\n(python -m trainer\.tools\.sweep_data (?:tables|recommend) [^\n]+)\n```\n\n)"
+                    r"((?:\|[^\n]*\n)+)")
 
 
-def table_of(arguments: list[str]) -> str:
-    """What ``tables`` prints for these arguments (the data file's path from the root)."""
+def table_of(command: str, arguments: list[str]) -> str:
+    """What ``command`` (tables, recommend) prints for these arguments (the data file's
+    path from the root)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("data", type=Path)
     parser.add_argument("--differences", action="store_true")
     parser.add_argument("--baseline", default="GRPO", choices=list(VARIANTS))
     args = parser.parse_args(arguments)
     rows = read_rows(REPO / args.data)
+    if command == "recommend":
+        return recommendation_table(rows, args.baseline)
     return differences_table(rows, args.baseline) if args.differences else means_table(rows)
 
 
 def refresh(text: str) -> str:
     """``text`` with each quoted table replaced by its command's output."""
-    return QUOTED.sub(lambda match: match[1] + table_of(shlex.split(match[2])[4:]) + "\n", text)
+    return QUOTED.sub(lambda match: match[1] + table_of(shlex.split(match[2])[3], shlex.split(match[2])[4:]) + "\n",
+                      text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     tabling.add_argument("--differences", action="store_true", help="each arm minus --baseline on the same seeds")
     tabling.add_argument("--baseline", default="GRPO", choices=list(VARIANTS), metavar="ARM",
                          help="the arm the differences are from (default: GRPO)")
+    recommending = commands.add_parser("recommend", help="the arm to use per task and G, as the README's table")
+    recommending.add_argument("data", type=Path, help="a CSV that extract wrote")
+    recommending.add_argument("--baseline", default="GRPO", choices=list(VARIANTS), metavar="ARM",
+                              help="the arm to beat (default: GRPO)")
     refreshing = commands.add_parser("refresh", help="rewrite a markdown file's quoted tables from their commands")
     refreshing.add_argument("doc", type=Path, help="the markdown file")
     args = parser.parse_args(argv)
@@ -225,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(rows)} finished runs -> {args.out}")
         return 0
     rows = read_rows(args.data)
-    print(differences_table(rows, args.baseline) if args.differences else means_table(rows))
+    if args.command == "recommend":
+        print(recommendation_table(rows, args.baseline))
+    else:
+        print(differences_table(rows, args.baseline) if args.differences else means_table(rows))
     return 0
 
 
