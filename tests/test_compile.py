@@ -184,7 +184,7 @@ def test_fake_kernels_match_the_cpp_ops(with_optional):
           advantages=None, response_advantages=None, anchor=torch.tensor(0.4, dtype=torch.float64) if with_optional else None,
           ref_logprobs=logprobs + 0.05 if with_optional else None,
           importance_weights=torch.rand(rows) + 0.5 if with_optional else None,
-          entropy=torch.rand(rows) if with_optional else None, selected=None, **config.kernel_options(), backend="cpp")
+          entropy=torch.rand(rows) if with_optional else None, selected=None, batch_totals=None, prior=None, **config.kernel_options(), backend="cpp")
     hidden, weight = torch.randn(rows, HIDDEN), torch.randn(VOCAB, HIDDEN)
     bias = torch.randn(VOCAB) if with_optional else None
     labels = torch.randint(0, VOCAB, (rows,))

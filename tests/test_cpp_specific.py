@@ -61,12 +61,13 @@ def _op_arguments(op: str, **named) -> tuple:
 
 
 def _surrogate_args(dtype=torch.float32, *, batch=16, width=300, advantages=False, options=True, loss_type="dapo",
-                    **loss_options):
+                    estimator_inputs=None, **loss_options):
     """hadw_cpp::surrogate_loss arguments: ``batch`` segments of 0 to 2 x ``width``
     tokens (one empty), masked tokens; the caller's per-token advantages or rewards; KL,
     per-token importance weights and entropy (options=True). The objective and its
     ratio form are ``loss_type``'s, with ``loss_options`` (a LossConfig; dual clip 3 with
-    options=True where the objective is clip)."""
+    options=True where the objective is clip); ``estimator_inputs``, the batch totals or the
+    prior an ``advantage_estimator`` among them reads."""
     lengths = torch.randint(0, 2 * width + 1, (batch,))
     lengths[1] = 0
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
@@ -87,7 +88,7 @@ def _surrogate_args(dtype=torch.float32, *, batch=16, width=300, advantages=Fals
         ref_logprobs=(logprobs + 0.1 * torch.randn_like(logprobs)).to(dtype) if options else None,
         importance_weights=(torch.rand(tokens) + 0.5).to(dtype) if options else None,
         entropy=torch.rand(tokens).to(dtype) if options else None, selected=None,
-        **loss.kernel_options(),
+        **{"batch_totals": None, "prior": None, **(estimator_inputs or {})}, **loss.kernel_options(),
     )
 
 
@@ -381,9 +382,18 @@ KERNEL_CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 @pytest.mark.parametrize("dtype, advantages, options, loss_type", [
     (torch.float32, False, False, "dapo"), (torch.float32, False, True, "dapo"), (torch.float32, True, True, "gmpo"),
     (torch.bfloat16, False, True, "vespo"), (torch.float64, True, True, "gspo"),
+    (torch.float32, False, True, "james_stein"), (torch.float32, False, False, "prompt_history"),
 ])
 def test_opcheck_surrogate(dtype, advantages, options, loss_type):
-    args = _surrogate_args(dtype, batch=8, width=5, advantages=advantages, options=options, loss_type=loss_type)
+    estimator = {"james_stein": dict(advantage_estimator="james_stein",
+                                     estimator_inputs={"batch_totals": torch.tensor([3.0, 12, 5, 0.4, 1.2, 0.6],
+                                                                                    dtype=torch.float64)}),
+                 "prompt_history": dict(advantage_estimator="prompt_history",
+                                        estimator_inputs={"prior": torch.full((8, 2), 1.5)})}.get(loss_type)
+    if estimator is not None:
+        loss_type = "dapo"
+    args = _surrogate_args(dtype, batch=8, width=5, advantages=advantages, options=options, loss_type=loss_type,
+                           **(estimator or {}))
     torch.library.opcheck(torch.ops.hadw_cpp.surrogate_loss.default, args, test_utils=KERNEL_CHECKS)
     torch.library.opcheck(torch.ops.hadw.surrogate_loss.default, (*args, "cpp"), test_utils=KERNEL_CHECKS)
 

@@ -86,7 +86,7 @@ def test_outputs_do_not_depend_on_recycled_memory(loss_type):
         return triton_surrogate.surrogate_forward(
             logprobs=logprobs.view(-1), old_logprobs=old.view(-1), response_mask=mask.view(-1), cu_seqlens=cu_seqlens,
             rewards=rewards, advantages=None, response_advantages=None, anchor=None, ref_logprobs=None, importance_weights=None,
-            entropy=entropy.view(-1), selected=None, **options,
+            entropy=entropy.view(-1), selected=None, batch_totals=None, prior=None, **options,
         )
 
     clean = call()
@@ -316,7 +316,7 @@ def test_launchers_refuse_a_ratio_form_the_objective_lacks():
         triton_surrogate.surrogate_forward(
             logprobs=logprobs.view(-1), old_logprobs=old.view(-1), response_mask=mask.view(-1),
             cu_seqlens=torch.arange(3, device=DEVICE) * 3, rewards=None, advantages=torch.ones(6, device=DEVICE),
-            response_advantages=None, anchor=None, ref_logprobs=None, importance_weights=None, entropy=None, selected=None, **kernel_options)
+            response_advantages=None, anchor=None, ref_logprobs=None, importance_weights=None, entropy=None, selected=None, batch_totals=None, prior=None, **kernel_options)
     rows = torch.zeros(4, device=DEVICE)
     for loss_type in ("gmpo", "vespo"):
         with pytest.raises(ValueError, match=f"objective '{loss_type}' reads whole responses"):

@@ -99,7 +99,7 @@ def _surrogate_arguments(config, dtype, device) -> dict:
     return dict(logprobs=logprobs, old_logprobs=logprobs.flip(0), response_mask=torch.ones(20, dtype=torch.bool,
                 device=device), cu_seqlens=torch.tensor([0, 5, 5, 12, 20], device=device),
                 rewards=torch.tensor([1.0, 0, 0, 1], device=device), advantages=None, response_advantages=None,
-                anchor=None, ref_logprobs=None, importance_weights=None, entropy=logprobs, selected=None,
+                anchor=None, ref_logprobs=None, importance_weights=None, entropy=logprobs, selected=None, batch_totals=None, prior=None,
                 **config.kernel_options())
 
 
