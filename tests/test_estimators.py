@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gloo_ranks import on_ranks
-from hadw_kernels import (ESTIMATOR_NAMES, PromptHistory, batch_totals, fused_hadw_grpo_loss,
+from hadw_kernels import (ESTIMATOR_NAMES, PromptHistory, available_backends, batch_totals, fused_hadw_grpo_loss,
                           fused_linear_hadw_grpo_loss, hadw_advantages, prompt_key)
 from hadw_kernels.tables.estimators import ESTIMATORS
 from hadw_kernels.reference import estimators as reference
@@ -430,3 +430,34 @@ def test_a_fused_loss_refuses_a_prior_that_contradicts_the_call(options, match):
         call = dict(rewards=rewards, group_size=3)
     with pytest.raises((ValueError, TypeError), match=match):
         fused_hadw_grpo_loss(logprobs, old, response_mask=mask, **call, **options)
+
+
+@pytest.mark.parametrize("backend", [name for name in available_backends("cpu") if name != "torch"])
+@pytest.mark.parametrize("estimator", ESTIMATOR_NAMES)
+def test_each_kernel_forms_each_estimator_at_an_odd_group_size_from_strided_inputs(backend, estimator):
+    """G = 3 (a block of the group wider than it, in Triton) and inputs that are views with
+    strides: the rewards every other element of a buffer, the prior column-major. The
+    kernels' loss, gradient and metrics are the reference's."""
+    logprobs, old, rewards, mask = _loss_batch(9, seed=3)
+    mask[4, 2:] = 0
+    rewards = torch.stack([(rewards > 0.4).double(), torch.zeros(9, dtype=torch.float64)], 1)[:, 0]
+    rewards[:3] = 1.0  # an all-equal group
+    inputs = {}
+    if ESTIMATORS[estimator].scope == "history":
+        inputs["prior"] = (0.5 + torch.rand(3, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+                           ).repeat_interleave(3, 0).t().contiguous().t()
+        assert inputs["prior"].stride() == (1, 9)
+    assert rewards.stride() == (2,)
+    runs = {}
+    for name in ("torch", backend):
+        leaf = logprobs.clone().requires_grad_()
+        loss, metrics = fused_hadw_grpo_loss(leaf, old, rewards, mask, group_size=3, anchor=0.55, loss_type="dapo",
+                                             advantage_estimator=estimator, return_metrics=True, backend=name,
+                                             **inputs)
+        loss.backward()
+        runs[name] = (loss, leaf.grad, metrics)
+    torch.testing.assert_close(runs[backend][0], runs["torch"][0])
+    torch.testing.assert_close(runs[backend][1], runs["torch"][1])
+    assert list(runs[backend][2]) == list(runs["torch"][2])
+    for name, value in runs["torch"][2].items():
+        torch.testing.assert_close(runs[backend][2][name], value, msg=name)
