@@ -112,9 +112,7 @@ def baseline(row: Estimator, values: torch.Tensor, dense: torch.Tensor, stats: G
     if row.leave_one_out:
         sums, counts = sums - values, counts - 1
     if row.scope == "history":
-        if prior is None:
-            raise ValueError(f"estimator={row.name!r} needs prior: the [B, 2] pseudo-counts PromptHistory.update "
-                             "returns")
+        assert prior is not None, "checks.values.check_prior refuses a history estimator without its prior"
         alpha, beta = prior[:, 0].to(values.dtype), prior[:, 1].to(values.dtype)
         sums, counts = alpha + sums, alpha + beta + counts
     own = sums / counts

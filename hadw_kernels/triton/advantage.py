@@ -74,6 +74,7 @@ def group_advantage_terms(rewards_ptr, stride_rewards, anchor_ptr, totals_ptr, p
     degenerate = tl.max(tl.where(in_group, rewards, -float("inf")), axis=0) == tl.min(
         tl.where(in_group, rewards, float("inf")), axis=0
     )
+    variance = tl.sum(centred * centred, axis=0) / (group_size - 1)  # unbiased
     if (SCOPE == SCOPE_GROUP) and not LEAVE_ONE_OUT:
         advantage_hat = centred  # r - S / n, as the group mean's reference forms it
     else:
@@ -89,11 +90,10 @@ def group_advantage_terms(rewards_ptr, stride_rewards, anchor_ptr, totals_ptr, p
             counts = alpha + beta + counts
         own = sums / counts
         if SCOPE == SCOPE_BATCH:
-            noise = tl.sum(centred * centred, axis=0) / (group_size - 1) / (group_size - 1)
-            own = _shrunk(own, totals_ptr, total, mean, noise, group_size, dtype)
+            own = _shrunk(own, totals_ptr, total, mean, variance / (group_size - 1), group_size, dtype)
         advantage_hat = tl.where(in_group, rewards - own, 0.0)
     if NORMALIZE_STD:
-        std = tl.sqrt(tl.sum(centred * centred, axis=0) / (group_size - 1))
+        std = tl.sqrt(variance)
         advantage_hat = advantage_hat / (std + tl.full([], std_eps, dtype))
     if SCOPE == SCOPE_GROUP:
         advantage_hat = tl.where(degenerate, 0.0, advantage_hat)
