@@ -12,17 +12,32 @@
 #
 #     nohup scripts/estimators_sweep.sh /work/runs-estimators > /work/runs-estimators/sweep.log 2>&1 &
 #
-# RUNS (default runs/) is run.output_dir; a second sweep on the same RUNS stops at once.
+# SHARD/SHARDS (default 0/1) splits the seeds, seed % SHARDS == SHARD, so that one sweep per
+# core runs side by side on the same RUNS, each G's seeds advancing together:
+#
+#     scripts/estimators_sweep.sh /work/runs-estimators 0/2    # seeds 0, 2, 4, 6
+#     scripts/estimators_sweep.sh /work/runs-estimators 1/2    # seeds 1, 3, 5, 7
+#
+# RUNS (default runs/) is run.output_dir. Every shard holds one lock on RUNS for its SHARD
+# and SHARDS: a second sweep of the same shard stops at once. Shards of different SHARDS
+# counts would overlap; run all of one count.
 set -u
 cd "$(dirname "$0")/.."
 runs=$(realpath -m "${1:-runs}")
+shard_spec=${2:-0/1}
+shard=${shard_spec%/*}
+shards=${shard_spec#*/}
+[[ "$shard" =~ ^[0-9]+$ && "$shards" =~ ^[1-9][0-9]*$ && "$shard" -lt "$shards" ]] \
+  || { echo "SHARD/SHARDS must be two integers with 0 <= SHARD < SHARDS, not '$shard_spec'"; exit 2; }
 python=${PYTHON:-python}
 arms=(GRPO Dr.GRPO RLOO James-Stein "prompt history" "prompt history+Phi")
 mkdir -p "$runs"
-exec 9>"$runs/.estimators-sweep.lock"
-flock -n 9 || { echo "another sweep holds $runs/.estimators-sweep.lock"; exit 1; }
+lock="$runs/.estimators-sweep-$shard-of-$shards.lock"
+exec 9>"$lock"
+flock -n 9 || { echo "another sweep holds $lock"; exit 1; }
 for group_size in 2 4 8 16; do
   for seed in 0 1 2 3 4 5 6 7; do
+    (( seed % shards == shard )) || continue
     for task in recurring rare; do
       pool=()
       [ "$task" = rare ] && pool=(--set data.prompt_pool=5000)
