@@ -306,7 +306,7 @@ def test_totals_add_over_parts_of_the_batch():
 @pytest.mark.parametrize("linear", [False, True])
 def test_a_one_group_call_is_not_silently_rloo(linear):
     logprobs, old, rewards, mask = _loss_batch(3)
-    with pytest.raises(ValueError, match="^advantage_estimator='james_stein' shrinks toward the batch's other groups "
+    with pytest.raises(ValueError, match="^advantage_estimator='james_stein' reads the batch's other groups "
                                          "and this call holds 1: pass batch_totals"):
         if linear:
             hidden = torch.randn(3, 5, 4, dtype=torch.float64)
@@ -363,7 +363,7 @@ def _james_stein_on_rank(rank):
 @pytest.mark.slow
 def test_under_ddp_james_stein_needs_the_whole_batch_s_totals():
     for refusal, given, expected in on_ranks(_james_stein_on_rank).values():
-        assert refusal.startswith("advantage_estimator='james_stein' under torch.distributed would shrink over "
+        assert refusal.startswith("advantage_estimator='james_stein' under torch.distributed would read "
                                   "this rank's groups alone")
         assert given == pytest.approx(expected, rel=1e-12)
 

@@ -27,7 +27,7 @@ from ..batch.token_layout import TokenLayout
 from ..config.loss_config import LossConfig
 from ..tables.aggregations import AGGREGATIONS
 from ..tables.bounds import compiling
-from ..tables.estimators import BATCH_TOTALS, ESTIMATORS
+from ..tables.estimators import BATCH_TOTALS, ESTIMATORS, scope_names
 from . import values as value_checks
 from .arguments import (
     check_anchor,
@@ -175,15 +175,15 @@ def _check_batch_totals(layout: TokenLayout, config: LossConfig, totals: torch.T
                          f"{values['responses']:g} responses")
 
 
-def _refuse_partial_batch(groups: int) -> None:
-    """Where a call's own groups cannot be the batch James-Stein shrinks over, without the
-    whole batch's totals: one group, or one rank's share of a distributed batch."""
+def _refuse_partial_batch(name: str, groups: int) -> None:
+    """Where a call's own groups cannot be the batch a "batch"-scope estimator reads,
+    without the whole batch's totals: one group, or one rank's share of a distributed batch."""
     if groups < 2:
-        raise ValueError(f"advantage_estimator='james_stein' shrinks toward the batch's other groups and this call "
+        raise ValueError(f"advantage_estimator={name!r} reads the batch's other groups and this call "
                          f"holds {groups}: pass batch_totals (hadw_kernels.batch_totals over the whole "
                          "batch), or advantages from hadw_advantages over it")
     if distributed.world_size() > 1:
-        raise ValueError("advantage_estimator='james_stein' under torch.distributed would shrink over this rank's "
+        raise ValueError(f"advantage_estimator={name!r} under torch.distributed would read this rank's "
                          "groups alone: pass batch_totals (hadw_kernels.batch_totals(..., all_reduce=True)), "
                          "or advantages from hadw_advantages over the gathered batch")
 
@@ -231,7 +231,7 @@ def check_batch_inputs(layout: TokenLayout, config: LossConfig, call: CallInputs
         if call.prior is not None:
             tensors["prior"] = call.prior
         if estimator.scope == "batch" and call.batch_totals is None:
-            _refuse_partial_batch(batch // config.group_size)
+            _refuse_partial_batch(estimator.name, batch // config.group_size)
     else:
         advantages = require_tensor("advantages", advantages)
         require_float("advantages", advantages)
@@ -249,18 +249,18 @@ def check_batch_inputs(layout: TokenLayout, config: LossConfig, call: CallInputs
         if group_index is not None:
             raise ValueError("group_index checks the groups of rewards; advantages need none")
         if call.batch_totals is not None:
-            raise ValueError("batch_totals are read by advantage_estimator='james_stein' from rewards; advantages= "
-                             "are formed already (hadw_advantages over the whole batch)")
+            raise ValueError(f"batch_totals are read by advantage_estimator={scope_names('batch')} from rewards; "
+                             "advantages= are formed already (hadw_advantages over the whole batch)")
         if call.prior is not None:
-            raise ValueError("prior is read by advantage_estimator='prompt_history' from rewards; advantages= are "
-                             "formed already (hadw_advantages(..., prior=...))")
+            raise ValueError(f"prior is read by advantage_estimator={scope_names('history')} from rewards; "
+                             "advantages= are formed already (hadw_advantages(..., prior=...))")
         if config.advantage_estimator != "grpo":
             raise ValueError(f"advantage_estimator={config.advantage_estimator!r} forms the advantages from rewards; "
                              "advantages= are formed already: pass the estimator to hadw_advantages instead")
         tensors["advantages"] = advantages
     if call.batch_totals is not None:
         if ESTIMATORS[config.advantage_estimator].scope != "batch":
-            raise ValueError(f"batch_totals are read by advantage_estimator='james_stein' only, not "
+            raise ValueError(f"batch_totals are read by advantage_estimator={scope_names('batch')} only, not "
                              f"{config.advantage_estimator!r}")
         require_tensor("batch_totals", call.batch_totals)
         require_float("batch_totals", call.batch_totals)

@@ -133,6 +133,12 @@ ESTIMATORS: dict[str, Estimator] = {row.name: row for row in (
 ESTIMATOR_NAMES = tuple(ESTIMATORS)
 
 
+def scope_names(scope: str) -> str:
+    """The estimators of ``scope`` (one of :data:`SCOPES`) as a refusal names them:
+    "'james_stein'", or "'a' or 'b'" once a scope holds two."""
+    return " or ".join(repr(name) for name, row in ESTIMATORS.items() if row.scope == scope)
+
+
 def estimator_row(name: str) -> Estimator:
     if not isinstance(name, str) or name not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {name!r}")
