@@ -6,9 +6,9 @@ import functools
 import time
 
 import torch
+from interleaved import interleaved_medians
 
 from hadw_kernels import RolloutCorrection, fused_linear_hadw_grpo_loss
-from interleaved import interleaved_medians
 
 PROMPTS, GROUP, WIDTH, HIDDEN, VOCAB = 1, 8, 256, 512, 32768
 ROUNDS = 9

@@ -36,7 +36,6 @@ class Case:
     def inputs(self) -> Inputs:
         """On this machine's device; on-policy: the old log-probs are the current ones."""
         import torch
-
         from loss_impls import make_inputs
 
         return make_inputs(self.shape, "hidden", dense=True, lengths="half" if self.padded else "dense",
@@ -169,7 +168,6 @@ def surrogate_benchmark(shape: Shape, dtypes: list[str], rounds: int) -> list[tu
     little off): wall time of the call (CUDA events), and GPU kernel time from a
     CUDA-graph replay (no launch overhead)."""
     import torch
-
     from loss_impls import BASELINE, build_step, hadw_impl, make_inputs
 
     calls = {
@@ -215,9 +213,9 @@ def surrogate_benchmark(shape: Shape, dtypes: list[str], rounds: int) -> list[tu
 def paper_scale(group_sizes: list[int], width: int, hidden: int, vocab: int) -> list[dict]:
     """Peak memory of one loss step at Qwen3-4B's head, one prompt x G responses."""
     import torch
+    from loss_impls import Shape
 
     from hadw_kernels.tools import plan
-    from loss_impls import Shape
 
     rows = []
     for group_size in group_sizes:

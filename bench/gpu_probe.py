@@ -127,7 +127,7 @@ def probe_lines(runs: list[ProbeRun], dry_run: bool) -> list[str]:
             continue
         result = run.result
 
-        def number(key, form):
+        def number(key, form, result=result):
             return form.format(result[key]) if result.get(key) is not None else ""
 
         fits = {True: "yes", False: "no (" + result.get("note", "over the limit")[:60] + ")"}.get(result.get("fits"), "")

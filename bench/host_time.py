@@ -26,10 +26,10 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+from interleaved import interleaved_times
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hadw_kernels import available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
-from interleaved import interleaved_times
 
 BATCH, WIDTH, GROUP = 8, 16, 4
 HIDDEN, VOCAB = 16, 64

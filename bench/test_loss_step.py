@@ -14,10 +14,9 @@ import dataclasses
 import os
 import statistics
 
+import matrix
 import pytest
 import torch
-
-import matrix
 from fresh_process import CaseFailed, Worker
 from loss_impls import backend_of, response_lengths
 

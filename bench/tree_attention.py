@@ -20,10 +20,10 @@ import statistics
 import time
 
 import torch
+from interleaved import interleaved_times
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from hadw_kernels.layouts import LAYOUTS
-from interleaved import interleaved_times
 
 
 def tree_segments(system: int, prompts: int, question: int, group: int, response: int):

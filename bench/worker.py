@@ -41,9 +41,9 @@ import traceback
 from typing import Iterable, TextIO
 
 import torch
+from loss_impls import INPUTS, Shape, build_step, make_inputs
 
 from hadw_kernels.tools.cli import summary
-from loss_impls import INPUTS, Shape, build_step, make_inputs
 
 MB = 1024 * 1024
 # Phrases the CPU allocator and Python use when an allocation fails.

@@ -17,9 +17,9 @@ import importlib.metadata
 import platform
 import re
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent

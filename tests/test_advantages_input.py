@@ -10,8 +10,14 @@ mode. The rewards path cannot tell shuffled rows; group_index makes it check the
 import pytest
 import torch
 
-from hadw_kernels import AGG_MODES, LOSS_PRESETS, LOSS_TYPES, fused_hadw_grpo_loss, hadw_advantages
-from hadw_kernels import fused_linear_hadw_grpo_loss
+from hadw_kernels import (
+    AGG_MODES,
+    LOSS_PRESETS,
+    LOSS_TYPES,
+    fused_hadw_grpo_loss,
+    fused_linear_hadw_grpo_loss,
+    hadw_advantages,
+)
 from hadw_kernels.objectives.table import OBJECTIVES
 
 GROUPS, GROUP_SIZE, WIDTH = 4, 4, 10

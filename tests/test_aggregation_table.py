@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from hadw_kernels.tables import aggregations as aggregation_table
 from hadw_kernels.backends import cpp_constants
-from hadw_kernels.tables.aggregations import AGG_MODES, AGGREGATIONS
-from hadw_kernels.config.loss_config import LossConfig
 from hadw_kernels.batch.token_layout import TokenLayout
-from hadw_kernels.formulas.aggregation import aggregate, agg_weights
+from hadw_kernels.config.loss_config import LossConfig
+from hadw_kernels.formulas.aggregation import agg_weights, aggregate
+from hadw_kernels.tables import aggregations as aggregation_table
+from hadw_kernels.tables.aggregations import AGG_MODES, AGGREGATIONS
 
 
 def _expected(rule, lengths, width, normalizer, max_length):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gloo_ranks import on_ranks
+
 from hadw_kernels import DifficultyAnchor, fused_hadw_grpo_loss, hadw_advantages, hadw_weights
 from hadw_kernels.advantage.anchor import DEFAULT_RULE, checked_rewards
 from hadw_kernels.config.loss_config import DEFAULT_LAMBDA_SCALE
@@ -191,7 +191,7 @@ def _imm_by_hand(batches):
         bern_sum = lam * bern_sum + y * (1 - y)
         phi = 1.0 if bern_sum == 0 else min(max(s2_sum / bern_sum, 1e-3), 1.0)
 
-        def R(c):
+        def R(c, B=B, phi=phi):
             c = min(max(c, 0.5 / (B + 1)), 1 - 0.5 / (B + 1))
             return phi * c * (1 - c) / B
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hadw_kernels.tools import codegen
 from hadw_kernels.config.loss_config import LossConfig
 from hadw_kernels.config.option_types import LossOptions
+from hadw_kernels.tools import codegen
 
 ROOT = Path(__file__).resolve().parents[1]
 

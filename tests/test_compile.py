@@ -218,8 +218,8 @@ def test_moving_float_anchor_recompiles_once():
     compiled = torch.compile(fn, fullgraph=True, backend=counter)
     leaves, others = _batch("surrogate", 4)
     for anchor in (0.4, 0.5, 0.6, 0.7):
-        _assert_same(_run(lambda *t: compiled(*t, anchor), leaves, others),
-                     _run(lambda *t: fn(*t, anchor), leaves, others))
+        _assert_same(_run(lambda *t, a=anchor: compiled(*t, a), leaves, others),
+                     _run(lambda *t, a=anchor: fn(*t, a), leaves, others))
     assert counter.frame_count == 2
 
 
@@ -237,6 +237,6 @@ def test_moving_loss_normalizer_recompiles_once_on_torch():
     compiled = torch.compile(fn, fullgraph=True, backend=counter)
     leaves, others = _batch("surrogate", 4)
     for normalizer in (30.0, 40.0, 50.0):
-        _assert_same(_run(lambda *t: compiled(*t, normalizer), leaves, others),
-                     _run(lambda *t: fn(*t, normalizer), leaves, others))
+        _assert_same(_run(lambda *t, n=normalizer: compiled(*t, n), leaves, others),
+                     _run(lambda *t, n=normalizer: fn(*t, n), leaves, others))
     assert counter.frame_count == 2

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from hadw_kernels import fused_hadw_grpo_loss
+from hadw_kernels.backends import cpp_backend, cpp_constants, cpp_declarations
 from hadw_kernels.config import loss_config as config
 from hadw_kernels.config import presets
 from hadw_kernels.objectives import table as objective_table
+from hadw_kernels.ops import signatures
 from hadw_kernels.tables import aggregations as aggregation_table
 from hadw_kernels.tables import linear_blocks, metrics
-from hadw_kernels.backends import cpp_backend, cpp_constants, cpp_declarations
-from hadw_kernels.ops import signatures
 
 ROOT = Path(__file__).resolve().parents[1]
 IGNORE = linear_blocks.IGNORE_INDEX

@@ -4,8 +4,8 @@ helpers: alone they return what one rank holds; on gloo ranks they gather and re
 import pytest
 import torch
 import torch.distributed as dist
-
 from gloo_ranks import on_ranks
+
 from hadw_kernels import distributed
 
 

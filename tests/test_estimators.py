@@ -7,12 +7,20 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
 from gloo_ranks import on_ranks
-from hadw_kernels import (ESTIMATOR_NAMES, PromptHistory, available_backends, batch_totals, fused_hadw_grpo_loss,
-                          fused_linear_hadw_grpo_loss, hadw_advantages, prompt_key)
-from hadw_kernels.tables.estimators import ESTIMATORS
+
+from hadw_kernels import (
+    ESTIMATOR_NAMES,
+    PromptHistory,
+    available_backends,
+    batch_totals,
+    fused_hadw_grpo_loss,
+    fused_linear_hadw_grpo_loss,
+    hadw_advantages,
+    prompt_key,
+)
 from hadw_kernels.reference import estimators as reference
+from hadw_kernels.tables.estimators import ESTIMATORS
 
 BATCH_ESTIMATORS = [name for name in ESTIMATOR_NAMES if ESTIMATORS[name].scope != "history"]
 

@@ -156,7 +156,7 @@ def test_the_readme_s_recommendation_is_the_data_file_s():
             continue
         arm, shown = against.split(": ")
 
-        def differences(name):
+        def differences(name, task=task, size=size):
             of = {row["seed"]: row["reward"] for row in rows
                   if (row["task"], row["group_size"], row["arm"]) == (task, int(size), name)}
             base = {row["seed"]: row["reward"] for row in rows

@@ -20,16 +20,16 @@ import pytest
 import torch
 
 from hadw_kernels import LOSS_PRESETS, LossConfig, available_backends, fused_hadw_grpo_loss
-from hadw_kernels.tables.aggregations import AGGREGATIONS
 from hadw_kernels.objectives.table import OBJECTIVES
+from hadw_kernels.tables.aggregations import AGGREGATIONS
 
 pytest.importorskip("trl", reason="the trl extra is not installed")
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="the verl extra is not installed")
+from trl_host import TrlLoss, trl_config  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
 
 from hadw_kernels.integrations.trl import vespo_behaviour_logprobs  # noqa: E402
-from trl_host import TrlLoss, trl_config  # noqa: E402
 
 BACKENDS = available_backends("cpu")
 AGG_MODES = tuple(AGGREGATIONS)

@@ -24,8 +24,8 @@ from hadw_kernels import (
     fused_linear_hadw_grpo_loss,
     token_logprobs,
 )
-from hadw_kernels.tables.linear_blocks import block_rows_for
 from hadw_kernels.ops import routing
+from hadw_kernels.tables.linear_blocks import block_rows_for
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 HOST_BACKENDS = [
@@ -326,7 +326,7 @@ def test_triton_launches_per_call(monkeypatch):
                dict(rewards=None, advantages=torch.randn(8)), dict(rewards=None, advantages=torch.randn(8, 5)))
     for loss_type in ("grpo", "gspo", "dapo", "luspo", "dr_grpo", "vespo", "gmpo"):
         for data in sources:
-            forward, backward = launches_of(lambda: fused_hadw_grpo_loss(
+            forward, backward = launches_of(lambda loss_type=loss_type, data=data: fused_hadw_grpo_loss(
                 logprobs, logprobs.detach() + 0.1, response_mask=mask, loss_type=loss_type, **data, **common))
             assert (forward, backward) == (["_surrogate_kernel"], []), (loss_type, data.keys())
 
@@ -340,7 +340,7 @@ def test_triton_launches_per_call(monkeypatch):
         None: ({}, ["_totals_kernel", "_surrogate_kernel"]),
     }
     for estimator, (inputs, expected) in estimators.items():
-        forward, backward = launches_of(lambda: fused_hadw_grpo_loss(
+        forward, backward = launches_of(lambda estimator=estimator, inputs=inputs: fused_hadw_grpo_loss(
             logprobs, logprobs.detach() + 0.1, rewards, mask, group_size=2, anchor=0.3, loss_type="dr_grpo",
             advantage_estimator=estimator or "james_stein", **inputs, **common))
         assert (forward, backward) == (expected, []), estimator
@@ -356,7 +356,7 @@ def test_triton_launches_per_call(monkeypatch):
     for path, expected in (("gradients_in_forward", (["_row_surrogate_kernel", "_logit_gradient_kernel"] * blocks
                                                      + ["_surrogate_kernel"], [])),
                            ("recompute", (["_row_stats_kernel", "_surrogate_kernel"], ["_logit_gradient_kernel"]))):
-        launched = launches_of(lambda: fused_linear_hadw_grpo_loss(
+        launched = launches_of(lambda path=path: fused_linear_hadw_grpo_loss(
             hidden, weight, labels, None, torch.tensor([1.0, 0.0] * 4), mask, group_size=2, backend="triton",
             check_values=False, linear_path=path, block_rows=block_rows))
         assert launched == expected, path

@@ -15,14 +15,30 @@ import pytest
 import torch
 
 trl = pytest.importorskip("trl", reason="the trl extra is not installed")
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from hadw_kernels import (DifficultyAnchor, PromptHistory, fused_hadw_grpo_loss, hadw_advantages,  # noqa: E402
-                          hadw_weights, prompt_key)
+from trl_runs import (  # noqa: E402
+    PROMPTS,
+    RUN,
+    STOCK_TRL,
+    TOKENIZER,
+    assert_masks_do_not_rest_on_rounding,
+    logged_steps,
+    sevens,
+    tiny_model_dir,
+    train,
+    train_recording_bounds,
+)
+
+from hadw_kernels import (  # noqa: E402
+    DifficultyAnchor,
+    PromptHistory,
+    fused_hadw_grpo_loss,
+    hadw_advantages,
+    hadw_weights,
+    prompt_key,
+)
 from hadw_kernels.advantage.anchor import DEFAULT_RULE  # noqa: E402
 from hadw_kernels.integrations.trl import ANCHOR_FILE, HISTORY_FILE, HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
-from trl_runs import (PROMPTS, RUN, STOCK_TRL, TOKENIZER, assert_masks_do_not_rest_on_rounding,  # noqa: E402
-                      logged_steps, sevens, tiny_model_dir, train, train_recording_bounds)
 
 # Each TRL loss type, with its options set away from their defaults where it has them:
 # delta above and below 1 + epsilon_high, CISPO's cap low enough to bind, other SAPO

@@ -13,11 +13,21 @@ import torch
 
 pytest.importorskip("trl", reason="the trl extra is not installed")
 from trl import GRPOConfig  # noqa: E402
+from trl_runs import (  # noqa: E402
+    PROMPTS,
+    RUN,
+    STOCK_TRL,
+    TOKENIZER,
+    BoundaryRecordingTrainer,
+    VllmRollouts,
+    assert_masks_do_not_rest_on_rounding,
+    logged_steps,
+    tiny_model_dir,
+    train,
+    train_recording_bounds,
+)
 
 from hadw_kernels.integrations.trl import HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
-from trl_runs import (PROMPTS, RUN, STOCK_TRL, TOKENIZER, BoundaryRecordingTrainer, VllmRollouts,  # noqa: E402
-                      assert_masks_do_not_rest_on_rounding, logged_steps, tiny_model_dir, train,
-                      train_recording_bounds)
 
 pytestmark = pytest.mark.slow
 

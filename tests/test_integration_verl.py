@@ -11,21 +11,21 @@ import math
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="the verl extra is not installed")
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
-from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
 from hadw_kernels import DifficultyAnchor, hadw_advantages  # noqa: E402
 from hadw_kernels.advantage.anchor import DEFAULT_RULE  # noqa: E402
@@ -584,9 +584,10 @@ def test_verl_s_rollout_correction_reaches_the_registered_loss():
     registered loss applies them in its kernels as verl's vanilla does; and the loss given
     them equals the loss forming them itself from the rollout log-probs
     (rollout_correction_from_verl)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
     from hadw_kernels import fused_hadw_grpo_loss
     from hadw_kernels.integrations.verl_rollout_correction import rollout_correction_from_verl
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
     old, logprob, advantages, mask, _ = policy_batch(with_is_weights=False)
     generator = torch.Generator().manual_seed(5)

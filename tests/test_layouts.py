@@ -8,12 +8,31 @@ import re
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PhiConfig,
+    PhiForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-from hadw_kernels.layouts import (LAYOUTS, RowTokens, SegmentAttentionUnavailable, disable_segment_attention,
-                                  enable_segment_attention, get_layout, prompt_groups, rows_by_group)
+from hadw_kernels.layouts import (
+    LAYOUTS,
+    RowTokens,
+    SegmentAttentionUnavailable,
+    disable_segment_attention,
+    enable_segment_attention,
+    get_layout,
+    prompt_groups,
+    rows_by_group,
+)
 from hadw_kernels.layouts.switch import keeps_samples_apart
 
 VOCAB = 40

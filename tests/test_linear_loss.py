@@ -11,10 +11,10 @@ import torch
 
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels.backends import tiled_logprobs
+from hadw_kernels.batch.inputs import SurrogateBatch
+from hadw_kernels.batch.token_layout import TokenLayout
 from hadw_kernels.config.loss_config import LossConfig
 from hadw_kernels.reference.linear_logprob import token_logprobs_reference
-from hadw_kernels.batch.token_layout import TokenLayout
-from hadw_kernels.batch.inputs import SurrogateBatch
 from hadw_kernels.reference.surrogate import surrogate_loss
 
 

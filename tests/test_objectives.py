@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from hadw_kernels.objectives import formulas as objectives
 from hadw_kernels.config.loss_config import LossConfig
-from hadw_kernels.objectives.table import OBJECTIVE_NAMES, OBJECTIVE_OPTIONS, OBJECTIVES
 from hadw_kernels.config.presets import LOSS_PRESETS
+from hadw_kernels.objectives import formulas as objectives
+from hadw_kernels.objectives.table import OBJECTIVE_NAMES, OBJECTIVE_OPTIONS, OBJECTIVES
 
 # Options away from the defaults where they exist, so each one is exercised.
 OPTIONS = {

@@ -184,7 +184,6 @@ def test_integration_extras_are_the_ranges_the_integrations_check():
     # One range per peer: pyproject.toml's extras and integrations/versions.py agree;
     # exact pins live in constraints/cpu-py311.txt only, inside the range.
     import tomllib
-
     from packaging.version import Version
 
     from hadw_kernels.integrations.versions import SUPPORTED

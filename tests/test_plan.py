@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from hadw_kernels.tools import plan
-from hadw_kernels.tools.plan import PER_TOKEN_BYTES, PRESETS, MicroStep, ModelShape, estimate, largest_group_size, loss_part_bytes
+from hadw_kernels.tools.plan import (
+    PER_TOKEN_BYTES,
+    PRESETS,
+    MicroStep,
+    ModelShape,
+    estimate,
+    largest_group_size,
+    loss_part_bytes,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024

@@ -9,11 +9,11 @@ import random
 
 import pytest
 import torch
+from test_layouts import VOCAB, tiny_model
 
 from hadw_kernels import fused_linear_hadw_grpo_loss
 from hadw_kernels.layouts import LAYOUTS, enable_segment_attention
 from hadw_kernels.layouts.tallies import fed_sequence
-from test_layouts import VOCAB, tiny_model
 
 
 def forked_rows(depth: int, seed: int):

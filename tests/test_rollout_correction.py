@@ -18,13 +18,13 @@ import math
 import pytest
 import torch
 
-from hadw_kernels import (RolloutCorrection, available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss)
+from hadw_kernels import RolloutCorrection, available_backends, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
 from hadw_kernels.batch.inputs import SurrogateBatch
-from hadw_kernels.config.loss_config import LossConfig
-from hadw_kernels.tables.corrections import REJECTION_FILTERS, RejectionFilter
-from hadw_kernels.integrations.verl_rollout_correction import rollout_correction_from_verl
-from hadw_kernels.formulas.correction import correct
 from hadw_kernels.batch.token_layout import TokenLayout
+from hadw_kernels.config.loss_config import LossConfig
+from hadw_kernels.formulas.correction import correct
+from hadw_kernels.integrations.verl_rollout_correction import rollout_correction_from_verl
+from hadw_kernels.tables.corrections import REJECTION_FILTERS, RejectionFilter
 
 pytest.importorskip("trl", reason="the trl extra is not installed")
 rollout_corr = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="the verl extra is not installed")

@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 
-
 from hadw_kernels.layouts.segments import VARLEN, Segments
 
 # The suite's device (tests/conftest.py): the CPU, or a GPU under HADW_TEST_DEVICE=cuda.

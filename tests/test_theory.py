@@ -14,15 +14,15 @@ from hadw_kernels.theory import (
     baseline_bias,
     binomial_pmf,
     conditional_advantage,
-    correct_response_advantages,
     corollary2_average,
+    correct_response_advantages,
     nondegenerate_probability,
+    paper,
     prob_baseline_above,
     prob_baseline_below,
     sure_bias_direction,
     truncated_gaussian_baseline_bias,
 )
-from hadw_kernels.theory import paper
 
 # The paper's printed values sit 2.5e-6 to 5e-6 below the exact ones.
 PAPER_TOLERANCE = 1e-5

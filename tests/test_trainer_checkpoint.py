@@ -21,13 +21,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
+from hadw_kernels import DifficultyAnchor, PromptHistory
 from trainer.checkpoint_files import CheckpointError, completed_checkpoints, select_checkpoint
 from trainer.config import ConfigError
+from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
 from trainer.engine.metrics_log import MetricsLog, read_metrics
 from trainer.run import resume_point
-
-from hadw_kernels import DifficultyAnchor, PromptHistory
 
 
 class _Engine:

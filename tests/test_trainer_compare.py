@@ -9,8 +9,8 @@ pytest.importorskip("matplotlib", reason="the trainer extra is not installed (sc
 
 REPO = Path(__file__).resolve().parents[1]
 
-from trainer.tools.compare import KALMAN, LR_SCALED, VARIANTS, collapsed, main, mean_phi, results_table, run_name
 from trainer.engine.plotting import plot_comparison
+from trainer.tools.compare import KALMAN, LR_SCALED, VARIANTS, collapsed, main, mean_phi, results_table, run_name
 
 
 def _seed(start, end, reward, entropy=0.3, lr=1e-3):

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow  # trainer runs in subprocesses
 
 REPO = Path(__file__).resolve().parents[1]
 
-from trainer.engine.checkpoint import save_checkpoint
 from hadw_kernels import PromptHistory
 from trainer.checkpoint_files import completed_checkpoints, latest_checkpoint
+from trainer.engine.checkpoint import save_checkpoint
 from trainer.engine.metrics_log import read_metrics
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

@@ -11,13 +11,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 from hadw_kernels import LOSS_PRESETS
+from hadw_kernels.layouts import LAYOUTS, RowTokens, choose_layout, enable_segment_attention
 from trainer.config import Config
 from trainer.engine.loop import UpdateFigures, batch_advantages
-from hadw_kernels.layouts import LAYOUTS, RowTokens, choose_layout, enable_segment_attention
 from trainer.engine.micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
 from trainer.engine.policy import policy_loss, response_hidden_states
-from trainer.tasks.synthetic_task import VOCABULARY
 from trainer.models.tiny_model import build_tiny_model, build_tokenizer
+from trainer.tasks.synthetic_task import VOCABULARY
 
 
 def rows_of_lengths(prompt_lengths, response_lengths, groups=None):

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_gguf import write_tiny_llama_gguf
 
-from trainer.models import pretrained
 from trainer.config import ConfigError, load_config, validate
+from trainer.models import pretrained
 
 
 def test_a_gguf_file_converts_once_into_the_same_model(tmp_path):

@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
+import test_trainer_helpers as helpers
 import torch
 
 from trainer.config import load_config
@@ -22,8 +23,6 @@ from trainer.tasks.math_data import MathDataset, last_boxed, math_verify_reward
 from trainer.tasks.problem import Problem
 from trainer.tasks.rewards import InProcessReward, PooledReward
 from trainer.tasks.synthetic_task import LEVELS, VOCABULARY, make_problem, sample_problems, score_synthetic
-
-import test_trainer_helpers as helpers
 
 MATH_CASES = [
     # (response, gold answer, reward)

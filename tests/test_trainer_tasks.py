@@ -18,8 +18,8 @@ pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/
 import numpy as np
 
 from trainer.config import ConfigError, load_config, validate
-from trainer.engine.settings import loss_options
 from trainer.engine.loop import Trainer
+from trainer.engine.settings import loss_options
 from trainer.tasks import arithmetic_task, rewards, synthetic_task
 from trainer.tasks.problem import Problem
 from trainer.tasks.registry import TASKS, Task

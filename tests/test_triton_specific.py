@@ -15,16 +15,18 @@ pytest.importorskip("triton")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from test_objectives import OPTIONS  # noqa: E402
+from test_objectives import _config as objective_config
+from test_objectives import _points as objective_points
 
 from hadw_kernels import fused_hadw_grpo_loss  # noqa: E402
-from hadw_kernels.objectives import formulas as objectives  # noqa: E402
 from hadw_kernels.config.loss_config import LossConfig  # noqa: E402
+from hadw_kernels.objectives import formulas as objectives  # noqa: E402
 from hadw_kernels.objectives.table import OBJECTIVE_NAMES, OBJECTIVES, RATIO_LEVELS  # noqa: E402
+from hadw_kernels.triton import scale as scale_module  # noqa: E402
 from hadw_kernels.triton import surrogate as triton_surrogate  # noqa: E402
 from hadw_kernels.triton import token_math as triton_token_math  # noqa: E402
-from hadw_kernels.triton import scale as scale_module  # noqa: E402
 from hadw_kernels.triton.scale import scale_in_place_  # noqa: E402
-from test_objectives import OPTIONS, _config as objective_config, _points as objective_points  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs Triton's interpreter or a GPU")
@@ -389,7 +391,7 @@ def test_linear_loss_never_synchronises_on_cuda():
 
     hidden, weight, labels, rewards, mask = _cuda_linear_batch()
     for anchor in (0.5, torch.tensor(0.5, device="cuda")):
-        def call():
+        def call(anchor=anchor):
             fused_linear_hadw_grpo_loss(hidden, weight, labels, None, rewards, mask, group_size=2, anchor=anchor,
                                         backend="triton", check_values=False).backward()
 
@@ -405,7 +407,7 @@ def test_checked_linear_loss_synchronises_once_on_cuda():
 
     hidden, weight, labels, rewards, mask = _cuda_linear_batch(padded_from=10)
     for path in ("gradients_in_forward", "recompute"):
-        def call():
+        def call(path=path):
             fused_linear_hadw_grpo_loss(hidden, weight, labels, None, rewards, mask, group_size=2, anchor=0.5,
                                         backend="triton", linear_path=path).backward()
 

@@ -11,9 +11,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, mangle_type
 
-from hadw_kernels.tables.aggregations import AGG_MODES
 from hadw_kernels.config.loss_config import KL_ESTIMATORS, LossConfig
 from hadw_kernels.objectives.table import OBJECTIVE_NAMES, OBJECTIVES
+from hadw_kernels.tables.aggregations import AGG_MODES
 from hadw_kernels.tables.estimators import ESTIMATOR_NAMES, ESTIMATORS
 from hadw_kernels.triton import advantage, linear_logprob, scale, surrogate
 
@@ -46,7 +46,7 @@ FORMS = [(objective, level) for objective in OBJECTIVE_NAMES for level in OBJECT
 CLIP_OPTIONS = [dict(delta=1.5, dual_clip=3.0), dict(dual_clip=3.0), dict()]
 REQUIRED_OPTIONS = {"dro": dict(dro_beta=0.1)}  # an option without a default
 for dtype in (torch.bfloat16, torch.float32):
-    values = lambda: torch.zeros(batch * width, dtype=dtype)  # noqa: E731
+    values = lambda dtype=dtype: torch.zeros(batch * width, dtype=dtype)  # noqa: E731
     for index, (objective, level) in enumerate(FORMS):
         source = ("rewards", "token", "response")[index % 3]
         from_rewards = source == "rewards"

@@ -5,7 +5,6 @@ logged steps to OUT (one launch: the two ranks' start-up is most of a run's time
     python -m torch.distributed.run --nproc_per_node 2 tests/trl_two_ranks.py MODEL_DIR OUT LAYOUT [zero2|zero3]
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,9 +15,9 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl_runs import PROMPTS, RUN, TOKENIZER, logged_steps, sevens  # noqa: E402
 
 from hadw_kernels.integrations.trl import HADWGRPOConfig, HADWGRPOTrainer  # noqa: E402
-from trl_runs import PROMPTS, RUN, TOKENIZER, logged_steps, sevens  # noqa: E402
 
 
 def _gathered(model):

@@ -15,21 +15,21 @@ from dataclasses import dataclass, field
 import torch
 
 from hadw_kernels import batch_totals, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
+from hadw_kernels.advantage.group import weighted_advantages
 from hadw_kernels.backends import load_backend
-from hadw_kernels.tables.aggregations import AGGREGATIONS
+from hadw_kernels.batch.inputs import SurrogateBatch, caller_advantages
+from hadw_kernels.batch.token_layout import TokenLayout
 from hadw_kernels.config.loss_config import LossConfig
+from hadw_kernels.config.presets import LOSS_PRESETS, LOSS_TYPES
+from hadw_kernels.formulas.correction import correct
+from hadw_kernels.formulas.token_terms import masked_mean
+from hadw_kernels.objectives.table import OBJECTIVE_OPTIONS, OBJECTIVES
+from hadw_kernels.reference.linear_logprob import token_logprobs_reference
+from hadw_kernels.reference.surrogate import surrogate_loss as reference_surrogate
+from hadw_kernels.tables.aggregations import AGGREGATIONS
 from hadw_kernels.tables.corrections import RolloutCorrection
 from hadw_kernels.tables.linear_blocks import IGNORE_INDEX
 from hadw_kernels.tables.metrics import CORRECTION_METRIC_NAMES, METRIC_NAMES
-from hadw_kernels.objectives.table import OBJECTIVE_OPTIONS, OBJECTIVES
-from hadw_kernels.config.presets import LOSS_PRESETS, LOSS_TYPES
-from hadw_kernels.advantage.group import weighted_advantages
-from hadw_kernels.batch.inputs import SurrogateBatch, caller_advantages
-from hadw_kernels.batch.token_layout import TokenLayout
-from hadw_kernels.reference.linear_logprob import token_logprobs_reference
-from hadw_kernels.formulas.correction import correct
-from hadw_kernels.reference.surrogate import surrogate_loss as reference_surrogate
-from hadw_kernels.formulas.token_terms import masked_mean
 
 GROUP_SIZE = 4
 IGNORE = IGNORE_INDEX

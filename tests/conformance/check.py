@@ -5,7 +5,6 @@ either layout against the padded reference (:func:`compare`)."""
 from __future__ import annotations
 
 import torch
-
 from cases import (
     Outputs,
     cast,
@@ -16,9 +15,10 @@ from cases import (
     run_surrogate_packed,
     surrogate_batch,
 )
-from hadw_kernels.tables.aggregations import AGGREGATIONS
-from hadw_kernels.config.presets import LOSS_PRESETS
 from tolerance import assert_no_worse_than_eager
+
+from hadw_kernels.config.presets import LOSS_PRESETS
+from hadw_kernels.tables.aggregations import AGGREGATIONS
 
 
 def assert_conforms(fast: Outputs, eager: Outputs, exact: Outputs, dtype: torch.dtype) -> None:

@@ -10,10 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cases import GROUP_SIZE, Variant, linear_batch, surrogate_batch
 from check import compare_padded
-from hadw_kernels import LOSS_PRESETS, LOSS_TYPES, METRIC_NAMES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss, token_logprobs
+
+from hadw_kernels import (
+    LOSS_PRESETS,
+    LOSS_TYPES,
+    METRIC_NAMES,
+    fused_hadw_grpo_loss,
+    fused_linear_hadw_grpo_loss,
+    token_logprobs,
+)
 from hadw_kernels.objectives.table import OBJECTIVES
 
 

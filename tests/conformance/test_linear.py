@@ -5,15 +5,14 @@ blocks of 8 rows, so blocks end inside responses and a response spans several.""
 
 import pytest
 import torch
-
 from cases import (
     DTYPES,
     UPSTREAM,
     Variant,
     cast,
     linear_batch,
-    mask_vocabulary,
     loss_kwargs,
+    mask_vocabulary,
     reference_linear_loss,
     rounded,
     run_linear_loss,
@@ -21,9 +20,10 @@ from cases import (
     unpreset_objective_variants,
 )
 from check import assert_conforms
+
 from hadw_kernels import LOSS_TYPES, LossConfig, RolloutCorrection, fused_linear_hadw_grpo_loss
-from hadw_kernels.objectives.table import OBJECTIVES
 from hadw_kernels.backends import load_backend
+from hadw_kernels.objectives.table import OBJECTIVES
 
 # (batch, width, hidden, vocab, bias, temperature, logit scale): a vocabulary that no
 # tile divides, a single token, and logits near +-40 (a trained head's) at temperature 0.5.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cases import (
     BLOCK_ROWS,
     GROUP_SIZE,
@@ -30,6 +29,7 @@ from cases import (
     with_required,
 )
 from check import WIDTH, assert_conforms, compare_packed, drift, with_length
+
 from hadw_kernels import LOSS_TYPES, fused_hadw_grpo_loss, fused_linear_hadw_grpo_loss
 from hadw_kernels.backends import load_backend
 
@@ -251,7 +251,7 @@ def test_linear_model_output_shape(backend, device):
     kwargs = dict(advantages=data["advantages"].float().to(device), cu_seqlens=packed.cu_seqlens.to(device))
     losses = []
     for batch_dim in (False, True):
-        def shaped(tensor):
+        def shaped(tensor, batch_dim=batch_dim):
             return (tensor[None] if batch_dim else tensor).to(device)
         leaf = shaped(hidden).detach().clone().requires_grad_()
         loss = fused_linear_hadw_grpo_loss(leaf, weight, shaped(labels), None, None, shaped(mask), backend=backend,

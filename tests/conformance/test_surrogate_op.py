@@ -5,7 +5,6 @@ groups, empty and full responses, an odd width and a non-unit upstream gradient.
 
 import pytest
 import torch
-
 from cases import (
     DTYPES,
     LAYOUTS,
@@ -21,9 +20,10 @@ from cases import (
     with_required,
 )
 from check import assert_conforms, compare, compare_padded, drift
+
 from hadw_kernels import LOSS_TYPES, fused_hadw_grpo_loss
-from hadw_kernels.objectives.table import OBJECTIVES
 from hadw_kernels.config.presets import LOSS_PRESETS
+from hadw_kernels.objectives.table import OBJECTIVES
 
 PAIRWISE = pairwise_cases()
 

@@ -30,19 +30,20 @@ from hadw_kernels import LOSS_PRESETS, DifficultyAnchor, PromptHistory, all_equa
 from hadw_kernels.advantage.history import DEFAULT_DISCOUNT, DEFAULT_PRIOR_STRENGTH
 from hadw_kernels.config.loss_config import AUTHORS_LAMBDA_SCALE, DEFAULT_LAMBDA_SCALE
 from hadw_kernels.distributed import all_gather_rows, all_reduce, barrier
+from hadw_kernels.layouts import RowTokens
 from hadw_kernels.tables.estimators import ESTIMATORS
 from hadw_kernels.tables.metrics import METRIC_MEAN_OVER
-from hadw_kernels.layouts import RowTokens
 
+from ..tasks.problem import Problem, encode_prompt
+from ..tasks.registry import TASKS
+from ..tasks.rewards import build_reward
+from ..tasks.synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY, pool_id_tokens
 from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics_log import JsonlLog, MetricsLog, read_metrics
 from .micro_batches import by_prompt_count, loss_normalizer, pack_by_tokens, split_to_count
 from .policy import Policy
 from .settings import resolve_engine
-from ..tasks.problem import Problem, encode_prompt
-from ..tasks.registry import TASKS
-from ..tasks.rewards import build_reward
-from ..tasks.synthetic_task import MAX_SYNTHETIC_PROMPT_TOKENS, VOCABULARY, pool_id_tokens
+
 MAX_ERROR_MESSAGES = 20
 # The all-degenerate warning: the first few times, then every this many steps.
 DEGENERATE_WARNINGS_FIRST = 3

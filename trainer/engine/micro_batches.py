@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hadw_kernels.tables.aggregations import AGGREGATIONS
 from hadw_kernels.layouts import LAYOUTS, Layout, RowTokens
+from hadw_kernels.tables.aggregations import AGGREGATIONS
 
 
 def _ordered(rows: Sequence[int], batch: RowTokens, layout: Layout) -> list[list[int]]:

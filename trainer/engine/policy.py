@@ -20,8 +20,8 @@ import torch
 
 from hadw_kernels import distributed, fused_linear_hadw_grpo_loss
 from hadw_kernels import token_logprobs as fused_token_logprobs
-from hadw_kernels.tables.linear_blocks import IGNORE_INDEX
 from hadw_kernels.layouts import LaidOutBatch, choose_layout
+from hadw_kernels.tables.linear_blocks import IGNORE_INDEX
 
 from .settings import loss_options, rollout_correction
 

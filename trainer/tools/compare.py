@@ -66,8 +66,8 @@ if not __package__:
 
 from hadw_kernels.tools.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, output_file, summary
 from trainer.config import RESUMABLE_KEYS, ConfigError, load_config, validate
-from trainer.engine.settings import resolve_engine
 from trainer.engine.metrics_log import read_metrics
+from trainer.engine.settings import resolve_engine
 from trainer.tools.intervals import format_interval, mean_interval
 
 RUN = Path(__file__).resolve().parents[1] / "run.py"

@@ -56,10 +56,16 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hadw_kernels.tools.cli import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, HelpFormatter, finite_float, output_file
-from hadw_kernels.tools.plan import PRESETS as SHAPES
 from hadw_kernels.layouts import LAYOUT_CHOICES
-
+from hadw_kernels.tools.cli import (
+    NON_NEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    HelpFormatter,
+    finite_float,
+    output_file,
+)
+from hadw_kernels.tools.plan import PRESETS as SHAPES
 from trainer.tools.memory_meter import MemoryMeter
 
 # The planner's models (one description of each model's shape), and the trainer's tiny one.
@@ -119,8 +125,8 @@ def build_model(preset: str, dtype, device, seed: int):
 
     if preset == "tiny":
         from trainer.models.checks import ModelConfig
-        from trainer.tasks.synthetic_task import VOCABULARY
         from trainer.models.tiny_model import build_tiny_model, build_tokenizer
+        from trainer.tasks.synthetic_task import VOCABULARY
 
         model = build_tiny_model(ModelConfig(), build_tokenizer(VOCABULARY), seed)
         return model.to(device=device, dtype=dtype)
