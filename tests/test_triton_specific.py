@@ -6,6 +6,7 @@ import functools
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,22 @@ def test_dual_clip_tie_halves_the_slope():
     zeros = torch.zeros(4, dtype=torch.float64)
     _, d_ratio, _ = _objective_terms(config, ratio, advantage, zeros, zeros, zeros)
     assert d_ratio.tolist() == [0.5, 0.0, 1.0, 0.0]  # the last one is clipped above 1.2
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_a_zero_advantage_forms_no_nan_in_the_clip(dual_clip):
+    """A zero advantage (a degenerate group's) with the dual clip off forms no -inf * 0 in
+    the unused bound: finite inputs give finite lanes throughout, which the interpreter's
+    numpy would otherwise warn of on every call."""
+    options = {} if dual_clip is None else {"dual_clip": dual_clip}
+    config = LossConfig.build("grpo", epsilon_low=0.2, epsilon_high=0.2, **options)
+    ratio = torch.tensor([0.5, 1.0, 1.5, 1.0], dtype=torch.float64)
+    advantage = torch.tensor([0.0, 0.0, -1.0, 1.0], dtype=torch.float64)
+    zeros = torch.zeros(4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        objective, d_ratio, _ = _objective_terms(config, ratio, advantage, zeros, zeros, zeros)
+    assert torch.isfinite(objective).all() and torch.isfinite(d_ratio).all()
 
 
 def test_the_gradient_route_splits_the_objectives_as_their_slopes_do():

@@ -159,7 +159,9 @@ def clip_objective(ratio, advantage, ratio_low, ratio_high, delta, dual_clip):
                      tl.where(clipped > unclipped, through_clipped, 0.5 * (through_unclipped + through_clipped)))
     objective = tl.maximum(unclipped, clipped, propagate_nan=tl.PropagateNan.ALL)
     bounded = (dual_clip != float("inf")) & (advantage < 0)
-    bound = -dual_clip * advantage
+    # c = 0 where the bound is off: an infinite c times a zero advantage would be NaN, which
+    # no lane reads but the interpreter warns of.
+    bound = -tl.where(bounded, dual_clip, tl.zeros_like(dual_clip)) * advantage
     slope = tl.where(bounded & (objective > bound), 0.0, tl.where(bounded & (objective == bound), 0.5 * slope, slope))
     objective = tl.where(bounded, tl.minimum(objective, bound, propagate_nan=tl.PropagateNan.ALL), objective)
     return objective, slope
