@@ -26,6 +26,7 @@ import difflib
 import os
 import re
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -70,8 +71,9 @@ def keys_help(width: int = 79) -> str:
     """Every config key with its default, section by section: the trainer's --help epilog."""
     lines = [textwrap.fill("config keys, set with --set SECTION.KEY=VALUE or in a --config YAML (defaults "
                            "shown; docs/trainer.md explains them):", width=width)]
+    default_config = Config()
     for section in dataclasses.fields(Config):
-        defaults = section.default_factory()
+        defaults = getattr(default_config, section.name)
         shown = []
         for key in dataclasses.fields(defaults):
             value = repr(getattr(defaults, key.name))
@@ -98,7 +100,7 @@ def config_file(given: str | os.PathLike) -> Path:
     raise ConfigError(f"config file {path} does not exist (the trainer's own configs, by name: {names})")
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults, then the YAML file at ``path`` (a file, or a shipped config's name:
     :func:`config_file`), then ``section.key=value`` overrides (values parsed as YAML:
     ``train.steps=20``, ``data.levels=[copy,add]``)."""

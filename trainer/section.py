@@ -15,8 +15,15 @@ says it ("at least 2 (a group-relative baseline)").
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, ValidationError
+import dataclasses
+from typing import TYPE_CHECKING, TypeVar, cast
+
+from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
+from typing_extensions import dataclass_transform  # in typing from Python 3.11; pydantic requires the backport
+
+if TYPE_CHECKING:
+    from pydantic.dataclasses import PydanticDataclass
 
 _SECTION = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
@@ -25,9 +32,18 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the offending key."""
 
 
-def section(cls: type) -> type:
+_Section = TypeVar("_Section")
+
+
+# dataclass_transform: to a type checker a section is the dataclass it is at run time
+# (its fields are __init__'s keywords, dataclasses.replace takes it). A field's default
+# is Field(default=...): a type checker reads no positional default from a field specifier.
+@dataclass_transform(field_specifiers=(dataclasses.field, Field))
+def section(cls: type[_Section]) -> type[_Section]:
     """``cls`` as a config section: a dataclass whose fields pydantic checks when it is built."""
-    return dataclass(config=_SECTION)(cls)
+    # pydantic types what it returns as its dataclass protocol; it is cls (or, for a
+    # stdlib dataclass, a subclass of it).
+    return cast("type[_Section]", dataclass(config=_SECTION)(cls))
 
 
 # How a failed bound reads, by pydantic's error type and the bound's value.
@@ -38,7 +54,7 @@ _BOUNDS = {
 }
 
 
-def section_error(name: str, section_type: type, error: ValidationError) -> ConfigError:
+def section_error(name: str, section_type: type[PydanticDataclass], error: ValidationError) -> ConfigError:
     """The first of ``error``'s complaints about the ``name`` section, as one line naming
     the key (and the list item): ``rollout.group_size must be at least 2 (...), got 1``,
     ``train.steps: Input should be a valid integer, got 'many'``."""
@@ -48,7 +64,8 @@ def section_error(name: str, section_type: type, error: ValidationError) -> Conf
     if first["type"] == "literal_error":
         return ConfigError(f"{where} must be one of {context['expected']}, got {first['input']!r}")
     if first["type"] in _BOUNDS:
-        field = section_type.__pydantic_fields__[first["loc"][0]]
+        # A section is built from keywords: its errors' locations start with the field's name.
+        field = section_type.__pydantic_fields__[str(first["loc"][0])]
         said = f"must be {field.description}" if field.description else _BOUNDS[first["type"]](*context.values())
         return ConfigError(f"{where} {said}, got {first['input']!r}")
     return ConfigError(f"{where}: {first['msg']}, got {first['input']!r}")

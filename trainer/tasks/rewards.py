@@ -38,8 +38,8 @@ class RewardConfig:
     function: str = ""
     # > 0 runs the function in worker processes with this deadline per response (the
     # MATH verifier always needs one); 0 calls it in process.
-    timeout_seconds: float = Field(10.0, ge=0)
-    workers: int = Field(1, gt=0)
+    timeout_seconds: float = Field(default=10.0, ge=0)
+    workers: int = Field(default=1, gt=0)
 
 
 @dataclass

@@ -59,17 +59,17 @@ class SyntheticData:
     """The data section's keys this task alone reads (its row's ``data_fields``)."""
 
     # random digits before each prompt, which the answer ignores (a long-prompt workload); 0: none
-    context_tokens: int = Field(0, ge=0)
+    context_tokens: int = Field(default=0, ge=0)
     # this many solved problems (the same for every prompt of the run) before each prompt,
     # few-shot exemplars every prompt shares (the prefix tree lays them out once a
     # micro-batch); 0: none
-    exemplars: int = Field(0, ge=0)
+    exemplars: int = Field(default=0, ge=0)
     # draw each step's prompts (uniformly, with replacement) from a fixed pool of this many
     # distinct prompts, each an identifier then a problem (:func:`prompt_pool`), so that a
     # prompt recurs about steps x prompts_per_step / prompt_pool times in a run, as the
     # prompts of a large dataset do; 0: every problem drawn afresh from the levels (152
     # distinct prompts in all)
-    prompt_pool: int = Field(0, ge=0)
+    prompt_pool: int = Field(default=0, ge=0)
 
 
 def check_synthetic_data(data, model_path: str) -> None:
