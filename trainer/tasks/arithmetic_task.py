@@ -21,6 +21,7 @@ evaluates the same problems, and those stories are never drawn for training.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .problem import Problem, seeded_rng
@@ -35,14 +36,14 @@ HELD_OUT_SEED = 20261122  # fixed: every run is evaluated on the same problems
 MAX_DRAWS = 1000  # per problem, before a level is declared exhausted
 
 
-def _plus(rng, name, pronoun, thing):
+def _plus(rng: np.random.Generator, name: str, pronoun: str, thing: str) -> tuple[str, int]:
     a, b = int(rng.integers(1, 6)), int(rng.integers(1, 5))
     forms = [f"What is {a} plus {b}?", f"How much is {a} plus {b}?", f"What do you get if you add {a} and {b}?",
              f"What is the sum of {a} and {b}?"]
     return forms[int(rng.integers(len(forms)))], a + b
 
 
-def _add_or_take(rng, name, pronoun, thing, low, high):
+def _add_or_take(rng: np.random.Generator, name: str, pronoun: str, thing: str, low: int, high: int) -> tuple[str, int]:
     a, b = (int(v) for v in rng.integers(low, high + 1, size=2))
     if rng.random() < 0.5:
         forms = [
@@ -58,7 +59,7 @@ def _add_or_take(rng, name, pronoun, thing, low, high):
     return forms[int(rng.integers(len(forms)))], a - b
 
 
-def _multi_step(rng, name, pronoun, thing):
+def _multi_step(rng: np.random.Generator, name: str, pronoun: str, thing: str) -> tuple[str, int]:
     a, b = (int(v) for v in rng.integers(2, 10, size=2))
     c = int(rng.integers(1, min(a + b, 10)))
     forms = [
@@ -68,10 +69,11 @@ def _multi_step(rng, name, pronoun, thing):
     return forms[int(rng.integers(len(forms)))], a + b - c
 
 
-LEVELS = {
+# A level draws (question, answer) from (rng, name, pronoun, thing).
+LEVELS: dict[str, Callable[[np.random.Generator, str, str, str], tuple[str, int]]] = {
     "plus": _plus,
-    "single-digit": lambda rng, *story: _add_or_take(rng, *story, 1, 9),
-    "two-digit": lambda rng, *story: _add_or_take(rng, *story, 10, 99),
+    "single-digit": lambda rng, name, pronoun, thing: _add_or_take(rng, name, pronoun, thing, 1, 9),
+    "two-digit": lambda rng, name, pronoun, thing: _add_or_take(rng, name, pronoun, thing, 10, 99),
     "multi-step": _multi_step,
 }
 
@@ -88,7 +90,7 @@ def make_problem(level: str, rng: np.random.Generator, template: str) -> Problem
 def held_out_problems(levels: list[str], per_level: int, template: str) -> list[Problem]:
     """``per_level`` distinct problems of each level, the same for every run."""
     rng = seeded_rng(HELD_OUT_SEED)
-    problems = []
+    problems: list[Problem] = []
     for level in levels:
         chosen: dict[str, Problem] = {}
         for _ in range(MAX_DRAWS * per_level):

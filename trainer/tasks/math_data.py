@@ -14,9 +14,13 @@ import json
 import re
 from dataclasses import field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..section import section
 from .problem import Problem, seeded_rng
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The files data.train_files may name.
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
@@ -90,9 +94,10 @@ def problem_from_record(record: object, data_config) -> Problem:
         values[key] = str(value).strip()
     answer = values["answer_field"]
     if data_config.answer_from_solution:
-        answer = last_boxed(answer)
-        if answer is None or not answer.strip():
+        boxed = last_boxed(answer)
+        if boxed is None or not boxed.strip():
             raise ValueError(f"has a solution without a \\boxed{{}} answer: {values['answer_field'][:60]!r}")
+        answer = boxed
     level = record.get(data_config.level_field)
     level = "all" if level is None else str(level)
     prompt = data_config.prompt_template.replace("{question}", values["question_field"])
@@ -189,7 +194,7 @@ class MathDataset:
     def __init__(self, data_config, seed: int) -> None:
         self.seed = seed
         self._epoch: int | None = None
-        self._epoch_order = None
+        self._epoch_order: np.ndarray | None = None
         self.items: list[Problem] = load_problems(data_config)
         self.levels = sorted({item.level for item in self.items})
         self.held_out: list[Problem] = []
@@ -203,8 +208,8 @@ class MathDataset:
             chosen.append(self.items[int(self._order(epoch)[offset])])
         return chosen
 
-    def _order(self, epoch: int):
-        if self._epoch != epoch:  # steps walk epochs in order: keep the current one
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._epoch != epoch or self._epoch_order is None:  # steps walk epochs in order: keep the current one
             self._epoch = epoch
             self._epoch_order = seeded_rng([self.seed, epoch]).permutation(len(self.items))
         return self._epoch_order

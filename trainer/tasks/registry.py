@@ -89,7 +89,10 @@ class DrawnProblems:
     them a held-out prompt."""
 
     def __init__(self, task: Task, data, eval_config, seed: int) -> None:
+        if task.draw is None:
+            raise ValueError(f"task {task.name!r} loads its problems rather than drawing them")
         self.task, self.data, self.seed = task, data, seed
+        self._draw: Draw = task.draw
         self.levels = list(data.levels) or list(task.levels)
         self.held_out: list[Problem] = []
         if eval_config.every and task.held_out is not None:
@@ -98,7 +101,7 @@ class DrawnProblems:
 
     def problems(self, step: int, count: int, rank: int, world: int) -> list[Problem]:
         rng = seeded_rng([self.seed, step, rank])
-        return self.task.draw(self.levels, count, rng, self.data, self._held_out_prompts)
+        return self._draw(self.levels, count, rng, self.data, self._held_out_prompts)
 
 
 def _check_text_prompts(data, model_path: str) -> None:
