@@ -32,7 +32,10 @@ def completed_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 def checkpoint_step(path: Path) -> int:
     """The step a checkpoint directory (``step-<n>``) was saved at."""
-    return int(STEP_DIR.match(path.name).group(1))
+    match = STEP_DIR.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step-<n>)")
+    return int(match.group(1))
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -52,7 +52,12 @@ def _text_to_bytes(text: str) -> torch.Tensor:
 def rng_state() -> dict:
     """Python's, NumPy's and torch's global generator states as JSON values."""
     version, internal, gauss_next = random.getstate()
-    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = np.random.get_state()
+    # A tuple unless np.random.set_bit_generator gave the global RandomState another generator.
+    if not isinstance(numpy_state, tuple):
+        raise TypeError(f"NumPy's global generator is {numpy_state['bit_generator']}, not MT19937: "
+                        "its state cannot be saved in a checkpoint")
+    name, keys, position, has_gauss, cached_gaussian = numpy_state
     return {
         "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
         "numpy": {"name": name, "keys": keys.tolist(), "position": int(position),

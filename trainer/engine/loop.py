@@ -127,9 +127,9 @@ class UpdateFigures:
         names = sorted(self.sums)
         totals = torch.tensor([self.loss, *(self.sums[name] for name in names), *(self.counts[name] for name in names)],
                               dtype=torch.float64)
-        totals = all_reduce(totals).tolist()
-        sums, counts = totals[1:1 + len(names)], totals[1 + len(names):]
-        result = {"loss": totals[0] / (self.mini_batches * world_size)}
+        reduced: list[float] = all_reduce(totals).tolist()
+        sums, counts = reduced[1:1 + len(names)], reduced[1 + len(names):]
+        result = {"loss": reduced[0] / (self.mini_batches * world_size)}
         result.update((name, total / count if count else 0.0) for name, total, count in zip(names, sums, counts))
         return result
 
@@ -170,7 +170,8 @@ class Trainer:
         self.start_step = 0
         if checkpoint is not None:
             self.start_step = load_checkpoint(checkpoint, self.policy.engine, self.anchor, self.history)
-        if rank == 0 and resumed_changes is not None:
+        # run.py finds changed settings only for a run resumed from a checkpoint.
+        if rank == 0 and checkpoint is not None and resumed_changes is not None:
             with (self.run_dir / "resumes.jsonl").open("a") as handle:
                 handle.write(json.dumps({"step": self.start_step, "checkpoint": checkpoint.name,
                                          "changed": resumed_changes}) + "\n")
@@ -371,10 +372,10 @@ class Trainer:
         values[-3] = errors
         values[-2] = float(all_equal.sum())
         values[-1] = all_equal.numel()
-        values = all_reduce(values).tolist()
-        return {"level_sums": values[:levels], "level_counts": values[levels:2 * levels],
-                "tokens": values[-4], "errors": int(values[-3]), "degenerate_groups": int(values[-2]),
-                "groups": int(values[-1])}
+        reduced: list[float] = all_reduce(values).tolist()
+        return {"level_sums": reduced[:levels], "level_counts": reduced[levels:2 * levels],
+                "tokens": reduced[-4], "errors": int(reduced[-3]), "degenerate_groups": int(reduced[-2]),
+                "groups": int(reduced[-1])}
 
     def _log_samples(self, step: int, problems, prompt_ids, texts, rewards) -> None:
         """The first response to each of the first prompts, so a user can see what the
@@ -415,11 +416,11 @@ class Trainer:
             index = self.levels.index(problem.level)
             values[index] += reward
             values[levels + index] += 1
-        values = all_reduce(values).tolist()
-        row = {"step": step}
+        reduced: list[float] = all_reduce(values).tolist()
+        row: dict[str, float] = {"step": step}
         for index, level in enumerate(self.levels):
-            row[f"eval/{level}"] = values[index] / values[levels + index]
-        row["eval/mean"] = sum(values[:levels]) / sum(values[levels:])
+            row[f"eval/{level}"] = reduced[index] / reduced[levels + index]
+        row["eval/mean"] = sum(reduced[:levels]) / sum(reduced[levels:])
         row["time/eval"] = time.perf_counter() - started
         self.evaluations.write(row)
         self.log.message(f"held-out greedy accuracy at step {step}: " + ", ".join(
@@ -459,7 +460,7 @@ class Trainer:
                                                  device=self.policy.device)
 
         # Behaviour log-probs: the policy before this batch's first update, kept per row.
-        old_logprobs: list[torch.Tensor] = [None] * len(responses)
+        old_logprobs: dict[int, torch.Tensor] = {}
         gaps = []
         for rows in self._micro_batches(list(range(len(responses))), rows_tokens):
             batch = batch_of(rows)
@@ -510,14 +511,17 @@ class Trainer:
                 norm = self.policy.grad_norm()
                 if norm is not None:
                     grad_norms.append(norm)
-        averaged = figures.result(self.world_size)
-        averaged["clip_frac"] = averaged["clip_frac_low"] + averaged["clip_frac_high"]
-        averaged["micro_batches"] = calls / (train.ppo_epochs * mini_batches)
-        averaged["fed_tokens"] = fed_tokens / (train.ppo_epochs * mini_batches)
-        averaged["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else None
-        averaged["lr"] = self.policy.learning_rate()
-        # Engine against trainer on the same weights: large means the weight sync broke.
-        averaged["rollout/logprob_gap"] = max(gaps) if gaps else None
+        reduced = figures.result(self.world_size)
+        averaged: dict[str, float | None] = {
+            **reduced,
+            "clip_frac": reduced["clip_frac_low"] + reduced["clip_frac_high"],
+            "micro_batches": calls / (train.ppo_epochs * mini_batches),
+            "fed_tokens": fed_tokens / (train.ppo_epochs * mini_batches),
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else None,
+            "lr": self.policy.learning_rate(),
+            # Engine against trainer on the same weights: large means the weight sync broke.
+            "rollout/logprob_gap": max(gaps) if gaps else None,
+        }
         return averaged
 
     def _report_errors(self, step: int, errors: list[str]) -> None:

@@ -15,6 +15,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -24,6 +25,9 @@ from hadw_kernels.layouts import LaidOutBatch, choose_layout
 from hadw_kernels.tables.linear_blocks import IGNORE_INDEX
 
 from .settings import loss_options, rollout_correction
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def response_hidden_states(forward, batch: LaidOutBatch) -> torch.Tensor:
@@ -47,7 +51,9 @@ def policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: LaidO
     once per rollout batch (so the rows need not hold whole groups), one a row of the
     micro-batch; the rollout engine's log-probs corrected by ``correction`` (a
     RolloutCorrection), where they are given."""
-    return fused_linear_hadw_grpo_loss(
+    # With return_metrics=True the loss returns (loss, metrics); its annotation is the
+    # union of both forms.
+    return cast("tuple[torch.Tensor, dict[str, torch.Tensor]]", fused_linear_hadw_grpo_loss(
         hidden,
         lm_head_weight,
         batch.labels,
@@ -61,11 +67,11 @@ def policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: LaidO
         rollout_correction=correction,
         return_metrics=True,
         **loss_options(config),
-    )
+    ))
 
 
 class Policy:
-    def __init__(self, model: torch.nn.Module, config, world_size: int) -> None:
+    def __init__(self, model: PreTrainedModel, config, world_size: int) -> None:
         import deepspeed
 
         train, rollout = config.train, config.rollout
@@ -103,7 +109,7 @@ class Policy:
         self.device = self.engine.device
 
     @property
-    def module(self) -> torch.nn.Module:
+    def module(self) -> PreTrainedModel:
         return self.engine.module
 
     @contextlib.contextmanager
@@ -135,14 +141,15 @@ class Policy:
         without logits."""
         hidden = self.hidden_states(batch)
         with self._gathered([self._lm_head_weight()]):
-            logprobs = fused_token_logprobs(
+            # Without with_entropy, the log-probs alone (its annotation: either form).
+            logprobs = cast("torch.Tensor", fused_token_logprobs(
                 hidden,
                 self._lm_head_weight(),
                 batch.labels,
                 temperature=self.config.rollout.temperature,
                 ignore_index=IGNORE_INDEX,
                 backend=self.config.algorithm.loss_backend,
-            )
+            ))
         return logprobs.float()
 
     def accumulate(self, batch: LaidOutBatch, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,

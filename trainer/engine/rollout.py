@@ -18,19 +18,25 @@ resumed run samples what an uninterrupted one would.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from vllm.inputs import TokensPrompt
 
 
 class VLLMRollout:
     needs_weight_sync = True
 
-    def __init__(self, model_dir: str, rollout_config, *, dtype: str, max_model_len: int, eos_token_id: int,
+    def __init__(self, model_dir: str | Path, rollout_config, *, dtype: str, max_model_len: int, eos_token_id: int,
                  world_size: int, seed: int, verbose: bool) -> None:
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
-        options = dict(
+        options: dict[str, Any] = dict(
             model=str(model_dir),
             dtype=dtype,
             max_model_len=max_model_len,
@@ -72,14 +78,18 @@ class VLLMRollout:
             )
             for seed in seeds
         ]
-        prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        prompts: list[TokensPrompt] = [{"prompt_token_ids": ids} for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         samples = [sample for output in outputs for sample in output.outputs]
         responses = [list(sample.token_ids) for sample in samples]
-        logprobs = [
-            [position[token].logprob for token, position in zip(sample.token_ids, sample.logprobs)]
-            for sample in samples
-        ]
+        logprobs = []
+        for sample in samples:
+            if sample.logprobs is None:
+                raise RuntimeError("vLLM returned a sample without the log-probs SamplingParams(logprobs=0) asks for")
+            # vLLM types a position of FlatLogprobs as None too (a prompt's first position
+            # is); a sample's positions are never None.
+            logprobs.append([position[token].logprob  # type: ignore[index]
+                             for token, position in zip(sample.token_ids, sample.logprobs)])
         return responses, logprobs
 
     def greedy(self, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -88,7 +98,8 @@ class VLLMRollout:
 
         params = SamplingParams(n=1, temperature=0.0, max_tokens=max_new_tokens,
                                 stop_token_ids=[self.eos_token_id], detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        prompts: list[TokensPrompt] = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [list(output.outputs[0].token_ids) for output in outputs]
 
     def sync_weights(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -98,8 +109,12 @@ class VLLMRollout:
 class HFRollout:
     needs_weight_sync = False  # generate reads the training module's own parameters
 
-    def __init__(self, module: torch.nn.Module, rollout_config, *, pad_token_id: int, eos_token_id: int,
+    def __init__(self, module: PreTrainedModel, rollout_config, *, pad_token_id: int, eos_token_id: int,
                  synced_gpus: bool) -> None:
+        from transformers import GenerationMixin
+
+        if not isinstance(module, GenerationMixin):
+            raise TypeError(f"{type(module).__name__} has no generate(): the HF rollout engine needs a causal LM")
         self.module = module
         self.config = rollout_config
         self.pad_token_id = pad_token_id
@@ -133,7 +148,9 @@ class HFRollout:
             attention_mask[row, width - len(ids):] = 1
         was_training = self.module.training
         self.module.eval()
-        output = self.module.generate(
+        # transformers types generate's self as a protocol that no model of its own
+        # satisfies to mypy (LlamaForCausalLM(...).generate fails the same way).
+        output = self.module.generate(  # type: ignore[misc]
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             pad_token_id=self.pad_token_id,

@@ -189,8 +189,10 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **options)
     # The weights are dequantised already; with the quantizer attached save_pretrained
     # refuses ("quantized with QuantizationMethod.GGUF and is not serializable").
-    model.hf_quantizer = None
-    model.is_quantized = False
+    # torch types Module.__setattr__ for tensors and submodules alone; any attribute is set
+    # at run time, as transformers set these.
+    model.hf_quantizer = None  # type: ignore[assignment]
+    model.is_quantized = False  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     output_dir.mkdir(parents=True)

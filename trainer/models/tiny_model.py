@@ -17,6 +17,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -44,7 +46,7 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(model_config, tokenizer: PreTrainedTokenizerFast, seed: int,
-                     positions: int = MAX_POSITIONS) -> torch.nn.Module:
+                     positions: int = MAX_POSITIONS) -> PreTrainedModel:
     """A Llama or Qwen2 model with random weights drawn from ``seed``, for sequences of up
     to ``positions`` tokens (at least MAX_POSITIONS)."""
     common = dict(
@@ -62,6 +64,8 @@ def build_tiny_model(model_config, tokenizer: PreTrainedTokenizerFast, seed: int
         # Untied: the LM head the loss reads is then a parameter of its own.
         tie_word_embeddings=False,
     )
+    config: PreTrainedConfig
+    model_class: type[PreTrainedModel]
     if model_config.architecture == "llama":
         config, model_class = LlamaConfig(**common), LlamaForCausalLM
     else:
@@ -71,6 +75,6 @@ def build_tiny_model(model_config, tokenizer: PreTrainedTokenizerFast, seed: int
         return model_class(config)
 
 
-def save_initial_model(model: torch.nn.Module, tokenizer, model_dir: Path, tokenizer_dir: Path) -> None:
+def save_initial_model(model: PreTrainedModel, tokenizer, model_dir: Path, tokenizer_dir: Path) -> None:
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(tokenizer_dir)
