@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypedDict
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import numpy as np
+
+# A mean over seeds and its 95% half-width (tools/intervals.py's mean_interval).
+Interval = tuple[float, float]
+
+
+class SweepSummary(TypedDict):
+    """A sweep's figures (compare.py's ``sweep_summary``), per swept value (its text) and
+    variant label: what :func:`plot_sweep` draws and compare.py's tables list."""
+
+    values: list[str]
+    labels: list[str]
+    baseline: str
+    keys: list[str]
+    means: dict[str, dict[str, dict[str, Interval]]]
+    differences: dict[str, dict[str, dict[str, Interval]]]
+    next_differences: dict[str, dict[str, dict[str, Interval]]]
+    seeds: dict[str, dict[str, int]]
+    weighing: dict[str, dict[str, dict[str, Interval]]]
+
 
 PANELS = [
     ("reward", ["reward/mean"]),
@@ -103,7 +123,7 @@ def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str) -> None
     plt.close(figure)
 
 
-def plot_sweep(summary: dict, key: str, path: Path, title: str) -> None:
+def plot_sweep(summary: SweepSummary, key: str, path: Path, title: str) -> None:
     """A sweep's figures (compare.py's ``sweep_summary``): top, each variant's mean over
     seeds at each value with its 95% interval; bottom, each variant minus the baseline at
     the same value (filled) and at the next value (hollow). One column per figure: the
@@ -125,9 +145,9 @@ def plot_sweep(summary: dict, key: str, path: Path, title: str) -> None:
             same = np.array([summary["differences"][value][label][figure_key] for value in values])
             bottom.errorbar(positions - 0.06, same[:, 0], yerr=np.nan_to_num(same[:, 1]), marker="o", capsize=3,
                             color=color, linestyle="none", label=f"{label} - {summary['baseline']}, same {key}")
-            following = [summary["next_differences"][value][label][figure_key] for value in values[:-1]]
-            if following:
-                following = np.array(following)
+            next_rows = [summary["next_differences"][value][label][figure_key] for value in values[:-1]]
+            if next_rows:
+                following = np.array(next_rows)
                 bottom.errorbar(positions[:-1] + 0.06, following[:, 0], yerr=np.nan_to_num(following[:, 1]),
                                 marker="o", markerfacecolor="white", capsize=3, color=color, linestyle="none",
                                 label=f"{label} - {summary['baseline']} at the next {key}")

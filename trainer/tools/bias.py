@@ -41,8 +41,10 @@ import math
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 # Run as a file, Python puts this file's folder on the path, not the checkout that holds
 # the package: the wheel installs the library only, the trainer runs from its checkout
@@ -53,6 +55,7 @@ if not __package__:
 from trainer.checkpoint_files import CheckpointError, completed_checkpoints, verify_checkpoint
 from trainer.config import ConfigError, load_config
 from trainer.engine.settings import resolve_engine
+from trainer.tasks.problem import Problem
 from trainer.tasks.registry import TASKS
 from trainer.tools.estimator_scores import COLUMNS, band_index, band_name, replayed_priors, score, table
 from trainer.tools.estimator_scores import summary as estimator_summary
@@ -115,12 +118,14 @@ def analyse(draws: Draws, lambda_scale: float) -> dict:
 
     prompts = len(draws.levels)
     accuracy = [true_accuracy(k, draws.reference) for k in draws.reference_correct]
-    result = {"prompts": prompts, "reference": draws.reference, "sizes": {}}
+    result: dict[str, Any] = {"prompts": prompts, "reference": draws.reference, "sizes": {}}
     for size, repeats in draws.groups.items():
         # per scale, estimate, outcome and prompt: the errors of its responses in groups of S
-        errors = {(scale, estimate, outcome): [[] for _ in range(prompts)]
-                  for scale in SCALES for estimate in ESTIMATES for outcome in OUTCOMES}
-        truths = {(scale, outcome): [[] for _ in range(prompts)] for scale in SCALES for outcome in OUTCOMES}
+        errors: dict[tuple[str, str, str], list[list[float]]] = {
+            (scale, estimate, outcome): [[] for _ in range(prompts)]
+            for scale in SCALES for estimate in ESTIMATES for outcome in OUTCOMES}
+        truths: dict[tuple[str, str], list[list[float]]] = {
+            (scale, outcome): [[] for _ in range(prompts)] for scale in SCALES for outcome in OUTCOMES}
         one_correct, one_wrong, updating, total = [], [], [0] * prompts, 0
         for batch, belief in zip(repeats, draws.beliefs[size]):
             rewards = torch.tensor([r for group in batch for r in group], dtype=torch.float64)
@@ -194,8 +199,10 @@ def _bands(accuracy, errors, truths, updating, repeats, edges: tuple[float, ...]
     outcomes): the prompts, the responses, the true advantage and each estimate's signed
     and absolute error: the mean over the responses and its 95% half-width, each prompt's
     responses a cluster (they share its p and, within a group, their baseline)."""
-    groups = [(band_name(index, edges), lambda p, index=index: band_index(p, edges) == index)
-              for index in range(len(edges) - 1)]
+    def in_band(index: int) -> Callable[[float], bool]:
+        return lambda p: band_index(p, edges) == index
+
+    groups = [(band_name(index, edges), in_band(index)) for index in range(len(edges) - 1)]
     if with_aggregates:
         groups += list(AGGREGATES.items())
     prompts = range(len(accuracy))
@@ -232,7 +239,7 @@ def report(step: int, result: dict, anchor_line: str) -> str:
     lines = [f"## Step {step}", "",
              f"{result['prompts']} prompts, {result['reference']} reference draws each; {anchor_line}. True "
              "accuracy per level (mean over its prompts [95% t interval]): "
-             + ", ".join(f"{level} {format_interval(figures['mean'], figures['half_width'], 2)}"
+             + ", ".join(f"{level} {format_interval(figures['mean'], figures['half_width'], digits=2)}"
                          for level, figures in result["levels"].items()) + "."]
     for size, figures in result["sizes"].items():
         spread = figures["spread"]
@@ -333,9 +340,9 @@ def fixed_problems(config, per_level: int):
         raise ConfigError(f"the bias tool needs a task that draws its problems by level ({drawn}; without "
                           f"data.context_tokens, which makes every prompt distinct); this run's is {data.task!r}")
     rng = np.random.default_rng(PROBLEM_SEED)
-    problems = []
+    problems: list[Problem] = []
     for level in levels:
-        chosen = {}
+        chosen: dict[str, Problem] = {}
         for _ in range(50 * per_level):
             (problem,) = task.draw([level], 1, rng, data, frozenset())
             chosen.setdefault(problem.prompt, problem)
@@ -518,7 +525,8 @@ def run_checkpoints(args, config, problems, steps: list[int], available: dict[in
             priors = history_priors(args, config, trainer_state, step, [prompt_key(ids) for ids in prompt_ids])
             began = time.perf_counter()
             total = len(args.group_sizes) * args.groups + 1
-            groups, done = {}, 0
+            groups: dict[int, list[list[list[float]]]] = {}
+            done = 0
             for size in args.group_sizes:
                 groups[size] = []
                 for repeat in range(args.groups):

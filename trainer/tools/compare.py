@@ -57,6 +57,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # Run as a file, Python puts this file's folder on the path, not the checkout that holds
 # the package: the wheel installs the library only, the trainer runs from its checkout
@@ -69,6 +70,9 @@ from trainer.config import RESUMABLE_KEYS, ConfigError, load_config, validate
 from trainer.engine.metrics_log import read_metrics
 from trainer.engine.settings import resolve_engine
 from trainer.tools.intervals import format_interval, mean_interval
+
+if TYPE_CHECKING:
+    from trainer.engine.plotting import SweepSummary
 
 RUN = Path(__file__).resolve().parents[1] / "run.py"
 LR_SCALED = "GRPO (lr x mean Phi)"
@@ -141,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = list(args.overrides) + ["run.plot=false"]
     if args.steps is not None:
         shared.append(f"train.steps={args.steps}")
+    levels: list[tuple[str, list[str]]]
     if args.sweep is None:
         levels = [(args.name, [])]
     else:
@@ -157,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(base.run.output_dir)
     started = time.perf_counter()
     progress = {"done": 0, "total": len(levels) * len(args.variants) * len(args.seeds), "started": started}
-    results = {}
+    # Per swept value (None: no sweep), the runs of each variant.
+    results: dict[str | None, dict[str, list[dict]]] = {}
     for directory, setting in levels:
         runs = run_variants(args, shared + setting, output, directory, progress, output / args.name / "run_times.jsonl")
         results[setting[0].partition("=")[2] if setting else None] = runs
@@ -175,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep is not None:
         path = args.plot or output / args.name / "sweep.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        summary_rows = sweep_summary(results, base.train.steps)
+        summary_rows = sweep_summary({value: runs for value, runs in results.items() if value is not None},
+                                     base.train.steps)
         plot_sweep(summary_rows, args.sweep[0], path, title)
         print(f"plot: {path}")
         tables.append(sweep_tables(summary_rows, args.sweep[0], base.train.steps))
@@ -414,7 +421,7 @@ def _paired(first: dict[int, float], second: dict[int, float]) -> list[float]:
     return [first[seed] - second[seed] for seed in first if seed in second]
 
 
-def sweep_summary(results: dict[str, dict[str, list[dict]]], steps: int) -> dict:
+def sweep_summary(results: dict[str, dict[str, list[dict]]], steps: int) -> SweepSummary:
     """The figures of a sweep's tables and plot, each a (mean, 95% half-width) pair over
     the seeds of each run's mean over the last fifth of the steps: ``means[value][label][key]``;
     ``differences[value][label][key]``, label minus the baseline (the first label) on the
@@ -429,14 +436,17 @@ def sweep_summary(results: dict[str, dict[str, list[dict]]], steps: int) -> dict
                                       for seed in seeds} for key in keys}
                         for label, seeds in runs.items()} for value, runs in results.items()}
     baseline = labels[0]
-    summary = {"values": values, "labels": labels, "baseline": baseline, "keys": keys, "means": {},
-               "differences": {}, "next_differences": {},
-               "seeds": {value: {label: len(seeds) for label, seeds in runs.items()} for value, runs in results.items()}}
-    summary["weighing"] = {
-        value: {label: {"belief": mean_interval([window_mean(seed["metrics"], "anchor/belief") for seed in seeds]),
-                        "balance": mean_interval([phi_balance(seed) for seed in seeds])}
-                for label, seeds in runs.items() if "algorithm.hadw=true" in VARIANTS[label] and _grpo_baseline(label)}
-        for value, runs in results.items()}
+    summary: SweepSummary = {
+        "values": values, "labels": labels, "baseline": baseline, "keys": keys, "means": {},
+        "differences": {}, "next_differences": {},
+        "seeds": {value: {label: len(seeds) for label, seeds in runs.items()} for value, runs in results.items()},
+        "weighing": {
+            value: {label: {"belief": mean_interval([window_mean(seed["metrics"], "anchor/belief") for seed in seeds]),
+                            "balance": mean_interval([phi_balance(seed) for seed in seeds])}
+                    for label, seeds in runs.items()
+                    if "algorithm.hadw=true" in VARIANTS[label] and _grpo_baseline(label)}
+            for value, runs in results.items()},
+    }
     for index, value in enumerate(values):
         figures = per_seed[value]
         summary["means"][value] = {label: {key: mean_interval(list(figures[label][key].values())) for key in keys}
@@ -481,7 +491,7 @@ def phi_balance(seed: dict) -> float:
     return below / above if above else math.nan
 
 
-def sweep_tables(summary: dict, key: str, steps: int) -> str:
+def sweep_tables(summary: SweepSummary, key: str, steps: int) -> str:
     """The sweep's three markdown tables (``sweep_summary``'s figures)."""
     last = final_window_steps(steps)
     names = [_figure_name(figure) for figure in summary["keys"]]

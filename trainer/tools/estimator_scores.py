@@ -45,7 +45,8 @@ def estimator_labels(history_discounts: dict[str, float]) -> list[tuple[str, str
     then the prompt history at each discount given."""
     from hadw_kernels.tables.estimators import ESTIMATORS
 
-    labels = [(row.name, row.name, None) for row in ESTIMATORS.values() if row.scope != "history"]
+    labels: list[tuple[str, str, str | None]] = [
+        (row.name, row.name, None) for row in ESTIMATORS.values() if row.scope != "history"]
     labels += [(f"prompt_history ({name})", "prompt_history", name) for name in history_discounts]
     return labels
 
@@ -69,7 +70,8 @@ def score(draws, accuracy: list[float], batch_prompts: int, priors: dict[str, li
     result = {}
     for size, repeats in draws.groups.items():
         # per (label, kind): per prompt, its responses' values
-        values = {(label, kind): [[] for _ in range(prompts)] for label, *_ in labels for kind in KINDS}
+        values: dict[tuple[str, str], list[list[float]]] = {
+            (label, kind): [[] for _ in range(prompts)] for label, *_ in labels for kind in KINDS}
         for repeat in repeats:
             for members in batches:
                 rewards = torch.tensor([r for i in members for r in repeat[i]], dtype=torch.float64)
@@ -94,13 +96,13 @@ def score(draws, accuracy: list[float], batch_prompts: int, priors: dict[str, li
         per_size = {}
         for band, belongs in bands:
             members = [i for i in range(prompts) if belongs(accuracy[i])]
-            row = {}
+            columns: dict[str, dict[str, tuple[float, float]]] = {}
             for label, *_ in labels:
-                row[label] = {}
+                columns[label] = {}
                 for kind in KINDS:
                     lists = [values[label, kind][i] for i in members]
-                    row[label][kind] = clustered_mean_interval([sum(v) for v in lists], [len(v) for v in lists])
-            per_size[band] = row
+                    columns[label][kind] = clustered_mean_interval([sum(v) for v in lists], [len(v) for v in lists])
+            per_size[band] = columns
         result[size] = per_size
     return result
 

@@ -76,7 +76,7 @@ def clustered_mean_interval(totals: list[float], counts: list[int], level: float
     return mean, t_critical(level, clusters - 1) * math.sqrt(spread)
 
 
-def format_interval(mean: float, half_width: float, digits: int = 3, signed: bool = False) -> str:
+def format_interval(mean: float, half_width: float, *, digits: int = 3, signed: bool = False) -> str:
     """``0.812 [0.796, 0.828]``: the mean, then the interval's ends (with ``signed``, a
     difference: ``+0.012 [-0.004, +0.028]``)."""
     sign = "+" if signed else ""

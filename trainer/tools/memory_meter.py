@@ -39,6 +39,8 @@ class RssSampler:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        if self._thread is None:
+            raise RuntimeError("RssSampler exited without being entered")
         self._thread.join()
         self.peak = max(self.peak, self.rss())
 

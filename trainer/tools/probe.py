@@ -49,6 +49,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 # Run as a file, Python puts this file's folder on the path, not the checkout that holds
 # the package: the wheel installs the library only, the trainer runs from its checkout
@@ -67,6 +68,9 @@ from hadw_kernels.tools.cli import (
 )
 from hadw_kernels.tools.plan import PRESETS as SHAPES
 from trainer.tools.memory_meter import MemoryMeter
+
+if TYPE_CHECKING:
+    from trainer.engine.policy import Policy
 
 # The planner's models (one description of each model's shape), and the trainer's tiny one.
 PRESETS = (*SHAPES, "tiny")
@@ -129,7 +133,9 @@ def build_model(preset: str, dtype, device, seed: int):
         from trainer.tasks.synthetic_task import VOCABULARY
 
         model = build_tiny_model(ModelConfig(), build_tokenizer(VOCABULARY), seed)
-        return model.to(device=device, dtype=dtype)
+        # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), whose type
+        # mypy does not bind as a method: it asks for self among the arguments.
+        return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     shape = SHAPES[preset]
@@ -150,7 +156,7 @@ def build_model(preset: str, dtype, device, seed: int):
             model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
-    return model.to(dtype=dtype)
+    return model.to(dtype=dtype)  # type: ignore[call-arg]  # functools.wraps, as above
 
 
 def policy_config(args, micro_batches: int):
@@ -230,11 +236,12 @@ def accumulate(policy, batch, old_logprobs, advantages, *, loss_normalizer: floa
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     labels = batch.labels.clamp(min=0)
     token_logprobs = logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    value = fused_hadw_grpo_loss(
+    # Without return_metrics, the loss alone (its annotation: either form).
+    value = cast("torch.Tensor", fused_hadw_grpo_loss(
         token_logprobs, old_logprobs, None, batch.response_mask, cu_seqlens=batch.cu_seqlens,
         advantages=batch.per_segment(advantages), loss_normalizer=loss_normalizer, max_response_length=policy.config.rollout.max_new_tokens,
         backend="torch",
-    )
+    ))
     policy.engine.backward(value, scale_wrt_gas=False)
     policy.engine.step()
     return {"loss": float(value.detach())}
@@ -267,7 +274,7 @@ class Probe:
         budget = args.micro_batch_tokens or self.sequences * self.sequence_tokens
         self.rows = budget // self.sequence_tokens
         self.micro_batches = math.ceil(self.sequences / self.rows)  # parse_args: a budget holds a sequence
-        self.policy = None
+        self._policy: Policy | None = None
         self.broken = False  # an out-of-memory error left the engine half-way through a step
         self._build()
         self.meter = MemoryMeter(self.device)
@@ -279,9 +286,9 @@ class Probe:
         """Destroys the engine and collects what it held."""
         import gc
 
-        if self.policy is not None:
-            self.policy.engine.destroy()
-            self.policy = None
+        if self._policy is not None:
+            self._policy.engine.destroy()
+            self._policy = None
         gc.collect()
 
     def _build(self) -> None:
@@ -298,8 +305,15 @@ class Probe:
         self.parameters = sum(p.numel() for p in model.parameters())
         self.vocab = model.get_output_embeddings().weight.shape[0]
         say(f"{self.parameters:,} parameters; DeepSpeed ZeRO-{args.zero_stage}")
-        self.policy = Policy(model, policy_config(args, self.micro_batches), world_size=1)
+        self._policy = Policy(model, policy_config(args, self.micro_batches), world_size=1)
         self.broken = False
+
+    @property
+    def policy(self) -> Policy:
+        """The policy in its DeepSpeed engine; between close() and the next build, none."""
+        if self._policy is None:
+            raise RuntimeError("the probe's engine is closed")
+        return self._policy
 
     def _ensure_usable(self) -> None:
         """After an out-of-memory error, a new engine: ZeRO tracks which gradients a step
