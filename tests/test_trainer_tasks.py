@@ -4,6 +4,7 @@ loop drew before the registry; each part's check reports a ConfigError naming it
 the trainer's config loads no numerics library (torch, numpy) before the run sets the
 thread count; the policy passes the loss the options validation checks."""
 
+import ast
 import dataclasses
 import re
 import subprocess
@@ -93,6 +94,20 @@ def test_a_new_task_is_its_row_alone(monkeypatch):
         validate(load_config(None, ["data.task=parity", "reward.timeout_seconds=0"]))
     monkeypatch.setattr(rewards, "PooledReward", lambda function, timeout, workers: ("pooled", function, timeout))
     assert build_reward(config.data, config.reward) == ("pooled", _parity, config.reward.timeout_seconds)
+
+
+def test_the_type_checker_s_data_section_holds_every_task_s_keys():
+    """registry.py declares DataConfig a second time for type checkers, by hand (they
+    cannot read the bases of the class built at run time): its bases are the shared keys
+    and every registered task's data_fields, so a task with keys of its own fails here
+    until it is added there."""
+    from trainer.tasks import registry
+
+    tree = ast.parse(Path(registry.__file__).read_text())
+    declared = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == "DataConfig"]
+    assert len(declared) == 1
+    bases = {ast.unparse(base).rsplit(".", 1)[-1] for base in declared[0].bases}
+    assert bases == {part.__name__ for part in registry._DATA_PARTS}
 
 
 def test_an_unknown_task_names_the_registry_s_tasks():
