@@ -17,7 +17,15 @@ import pytest
 pytest.importorskip("yaml", reason="the trainer extra is not installed (scripts/setup_venv.sh)")
 
 from trainer.tools.intervals import t_critical
-from trainer.tools.sweep_data import SWEPT_GROUP_SIZES, extract, main, read_rows, refresh, write_rows
+from trainer.tools.sweep_data import (
+    SWEPT_GROUP_SIZES,
+    extract,
+    main,
+    read_rows,
+    recommendation_table,
+    refresh,
+    write_rows,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "estimators.md"
@@ -137,11 +145,29 @@ def test_a_run_whose_settings_are_not_its_arm_s_is_refused(tmp_path):
         extract(tmp_path / "sweep")
 
 
+def _low(shown: str) -> float:
+    return float(shown.split("[")[1].split(",")[0]) if "[" in shown else math.nan
+
+
+def test_the_recommendation_takes_the_best_arm_clear_of_grpo_not_the_best_mean():
+    """An arm of larger mean difference but an interval across 0 does not hide an arm
+    that is clear of GRPO; where none is clear, GRPO stays beside the best mean."""
+    gains = {"noisy": [0.5, -0.3, 0.4, -0.2], "steady": [0.05, 0.06, 0.04, 0.05], "worse": [-0.1, -0.1, -0.2, -0.1]}
+    rows = [dict(task="t", group_size=2, arm="GRPO", seed=seed, reward=0.3) for seed in range(4)]
+    rows += [dict(task="t", group_size=2, arm=arm, seed=seed, reward=0.3 + gain)
+             for arm, values in gains.items() for seed, gain in enumerate(values)]
+    rows += [dict(row, task="u") for row in rows if row["arm"] != "steady"]
+    table = recommendation_table(rows).splitlines()
+    assert table[2].startswith("| t | 2 | steady | steady: +0.050 [")
+    assert table[3].startswith("| u | 2 | GRPO (no arm clear of it) | noisy: +0.100 [")
+
+
 def test_the_readme_s_recommendation_is_the_data_file_s():
     """The README's estimator table is ``sweep_data recommend``'s output on the data file,
     and each row's difference is recomputed here: that arm's reward minus GRPO's on the
-    seeds both ran, its interval above 0 where the row recommends it, and no other arm's
-    mean difference above it."""
+    seeds both ran; where the row recommends it, its interval above 0 and no other such
+    arm's mean difference above it; where GRPO stays, no arm's interval above 0 and the
+    arm shown the one of largest mean difference."""
     text = README.read_text()
     block = text.split("<!-- estimator-recommendation:start -->", 1)[1].split("<!-- estimator-recommendation:end -->")[0]
     assert "sweep_data recommend docs/data/estimators-sweep.csv" in block
@@ -166,8 +192,12 @@ def test_the_readme_s_recommendation_is_the_data_file_s():
         values = differences(arm)
         assert shown == _interval(values, signed=True) and int(pairs) == len(values)
         others = {row["arm"] for row in rows if (row["task"], row["group_size"]) == (task, int(size))} - {"GRPO"}
-        assert all(statistics.fmean(differences(other)) <= statistics.fmean(values) for other in others)
-        low = float(shown.split("[")[1].split(",")[0])
-        assert (use == arm) == (low > 0) and (use == arm or use.startswith("GRPO"))
+        clear = {other for other in others if _low(_interval(differences(other), signed=True)) > 0}
+        if use == arm:
+            assert arm in clear
+            assert all(statistics.fmean(differences(other)) <= statistics.fmean(values) for other in clear)
+        else:
+            assert use.startswith("GRPO") and not clear
+            assert all(statistics.fmean(differences(other)) <= statistics.fmean(values) for other in others)
         measured.add((task, int(size)))
     assert measured == {(row["task"], row["group_size"]) for row in rows}

@@ -200,10 +200,11 @@ def paired_differences(rows: list[dict], task: str, group_size: int, arm: str, b
 
 def recommendation_table(rows: list[dict], baseline: str = "GRPO") -> str:
     """Per task and G: the arm to use, by the training reward over the last 40 steps
-    minus ``baseline``'s paired by seed: the arm with the largest mean difference whose
-    95% t interval lies above 0, else ``baseline``; beside it that difference (or, where the
-    baseline stays, the best other arm's), and the pairs. Then the swept G's the file has
-    no run of."""
+    minus ``baseline``'s paired by seed: of the arms whose 95% t interval lies above 0, the
+    one with the largest mean difference (an arm of larger mean but an interval across 0
+    does not displace it), else ``baseline``; beside it that difference (or, where the
+    baseline stays, the best other arm's by mean), and the pairs. Then the swept G's the
+    file has no run of."""
     lines = ["| task | G | use | reward minus " + baseline + ", last 40 steps [95% interval] | seeds |",
              "| --- | --- | --- | --- | --- |"]
     tasks = list(dict.fromkeys(row["task"] for row in rows))
@@ -218,9 +219,10 @@ def recommendation_table(rows: list[dict], baseline: str = "GRPO") -> str:
                     scored.append((mean_interval(differences), arm, len(differences)))
             if not scored:
                 continue
-            (mean, half_width), arm, pairs = max(scored, key=lambda item: item[0][0])
+            clear = [item for item in scored if item[0][0] - item[0][1] > 0]
+            (mean, half_width), arm, pairs = max(clear or scored, key=lambda item: item[0][0])
             shown = format_interval(mean, half_width, signed=True)
-            use = arm if mean - half_width > 0 else f"{baseline} (no arm clear of it)"
+            use = arm if clear else f"{baseline} (no arm clear of it)"
             against = f"{arm}: {shown}"
             lines.append(f"| {task} | {group_size} | {use} | {against} | {pairs} |")
     missing = [str(size) for size in SWEPT_GROUP_SIZES if size not in {row["group_size"] for row in rows}]
