@@ -183,8 +183,8 @@ def differences_table(rows: list[dict], baseline: str) -> str:
     return "\n".join(lines)
 
 
-# The group sizes the sweep runs (scripts/estimators_sweep.sh): those without a run in the
-# file are named in the recommendation as not yet measured.
+# The group sizes the sweep runs (scripts/estimators_sweep.sh): each has a row of the
+# recommendation per task, measured or not yet.
 SWEPT_GROUP_SIZES = (2, 4, 8, 16)
 
 
@@ -199,35 +199,34 @@ def paired_differences(rows: list[dict], task: str, group_size: int, arm: str, b
 
 
 def recommendation_table(rows: list[dict], baseline: str = "GRPO") -> str:
-    """Per task and G: the arm to use, by the training reward over the last 40 steps
-    minus ``baseline``'s paired by seed: of the arms whose 95% t interval lies above 0, the
-    one with the largest mean difference (an arm of larger mean but an interval across 0
-    does not displace it), else ``baseline``; beside it that difference (or, where the
-    baseline stays, the best other arm's by mean), and the pairs. Then the swept G's the
-    file has no run of."""
+    """Per task and G (every swept G, and any other the file holds): the arm to use, by
+    the training reward over the last 40 steps minus ``baseline``'s paired by seed: of the
+    arms whose 95% t interval lies above 0, the one with the largest mean difference (an
+    arm of larger mean but an interval across 0 does not displace it), else ``baseline``;
+    beside it that difference (or, where the baseline stays, the best other arm's by
+    mean), and the pairs. Where no arm has two seeds paired with ``baseline`` yet, the
+    baseline stays, beside how many it has."""
     lines = ["| task | G | use | reward minus " + baseline + ", last 40 steps [95% interval] | seeds |",
              "| --- | --- | --- | --- | --- |"]
     tasks = list(dict.fromkeys(row["task"] for row in rows))
     for task in tasks:
-        for group_size in sorted({row["group_size"] for row in rows if row["task"] == task}):
+        measured = {row["group_size"] for row in rows if row["task"] == task}
+        for group_size in sorted(measured | set(SWEPT_GROUP_SIZES)):
             arms = [arm for cell_task, size, arm in _cells(rows) if (cell_task, size) == (task, group_size)
                     and arm != baseline]
-            scored = []
-            for arm in arms:
-                differences = paired_differences(rows, task, group_size, arm, baseline)
-                if len(differences) >= 2:
-                    scored.append((mean_interval(differences), arm, len(differences)))
+            paired = [(arm, paired_differences(rows, task, group_size, arm, baseline)) for arm in arms]
+            scored = [(mean_interval(differences), arm, len(differences))
+                      for arm, differences in paired if len(differences) >= 2]
             if not scored:
+                pairs = max((len(differences) for _, differences in paired), default=0)
+                against = "not yet run" if pairs == 0 else f"{pairs} paired seed: no interval yet"
+                lines.append(f"| {task} | {group_size} | {baseline} (the default) | {against} | {pairs} |")
                 continue
             clear = [item for item in scored if item[0][0] - item[0][1] > 0]
             (mean, half_width), arm, pairs = max(clear or scored, key=lambda item: item[0][0])
-            shown = format_interval(mean, half_width, signed=True)
             use = arm if clear else f"{baseline} (no arm clear of it)"
-            against = f"{arm}: {shown}"
+            against = f"{arm}: {format_interval(mean, half_width, signed=True)}"
             lines.append(f"| {task} | {group_size} | {use} | {against} | {pairs} |")
-    missing = [str(size) for size in SWEPT_GROUP_SIZES if size not in {row["group_size"] for row in rows}]
-    if missing:
-        lines.append(f"| {', '.join(tasks)} | {', '.join(missing)} | {baseline} (the default) | not yet run | 0 |")
     return "\n".join(lines)
 
 
@@ -238,16 +237,18 @@ QUOTED = re.compile(r"(```bash\n(python -m trainer\.tools\.sweep_data (?:tables|
 
 
 def table_of(command: str, arguments: list[str]) -> str:
-    """What ``command`` (tables, recommend) prints for these arguments (the data file's
-    path from the root)."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("data", type=Path)
-    parser.add_argument("--differences", action="store_true")
-    parser.add_argument("--baseline", default="GRPO", choices=list(VARIANTS))
-    args = parser.parse_args(arguments)
-    rows = read_rows(REPO / args.data)
-    if command == "recommend":
+    """What ``command`` (tables, recommend) prints for these arguments, the data file's
+    path read from the repository's root."""
+    return _table(_parser().parse_args([command, *arguments]), REPO)
+
+
+def _table(args: argparse.Namespace, root: Path) -> str:
+    rows = read_rows(root / args.data)
+    if args.command == "recommend":
         return recommendation_table(rows, args.baseline)
+    if args.arms:
+        shown = set(args.arms) | ({args.baseline} if args.differences else set())
+        rows = [row for row in rows if row["arm"] in shown]
     return differences_table(rows, args.baseline) if args.differences else means_table(rows)
 
 
@@ -257,7 +258,7 @@ def refresh(text: str) -> str:
                       text)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=summary(__doc__), formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     extracting = commands.add_parser("extract", help="the finished runs under ROOT into a CSV")
@@ -268,13 +269,19 @@ def main(argv: list[str] | None = None) -> int:
     tabling.add_argument("--differences", action="store_true", help="each arm minus --baseline on the same seeds")
     tabling.add_argument("--baseline", default="GRPO", choices=list(VARIANTS), metavar="ARM",
                          help="the arm the differences are from (default: GRPO)")
+    tabling.add_argument("--arms", nargs="+", choices=list(VARIANTS), metavar="ARM",
+                         help="only these arms' rows (default: every arm)")
     recommending = commands.add_parser("recommend", help="the arm to use per task and G, as the README's table")
     recommending.add_argument("data", type=Path, help="a CSV that extract wrote")
     recommending.add_argument("--baseline", default="GRPO", choices=list(VARIANTS), metavar="ARM",
                               help="the arm to beat (default: GRPO)")
     refreshing = commands.add_parser("refresh", help="rewrite a markdown file's quoted tables from their commands")
     refreshing.add_argument("doc", type=Path, help="the markdown file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "refresh":
         args.doc.write_text(refresh(args.doc.read_text()))
         print(f"tables of {args.doc} rewritten from {REPO}")
@@ -284,11 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         write_rows(rows, args.out)
         print(f"{len(rows)} finished runs -> {args.out}")
         return 0
-    rows = read_rows(args.data)
-    if args.command == "recommend":
-        print(recommendation_table(rows, args.baseline))
-    else:
-        print(differences_table(rows, args.baseline) if args.differences else means_table(rows))
+    print(_table(args, Path.cwd()))
     return 0
 
 
