@@ -185,23 +185,11 @@ def test_the_readme_s_recommendation_is_the_data_file_s():
     lines = [line for line in block.splitlines() if line.startswith("| ") and not line.startswith(("| task", "| ---"))]
     shown_cells = set()
 
-    def seeds_of(task, size, arm):
-        return [row["seed"] for row in rows if (row["task"], row["group_size"], row["arm"]) == (task, size, arm)]
-
     def arms_of(task, size):
         return {row["arm"] for row in rows if (row["task"], row["group_size"]) == (task, size)}
 
     for line in lines:
         task, size, use, against, pairs = (cell.strip() for cell in line.strip("|").split("|"))
-        if against == "not yet run" or against.endswith("no interval yet"):
-            # no arm has two seeds paired with GRPO's: GRPO stays, beside the most pairs any arm has
-            most = max((len(set(seeds_of(task, int(size), arm)) & set(seeds_of(task, int(size), "GRPO")))
-                        for arm in arms_of(task, int(size)) - {"GRPO"}), default=0)
-            assert most < 2 and int(pairs) == most and use == "GRPO (the default)"
-            assert against == ("not yet run" if most == 0 else f"{most} paired seed: no interval yet")
-            shown_cells.add((task, int(size)))
-            continue
-        arm, shown = against.split(": ")
 
         def differences(name, task=task, size=size):
             of = {row["seed"]: row["reward"] for row in rows
@@ -210,6 +198,14 @@ def test_the_readme_s_recommendation_is_the_data_file_s():
                     if (row["task"], row["group_size"], row["arm"]) == (task, int(size), "GRPO")}
             return [of[seed] - base[seed] for seed in sorted(set(of) & set(base))]
 
+        if against == "not yet run" or against.endswith("no interval yet"):
+            # no arm has two seeds paired with GRPO's: GRPO stays, beside the most pairs any arm has
+            most = max((len(differences(arm)) for arm in arms_of(task, int(size)) - {"GRPO"}), default=0)
+            assert most < 2 and int(pairs) == most and use == "GRPO (the default)"
+            assert against == ("not yet run" if most == 0 else f"{most} paired seed: no interval yet")
+            shown_cells.add((task, int(size)))
+            continue
+        arm, shown = against.split(": ")
         values = differences(arm)
         assert shown == _interval(values, signed=True) and int(pairs) == len(values)
         others = {other for other in arms_of(task, int(size)) - {"GRPO"} if len(differences(other)) >= 2}

@@ -236,10 +236,10 @@ QUOTED = re.compile(r"(```bash\n(python -m trainer\.tools\.sweep_data (?:tables|
                     r"((?:\|[^\n]*\n)+)")
 
 
-def table_of(command: str, arguments: list[str]) -> str:
-    """What ``command`` (tables, recommend) prints for these arguments, the data file's
-    path read from the repository's root."""
-    return _table(_parser().parse_args([command, *arguments]), REPO)
+def table_of(arguments: list[str]) -> str:
+    """What the command line ``arguments`` (tables or recommend, then theirs) print, the
+    data file's path read from the repository's root."""
+    return _table(_parser().parse_args(arguments), REPO)
 
 
 def _table(args: argparse.Namespace, root: Path) -> str:
@@ -254,8 +254,7 @@ def _table(args: argparse.Namespace, root: Path) -> str:
 
 def refresh(text: str) -> str:
     """``text`` with each quoted table replaced by its command's output."""
-    return QUOTED.sub(lambda match: match[1] + table_of(shlex.split(match[2])[3], shlex.split(match[2])[4:]) + "\n",
-                      text)
+    return QUOTED.sub(lambda match: match[1] + table_of(shlex.split(match[2])[3:]) + "\n", text)
 
 
 def _parser() -> argparse.ArgumentParser:
