@@ -170,15 +170,12 @@ def differences_table(rows: list[dict], baseline: str) -> str:
     for task, group_size, arm in _cells(rows):
         if arm == baseline:
             continue
-        of = {row["seed"]: row for row in rows if (row["task"], row["group_size"], row["arm"]) == (task, group_size, arm)}
-        base = {row["seed"]: row for row in rows
-                if (row["task"], row["group_size"], row["arm"]) == (task, group_size, baseline)}
-        seeds = sorted(set(of) & set(base))
-        if not seeds:
+        differences = {figure: paired_differences(rows, task, group_size, arm, baseline, figure) for figure in figures}
+        pairs = len(differences["reward"])
+        if not pairs:
             continue
-        cells = [task, str(group_size), f"{arm} - {baseline}", str(len(seeds))]
-        cells += [format_interval(*mean_interval([of[seed][figure] - base[seed][figure] for seed in seeds]),
-                                  signed=True) for figure in figures]
+        cells = [task, str(group_size), f"{arm} - {baseline}", str(pairs)]
+        cells += [format_interval(*mean_interval(differences[figure]), signed=True) for figure in figures]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
